@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Train with torchrun.  ./run_train.sh [--config FILE] [--section.key value ...]
+#   NGPU / NPROC  ranks on this node (default: the GPU count, else 2 CPU ranks)
+#   LOG_RANK      which local ranks print to the console (default 0; e.g. 0,1)
+#   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node (static rendezvous)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+source scripts/env.sh
+
+args=("$@")
+case " $* " in
+    *" --config "* | *" --config="*) ;;
+    *) args=(--config train_configs/debug_model.toml "${args[@]}") ;;
+esac
+
+if [ -z "${NGPU:-}" ]; then
+    NGPU=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true)
+fi
+if [ -z "${NPROC:-}" ]; then
+    if [ "$NGPU" -gt 0 ]; then NPROC=$NGPU; else NPROC=2; fi
+fi
+NNODES=${NNODES:-1}
+LOG_RANK=${LOG_RANK:-0}
+
+# Bad configs fail here in one line, before torchrun starts any worker.
+"$PY" -m titanlite.preflight --world-size $((NNODES * NPROC)) "${args[@]}"
+
+if [ "$NNODES" -gt 1 ]; then
+    rdzv=(--nnodes "$NNODES" --node_rank "${NODE_RANK:?set NODE_RANK for multi-node}"
+          --master_addr "${MASTER_ADDR:?set MASTER_ADDR for multi-node}" --master_port "${MASTER_PORT:-29500}")
+elif [ -n "${MASTER_PORT:-}" ]; then
+    rdzv=(--nnodes 1 --master_addr "${MASTER_ADDR:-127.0.0.1}" --master_port "$MASTER_PORT")
+else
+    rdzv=(--standalone)  # a free port, so several runs can share a machine
+fi
+# CPU ranks share the cores; saying so also silences torchrun's OMP banner.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
+export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning,ignore::UserWarning:torchdata.stateful_dataloader.stateful_dataloader}"
+exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NPROC" \
+    --local-ranks-filter "$LOG_RANK" \
+    -m titanlite.train "${args[@]}"

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The test command (what .ci/run calls): installs what is missing, lints, runs the suite.
+#   scripts/test.sh [pytest args]      e.g. scripts/test.sh -k loss -x
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/env.sh dev
+"$PY" -m ruff check .
+"$PY" -m ruff format --check .
+# pytest exits 5 when it collects no test: that is a failure here, never hidden.
+exec "$PY" -m pytest "$@"

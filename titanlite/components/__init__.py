@@ -1,0 +1,1 @@
+"""Trainer components: loss, optimizer, LR schedule, tokenizer, metrics."""

@@ -1,0 +1,50 @@
+"""AdamW (fused) and warmup + decay LR schedule.
+
+The fused AdamW kernel takes a device flag `found_inf`; when it is 1 the whole update (params,
+moments and step count) is skipped on the device. titanlite sets it for steps with no valid
+token or a non-finite gradient norm, so skipping needs no host sync.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from titanlite.config import JobConfig
+
+
+def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.AdamW:
+    o = cfg.optimizer
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=o.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        fused=True,
+    )
+
+
+def set_skip(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """Make the next optimizer.step() a no-op where `skip` (a device bool scalar) is true."""
+    optimizer.found_inf = skip.to(torch.float32)
+
+
+def lr_factor(step: int, cfg: JobConfig) -> float:
+    """Multiplier of the peak lr for optimizer step `step` (0-based)."""
+    s, total = cfg.lr_scheduler, cfg.training.steps
+    warmup = min(s.warmup_steps, total)
+    if step < warmup:
+        return (step + 1) / warmup
+    if s.decay_type == "constant" or total <= warmup:
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    decay = 1.0 - progress if s.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return s.min_lr_factor + (1.0 - s.min_lr_factor) * decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_factor(step, cfg))

@@ -1,0 +1,147 @@
+"""The configuration schema. Every field carries a one-line doc in its metadata ("help").
+
+This module imports nothing heavy (no torch) so the launcher can validate a config before it
+starts any worker process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A dataclass field with its one-line doc and, for strings, the allowed values."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    description: str = opt("", "free text, copied into the run folder's config")
+    dump_folder: str = opt("./outputs", "folder that holds one run folder per run")
+    run_name: str = opt("", "name of the run folder; empty: <config name>-<date>-<time>")
+
+
+@dataclass
+class Model:
+    name: str = opt("llama3", "registered model name (see titanlite.models.registry)")
+    flavor: str = opt("debugmodel", "size preset of the model, e.g. debugmodel, 1B, 8B")
+    tokenizer_path: str = opt("", "SentencePiece .model file; empty: built-in stdlib tokenizer")
+    builtin_vocab_size: int = opt(2048, "vocabulary of the built-in tokenizer (trained, cached)")
+    import_module: str = opt("", "module imported first so it can register models (forks)")
+
+
+@dataclass
+class Optimizer:
+    name: str = opt("AdamW", "optimizer", choices=("AdamW",))
+    lr: float = opt(8e-4, "peak learning rate")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    weight_decay: float = opt(0.1, "decoupled weight decay")
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = opt(200, "linear warmup steps from lr/warmup_steps to lr")
+    decay_type: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
+    min_lr_factor: float = opt(0.0, "final lr as a fraction of the peak lr")
+
+
+@dataclass
+class Training:
+    global_batch_size: int = opt(8, "sequences per optimizer step, over all ranks")
+    local_batch_size: int = opt(8, "sequences per microbatch per rank")
+    seq_len: int = opt(2048, "tokens per sequence")
+    steps: int = opt(10, "optimizer steps to run")
+    max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
+    seed: int = opt(42, "seed of init, data order and everything random")
+    deterministic: bool = opt(False, "torch.use_deterministic_algorithms (slower on GPU)")
+    device: str = opt("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    mixed_precision_param: str = opt(
+        "auto",
+        "dtype of params in forward/backward; auto: bfloat16 on cuda, float32 on cpu",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    mixed_precision_reduce: str = opt(
+        "float32", "dtype of gradient reduction", choices=("float32", "bfloat16")
+    )
+    activation_checkpoint: str = opt(
+        "none", "recompute each block's activations in backward", choices=("none", "full")
+    )
+    compile: bool = opt(False, "torch.compile each transformer block")
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = opt(1, "data-parallel replicas (DDP, or the outer dim of HSDP)")
+    dp_shard: int = opt(-1, "FSDP shards per replica; -1: all ranks left after dp_replicate")
+    mode: str = opt(
+        "auto",
+        "auto: hsdp if both degrees > 1, ddp if only dp_replicate > 1, else fsdp",
+        choices=("auto", "fsdp", "ddp", "hsdp"),
+    )
+    skip_grad_sync: str = opt(
+        "auto",
+        "no gradient reduction on non-final microbatches; auto: on for ddp, off for fsdp/hsdp",
+        choices=("auto", "on", "off"),
+    )
+
+
+@dataclass
+class Data:
+    mode: str = opt("pretrain", "pretrain: packed documents; sft: prompt/response", ("pretrain", "sft"))
+    path: str = opt("", "a .txt/.jsonl file or a folder of them; empty: built-in stdlib data")
+    cache_dir: str = opt("", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite")
+    num_workers: int = opt(0, "StatefulDataLoader worker processes per rank")
+
+
+@dataclass
+class Loss:
+    normalization: str = opt(
+        "global",
+        "global: sum / valid tokens of the whole step (exact); local_mean: naive per-rank mean",
+        choices=("global", "local_mean"),
+    )
+
+
+@dataclass
+class Metrics:
+    log_freq: int = opt(10, "log every this many steps (and at the first and last step)")
+    enable_tensorboard: bool = opt(True, "write TensorBoard events into <run folder>/tb")
+
+
+@dataclass
+class Checkpoint:
+    export_weights: bool = opt(
+        False, "at the end, save the full model weights (torch.save) as <run folder>/weights.pt"
+    )
+
+
+@dataclass
+class Debug:
+    ignore_all_labels_steps: list[int] = opt(
+        [], "steps whose labels are all set to IGNORE_INDEX (tests the zero-token skip)"
+    )
+    nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
+    sync_debug: bool = opt(False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    data: Data = field(default_factory=Data)
+    loss: Loss = field(default_factory=Loss)
+    metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    debug: Debug = field(default_factory=Debug)

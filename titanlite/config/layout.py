@@ -1,0 +1,88 @@
+"""Derived quantities of a config at a given world size: mesh degrees, mode, accumulation.
+
+Kept free of torch so the launcher's preflight check can use it before any worker starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.config.job_config import JobConfig
+from titanlite.errors import UserError
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int  # outer mesh dim: replicas
+    dp_shard: int  # inner mesh dim: FSDP shards per replica
+    mode: str  # fsdp | ddp | hsdp
+    grad_accum: int  # microbatches per rank per optimizer step
+    skip_grad_sync: bool  # no gradient reduction on non-final microbatches
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
+    p, t = cfg.parallelism, cfg.training
+    if p.dp_replicate < 1:
+        raise UserError(f"parallelism.dp_replicate is {p.dp_replicate}; it must be >= 1")
+    if p.dp_shard == -1:
+        if world_size % p.dp_replicate:
+            raise UserError(
+                f"parallelism.dp_replicate={p.dp_replicate} does not divide the {world_size} "
+                "ranks; pick a divisor of the world size"
+            )
+        shard = world_size // p.dp_replicate
+    elif p.dp_shard < 1:
+        raise UserError(f"parallelism.dp_shard is {p.dp_shard}; use -1 or a positive degree")
+    else:
+        shard = p.dp_shard
+    if p.dp_replicate * shard != world_size:
+        raise UserError(
+            f"dp_replicate x dp_shard = {p.dp_replicate} x {shard} != {world_size} ranks; "
+            "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
+        )
+    mode = p.mode
+    if mode == "auto":
+        mode = "hsdp" if (p.dp_replicate > 1 and shard > 1) else "ddp" if p.dp_replicate > 1 else "fsdp"
+    if mode == "fsdp" and p.dp_replicate != 1:
+        raise UserError("parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas")
+    if mode == "ddp" and shard != 1:
+        raise UserError("parallelism.mode 'ddp' needs dp_shard 1 (or -1 with dp_replicate = ranks)")
+    dp = p.dp_replicate * shard
+    for name in ("global_batch_size", "local_batch_size", "seq_len", "steps"):
+        if getattr(t, name) < 1:
+            raise UserError(f"training.{name} is {getattr(t, name)}; it must be >= 1")
+    per_micro = t.local_batch_size * dp
+    if t.global_batch_size % per_micro:
+        raise UserError(
+            f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"local_batch_size x dp = {t.local_batch_size} x {dp} = {per_micro}; "
+            "change one of them so it divides"
+        )
+    skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
+    return Layout(p.dp_replicate, shard, mode, t.global_batch_size // per_micro, skip)
+
+
+def validate(cfg: JobConfig, world_size: int) -> Layout:
+    """All checks that need no torch: layout, batch sizes and the data/tokenizer files."""
+    from pathlib import Path
+
+    layout = resolve_layout(cfg, world_size)
+    if cfg.metrics.log_freq < 1:
+        raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
+    if cfg.optimizer.lr <= 0:
+        raise UserError(f"optimizer.lr is {cfg.optimizer.lr}; it must be > 0")
+    if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
+        raise UserError(
+            f"data.path '{cfg.data.path}' does not exist; point it at a .txt/.jsonl file or "
+            "folder, or leave it empty for the built-in data"
+        )
+    if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
+        raise UserError(
+            f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "
+            "SentencePiece .model, or leave it empty for the built-in tokenizer"
+        )
+    return layout

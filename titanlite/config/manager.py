@@ -1,0 +1,180 @@
+"""Load a TOML file into JobConfig, apply `--section.key value` overrides, and write it back.
+
+Every problem is a UserError with one line that names the key and the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import typing
+from dataclasses import fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python < 3.11
+    import tomli as tomllib
+
+from titanlite.config.job_config import JobConfig
+from titanlite.errors import UserError
+
+
+def _closest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(options)})"
+
+
+def _field_types(section: Any) -> dict[str, Any]:
+    hints = typing.get_type_hints(type(section))
+    return {f.name: (hints[f.name], f) for f in fields(section)}
+
+
+def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
+    """Check (TOML) or parse (CLI string) one value against the field's declared type."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (item,) = typing.get_args(typ)
+        if from_cli:
+            value = [v for v in value.split(",") if v.strip()] if value.strip() else []
+        if not isinstance(value, list):
+            raise UserError(f"config key '{key}' must be a list, got {value!r}")
+        return [_coerce(key, v, item, from_cli) for v in value]
+    if typ is bool:
+        if from_cli:
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        elif isinstance(value, bool):
+            return value
+        raise UserError(f"config key '{key}' must be true or false, got {value!r}")
+    if typ is int:
+        if from_cli:
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        elif isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise UserError(f"config key '{key}' must be an integer, got {value!r}")
+    if typ is float:
+        if from_cli:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise UserError(f"config key '{key}' must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise UserError(f"config key '{key}' must be a string, got {value!r}")
+    raise TypeError(f"unsupported config type {typ} for {key}")  # a schema bug, not user input
+
+
+def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    section_name, _, key = dotted.partition(".")
+    sections = [f.name for f in fields(cfg)]
+    if section_name not in sections or not key:
+        raise UserError(f"unknown config section '{section_name}'{_closest(section_name, sections)}")
+    section = getattr(cfg, section_name)
+    types = _field_types(section)
+    if key not in types:
+        raise UserError(
+            f"unknown config key '{dotted}'" + _closest(key, list(types)).replace("'", f"'{section_name}.", 1)
+        )
+    typ, f = types[key]
+    value = _coerce(dotted, value, typ, from_cli)
+    choices = f.metadata.get("choices")
+    if choices and value not in choices:
+        raise UserError(f"config key '{dotted}' is {value!r}; choose one of {', '.join(choices)}")
+    setattr(section, key, value)
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> JobConfig:
+    """Defaults, then the TOML file (if any), then `--section.key value` overrides."""
+    cfg = JobConfig()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file '{path}' not found; pass an existing --config file")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
+        for section_name, table in data.items():
+            if not isinstance(table, dict):
+                raise UserError(f"config entry '{section_name}' in '{path}' must be a [section] table")
+            if section_name not in [f.name for f in fields(cfg)]:
+                _set(cfg, section_name + ".x", None, False)  # raises with a suggestion
+            for key, value in table.items():
+                _set(cfg, f"{section_name}.{key}", value, False)
+    for dotted, value in _pairs(overrides or []):
+        _set(cfg, dotted, value, True)
+    return cfg
+
+
+def _pairs(args: list[str]) -> list[tuple[str, str]]:
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+            i += 1
+        elif i + 1 < len(args):
+            value = args[i + 1]
+            i += 2
+        else:
+            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
+        if "." not in name:
+            raise UserError(f"unknown flag '--{name}'; overrides look like --section.key value")
+        out.append((name, value))
+    return out
+
+
+def parse_args(argv: list[str]) -> tuple[JobConfig, str | None]:
+    """`--config FILE` plus overrides, in any order. Returns the config and the file path."""
+    path, rest, i = None, [], 0
+    while i < len(argv):
+        if argv[i] == "--config":
+            if i + 1 >= len(argv):
+                raise UserError("--config has no value; write --config path/to/file.toml")
+            path, i = argv[i + 1], i + 2
+        elif argv[i].startswith("--config="):
+            path, i = argv[i].split("=", 1)[1], i + 1
+        else:
+            rest.append(argv[i])
+            i += 1
+    return load_config(path, rest), path
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(type(v))
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML, one commented key per line; load_config reads it back."""
+    lines = []
+    for sf in fields(cfg):
+        section = getattr(cfg, sf.name)
+        assert is_dataclass(section)
+        lines.append(f"[{sf.name}]")
+        for f in fields(section):
+            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}")
+        lines.append("")
+    return "\n".join(lines)

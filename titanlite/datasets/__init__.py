@@ -1,0 +1,1 @@
+"""Data: the built-in stdlib corpus, user files, packing, SFT rendering, dp-invariant sampling."""

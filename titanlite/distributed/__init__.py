@@ -1,0 +1,1 @@
+"""Process groups, device mesh, data-parallel wrapping and sharding-invariant init."""

@@ -1,0 +1,87 @@
+"""Generic data-parallel wrapping of a model made of repeated blocks: AC, compile, FSDP/DDP/HSDP.
+
+Every mode reduces gradients with a plain SUM: the loss is already divided by the global token
+count (titanlite.components.loss), so the usual division by the world size must not happen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from titanlite.config import JobConfig
+from titanlite.distributed.parallel_dims import ParallelDims
+
+
+def parallelize_blocks(
+    model: nn.Module, blocks: nn.ModuleList, dims: ParallelDims, cfg: JobConfig
+) -> nn.Module:
+    """Wrap each block (AC, compile, FSDP unit), then the root. Returns the model to train.
+
+    Call on a meta-device model; the trainer materializes and initializes it afterwards.
+    """
+    for i, block in enumerate(blocks):
+        if cfg.training.activation_checkpoint == "full":
+            block = checkpoint_wrapper(block, preserve_rng_state=True)
+        if cfg.training.compile:
+            block = torch.compile(block, fullgraph=True)
+        blocks[i] = block
+    if dims.mode == "ddp":
+        return model  # DDP wraps the materialized model: see wrap_ddp
+    mesh = dims.mesh["dp_shard"] if dims.mode == "fsdp" else dims.mesh
+    mp = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype)
+    for i, block in enumerate(blocks):
+        # The last block's params are needed again at once by backward: keep them unsharded.
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    disable_fsdp_grad_division(model)
+    return model
+
+
+def disable_fsdp_grad_division(model: nn.Module) -> None:
+    """Reduce-scatter / all-reduce as plain SUM on every FSDP unit, not only the root.
+
+    Each setter acts on one FSDPModule's own parameter group. On gloo the divide factor alone
+    fails (PREMUL_SUM is NCCL-only), hence force-sum as well.
+    """
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _sum_allreduce_hook(group, bucket):  # DDP checks the real annotations; strings fail it
+    """DDP comm hook: all-reduce SUM, without the default hook's division by the world size."""
+    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """DDP on an initialized model. Buffers are computed identically on every rank: no
+    per-forward buffer sync."""
+    device_ids = [dims.device.index] if dims.device.type == "cuda" else None
+    group = dims.mesh.get_group("dp_replicate")
+    ddp = DistributedDataParallel(
+        model, device_ids=device_ids, process_group=group, forward_sync_buffers=False
+    )
+    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    return ddp
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+    """Context for one microbatch's forward+backward: reduce gradients only if `enabled`."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()

@@ -1,0 +1,56 @@
+"""Initial weights that are bitwise identical for every dp degree and mode.
+
+Drawing a sharded parameter's values from one RNG stream gives each rank the *first* values of
+that stream, so the full tensor changes with the shard count. Here each parameter gets its own
+generator, seeded from (seed, parameter name); the full tensor is drawn and each rank keeps its
+shard. The draw depends only on the name, shape, seed and device type, never on the layout.
+Peak extra memory is one full parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+class ParamInit:
+    """Passed to `model.init_weights`; fills parameters of a (possibly sharded) model."""
+
+    def __init__(self, model: nn.Module, seed: int) -> None:
+        self.seed = seed
+        self._names = {id(p): name for name, p in model.named_parameters()}
+
+    def _generator(self, p: torch.Tensor) -> torch.Generator:
+        name = self._names.get(id(p))
+        if name is None:
+            raise ValueError("ParamInit was given a tensor that is not a parameter of the model")
+        digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
+        return torch.Generator(device=p.device).manual_seed(int.from_bytes(digest[:8], "little"))
+
+    @torch.no_grad()
+    def _assign(self, p: torch.Tensor, full: torch.Tensor) -> None:
+        if isinstance(p, DTensor):
+            # src_data_rank=None: every rank holds the same full tensor, so no communication.
+            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+        else:
+            p.copy_(full)
+
+    def _empty_full(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(p.shape, dtype=torch.float32, device=p.device)
+
+    def normal_(self, p: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        full = self._empty_full(p).normal_(mean, std, generator=self._generator(p))
+        self._assign(p, full)
+
+    def trunc_normal_(self, p: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
+        """Normal(0, std) truncated to +-cutoff*std."""
+        full = self._empty_full(p)
+        nn.init.trunc_normal_(full, 0.0, std, -cutoff * std, cutoff * std, generator=self._generator(p))
+        self._assign(p, full)
+
+    def constant_(self, p: torch.Tensor, value: float) -> None:
+        self._assign(p, self._empty_full(p).fill_(value))

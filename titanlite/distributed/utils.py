@@ -1,0 +1,37 @@
+"""Gradient clipping across shards and peak FLOP/s of known accelerators."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (over shards too), clipped to max_norm if > 0.
+
+    Returns the pre-clip norm as a device tensor; nothing here reads it on the host.
+    """
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
+    if isinstance(total, DTensor):  # FSDP: each rank holds the norm of its shards (Partial)
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+    return total
+
+
+# Dense bf16 peak FLOP/s (no sparsity), for MFU.
+_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, value in _PEAK_BF16.items():
+        if key in name:
+            return value
+    return None

@@ -1,0 +1,193 @@
+"""Llama 3: RMSNorm, RoPE (with Llama 3.1 frequency scaling), GQA, SwiGLU, SDPA attention."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.distributed.param_init import ParamInit
+
+
+@dataclass(frozen=True)
+class Llama3Args:
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    vocab_size: int = -1  # filled in from the tokenizer
+    multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling_factor: float | None = None  # Llama 3.1/3.2 long-context frequency scaling
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    max_seq_len: int = 2048  # filled in from training.seq_len
+    tie_embeddings: bool = False
+
+
+def rope_frequencies(args: Llama3Args) -> torch.Tensor:
+    head_dim = args.dim // args.n_heads
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    if args.rope_scaling_factor is None:
+        return freqs
+    # Llama 3.1: keep high frequencies, divide low ones by the factor, blend in between.
+    low_wavelen = args.rope_original_max_len / args.rope_low_freq_factor
+    high_wavelen = args.rope_original_max_len / args.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    smooth = (args.rope_original_max_len / wavelen - args.rope_low_freq_factor) / (
+        args.rope_high_freq_factor - args.rope_low_freq_factor
+    )
+    blended = (1 - smooth) * freqs / args.rope_scaling_factor + smooth * freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / args.rope_scaling_factor, freqs)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(mid, blended, scaled)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x0, x1), (x2, x3), ... as Meta's complex-number RoPE does."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    real, imag = xf[..., 0], xf[..., 1]
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return out.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads or args.n_heads
+        if args.dim % args.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError("dim must divide by n_heads and n_heads by n_kv_heads")
+        self.head_dim = args.dim // args.n_heads
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        q = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bs, seqlen, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bs, seqlen, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:  # grouped-query attention: share each k/v head among `rep` query heads
+            k = k.repeat_interleave(rep, dim=2)
+            v = v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        hidden = ffn_hidden_dim(args)
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def ffn_hidden_dim(args: Llama3Args) -> int:
+    hidden = int(2 * 4 * args.dim / 3)
+    if args.ffn_dim_multiplier is not None:
+        hidden = int(args.ffn_dim_multiplier * hidden)
+    return args.multiple_of * ((hidden + args.multiple_of - 1) // args.multiple_of)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: Llama3Args) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self, init: ParamInit) -> None:
+        # Output projections get a depth-scaled std so the residual stream does not grow with depth.
+        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))
+        for lin in (self.attention.wq, self.attention.wk, self.attention.wv, self.feed_forward.w1):
+            init.trunc_normal_(lin.weight, 0.02)
+        for lin in (self.attention.wo, self.feed_forward.w2, self.feed_forward.w3):
+            init.trunc_normal_(lin.weight, out_std)
+        init.constant_(self.attention_norm.weight, 1.0)
+        init.constant_(self.ffn_norm.weight, 1.0)
+
+
+class Llama3(nn.Module):
+    def __init__(self, args: Llama3Args) -> None:
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("Llama3Args.vocab_size must be set (it comes from the tokenizer)")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._init_rope()
+
+    def _init_rope(self) -> None:
+        device = self.tok_embeddings.weight.device
+        freqs = rope_frequencies(self.args).to(device)
+        angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), freqs)
+        self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
+
+    def init_weights(self, init: ParamInit) -> None:
+        self._init_rope()
+        out_std = self.args.dim**-0.5
+        if self.args.tie_embeddings:
+            init.trunc_normal_(self.tok_embeddings.weight, out_std)
+        else:
+            init.normal_(self.tok_embeddings.weight, 1.0)
+            init.trunc_normal_(self.output.weight, out_std)
+        for layer in self.layers:
+            layer.init_weights(init)
+        init.constant_(self.norm.weight, 1.0)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seqlen = tokens.shape[1]
+        if seqlen > self.args.max_seq_len:
+            raise ValueError(f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h))
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 x non-embedding params + attention's 12 x L x d x S."""
+        params = sum(p.numel() for p in self.parameters())
+        params -= self.tok_embeddings.weight.numel()
+        return 6 * params + 12 * self.args.n_layers * self.args.dim * seq_len

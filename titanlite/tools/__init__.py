@@ -1,0 +1,1 @@
+"""Small utilities: caches, logging, memory estimates, host-sync accounting."""

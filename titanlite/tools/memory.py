@@ -1,0 +1,104 @@
+"""Memory per rank, estimated on the meta model before anything is allocated.
+
+A model that cannot fit stops with a message instead of swapping or being OOM-killed.
+The estimate is deliberately simple and a little pessimistic:
+  - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
+    the shard degree under FSDP/HSDP (whole under DDP);
+  - FSDP also holds one all-gathered block (params + grads, in the param dtype) at a time;
+  - activations saved for backward: about 34 x dim values per token per layer (QKV, attention
+    out, norms, SwiGLU's three projections), plus the attention matrix on CPU's math kernel,
+    one block's worth with activation checkpointing;
+  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    params: int
+    states_bytes: float
+    gathered_bytes: float
+    activation_bytes: float
+    logits_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return self.states_bytes + self.gathered_bytes + self.activation_bytes + self.logits_bytes
+
+    def summary(self) -> str:
+        return (
+            f"{self.total_bytes / GiB:.2f} GiB (params+grads+AdamW {self.states_bytes / GiB:.2f}, "
+            f"gathered {self.gathered_bytes / GiB:.2f}, activations {self.activation_bytes / GiB:.2f}, "
+            f"logits {self.logits_bytes / GiB:.2f})"
+        )
+
+
+def estimate_memory(
+    model: nn.Module,
+    block_params: int,
+    *,
+    dim: int,
+    n_layers: int,
+    n_heads: int,
+    vocab_size: int,
+    local_batch: int,
+    seq_len: int,
+    shard: int,
+    mode: str,
+    param_bytes: int,
+    activation_checkpoint: bool,
+    device_type: str,
+) -> MemoryEstimate:
+    params = sum(p.numel() for p in model.parameters())
+    divisor = shard if mode in ("fsdp", "hsdp") else 1
+    states = 16 * params / divisor
+    gathered = 2 * block_params * param_bytes if mode in ("fsdp", "hsdp") else 0
+    tokens = local_batch * seq_len
+    per_layer = tokens * 34 * dim * param_bytes
+    if device_type == "cpu":  # SDPA's math kernel materializes the attention matrix
+        per_layer += 2 * local_batch * n_heads * seq_len * seq_len * 4
+    layers_held = 1 if activation_checkpoint else n_layers
+    activations = per_layer * layers_held + (
+        tokens * dim * param_bytes * n_layers if activation_checkpoint else 0
+    )
+    logits = tokens * vocab_size * (param_bytes + 4 + 4)
+    return MemoryEstimate(params, states, gathered, activations, logits)
+
+
+def available_bytes(device: torch.device) -> tuple[float, str]:
+    """Memory this rank may use: its GPU's free memory, or a share of the host's."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {torch.cuda.get_device_name(device)}"
+    avail = _meminfo_available()
+    limit = _cgroup_limit()
+    if limit is not None:
+        avail = min(avail, limit)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return avail / ranks, f"host memory available / {ranks} local rank(s)"
+
+
+def _meminfo_available() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return float(line.split()[1]) * 1024
+    return float("inf")
+
+
+def _cgroup_limit() -> float | None:
+    f = Path("/sys/fs/cgroup/memory.max")
+    if f.exists():
+        raw = f.read_text().strip()
+        if raw.isdigit():
+            return float(raw)
+    return None

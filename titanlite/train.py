@@ -1,0 +1,324 @@
+"""The trainer: `python -m titanlite.train --config FILE [--section.key value ...]` (via torchrun).
+
+Hot-path rule: between log steps nothing waits on the host. Metrics stay device tensors and are
+read once per log step (`_log`); zero-token and non-finite steps are skipped on the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import resource
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
+from titanlite.components.metrics import MetricsWriter
+from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
+from titanlite.config import JobConfig, parse_args
+from titanlite.config.layout import validate
+from titanlite.config.manager import to_toml
+from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
+from titanlite.distributed.parallelize import grad_sync, unwrap, wrap_ddp
+from titanlite.distributed.param_init import ParamInit
+from titanlite.distributed.utils import clip_grad_norm_, peak_flops
+from titanlite.errors import UserError
+from titanlite.tools.logging import init_logging
+from titanlite.tools.memory import GiB, available_bytes, estimate_memory
+
+logger = init_logging()
+
+
+class TrainingError(Exception):
+    """The run cannot go on (e.g. a non-finite loss); printed as one line, exit code 3."""
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig, config_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.training.device)
+        init_distributed(self.device)
+        self.rank = dist.get_rank()
+        self.layout = validate(cfg, dist.get_world_size())
+        torch.manual_seed(cfg.training.seed)
+        if cfg.training.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if cfg.model.import_module:
+            try:
+                importlib.import_module(cfg.model.import_module)
+            except ImportError as e:
+                raise UserError(
+                    f"model.import_module '{cfg.model.import_module}' cannot be imported ({e}); check the module path and PYTHONPATH"
+                ) from None
+        import titanlite.models  # noqa: F401  (registers the built-in models)
+        from titanlite.models.registry import get_flavor, get_model_spec
+
+        spec = get_model_spec(cfg.model.name)
+        flavor = get_flavor(spec, cfg.model.flavor)
+        self.dims = ParallelDims.build(
+            self.layout, self.device, cfg.training.mixed_precision_param, cfg.training.mixed_precision_reduce
+        )
+
+        self.tokenizer = build_tokenizer(cfg)
+        dataset = build_dataset(cfg, self.tokenizer)
+        self.dataloader = build_dataloader(
+            cfg, dataset, self.dims.dp_rank, self.dims.dp_size, self.device.type == "cuda"
+        )
+        self._batches = iter(self.dataloader)
+
+        args = replace(flavor, vocab_size=self.tokenizer.vocab_size, max_seq_len=cfg.training.seq_len)
+        with torch.device("meta"):
+            model = spec.model_cls(args)
+        self._check_memory(model, args)
+        self.flops_per_token = (
+            model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
+        )
+        model = spec.parallelize_fn(model, self.dims, cfg)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            unwrap(model).init_weights(ParamInit(unwrap(model), cfg.training.seed))
+        if self.dims.mode == "ddp":
+            model = wrap_ddp(model, self.dims)
+        self.model = model
+        self.optimizer = build_optimizer(model, cfg)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.balancer = LossBalancer(
+            cfg.loss.normalization, self.dims.dp_group, self.dims.dp_size, self.layout.grad_accum
+        )
+        self.run_dir = self._make_run_dir(config_path)
+        self.metrics = MetricsWriter(
+            self.run_dir if self.rank == 0 else None, cfg.training.steps, cfg.metrics.enable_tensorboard
+        )
+        self._window: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._last_grad_norm = torch.zeros((), device=self.device)
+        self._last_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._tokens_per_rank_step = (
+            cfg.training.seq_len * cfg.training.local_batch_size * self.layout.grad_accum
+        )
+
+    # ---- set-up helpers -------------------------------------------------------------------------
+    def _check_memory(self, model: nn.Module, args) -> None:
+        t = self.cfg.training
+        blocks = getattr(model, "layers", None)
+        est = estimate_memory(
+            model,
+            sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0,
+            dim=getattr(args, "dim", 0),
+            n_layers=getattr(args, "n_layers", 0),
+            n_heads=getattr(args, "n_heads", 0),
+            vocab_size=args.vocab_size,
+            local_batch=t.local_batch_size,
+            seq_len=t.seq_len,
+            shard=self.layout.dp_shard,
+            mode=self.layout.mode,
+            param_bytes=self.dims.param_dtype.itemsize,
+            activation_checkpoint=t.activation_checkpoint != "none",
+            device_type=self.device.type,
+        )
+        avail, what = available_bytes(self.device)
+        logger.info(
+            f"model {self.cfg.model.name}/{self.cfg.model.flavor}: {est.params:,} params, vocab "
+            f"{args.vocab_size}; {self.layout.mode} {self.layout.dp_replicate}x{self.layout.dp_shard}, "
+            f"grad accum {self.layout.grad_accum}; est. memory per rank {est.summary()}; "
+            f"{avail / GiB:.1f} GiB {what}"
+        )
+        if est.total_bytes > avail:
+            raise UserError(
+                f"model {self.cfg.model.flavor} needs about {est.total_bytes / GiB:.1f} GiB per rank "
+                f"but {avail / GiB:.1f} GiB is available ({what}); use more ranks or GPUs, a smaller "
+                "local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
+            )
+
+    def _make_run_dir(self, config_path: str | None) -> Path:
+        """Rank 0 picks and creates the run folder; every rank learns its path (or the error)."""
+        out: list = [None, None]
+        if self.rank == 0:
+            job = self.cfg.job
+            stem = Path(config_path).stem if config_path else "default"
+            name = job.run_name or f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+            run_dir = Path(job.dump_folder).expanduser() / name
+            if (run_dir / "metrics.jsonl").exists():
+                out[1] = f"run folder '{run_dir}' already holds a run; pick another --job.run_name or move it"
+            else:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.toml").write_text(to_toml(self.cfg))
+                out[0] = str(run_dir)
+        dist.broadcast_object_list(out, src=0)
+        if out[1]:
+            raise UserError(out[1])
+        if self.rank == 0:
+            logger.info(f"run folder: {out[0]}")
+        return Path(out[0])
+
+    # ---- the step -------------------------------------------------------------------------------
+    def next_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        micro = []
+        for _ in range(self.layout.grad_accum):
+            inputs, labels = next(self._batches)
+            if step in self.cfg.debug.ignore_all_labels_steps:
+                labels = torch.full_like(labels, IGNORE_INDEX)
+            micro.append(
+                (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
+            )
+        return micro
+
+    def forward_backward(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Accumulate this rank's gradients of the step; returns this rank's share of the loss."""
+        self.balancer.begin_step([labels for _, labels in micro])
+        loss_total = torch.zeros((), device=self.device)
+        for m, (inputs, labels) in enumerate(micro):
+            sync = m == len(micro) - 1 or not self.layout.skip_grad_sync
+            with grad_sync(self.model, sync):
+                with self.dims.autocast():
+                    loss_sum = cross_entropy_sum(self.model(inputs), labels)
+                if step == self.cfg.debug.nan_loss_step and self.rank == 0:
+                    loss_sum = loss_sum * float("nan")
+                loss = self.balancer.scale(loss_sum, m)
+                loss.backward()
+            loss_total += loss.detach()
+        return loss_total
+
+    def train_step(self, step: int) -> None:
+        micro = self.next_microbatches(step)
+        loss_total = self.forward_backward(step, micro)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        tokens = self.balancer.global_tokens()
+        skip = (tokens == 0) | ~torch.isfinite(grad_norm)
+        set_skip(self.optimizer, skip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._window.append((step, loss_total, ~torch.isfinite(loss_total), skip))
+        self._last_grad_norm, self._last_tokens = grad_norm, tokens
+
+    def is_log_step(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+
+    # ---- the log step: the only place the host reads device values ------------------------------
+    def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
+        steps = [s for s, *_ in self._window]
+        per_step = torch.stack(
+            [torch.stack([loss.double(), bad.double()]) for _, loss, bad, _ in self._window]
+        )
+        dist.all_reduce(per_step, group=self.dims.dp_group)  # sum of shares = the global loss
+        host = torch.cat(
+            [
+                per_step.flatten(),
+                torch.stack([skip.double() for *_, skip in self._window]),
+                self._last_grad_norm.double().reshape(1),
+                self._last_tokens.double().reshape(1),
+            ]
+        ).tolist()
+        n = len(steps)
+        losses, bad, skipped = host[0 : 2 * n : 2], host[1 : 2 * n : 2], host[2 * n : 3 * n]
+        grad_norm, tokens = host[3 * n], int(host[3 * n + 1])
+        self._window.clear()
+        for s, b in zip(steps, bad, strict=False):
+            if b > 0:
+                raise TrainingError(
+                    f"non-finite loss at step {s} on {int(b)} of {self.dims.dp_size} rank(s); its "
+                    "update was skipped and the run stops. Lower optimizer.lr, raise warmup, or check the data"
+                )
+        for s, sk in zip(steps, skipped, strict=False):
+            if sk > 0:
+                logger.warning(
+                    f"step {s}: no valid token in the whole global batch (all labels ignored) "
+                    "or a non-finite gradient norm; its optimizer update was skipped"
+                )
+        tps = self._tokens_per_rank_step * n / max(window_s, 1e-9)
+        rec = {
+            "step": step,
+            "loss": None if skipped[-1] else losses[-1],
+            "loss_window_mean": sum(losses) / n,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "valid_tokens": tokens,
+            "tokens_per_s": tps,
+            "tokens_per_s_global": tps * self.dims.dp_size,
+            "skipped_steps": int(sum(skipped)),
+            "memory_gib": self._memory_gib(),
+            "elapsed_s": elapsed_s,
+            "eta_s": (self.cfg.training.steps - step) * window_s / n,
+        }
+        if self.flops_per_token:
+            rec["tflops"] = self.flops_per_token * tps / 1e12
+            peak = peak_flops(self.device, self.dims.param_dtype)
+            if peak:
+                rec["mfu_pct"] = 100 * self.flops_per_token * tps / peak
+        if self.rank == 0:
+            self.metrics.write(rec)
+
+    def _memory_gib(self) -> float:
+        if self.device.type == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / GiB
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def train(self) -> None:
+        steps = self.cfg.training.steps
+        sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
+        start = window_start = time.perf_counter()
+        for step in range(1, steps + 1):
+            if sync_debug:
+                torch.cuda.set_sync_debug_mode("error")
+            lr = self.scheduler.get_last_lr()[0]
+            self.train_step(step)
+            if self.is_log_step(step):
+                if sync_debug:
+                    torch.cuda.set_sync_debug_mode("default")
+                now = time.perf_counter()
+                self._log(step, lr, now - window_start, now - start)
+                window_start = time.perf_counter()
+        if self.cfg.checkpoint.export_weights:
+            self.export_weights()
+        logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
+
+    def export_weights(self) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from titanlite.tools.cache import atomic_write_bytes
+
+        state = get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        if self.rank == 0:
+            import io
+
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            atomic_write_bytes(self.run_dir / "weights.pt", buf.getvalue())
+            logger.info(f"exported full weights to {self.run_dir / 'weights.pt'}")
+
+    def close(self) -> None:
+        self.metrics.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    trainer = None
+    try:
+        cfg, path = parse_args(sys.argv[1:] if argv is None else argv)
+        trainer = Trainer(cfg, path)
+        trainer.train()
+        return 0
+    except UserError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except TrainingError as e:
+        print(f"titanlite: stopped: {e}", file=sys.stderr, flush=True)
+        return 3
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
