@@ -40,6 +40,47 @@ class TrainingError(Exception):
     """The run cannot go on (e.g. a non-finite loss); printed as one line, exit code 3."""
 
 
+def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
+    """Meta-device model (already parallelized by its spec) -> initialized model on the device.
+
+    Weights come from ParamInit, so they are the same for every dp degree and mode; DDP wraps
+    the model only now, after init, because it needs real tensors.
+    """
+    model.to_empty(device=dims.device)
+    with torch.no_grad():
+        unwrap(model).init_weights(ParamInit(unwrap(model), seed))
+    return wrap_ddp(model, dims) if dims.mode == "ddp" else model
+
+
+def forward_backward(
+    model: nn.Module,
+    micro: list[tuple[torch.Tensor, torch.Tensor]],
+    balancer: LossBalancer,
+    dims: ParallelDims,
+    *,
+    skip_grad_sync: bool,
+    nan_loss: bool = False,
+) -> torch.Tensor:
+    """Accumulate this rank's gradients for one step; returns its share of the step's loss.
+
+    The shares of all ranks sum to the logged loss (see titanlite.components.loss).
+    `nan_loss` poisons this rank's loss (debug.nan_loss_step) to exercise the non-finite stop.
+    """
+    balancer.begin_step([labels for _, labels in micro])
+    loss_total = torch.zeros((), device=dims.device)
+    for m, (inputs, labels) in enumerate(micro):
+        sync = m == len(micro) - 1 or not skip_grad_sync
+        with grad_sync(model, sync):
+            with dims.autocast():
+                loss_sum = cross_entropy_sum(model(inputs), labels)
+            if nan_loss:
+                loss_sum = loss_sum * float("nan")
+            loss = balancer.scale(loss_sum, m)
+            loss.backward()
+        loss_total += loss.detach()
+    return loss_total
+
+
 class Trainer:
     def __init__(self, cfg: JobConfig, config_path: str | None = None) -> None:
         self.cfg = cfg
@@ -80,12 +121,7 @@ class Trainer:
         self.flops_per_token = (
             model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
         )
-        model = spec.parallelize_fn(model, self.dims, cfg)
-        model.to_empty(device=self.device)
-        with torch.no_grad():
-            unwrap(model).init_weights(ParamInit(unwrap(model), cfg.training.seed))
-        if self.dims.mode == "ddp":
-            model = wrap_ddp(model, self.dims)
+        model = materialize(spec.parallelize_fn(model, self.dims, cfg), self.dims, cfg.training.seed)
         self.model = model
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -169,25 +205,16 @@ class Trainer:
             )
         return micro
 
-    def forward_backward(self, step: int, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """Accumulate this rank's gradients of the step; returns this rank's share of the loss."""
-        self.balancer.begin_step([labels for _, labels in micro])
-        loss_total = torch.zeros((), device=self.device)
-        for m, (inputs, labels) in enumerate(micro):
-            sync = m == len(micro) - 1 or not self.layout.skip_grad_sync
-            with grad_sync(self.model, sync):
-                with self.dims.autocast():
-                    loss_sum = cross_entropy_sum(self.model(inputs), labels)
-                if step == self.cfg.debug.nan_loss_step and self.rank == 0:
-                    loss_sum = loss_sum * float("nan")
-                loss = self.balancer.scale(loss_sum, m)
-                loss.backward()
-            loss_total += loss.detach()
-        return loss_total
-
     def train_step(self, step: int) -> None:
         micro = self.next_microbatches(step)
-        loss_total = self.forward_backward(step, micro)
+        loss_total = forward_backward(
+            self.model,
+            micro,
+            self.balancer,
+            self.dims,
+            skip_grad_sync=self.layout.skip_grad_sync,
+            nan_loss=step == self.cfg.debug.nan_loss_step and self.rank == 0,
+        )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)

@@ -51,6 +51,13 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError("parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas")
     if mode == "ddp" and shard != 1:
         raise UserError("parallelism.mode 'ddp' needs dp_shard 1 (or -1 with dp_replicate = ranks)")
+    if mode == "ddp" and p.skip_grad_sync == "off":
+        # DDP all-reduces the *accumulated* .grad: under SUM, the already-reduced earlier
+        # microbatches would be summed again and count dp times (averaging hides this).
+        raise UserError(
+            "parallelism.skip_grad_sync 'off' cannot be exact with ddp (it re-reduces the "
+            "accumulated gradient); use 'auto' or 'on', or mode fsdp/hsdp"
+        )
     dp = p.dp_replicate * shard
     for name in ("global_batch_size", "local_batch_size", "seq_len", "steps"):
         if getattr(t, name) < 1:

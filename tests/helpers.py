@@ -1,0 +1,31 @@
+"""Shared test helpers: launching torchrun subprocesses and reading a run's metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `torchrun --standalone --nproc_per_node nproc ARGS` and capture its output."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    full_env.update(env or {})
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def train(nproc: int, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return torchrun(nproc, "-m", "titanlite.train", *overrides, timeout=timeout)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def check(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

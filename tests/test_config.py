@@ -1,0 +1,112 @@
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from titanlite.config import load_config, parse_args
+from titanlite.config.layout import resolve_layout, validate
+from titanlite.config.manager import to_toml
+from titanlite.errors import UserError
+
+
+def test_overrides_types_and_lists():
+    cfg, path = parse_args(
+        ["--training.steps", "5", "--optimizer.lr=3e-4", "--metrics.enable_tensorboard", "false", "--debug.ignore_all_labels_steps", "2,3"]
+    )
+    assert path is None
+    assert cfg.training.steps == 5 and cfg.optimizer.lr == 3e-4
+    assert cfg.metrics.enable_tensorboard is False
+    assert cfg.debug.ignore_all_labels_steps == [2, 3]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stpes", "4"], "unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
+        (["--trainig.steps", "4"], "unknown config section 'trainig' (did you mean 'training'?)"),
+        (["--training.steps", "four"], "config key 'training.steps' must be an integer, got 'four'"),
+        (["--loss.normalization", "mean"], "config key 'loss.normalization' is 'mean'; choose one of global, local_mean"),
+        (["--training.steps"], "override '--training.steps' has no value"),
+        (["steps=3"], "unexpected argument 'steps=3'"),
+        (["--config", "nope.toml"], "config file 'nope.toml' not found"),
+    ],
+)
+def test_bad_flags_give_one_line_naming_the_fix(argv, message):
+    with pytest.raises(UserError) as e:
+        parse_args(argv)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_toml_errors(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training\nsteps = 3\n")
+    with pytest.raises(UserError, match="is not valid TOML"):
+        load_config(str(bad))
+    bad.write_text("[training]\nsteps = 'ten'\n")
+    with pytest.raises(UserError, match="'training.steps' must be an integer"):
+        load_config(str(bad))
+    bad.write_text("[optimiser]\nlr = 1.0\n")
+    with pytest.raises(UserError, match="did you mean 'optimizer'"):
+        load_config(str(bad))
+    bad.write_text("[training]\nglobal_batch = 8\n")
+    with pytest.raises(UserError, match="did you mean 'training.global_batch_size'"):
+        load_config(str(bad))
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg, _ = parse_args(["--training.seq_len", "128", "--job.description", 'say "hi"', "--debug.ignore_all_labels_steps", "4"])
+    f = tmp_path / "config.toml"
+    f.write_text(to_toml(cfg))
+    assert load_config(str(f)) == cfg
+
+
+def _layout(world, **kw):
+    args = []
+    for k, v in kw.items():
+        args += [f"--{k.replace('__', '.')}", str(v)]
+    return resolve_layout(parse_args(args)[0], world)
+
+
+def test_layout_modes_and_accumulation():
+    lay = _layout(8, training__global_batch_size=32, training__local_batch_size=2)
+    assert (lay.mode, lay.dp_replicate, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == ("fsdp", 1, 8, 2, False)
+    lay = _layout(8, parallelism__dp_replicate=8, training__global_batch_size=8, training__local_batch_size=1)
+    assert (lay.mode, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == ("ddp", 1, 1, True)
+    lay = _layout(8, parallelism__dp_replicate=2, training__global_batch_size=16, training__local_batch_size=1)
+    assert (lay.mode, lay.dp_replicate, lay.dp_shard, lay.grad_accum) == ("hsdp", 2, 4, 2)
+    lay = _layout(2, parallelism__dp_replicate=2, parallelism__mode="hsdp", training__global_batch_size=4, training__local_batch_size=2)
+    assert (lay.mode, lay.dp_replicate, lay.dp_shard) == ("hsdp", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "world, kw, message",
+    [
+        (2, dict(training__global_batch_size=7, training__local_batch_size=1), "global_batch_size=7 is not a multiple"),
+        (4, dict(parallelism__dp_replicate=3), "dp_replicate=3 does not divide the 4 ranks"),
+        (4, dict(parallelism__dp_shard=3), "dp_replicate x dp_shard = 1 x 3 != 4 ranks"),
+        (2, dict(parallelism__mode="ddp", parallelism__dp_shard=2), "mode 'ddp' needs dp_shard 1"),
+        (2, dict(parallelism__dp_replicate=2, parallelism__skip_grad_sync="off"), "cannot be exact with ddp"),
+        (1, dict(training__steps=0), "training.steps is 0"),
+    ],
+)
+def test_bad_layouts(world, kw, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        _layout(world, **kw)
+
+
+def test_missing_files_are_named(tmp_path):
+    cfg, _ = parse_args(["--data.path", str(tmp_path / "none.jsonl")])
+    with pytest.raises(UserError, match="none.jsonl' does not exist"):
+        validate(cfg, 1)
+    cfg, _ = parse_args(["--model.tokenizer_path", str(tmp_path / "tok.model")])
+    with pytest.raises(UserError, match="tok.model' is not a file"):
+        validate(cfg, 1)
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    for f in sorted(Path(__file__).parents[1].glob("train_configs/*.toml")):
+        load_config(str(f))

@@ -1,0 +1,120 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from titanlite.components.loss import IGNORE_INDEX
+from titanlite.config import parse_args
+from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.datasets.sampler import GlobalBatchSampler
+from titanlite.errors import UserError
+
+
+def _rank_sequences(n, G, lb, dp, seed, steps):
+    """Per step: the global batch as the concatenation of every rank's microbatches."""
+    samplers = [GlobalBatchSampler(n, G, lb, r, dp, seed) for r in range(dp)]
+    accum = G // (lb * dp)
+    out = []
+    for _ in range(steps):
+        out.append([i for s in samplers for _ in range(accum) for i in next(s)])
+    return out
+
+
+def test_step_contents_and_order_depend_only_on_seed_and_global_batch():
+    ref = _rank_sequences(100, 16, 16, 1, 3, 20)
+    for lb, dp in [(8, 1), (1, 1), (8, 2), (2, 4), (1, 8), (1, 16), (4, 2)]:
+        assert _rank_sequences(100, 16, lb, dp, 3, 20) == ref
+    assert _rank_sequences(100, 16, 16, 1, 4, 20) != ref  # the seed matters
+    flat = [i for step in ref[:6] for i in step]  # 6 steps = one epoch of 96 of 100 sequences
+    assert len(set(flat)) == 96
+
+
+def test_sampler_state_resumes_exactly():
+    a = GlobalBatchSampler(50, 8, 2, 1, 2, 0)
+    for _ in range(7):
+        next(a)
+    b = GlobalBatchSampler(50, 8, 2, 1, 2, 0)
+    b.load_state_dict(a.state_dict())
+    assert [next(a) for _ in range(30)] == [next(b) for _ in range(30)]
+
+
+def test_too_little_data_is_a_clear_error():
+    with pytest.raises(UserError, match="has 3 sequences but training.global_batch_size is 8"):
+        GlobalBatchSampler(3, 8, 1, 0, 1, 0)
+
+
+def _cfg(*args):
+    return parse_args(["--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "2", *args])[0]
+
+
+def test_builtin_tokenizer_is_deterministic_and_cached(tmp_path):
+    from titanlite.components.tokenizer import train_builtin_tokenizer
+
+    tok = build_tokenizer(_cfg())
+    assert tok.vocab_size == 2048
+    text = "def f(x):\n    return {'a': x ** 2}  # ünïcode\n"
+    assert tok.decode(tok.encode(text)) == text
+    again = tmp_path / "again.model"
+    train_builtin_tokenizer(again, 2048)
+    assert again.read_bytes() == tok.sp.serialized_model_proto()
+
+
+def test_builtin_sft_labels_mask_prompt_and_padding_and_counts_vary():
+    cfg = _cfg("--data.mode", "sft", "--training.seq_len", "256")
+    ds = build_dataset(cfg, build_tokenizer(cfg))
+    assert len(ds) > 1000
+    counts = []
+    for i in range(0, 400, 4):
+        x, y = ds[i]
+        assert x.shape == y.shape == (256,)
+        valid = y != IGNORE_INDEX
+        counts.append(int(valid.sum()))
+        if valid.any():  # targets are the next input tokens
+            first = int(np.argmax(valid))
+            assert (y[first:-1][valid[first:-1]] == x[first + 1 :][valid[first:-1]]).all()
+            assert not valid[:first].any()
+    assert min(counts) == 0 and max(counts) >= 30  # some prompts fill the window, some do not
+
+
+def test_pretrain_packing_and_loader_state(tmp_path):
+    cfg = _cfg()
+    ds = build_dataset(cfg, build_tokenizer(cfg))
+    x, y = ds[5]
+    assert (x[1:] == y[:-1]).all() and (y != IGNORE_INDEX).all()
+    loader = build_dataloader(cfg, ds, 0, 1, pin_memory=False)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    want = [next(it)[0] for _ in range(3)]
+    loader2 = build_dataloader(cfg, ds, 0, 1, pin_memory=False)
+    loader2.load_state_dict(state)
+    it2 = iter(loader2)
+    got = [next(it2)[0] for _ in range(3)]
+    assert all((a == b).all() for a, b in zip(want, got, strict=True))
+
+
+def test_user_files(tmp_path):
+    good = tmp_path / "sft.jsonl"
+    good.write_text(
+        json.dumps({"instruction": "Say hi", "input": "", "output": "hi"}) + "\n"
+        + json.dumps({"instruction": "Add", "input": "1+1", "output": "2"}) + "\n"
+    )
+    cfg = _cfg("--data.mode", "sft", "--data.path", str(good), "--training.global_batch_size", "2", "--training.local_batch_size", "1")
+    ds = build_dataset(cfg, build_tokenizer(cfg))
+    assert len(ds) == 2
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "x", "output": "y"}\n{oops\n')
+    cfg.data.path = str(bad)
+    with pytest.raises(UserError, match="line 2 is not valid JSON"):
+        build_dataset(cfg, build_tokenizer(cfg))
+    bad.write_text('{"instruction": "x"}\n')
+    with pytest.raises(UserError, match='record 1 has no string field "output"'):
+        build_dataset(cfg, build_tokenizer(cfg))
+    txt = tmp_path / "corpus"
+    txt.mkdir()
+    (txt / "a.txt").write_text("hello world " * 200)
+    cfg2 = _cfg("--data.path", str(txt))
+    assert len(build_dataset(cfg2, build_tokenizer(cfg2))) > 4

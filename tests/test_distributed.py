@@ -1,0 +1,65 @@
+"""Gradient exactness and init invariance over FSDP/DDP/HSDP, dp in {1, 2, 4}, accum in {1, 2, 4}.
+
+One torchrun per world size runs every case (tests/workers/exactness.py); these tests read its
+results. Labels are deliberately imbalanced: a rank-microbatch with no valid token at all, and
+ranks whose valid-token counts differ by 10x or more.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers import check, torchrun
+
+WORLDS = (1, 2, 4)
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for world in WORLDS:
+        path = tmp_path_factory.mktemp("exact") / f"world{world}.json"
+        check(torchrun(world, "tests/workers/exactness.py", str(path)))
+        out[world] = json.loads(path.read_text())
+    return out
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_gradient_equals_single_process_global_batch(results, world):
+    cases = [c for c in results[world]["cases"] if c["norm"] == "global"]
+    modes = {(c["mode"], c["accum"]) for c in cases}
+    assert modes >= {(m, a) for m in ("fsdp", "ddp", "hsdp") for a in (1, 2, 4)}
+    for c in cases:
+        assert c["max_rel_err"] <= TOL, c
+        assert abs(c["logged_loss"] - results[world]["ref_loss"]) <= TOL * results[world]["ref_loss"], c
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_local_mean_control_is_measurably_wrong(results, world):
+    cases = [c for c in results[world]["cases"] if c["norm"] == "local_mean"]
+    assert cases
+    for c in cases:
+        assert c["max_rel_err"] > 1e3 * TOL, c
+
+
+def test_labels_really_are_imbalanced(results):
+    """The exactness test is only meaningful if the imbalance it claims is there."""
+    for world in (2, 4):
+        case = next(c for c in results[world]["cases"] if c["accum"] == 4)
+        assert case["min_micro_tokens"] == 0  # some rank has a microbatch without a valid token
+        tokens = case["rank_tokens"]
+        assert max(tokens) >= 10 * max(1, min(tokens))
+
+
+def test_both_sync_modes_are_covered(results):
+    seen = {(c["mode"], c["skip_grad_sync"]) for c in results[4]["cases"]}
+    assert {("fsdp", True), ("fsdp", False), ("hsdp", True), ("hsdp", False), ("ddp", True)} <= seen
+
+
+def test_initial_weights_are_bitwise_identical_across_dp_and_mode(results):
+    hashes = {c["init_hash"] for w in WORLDS for c in results[w]["cases"]}
+    hashes |= {results[w]["ref_hash"] for w in WORLDS}
+    assert len(hashes) == 1

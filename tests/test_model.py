@@ -1,0 +1,64 @@
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from titanlite.distributed.param_init import ParamInit
+from titanlite.models.llama3 import Llama3, Llama3Args, llama3_flavors
+from titanlite.models.llama3.model import ffn_hidden_dim, rope_frequencies
+
+
+@pytest.mark.parametrize(
+    "flavor, vocab, params",
+    [("1B", 128256, 1_235_814_400), ("8B", 128256, 8_030_261_248)],
+)
+def test_flavor_shapes_match_llama(flavor, vocab, params):
+    args = dataclasses.replace(llama3_flavors[flavor], vocab_size=vocab, max_seq_len=8192)
+    with torch.device("meta"):
+        model = Llama3(args)
+    assert sum(p.numel() for p in model.parameters()) == params
+
+
+def test_debugmodel_shapes():
+    args = llama3_flavors["debugmodel"]
+    assert (args.dim, args.n_layers, args.n_heads) == (256, 6, 16)
+    assert ffn_hidden_dim(args) == 768
+    assert ffn_hidden_dim(llama3_flavors["1B"]) == 8192
+
+
+def test_rope_scaling_keeps_high_and_divides_low_frequencies():
+    args = llama3_flavors["8B"]
+    plain = rope_frequencies(dataclasses.replace(args, rope_scaling_factor=None))
+    scaled = rope_frequencies(args)
+    assert torch.equal(scaled[:4], plain[:4])
+    torch.testing.assert_close(scaled[-1], plain[-1] / 8)
+
+
+def test_forward_is_causal_and_tied_embeddings_share_storage():
+    args = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=12, tie_embeddings=True)
+    model = Llama3(args)
+    model.init_weights(ParamInit(model, 0))
+    assert model.output.weight is model.tok_embeddings.weight
+    x = torch.randint(0, 50, (2, 12))
+    y = x.clone()
+    y[:, 8:] = (y[:, 8:] + 1) % 50
+    out_x, out_y = model(x), model(y)
+    assert out_x.shape == (2, 12, 50)
+    torch.testing.assert_close(out_x[:, :8], out_y[:, :8])  # the future does not leak
+    assert not torch.allclose(out_x[:, 8:], out_y[:, 8:])
+
+
+def test_param_init_depends_on_seed_and_name_only():
+    args = Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=50, multiple_of=16, max_seq_len=8)
+    a, b, c = Llama3(args), Llama3(args), Llama3(args)
+    a.init_weights(ParamInit(a, 1))
+    b.init_weights(ParamInit(b, 1))
+    c.init_weights(ParamInit(c, 2))
+    for (n, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), n
+        if "norm" not in n:
+            assert not torch.equal(pa, pc), n
+    wq0, wq1 = a.layers[0].attention.wq.weight, a.layers[1].attention.wq.weight
+    assert not torch.equal(wq0, wq1)  # same shape, different name: different draw

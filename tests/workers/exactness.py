@@ -1,0 +1,145 @@
+"""Run under torchrun at one world size; loops over every case inside one process group.
+
+For each (mode, grad accumulation, normalization, grad-sync skipping) case: build the tiny
+Llama through the production path (parallelize_blocks + materialize), run the production
+forward_backward on this rank's slice of a fixed global batch with deliberately imbalanced
+labels, and compare the full reduced gradient with a single-process reference on the whole
+global batch. Also records a hash of the full initial weights per mode.
+Writes JSON results (rank 0) to argv[1].
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
+from titanlite.config import JobConfig
+from titanlite.config.layout import resolve_layout
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
+from titanlite.distributed.parallelize import parallelize_blocks, unwrap
+from titanlite.distributed.param_init import ParamInit
+from titanlite.models.llama3 import Llama3, Llama3Args
+from titanlite.train import forward_backward, materialize
+
+ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+GLOBAL_BATCH, SEQ, SEED = 16, 16, 7
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 sequences: 0-3 with no valid label, 4-7 with 1-2, 8-15 with 15-16 (10x+ imbalance)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
+    labels = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
+    valid = [0, 0, 0, 0, 1, 2, 1, 2] + [16, 15, 16, 15, 16, 16, 15, 16]
+    for i, n in enumerate(valid):
+        labels[i, n:] = IGNORE_INDEX
+    return tokens, labels
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in unwrap(model).named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        out[name] = g.detach().clone()
+    return out
+
+
+def full_weights_hash(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in sorted(unwrap(model).named_parameters()):
+        w = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(w.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference() -> dict[str, torch.Tensor]:
+    model = Llama3(ARGS)
+    model.init_weights(ParamInit(model, SEED))
+    tokens, labels = global_batch()
+    loss = cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def run_case(world: int, mode: str, accum: int, norm: str, skip_sync: str, ref: dict) -> dict:
+    cfg = JobConfig()
+    cfg.parallelism.mode = mode
+    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
+    cfg.parallelism.dp_shard = -1
+    cfg.parallelism.skip_grad_sync = skip_sync
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
+    cfg.loss.normalization = norm
+    layout = resolve_layout(cfg, world)
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
+    with torch.device("meta"):
+        model = Llama3(ARGS)
+    model = materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
+    init_hash = full_weights_hash(model)
+
+    tokens, labels = global_batch()
+    per_rank = GLOBAL_BATCH // world
+    lb = cfg.training.local_batch_size
+    start = dist.get_rank() * per_rank
+    micro = [
+        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
+        for m in range(accum)
+    ]
+    balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
+    share = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync)
+    dist.all_reduce(share)
+    grads = full_grads(model)
+    rel = max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+    min_micro = min(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+    counts = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor(local_tokens))
+    mins = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(mins, torch.tensor(min_micro))
+    return {
+        "world": world,
+        "mode": mode,
+        "layout": f"{layout.dp_replicate}x{layout.dp_shard}",
+        "accum": accum,
+        "norm": norm,
+        "skip_grad_sync": layout.skip_grad_sync,
+        "max_rel_err": rel,
+        "logged_loss": share.item(),
+        "init_hash": init_hash,
+        "rank_tokens": [int(c) for c in counts],
+        "min_micro_tokens": min(int(c) for c in mins),
+    }
+
+
+def main() -> None:
+    init_distributed(torch.device("cpu"))
+    world = dist.get_world_size()
+    ref = reference()
+    tokens, labels = global_batch()
+    ref_loss = None
+    model = Llama3(ARGS)
+    model.init_weights(ParamInit(model, SEED))
+    with torch.no_grad():
+        ref_loss = (cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()).item()
+    cases = []
+    for mode in ("fsdp", "ddp", "hsdp"):
+        for accum in (1, 2, 4):
+            cases.append((mode, accum, "global", "auto"))
+    cases += [("fsdp", 2, "global", "on"), ("ddp", 2, "global", "on"), ("hsdp", 2, "global", "on")]
+    cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
+    results = [run_case(world, *c, ref) for c in cases]
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"world": world, "ref_loss": ref_loss, "ref_hash": full_weights_hash(model), "cases": results}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
