@@ -71,10 +71,10 @@ def test_builtin_sft_labels_mask_prompt_and_padding_and_counts_vary():
         assert x.shape == y.shape == (256,)
         valid = y != IGNORE_INDEX
         counts.append(int(valid.sum()))
-        if valid.any():  # targets are the next input tokens
-            first = int(np.argmax(valid))
-            assert (y[first:-1][valid[first:-1]] == x[first + 1 :][valid[first:-1]]).all()
-            assert not valid[:first].any()
+        idx = np.flatnonzero(valid)
+        if len(idx):  # one contiguous response span; its targets are the next input tokens
+            assert (np.diff(idx) == 1).all()
+            assert (y[idx[:-1]] == x[idx[:-1] + 1]).all()
     assert min(counts) == 0 and max(counts) >= 30  # some prompts fill the window, some do not
 
 
