@@ -1,0 +1,149 @@
+"""The user-facing surface: the launcher, bad input, refusals, run folders, fault switches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, check, read_metrics, train
+from titanlite.config import load_config
+
+SMALL = [
+    "--config", "train_configs/debug_model.toml",
+    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
+    "--metrics.log_freq", "1",
+]
+
+
+def single(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """`python -m titanlite.train` without torchrun: a one-rank job."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(
+        [sys.executable, "-m", "titanlite.train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite: error:")]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--training.global_batch_size", "3", "--training.local_batch_size", "2"], "is not a multiple of local_batch_size"),
+        (["--training.stepz", "3"], "did you mean 'training.steps'"),
+        (["--data.path", "/nonexistent/data.jsonl"], "data.path '/nonexistent/data.jsonl' does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, needle):
+    proc = single("--job.dump_folder", str(tmp_path / "out"), *args)
+    one_line_error(proc, needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_malformed_toml_and_bad_data_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[training]\nsteps = = 3\n")
+    one_line_error(single("--config", str(bad)), "is not valid TOML")
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"instruction": "a", "output": "b"}\nnot json\n')
+    proc = single(*SMALL, "--data.mode", "sft", "--data.path", str(data), "--job.dump_folder", str(tmp_path / "out"))
+    one_line_error(proc, "line 2 is not valid JSON")
+    assert not (tmp_path / "out").exists()
+
+
+def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
+    env = {**os.environ, "NPROC": "2"}
+    proc = subprocess.run(
+        ["./run_train.sh", "--training.global_batch_size", "6", "--training.local_batch_size", "4"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("titanlite: error: training.global_batch_size=6")
+    assert "torch.distributed" not in proc.stderr
+
+
+def test_model_too_big_for_this_machine_is_refused(tmp_path):
+    from titanlite.tools.memory import available_bytes
+
+    if available_bytes(torch.device("cpu"))[0] > 120 * 2**30:
+        pytest.skip("this host could hold an 8B model's training state")
+    proc = single(*SMALL, "--model.flavor", "8B", "--job.dump_folder", str(tmp_path / "out"))
+    one_line_error(proc, "needs about")
+    assert "per rank but" in proc.stderr and not (tmp_path / "out").exists()
+
+
+def test_run_folder_metrics_skip_and_export(tmp_path):
+    """A healthy 2-rank SFT run with one all-ignored step: it is skipped, the run goes on."""
+    out = tmp_path / "out"
+    proc = train(
+        2, *SMALL, "--data.mode", "sft", "--training.seq_len", "256", "--training.steps", "4",
+        "--debug.ignore_all_labels_steps", "2", "--checkpoint.export_weights", "true",
+        "--job.dump_folder", str(out), "--job.run_name", "r",
+    )
+    check(proc)
+    run = out / "r"
+    assert load_config(str(run / "config.toml")).debug.ignore_all_labels_steps == [2]
+    recs = read_metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    for key in ("loss", "grad_norm", "lr", "valid_tokens", "tokens_per_s", "memory_gib", "eta_s"):
+        assert key in recs[0]
+    assert recs[1]["loss"] is None and recs[1]["skipped_steps"] == 1 and recs[1]["valid_tokens"] == 0
+    assert all(r["loss"] > 0 and r["valid_tokens"] > 0 for r in (recs[0], recs[2], recs[3]))
+    assert "step 2: no valid token in the whole global batch" in proc.stderr + proc.stdout
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+    weights = torch.load(run / "weights.pt")
+    assert "tok_embeddings.weight" in weights and weights["tok_embeddings.weight"].shape == (2048, 256)
+    # The same name again would mix two runs in one file: refused, the folder untouched.
+    before = (run / "metrics.jsonl").read_text()
+    proc = single(*SMALL, "--job.dump_folder", str(out), "--job.run_name", "r")
+    one_line_error(proc, "already holds a run")
+    assert (run / "metrics.jsonl").read_text() == before
+
+
+def test_skipped_step_leaves_params_and_optimizer_state_untouched():
+    from titanlite.components.optimizer import build_optimizer, set_skip
+    from titanlite.config import JobConfig
+
+    model = torch.nn.Linear(4, 3)
+    opt = build_optimizer(model, JobConfig())
+    model(torch.randn(2, 4)).sum().backward()
+    set_skip(opt, torch.tensor(False))
+    opt.step()
+    snapshot = [p.detach().clone() for p in model.parameters()]
+    state = {k: v.clone() for k, v in opt.state[model.weight].items()}
+    set_skip(opt, torch.tensor(True))
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, model.parameters(), strict=True))
+    assert all(torch.equal(state[k], opt.state[model.weight][k]) for k in state)
+
+
+def test_nan_loss_on_one_rank_stops_the_run(tmp_path):
+    proc = train(
+        2, *SMALL, "--training.steps", "6", "--metrics.log_freq", "2", "--debug.nan_loss_step", "3",
+        "--parallelism.dp_replicate", "2", "--job.dump_folder", str(tmp_path), "--job.run_name", "nan",
+    )
+    assert proc.returncode != 0
+    assert "titanlite: stopped: non-finite loss at step 3 on 1 of 2 rank(s)" in proc.stderr
+    assert [r["step"] for r in read_metrics(tmp_path / "nan")] == [1, 2]
+
+
+def test_model_registered_from_outside_the_package_trains(tmp_path):
+    proc = train(
+        2, *SMALL, "--model.name", "toy_mlp", "--model.flavor", "tiny", "--model.import_module", "toy_model",
+        "--training.steps", "8", "--optimizer.lr", "0.01", "--lr_scheduler.warmup_steps", "1",
+        "--job.dump_folder", str(tmp_path), "--job.run_name", "toy",
+    )
+    check(proc)
+    losses = [r["loss"] for r in read_metrics(tmp_path / "toy")]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    cfg = json.loads(json.dumps(load_config(str(tmp_path / "toy" / "config.toml")).model.__dict__))
+    assert cfg["name"] == "toy_mlp"
