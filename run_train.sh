@@ -36,6 +36,6 @@ fi
 # CPU ranks share the cores; saying so also silences torchrun's OMP banner.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / NPROC > 0 ? $(nproc) / NPROC : 1 ))}"
 export PYTHONWARNINGS="${PYTHONWARNINGS:-ignore::FutureWarning,ignore::UserWarning:torchdata.stateful_dataloader.stateful_dataloader}"
-exec "$PY" -m torch.distributed.run "${rdzv[@]}" --nproc_per_node "$NPROC" \
+exec "$PY" -m titanlite.launch "${rdzv[@]}" --nproc_per_node "$NPROC" \
     --local-ranks-filter "$LOG_RANK" \
     -m titanlite.train "${args[@]}"

@@ -11,7 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, *args: str, timeout: int = 600, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """Run `torchrun --standalone --nproc_per_node nproc ARGS` and capture its output."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}

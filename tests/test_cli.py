@@ -9,14 +9,21 @@ import sys
 
 import pytest
 import torch
-
 from helpers import REPO, check, read_metrics, train
+
 from titanlite.config import load_config
 
 SMALL = [
-    "--config", "train_configs/debug_model.toml",
-    "--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "1",
-    "--metrics.log_freq", "1",
+    "--config",
+    "train_configs/debug_model.toml",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "4",
+    "--training.local_batch_size",
+    "1",
+    "--metrics.log_freq",
+    "1",
 ]
 
 
@@ -24,7 +31,12 @@ def single(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """`python -m titanlite.train` without torchrun: a one-rank job."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
-        [sys.executable, "-m", "titanlite.train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "titanlite.train", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -38,7 +50,10 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["--training.global_batch_size", "3", "--training.local_batch_size", "2"], "is not a multiple of local_batch_size"),
+        (
+            ["--training.global_batch_size", "3", "--training.local_batch_size", "2"],
+            "is not a multiple of local_batch_size",
+        ),
         (["--training.stepz", "3"], "did you mean 'training.steps'"),
         (["--data.path", "/nonexistent/data.jsonl"], "data.path '/nonexistent/data.jsonl' does not exist"),
     ],
@@ -55,7 +70,9 @@ def test_malformed_toml_and_bad_data_file(tmp_path):
     one_line_error(single("--config", str(bad)), "is not valid TOML")
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\nnot json\n')
-    proc = single(*SMALL, "--data.mode", "sft", "--data.path", str(data), "--job.dump_folder", str(tmp_path / "out"))
+    proc = single(
+        *SMALL, "--data.mode", "sft", "--data.path", str(data), "--job.dump_folder", str(tmp_path / "out")
+    )
     one_line_error(proc, "line 2 is not valid JSON")
     assert not (tmp_path / "out").exists()
 
@@ -64,7 +81,11 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
     env = {**os.environ, "NPROC": "2"}
     proc = subprocess.run(
         ["./run_train.sh", "--training.global_batch_size", "6", "--training.local_batch_size", "4"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("titanlite: error: training.global_batch_size=6")
@@ -76,18 +97,40 @@ def test_model_too_big_for_this_machine_is_refused(tmp_path):
 
     if available_bytes(torch.device("cpu"))[0] > 120 * 2**30:
         pytest.skip("this host could hold an 8B model's training state")
-    proc = single(*SMALL, "--model.flavor", "8B", "--job.dump_folder", str(tmp_path / "out"))
+    # Through the launcher: the worker's one line and exit code 2, not torchrun's failure dump.
+    proc = subprocess.run(
+        ["./run_train.sh", *SMALL[2:], "--model.flavor", "8B", "--job.dump_folder", str(tmp_path / "out")],
+        cwd=REPO,
+        env={**os.environ, "NPROC": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     one_line_error(proc, "needs about")
-    assert "per rank but" in proc.stderr and not (tmp_path / "out").exists()
+    assert "per rank but" in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_run_folder_metrics_skip_and_export(tmp_path):
     """A healthy 2-rank SFT run with one all-ignored step: it is skipped, the run goes on."""
     out = tmp_path / "out"
     proc = train(
-        2, *SMALL, "--data.mode", "sft", "--training.seq_len", "256", "--training.steps", "4",
-        "--debug.ignore_all_labels_steps", "2", "--checkpoint.export_weights", "true",
-        "--job.dump_folder", str(out), "--job.run_name", "r",
+        2,
+        *SMALL,
+        "--data.mode",
+        "sft",
+        "--training.seq_len",
+        "256",
+        "--training.steps",
+        "4",
+        "--debug.ignore_all_labels_steps",
+        "2",
+        "--checkpoint.export_weights",
+        "true",
+        "--job.dump_folder",
+        str(out),
+        "--job.run_name",
+        "r",
     )
     check(proc)
     run = out / "r"
@@ -128,8 +171,20 @@ def test_skipped_step_leaves_params_and_optimizer_state_untouched():
 
 def test_nan_loss_on_one_rank_stops_the_run(tmp_path):
     proc = train(
-        2, *SMALL, "--training.steps", "6", "--metrics.log_freq", "2", "--debug.nan_loss_step", "3",
-        "--parallelism.dp_replicate", "2", "--job.dump_folder", str(tmp_path), "--job.run_name", "nan",
+        2,
+        *SMALL,
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "2",
+        "--debug.nan_loss_step",
+        "3",
+        "--parallelism.dp_replicate",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.run_name",
+        "nan",
     )
     assert proc.returncode != 0
     assert "titanlite: stopped: non-finite loss at step 3 on 1 of 2 rank(s)" in proc.stderr
@@ -138,9 +193,24 @@ def test_nan_loss_on_one_rank_stops_the_run(tmp_path):
 
 def test_model_registered_from_outside_the_package_trains(tmp_path):
     proc = train(
-        2, *SMALL, "--model.name", "toy_mlp", "--model.flavor", "tiny", "--model.import_module", "toy_model",
-        "--training.steps", "8", "--optimizer.lr", "0.01", "--lr_scheduler.warmup_steps", "1",
-        "--job.dump_folder", str(tmp_path), "--job.run_name", "toy",
+        2,
+        *SMALL,
+        "--model.name",
+        "toy_mlp",
+        "--model.flavor",
+        "tiny",
+        "--model.import_module",
+        "toy_model",
+        "--training.steps",
+        "8",
+        "--optimizer.lr",
+        "0.01",
+        "--lr_scheduler.warmup_steps",
+        "1",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.run_name",
+        "toy",
     )
     check(proc)
     losses = [r["loss"] for r in read_metrics(tmp_path / "toy")]

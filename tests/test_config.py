@@ -12,7 +12,15 @@ from titanlite.errors import UserError
 
 def test_overrides_types_and_lists():
     cfg, path = parse_args(
-        ["--training.steps", "5", "--optimizer.lr=3e-4", "--metrics.enable_tensorboard", "false", "--debug.ignore_all_labels_steps", "2,3"]
+        [
+            "--training.steps",
+            "5",
+            "--optimizer.lr=3e-4",
+            "--metrics.enable_tensorboard",
+            "false",
+            "--debug.ignore_all_labels_steps",
+            "2,3",
+        ]
     )
     assert path is None
     assert cfg.training.steps == 5 and cfg.optimizer.lr == 3e-4
@@ -26,7 +34,10 @@ def test_overrides_types_and_lists():
         (["--training.stpes", "4"], "unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
         (["--trainig.steps", "4"], "unknown config section 'trainig' (did you mean 'training'?)"),
         (["--training.steps", "four"], "config key 'training.steps' must be an integer, got 'four'"),
-        (["--loss.normalization", "mean"], "config key 'loss.normalization' is 'mean'; choose one of global, local_mean"),
+        (
+            ["--loss.normalization", "mean"],
+            "config key 'loss.normalization' is 'mean'; choose one of global, local_mean",
+        ),
         (["--training.steps"], "override '--training.steps' has no value"),
         (["steps=3"], "unexpected argument 'steps=3'"),
         (["--config", "nope.toml"], "config file 'nope.toml' not found"),
@@ -56,7 +67,9 @@ def test_toml_errors(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg, _ = parse_args(["--training.seq_len", "128", "--job.description", 'say "hi"', "--debug.ignore_all_labels_steps", "4"])
+    cfg, _ = parse_args(
+        ["--training.seq_len", "128", "--job.description", 'say "hi"', "--debug.ignore_all_labels_steps", "4"]
+    )
     f = tmp_path / "config.toml"
     f.write_text(to_toml(cfg))
     assert load_config(str(f)) == cfg
@@ -71,19 +84,37 @@ def _layout(world, **kw):
 
 def test_layout_modes_and_accumulation():
     lay = _layout(8, training__global_batch_size=32, training__local_batch_size=2)
-    assert (lay.mode, lay.dp_replicate, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == ("fsdp", 1, 8, 2, False)
+    assert (lay.mode, lay.dp_replicate, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == (
+        "fsdp",
+        1,
+        8,
+        2,
+        False,
+    )
     lay = _layout(8, parallelism__dp_replicate=8, training__global_batch_size=8, training__local_batch_size=1)
     assert (lay.mode, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == ("ddp", 1, 1, True)
-    lay = _layout(8, parallelism__dp_replicate=2, training__global_batch_size=16, training__local_batch_size=1)
+    lay = _layout(
+        8, parallelism__dp_replicate=2, training__global_batch_size=16, training__local_batch_size=1
+    )
     assert (lay.mode, lay.dp_replicate, lay.dp_shard, lay.grad_accum) == ("hsdp", 2, 4, 2)
-    lay = _layout(2, parallelism__dp_replicate=2, parallelism__mode="hsdp", training__global_batch_size=4, training__local_batch_size=2)
+    lay = _layout(
+        2,
+        parallelism__dp_replicate=2,
+        parallelism__mode="hsdp",
+        training__global_batch_size=4,
+        training__local_batch_size=2,
+    )
     assert (lay.mode, lay.dp_replicate, lay.dp_shard) == ("hsdp", 2, 1)
 
 
 @pytest.mark.parametrize(
     "world, kw, message",
     [
-        (2, dict(training__global_batch_size=7, training__local_batch_size=1), "global_batch_size=7 is not a multiple"),
+        (
+            2,
+            dict(training__global_batch_size=7, training__local_batch_size=1),
+            "global_batch_size=7 is not a multiple",
+        ),
         (4, dict(parallelism__dp_replicate=3), "dp_replicate=3 does not divide the 4 ranks"),
         (4, dict(parallelism__dp_shard=3), "dp_replicate x dp_shard = 1 x 3 != 4 ranks"),
         (2, dict(parallelism__mode="ddp", parallelism__dp_shard=2), "mode 'ddp' needs dp_shard 1"),

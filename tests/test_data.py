@@ -46,7 +46,17 @@ def test_too_little_data_is_a_clear_error():
 
 
 def _cfg(*args):
-    return parse_args(["--training.seq_len", "64", "--training.global_batch_size", "4", "--training.local_batch_size", "2", *args])[0]
+    return parse_args(
+        [
+            "--training.seq_len",
+            "64",
+            "--training.global_batch_size",
+            "4",
+            "--training.local_batch_size",
+            "2",
+            *args,
+        ]
+    )[0]
 
 
 def test_builtin_tokenizer_is_deterministic_and_cached(tmp_path):
@@ -99,10 +109,21 @@ def test_pretrain_packing_and_loader_state(tmp_path):
 def test_user_files(tmp_path):
     good = tmp_path / "sft.jsonl"
     good.write_text(
-        json.dumps({"instruction": "Say hi", "input": "", "output": "hi"}) + "\n"
-        + json.dumps({"instruction": "Add", "input": "1+1", "output": "2"}) + "\n"
+        json.dumps({"instruction": "Say hi", "input": "", "output": "hi"})
+        + "\n"
+        + json.dumps({"instruction": "Add", "input": "1+1", "output": "2"})
+        + "\n"
     )
-    cfg = _cfg("--data.mode", "sft", "--data.path", str(good), "--training.global_batch_size", "2", "--training.local_batch_size", "1")
+    cfg = _cfg(
+        "--data.mode",
+        "sft",
+        "--data.path",
+        str(good),
+        "--training.global_batch_size",
+        "2",
+        "--training.local_batch_size",
+        "1",
+    )
     ds = build_dataset(cfg, build_tokenizer(cfg))
     assert len(ds) == 2
     bad = tmp_path / "bad.jsonl"

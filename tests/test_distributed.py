@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from helpers import check, torchrun
 
 WORLDS = (1, 2, 4)

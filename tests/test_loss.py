@@ -20,7 +20,11 @@ def test_cross_entropy_sum_is_fp32_sum_over_valid_tokens():
 
 def test_single_process_balancer_normalises_by_the_whole_step():
     """With accumulation, each microbatch is divided by the step's total, not its own count."""
-    labels = [torch.tensor([[1, 2, IGNORE_INDEX]]), torch.tensor([[IGNORE_INDEX] * 3]), torch.tensor([[4, 5, 6]])]
+    labels = [
+        torch.tensor([[1, 2, IGNORE_INDEX]]),
+        torch.tensor([[IGNORE_INDEX] * 3]),
+        torch.tensor([[4, 5, 6]]),
+    ]
     bal = LossBalancer("global", None, 1, 3)
     bal.begin_step(labels)
     assert int(bal.global_tokens()) == 5

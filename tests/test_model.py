@@ -37,7 +37,16 @@ def test_rope_scaling_keeps_high_and_divides_low_frequencies():
 
 
 def test_forward_is_causal_and_tied_embeddings_share_storage():
-    args = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=12, tie_embeddings=True)
+    args = Llama3Args(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=50,
+        multiple_of=16,
+        max_seq_len=12,
+        tie_embeddings=True,
+    )
     model = Llama3(args)
     model.init_weights(ParamInit(model, 0))
     assert model.output.weight is model.tok_embeddings.weight

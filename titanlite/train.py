@@ -148,7 +148,6 @@ class Trainer:
             sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0,
             dim=getattr(args, "dim", 0),
             n_layers=getattr(args, "n_layers", 0),
-            n_heads=getattr(args, "n_heads", 0),
             vocab_size=args.vocab_size,
             local_batch=t.local_batch_size,
             seq_len=t.seq_len,
@@ -156,7 +155,6 @@ class Trainer:
             mode=self.layout.mode,
             param_bytes=self.dims.param_dtype.itemsize,
             activation_checkpoint=t.activation_checkpoint != "none",
-            device_type=self.device.type,
         )
         avail, what = available_bytes(self.device)
         logger.info(

@@ -137,7 +137,15 @@ def main() -> None:
     results = [run_case(world, *c, ref) for c in cases]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"world": world, "ref_loss": ref_loss, "ref_hash": full_weights_hash(model), "cases": results}, f)
+            json.dump(
+                {
+                    "world": world,
+                    "ref_loss": ref_loss,
+                    "ref_hash": full_weights_hash(model),
+                    "cases": results,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 

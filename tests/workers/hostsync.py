@@ -47,11 +47,25 @@ def run(overrides: list[str], out_dir: str, name: str) -> dict:
         c.clear()
     cfg, _ = parse_args(
         [
-            "--config", "train_configs/debug_model.toml",
-            "--training.steps", "7", "--metrics.log_freq", "3", "--training.seq_len", "64",
-            "--training.global_batch_size", "8", "--training.local_batch_size", "2",
-            "--job.dump_folder", out_dir, "--job.run_name", name,
-            "--metrics.enable_tensorboard", "false", *overrides,
+            "--config",
+            "train_configs/debug_model.toml",
+            "--training.steps",
+            "7",
+            "--metrics.log_freq",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--training.global_batch_size",
+            "8",
+            "--training.local_batch_size",
+            "2",
+            "--job.dump_folder",
+            out_dir,
+            "--job.run_name",
+            name,
+            "--metrics.enable_tensorboard",
+            "false",
+            *overrides,
         ]
     )
     trainer = Trainer(cfg)
@@ -77,7 +91,9 @@ def main() -> None:
     out_dir = sys.argv[2]
     results = {
         "fsdp_accum2_sft": run(["--data.mode", "sft", "--training.seq_len", "256"], out_dir, "fsdp"),
-        "ddp_accum2_skip": run(["--parallelism.dp_replicate", "2", "--debug.ignore_all_labels_steps", "2,5"], out_dir, "ddp"),
+        "ddp_accum2_skip": run(
+            ["--parallelism.dp_replicate", "2", "--debug.ignore_all_labels_steps", "2,5"], out_dir, "ddp"
+        ),
     }
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
