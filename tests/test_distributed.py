@@ -58,6 +58,12 @@ def test_both_sync_modes_are_covered(results):
     assert {("fsdp", True), ("fsdp", False), ("hsdp", True), ("hsdp", False), ("ddp", True)} <= seen
 
 
+def test_activation_checkpointing_changes_neither_init_nor_gradient(results):
+    cases = [c for w in WORLDS for c in results[w]["cases"] if c["activation_checkpoint"] == "full"]
+    assert len(cases) == 2 * len(WORLDS)
+    assert all(c["max_rel_err"] <= TOL for c in cases)
+
+
 def test_initial_weights_are_bitwise_identical_across_dp_and_mode(results):
     hashes = {c["init_hash"] for w in WORLDS for c in results[w]["cases"]}
     hashes |= {results[w]["ref_hash"] for w in WORLDS}

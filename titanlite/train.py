@@ -132,7 +132,8 @@ class Trainer:
         self.metrics = MetricsWriter(
             self.run_dir if self.rank == 0 else None, cfg.training.steps, cfg.metrics.enable_tensorboard
         )
-        self._window: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # Per step since the last log: (step, loss share, loss non-finite, no valid token, skipped)
+        self._window: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._last_grad_norm = torch.zeros((), device=self.device)
         self._last_tokens = torch.zeros((), dtype=torch.int64, device=self.device)
         self._tokens_per_rank_step = (
@@ -220,7 +221,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._window.append((step, loss_total, ~torch.isfinite(loss_total), skip))
+        self._window.append((step, loss_total, ~torch.isfinite(loss_total), tokens == 0, skip))
         self._last_grad_norm, self._last_tokens = grad_norm, tokens
 
     def is_log_step(self, step: int) -> bool:
@@ -229,34 +230,28 @@ class Trainer:
     # ---- the log step: the only place the host reads device values ------------------------------
     def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
         steps = [s for s, *_ in self._window]
-        per_step = torch.stack(
-            [torch.stack([loss.double(), bad.double()]) for _, loss, bad, _ in self._window]
-        )
-        dist.all_reduce(per_step, group=self.dims.dp_group)  # sum of shares = the global loss
-        host = torch.cat(
-            [
-                per_step.flatten(),
-                torch.stack([skip.double() for *_, skip in self._window]),
-                self._last_grad_norm.double().reshape(1),
-                self._last_tokens.double().reshape(1),
-            ]
-        ).tolist()
         n = len(steps)
-        losses, bad, skipped = host[0 : 2 * n : 2], host[1 : 2 * n : 2], host[2 * n : 3 * n]
-        grad_norm, tokens = host[3 * n], int(host[3 * n + 1])
+        # Rows: this rank's loss share and non-finite flag, summed over ranks -> global values.
+        shared = torch.stack([torch.stack([share, bad]) for _, share, bad, _, _ in self._window]).double()
+        dist.all_reduce(shared, group=self.dims.dp_group)
+        # Rows already equal on every rank: no valid token, update skipped.
+        same = torch.stack([torch.stack([empty, skip]) for *_, empty, skip in self._window]).double()
+        last = torch.stack([self._last_grad_norm, self._last_tokens]).double()
+        host = torch.cat([shared.flatten(), same.flatten(), last]).tolist()  # the one read
         self._window.clear()
-        for s, b in zip(steps, bad, strict=False):
+        losses, bad = host[0 : 2 * n : 2], host[1 : 2 * n : 2]
+        empty, skipped = host[2 * n : 4 * n : 2], host[2 * n + 1 : 4 * n : 2]
+        grad_norm, tokens = host[4 * n], int(host[4 * n + 1])
+        for s, b in zip(steps, bad, strict=True):
             if b > 0:
                 raise TrainingError(
                     f"non-finite loss at step {s} on {int(b)} of {self.dims.dp_size} rank(s); its "
                     "update was skipped and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
-        for s, sk in zip(steps, skipped, strict=False):
+        for s, e, sk in zip(steps, empty, skipped, strict=True):
             if sk > 0:
-                logger.warning(
-                    f"step {s}: no valid token in the whole global batch (all labels ignored) "
-                    "or a non-finite gradient norm; its optimizer update was skipped"
-                )
+                why = "no valid token in the whole global batch" if e > 0 else "a non-finite gradient norm"
+                logger.warning(f"step {s}: {why}; its optimizer update was skipped")
         tps = self._tokens_per_rank_step * n / max(window_s, 1e-9)
         rec = {
             "step": step,

@@ -23,7 +23,7 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import parallelize_blocks, unwrap
-from titanlite.distributed.param_init import ParamInit
+from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
 from titanlite.train import forward_backward, materialize
 
@@ -46,13 +46,14 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in unwrap(model).named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        out[name] = g.detach().clone()
+        out[canonical_name(name)] = g.detach().clone()
     return out
 
 
 def full_weights_hash(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    for name, p in sorted(unwrap(model).named_parameters()):
+    named = sorted((canonical_name(n), p) for n, p in unwrap(model).named_parameters())
+    for name, p in named:
         w = p.full_tensor() if isinstance(p, DTensor) else p
         h.update(name.encode())
         h.update(w.detach().contiguous().numpy().tobytes())
@@ -68,8 +69,11 @@ def reference() -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def run_case(world: int, mode: str, accum: int, norm: str, skip_sync: str, ref: dict) -> dict:
+def run_case(
+    world: int, mode: str, accum: int, norm: str, skip_sync: str, ref: dict, ac: str = "none"
+) -> dict:
     cfg = JobConfig()
+    cfg.training.activation_checkpoint = ac
     cfg.parallelism.mode = mode
     cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
     cfg.parallelism.dp_shard = -1
@@ -110,6 +114,7 @@ def run_case(world: int, mode: str, accum: int, norm: str, skip_sync: str, ref: 
         "accum": accum,
         "norm": norm,
         "skip_grad_sync": layout.skip_grad_sync,
+        "activation_checkpoint": ac,
         "max_rel_err": rel,
         "logged_loss": share.item(),
         "init_hash": init_hash,
@@ -135,6 +140,7 @@ def main() -> None:
     cases += [("fsdp", 2, "global", "on"), ("ddp", 2, "global", "on"), ("hsdp", 2, "global", "on")]
     cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
     results = [run_case(world, *c, ref) for c in cases]
+    results += [run_case(world, mode, 2, "global", "auto", ref, ac="full") for mode in ("fsdp", "ddp")]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(

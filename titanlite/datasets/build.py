@@ -21,15 +21,25 @@ from titanlite.datasets import corpus
 from titanlite.datasets.pretrain import PackedDataset, build_token_cache
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sft import SFTDataset
+from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
 
 
 def _built_once(path: Path, build, is_builder: bool) -> None:
-    """One rank per node builds a missing cache file; the others wait at a barrier."""
+    """One rank per node builds a missing cache file while the others wait; a bad-input error
+    met by the builder (a malformed data file, say) is raised on every rank alike."""
+    error = None
     if is_builder and not path.exists():
-        build()
+        try:
+            build()
+        except UserError as e:
+            error = str(e)
     if dist.is_initialized():
-        dist.barrier()
+        errors: list = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise UserError(error)
 
 
 def _is_local_leader() -> bool:

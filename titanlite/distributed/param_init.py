@@ -3,7 +3,8 @@
 Drawing a sharded parameter's values from one RNG stream gives each rank the *first* values of
 that stream, so the full tensor changes with the shard count. Here each parameter gets its own
 generator, seeded from (seed, parameter name); the full tensor is drawn and each rank keeps its
-shard. The draw depends only on the name, shape, seed and device type, never on the layout.
+shard. The draw depends only on the name, shape, seed and device type, never on the layout,
+nor on activation checkpointing or compile wrappers.
 Peak extra memory is one full parameter.
 """
 
@@ -15,13 +16,24 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+# Wrappers that rename parameters without changing the model: activation checkpointing and
+# torch.compile. Init must not depend on them either.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with wrapper prefixes removed: the same with or without AC/compile."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
 
 class ParamInit:
     """Passed to `model.init_weights`; fills parameters of a (possibly sharded) model."""
 
     def __init__(self, model: nn.Module, seed: int) -> None:
         self.seed = seed
-        self._names = {id(p): name for name, p in model.named_parameters()}
+        self._names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
 
     def _generator(self, p: torch.Tensor) -> torch.Generator:
         name = self._names.get(id(p))
