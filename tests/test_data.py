@@ -139,3 +139,16 @@ def test_user_files(tmp_path):
     (txt / "a.txt").write_text("hello world " * 200)
     cfg2 = _cfg("--data.path", str(txt))
     assert len(build_dataset(cfg2, build_tokenizer(cfg2))) > 4
+
+
+def test_user_tokenizer_file(tmp_path):
+    builtin = build_tokenizer(_cfg())
+    mine = tmp_path / "mine.model"
+    mine.write_bytes(builtin.sp.serialized_model_proto())
+    cfg = _cfg("--model.tokenizer_path", str(mine))
+    tok = build_tokenizer(cfg)
+    assert tok.vocab_size == 2048 and tok.encode("x = 1") == builtin.encode("x = 1")
+    bad = tmp_path / "bad.model"
+    bad.write_text("not a model")
+    with pytest.raises(UserError, match="is not a SentencePiece model"):
+        build_tokenizer(_cfg("--model.tokenizer_path", str(bad)))
