@@ -51,24 +51,16 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
         elif isinstance(value, bool):
             return value
         raise UserError(f"config key '{key}' must be true or false, got {value!r}")
-    if typ is int:
+    if typ in (int, float):
         if from_cli:
             try:
-                return int(value)
+                return typ(value)
             except ValueError:
                 pass
-        elif isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise UserError(f"config key '{key}' must be an integer, got {value!r}")
-    if typ is float:
-        if from_cli:
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise UserError(f"config key '{key}' must be a number, got {value!r}")
+        elif isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(value, bool):
+            return typ(value)
+        kind = "an integer" if typ is int else "a number"
+        raise UserError(f"config key '{key}' must be {kind}, got {value!r}")
     if typ is str:
         if isinstance(value, str):
             return value

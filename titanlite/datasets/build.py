@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -43,8 +44,6 @@ def _built_once(path: Path, build, is_builder: bool) -> None:
 
 
 def _is_local_leader() -> bool:
-    import os
-
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
@@ -56,7 +55,7 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer:
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
-def build_dataset(cfg: JobConfig, tok: Tokenizer):
+def build_dataset(cfg: JobConfig, tok: Tokenizer) -> SFTDataset | PackedDataset:
     cache = cache_dir(cfg.data.cache_dir)
     seq_len = cfg.training.seq_len
     if cfg.data.mode == "sft":
