@@ -25,6 +25,7 @@ from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import validate
 from titanlite.config.manager import to_toml
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.diagnostics.component import Diagnostics
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import grad_sync, unwrap, wrap_ddp
 from titanlite.distributed.param_init import ParamInit
@@ -60,14 +61,16 @@ def forward_backward(
     *,
     skip_grad_sync: bool,
     nan_loss: bool = False,
-) -> torch.Tensor:
-    """Accumulate this rank's gradients for one step; returns its share of the step's loss.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate this rank's gradients for one step.
 
-    The shares of all ranks sum to the logged loss (see titanlite.components.loss).
+    Returns (this rank's share of the step's loss, its summed cross entropy). The shares of all
+    ranks sum to the logged loss (see titanlite.components.loss); the sum feeds the diagnostics.
     `nan_loss` poisons this rank's loss (debug.nan_loss_step) to exercise the non-finite stop.
     """
     balancer.begin_step([labels for _, labels in micro])
     loss_total = torch.zeros((), device=dims.device)
+    loss_sums = torch.zeros((), device=dims.device)
     for m, (inputs, labels) in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
@@ -78,7 +81,8 @@ def forward_backward(
             loss = balancer.scale(loss_sum, m)
             loss.backward()
         loss_total += loss.detach()
-    return loss_total
+        loss_sums += loss_sum.detach()
+    return loss_total, loss_sums
 
 
 class Trainer:
@@ -123,6 +127,7 @@ class Trainer:
         )
         model = materialize(spec.parallelize_fn(model, self.dims, cfg), self.dims, cfg.training.seed)
         self.model = model
+        self.diagnostics = Diagnostics(cfg.diagnostics, model, self.dims, cfg.training.seed)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.balancer = LossBalancer(
@@ -206,15 +211,17 @@ class Trainer:
 
     def train_step(self, step: int) -> None:
         micro = self.next_microbatches(step)
-        loss_total = forward_backward(
+        measured = self.diagnostics.begin_step(step)
+        loss_total, loss_sum = forward_backward(
             self.model,
             micro,
             self.balancer,
             self.dims,
-            skip_grad_sync=self.layout.skip_grad_sync,
+            skip_grad_sync=self.layout.skip_grad_sync or measured,  # the probe sees whole steps
             nan_loss=step == self.cfg.debug.nan_loss_step and self.rank == 0,
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.diagnostics.end_step(step, loss_sum, self.balancer.local_tokens(), grad_norm)
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)
         set_skip(self.optimizer, skip)
@@ -272,8 +279,12 @@ class Trainer:
             peak = peak_flops(self.device, self.dims.param_dtype)
             if peak:
                 rec["mfu_pct"] = 100 * self.flops_per_token * tps / peak
+        diag = self.diagnostics.collect()
+        if diag:
+            rec["diag"] = {k: v for k, v in diag[-1].items() if isinstance(v, (int, float)) and k != "step"}
         if self.rank == 0:
             self.metrics.write(rec)
+            self.metrics.write_diagnostics(diag)
 
     def _memory_gib(self) -> float:
         if self.device.type == "cuda":

@@ -97,7 +97,7 @@ def run_case(
         for m in range(accum)
     ]
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
-    share = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync)
+    share, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync)
     dist.all_reduce(share)
     grads = full_grads(model)
     rel = max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)

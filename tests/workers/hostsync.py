@@ -1,4 +1,5 @@
-"""Run under torchrun: train with every host-sync entry point instrumented.
+"""Run under torchrun: train with every host-sync entry point instrumented, diagnostics measuring
+every step (their default warmup), sketch under FSDP and exact under DDP.
 
 Counts calls of Tensor.item/.tolist/.cpu/.numpy/__bool__/__int__/__float__ and
 torch.cuda.synchronize, separately for log steps (where reading metrics is allowed) and every

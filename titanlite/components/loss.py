@@ -86,6 +86,10 @@ class LossBalancer:
         if self.dp_group is not None and self.dp_size > 1:
             self._work = dist.all_reduce(self._global_count, group=self.dp_group, async_op=True)
 
+    def local_tokens(self) -> torch.Tensor:
+        """This rank's valid tokens of the step (device int64)."""
+        return torch.stack(self._local_counts).sum()
+
     def global_tokens(self) -> torch.Tensor:
         """N: valid tokens of the whole step over all ranks (device int64). Never read on host."""
         if self._global_count is None:

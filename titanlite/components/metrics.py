@@ -31,16 +31,36 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def _fmt(value: Any, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def diagnostics_line(d: dict[str, Any]) -> str:
+    return " | ".join(
+        [
+            f"diag step {d['step']}",
+            f"loss std {_fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
+            f"tokens {d['tokens_min']}..{d['tokens_max']}",
+            f"grad_norm cv {_fmt(d.get('grad_norm_cv'), '.3f')}",
+            f"cos {_fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
+            f"{_fmt(d.get('cos_to_mean_min'), '.3f')})",
+            f"noise scale {_fmt(d.get('noise_scale_tokens'), ',.0f')} tokens",
+        ]
+    )
+
+
 class MetricsWriter:
     """Writes on rank 0 only. The JSONL file is flushed after every record so scripts can tail it."""
 
     def __init__(self, run_dir: Path | None, total_steps: int, tensorboard: bool) -> None:
         self.total_steps = total_steps
         self._jsonl = None
+        self._diag = None
         self._tb = None
         if run_dir is None:
             return
         self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+        self._diag = (run_dir / "diagnostics.jsonl").open("a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -56,8 +76,25 @@ class MetricsWriter:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"train/{key}", value, rec["step"])
 
+    def write_diagnostics(self, records: list[dict[str, Any]]) -> None:
+        """Every measured step in full (per-rank vectors too) to diagnostics.jsonl; scalars to
+        TensorBoard under diag/; a one-line summary of the latest to the console."""
+        if not records:
+            return
+        if self._diag is not None:
+            for rec in records:
+                self._diag.write(json.dumps(rec) + "\n")
+            self._diag.flush()
+        if self._tb is not None:
+            for rec in records:
+                for key, value in rec.items():
+                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tb.add_scalar(f"diag/{key}", value, rec["step"])
+        logger.info(diagnostics_line(records[-1]))
+
     def close(self) -> None:
-        if self._jsonl is not None:
-            self._jsonl.close()
+        for f in (self._jsonl, self._diag):
+            if f is not None:
+                f.close()
         if self._tb is not None:
             self._tb.close()

@@ -133,6 +133,18 @@ class Debug:
 
 
 @dataclass
+class Diagnostics:
+    enable: bool = opt(True, "cross-rank consistency diagnostics (need dp >= 2)")
+    warmup_steps: int = opt(200, "measure every step for this many first steps")
+    interval: int = opt(500, "after the warmup, measure every this many steps")
+    method: str = opt(
+        "sketch", "gradient directions: sketch (CountSketch) or exact (Gram)", choices=("sketch", "exact")
+    )
+    sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch")
+    noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -144,4 +156,5 @@ class JobConfig:
     loss: Loss = field(default_factory=Loss)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    diagnostics: Diagnostics = field(default_factory=Diagnostics)
     debug: Debug = field(default_factory=Debug)

@@ -56,9 +56,22 @@ def disable_fsdp_grad_division(model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _sum_allreduce_hook(group, bucket):  # DDP checks the real annotations; strings fail it
+class SumHookState:
+    """State of titanlite's DDP comm hook. `interceptor(bucket, group)` may take over a bucket's
+    reduction (the diagnostics probe does on measured steps) by returning a Future."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.interceptor = None
+
+
+def _sum_allreduce_hook(state, bucket):  # DDP checks the real annotations; strings fail it
     """DDP comm hook: all-reduce SUM, without the default hook's division by the world size."""
-    fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+    if state.interceptor is not None:
+        fut = state.interceptor(bucket, state.group)
+        if fut is not None:
+            return fut
+    fut = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 
 
@@ -70,7 +83,8 @@ def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=group, forward_sync_buffers=False
     )
-    ddp.register_comm_hook(group, _sum_allreduce_hook)
+    ddp.titanlite_hook_state = SumHookState(group)
+    ddp.register_comm_hook(ddp.titanlite_hook_state, _sum_allreduce_hook)
     return ddp
 
 

@@ -1,0 +1,101 @@
+"""Diagnostics against a single-process reference (tests/workers/diagnostics_ref.py), the
+sketch's error bound, and the noise-scale estimator on synthetic gradients."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from helpers import check, torchrun
+
+from titanlite.diagnostics.stats import NoiseScale, step_metrics
+
+WORLDS = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = {}
+    for world in WORLDS:
+        path = tmp_path_factory.mktemp("diag") / f"world{world}.json"
+        check(torchrun(world, "tests/workers/diagnostics_ref.py", str(path)))
+        out[world] = json.loads(path.read_text())
+    return out
+
+
+def _close(a, b, rel=1e-5, abs_=0.0):
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(a - b) <= max(rel * abs(b), abs_)
+
+
+def _vec_close(a, b, **kw):
+    return len(a) == len(b) and all(_close(x, y, **kw) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_exact_matches_per_rank_reference(results, world):
+    ref = results[world]["reference"]
+    exact = [c for c in results[world]["cases"] if c["method"] == "exact"]
+    assert {c["mode"] for c in exact} == {"fsdp", "ddp"}
+    assert max(ref["rank_tokens"]) >= 10 * max(1, min(ref["rank_tokens"]))  # imbalanced
+    for c in exact:
+        rec = c["record"]
+        assert rec["rank_tokens"] == ref["rank_tokens"]
+        assert _vec_close(rec["rank_loss"], ref["rank_loss"]), c["mode"]
+        assert _vec_close(rec["rank_grad_norm"], ref["rank_grad_norm"]), c["mode"]
+        for got, want in zip(rec["cos_matrix"], ref["cos_matrix"], strict=True):
+            assert _vec_close(got, want, abs_=1e-5), c["mode"]  # cosines: absolute, they sit near 0
+        assert _vec_close(rec["rank_cos_to_mean"], ref["rank_cos_to_mean"], abs_=1e-5)
+        for key in ("loss_std", "grad_norm_std", "tokens_std"):
+            assert _close(rec[key], ref[key]), (c["mode"], key)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sketch_error_is_bounded_and_shrinks_with_k(results, world):
+    ref = results[world]["reference"]
+    errors = {}
+    for c in (c for c in results[world]["cases"] if c["method"] == "sketch"):
+        rec = c["record"]
+        assert _vec_close(rec["rank_grad_norm"], ref["rank_grad_norm"])  # norms are exact anyway
+        err = max(
+            abs(g - w)
+            for grow, wrow in zip(rec["cos_matrix"], ref["cos_matrix"], strict=True)
+            for g, w in zip(grow, wrow, strict=True)
+            if w is not None
+        )
+        assert err <= 4 * math.sqrt(2 / c["k"]), (c["mode"], c["k"], err)
+        errors.setdefault(c["mode"], {})[c["k"]] = err
+    for mode, by_k in errors.items():
+        assert by_k[4096] < by_k[256], (mode, by_k)
+
+
+def test_noise_scale_recovers_a_known_value():
+    """g_r = G + noise averaged over n_r tokens, tr(Sigma) = D sigma^2 known: B = tr / |G|^2."""
+    gen = torch.Generator().manual_seed(0)
+    dim, sigma = 4000, 0.5
+    true_g = torch.randn(dim, generator=gen, dtype=torch.float64) * 0.02
+    true_b = dim * sigma**2 / true_g.square().sum().item()
+    est = NoiseScale(decay=0.95)
+    for _ in range(400):
+        tokens = [float(n) for n in torch.randint(200, 2000, (8,), generator=gen)]
+        grads = [
+            true_g + torch.randn(dim, generator=gen, dtype=torch.float64) * sigma / math.sqrt(n)
+            for n in tokens
+        ]
+        total = sum(tokens)
+        glob = sum(g * n for g, n in zip(grads, tokens, strict=True)) / total
+        est.update([g.square().sum().item() for g in grads], tokens, glob.square().sum().item())
+    assert abs(est.value - true_b) / true_b < 0.10, (est.value, true_b)
+
+
+def test_step_metrics_leave_out_empty_ranks():
+    gram = [[4.0, 2.0, 0.0], [2.0, 4.0, 0.0], [0.0, 0.0, 0.0]]
+    m = step_metrics([6.0, 2.0, 0.0], [3.0, 1.0, 0.0], [4.0, 4.0, 0.0], gram)
+    assert m["empty_ranks"] == 1 and m["rank_loss"] == [2.0, 2.0, None]
+    assert m["loss_std"] == 0.0 and m["tokens_min"] == 0
+    assert m["cos_mean_pairwise"] == pytest.approx(0.5)
+    assert m["rank_grad_norm"] == [pytest.approx(2 * 4 / 3), pytest.approx(2 * 4), None]
+    assert m["rank_cos_to_mean"][2] is None and m["cos_to_mean_min_rank"] in (0, 1)

@@ -1,0 +1,118 @@
+"""Run under torchrun at one world size: diagnostics against a single-process reference.
+
+For FSDP and DDP, `exact` and `sketch`, one training step of the tiny Llama on the imbalanced
+global batch of exactness.py goes through the real probe, gathers and collect(). Every rank
+also computes the reference itself: each rank's local token-mean gradient separately, on an
+unsharded copy, and the metrics from those vectors directly. Writes JSON (rank 0) to argv[1].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from exactness import ARGS, GLOBAL_BATCH, SEED, global_batch
+
+from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
+from titanlite.config import JobConfig
+from titanlite.config.layout import resolve_layout
+from titanlite.diagnostics.component import Diagnostics
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
+from titanlite.distributed.parallelize import parallelize_blocks
+from titanlite.distributed.param_init import ParamInit
+from titanlite.distributed.utils import clip_grad_norm_
+from titanlite.models.llama3 import Llama3
+from titanlite.train import forward_backward, materialize
+
+
+def reference(world: int) -> dict:
+    tokens, labels = global_batch()
+    per = GLOBAL_BATCH // world
+    losses, counts, grads = [], [], []
+    for r in range(world):
+        model = Llama3(ARGS)
+        model.init_weights(ParamInit(model, SEED))
+        x, y = tokens[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
+        n = int((y != IGNORE_INDEX).sum())
+        s = cross_entropy_sum(model(x), y)
+        (s / max(n, 1)).backward()
+        losses.append(s.item() / n if n else None)
+        counts.append(n)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    total = sum(counts)
+    global_grad = sum(g * n for g, n in zip(grads, counts, strict=True)) / total
+    live = [r for r in range(world) if counts[r] > 0]
+    cos = [
+        [
+            float(torch.nn.functional.cosine_similarity(grads[i], grads[j], dim=0))
+            if i in live and j in live
+            else None
+            for j in range(world)
+        ]
+        for i in range(world)
+    ]
+    norms = [grads[r].norm().item() if r in live else None for r in range(world)]
+    live_losses = torch.tensor([losses[r] for r in live], dtype=torch.float64)
+    live_norms = torch.tensor([norms[r] for r in live], dtype=torch.float64)
+    return {
+        "rank_loss": losses,
+        "rank_tokens": counts,
+        "rank_grad_norm": norms,
+        "cos_matrix": cos,
+        "rank_cos_to_mean": [
+            float(torch.nn.functional.cosine_similarity(grads[r], global_grad, dim=0)) if r in live else None
+            for r in range(world)
+        ],
+        "loss_std": live_losses.std(unbiased=False).item(),
+        "grad_norm_std": live_norms.std(unbiased=False).item(),
+        "tokens_std": torch.tensor(counts, dtype=torch.float64).std(unbiased=False).item(),
+    }
+
+
+def run_case(world: int, mode: str, method: str, k: int) -> dict:
+    cfg = JobConfig()
+    cfg.parallelism.mode = mode
+    cfg.parallelism.dp_replicate = world if mode == "ddp" else 1
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.local_batch_size = GLOBAL_BATCH // (world * 2)  # 2 microbatches per rank
+    cfg.diagnostics.method = method
+    cfg.diagnostics.sketch_dim = k
+    layout = resolve_layout(cfg, world)
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
+    with torch.device("meta"):
+        model = Llama3(ARGS)
+    model = materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
+    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED)
+    tokens, labels = global_batch()
+    per, lb = GLOBAL_BATCH // world, cfg.training.local_batch_size
+    start = dist.get_rank() * per
+    micro = [
+        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
+        for m in range(2)
+    ]
+    balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
+    measured = diag.begin_step(1)
+    _, loss_sum = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync or measured
+    )
+    grad_norm = clip_grad_norm_(model.parameters(), 0.0)
+    diag.end_step(1, loss_sum, balancer.local_tokens(), grad_norm)
+    (rec,) = diag.collect()
+    return {"world": world, "mode": mode, "method": method, "k": k, "record": rec}
+
+
+def main() -> None:
+    init_distributed(torch.device("cpu"))
+    world = dist.get_world_size()
+    cases = [run_case(world, mode, "exact", 0) for mode in ("fsdp", "ddp")]
+    cases += [run_case(world, mode, "sketch", k) for mode in ("fsdp", "ddp") for k in (256, 4096)]
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"world": world, "reference": reference(world), "cases": cases}, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The diagnostics component: the trainer calls begin_step / end_step around each step and
+collect() on log steps.
+
+Measured steps are every step for the first `warmup_steps`, then every `interval` steps. On a
+measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
+each rank contributes (summed loss, valid tokens, local gradient norm^2) plus its partial Gram
+(`exact`) or sketch (`sketch`), gathered asynchronously on the component's own process group,
+so none of it queues behind, or delays, the gradient traffic. Results stay device tensors until
+collect(), which reads them all at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.diagnostics.probe import GradProbe, install
+from titanlite.diagnostics.stats import NoiseScale, step_metrics
+from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.errors import UserError
+
+logger = logging.getLogger("titanlite")
+
+
+@dataclass
+class _Pending:
+    step: int
+    per_rank: torch.Tensor  # [world, 3]: loss sum, valid tokens, local grad norm^2
+    directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
+    global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
+    works: list
+    exact: bool
+
+    def gram(self) -> torch.Tensor:
+        """[world, world] inner products of the ranks' local gradients (exact or from sketches)."""
+        if self.exact:
+            return self.directions
+        d = self.directions.double()
+        return d @ d.T
+
+
+class Diagnostics:
+    def __init__(self, cfg: DiagnosticsConfig, model: torch.nn.Module, dims: ParallelDims, seed: int) -> None:
+        self.cfg = cfg
+        self.world = dims.dp_size
+        self.enabled = cfg.enable and self.world > 1
+        self.measuring = False
+        self._pending: list[_Pending] = []
+        self.noise = NoiseScale(cfg.noise_scale_ema)
+        if not self.enabled:
+            if cfg.enable:
+                logger.info("diagnostics: off (they compare ranks, and dp = 1)")
+            return
+        if cfg.method == "exact" and dims.mode == "hsdp":
+            raise UserError(
+                "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
+                "one replica); use diagnostics.method = 'sketch'"
+            )
+        self.group = dist.new_group(ranks=list(range(self.world)))
+        self.probe = GradProbe(cfg.method, self.world, cfg.sketch_dim, seed, dims.device)
+        install(model, self.probe)
+
+    def is_measured(self, step: int) -> bool:
+        return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
+
+    def begin_step(self, step: int) -> bool:
+        """Arm the probe for this step; True if the step is measured (then the trainer
+        reduces gradients only on the last microbatch, so the probe sees the whole step)."""
+        self.measuring = self.enabled and self.is_measured(step)
+        if self.enabled:
+            self.probe.start(self.measuring)
+        return self.measuring
+
+    def end_step(
+        self, step: int, loss_sum: torch.Tensor, tokens: torch.Tensor, grad_norm: torch.Tensor
+    ) -> None:
+        """Start the async gathers of this measured step. Reads nothing on the host."""
+        if not self.measuring:
+            return
+        self.probe.measuring = self.measuring = False
+        mine = torch.stack([loss_sum.double(), tokens.double(), self.probe.norm_sq.clone()])
+        per_rank = torch.empty(self.world, 3, dtype=torch.float64, device=mine.device)
+        works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
+        if self.cfg.method == "exact":
+            directions = self.probe.gram.clone()
+            works.append(dist.all_reduce(directions, group=self.group, async_op=True))
+        else:
+            sketch = self.probe.sketch.clone()
+            directions = torch.empty(self.world, sketch.numel(), dtype=sketch.dtype, device=sketch.device)
+            works.append(dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True))
+        self._pending.append(
+            _Pending(
+                step,
+                per_rank,
+                directions,
+                grad_norm.detach().double().clone(),
+                works,
+                self.cfg.method == "exact",
+            )
+        )
+
+    def collect(self) -> list[dict]:
+        """Log step: one host read of every pending measured step; returns their records."""
+        if not self._pending:
+            return []
+        for p in self._pending:
+            for w in p.works:
+                w.wait()
+        flat = torch.cat(
+            [
+                torch.cat([p.per_rank.flatten(), p.gram().flatten(), p.global_norm.reshape(1)])
+                for p in self._pending
+            ]
+        ).tolist()
+        records, pos, w = [], 0, self.world
+        for p in self._pending:
+            per_rank = [flat[pos + 3 * r : pos + 3 * r + 3] for r in range(w)]
+            pos += 3 * w
+            gram = [flat[pos + w * i : pos + w * i + w] for i in range(w)]
+            pos += w * w
+            global_norm = flat[pos]
+            pos += 1
+            loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
+            rec = {"step": p.step, "method": self.cfg.method}
+            rec.update(step_metrics(loss_sums, tokens, norms_sq, gram))
+            total = sum(tokens)
+            rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]
+            rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, global_norm**2)
+            records.append(rec)
+        self._pending.clear()
+        return records

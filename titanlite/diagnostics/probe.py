@@ -1,0 +1,110 @@
+"""Where each rank's local, unreduced gradient passes: FSDP2's reduce-scatter and DDP's comm hook.
+
+On a measured step the probe takes, from what it is handed anyway:
+  - the squared L2 norm of the local gradient;
+  - `sketch`: its CountSketch (O(D), no communication);
+  - `exact`: the Gram matrix of all ranks' local gradients, at no more communication volume
+    than the reduction itself: the reduce-scatter becomes an all-to-all (each rank receives
+    every rank's copy of its own shard), the rank sums the rows (the reduce-scatter's result)
+    and keeps rows @ rows.T, a partial Gram over its shard's coordinates. The partials of all
+    ranks add up to the full Gram (one N x N all-reduce later). DDP's all-reduce is done as the
+    same all-to-all followed by an all-gather of the summed chunks.
+On other steps it performs the plain SUM reduction. It never reads a value on the host.
+Under HSDP the reduce-scatter spans one replica only, so `exact` is not available there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from titanlite.diagnostics.sketch import CountSketch
+
+_UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, for the sketch hash
+
+
+class GradProbe:
+    def __init__(self, method: str, world: int, sketch_dim: int, seed: int, device: torch.device) -> None:
+        self.method = method
+        self.world = world
+        self.measuring = False
+        self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
+        self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)
+        self.sketch = torch.zeros(sketch_dim, dtype=torch.float32, device=device)
+        self.countsketch = CountSketch(sketch_dim, seed)
+
+    def start(self, measuring: bool) -> None:
+        self.measuring = measuring
+        if measuring:
+            self.norm_sq.zero_()
+            self.gram.zero_()
+            self.sketch.zero_()
+
+    def observe(self, local: torch.Tensor, offset: int) -> None:
+        """Account for one flat piece of this rank's local gradient."""
+        flat = local.reshape(-1).float()
+        self.norm_sq += torch.dot(flat, flat).double()
+        if self.method == "sketch":
+            self.countsketch.add_(self.sketch, flat, offset)
+
+    def reduce_with_gram(self, padded: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        """All-to-all of `padded` (world equal chunks); returns this rank's summed chunk."""
+        recv = torch.empty_like(padded)
+        dist.all_to_all_single(recv, padded, group=group)
+        rows = recv.view(self.world, -1).float()
+        self.gram += (rows @ rows.T).double()
+        return rows.sum(0)
+
+
+class ProbingReduceScatter:
+    """FSDP2 custom reduce-scatter (see FSDPModule.set_custom_reduce_scatter)."""
+
+    def __init__(self, probe: GradProbe, unit: int) -> None:
+        self.probe = probe
+        self.offset = unit * _UNIT_STRIDE
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        probe = self.probe
+        if probe.measuring:
+            probe.observe(input_tensor, self.offset)
+            if probe.method == "exact":
+                output_tensor.copy_(probe.reduce_with_gram(input_tensor, group))
+                return None
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+def _probe_bucket(probe: GradProbe, bucket, group: dist.ProcessGroup):
+    """DDP interceptor (see SumHookState): observe the bucket; reduce it here in `exact` mode."""
+    if not probe.measuring:
+        return None
+    buf = bucket.buffer()
+    probe.observe(buf, bucket.index() * _UNIT_STRIDE)
+    if probe.method != "exact":
+        return None  # the hook's plain SUM all-reduce follows
+    chunk = -(-buf.numel() // probe.world)
+    padded = torch.zeros(chunk * probe.world, dtype=buf.dtype, device=buf.device)
+    padded[: buf.numel()] = buf
+    summed = probe.reduce_with_gram(padded, group).to(buf.dtype)
+    gathered = torch.empty_like(padded)
+    dist.all_gather(list(gathered.view(probe.world, chunk).unbind(0)), summed, group=group)
+    buf.copy_(gathered[: buf.numel()])
+    fut = torch.futures.Future()
+    fut.set_result(buf)
+    return fut
+
+
+def install(model: torch.nn.Module, probe: GradProbe) -> None:
+    """Route the model's gradient reduction through the probe (FSDP/HSDP units or DDP)."""
+    if isinstance(model, DistributedDataParallel):
+        model.titanlite_hook_state.interceptor = functools.partial(_probe_bucket, probe)
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for i, unit in enumerate(units):
+        unit.set_custom_reduce_scatter(ProbingReduceScatter(probe, i))

@@ -1,0 +1,145 @@
+r"""Diagnostics metrics of one measured step, from what every rank contributed.
+
+Inputs (the same on every rank after the gather):
+  S_r   summed cross entropy of rank r's microbatches of the step
+  n_r   its valid tokens;  N = \sum_r n_r
+  q_r   ||h_r||^2, h_r = \sum_m \nabla S_{r,m} / N: what rank r contributes to the reduction
+  G     Gram matrix of the h_r (exact, or estimated from sketches)
+
+Rank r's own token-mean loss is S_r / n_r and its own token-mean gradient g_r = h_r N / n_r,
+so ||g_r|| = sqrt(q_r) N / n_r (always exact). Cosines are scale-free and come from G alone:
+cos(g_i, g_j) = G_ij / sqrt(G_ii G_jj).
+The step's gradient is \sum_r h_r, so each rank's cosine to it is
+\sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank with no valid token has no gradient of its own:
+it is left out of the loss, norm and cosine statistics (and counted in `empty_ranks`).
+Dispersions are population statistics (1/N), as in the loss-dispersion manual.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _pstd(xs: list[float]) -> float:
+    if not xs:
+        return float("nan")
+    mean = sum(xs) / len(xs)
+    return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
+
+
+def _argmax(values: list[float], ranks: list[int]) -> int:
+    return ranks[max(range(len(values)), key=values.__getitem__)]
+
+
+def _argmin(values: list[float], ranks: list[int]) -> int:
+    return ranks[min(range(len(values)), key=values.__getitem__)]
+
+
+def step_metrics(
+    loss_sums: list[float], tokens: list[float], norms_sq: list[float] | None, gram: list[list[float]] | None
+) -> dict:
+    """All per-step diagnostics (see module doc). Per-rank vectors are kept in full."""
+    world = len(tokens)
+    total = sum(tokens)
+    live = [r for r in range(world) if tokens[r] > 0]
+    losses = [loss_sums[r] / tokens[r] if tokens[r] > 0 else None for r in range(world)]
+    live_losses = [losses[r] for r in live]
+    m: dict = {
+        "rank_loss": losses,
+        "rank_tokens": [int(t) for t in tokens],
+        "empty_ranks": world - len(live),
+        "tokens_min": int(min(tokens)),
+        "tokens_max": int(max(tokens)),
+        "tokens_std": _pstd(tokens),
+    }
+    if live:
+        m.update(
+            loss_std=_pstd(live_losses),
+            loss_range=max(live_losses) - min(live_losses),
+            loss_max_rank=_argmax(live_losses, live),
+            loss_min_rank=_argmin(live_losses, live),
+        )
+    if norms_sq is None or gram is None or not live:
+        return m
+    norms = [
+        math.sqrt(max(norms_sq[r], 0.0)) * total / tokens[r] if tokens[r] > 0 else None for r in range(world)
+    ]
+    live_norms = [norms[r] for r in live]
+    mean_norm = sum(live_norms) / len(live_norms)
+    m.update(
+        rank_grad_norm=norms,
+        grad_norm_mean=mean_norm,
+        grad_norm_std=_pstd(live_norms),
+        grad_norm_cv=_pstd(live_norms) / mean_norm if mean_norm > 0 else float("nan"),
+        grad_norm_range=max(live_norms) - min(live_norms),
+        grad_norm_max_rank=_argmax(live_norms, live),
+    )
+    diag = [math.sqrt(max(gram[r][r], 0.0)) for r in range(world)]
+    pairs = [
+        gram[i][j] / (diag[i] * diag[j])
+        for a, i in enumerate(live)
+        for j in live[a + 1 :]
+        if diag[i] > 0 and diag[j] > 0
+    ]
+    total_sq = sum(gram[i][j] for i in range(world) for j in range(world))
+    to_mean = [
+        sum(gram[r]) / (diag[r] * math.sqrt(total_sq)) if r in live and diag[r] > 0 and total_sq > 0 else None
+        for r in range(world)
+    ]
+    live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
+    m.update(
+        cos_matrix=[
+            [gram[i][j] / (diag[i] * diag[j]) if diag[i] > 0 and diag[j] > 0 else None for j in range(world)]
+            for i in range(world)
+        ],
+        cos_mean_pairwise=sum(pairs) / len(pairs) if pairs else None,
+        rank_cos_to_mean=to_mean,
+        cos_to_mean_min=min(live_cos) if live_cos else None,
+        cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
+        if live_cos
+        else None,
+    )
+    return m
+
+
+@dataclass
+class NoiseScale:
+    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 (McCandlish et al. 2018, app. A),
+    counted in tokens, from per-rank and global gradient norms, smoothed by EMA.
+
+    For a gradient averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b. Rank r has
+    b = n_r and the whole step b = N, so with q = mean_r(1/n_r) (q = 1/B_small when the counts
+    are equal, which is the appendix's case):
+        tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N.
+    Both are noisy per step, so each is smoothed by EMA before the ratio, as the paper advises.
+    """
+
+    decay: float = 0.9
+    trace_ema: float | None = None
+    gsq_ema: float | None = None
+
+    def update(
+        self, rank_norms_sq: list[float], rank_tokens: list[float], global_norm_sq: float
+    ) -> float | None:
+        live = [(g, n) for g, n in zip(rank_norms_sq, rank_tokens, strict=True) if n > 0]
+        if len(live) < 2:
+            return self.value
+        total = sum(n for _, n in live)
+        q = sum(1.0 / n for _, n in live) / len(live)
+        if q - 1.0 / total <= 0:
+            return self.value
+        trace = (sum(g for g, _ in live) / len(live) - global_norm_sq) / (q - 1.0 / total)
+        gsq = global_norm_sq - trace / total
+        if self.trace_ema is None:
+            self.trace_ema, self.gsq_ema = trace, gsq
+        else:
+            self.trace_ema = self.decay * self.trace_ema + (1 - self.decay) * trace
+            self.gsq_ema = self.decay * self.gsq_ema + (1 - self.decay) * gsq
+        return self.value
+
+    @property
+    def value(self) -> float | None:
+        if self.trace_ema is None or self.gsq_ema is None or self.gsq_ema <= 0:
+            return None
+        return self.trace_ema / self.gsq_ema
