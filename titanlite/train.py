@@ -25,6 +25,7 @@ from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import validate
 from titanlite.config.manager import to_toml
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.diagnostics import faults
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import grad_sync, unwrap, wrap_ddp
@@ -92,7 +93,8 @@ class Trainer:
         init_distributed(self.device)
         self.rank = dist.get_rank()
         self.layout = validate(cfg, dist.get_world_size())
-        torch.manual_seed(cfg.training.seed)
+        torch.manual_seed(faults.rank_seed(cfg, self.rank))  # dropout; init has its own seeds
+        self._label_rng = torch.Generator().manual_seed(cfg.training.seed + self.rank)
         if cfg.training.deterministic:
             torch.use_deterministic_algorithms(True)
         if cfg.model.import_module:
@@ -119,6 +121,12 @@ class Trainer:
         self._batches = iter(self.dataloader)
 
         args = replace(flavor, vocab_size=self.tokenizer.vocab_size, max_seq_len=cfg.training.seq_len)
+        if cfg.model.dropout:
+            if not hasattr(args, "dropout"):
+                raise UserError(
+                    f"model.dropout is set but model '{cfg.model.name}' has no dropout; remove it"
+                )
+            args = replace(args, dropout=cfg.model.dropout)
         with torch.device("meta"):
             model = spec.model_cls(args)
         self._check_memory(model, args)
@@ -127,7 +135,7 @@ class Trainer:
         )
         model = materialize(spec.parallelize_fn(model, self.dims, cfg), self.dims, cfg.training.seed)
         self.model = model
-        self.diagnostics = Diagnostics(cfg.diagnostics, model, self.dims, cfg.training.seed)
+        self.diagnostics = Diagnostics(cfg.diagnostics, model, self.dims, cfg.training.seed, cfg.debug)
         self.optimizer = build_optimizer(model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.balancer = LossBalancer(
@@ -204,6 +212,8 @@ class Trainer:
             inputs, labels = next(self._batches)
             if step in self.cfg.debug.ignore_all_labels_steps:
                 labels = torch.full_like(labels, IGNORE_INDEX)
+            if self.rank == self.cfg.debug.corrupt_labels_rank:
+                labels = faults.corrupt_labels(labels, self._label_rng)
             micro.append(
                 (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
             )
@@ -279,12 +289,15 @@ class Trainer:
             peak = peak_flops(self.device, self.dims.param_dtype)
             if peak:
                 rec["mfu_pct"] = 100 * self.flops_per_token * tps / peak
-        diag = self.diagnostics.collect()
+        diag, alerts = self.diagnostics.collect()
         if diag:
             rec["diag"] = {k: v for k, v in diag[-1].items() if isinstance(v, (int, float)) and k != "step"}
         if self.rank == 0:
             self.metrics.write(rec)
             self.metrics.write_diagnostics(diag)
+            self.metrics.write_alerts(alerts)
+        if alerts and self.cfg.diagnostics.on_alert == "stop":
+            raise TrainingError(f"diagnostics.on_alert = 'stop': {alerts[0].line()}")
 
     def _memory_gib(self) -> float:
         if self.device.type == "cuda":

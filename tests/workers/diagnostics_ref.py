@@ -99,7 +99,7 @@ def run_case(world: int, mode: str, method: str, k: int) -> dict:
     )
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     diag.end_step(1, loss_sum, balancer.local_tokens(), grad_norm)
-    (rec,) = diag.collect()
+    (rec,), _ = diag.collect()
     return {"world": world, "mode": mode, "method": method, "k": k, "record": rec}
 
 

@@ -56,11 +56,13 @@ class MetricsWriter:
         self.total_steps = total_steps
         self._jsonl = None
         self._diag = None
+        self._events = None
         self._tb = None
         if run_dir is None:
             return
         self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._diag = (run_dir / "diagnostics.jsonl").open("a", encoding="utf-8")
+        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -92,8 +94,18 @@ class MetricsWriter:
                         self._tb.add_scalar(f"diag/{key}", value, rec["step"])
         logger.info(diagnostics_line(records[-1]))
 
+    def write_alerts(self, alerts: list) -> None:
+        """Alerts: a console warning, a line in events.jsonl and TensorBoard text."""
+        for alert in alerts:
+            logger.warning(alert.line())
+            if self._events is not None:
+                self._events.write(json.dumps(alert.to_dict()) + "\n")
+                self._events.flush()
+            if self._tb is not None:
+                self._tb.add_text(f"alerts/{alert.name}", alert.line(), alert.step)
+
     def close(self) -> None:
-        for f in (self._jsonl, self._diag):
+        for f in (self._jsonl, self._diag, self._events):
             if f is not None:
                 f.close()
         if self._tb is not None:

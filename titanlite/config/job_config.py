@@ -34,6 +34,7 @@ class Model:
     tokenizer_path: str = opt("", "SentencePiece .model file; empty: built-in stdlib tokenizer")
     builtin_vocab_size: int = opt(2048, "vocabulary of the built-in tokenizer (trained, cached)")
     import_module: str = opt("", "module imported first so it can register models (forks)")
+    dropout: float = opt(0.0, "dropout on residual branches (models whose args have `dropout`)")
 
 
 @dataclass
@@ -130,6 +131,15 @@ class Debug:
     )
     nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
     sync_debug: bool = opt(False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps")
+    same_data: bool = opt(False, "fault: every rank reads rank 0's share of the batch")
+    corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
+    grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
+    grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS")
+    seed_mode: str = opt(
+        "shared",
+        "dropout/shuffle seeds: shared (S1-1), rank0_differs (S1-2), per_rank (S1-3)",
+        choices=("shared", "rank0_differs", "per_rank"),
+    )
 
 
 @dataclass
@@ -142,6 +152,28 @@ class Diagnostics:
     )
     sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch")
     noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")
+    on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
+    alert_window: int = opt(20, "measured steps that trend and persistence rules look back on")
+    alert_min_steps: int = opt(10, "burn-in: measured steps ignored before alerts, then history they need")
+    spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median")
+    smooth_loss_tol: float = opt(
+        0.05, "dispersion_spike: global loss within this fraction of its recent median"
+    )
+    trend_rise: float = opt(
+        1.0, "dispersion_rising_loss_falling: rise of the std, last vs first third of the window"
+    )
+    outlier_margin: float = opt(
+        0.05, "single_rank_outlier: the rank's loss above the others' mean by this fraction"
+    )
+    persist_frac: float = opt(
+        0.7, "single_rank_outlier / faulty_worker: share of the window the same rank stands out"
+    )
+    identical_std: float = opt(1e-6, "identical_data: loss std below this fraction of the loss")
+    identical_cos: float = opt(0.99, "identical_data: or mean gradient cosine above this")
+    cos_high: float = opt(0.5, "cosine_drop: armed while the median mean cosine is above this")
+    cos_low: float = opt(0.05, "cosine_drop: fires when the mean cosine falls below this")
+    faulty_margin: float = opt(0.1, "faulty_worker: rank's median cosine to others below theirs by this")
+    norm_outlier_factor: float = opt(3.0, "faulty_worker: or its grad norm this many x the others' median")
 
 
 @dataclass

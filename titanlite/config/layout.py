@@ -78,6 +78,13 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     from pathlib import Path
 
     layout = resolve_layout(cfg, world_size)
+    for key in ("corrupt_labels_rank", "grad_noise_rank"):
+        if getattr(cfg.debug, key) >= world_size:
+            raise UserError(
+                f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
+            )
+    if not 0.0 <= cfg.model.dropout < 1.0:
+        raise UserError(f"model.dropout is {cfg.model.dropout}; it must be in [0, 1)")
     if cfg.metrics.log_freq < 1:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:

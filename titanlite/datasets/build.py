@@ -22,6 +22,7 @@ from titanlite.datasets import corpus
 from titanlite.datasets.pretrain import PackedDataset, build_token_cache
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sft import SFTDataset
+from titanlite.diagnostics import faults
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
 
@@ -98,9 +99,9 @@ def build_dataloader(
         len(dataset),
         cfg.training.global_batch_size,
         cfg.training.local_batch_size,
-        dp_rank,
+        faults.data_rank(cfg, dp_rank),
         dp_size,
-        cfg.training.seed,
+        faults.rank_seed(cfg, dp_rank),  # cfg.training.seed unless a seed fault is injected
     )
     return StatefulDataLoader(
         dataset,

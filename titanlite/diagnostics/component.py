@@ -12,12 +12,15 @@ collect(), which reads them all at once.
 from __future__ import annotations
 
 import logging
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from titanlite.config.job_config import Debug as DebugConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -44,25 +47,43 @@ class _Pending:
 
 
 class Diagnostics:
-    def __init__(self, cfg: DiagnosticsConfig, model: torch.nn.Module, dims: ParallelDims, seed: int) -> None:
+    def __init__(
+        self,
+        cfg: DiagnosticsConfig,
+        model: torch.nn.Module,
+        dims: ParallelDims,
+        seed: int,
+        debug: DebugConfig | None = None,
+    ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
         self.enabled = cfg.enable and self.world > 1
         self.measuring = False
         self._pending: list[_Pending] = []
         self.noise = NoiseScale(cfg.noise_scale_ema)
-        if not self.enabled:
-            if cfg.enable:
-                logger.info("diagnostics: off (they compare ranks, and dp = 1)")
-            return
-        if cfg.method == "exact" and dims.mode == "hsdp":
+        noisy = debug is not None and debug.grad_noise_rank == dist.get_rank()
+        if cfg.enable and self.world == 1:
+            logger.info("diagnostics: off (they compare ranks, and dp = 1)")
+        if self.enabled and cfg.method == "exact" and dims.mode == "hsdp":
             raise UserError(
                 "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
                 "one replica); use diagnostics.method = 'sketch'"
             )
-        self.group = dist.new_group(ranks=list(range(self.world)))
-        self.probe = GradProbe(cfg.method, self.world, cfg.sketch_dim, seed, dims.device)
-        install(model, self.probe)
+        if self.enabled:
+            self.group = dist.new_group(ranks=list(range(self.world)))
+            hosts: list = [None] * self.world
+            dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+            self.monitor = AlertMonitor(cfg, hosts)
+        if self.enabled or (debug is not None and debug.grad_noise_rank >= 0 and self.world > 1):
+            self.probe = GradProbe(
+                cfg.method,
+                self.world,
+                cfg.sketch_dim,
+                seed,
+                dims.device,
+                debug.grad_noise_scale if noisy else 0.0,
+            )
+            install(model, self.probe)
 
     def is_measured(self, step: int) -> bool:
         return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
@@ -103,10 +124,11 @@ class Diagnostics:
             )
         )
 
-    def collect(self) -> list[dict]:
-        """Log step: one host read of every pending measured step; returns their records."""
+    def collect(self) -> tuple[list[dict], list[Alert]]:
+        """Log step: one host read of every pending measured step; returns their records and
+        the alerts they raise (the same on every rank)."""
         if not self._pending:
-            return []
+            return [], []
         for p in self._pending:
             for w in p.works:
                 w.wait()
@@ -116,7 +138,7 @@ class Diagnostics:
                 for p in self._pending
             ]
         ).tolist()
-        records, pos, w = [], 0, self.world
+        records, alerts, pos, w = [], [], 0, self.world
         for p in self._pending:
             per_rank = [flat[pos + 3 * r : pos + 3 * r + 3] for r in range(w)]
             pos += 3 * w
@@ -130,6 +152,9 @@ class Diagnostics:
             total = sum(tokens)
             rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, global_norm**2)
+            raised = self.monitor.update(rec)
+            rec["alerts"] = [a.name for a in raised]
             records.append(rec)
+            alerts += raised
         self._pending.clear()
-        return records
+        return records, alerts

@@ -28,10 +28,20 @@ _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, fo
 
 
 class GradProbe:
-    def __init__(self, method: str, world: int, sketch_dim: int, seed: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        method: str,
+        world: int,
+        sketch_dim: int,
+        seed: int,
+        device: torch.device,
+        noise_scale: float = 0.0,
+    ) -> None:
         self.method = method
         self.world = world
         self.measuring = False
+        self.noise_scale = noise_scale  # > 0 only on the rank of the grad_noise fault
+        self._noise_gen = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)
         self.sketch = torch.zeros(sketch_dim, dtype=torch.float32, device=device)
@@ -43,6 +53,13 @@ class GradProbe:
             self.norm_sq.zero_()
             self.gram.zero_()
             self.sketch.zero_()
+
+    def perturb(self, local: torch.Tensor) -> None:
+        """The grad_noise fault: add N(0, (scale * RMS)^2) noise to this rank's local gradient."""
+        if self.noise_scale > 0:
+            rms = local.float().norm() / local.numel() ** 0.5
+            noise = torch.randn(local.shape, generator=self._noise_gen, device=local.device)
+            local.add_((noise * (self.noise_scale * rms)).to(local.dtype))
 
     def observe(self, local: torch.Tensor, offset: int) -> None:
         """Account for one flat piece of this rank's local gradient."""
@@ -72,6 +89,7 @@ class ProbingReduceScatter:
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         probe = self.probe
+        probe.perturb(input_tensor)
         if probe.measuring:
             probe.observe(input_tensor, self.offset)
             if probe.method == "exact":
@@ -82,9 +100,10 @@ class ProbingReduceScatter:
 
 def _probe_bucket(probe: GradProbe, bucket, group: dist.ProcessGroup):
     """DDP interceptor (see SumHookState): observe the bucket; reduce it here in `exact` mode."""
+    buf = bucket.buffer()
+    probe.perturb(buf)
     if not probe.measuring:
         return None
-    buf = bucket.buffer()
     probe.observe(buf, bucket.index() * _UNIT_STRIDE)
     if probe.method != "exact":
         return None  # the hook's plain SUM all-reduce follows

@@ -10,7 +10,10 @@ Rank r's own token-mean loss is S_r / n_r and its own token-mean gradient g_r = 
 so ||g_r|| = sqrt(q_r) N / n_r (always exact). Cosines are scale-free and come from G alone:
 cos(g_i, g_j) = G_ij / sqrt(G_ii G_jj).
 The step's gradient is \sum_r h_r, so each rank's cosine to it is
-\sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank with no valid token has no gradient of its own:
+\sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank whose gradient is much larger than the others'
+(a faulty device adding noise, say) dominates that sum and looks well aligned, so each rank's
+cosine to the sum of the *other* ranks is kept too:
+\sum_{j != i} G_ij / sqrt(G_ii \sum_{j,k != i} G_jk). A rank with no valid token has no gradient of its own:
 it is left out of the loss, norm and cosine statistics (and counted in `empty_ranks`).
 Dispersions are population statistics (1/N), as in the loss-dispersion manual.
 """
@@ -87,6 +90,12 @@ def step_metrics(
         sum(gram[r]) / (diag[r] * math.sqrt(total_sq)) if r in live and diag[r] > 0 and total_sq > 0 else None
         for r in range(world)
     ]
+    to_others = []
+    for r in range(world):
+        others = [j for j in range(world) if j != r]
+        sq = sum(gram[j][k] for j in others for k in others)
+        ok = r in live and diag[r] > 0 and sq > 0
+        to_others.append(sum(gram[r][j] for j in others) / (diag[r] * math.sqrt(sq)) if ok else None)
     live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
     m.update(
         cos_matrix=[
@@ -99,6 +108,7 @@ def step_metrics(
         cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
         if live_cos
         else None,
+        rank_cos_to_others=to_others,
     )
     return m
 

@@ -29,6 +29,7 @@ class Llama3Args:
     rope_original_max_len: int = 8192
     max_seq_len: int = 2048  # filled in from training.seq_len
     tie_embeddings: bool = False
+    dropout: float = 0.0  # on the attention and feed-forward outputs
 
 
 def rope_frequencies(args: Llama3Args) -> torch.Tensor:
@@ -126,10 +127,12 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
+        self.dropout = args.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
-        return h + self.feed_forward(self.ffn_norm(h))
+        p = self.dropout if self.training else 0.0
+        h = x + F.dropout(self.attention(self.attention_norm(x), cos, sin), p)
+        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), p)
 
     def init_weights(self, init: ParamInit) -> None:
         # Output projections get a depth-scaled std so the residual stream does not grow with depth.

@@ -1,0 +1,201 @@
+"""Named alerts from the anomaly tables of the loss-dispersion and gradient-direction manuals.
+
+A pure function of the sequence of measured-step records (stats.step_metrics), so it gives the
+same verdict on every rank and can be replayed on a recorded diagnostics.jsonl. Every threshold
+is a [diagnostics] field. An alert fires at most once per `alert_window` measured steps per
+(name, rank). The first `alert_min_steps` measured steps are a burn-in that does not even count
+as a baseline: early training is not representative (dispersion rises from ~0 as the model
+learns anything; gradients agree strongly at first, then stop), and rules need that much history.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+
+CAUSES = {
+    "dispersion_spike": "seed mismatch (dropout/augmentation) or shuffle desync: align the seeds, check the sampler's epoch",
+    "dispersion_rising_loss_falling": "ranks drifting apart while the average looks healthy: audit seeds, sharding and precision now",
+    "single_rank_outlier": "a bad batch on that rank (corrupted, extreme or noisy samples): inspect its data",
+    "identical_data": "ranks read the same data (rank not passed to the loader?): audit the sharding",
+    "cosine_drop": "desynchronised seeds or data loader across ranks",
+    "faulty_worker": "a faulty worker: possible silent data corruption or a failing device on that host",
+}
+
+
+@dataclass
+class Alert:
+    name: str
+    step: int
+    ranks: list[int]
+    hosts: list[str]
+    message: str
+    cause: str = ""
+    values: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cause = self.cause or CAUSES[self.name]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def line(self) -> str:
+        where = f" rank(s) {self.ranks} on {sorted(set(self.hosts))}" if self.ranks else ""
+        return f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
+
+
+@dataclass
+class _Point:
+    step: int
+    loss: float  # global token mean
+    loss_std: float
+    cos: float | None
+    max_rank: int | None
+    gap: float  # (max rank loss - mean of the others) / global loss
+    low_rank: int | None  # lowest median cosine to the other ranks
+    low_margin: float  # median of the others' median cosines minus the lowest one
+    big_rank: int | None  # largest own gradient norm
+    big_ratio: float  # its norm / median of the others' norms
+
+
+def _median_excluding(values: list, r: int) -> float:
+    return statistics.median(v for j, v in enumerate(values) if j != r and v is not None)
+
+
+def _point(rec: dict) -> _Point | None:
+    losses, tokens = rec["rank_loss"], rec["rank_tokens"]
+    live = [r for r, v in enumerate(losses) if v is not None]
+    if not live:
+        return None
+    total = sum(tokens[r] for r in live)
+    loss = sum(losses[r] * tokens[r] for r in live) / total
+    max_rank = max(live, key=losses.__getitem__)
+    others = [losses[r] for r in live if r != max_rank]
+    gap = (losses[max_rank] - statistics.fmean(others)) / loss if others and loss > 0 else 0.0
+    low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
+    cos = rec.get("cos_matrix")
+    if cos and len(live) >= 3:
+        # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
+        med = {
+            r: statistics.median(cos[r][j] for j in live if j != r and cos[r][j] is not None) for r in live
+        }
+        low_rank = min(med, key=med.get)
+        low_margin = statistics.median(v for r, v in med.items() if r != low_rank) - med[low_rank]
+    norms = rec.get("rank_grad_norm")
+    if norms and len(live) >= 3:
+        big_rank = max(live, key=norms.__getitem__)
+        rest = _median_excluding(norms, big_rank)
+        big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
+    return _Point(
+        rec["step"],
+        loss,
+        rec.get("loss_std", 0.0),
+        rec.get("cos_mean_pairwise"),
+        max_rank,
+        gap,
+        low_rank,
+        low_margin,
+        big_rank,
+        big_ratio,
+    )
+
+
+def _persistent(pts: list[_Point], attr: str, world: int) -> tuple[int, int]:
+    """The rank named by `attr` most often in the window, and how often."""
+    counts = [sum(getattr(q, attr) == r for q in pts) for r in range(world)]
+    top = max(range(world), key=counts.__getitem__)
+    return top, counts[top]
+
+
+class AlertMonitor:
+    def __init__(self, cfg: DiagnosticsConfig, hosts: list[str]) -> None:
+        self.cfg = cfg
+        self.hosts = hosts
+        self.history: deque[_Point] = deque(maxlen=cfg.alert_window)
+        self.seen = 0
+        self._last: dict[tuple[str, int], int] = {}
+
+    def _fire(self, name: str, p: _Point, ranks: list[int], message: str, **values) -> list[Alert]:
+        key = (name, ranks[0] if ranks else -1)
+        if self.seen - self._last.get(key, -(10**9)) < self.cfg.alert_window:
+            return []
+        self._last[key] = self.seen
+        return [Alert(name, p.step, ranks, [self.hosts[r] for r in ranks], message, values=values)]
+
+    def update(self, rec: dict) -> list[Alert]:
+        p = _point(rec)
+        if p is None:
+            return []
+        c = self.cfg
+        self.seen += 1
+        if self.seen <= c.alert_min_steps:
+            return []  # burn-in: not even a baseline
+        past = list(self.history)
+        self.history.append(p)
+        pts = list(self.history)
+        if len(past) < c.alert_min_steps:
+            return []
+        world = len(self.hosts)
+        out: list[Alert] = []
+        # 1. a dispersion spike while the global loss stays smooth
+        ref_std = statistics.median(q.loss_std for q in past)
+        ref_loss = statistics.median(q.loss for q in past[-5:])
+        if (
+            ref_std > 0
+            and p.loss_std > c.spike_factor * ref_std
+            and abs(p.loss - ref_loss) < c.smooth_loss_tol * ref_loss
+        ):
+            msg = f"loss dispersion {p.loss_std:.4f} is {p.loss_std / ref_std:.1f}x its recent median while the global loss is smooth"
+            out += self._fire("dispersion_spike", p, [], msg, loss_std=p.loss_std, median=ref_std)
+        # 2. dispersion rising while the global loss falls (the manual's critical warning)
+        if len(pts) == c.alert_window:
+            third = max(1, len(pts) // 3)
+            std_a = statistics.fmean(q.loss_std for q in pts[:third])
+            std_b = statistics.fmean(q.loss_std for q in pts[-third:])
+            loss_a = statistics.fmean(q.loss for q in pts[:third])
+            loss_b = statistics.fmean(q.loss for q in pts[-third:])
+            if std_a > 0 and std_b > (1 + c.trend_rise) * std_a and loss_b < loss_a:
+                msg = f"loss dispersion rose {std_a:.4f} -> {std_b:.4f} while the global loss fell {loss_a:.4f} -> {loss_b:.4f}"
+                out += self._fire("dispersion_rising_loss_falling", p, [], msg, std_from=std_a, std_to=std_b)
+        # 3. one rank drives the range, persistently
+        top, n = _persistent(pts, "max_rank", world)
+        gaps = [q.gap for q in pts if q.max_rank == top]
+        if n >= c.persist_frac * len(pts) and statistics.fmean(gaps) > c.outlier_margin:
+            msg = f"rank {top} had the highest loss in {n} of the last {len(pts)} measured steps, {100 * statistics.fmean(gaps):.1f}% above the others"
+            out += self._fire("single_rank_outlier", p, [top], msg, share=n / len(pts))
+        # 4. ranks indistinguishable throughout: the same data
+        recent = pts[-c.alert_min_steps :]
+        if all(
+            q.loss_std <= c.identical_std * q.loss or (q.cos is not None and q.cos > c.identical_cos)
+            for q in recent
+        ):
+            msg = (
+                f"loss dispersion ~0 or gradient cosine > {c.identical_cos} for {len(recent)} measured steps"
+            )
+            out += self._fire("identical_data", p, [], msg, loss_std=p.loss_std, cos=p.cos)
+        # 5. alignment collapsing: typically above cos_high, now near 0 or below
+        cos_past = [q.cos for q in past if q.cos is not None]
+        if cos_past and statistics.median(cos_past) > c.cos_high and p.cos is not None and p.cos < c.cos_low:
+            msg = f"mean pairwise gradient cosine fell to {p.cos:.3f} from a median of {statistics.median(cos_past):.3f}"
+            out += self._fire("cosine_drop", p, [], msg, cos=p.cos)
+        # 6. one rank persistently disagrees with the others, or its gradient norm stands apart
+        low, n = _persistent(pts, "low_rank", world)
+        margins = [q.low_margin for q in pts if q.low_rank == low]
+        if n >= c.persist_frac * len(pts) and statistics.fmean(margins) > c.faulty_margin:
+            msg = (
+                f"rank {low} ({self.hosts[low]}) had the lowest gradient cosine to the other ranks in {n} of the "
+                f"last {len(pts)} measured steps, {statistics.fmean(margins):.3f} below their median"
+            )
+            out += self._fire("faulty_worker", p, [low], msg, share=n / len(pts))
+        big, n = _persistent(pts, "big_rank", world)
+        ratios = [q.big_ratio for q in pts if q.big_rank == big]
+        if n >= c.persist_frac * len(pts) and statistics.fmean(ratios) > c.norm_outlier_factor:
+            msg = (
+                f"rank {big} ({self.hosts[big]}) had the largest gradient norm in {n} of the last {len(pts)} "
+                f"measured steps, {statistics.fmean(ratios):.1f}x the others' median"
+            )
+            out += self._fire("faulty_worker", p, [big], msg, share=n / len(pts))
+        return out
