@@ -130,3 +130,21 @@ def test_each_alert_fires_when_provoked(fault, name, ranks):
 
 def test_nothing_fires_before_min_steps():
     assert run(list(healthy(1, _same))[: Diagnostics().alert_min_steps]) == []
+
+
+@pytest.mark.slow
+def test_real_runs_healthy_silent_faults_named(tmp_path):
+    import json
+
+    from helpers import check, torchrun
+
+    out = tmp_path / "alerts.json"
+    check(torchrun(4, "tests/workers/alerts_e2e.py", str(out), str(tmp_path / "runs"), timeout=900))
+    res = json.loads(out.read_text())
+    assert res["healthy"] == {"alerts": [], "stopped": None}
+    same = res["same_data"]
+    assert [a["name"] for a in same["alerts"]] == ["identical_data"]
+    assert same["stopped"] and "identical_data" in same["stopped"]
+    noise = [a for a in res["grad_noise"]["alerts"] if a["name"] == "faulty_worker"]
+    assert noise and noise[0]["ranks"] == [1] and noise[0]["hosts"]
+    assert res["grad_noise"]["stopped"] is None  # on_alert = "warn": the run goes on

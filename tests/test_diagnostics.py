@@ -55,21 +55,26 @@ def test_exact_matches_per_rank_reference(results, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_sketch_error_is_bounded_and_shrinks_with_k(results, world):
+    """Every cosine within 4 sqrt(2/k) of the exact one; over 6 sketch seeds, the RMS error at
+    k = 4096 is well below that at k = 256 (its expected ratio is 4)."""
     ref = results[world]["reference"]
-    errors = {}
+    errors: dict = {}
     for c in (c for c in results[world]["cases"] if c["method"] == "sketch"):
         rec = c["record"]
         assert _vec_close(rec["rank_grad_norm"], ref["rank_grad_norm"])  # norms are exact anyway
-        err = max(
-            abs(g - w)
-            for grow, wrow in zip(rec["cos_matrix"], ref["cos_matrix"], strict=True)
-            for g, w in zip(grow, wrow, strict=True)
-            if w is not None
-        )
-        assert err <= 4 * math.sqrt(2 / c["k"]), (c["mode"], c["k"], err)
-        errors.setdefault(c["mode"], {})[c["k"]] = err
-    for mode, by_k in errors.items():
-        assert by_k[4096] < by_k[256], (mode, by_k)
+        errs = [
+            g - w
+            for i, (grow, wrow) in enumerate(zip(rec["cos_matrix"], ref["cos_matrix"], strict=True))
+            for j, (g, w) in enumerate(zip(grow, wrow, strict=True))
+            if w is not None and i < j
+        ]
+        assert max(abs(e) for e in errs) <= 4 * math.sqrt(2 / c["k"]), (c["mode"], c["k"], errs)
+        errors.setdefault((c["mode"], c["k"]), []).extend(errs)
+    for mode in ("fsdp", "ddp"):
+        rms = {
+            k: math.sqrt(sum(e * e for e in errors[(mode, k)]) / len(errors[(mode, k)])) for k in (256, 4096)
+        }
+        assert rms[4096] < rms[256] / 2, (mode, rms)
 
 
 def test_noise_scale_recovers_a_known_value():

@@ -71,7 +71,7 @@ def reference(world: int) -> dict:
     }
 
 
-def run_case(world: int, mode: str, method: str, k: int) -> dict:
+def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -> dict:
     cfg = JobConfig()
     cfg.parallelism.mode = mode
     cfg.parallelism.dp_replicate = world if mode == "ddp" else 1
@@ -84,7 +84,7 @@ def run_case(world: int, mode: str, method: str, k: int) -> dict:
     with torch.device("meta"):
         model = Llama3(ARGS)
     model = materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
-    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED)
+    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED + sketch_seed)
     tokens, labels = global_batch()
     per, lb = GLOBAL_BATCH // world, cfg.training.local_batch_size
     start = dist.get_rank() * per
@@ -100,14 +100,19 @@ def run_case(world: int, mode: str, method: str, k: int) -> dict:
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     diag.end_step(1, loss_sum, balancer.local_tokens(), grad_norm)
     (rec,), _ = diag.collect()
-    return {"world": world, "mode": mode, "method": method, "k": k, "record": rec}
+    return {"world": world, "mode": mode, "method": method, "k": k, "sketch_seed": sketch_seed, "record": rec}
 
 
 def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
     cases = [run_case(world, mode, "exact", 0) for mode in ("fsdp", "ddp")]
-    cases += [run_case(world, mode, "sketch", k) for mode in ("fsdp", "ddp") for k in (256, 4096)]
+    cases += [
+        run_case(world, mode, "sketch", k, s)
+        for mode in ("fsdp", "ddp")
+        for k in (256, 4096)
+        for s in range(6)
+    ]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump({"world": world, "reference": reference(world), "cases": cases}, f)

@@ -91,7 +91,11 @@ def main() -> None:
     instrument()
     out_dir = sys.argv[2]
     results = {
-        "fsdp_accum2_sft": run(["--data.mode", "sft", "--training.seq_len", "256"], out_dir, "fsdp"),
+        "fsdp_accum2_sft": run(
+            ["--data.mode", "sft", "--training.seq_len", "256", "--diagnostics.method", "sketch"],
+            out_dir,
+            "fsdp",
+        ),
         "ddp_accum2_skip": run(
             ["--parallelism.dp_replicate", "2", "--debug.ignore_all_labels_steps", "2,5"], out_dir, "ddp"
         ),

@@ -148,7 +148,9 @@ class Diagnostics:
     warmup_steps: int = opt(200, "measure every step for this many first steps")
     interval: int = opt(500, "after the warmup, measure every this many steps")
     method: str = opt(
-        "sketch", "gradient directions: sketch (CountSketch) or exact (Gram)", choices=("sketch", "exact")
+        "auto",
+        "gradient directions: exact (Gram), sketch (CountSketch); auto: exact, sketch under hsdp",
+        choices=("auto", "exact", "sketch"),
     )
     sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch")
     noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")

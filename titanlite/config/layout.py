@@ -85,6 +85,9 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             )
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise UserError(f"model.dropout is {cfg.model.dropout}; it must be in [0, 1)")
+    d = cfg.diagnostics
+    if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3:
+        raise UserError("diagnostics.sketch_dim must be >= 16, interval >= 1 and alert_window >= 3")
     if cfg.metrics.log_freq < 1:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:

@@ -64,7 +64,10 @@ class Diagnostics:
         noisy = debug is not None and debug.grad_noise_rank == dist.get_rank()
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
-        if self.enabled and cfg.method == "exact" and dims.mode == "hsdp":
+        # auto: exact where the reduction allows it (measured no dearer than off on CPU, see the
+        # README), sketch under HSDP.
+        self.method = cfg.method if cfg.method != "auto" else ("sketch" if dims.mode == "hsdp" else "exact")
+        if self.enabled and self.method == "exact" and dims.mode == "hsdp":
             raise UserError(
                 "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
                 "one replica); use diagnostics.method = 'sketch'"
@@ -76,7 +79,7 @@ class Diagnostics:
             self.monitor = AlertMonitor(cfg, hosts)
         if self.enabled or (debug is not None and debug.grad_noise_rank >= 0 and self.world > 1):
             self.probe = GradProbe(
-                cfg.method,
+                self.method,
                 self.world,
                 cfg.sketch_dim,
                 seed,
@@ -106,7 +109,7 @@ class Diagnostics:
         mine = torch.stack([loss_sum.double(), tokens.double(), self.probe.norm_sq.clone()])
         per_rank = torch.empty(self.world, 3, dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
-        if self.cfg.method == "exact":
+        if self.method == "exact":
             directions = self.probe.gram.clone()
             works.append(dist.all_reduce(directions, group=self.group, async_op=True))
         else:
@@ -120,7 +123,7 @@ class Diagnostics:
                 directions,
                 grad_norm.detach().double().clone(),
                 works,
-                self.cfg.method == "exact",
+                self.method == "exact",
             )
         )
 
@@ -147,7 +150,7 @@ class Diagnostics:
             global_norm = flat[pos]
             pos += 1
             loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
-            rec = {"step": p.step, "method": self.cfg.method}
+            rec = {"step": p.step, "method": self.method}
             rec.update(step_metrics(loss_sums, tokens, norms_sq, gram))
             total = sum(tokens)
             rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]

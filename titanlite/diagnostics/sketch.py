@@ -1,32 +1,58 @@
 """CountSketch: a shared-seed sparse random projection of a gradient to k dimensions.
 
-Coordinate i goes to bucket h(i) with sign s(i), both from a hash seeded identically on every
-rank, so <sketch(a), sketch(b)> is an unbiased estimate of <a, b> with variance at most
+Coordinate i goes to bucket h(i) with sign s(i), both seeded identically on every rank, so
+<sketch(a), sketch(b)> is an unbiased estimate of <a, b> with variance at most
 (|a|^2 |b|^2 + <a, b>^2) / k: a cosine's error is about sqrt(2 / k) (0.044 at k = 1024).
-It costs O(D) per gradient of D values and no memory per parameter: the hash is computed from
-the coordinate index, in chunks. A dense k x D Gaussian projection would cost k x D FLOPs.
+
+The hash is cheap: coordinates come in blocks of T = 2^20; within a block a cached random table
+gives each offset a bucket and a sign, and each block adds its own random shift to the buckets
+and flips all signs at random (both from a hash of the block's index). Two distinct coordinates
+then share a bucket with probability 1/k and carry independent signs, which is what the
+variance bound needs. Per value it costs an add, a modulo on a table-sized slice, two multiplies
+and the index_add; memory is the table, not per parameter. A dense k x D Gaussian projection
+would cost k x D FLOPs.
 """
 
 from __future__ import annotations
 
 import torch
 
-_P = 2**31 - 1  # a Mersenne prime; indices are reduced mod P before multiplying, no int64 overflow
-_CHUNK = 1 << 22
+_T = 1 << 20
+_MASK64 = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64: a well-spread 64-bit hash of an integer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
 
 
 class CountSketch:
     def __init__(self, k: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         self.k = k
-        self.a, self.b, self.c, self.d = (int(x) for x in torch.randint(1, _P, (4,), generator=g))
+        self.seed = seed
+        self._bucket = torch.randint(0, k, (_T,), generator=g)
+        self._sign = torch.randint(0, 2, (_T,), generator=g).float() * 2 - 1
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._on:
+            self._on[device] = (self._bucket.to(device), self._sign.to(device))
+        return self._on[device]
 
     def add_(self, out: torch.Tensor, values: torch.Tensor, offset: int) -> None:
         """out[k] += sketch of the flat `values`, whose first element is coordinate `offset`."""
         flat = values.reshape(-1)
-        for start in range(0, flat.numel(), _CHUNK):
-            part = flat[start : start + _CHUNK]
-            idx = torch.arange(offset + start, offset + start + part.numel(), device=part.device) % _P
-            bucket = (idx * self.a + self.b) % _P % self.k
-            sign = ((idx * self.c + self.d) % _P % 2) * 2 - 1
-            out.index_add_(0, bucket, part.to(out.dtype) * sign.to(out.dtype))
+        bucket, sign = self._tables(flat.device)
+        pos = 0
+        while pos < flat.numel():
+            block, within = divmod(offset + pos, _T)
+            n = min(_T - within, flat.numel() - pos)
+            h = _mix(self.seed * 0x100000001B3 + block)
+            shift, flip = h % self.k, 1.0 if (h >> 63) & 1 else -1.0
+            idx = (bucket[within : within + n] + shift) % self.k
+            out.index_add_(0, idx, flat[pos : pos + n].to(out.dtype) * (sign[within : within + n] * flip))
+            pos += n
