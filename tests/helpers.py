@@ -21,6 +21,16 @@ def torchrun(
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def run_per_world(tmp_path_factory, script: str, worlds: tuple[int, ...]) -> dict[int, dict]:
+    """One torchrun of `script OUT.json` per world size; returns each world's JSON."""
+    out = {}
+    for world in worlds:
+        path = tmp_path_factory.mktemp(Path(script).stem) / f"world{world}.json"
+        check(torchrun(world, script, str(path)))
+        out[world] = json.loads(path.read_text())
+    return out
+
+
 def train(nproc: int, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return torchrun(nproc, "-m", "titanlite.train", *overrides, timeout=timeout)
 

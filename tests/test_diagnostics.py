@@ -3,12 +3,11 @@ sketch's error bound, and the noise-scale estimator on synthetic gradients."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import pytest
 import torch
-from helpers import check, torchrun
+from helpers import run_per_world
 
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 
@@ -17,12 +16,7 @@ WORLDS = (2, 4)
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for world in WORLDS:
-        path = tmp_path_factory.mktemp("diag") / f"world{world}.json"
-        check(torchrun(world, "tests/workers/diagnostics_ref.py", str(path)))
-        out[world] = json.loads(path.read_text())
-    return out
+    return run_per_world(tmp_path_factory, "tests/workers/diagnostics_ref.py", WORLDS)
 
 
 def _close(a, b, rel=1e-5, abs_=0.0):

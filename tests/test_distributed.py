@@ -7,10 +7,8 @@ ranks whose valid-token counts differ by 10x or more.
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from helpers import check, torchrun
+from helpers import run_per_world
 
 WORLDS = (1, 2, 4)
 TOL = 1e-5
@@ -18,12 +16,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = {}
-    for world in WORLDS:
-        path = tmp_path_factory.mktemp("exact") / f"world{world}.json"
-        check(torchrun(world, "tests/workers/exactness.py", str(path)))
-        out[world] = json.loads(path.read_text())
-    return out
+    return run_per_world(tmp_path_factory, "tests/workers/exactness.py", WORLDS)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -231,7 +231,8 @@ class Trainer:
             nan_loss=step == self.cfg.debug.nan_loss_step and self.rank == 0,
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        self.diagnostics.end_step(step, loss_sum, self.balancer.local_tokens(), grad_norm)
+        if measured:
+            self.diagnostics.end_step(step, loss_sum, self.balancer.local_tokens(), grad_norm)
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)
         set_skip(self.optimizer, skip)

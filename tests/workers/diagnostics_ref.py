@@ -13,18 +13,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from exactness import ARGS, GLOBAL_BATCH, SEED, global_batch
+from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microbatches
 
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
 from titanlite.config import JobConfig
-from titanlite.config.layout import resolve_layout
 from titanlite.diagnostics.component import Diagnostics
-from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
-from titanlite.distributed.parallelize import parallelize_blocks
+from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.param_init import ParamInit
 from titanlite.distributed.utils import clip_grad_norm_
 from titanlite.models.llama3 import Llama3
-from titanlite.train import forward_backward, materialize
+from titanlite.train import forward_backward
 
 
 def reference(world: int) -> dict:
@@ -73,25 +71,11 @@ def reference(world: int) -> dict:
 
 def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -> dict:
     cfg = JobConfig()
-    cfg.parallelism.mode = mode
-    cfg.parallelism.dp_replicate = world if mode == "ddp" else 1
-    cfg.training.global_batch_size = GLOBAL_BATCH
-    cfg.training.local_batch_size = GLOBAL_BATCH // (world * 2)  # 2 microbatches per rank
     cfg.diagnostics.method = method
     cfg.diagnostics.sketch_dim = k
-    layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
-    with torch.device("meta"):
-        model = Llama3(ARGS)
-    model = materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
+    layout, dims, model = build(cfg, world, mode, accum=2)
     diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED + sketch_seed)
-    tokens, labels = global_batch()
-    per, lb = GLOBAL_BATCH // world, cfg.training.local_batch_size
-    start = dist.get_rank() * per
-    micro = [
-        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
-        for m in range(2)
-    ]
+    micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
     measured = diag.begin_step(1)
     _, loss_sum = forward_backward(

@@ -42,6 +42,32 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
+def build(cfg: JobConfig, world: int, mode: str, accum: int):
+    """The tiny Llama through the production path, for `mode` at `world` ranks, `accum`
+    microbatches per rank. Returns (layout, dims, model)."""
+    cfg.parallelism.mode = mode
+    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
+    cfg.parallelism.dp_shard = -1
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
+    layout = resolve_layout(cfg, world)
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
+    with torch.device("meta"):
+        model = Llama3(ARGS)
+    return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
+
+
+def rank_microbatches(world: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's contiguous share of the global batch, cut into `accum` microbatches."""
+    tokens, labels = global_batch()
+    per_rank, lb = GLOBAL_BATCH // world, GLOBAL_BATCH // (world * accum)
+    start = dist.get_rank() * per_rank
+    return [
+        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
+        for m in range(accum)
+    ]
+
+
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in unwrap(model).named_parameters():
@@ -74,28 +100,11 @@ def run_case(
 ) -> dict:
     cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
-    cfg.parallelism.mode = mode
-    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
-    cfg.parallelism.dp_shard = -1
     cfg.parallelism.skip_grad_sync = skip_sync
-    cfg.training.global_batch_size = GLOBAL_BATCH
-    cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     cfg.loss.normalization = norm
-    layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
-    with torch.device("meta"):
-        model = Llama3(ARGS)
-    model = materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
+    layout, dims, model = build(cfg, world, mode, accum)
     init_hash = full_weights_hash(model)
-
-    tokens, labels = global_batch()
-    per_rank = GLOBAL_BATCH // world
-    lb = cfg.training.local_batch_size
-    start = dist.get_rank() * per_rank
-    micro = [
-        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
-        for m in range(accum)
-    ]
+    micro = rank_microbatches(world, accum)
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
     share, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync)
     dist.all_reduce(share)

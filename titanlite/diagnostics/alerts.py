@@ -103,11 +103,20 @@ def _point(rec: dict) -> _Point | None:
     )
 
 
-def _persistent(pts: list[_Point], attr: str, world: int) -> tuple[int, int]:
-    """The rank named by `attr` most often in the window, and how often."""
-    counts = [sum(getattr(q, attr) == r for q in pts) for r in range(world)]
+def _persistent(
+    pts: list[_Point], rank_attr: str, value_attr: str, world: int, frac: float
+) -> tuple[int, int, float] | None:
+    """The rank named by `rank_attr` most often in the window, if in at least `frac` of it:
+    (rank, how often, mean of `value_attr` over those steps)."""
+    counts = [sum(getattr(q, rank_attr) == r for q in pts) for r in range(world)]
     top = max(range(world), key=counts.__getitem__)
-    return top, counts[top]
+    if counts[top] < frac * len(pts):
+        return None
+    return (
+        top,
+        counts[top],
+        statistics.fmean(getattr(q, value_attr) for q in pts if getattr(q, rank_attr) == top),
+    )
 
 
 class AlertMonitor:
@@ -161,10 +170,10 @@ class AlertMonitor:
                 msg = f"loss dispersion rose {std_a:.4f} -> {std_b:.4f} while the global loss fell {loss_a:.4f} -> {loss_b:.4f}"
                 out += self._fire("dispersion_rising_loss_falling", p, [], msg, std_from=std_a, std_to=std_b)
         # 3. one rank drives the range, persistently
-        top, n = _persistent(pts, "max_rank", world)
-        gaps = [q.gap for q in pts if q.max_rank == top]
-        if n >= c.persist_frac * len(pts) and statistics.fmean(gaps) > c.outlier_margin:
-            msg = f"rank {top} had the highest loss in {n} of the last {len(pts)} measured steps, {100 * statistics.fmean(gaps):.1f}% above the others"
+        hit = _persistent(pts, "max_rank", "gap", world, c.persist_frac)
+        if hit and hit[2] > c.outlier_margin:
+            top, n, gap = hit
+            msg = f"rank {top} had the highest loss in {n} of the last {len(pts)} measured steps, {100 * gap:.1f}% above the others"
             out += self._fire("single_rank_outlier", p, [top], msg, share=n / len(pts))
         # 4. ranks indistinguishable throughout: the same data
         recent = pts[-c.alert_min_steps :]
@@ -182,20 +191,20 @@ class AlertMonitor:
             msg = f"mean pairwise gradient cosine fell to {p.cos:.3f} from a median of {statistics.median(cos_past):.3f}"
             out += self._fire("cosine_drop", p, [], msg, cos=p.cos)
         # 6. one rank persistently disagrees with the others, or its gradient norm stands apart
-        low, n = _persistent(pts, "low_rank", world)
-        margins = [q.low_margin for q in pts if q.low_rank == low]
-        if n >= c.persist_frac * len(pts) and statistics.fmean(margins) > c.faulty_margin:
+        hit = _persistent(pts, "low_rank", "low_margin", world, c.persist_frac)
+        if hit and hit[2] > c.faulty_margin:
+            low, n, margin = hit
             msg = (
                 f"rank {low} ({self.hosts[low]}) had the lowest gradient cosine to the other ranks in {n} of the "
-                f"last {len(pts)} measured steps, {statistics.fmean(margins):.3f} below their median"
+                f"last {len(pts)} measured steps, {margin:.3f} below their median"
             )
             out += self._fire("faulty_worker", p, [low], msg, share=n / len(pts))
-        big, n = _persistent(pts, "big_rank", world)
-        ratios = [q.big_ratio for q in pts if q.big_rank == big]
-        if n >= c.persist_frac * len(pts) and statistics.fmean(ratios) > c.norm_outlier_factor:
+        hit = _persistent(pts, "big_rank", "big_ratio", world, c.persist_frac)
+        if hit and hit[2] > c.norm_outlier_factor:
+            big, n, ratio = hit
             msg = (
                 f"rank {big} ({self.hosts[big]}) had the largest gradient norm in {n} of the last {len(pts)} "
-                f"measured steps, {statistics.fmean(ratios):.1f}x the others' median"
+                f"measured steps, {ratio:.1f}x the others' median"
             )
             out += self._fire("faulty_worker", p, [big], msg, share=n / len(pts))
         return out
