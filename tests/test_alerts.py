@@ -49,7 +49,9 @@ def healthy(seed=0, fault=None):
 
 
 def run(stream) -> list:
-    mon = AlertMonitor(Diagnostics(), [f"host{r}" for r in range(WORLD)])
+    cfg = Diagnostics()
+    cfg.trend_burn_in = 20  # the synthetic streams are short; the real default waits longer
+    mon = AlertMonitor(cfg, [f"host{r}" for r in range(WORLD)])
     return [a for rec in stream for a in mon.update(rec)]
 
 
@@ -126,6 +128,23 @@ def test_each_alert_fires_when_provoked(fault, name, ranks):
     assert fired[0].ranks == ranks and fired[0].hosts == [f"host{r}" for r in ranks]
     assert fired[0].cause == CAUSES[name] and name in fired[0].line()
     assert len(fired) <= STEPS // Diagnostics().alert_window + 1  # cooldown: no flood
+
+
+def test_two_ranks_raise_no_dispersion_alerts():
+    """With two ranks, one is always the higher and the std is one pairwise difference:
+    persistence, spikes and trends there are chance, not a bad batch or a desync."""
+    mon = AlertMonitor(Diagnostics(), ["a", "b"])
+    stream = [
+        {
+            "step": t,
+            "rank_loss": [5.0 + 0.01 * t * (1 + (t % 7 == 0) * 9), 5.0],
+            "rank_tokens": [100, 100],
+            "loss_std": 0.005 * t * (1 + (t % 7 == 0) * 9),
+            "cos_mean_pairwise": 0.2,
+        }
+        for t in range(1, 3 * STEPS)
+    ]
+    assert [a for rec in stream for a in mon.update(rec)] == []
 
 
 def test_nothing_fires_before_min_steps():

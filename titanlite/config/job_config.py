@@ -161,6 +161,7 @@ class Diagnostics:
     smooth_loss_tol: float = opt(
         0.05, "dispersion_spike: global loss within this fraction of its recent median"
     )
+    trend_burn_in: int = opt(100, "dispersion_rising_loss_falling: measured steps before it is armed")
     trend_rise: float = opt(
         1.0, "dispersion_rising_loss_falling: rise of the std, last vs first third of the window"
     )
