@@ -1,5 +1,6 @@
 """Each alert fires on a stream of measured steps that provokes it and stays silent on a healthy
-one. Streams are synthetic records with the fields stats.step_metrics produces."""
+one. Streams are synthetic records with the fields stats.step_metrics produces. Real runs with
+injected faults: tests/test_scenarios.py."""
 
 from __future__ import annotations
 
@@ -149,21 +150,3 @@ def test_two_ranks_raise_no_dispersion_alerts():
 
 def test_nothing_fires_before_min_steps():
     assert run(list(healthy(1, _same))[: Diagnostics().alert_min_steps]) == []
-
-
-@pytest.mark.slow
-def test_real_runs_healthy_silent_faults_named(tmp_path):
-    import json
-
-    from helpers import check, torchrun
-
-    out = tmp_path / "alerts.json"
-    check(torchrun(4, "tests/workers/alerts_e2e.py", str(out), str(tmp_path / "runs"), timeout=900))
-    res = json.loads(out.read_text())
-    assert res["healthy"] == {"alerts": [], "stopped": None}
-    same = res["same_data"]
-    assert [a["name"] for a in same["alerts"]] == ["identical_data"]
-    assert same["stopped"] and "identical_data" in same["stopped"]
-    noise = [a for a in res["grad_noise"]["alerts"] if a["name"] == "faulty_worker"]
-    assert noise and noise[0]["ranks"] == [1] and noise[0]["hosts"]
-    assert res["grad_noise"]["stopped"] is None  # on_alert = "warn": the run goes on

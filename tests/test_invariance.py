@@ -1,62 +1,96 @@
-"""Loss-curve invariance: the same per-step losses whatever dp x accumulation carries the batch.
+"""Loss-curve invariance, checked with the tool a user runs (scripts/invariance.py, which launches
+one run per layout and gives scripts/compare_runs.py's verdict).
 
-Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, 20 steps:
-dp=1 x accum 8, dp=2 x 4, dp=4 x 2 and dp=8 x 1. And the naive local_mean control, which
-must not be invariant.
+Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, global batch 16:
+dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps; FSDP, DDP and HSDP 2x4 at
+dp=8. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
+verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
-from helpers import check, read_metrics, train
+from helpers import REPO
 
-STEPS = 20
-LAYOUTS = (1, 2, 4, 8)  # dp; accumulation = 8 / dp with local_batch_size 1
-
-
-def _losses(tmp_path, dp: int, *extra: str) -> list[float]:
-    name = f"dp{dp}" + "".join(extra).replace("--", "_")
-    proc = train(
-        dp,
-        "--config",
-        "train_configs/debug_sft.toml",
-        "--training.steps",
-        str(STEPS),
-        "--metrics.enable_tensorboard",
-        "false",
-        "--job.dump_folder",
-        str(tmp_path),
-        "--job.run_name",
-        name,
-        *extra,
-        timeout=900,
-    )
-    check(proc)
-    recs = read_metrics(tmp_path / name)
-    assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
-    return [r["loss"] for r in recs]
+TOOL = [sys.executable, "scripts/invariance.py", "--config", "train_configs/debug_sft.toml"]
+QUIET = ["--metrics.enable_tensorboard", "false"]
 
 
-def _max_rel(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+def batch(local: int) -> list[str]:
+    return ["--training.global_batch_size", "16", "--training.local_batch_size", str(local)]
+
+
+def invariance(tmp_path, *args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "inv"
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    cmd = [*TOOL, *args, *QUIET, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    path = out / "compare" / "compare.json"
+    return proc, json.loads(path.read_text()) if path.exists() else {}
+
+
+def _max_rel(summary: dict) -> dict[str, float]:
+    return {c["other"].rsplit("/", 1)[-1]: c["max_rel"] for c in summary["comparisons"]}
 
 
 @pytest.mark.slow
-def test_losses_identical_across_dp_and_accumulation(tmp_path):
-    curves = {dp: _losses(tmp_path, dp) for dp in LAYOUTS}
-    ref = curves[1]
-    assert ref[-1] < ref[0]  # it trains
-    errs = {dp: _max_rel(curves[dp], ref) for dp in LAYOUTS[1:]}
-    print("max relative loss difference vs dp=1 x accum 8:", errs)
-    assert all(e <= 1e-5 for e in errs.values()), errs
+def test_dp8_vs_dp16_same_curve(tmp_path):
+    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1))
+    assert proc.returncode == 0, proc.stderr
+    (cmp,) = summary["comparisons"]
+    assert cmp["steps"] == 30 and cmp["max_rel"] <= 1e-5, cmp["max_rel"]
+    losses = [r["loss"][0] for r in cmp["rows"]]
+    assert losses[-1] < losses[1]  # it trains (step 1 has few valid tokens)
+    assert "PASS" in proc.stdout and (tmp_path / "inv/compare/compare.png").exists()
+    assert "local batch 1 x accum 2" in proc.stdout and "local batch 1 x accum 1" in proc.stdout
 
 
 @pytest.mark.slow
-def test_local_mean_control_is_not_invariant(tmp_path):
-    """Naive per-microbatch means depend on how sequences are grouped into microbatches: one
-    microbatch of 8 (dp=1) versus eight of 1 (dp=2 x accum 4). The exact mode does not."""
+def test_dp8_vs_dp16_local_mean_fails_and_names_the_step(tmp_path):
     naive = ("--loss.normalization", "local_mean")
-    a = _losses(tmp_path, 1, *naive, "--training.local_batch_size", "8")
-    b = _losses(tmp_path, 2, *naive)
-    print("local_mean: max relative loss difference, 1 x 8 vs 2 x (4 x 1):", _max_rel(a, b))
-    assert _max_rel(a, b) > 1e-3
+    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "10", *batch(2), *naive)
+    assert proc.returncode == 1, proc.stderr
+    (cmp,) = summary["comparisons"]
+    assert cmp["first_bad_step"] is not None and cmp["max_rel"] > 1e-3
+    assert f"first step beyond rtol 1e-05: {cmp['first_bad_step']} " in proc.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path):
+    modes = ("--modes", "fsdp", "ddp", "hsdp")
+    proc, summary = invariance(tmp_path, "--dp", "8", *modes, "--steps", "10", *batch(1))
+    assert proc.returncode == 0, proc.stderr
+    errs = _max_rel(summary)
+    assert set(errs) == {"ddp-8x1-lb1", "hsdp-2x4-lb1"} and max(errs.values()) <= 1e-5, errs
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--dp", "3", "8"], "global batch 16 does not split over dp=3"),
+        (["--dp", "8"], "one layout has nothing to compare with"),
+        (["--dp", "8", "--modes", "hsdp", "--replicas", "8"], "hsdp at dp=8 needs --replicas"),
+        (["--dp", "8", "16", "--training.sed", "1"], "training.sed"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message):
+    proc, _ = invariance(tmp_path, *args, *batch(2), timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "inv").exists()
+
+
+def test_dry_run_prints_one_command_per_layout(tmp_path):
+    modes = ("--modes", "fsdp", "hsdp")
+    proc, _ = invariance(tmp_path, "--dp", "8", "16", *modes, "--dry-run", *batch(2), timeout=120)
+    assert proc.returncode == 0
+    lines = proc.stdout.strip().splitlines()
+    assert len(lines) == 4 and lines[0].startswith("NPROC=8 ") and lines[-1].startswith("NPROC=16 ")
+    assert "--parallelism.dp_replicate 2 --parallelism.dp_shard 8" in lines[-1]
+    assert "--training.local_batch_size 2" in lines[0] and "--training.local_batch_size 1" in lines[-1]
+    assert not (tmp_path / "inv").exists()

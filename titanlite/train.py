@@ -7,6 +7,7 @@ read once per log step (`_log`); zero-token and non-finite steps are skipped on 
 from __future__ import annotations
 
 import importlib
+import json
 import resource
 import sys
 import time
@@ -197,6 +198,7 @@ class Trainer:
             else:
                 run_dir.mkdir(parents=True, exist_ok=True)
                 (run_dir / "config.toml").write_text(to_toml(self.cfg))
+                (run_dir / "run.json").write_text(json.dumps(self._resolved(), indent=1) + "\n")
                 out[0] = str(run_dir)
         dist.broadcast_object_list(out, src=0)
         if out[1]:
@@ -204,6 +206,24 @@ class Trainer:
         if self.rank == 0:
             logger.info(f"run folder: {out[0]}")
         return Path(out[0])
+
+    def _resolved(self) -> dict:
+        """What the config left to the machine ("auto" and derived values), for run comparison."""
+        lay = self.layout
+        return {
+            "world_size": self.dims.dp_size,
+            "mode": lay.mode,
+            "dp_replicate": lay.dp_replicate,
+            "dp_shard": lay.dp_shard,
+            "local_batch_size": self.cfg.training.local_batch_size,
+            "grad_accum": lay.grad_accum,
+            "device": self.device.type,
+            "param_dtype": str(self.dims.param_dtype).removeprefix("torch."),
+            "reduce_dtype": str(self.dims.reduce_dtype).removeprefix("torch."),
+            "diagnostics_method": self.diagnostics.method if self.diagnostics.enabled else "off",
+            "torch": torch.__version__,
+            "started": datetime.now().isoformat(timespec="seconds"),
+        }
 
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

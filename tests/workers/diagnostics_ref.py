@@ -84,6 +84,7 @@ def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     diag.end_step(1, loss_sum, balancer.local_tokens(), grad_norm)
     (rec,), _ = diag.collect()
+    k = diag.probe.sketch.numel() if method == "sketch" else 0  # the prime actually used
     return {"world": world, "mode": mode, "method": method, "k": k, "sketch_seed": sketch_seed, "record": rec}
 
 

@@ -152,7 +152,7 @@ class Diagnostics:
         "gradient directions: exact (Gram), sketch (CountSketch); auto: exact, sketch under hsdp",
         choices=("auto", "exact", "sketch"),
     )
-    sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch")
+    sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)")
     noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")
     on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
     alert_window: int = opt(20, "measured steps that trend and persistence rules look back on")

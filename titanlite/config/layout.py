@@ -103,3 +103,15 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "SentencePiece .model, or leave it empty for the built-in tokenizer"
         )
     return layout
+
+
+def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
+    """The largest local batch <= the config's that carries this rank's share of the global
+    batch (global / dp) in whole microbatches: how the tools keep the global batch at any dp."""
+    gb = cfg.training.global_batch_size
+    if gb % dp:
+        raise UserError(
+            f"global batch {gb} does not split over dp={dp}; pick a global_batch_size divisible by {dp}"
+        )
+    share = gb // dp
+    return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)

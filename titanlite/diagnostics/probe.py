@@ -44,8 +44,9 @@ class GradProbe:
         self._noise_gen = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)
-        self.sketch = torch.zeros(sketch_dim if method == "sketch" else 0, dtype=torch.float32, device=device)
         self.countsketch = CountSketch(sketch_dim, seed) if method == "sketch" else None
+        k = self.countsketch.k if self.countsketch else 0
+        self.sketch = torch.zeros(k, dtype=torch.float32, device=device)
 
     def start(self, measuring: bool) -> None:
         self.measuring = measuring

@@ -1,25 +1,40 @@
 """CountSketch: a shared-seed sparse random projection of a gradient to k dimensions.
 
-Coordinate i goes to bucket h(i) with sign s(i), both seeded identically on every rank, so
-<sketch(a), sketch(b)> is an unbiased estimate of <a, b> with variance at most
-(|a|^2 |b|^2 + <a, b>^2) / k: a cosine's error is about sqrt(2 / k) (0.044 at k = 1024).
+Coordinate i goes to bucket h(i) with sign s(i), both the same on every rank, so
+<sketch(a), sketch(b)> is an unbiased estimate of <a, b> with variance about
+(|a|^2 |b|^2 + <a, b>^2) / k: a cosine's error is about sqrt(2 / k) (0.044 at k = 1021).
 
-The hash is cheap: coordinates come in blocks of T = 2^20; within a block a cached random table
-gives each offset a bucket and a sign, and each block adds its own random shift to the buckets
-(mod k) and flips all signs at random (both from a hash of the block's index). Two distinct
-coordinates then share a bucket with probability 1/k and carry independent signs, which is what
-the variance bound needs. Per value it costs a few int32 ops, two multiplies and the index_add
-(measured 4 ms per million values on one CPU core, against 13 ms with an int64 modulo); memory
-is the table, not per parameter. A dense k x D Gaussian projection
-would cost k x D FLOPs.
+Built to cost two passes over the values (a multiply and a column sum), no per-value hashing
+and no scatter. Coordinates come in segments of P (a prime near 2^20). Within a segment the sign
+of offset j is T[(phi + j) mod P] from a cached random +-1 table T, and the bucket is
+(j + beta) mod k; phi, beta and a whole-segment sign flip come from a hash of the segment's
+index. So every pair of coordinates that share a bucket carries the product of two distinct
+independent table signs (times independent flips across segments): the estimate is unbiased
+with the CountSketch variance above. The segment is multiplied by a slice of T, viewed as
+rows of k and summed over rows.
+
+k is rounded down to a prime. With a power of two, a weight matrix's column (stride = row
+length, a multiple of k) would land in a single bucket, and LLM gradients concentrate on a few
+outlier feature columns: on a 512 x 2048 matrix with three such columns the cosine's RMS error
+was 0.22 at k = 1024 and 0.019 at k = 1021 (tests/test_diagnostics.py keeps it so).
+Measured on one CPU core: 3.0 ms per 6.2 M values, against 28 ms for a table-hashed index_add.
 """
 
 from __future__ import annotations
 
 import torch
 
-_T = 1 << 20
 _MASK64 = (1 << 64) - 1
+
+
+def prev_prime(n: int) -> int:
+    """The largest prime <= n (n >= 2)."""
+    while n > 2 and any(n % d == 0 for d in range(2, int(n**0.5) + 1)):
+        n -= 1
+    return n
+
+
+_P = prev_prime(1 << 20)  # segment length = sign-table length
 
 
 def _mix(x: int) -> int:
@@ -32,29 +47,44 @@ def _mix(x: int) -> int:
 
 class CountSketch:
     def __init__(self, k: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.k = k
+        self.k = prev_prime(k)
         self.seed = seed
-        self._bucket = torch.randint(0, k, (_T,), generator=g, dtype=torch.int32)
-        self._sign = torch.randint(0, 2, (_T,), generator=g).float() * 2 - 1
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        g = torch.Generator().manual_seed(seed)
+        self._sign = torch.randint(0, 2, (_P,), generator=g).float() * 2 - 1
+        self._on: dict[torch.device, torch.Tensor] = {}
+        self._scratch: dict[torch.device, torch.Tensor] = {}
 
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _table(self, device: torch.device) -> torch.Tensor:
         if device not in self._on:
-            self._on[device] = (self._bucket.to(device), self._sign.to(device))
+            self._on[device] = self._sign.to(device)
         return self._on[device]
 
+    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+        """A reused zeroed-tail buffer of whole rows of k for n values."""
+        size = -(-n // self.k) * self.k
+        buf = self._scratch.get(device)
+        if buf is None or buf.numel() < size:
+            buf = self._scratch[device] = torch.empty(size, device=device)
+        buf = buf[:size]
+        buf[n:].zero_()
+        return buf
+
     def add_(self, out: torch.Tensor, values: torch.Tensor, offset: int) -> None:
-        """out[k] += sketch of the flat `values`, whose first element is coordinate `offset`."""
+        """out[k] += sketch of the flat `values`, whose first element is coordinate `offset`
+        (the same coordinates on every rank: that is all the ranks share)."""
         flat = values.reshape(-1)
-        bucket, sign = self._tables(flat.device)
+        sign = self._table(flat.device)
         pos = 0
         while pos < flat.numel():
-            block, within = divmod(offset + pos, _T)
-            n = min(_T - within, flat.numel() - pos)
-            h = _mix(self.seed * 0x100000001B3 + block)
-            shift, flip = h % self.k, 1.0 if (h >> 63) & 1 else -1.0
-            idx = bucket[within : within + n] + shift  # < 2k: a subtract, not a (slow) modulo
-            idx -= (idx >= self.k).int() * self.k
-            out.index_add_(0, idx, flat[pos : pos + n].to(out.dtype) * (sign[within : within + n] * flip))
+            segment, within = divmod(offset + pos, _P)
+            n = min(_P - within, flat.numel() - pos)
+            h = _mix(self.seed * 0x100000001B3 + segment)
+            phi, beta = (h + within) % _P, ((h >> 24) + within) % self.k
+            rows = self._rows(n, flat.device)
+            head = min(n, _P - phi)  # the table slice may wrap around
+            torch.mul(flat[pos : pos + head], sign[phi : phi + head], out=rows[:head])
+            if head < n:
+                torch.mul(flat[pos + head : pos + n], sign[: n - head], out=rows[head:n])
+            summed = rows.view(-1, self.k).sum(0)
+            out.add_(summed.roll(beta), alpha=1.0 if (h >> 63) & 1 else -1.0)
             pos += n

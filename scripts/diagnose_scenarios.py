@@ -1,0 +1,259 @@
+#!/usr/bin/env python
+"""Run a healthy baseline and each fault-injection switch, and tabulate what the diagnostics saw.
+
+    python scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
+                                         [--scenarios NAME ...] [--section.key value ...]
+
+Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
+whose packed sequences give every rank the same token count, so a rank's loss is comparable;
+[debug] switches, see titanlite/diagnostics/faults.py):
+    healthy          no fault
+    same_data        every rank reads rank 0's share
+    corrupt_labels   rank dp/2's labels shuffled within each sequence
+    grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction
+    S1-1/S1-2/S1-3   dropout 0.1 with the paper's seeds: shared / rank 0 differs / per rank
+One torchrun at --dp ranks runs them one after another in one process group (a run folder each
+under --out), every step measured. Then a table, scenario x (global loss and its step-to-step
+jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise cosine, lowest per-rank
+cosine to the other ranks' sum and which rank, the rank with the highest loss, alerts), averaged over the
+measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png).
+Overrides apply to every scenario (e.g. --diagnostics.on_alert stop: a run ends at its first
+alert, which the table shows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections import Counter
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SKIP = 5  # the first measured steps: ranks agree strongly while the model learns anything
+
+
+def scenarios(dp: int) -> dict[str, list[str]]:
+    dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
+    return {
+        "healthy": [],
+        "same_data": ["--debug.same_data", "true"],
+        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2)],
+        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10"],
+        "S1-1": [*dropout, "shared"],
+        "S1-2": [*dropout, "rank0_differs"],
+        "S1-3": [*dropout, "per_rank"],
+    }
+
+
+def scenario_argv(args: argparse.Namespace, name: str, overrides: list[str]) -> list[str]:
+    """The trainer's arguments for one scenario (the global batch held, the local batch fitted)."""
+    from titanlite.config import parse_args
+    from titanlite.config.layout import fitting_local_batch
+
+    argv = ["--config", args.config, "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+    argv += ["--diagnostics.warmup_steps", str(args.steps), *overrides, *scenarios(args.dp)[name]]
+    cfg, _ = parse_args(argv)
+    argv += ["--training.local_batch_size", str(fitting_local_batch(cfg, args.dp))]
+    return [*argv, "--job.dump_folder", str(args.out), "--job.run_name", name]
+
+
+def worker(args: argparse.Namespace, overrides: list[str]) -> None:
+    import torch.distributed as dist
+
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer, TrainingError
+
+    status = {}
+    for name in args.scenarios:
+        cfg, _ = parse_args(scenario_argv(args, name, overrides))
+        trainer = Trainer(cfg)
+        stopped = None
+        try:
+            trainer.train()
+        except TrainingError as e:
+            stopped = str(e)
+        trainer.close()
+        status[name] = {"stopped": stopped}
+    if dist.get_rank() == 0:
+        (args.out / "status.json").write_text(json.dumps(status))
+    dist.destroy_process_group()
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _most(values: list) -> tuple[int | None, float]:
+    """The most frequent value and its share."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None, 0.0
+    top, n = Counter(values).most_common(1)[0]
+    return top, n / len(values)
+
+
+def _argmin_live(values: list) -> tuple[int | None, float | None]:
+    live = [(v, r) for r, v in enumerate(values) if v is not None]
+    return (min(live)[1], min(live)[0]) if live else (None, None)
+
+
+def summarize(run_dir: Path, stopped: str | None) -> dict:
+    """One scenario's row from its run folder."""
+    read = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines() if x]  # noqa: E731
+    metrics = read("metrics.jsonl")
+    diag = [d for d in read("diagnostics.jsonl") if d["step"] > SKIP and d.get("loss_std") is not None]
+    events = read("events.jsonl") if (run_dir / "events.jsonl").exists() else []
+    losses = [m["loss"] for m in metrics if m.get("loss") is not None]
+    # A faulty rank's own gradient can dominate the mean and look aligned with it: compare each
+    # rank with the sum of the others instead.
+    lows = [_argmin_live(d.get("rank_cos_to_others") or []) for d in diag]
+    low_rank, low_share = _most([r for r, _ in lows])
+    max_rank, max_share = _most([d.get("loss_max_rank") for d in diag])
+    return {
+        "steps": metrics[-1]["step"],
+        "stopped": stopped,
+        "loss_final": losses[-1],
+        "loss_jitter": statistics.pstdev([b - a for a, b in zip(losses, losses[1:], strict=False)])
+        if len(losses) > 2
+        else None,
+        "loss_std": _mean([d["loss_std"] for d in diag]),
+        "tokens_std": _mean([d.get("tokens_std") for d in diag]),
+        "grad_norm_cv": _mean([d.get("grad_norm_cv") for d in diag]),
+        "cos_mean": _mean([d.get("cos_mean_pairwise") for d in diag]),
+        "cos_to_others_min": _mean([v for _, v in lows]),
+        "cos_min_rank": low_rank,
+        "cos_min_rank_share": low_share,
+        "loss_max_rank": max_rank,
+        "loss_max_rank_share": max_share,
+        "alerts": [{"name": e["name"], "step": e["step"], "ranks": e["ranks"]} for e in events],
+    }
+
+
+COLUMNS = [
+    ("loss_final", "loss", ".3f"),
+    ("loss_jitter", "jitter", ".3f"),
+    ("loss_std", "loss std", ".4f"),
+    ("tokens_std", "tok std", ".1f"),
+    ("grad_norm_cv", "gnorm CV", ".3f"),
+    ("cos_mean", "cos mean", ".3f"),
+    ("cos_to_others_min", "min cos→rest", ".3f"),
+]
+
+
+def table(rows: dict[str, dict]) -> str:
+    head = f"{'scenario':<16}{'steps':>6}" + "".join(f"{t:>14}" for _, t, _ in COLUMNS)
+    head += f"{'low-cos rank':>14}{'top-loss rank':>15}  alerts"
+    lines = [head]
+    for name, r in rows.items():
+        cells = "".join(f"{'-' if r[k] is None else format(r[k], f):>14}" for k, _, f in COLUMNS)
+        low = (
+            f"{r['cos_min_rank']} ({100 * r['cos_min_rank_share']:.0f}%)"
+            if r["cos_min_rank"] is not None
+            else "-"
+        )
+        top = (
+            f"{r['loss_max_rank']} ({100 * r['loss_max_rank_share']:.0f}%)"
+            if r["loss_max_rank"] is not None
+            else "-"
+        )
+        alerts = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["alerts"]) or "none"
+        if r["stopped"]:
+            alerts += " (stopped)"
+        lines.append(f"{name:<16}{r['steps']:>6}{cells}{low:>14}{top:>15}  {alerts}")
+    return "\n".join(lines)
+
+
+def plot(rows: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("loss_jitter", "global loss: step-to-step jitter"),
+        ("loss_std", "loss dispersion (std over ranks)"),
+        ("loss_max_rank_share", "share of steps the top-loss rank is on top"),
+        ("grad_norm_cv", "gradient-norm CV over ranks"),
+        ("cos_mean", "mean pairwise gradient cosine"),
+        ("cos_to_others_min", "lowest rank's cosine to the others"),
+    ]
+    fig, axes = plt.subplots(2, 3, figsize=(11, 6.5))
+    names = list(rows)
+    colors = ["tab:green" if not rows[n]["alerts"] else "tab:red" for n in names]
+    for ax, (key, title) in zip(axes.flat, panels, strict=True):
+        ax.bar(range(len(names)), [rows[n][key] or 0.0 for n in names], color=colors)
+        ax.set_title(title, fontsize=9)
+        ax.set_xticks(range(len(names)), names, rotation=45, fontsize=7)
+    fig.suptitle("fault scenarios: what the diagnostics measure (red: an alert was raised)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--config", default=str(REPO / "train_configs/debug_model.toml"))
+    p.add_argument("--out", type=Path)
+    p.add_argument("--scenarios", nargs="+", help="a subset, in this order (default: all)")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args, overrides = p.parse_known_args()
+    known = scenarios(args.dp)
+    args.scenarios = args.scenarios or list(known)
+    unknown = [s for s in args.scenarios if s not in known]
+    if unknown or args.dp < 3:
+        why = f"unknown scenario {unknown[0]!r}; choose from {', '.join(known)}" if unknown else ""
+        why = why or "--dp must be >= 3 (the rank-comparing rules need three ranks)"
+        print(f"diagnose_scenarios: error: {why}", file=sys.stderr)
+        return 2
+    args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
+    if args.worker:
+        worker(args, overrides)
+        return 0
+    from titanlite.config import parse_args
+    from titanlite.config.layout import validate
+    from titanlite.errors import UserError
+
+    try:  # every scenario's config, before any worker starts
+        for name in args.scenarios:
+            validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)
+    except UserError as e:
+        print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
+        return 2
+    if (args.out / "status.json").exists():
+        print(
+            f"diagnose_scenarios: error: {args.out} already holds scenarios; pass another --out",
+            file=sys.stderr,
+        )
+        return 2
+    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc_per_node", str(args.dp)]
+    cmd += [__file__, "--worker", "--dp", str(args.dp), "--steps", str(args.steps), "--config", args.config]
+    cmd += ["--out", str(args.out), "--scenarios", *args.scenarios, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        print(
+            f"diagnose_scenarios: error: the runs failed (exit {proc.returncode}):\n{tail}", file=sys.stderr
+        )
+        return 2
+    status = json.loads((args.out / "status.json").read_text())
+    rows = {name: summarize(args.out / name, status[name]["stopped"]) for name in args.scenarios}
+    (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args.out / "scenarios.png")
+    print(f"dp={args.dp}, {args.steps} steps, averages over measured steps > {SKIP}\n{table(rows)}")
+    print(f"\nwritten: {args.out}/{{scenarios.json,scenarios.png}} and a run folder per scenario")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

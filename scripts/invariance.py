@@ -1,0 +1,130 @@
+#!/usr/bin/env python
+"""Run one config at several data-parallel layouts with the same global batch, then compare.
+
+    python scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
+                                 [--rtol X] [--out DIR] [--dry-run] [--section.key value ...]
+
+One run per (dp degree, mode), launched one after another on this machine with
+`NPROC=dp ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
+layout equal: global batch, seed, data and model come from the config and the overrides. Each
+rank's share of the global batch, B / dp, is carried as local_batch_size x accumulation with the
+largest local batch <= the config's that divides it (so a config with local_batch_size 2 at
+global batch 16 runs dp=8 as 2 x 1 and dp=16 as 1 x 1). hsdp runs dp_replicate = --replicas
+(default 2) x dp_shard = dp / replicas. Every run logs every step. Then scripts/compare_runs.py's
+verdict over all runs against the first, with its table and plot in --out.
+
+--dry-run prints the commands instead (to launch them elsewhere, e.g. dp=16 over two 8-GPU
+nodes with your scheduler, then compare the run folders with scripts/compare_runs.py).
+Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input or a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.config import parse_args  # noqa: E402
+from titanlite.config.layout import fitting_local_batch  # noqa: E402
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.compare import compare, default_tolerance, load_run, report  # noqa: E402
+
+
+def plan(cfg, dp: int, mode: str, replicas: int) -> dict[str, int | str]:
+    """The layout flags of one run: mesh degrees and a local batch that carries B / dp."""
+    local = fitting_local_batch(cfg, dp)
+    if mode == "hsdp" and (dp % replicas or dp // replicas < 2 or replicas < 2):
+        raise UserError(f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2")
+    rep, shard = {"fsdp": (1, dp), "ddp": (dp, 1), "hsdp": (replicas, dp // replicas)}[mode]
+    return {
+        "mode": mode,
+        "dp_replicate": rep,
+        "dp_shard": shard,
+        "local_batch_size": local,
+        "accum": cfg.training.global_batch_size // dp // local,
+    }
+
+
+def run_name(prefix: str, p: dict) -> str:
+    return f"{prefix}{p['mode']}-{p['dp_replicate']}x{p['dp_shard']}-lb{p['local_batch_size']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--dp", type=int, nargs="+", required=True, help="data-parallel degrees, e.g. 8 16")
+    ap.add_argument("--modes", nargs="+", default=["fsdp"], choices=("fsdp", "ddp", "hsdp"))
+    ap.add_argument("--replicas", type=int, default=2, help="dp_replicate of the hsdp runs")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--rtol", type=float, help="verdict tolerance (default: 1e-5 fp32, 2e-2 bf16)")
+    ap.add_argument("--out", type=Path, help="folder for the runs and the comparison")
+    ap.add_argument("--prefix", default="", help="run-name prefix")
+    ap.add_argument("--dry-run", action="store_true", help="print the launch commands only")
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg, _ = parse_args(["--config", args.config, *overrides, "--training.steps", str(args.steps)])
+        out = (
+            args.out
+            or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
+        )
+        plans = [plan(cfg, dp, mode, args.replicas) for dp in args.dp for mode in args.modes]
+        if len(plans) < 2:
+            raise UserError(
+                "one layout has nothing to compare with; give two or more --dp degrees or --modes"
+            )
+        names = [run_name(args.prefix, p) for p in plans]
+        if len(set(names)) < len(names):
+            raise UserError("two of the requested layouts are the same run; list each dp and mode once")
+        if not args.dry_run and any((out / n / "metrics.jsonl").exists() for n in names):
+            raise UserError(f"{out} already holds these runs; pass another --out")
+        for p, name in zip(plans, names, strict=True):
+            cmd = [str(REPO / "run_train.sh"), "--config", args.config, *overrides]
+            cmd += ["--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+            cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
+            cmd += [
+                "--parallelism.dp_shard",
+                str(p["dp_shard"]),
+                "--training.local_batch_size",
+                str(p["local_batch_size"]),
+            ]
+            cmd += ["--job.dump_folder", str(out), "--job.run_name", name]
+            world = p["dp_replicate"] * p["dp_shard"]
+            line = f"NPROC={world} " + shlex.join(cmd)
+            print(
+                line
+                if args.dry_run
+                else f"[{name}] {p['mode']} {p['dp_replicate']}x{p['dp_shard']}, "
+                f"local batch {p['local_batch_size']} x accum {p['accum']}",
+                flush=True,
+            )
+            if args.dry_run:
+                continue
+            proc = subprocess.run(
+                cmd, env={**os.environ, "NPROC": str(world)}, capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+                raise UserError(f"run {name} failed (exit {proc.returncode}):\n{tail}")
+        if args.dry_run:
+            return 0
+        runs = [load_run(out / n) for n in names]
+        rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
+        comparisons = [compare(runs[0], other, rtol) for other in runs[1:]]
+        print(report(comparisons, out / "compare"))
+    except UserError as e:
+        print(f"invariance: error: {e}", file=sys.stderr)
+        return 2
+    passed = all(c.passed for c in comparisons)
+    print(("PASS: " if passed else "FAIL: ") + f"{len(runs)} layouts, rtol {rtol:g}")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

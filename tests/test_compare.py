@@ -1,0 +1,118 @@
+"""scripts/compare_runs.py on synthetic run folders: the verdict, the first diverging step, what
+it refuses to compare, and broken metrics files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from titanlite.config import load_config
+from titanlite.config.manager import to_toml
+from titanlite.tools.compare import TOLERANCE, default_tolerance, load_run
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts/compare_runs.py")
+compare_runs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compare_runs)
+
+LOSSES = [8.0 - 0.1 * i for i in range(20)]
+
+
+def make_run(root: Path, name: str, losses=LOSSES, dtype="float32", overrides=(), mode="fsdp") -> Path:
+    d = root / name
+    d.mkdir()
+    cfg = load_config(None, ["--training.global_batch_size", "16", *overrides])
+    (d / "config.toml").write_text(to_toml(cfg))
+    resolved = {"mode": mode, "dp_replicate": 1, "dp_shard": 8, "local_batch_size": 2, "grad_accum": 1}
+    (d / "run.json").write_text(json.dumps({**resolved, "param_dtype": dtype, "device": "cpu"}))
+    lines = [json.dumps({"step": i + 1, "loss": v, "grad_norm": 1.0 + v / 100}) for i, v in enumerate(losses)]
+    (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return d
+
+
+def run_cli(capsys, *args) -> tuple[int, str, str]:
+    code = compare_runs.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_same_curve_passes_and_writes_table_json_plot(tmp_path, capsys):
+    a = make_run(tmp_path, "a")
+    noisy = [v * (1 + 3e-7 * (-1) ** i) for i, v in enumerate(LOSSES)]
+    b = make_run(tmp_path, "b", noisy, overrides=("--parallelism.dp_shard", "16"), mode="ddp")
+    code, out, _ = run_cli(capsys, a, b, "--out", tmp_path / "cmp")
+    assert code == 0, out
+    assert "PASS" in out and "layout differences: parallelism.dp_shard" in out
+    summary = json.loads((tmp_path / "cmp/compare.json").read_text())
+    assert summary["passed"] and summary["comparisons"][0]["max_rel"] == pytest.approx(3e-7, rel=1e-3)
+    assert (tmp_path / "cmp/compare.png").stat().st_size > 10_000
+    assert len((tmp_path / "cmp/table.txt").read_text().splitlines()) > 20
+
+
+def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
+    a = make_run(tmp_path, "a")
+    parted = [v * (1 + (2e-4 if i >= 6 else 0.0)) for i, v in enumerate(LOSSES)]
+    b = make_run(tmp_path, "b", parted, overrides=("--loss.normalization", "local_mean"))
+    c = make_run(tmp_path, "c")
+    code, out, _ = run_cli(capsys, a, c, b, "--out", tmp_path / "cmp")
+    assert code == 1
+    assert "PASS c vs a" in out
+    assert "FAIL b vs a" in out and "first step beyond rtol 1e-05: 7 " in out
+    assert "differs beyond layout (may change the curve): loss.normalization" in out
+    assert json.loads((tmp_path / "cmp/compare.json").read_text())["comparisons"][1]["first_bad_step"] == 7
+    # a looser tolerance accepts it
+    assert run_cli(capsys, a, b, "--rtol", "1e-3", "--out", tmp_path / "cmp2")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (("--training.global_batch_size", "32"), "training.global_batch_size"),
+        (("--training.seed", "7"), "training.seed"),
+        (("--data.path", "other.jsonl"), "data.path"),
+        (("--model.flavor", "1B"), "model.flavor"),
+    ],
+)
+def test_refuses_runs_that_train_different_things(tmp_path, capsys, override, key):
+    a = make_run(tmp_path, "a")
+    b = make_run(tmp_path, "b", overrides=override)
+    code, _, err = run_cli(capsys, a, b, "--out", tmp_path / "cmp")
+    assert code == 2 and "do not train the same thing" in err and key in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "cmp").exists()
+
+
+def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
+    a = make_run(tmp_path, "a")
+    missing = make_run(tmp_path, "missing")
+    (missing / "metrics.jsonl").unlink()
+    cut = make_run(tmp_path, "cut")
+    text = (cut / "metrics.jsonl").read_text()
+    (cut / "metrics.jsonl").write_text(text[: len(text) - 20])  # killed mid-line
+    corrupt = make_run(tmp_path, "corrupt")
+    lines = (corrupt / "metrics.jsonl").read_text().splitlines()
+    lines[3] = "{not json"
+    (corrupt / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    short = make_run(tmp_path, "short", LOSSES[:12])
+    cases = {
+        missing: "no metrics.jsonl",
+        cut: "last line (20) is cut off",
+        corrupt: "line 4 is not JSON",
+        short: "metrics stop at step 12, not 20",
+        tmp_path / "nowhere": "no such run folder",
+    }
+    for run, message in cases.items():
+        code, _, err = run_cli(capsys, a, run, "--out", tmp_path / "cmp")
+        assert code == 2 and message in err, (run, err)
+    assert run_cli(capsys, a, short, "--steps", "12", "--out", tmp_path / "cmp")[0] == 0
+    assert run_cli(capsys, a)[0] == 2
+
+
+def test_default_tolerance_follows_the_dtype(tmp_path):
+    fp32 = load_run(make_run(tmp_path, "a"))
+    bf16 = load_run(make_run(tmp_path, "b", dtype="bfloat16"))
+    assert default_tolerance([fp32, fp32]) == TOLERANCE["float32"] == 1e-5
+    assert default_tolerance([fp32, bf16]) == TOLERANCE["bfloat16"]

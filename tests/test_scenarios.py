@@ -1,0 +1,59 @@
+"""scripts/diagnose_scenarios.py at dp=4 (debug model, pretraining data, 30 steps, on_alert =
+stop): every injected fault moves the metric that should detect it and raises its alert naming
+the rank, which stops that run; the healthy run stays silent to the end. The paper's S1 seed
+scenarios are left to the README's full run (reported, not asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import REPO
+
+
+def _alerts(row: dict) -> list[tuple[str, list[int]]]:
+    return [(a["name"], a["ranks"]) for a in row["alerts"]]
+
+
+@pytest.mark.slow
+def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
+    cmd = [
+        sys.executable,
+        "scripts/diagnose_scenarios.py",
+        "--dp",
+        "4",
+        "--steps",
+        "30",
+        "--out",
+        str(tmp_path),
+    ]
+    cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise"]
+    cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "scenarios.json").read_text())
+
+    ok = rows["healthy"]
+    assert ok["alerts"] == [] and ok["steps"] == 30 and ok["stopped"] is None
+    assert ok["loss_std"] > 0 and ok["cos_mean"] < 0.9
+
+    same = rows["same_data"]  # every rank the same batch: no dispersion, aligned gradients
+    assert same["loss_std"] < 1e-6 * same["loss_final"] and same["cos_mean"] > 0.99
+    assert _alerts(same) == [("identical_data", [])] and "identical_data" in same["stopped"]
+    assert same["steps"] < 30  # stopped at the alert
+
+    bad = rows["corrupt_labels"]  # rank 2's labels shuffled: rank 2 drives the loss range
+    assert bad["loss_max_rank"] == 2 and bad["loss_max_rank_share"] >= 0.5 > ok["loss_max_rank_share"]
+    assert all(alert == ("single_rank_outlier", [2]) for alert in _alerts(bad))
+
+    noisy = rows["grad_noise"]  # rank 1's gradient drowned in noise: its norm and its direction
+    assert noisy["grad_norm_cv"] > 3 * ok["grad_norm_cv"]
+    assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.8
+    assert noisy["cos_to_others_min"] < ok["cos_to_others_min"] / 2
+    assert ("faulty_worker", [1]) in _alerts(noisy) and noisy["stopped"]
+    assert (tmp_path / "scenarios.png").stat().st_size > 10_000

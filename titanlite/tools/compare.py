@@ -1,0 +1,385 @@
+"""Compare training runs step by step: is it the same loss curve, and if not, where does it part.
+
+A run folder holds config.toml (the full config), run.json (what "auto" and the layout resolved
+to) and metrics.jsonl (one record per log step; invariance runs log every step), plus
+diagnostics.jsonl when the diagnostics measured. Two runs are comparable only if they train the
+same thing: the same global batch, seed, sequence length, data and model. Layout settings (dp
+degrees, mode, local batch, accumulation, logging) are what an invariance comparison varies;
+anything else that differs (loss normalization, optimizer, precision, faults) is reported, and
+the verdict says whether it mattered.
+
+The verdict: the largest relative loss difference over the common steps against a tolerance.
+Defaults: 1e-5 for fp32 runs (titanlite's exact loss path measures ~4e-7 over 30 steps on CPU,
+from summation order alone) and 2e-2 for bf16 (8-bit mantissa: layouts change matmul shapes,
+hence rounding, and the difference compounds over steps; a guide, not measured here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titanlite.config.manager import tomllib
+from titanlite.errors import UserError
+
+# Must be equal, or the runs train different things and no verdict is meaningful.
+IDENTITY = (
+    "training.global_batch_size",
+    "training.seed",
+    "training.seq_len",
+    "data.mode",
+    "data.path",
+    "model.",
+)
+# Expected to differ between the runs of an invariance comparison.
+LAYOUT = (
+    "parallelism.",
+    "training.local_batch_size",
+    "training.steps",
+    "training.activation_checkpoint",
+    "training.compile",
+    "training.deterministic",
+    "diagnostics.",
+    "metrics.",
+    "job.",
+    "checkpoint.",
+    "data.cache_dir",
+    "data.num_workers",
+)
+TOLERANCE = {"float32": 1e-5, "bfloat16": 2e-2}
+DIAG_KEYS = ("loss_std", "cos_mean_pairwise")
+
+
+def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i == len(lines) and not text.endswith("\n"):
+                raise UserError(
+                    f"{path}: its last line ({i}) is cut off (was the run killed while writing?); "
+                    "delete that line to compare the steps before it"
+                ) from None
+            raise UserError(f"{path}: line {i} is not JSON; the file is corrupt") from None
+    return out
+
+
+@dataclass
+class Run:
+    path: Path
+    config: dict[str, Any]  # flat "section.key" -> value
+    resolved: dict[str, Any]  # run.json ({} if the run predates it)
+    metrics: dict[int, dict]  # step -> metrics record
+    diag: dict[int, dict]  # step -> diagnostics record
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def layout(self) -> str:
+        r = self.resolved
+        if not r:
+            return "?"
+        return (
+            f"{r['mode']} {r['dp_replicate']}x{r['dp_shard']}, local batch {r['local_batch_size']}"
+            f" x accum {r['grad_accum']}, {r['param_dtype']}"
+        )
+
+    @property
+    def param_dtype(self) -> str:
+        if self.resolved:
+            return self.resolved["param_dtype"]
+        choice = self.config.get("training.mixed_precision_param", "auto")
+        return (
+            choice
+            if choice != "auto"
+            else ("float32" if self.config.get("training.device") == "cpu" else "?")
+        )
+
+    def last_step(self) -> int:
+        return max(self.metrics)
+
+
+def load_run(path: str | Path) -> Run:
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"{path}: no such run folder")
+    cfg_file, metrics_file = path / "config.toml", path / "metrics.jsonl"
+    if not cfg_file.is_file():
+        raise UserError(f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)")
+    if not metrics_file.is_file():
+        raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
+    try:
+        raw = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{cfg_file}: not valid TOML ({e})") from None
+    config = {
+        f"{sec}.{k}": v for sec, table in raw.items() if isinstance(table, dict) for k, v in table.items()
+    }
+    resolved = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
+    metrics = {r["step"]: r for r in _read_jsonl(metrics_file) if "step" in r}
+    if not metrics:
+        raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
+    diag_file = path / "diagnostics.jsonl"
+    diag = {r["step"]: r for r in _read_jsonl(diag_file)} if diag_file.is_file() else {}
+    return Run(path, config, resolved, metrics, diag)
+
+
+@dataclass
+class ConfigDiff:
+    refused: list[str] = field(default_factory=list)  # identity keys that differ
+    changed: list[str] = field(default_factory=list)  # other computation settings that differ
+    layout: list[str] = field(default_factory=list)  # layout settings that differ (expected)
+
+
+def config_diff(a: Run, b: Run) -> ConfigDiff:
+    out = ConfigDiff()
+    for key in sorted(set(a.config) | set(b.config)):
+        va, vb = a.config.get(key, "<unset>"), b.config.get(key, "<unset>")
+        if va == vb:
+            continue
+        line = f"{key}: {va!r} vs {vb!r}"
+        if _matches(key, IDENTITY):
+            out.refused.append(line)
+        elif _matches(key, LAYOUT):
+            out.layout.append(line)
+        else:
+            out.changed.append(line)
+    for key in ("device", "param_dtype", "reduce_dtype"):
+        va, vb = a.resolved.get(key), b.resolved.get(key)
+        if va and vb and va != vb:
+            out.changed.append(f"resolved {key}: {va!r} vs {vb!r}")
+    return out
+
+
+def default_tolerance(runs: list[Run]) -> float:
+    """The loosest dtype's tolerance (a run of unknown dtype counts as bf16)."""
+    return max(TOLERANCE.get(r.param_dtype, TOLERANCE["bfloat16"]) for r in runs)
+
+
+@dataclass
+class Row:
+    step: int
+    loss: tuple[float | None, float | None]
+    rel: float | None  # |a - b| / |a|; None where a loss is missing (skipped step)
+    grad_norm_rel: float | None
+    diag: dict[str, tuple[float | None, float | None]]
+
+    @property
+    def abs(self) -> float | None:
+        a, b = self.loss
+        return None if a is None or b is None else abs(a - b)
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
+@dataclass
+class Comparison:
+    ref: Run
+    other: Run
+    rows: list[Row]
+    rtol: float
+    diff: ConfigDiff
+
+    @property
+    def first_bad(self) -> Row | None:
+        """The first step whose losses part beyond rtol, or where only one run has a loss."""
+        for row in self.rows:
+            a, b = row.loss
+            if (a is None) != (b is None) or (row.rel is not None and not row.rel <= self.rtol):
+                return row
+        return None
+
+    @property
+    def max_rel(self) -> tuple[float, int]:
+        rows = [r for r in self.rows if r.rel is not None]
+        if not rows:
+            return 0.0, self.rows[0].step
+        worst = max(rows, key=lambda r: r.rel if not math.isnan(r.rel) else math.inf)
+        return worst.rel, worst.step
+
+    @property
+    def passed(self) -> bool:
+        return self.first_bad is None
+
+    def verdict(self) -> str:
+        worst, at = self.max_rel
+        head = f"{self.other.name} vs {self.ref.name}: {len(self.rows)} steps, max relative loss difference {worst:.3g} (step {at})"
+        bad = self.first_bad
+        if bad is None:
+            return f"PASS {head} <= rtol {self.rtol:g}"
+        a, b = bad.loss
+        why = f"{a} vs {b}" if bad.rel is None else f"{a:.8g} vs {b:.8g}, relative {bad.rel:.3g}"
+        return f"FAIL {head}; first step beyond rtol {self.rtol:g}: {bad.step} ({why})"
+
+
+def compare(ref: Run, other: Run, rtol: float, steps: int | None = None) -> Comparison:
+    """Step-by-step comparison of `other` against `ref` over their common logged steps (the
+    first `steps` if given). A run that stops early is an error, not a silent partial pass."""
+    diff = config_diff(ref, other)
+    if diff.refused:
+        raise UserError(
+            f"{ref.name} and {other.name} do not train the same thing, no invariance verdict possible: "
+            + "; ".join(diff.refused)
+        )
+    last = {run.name: run.last_step() for run in (ref, other)}
+    short = min((ref, other), key=Run.last_step)
+    if (steps is None and len(set(last.values())) > 1) or (steps is not None and short.last_step() < steps):
+        longest = max(last.values()) if steps is None else steps
+        raise UserError(
+            f"{short.path}: metrics stop at step {short.last_step()}, not {longest} (still running, or "
+            f"killed?); pass --steps {short.last_step()} to compare the steps both have"
+        )
+    end = short.last_step() if steps is None else steps
+    common = sorted(s for s in set(ref.metrics) & set(other.metrics) if s <= end)
+    if not common:
+        raise UserError(
+            f"{ref.name} and {other.name} logged no step in common; log every step (metrics.log_freq = 1)"
+        )
+    rows = []
+    for s in common:
+        ma, mb = ref.metrics[s], other.metrics[s]
+        da, db = ref.diag.get(s, {}), other.diag.get(s, {})
+        rows.append(
+            Row(
+                s,
+                (ma.get("loss"), mb.get("loss")),
+                _rel(ma.get("loss"), mb.get("loss")),
+                _rel(ma.get("grad_norm"), mb.get("grad_norm")),
+                {k: (da.get(k), db.get(k)) for k in DIAG_KEYS},
+            )
+        )
+    return Comparison(ref, other, rows, rtol, diff)
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(cmp: Comparison, max_rows: int | None = None) -> str:
+    """The per-step table; with max_rows, evenly spaced rows plus the first failing one."""
+    rows = cmp.rows
+    if max_rows and len(rows) > max_rows:
+        keep = {rows[round(i * (len(rows) - 1) / (max_rows - 1))].step for i in range(max_rows)}
+        if cmp.first_bad:
+            keep.add(cmp.first_bad.step)
+        rows = [r for r in rows if r.step in keep]
+    head = (
+        f"{'step':>6} {'loss ' + cmp.ref.name[:14]:>20} {'loss ' + cmp.other.name[:14]:>20} "
+        f"{'abs diff':>10} {'rel diff':>10} {'gnorm rel':>10} {'loss_std A':>11} {'loss_std B':>11} "
+        f"{'cos A':>7} {'cos B':>7}"
+    )
+    lines = [head]
+    bad = cmp.first_bad.step if cmp.first_bad else None
+    for r in rows:
+        (sa, sb), (ca, cb) = r.diag["loss_std"], r.diag["cos_mean_pairwise"]
+        lines.append(
+            f"{r.step:>6} {_fmt(r.loss[0], '.8f'):>20} {_fmt(r.loss[1], '.8f'):>20} "
+            f"{_fmt(r.abs, '.2e'):>10} {_fmt(r.rel, '.2e'):>10} {_fmt(r.grad_norm_rel, '.2e'):>10} "
+            f"{_fmt(sa, '.5f'):>11} {_fmt(sb, '.5f'):>11} {_fmt(ca, '.3f'):>7} {_fmt(cb, '.3f'):>7}"
+            + ("  <- first beyond rtol" if r.step == bad else "")
+        )
+    return "\n".join(lines)
+
+
+def describe(cmp: Comparison) -> str:
+    """The runs' layouts and how their configs differ."""
+    lines = [f"  A = {cmp.ref.path}  [{cmp.ref.layout}]", f"  B = {cmp.other.path}  [{cmp.other.layout}]"]
+    if cmp.diff.changed:
+        lines.append("  differs beyond layout (may change the curve): " + "; ".join(cmp.diff.changed))
+    if cmp.diff.layout:
+        lines.append("  layout differences: " + "; ".join(cmp.diff.layout))
+    return "\n".join(lines)
+
+
+def plot(comparisons: list[Comparison], path: Path) -> None:
+    """Loss curves of every run (top) and |relative difference| to the first (bottom, log)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ref = comparisons[0].ref
+    steps = sorted(s for s, r in ref.metrics.items() if r.get("loss") is not None)
+    top.plot(steps, [ref.metrics[s]["loss"] for s in steps], label=f"{ref.name} ({ref.layout})", lw=2.5)
+    floor = 1e-12  # a zero difference (bitwise equal) has no logarithm: drawn at this floor
+    for cmp in comparisons:
+        rows = [r for r in cmp.rows if r.loss[1] is not None]
+        (line,) = top.plot(
+            [r.step for r in rows],
+            [r.loss[1] for r in rows],
+            "--",
+            label=f"{cmp.other.name} ({cmp.other.layout})",
+        )
+        rel = [(r.step, r.rel) for r in cmp.rows if r.rel is not None]
+        bottom.plot(
+            [s for s, _ in rel],
+            [max(v, floor) for _, v in rel],
+            marker=".",
+            color=line.get_color(),
+            label=cmp.other.name,
+        )
+    bottom.axhline(comparisons[0].rtol, color="red", ls=":", label=f"rtol {comparisons[0].rtol:g}")
+    bottom.set_yscale("log")
+    bottom.set_ylabel(f"|loss - loss({ref.name})| / loss  (1e-12: equal)", fontsize=8)
+    bottom.set_xlabel("step")
+    top.set_ylabel("loss")
+    top.legend(fontsize=7)
+    bottom.legend(fontsize=7)
+    verdict = "PASS" if all(c.passed for c in comparisons) else "FAIL"
+    top.set_title(f"{verdict}: loss curves and their relative difference to {ref.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 60) -> str:
+    """Write table.txt, compare.json and compare.png into out_dir; return the console text."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    console, full = [], []
+    for cmp in comparisons:
+        block = [describe(cmp)]
+        full += [*block, table(cmp), cmp.verdict(), ""]
+        console += [*block, table(cmp, max_rows), cmp.verdict(), ""]
+    (out_dir / "table.txt").write_text("\n".join(full))
+    summary = {
+        "passed": all(c.passed for c in comparisons),
+        "comparisons": [
+            {
+                "ref": str(c.ref.path),
+                "other": str(c.other.path),
+                "rtol": c.rtol,
+                "steps": len(c.rows),
+                "max_rel": c.max_rel[0],
+                "max_rel_step": c.max_rel[1],
+                "first_bad_step": c.first_bad.step if c.first_bad else None,
+                "passed": c.passed,
+                "config_changed": c.diff.changed,
+                "layout_changed": c.diff.layout,
+                "rows": [{"step": r.step, "loss": list(r.loss), "rel": r.rel} for r in c.rows],
+            }
+            for c in comparisons
+        ],
+    }
+    (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
+    plot(comparisons, out_dir / "compare.png")
+    console.append(f"table, JSON and plot: {out_dir}/{{table.txt,compare.json,compare.png}}")
+    return "\n".join(console)
