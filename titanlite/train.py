@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import replace
@@ -19,8 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titanlite.components import checkpoint
+from titanlite.components.checkpoint import Checkpointer
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
-from titanlite.components.metrics import MetricsWriter
+from titanlite.components.metrics import MetricsWriter, truncate_after
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import validate
@@ -119,7 +123,6 @@ class Trainer:
         self.dataloader = build_dataloader(
             cfg, dataset, self.dims.dp_rank, self.dims.dp_size, self.device.type == "cuda"
         )
-        self._batches = iter(self.dataloader)
 
         args = replace(flavor, vocab_size=self.tokenizer.vocab_size, max_seq_len=cfg.training.seq_len)
         if cfg.model.dropout:
@@ -142,10 +145,18 @@ class Trainer:
         self.balancer = LossBalancer(
             cfg.loss.normalization, self.dims.dp_group, self.dims.dp_size, self.layout.grad_accum
         )
-        self.run_dir = self._make_run_dir(config_path)
+        self.run_dir, resume = self._make_run_dir(config_path)
         self.metrics = MetricsWriter(
-            self.run_dir if self.rank == 0 else None, cfg.training.steps, cfg.metrics.enable_tensorboard
+            self.run_dir if self.rank == 0 else None,
+            cfg.training.steps,
+            cfg.metrics.enable_tensorboard,
+            purge_step=None if resume is None else resume + 1,
         )
+        self.checkpointer = Checkpointer(cfg, self._checkpoint_folder(self.run_dir), model, self.optimizer)
+        self.start_step = 1
+        if resume is not None:
+            self._resume(resume)
+        self._batches = iter(self.dataloader)  # after a resume has set the position
         # Per step since the last log: (step, loss share, loss non-finite, no valid token, skipped)
         self._window: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._last_grad_norm = torch.zeros((), device=self.device)
@@ -185,27 +196,72 @@ class Trainer:
                 "local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
             )
 
-    def _make_run_dir(self, config_path: str | None) -> Path:
-        """Rank 0 picks and creates the run folder; every rank learns its path (or the error)."""
-        out: list = [None, None]
+    def _checkpoint_folder(self, run_dir: Path) -> Path:
+        folder = Path(self.cfg.checkpoint.folder).expanduser()
+        return folder if folder.is_absolute() else run_dir / folder
+
+    def _make_run_dir(self, config_path: str | None) -> tuple[Path, int | None]:
+        """Rank 0 picks the run folder and whether to resume (a complete checkpoint there, or in
+        checkpoint.folder); every rank learns both, or the error. A checkpoint trained on
+        something else is refused before anything is written."""
+        out: list = [None, None, None]
         if self.rank == 0:
             job = self.cfg.job
             stem = Path(config_path).stem if config_path else "default"
             name = job.run_name or f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
             run_dir = Path(job.dump_folder).expanduser() / name
-            if (run_dir / "metrics.jsonl").exists():
-                out[1] = f"run folder '{run_dir}' already holds a run; pick another --job.run_name or move it"
-            else:
+            try:
+                folder = self._checkpoint_folder(run_dir)
+                resume = checkpoint.find(folder, self.cfg.checkpoint.load_step)
+                if resume is not None:
+                    checkpoint.check_compatible(folder, resume, self.cfg)
+                elif (run_dir / "metrics.jsonl").exists():
+                    raise UserError(
+                        f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
+                        "pick another --job.run_name or move it"
+                    )
                 run_dir.mkdir(parents=True, exist_ok=True)
+                if resume is not None:
+                    truncate_after(run_dir, resume)
                 (run_dir / "config.toml").write_text(to_toml(self.cfg))
                 (run_dir / "run.json").write_text(json.dumps(self._resolved(), indent=1) + "\n")
-                out[0] = str(run_dir)
+                out[:2] = str(run_dir), resume
+            except UserError as e:
+                out[2] = str(e)
         dist.broadcast_object_list(out, src=0)
-        if out[1]:
-            raise UserError(out[1])
+        if out[2]:
+            raise UserError(out[2])
         if self.rank == 0:
             logger.info(f"run folder: {out[0]}")
-        return Path(out[0])
+        return Path(out[0]), out[1]
+
+    def _generators(self) -> dict[str, torch.Generator]:
+        gens = {"labels": self._label_rng}
+        probe = getattr(self.diagnostics, "probe", None)
+        if probe is not None:
+            gens["grad_noise"] = probe._noise_gen
+        return gens
+
+    def _resume(self, step: int) -> None:
+        """Continue after `step`: weights, optimizer and RNG from the checkpoint, the schedule and
+        diagnostics from its state.json, and the data position from the step."""
+        self.checkpointer.load(step, self._generators())
+        state = json.loads((checkpoint.step_dir(self.checkpointer.folder, step) / "state.json").read_text())
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.diagnostics.load_state_dict(state["diagnostics"])
+        self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": step * self.layout.grad_accum})
+        self.start_step = step + 1
+
+    def save_checkpoint(self, step: int) -> None:
+        host = {"scheduler": self.scheduler.state_dict(), "diagnostics": self.diagnostics.state_dict()}
+        try:
+            self.checkpointer.save(step, host, self._generators())
+        except OSError as e:
+            raise TrainingError(str(e)) from None
+
+    def is_checkpoint_step(self, step: int) -> bool:
+        every = self.cfg.checkpoint.interval
+        return every > 0 and (step % every == 0 or step == self.cfg.training.steps)
 
     def _resolved(self) -> dict:
         """What the config left to the machine ("auto" and derived values), for run comparison."""
@@ -263,7 +319,9 @@ class Trainer:
         self._last_grad_norm, self._last_tokens = grad_norm, tokens
 
     def is_log_step(self, step: int) -> bool:
-        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+        """Also every checkpoint step: a checkpoint follows a log, so no step's record is lost."""
+        freq, last = self.cfg.metrics.log_freq, self.cfg.training.steps
+        return step == self.start_step or step % freq == 0 or step == last or self.is_checkpoint_step(step)
 
     # ---- the log step: the only place the host reads device values ------------------------------
     def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
@@ -330,7 +388,9 @@ class Trainer:
         steps = self.cfg.training.steps
         sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
         start = window_start = time.perf_counter()
-        for step in range(1, steps + 1):
+        for step in range(self.start_step, steps + 1):
+            if step == self.cfg.debug.sigkill_step and self.rank == 0:  # fault injection: a crash
+                os.kill(os.getpid(), signal.SIGKILL)
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("error")
             lr = self.scheduler.get_last_lr()[0]
@@ -340,6 +400,8 @@ class Trainer:
                     torch.cuda.set_sync_debug_mode("default")
                 now = time.perf_counter()
                 self._log(step, lr, now - window_start, now - start)
+                if self.is_checkpoint_step(step):
+                    self.save_checkpoint(step)
                 window_start = time.perf_counter()
         if self.cfg.checkpoint.export_weights:
             self.export_weights()

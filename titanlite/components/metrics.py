@@ -52,7 +52,9 @@ def diagnostics_line(d: dict[str, Any]) -> str:
 class MetricsWriter:
     """Writes on rank 0 only. The JSONL file is flushed after every record so scripts can tail it."""
 
-    def __init__(self, run_dir: Path | None, total_steps: int, tensorboard: bool) -> None:
+    def __init__(
+        self, run_dir: Path | None, total_steps: int, tensorboard: bool, purge_step: int | None = None
+    ) -> None:
         self.total_steps = total_steps
         self._jsonl = None
         self._diag = None
@@ -66,7 +68,7 @@ class MetricsWriter:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
 
     def write(self, rec: dict[str, Any]) -> None:
         logger.info(progress_line(rec, self.total_steps))
@@ -110,3 +112,23 @@ class MetricsWriter:
                 f.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """A resumed run continues from `step`: drop the records of later steps (written before the
+    crash) from the JSONL files, and a line cut off by the crash; each file rewritten atomically."""
+    from titanlite.tools.cache import atomic_write_bytes
+
+    for name in ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl"):
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                kept.append(line + "\n")
+        atomic_write_bytes(path, "".join(kept).encode())

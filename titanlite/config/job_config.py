@@ -119,6 +119,10 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
+    interval: int = opt(0, "save a checkpoint every this many steps and at the last step; 0: never")
+    folder: str = opt("checkpoints", "where checkpoints live; a relative path is inside the run folder")
+    keep_latest_k: int = opt(2, "complete checkpoints kept (older ones are deleted after a save); 0: all")
+    load_step: int = opt(-1, "resume from this step's checkpoint; -1: the newest complete one, if any")
     export_weights: bool = opt(
         False, "at the end, save the full model weights (torch.save) as <run folder>/weights.pt"
     )
@@ -135,6 +139,13 @@ class Debug:
     corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
     grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
     grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS")
+    sigkill_step: int = opt(-1, "fault: rank 0 is killed (SIGKILL) as this step starts (crash recovery)")
+    fail_save_step: int = opt(
+        -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
+    )
+    sigkill_in_save: int = opt(
+        -1, "fault: rank 0 is killed inside this step's checkpoint save, before it is published"
+    )
     seed_mode: str = opt(
         "shared",
         "dropout/shuffle seeds: shared (S1-1), rank0_differs (S1-2), per_rank (S1-3)",

@@ -88,6 +88,9 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     d = cfg.diagnostics
     if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3:
         raise UserError("diagnostics.sketch_dim must be >= 16, interval >= 1 and alert_window >= 3")
+    c = cfg.checkpoint
+    if c.interval < 0 or c.keep_latest_k < 0 or not c.folder:
+        raise UserError("checkpoint.interval and keep_latest_k must be >= 0 and checkpoint.folder non-empty")
     if cfg.metrics.log_freq < 1:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:

@@ -109,4 +109,7 @@ def build_dataloader(
         num_workers=cfg.data.num_workers,
         collate_fn=_collate,
         pin_memory=pin_memory,
+        # Its own generator: creating an iterator draws a seed, which must not move the global
+        # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
+        generator=torch.Generator().manual_seed(cfg.training.seed),
     )

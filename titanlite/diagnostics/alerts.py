@@ -131,6 +131,18 @@ class AlertMonitor:
         self.seen = 0
         self._last: dict[tuple[str, int], int] = {}
 
+    def state_dict(self) -> dict:
+        return {
+            "history": [asdict(p) for p in self.history],
+            "seen": self.seen,
+            "last": [[name, rank, seen] for (name, rank), seen in self._last.items()],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = deque((_Point(**p) for p in state["history"]), maxlen=self.cfg.alert_window)
+        self.seen = state["seen"]
+        self._last = {(name, rank): seen for name, rank, seen in state["last"]}
+
     def _fire(self, name: str, p: _Point, ranks: list[int], message: str, **values) -> list[Alert]:
         key = (name, ranks[0] if ranks else -1)
         if self.seen - self._last.get(key, -(10**9)) < self.cfg.alert_window:

@@ -88,6 +88,18 @@ class Diagnostics:
             )
             install(model, self.probe)
 
+    def state_dict(self) -> dict:
+        """Host state that a resumed run must continue from (the same on every rank)."""
+        if not self.enabled:
+            return {}
+        noise = {"trace_ema": self.noise.trace_ema, "gsq_ema": self.noise.gsq_ema}
+        return {"noise": noise, "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.enabled and state:
+            self.noise.trace_ema, self.noise.gsq_ema = state["noise"]["trace_ema"], state["noise"]["gsq_ema"]
+            self.monitor.load_state_dict(state["monitor"])
+
     def is_measured(self, step: int) -> bool:
         return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
 

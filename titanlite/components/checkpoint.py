@@ -1,0 +1,256 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) that a crash cannot corrupt.
+
+A checkpoint of step N is the folder `<folder>/step-<N>`:
+    DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
+                             replicas); DCP reshards on load, so dp degree and mode may change
+    state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
+                             and what it was trained on (model, data, seed, global batch)
+    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection)
+    complete                 the marker, written last
+Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
+killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
+half checkpoint that looks complete. The dataloader state is the step itself: the data order is
+a function of (seed, global batch, step) only (datasets/sampler.py), which holds at any dp.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titanlite.config import JobConfig
+from titanlite.errors import UserError
+
+logger = logging.getLogger("titanlite")
+
+MARKER = "complete"
+# What a checkpoint must share with the run that loads it (anything else may change on resume,
+# the layout included).
+IDENTITY = (
+    ("model", "name"),
+    ("model", "flavor"),
+    ("model", "builtin_vocab_size"),
+    ("model", "tokenizer_path"),
+    ("data", "mode"),
+    ("data", "path"),
+    ("training", "seed"),
+    ("training", "global_batch_size"),
+)
+
+
+def identity(cfg: JobConfig) -> dict[str, Any]:
+    return {f"{sec}.{key}": getattr(getattr(cfg, sec), key) for sec, key in IDENTITY}
+
+
+def step_dir(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:08d}"
+
+
+def complete_steps(folder: Path) -> list[int]:
+    """Steps of the published, complete checkpoints in `folder`, oldest first."""
+    if not folder.is_dir():
+        return []
+    steps = []
+    for d in folder.iterdir():
+        name = d.name
+        if name.startswith("step-") and name[5:].isdigit() and (d / MARKER).is_file():
+            steps.append(int(name[5:]))
+    return sorted(steps)
+
+
+def find(folder: Path, load_step: int) -> int | None:
+    """The step to resume from (None: start fresh); a named step must exist and be complete."""
+    steps = complete_steps(folder)
+    if load_step < 0:
+        return steps[-1] if steps else None
+    if load_step not in steps:
+        have = ", ".join(map(str, steps)) or "none"
+        raise UserError(
+            f"checkpoint.load_step={load_step} but {folder} holds no complete checkpoint of that step "
+            f"(complete: {have}); pick one of them or -1 for the newest"
+        )
+    return load_step
+
+
+def check_compatible(folder: Path, step: int, cfg: JobConfig) -> dict:
+    """Read state.json and refuse a checkpoint trained on something else, naming the mismatch."""
+    path = step_dir(folder, step) / "state.json"
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(
+            f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
+        ) from None
+    theirs, ours = state.get("identity", {}), identity(cfg)
+    diff = [f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+    if diff:
+        raise UserError(
+            f"checkpoint {path.parent} was trained on something else ({'; '.join(diff)}); "
+            "use a matching config, another checkpoint.folder, or start a new run"
+        )
+    return state
+
+
+def _rng_states(extra_generators: dict[str, torch.Generator]) -> dict[str, torch.Tensor]:
+    states = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state()
+    states.update({name: g.get_state() for name, g in extra_generators.items()})
+    return states
+
+
+def _set_rng_states(states: dict[str, torch.Tensor], extra_generators: dict[str, torch.Generator]) -> None:
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda"])
+    for name, g in extra_generators.items():
+        if name in states:
+            g.set_state(states[name])
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _first_cause(e: BaseException) -> str:
+    """One line: DCP's CheckpointException wraps each failed rank's exception."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, inner = next(iter(failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback)
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+
+
+class _FullDiskWriter(dcp.FileSystemWriter):
+    """debug.fail_save_step: this rank's shard write fails as on a full disk, inside DCP, so
+    the failure travels the real path (DCP gathers it and raises on every rank)."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device (injected by debug.fail_save_step)")
+
+
+class Checkpointer:
+    """Saves and loads the training state; every rank calls save() and load() together."""
+
+    def __init__(
+        self, cfg: JobConfig, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ):
+        self.cfg = cfg
+        self.folder = folder
+        self.model = model
+        self.optimizer = optimizer
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+
+    def _dcp_state(self) -> dict[str, Any]:
+        return {
+            "model": get_model_state_dict(self.model),
+            "optim": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+
+    def save(self, step: int, host_state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+        """Write step-<step> atomically; on failure remove the partial folder, keep the older
+        checkpoints, and raise on every rank."""
+        start = time.perf_counter()
+        final = step_dir(self.folder, step)
+        tmp = final.with_name(final.name + ".tmp")
+        error: list = [None]
+        if self.rank == 0:
+            try:
+                self.folder.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
+                tmp.mkdir()
+            except OSError as e:
+                error[0] = f"cannot create {tmp}: {e}"
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is None:
+            try:
+                torch.save(_rng_states(generators), tmp / f"rng-rank{self.rank}.pt")
+                failed = None
+            except OSError as e:
+                failed = f"rank {self.rank}: {e}"
+            errors: list = [None] * self.world
+            dist.all_gather_object(errors, failed)
+            error[0] = next((e for e in errors if e), None)
+        if error[0] is None:
+            try:
+                full = step == self.cfg.debug.fail_save_step and self.rank == self.world - 1
+                writer = (_FullDiskWriter if full else dcp.FileSystemWriter)(str(tmp))
+                dcp.save(self._dcp_state(), storage_writer=writer)
+            except (Exception, CheckpointException) as e:  # raised on every rank if any write failed
+                error[0] = _first_cause(e)
+        if error[0] is None and self.rank == 0:
+            if step == self.cfg.debug.sigkill_in_save:  # fault injection: die before publishing
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                state = {"step": step, "world_size": self.world, "identity": identity(self.cfg), **host_state}
+                (tmp / "state.json").write_text(json.dumps(state))
+                (tmp / MARKER).write_text(f"{step}\n")
+                _fsync_dir(tmp)
+                if final.exists():  # a checkpoint of this step from an earlier attempt
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+                _fsync_dir(self.folder)
+            except OSError as e:
+                error[0] = str(e)
+        dist.broadcast_object_list(error, src=0)
+        if error[0] is not None:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            kept = complete_steps(self.folder)
+            raise OSError(
+                f"checkpoint save at step {step} failed ({error[0]}); "
+                + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
+            )
+        if self.rank == 0:
+            self._prune()
+        logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s")
+
+    def _prune(self) -> None:
+        keep = self.cfg.checkpoint.keep_latest_k
+        steps = complete_steps(self.folder)
+        for old in steps[:-keep] if keep > 0 else []:
+            shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
+
+    def load(self, step: int, generators: dict[str, torch.Generator]) -> None:
+        """Model and optimizer (resharded by DCP to this run's layout) and, at the same world
+        size, this rank's RNG states; at another world size the RNG streams cannot map onto
+        the new ranks, so they are re-seeded from (seed, step, rank)."""
+        path = step_dir(self.folder, step)
+        state = self._dcp_state()
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        rng = path / f"rng-rank{self.rank}.pt"
+        saved_world = json.loads((path / "state.json").read_text())["world_size"]
+        if saved_world == self.world and rng.is_file():
+            _set_rng_states(torch.load(rng, weights_only=True), generators)
+        else:
+            base = self.cfg.training.seed * 1_000_003 + step * 1009 + self.rank
+            torch.manual_seed(base)
+            for i, g in enumerate(generators.values()):
+                g.manual_seed(base + 7919 * (i + 1))
+        logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
