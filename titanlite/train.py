@@ -239,7 +239,7 @@ class Trainer:
         gens = {"labels": self._label_rng}
         probe = getattr(self.diagnostics, "probe", None)
         if probe is not None:
-            gens["grad_noise"] = probe._noise_gen
+            gens["grad_noise"] = probe.noise_generator
         return gens
 
     def _resume(self, step: int) -> None:

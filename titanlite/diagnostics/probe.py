@@ -41,7 +41,7 @@ class GradProbe:
         self.world = world
         self.measuring = False
         self.noise_scale = noise_scale  # > 0 only on the rank of the grad_noise fault
-        self._noise_gen = torch.Generator(device=device).manual_seed(seed + 17)
+        self.noise_generator = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)
         self.countsketch = CountSketch(sketch_dim, seed) if method == "sketch" else None
@@ -59,7 +59,7 @@ class GradProbe:
         """The grad_noise fault: add N(0, (scale * RMS)^2) noise to this rank's local gradient."""
         if self.noise_scale > 0:
             rms = local.float().norm() / local.numel() ** 0.5
-            noise = torch.randn(local.shape, generator=self._noise_gen, device=local.device)
+            noise = torch.randn(local.shape, generator=self.noise_generator, device=local.device)
             local.add_((noise * (self.noise_scale * rms)).to(local.dtype))
 
     def observe(self, local: torch.Tensor, offset: int) -> None:
