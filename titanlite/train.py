@@ -245,8 +245,7 @@ class Trainer:
     def _resume(self, step: int) -> None:
         """Continue after `step`: weights, optimizer and RNG from the checkpoint, the schedule and
         diagnostics from its state.json, and the data position from the step."""
-        self.checkpointer.load(step, self._generators())
-        state = json.loads((checkpoint.step_dir(self.checkpointer.folder, step) / "state.json").read_text())
+        state = self.checkpointer.load(step, self._generators())
         self.scheduler.load_state_dict(state["scheduler"])
         self.diagnostics.load_state_dict(state["diagnostics"])
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": step * self.layout.grad_accum})

@@ -235,17 +235,18 @@ class Checkpointer:
         for old in steps[:-keep] if keep > 0 else []:
             shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
 
-    def load(self, step: int, generators: dict[str, torch.Generator]) -> None:
+    def load(self, step: int, generators: dict[str, torch.Generator]) -> dict[str, Any]:
         """Model and optimizer (resharded by DCP to this run's layout) and, at the same world
         size, this rank's RNG states; at another world size the RNG streams cannot map onto
-        the new ranks, so they are re-seeded from (seed, step, rank)."""
+        the new ranks, so they are re-seeded from (seed, step, rank). Returns state.json."""
         path = step_dir(self.folder, step)
+        host = json.loads((path / "state.json").read_text())
         state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         rng = path / f"rng-rank{self.rank}.pt"
-        saved_world = json.loads((path / "state.json").read_text())["world_size"]
+        saved_world = host["world_size"]
         if saved_world == self.world and rng.is_file():
             _set_rng_states(torch.load(rng, weights_only=True), generators)
         else:
@@ -254,3 +255,4 @@ class Checkpointer:
             for i, g in enumerate(generators.values()):
                 g.manual_seed(base + 7919 * (i + 1))
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
+        return host
