@@ -7,6 +7,8 @@ built-in SFT data, 6 steps, checkpoints every 3).
 - a checkpoint written at dp=2 FSDP continues at dp=4 FSDP and at dp=2 DDP within 1e-5;
 - a run killed inside the save of step 6 leaves that checkpoint unpublished: the restart loads
   step 3 and finishes, equal to the uninterrupted run;
+- async_mode: a run killed inside the background write resumes from the previous async
+  checkpoint bitwise, and a failed background write stops the run at the next save;
 - a checkpoint trained on something else, or an unwritable folder, is a one-line error and
   touches nothing.
 """
@@ -149,3 +151,25 @@ def test_full_disk_fails_the_save_loudly_and_keeps_the_previous(tmp_path):
     assert "checkpoint save at step 6 failed" in proc.stderr and "No space left on device" in proc.stderr
     assert "the checkpoint of step 3 is intact" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step-00000003"]
+
+
+@pytest.mark.slow
+def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
+    """Killed inside the background write of step 4 (DCP's files written, not yet published), the
+    restart resumes from step 2, itself written in the background, and ends bitwise equal; a
+    full disk in the background write of step 4 fails the run at the next save, exit 3."""
+    ckpt = ("--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    assert run(ref, "async", *ckpt, "--debug.sigkill_in_save", "4", ok=False).returncode != 0
+    folder = ref / "async" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.tmp"]
+    proc = run(ref, "async", *ckpt)
+    assert "resumed from step 2" in proc.stdout + proc.stderr
+    assert losses(ref, "async") == losses(ref, "fsdp")
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
+
+    proc = run(tmp_path, "async-full", *ckpt, "--debug.fail_save_step", "4", ok=False)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "checkpoint save at step 4 failed" in proc.stderr and "No space left on device" in proc.stderr
+    assert "the checkpoint of step 2 is intact" in proc.stderr
+    assert sorted(p.name for p in (tmp_path / "async-full" / "checkpoints").iterdir()) == ["step-00000002"]
+    assert max(losses(tmp_path, "async-full")) == 6  # reported at the next save, step 6

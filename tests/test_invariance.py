@@ -3,7 +3,7 @@ one run per layout and gives scripts/compare_runs.py's verdict).
 
 Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, global batch 16:
 dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps; FSDP, DDP and HSDP 2x4 at
-dp=8. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
+dp=8. The dp=8 run's checkpoint of step 20 continues at dp=16 on the same curve. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
 verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
 """
 
@@ -15,9 +15,10 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, check, read_metrics, train
 
-TOOL = [sys.executable, "scripts/invariance.py", "--config", "train_configs/debug_sft.toml"]
+CONFIG = "train_configs/debug_sft.toml"
+TOOL = [sys.executable, "scripts/invariance.py", "--config", CONFIG]
 QUIET = ["--metrics.enable_tensorboard", "false"]
 
 
@@ -40,8 +41,9 @@ def _max_rel(summary: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_dp8_vs_dp16_same_curve(tmp_path):
-    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1))
+def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path):
+    ckpt = ("--checkpoint.interval", "20")
+    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt)
     assert proc.returncode == 0, proc.stderr
     (cmp,) = summary["comparisons"]
     assert cmp["steps"] == 30 and cmp["max_rel"] <= 1e-5, cmp["max_rel"]
@@ -49,6 +51,31 @@ def test_dp8_vs_dp16_same_curve(tmp_path):
     assert losses[-1] < losses[1]  # it trains (step 1 has few valid tokens)
     assert "PASS" in proc.stdout and (tmp_path / "inv/compare/compare.png").exists()
     assert "local batch 1 x accum 2" in proc.stdout and "local batch 1 x accum 1" in proc.stdout
+
+    # Reshard: the dp=8 run's step-20 checkpoint (FSDP over 8) continues as FSDP over 16.
+    dp8 = tmp_path / "inv" / "fsdp-1x8-lb1"
+    source = ("--checkpoint.folder", str(dp8 / "checkpoints"), "--checkpoint.load_step", "20")
+    where = ("--job.dump_folder", str(tmp_path), "--job.run_name", "dp16-from-dp8")
+    check(
+        train(
+            16,
+            "--config",
+            CONFIG,
+            "--training.steps",
+            "30",
+            "--metrics.log_freq",
+            "1",
+            *batch(1),
+            *QUIET,
+            *source,
+            *where,
+        )
+    )
+    want = {r["step"]: r["loss"] for r in read_metrics(dp8)}
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "dp16-from-dp8")}
+    rel = max(abs(got[s] - want[s]) / want[s] for s in got)
+    print(f"dp=8 checkpoint of step 20 continued at dp=16: max relative loss difference {rel:.3g}")
+    assert sorted(got) == list(range(21, 31)) and rel <= 1e-5, (got, want)
 
 
 @pytest.mark.slow

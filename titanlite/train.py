@@ -258,6 +258,13 @@ class Trainer:
         except OSError as e:
             raise TrainingError(str(e)) from None
 
+    def finish_checkpoints(self) -> None:
+        """The last async save is settled before the run reports success."""
+        try:
+            self.checkpointer.wait()
+        except OSError as e:
+            raise TrainingError(str(e)) from None
+
     def is_checkpoint_step(self, step: int) -> bool:
         every = self.cfg.checkpoint.interval
         return every > 0 and (step % every == 0 or step == self.cfg.training.steps)
@@ -402,6 +409,7 @@ class Trainer:
                 if self.is_checkpoint_step(step):
                     self.save_checkpoint(step)
                 window_start = time.perf_counter()
+        self.finish_checkpoints()
         if self.cfg.checkpoint.export_weights:
             self.export_weights()
         logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
@@ -423,6 +431,7 @@ class Trainer:
             logger.info(f"exported full weights to {self.run_dir / 'weights.pt'}")
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
 
 

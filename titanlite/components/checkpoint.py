@@ -9,7 +9,9 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
 killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
-half checkpoint that looks complete. The dataloader state is the step itself: the data order is
+half checkpoint that looks complete. With async_mode = "async" the step waits only while DCP
+copies the state to host memory; the write and the publish follow on a background thread.
+The dataloader state is the step itself: the data order is
 a function of (seed, global batch, step) only (datasets/sampler.py), which holds at any dp.
 """
 
@@ -22,6 +24,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +157,13 @@ class _FullDiskWriter(dcp.FileSystemWriter):
 
 
 class Checkpointer:
-    """Saves and loads the training state; every rank calls save() and load() together."""
+    """Saves and loads the training state; every rank calls save(), wait() and load() together.
+
+    async_mode = "async": save() returns once DCP has copied the state to host memory; the write
+    and the publish run on a background thread, whose DCP collectives use a gloo group of their
+    own so they never queue behind the training step's. The next save(), and wait() at the end
+    of training, settle it: a failure there raises on every rank, as a synchronous save would.
+    """
 
     def __init__(
         self, cfg: JobConfig, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -164,6 +174,10 @@ class Checkpointer:
         self.optimizer = optimizer
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.is_async = cfg.checkpoint.async_mode == "async"
+        self.group = dist.new_group(backend="gloo") if self.is_async else None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
+        self._pending: tuple[int, Path, Future] | None = None
 
     def _dcp_state(self) -> dict[str, Any]:
         return {
@@ -172,42 +186,63 @@ class Checkpointer:
         }
 
     def save(self, step: int, host_state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
-        """Write step-<step> atomically; on failure remove the partial folder, keep the older
-        checkpoints, and raise on every rank."""
+        """Write step-<step> atomically (in async mode: start writing it); on failure remove the
+        partial folder, keep the older checkpoints, and raise on every rank."""
+        self.wait()
         start = time.perf_counter()
         final = step_dir(self.folder, step)
         tmp = final.with_name(final.name + ".tmp")
-        error: list = [None]
+        error = None
         if self.rank == 0:
             try:
                 self.folder.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(tmp, ignore_errors=True)  # a save killed earlier
                 tmp.mkdir()
             except OSError as e:
-                error[0] = f"cannot create {tmp}: {e}"
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is None:
-            try:
-                torch.save(_rng_states(generators), tmp / f"rng-rank{self.rank}.pt")
-                failed = None
-            except OSError as e:
-                failed = f"rank {self.rank}: {e}"
-            errors: list = [None] * self.world
-            dist.all_gather_object(errors, failed)
-            error[0] = next((e for e in errors if e), None)
-        if error[0] is None:
-            try:
-                full = step == self.cfg.debug.fail_save_step and self.rank == self.world - 1
-                writer = (_FullDiskWriter if full else dcp.FileSystemWriter)(str(tmp))
-                dcp.save(self._dcp_state(), storage_writer=writer)
-            except (Exception, CheckpointException) as e:  # raised on every rank if any write failed
-                error[0] = _first_cause(e)
-        if error[0] is None and self.rank == 0:
+                error = f"cannot create {tmp}: {e}"
+        self._settle(step, tmp, error)
+        try:
+            torch.save(_rng_states(generators), tmp / f"rng-rank{self.rank}.pt")
+        except OSError as e:
+            error = f"rank {self.rank}: {e}"
+        self._settle(step, tmp, error)
+        # Serialised now: the scheduler and diagnostics move on while an async write runs.
+        state = json.dumps(
+            {"step": step, "world_size": self.world, "identity": identity(self.cfg), **host_state}
+        )
+        full = step == self.cfg.debug.fail_save_step and self.rank == self.world - 1
+        writer = (_FullDiskWriter if full else dcp.FileSystemWriter)(str(tmp))
+        if not self.is_async:
+            error = self._write(
+                step, tmp, lambda: dcp.save(self._dcp_state(), storage_writer=writer), state, start
+            )
+            self._settle(step, tmp, error)
+            return
+        try:
+            staged = dcp.async_save(self._dcp_state(), storage_writer=writer, process_group=self.group)
+        except (Exception, CheckpointException) as e:
+            self._settle(step, tmp, _first_cause(e))
+            return
+        job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
+        self._pending = (step, tmp, job)
+        logger.info(
+            f"checkpoint: step {step} staged in {time.perf_counter() - start:.2f}s, writing in the background"
+        )
+
+    def _write(self, step: int, tmp: Path, write: Callable[[], Any], state: str, start: float) -> str | None:
+        """DCP's write (every rank), then the publish (rank 0); returns the failure in one line."""
+        try:
+            write()  # DCP raises on every rank if any rank's write failed
+        except (Exception, CheckpointException) as e:
+            error = _first_cause(e)
+            logger.error(f"checkpoint: the save of step {step} failed: {error}")
+            return error
+        final = step_dir(self.folder, step)
+        if self.rank == 0:
             if step == self.cfg.debug.sigkill_in_save:  # fault injection: die before publishing
                 os.kill(os.getpid(), signal.SIGKILL)
             try:
-                state = {"step": step, "world_size": self.world, "identity": identity(self.cfg), **host_state}
-                (tmp / "state.json").write_text(json.dumps(state))
+                (tmp / "state.json").write_text(state)
                 (tmp / MARKER).write_text(f"{step}\n")
                 _fsync_dir(tmp)
                 if final.exists():  # a checkpoint of this step from an earlier attempt
@@ -215,19 +250,40 @@ class Checkpointer:
                 os.replace(tmp, final)
                 _fsync_dir(self.folder)
             except OSError as e:
-                error[0] = str(e)
-        dist.broadcast_object_list(error, src=0)
-        if error[0] is not None:
-            if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            kept = complete_steps(self.folder)
-            raise OSError(
-                f"checkpoint save at step {step} failed ({error[0]}); "
-                + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
-            )
-        if self.rank == 0:
+                return str(e)
             self._prune()
-        logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s")
+        mode = " (async)" if self.is_async else ""
+        logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}")
+        return None
+
+    def _settle(self, step: int, tmp: Path, error: str | None) -> None:
+        """Every rank learns whether any rank failed; if one did, all raise the same error."""
+        errors: list = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        first = next((e for e in errors if e), None)
+        if first is None:
+            return
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = complete_steps(self.folder)
+        raise OSError(
+            f"checkpoint save at step {step} failed ({first}); "
+            + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
+        )
+
+    def wait(self) -> None:
+        """Every rank: finish the pending async save and raise on every rank if it failed."""
+        if self._pending is not None:
+            step, tmp, job = self._pending
+            self._pending = None
+            self._settle(step, tmp, job.result())
+
+    def close(self) -> None:
+        """On any exit: let a background write finish (and publish) before the process groups go
+        away. No collectives here, so an exit on an error cannot hang on them."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._pending = None
 
     def _prune(self) -> None:
         keep = self.cfg.checkpoint.keep_latest_k

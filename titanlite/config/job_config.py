@@ -123,6 +123,11 @@ class Checkpoint:
     folder: str = opt("checkpoints", "where checkpoints live; a relative path is inside the run folder")
     keep_latest_k: int = opt(2, "complete checkpoints kept (older ones are deleted after a save); 0: all")
     load_step: int = opt(-1, "resume from this step's checkpoint; -1: the newest complete one, if any")
+    async_mode: str = opt(
+        "off",
+        "off: training waits for the write; async: it waits only for a copy to host memory",
+        choices=("off", "async"),
+    )
     export_weights: bool = opt(
         False, "at the end, save the full model weights (torch.save) as <run folder>/weights.pt"
     )

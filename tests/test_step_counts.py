@@ -1,0 +1,80 @@
+"""What a training step issues, counted (tests/workers/step_counts.py, 4 CPU ranks, debug model,
+2 microbatches per rank): no host sync between log steps, and exactly the collectives the design
+calls for on the main and the diagnostics groups, so extra communication cannot creep in.
+
+The expected counts follow from the structure, per step with M microbatches, U FSDP units (the
+blocks and the root), L blocks, B DDP buckets:
+- FSDP all-gathers each unit's parameters in every forward and, for the L - 1 blocks that
+  reshard after forward (not the last block, not the root), again in backward: M (U + L - 1);
+- it reduce-scatters every unit's gradient on each microbatch that syncs: M U, or U when sync is
+  skipped on non-final microbatches (and on measured steps, so the probe sees whole steps);
+  HSDP adds one all-reduce across replicas per reduce-scatter;
+- DDP all-reduces each bucket on the final microbatch: B;
+- the loss normaliser is one all-reduce of the step's valid-token count; the gradient-norm clip
+  under FSDP one functional all-reduce of the sharded norms (DTensor);
+- diagnostics, measured step: `exact` turns each reduction into an all-to-all (plus, for DDP, an
+  all-gather of the reduced shards) and adds a gather and a Gram all-reduce on its own group;
+  `sketch` keeps the reduction and gathers twice on its own group (statistics, sketches); an
+  unmeasured step issues nothing extra;
+- a log step reads the metrics with one all-reduce, whatever the configuration.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import check, torchrun
+
+
+@pytest.fixture(scope="module")
+def counts(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("step_counts")
+    check(torchrun(4, "tests/workers/step_counts.py", str(tmp / "out.json"), str(tmp / "runs")))
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_no_host_sync_outside_log_steps(counts):
+    results = counts["host_syncs"]
+    assert set(results) == {"fsdp_sketch", "ddp_exact_skip"}
+    for case, phases in results.items():
+        assert phases.get("non_log", {}) == {}, (case, phases)
+        # The instrument works: each of the 4 log steps (1, 3, 6, 7) reads the trainer's metrics
+        # once and the diagnostics' once.
+        assert phases["log"] == {"tolist": 8}, (case, phases)
+
+
+def expected(case: str, c: dict) -> dict:
+    m, u, layers = c["micro"], c["units"], c["layers"]
+    gathers = m * (u + layers - 1)
+    tokens_and_clip = {"allreduce": 1, "all_reduce": 1}  # token count; FSDP's norm
+    fsdp = {"_allgather_base": gathers, "_reduce_scatter_base": m * u, **tokens_and_clip}
+    skipped = {**fsdp, "_reduce_scatter_base": u}
+    exact_probe = {"allgather": 1, "allreduce": 1}
+    sketch_probe = {"allgather": 2}
+    return {
+        "fsdp": {"main": fsdp},
+        "fsdp_unmeasured": {"main": fsdp},
+        "fsdp_skip_sync": {"main": skipped},
+        "ddp": {"main": {"allreduce": 1 + c.get("buckets", 0)}},
+        "hsdp": {"main": {**fsdp, "allreduce": m * u + 1}},
+        "fsdp_exact": {
+            "main": {"_allgather_base": gathers, "alltoall_base": u, **tokens_and_clip},
+            "diagnostics": exact_probe,
+        },
+        "fsdp_sketch": {"main": skipped, "diagnostics": sketch_probe},
+        "ddp_exact": {
+            "main": {"alltoall_base": c.get("buckets", 0), "allgather": c.get("buckets", 0), "allreduce": 1},
+            "diagnostics": exact_probe,
+        },
+        "hsdp_sketch": {"main": {**skipped, "allreduce": u + 1}, "diagnostics": sketch_probe},
+    }[case]
+
+
+def test_collectives_per_step_are_exactly_the_designed_ones(counts):
+    results = counts["collectives"]
+    assert len(results) == 9
+    for case, c in results.items():
+        assert c["micro"] == 2 and (c["units"] == c["layers"] + 1 or "buckets" in c), (case, c)
+        assert c["step"] == expected(case, c), (case, c["step"], expected(case, c))
+        assert c["log"] == {"main": {"allreduce": 1}}, (case, c["log"])

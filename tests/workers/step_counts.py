@@ -1,0 +1,129 @@
+"""Run under torchrun (4 ranks): what one training step issues, counted with
+titanlite.tools.instrument.
+
+host_syncs: whole training runs with every host read counted, separately for log steps (where
+    reading metrics is allowed) and all other moments of the loop; diagnostics measure every
+    step, sketch under FSDP and exact under DDP.
+collectives: per case, the collectives of one ordinary step (step 3: DDP rebuilds its buckets
+    once, at step 2) and of one log, by group ("diagnostics": the diagnostics' own group; "main":
+    all others, the data-parallel groups), with the structure they follow from (FSDP units, units that
+    reshard after forward, DDP buckets, microbatches).
+
+Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}} (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+
+from titanlite.config import parse_args
+from titanlite.tools.instrument import CollectiveCounter, HostSyncCounter
+from titanlite.train import Trainer
+
+HOST = HostSyncCounter()
+DIAG_EVERY_STEP = ["--diagnostics.warmup_steps", "1000"]
+DDP = ["--parallelism.dp_replicate", "4"]
+HSDP = ["--parallelism.dp_replicate", "2"]
+
+
+def trainer(out_dir: str, name: str, *overrides: str) -> Trainer:
+    cfg, _ = parse_args(
+        [
+            "--config",
+            "train_configs/debug_model.toml",
+            "--training.steps",
+            "7",
+            "--metrics.log_freq",
+            "3",
+            "--training.seq_len",
+            "64",
+            "--training.global_batch_size",
+            "8",
+            "--training.local_batch_size",
+            "1",
+            "--job.dump_folder",
+            out_dir,
+            "--job.run_name",
+            name,
+            "--metrics.enable_tensorboard",
+            "false",
+            *overrides,
+        ]
+    )
+    return Trainer(cfg)
+
+
+def host_syncs(out_dir: str, name: str, *overrides: str) -> dict:
+    t = trainer(out_dir, name, *overrides)
+    HOST.counts.clear()
+    log = t._log
+
+    def counted_log(*a, **k):
+        with HOST.phase("log"):
+            return log(*a, **k)
+
+    t._log = counted_log
+    with HOST.phase("non_log"):
+        t.train()
+    t.close()
+    return {phase: dict(c) for phase, c in HOST.counts.items()}
+
+
+def structure(t: Trainer) -> dict:
+    units = [m for m in t.model.modules() if isinstance(m, FSDPModule)]
+    info = {"units": len(units), "micro": t.layout.grad_accum, "layers": len(t.model.layers) if units else 0}
+    if t.layout.mode == "ddp":
+        info["buckets"] = t.model._get_ddp_logging_data()["num_buckets_reduced"]
+    return info
+
+
+def collectives(out_dir: str, name: str, *overrides: str) -> dict:
+    t = trainer(out_dir, name, *overrides)
+    labels = {t.diagnostics.group.group_name: "diagnostics"} if t.diagnostics.enabled else {}
+    for step in (1, 2):
+        t.train_step(step)
+    with CollectiveCounter(labels, other="main") as step_count:
+        t.train_step(3)
+    with CollectiveCounter(labels, other="main") as log_count:
+        t._log(3, 1e-3, 1.0, 1.0)
+    result = {"step": step_count.by_group(), "log": log_count.by_group(), **structure(t)}
+    t.close()
+    return result
+
+
+def main() -> None:
+    out, out_dir = sys.argv[1], sys.argv[2]
+    HOST.install()
+    sft = ["--data.mode", "sft", "--training.seq_len", "256"]
+    results = {
+        "host_syncs": {
+            "fsdp_sketch": host_syncs(out_dir, "h-fsdp", *sft, "--diagnostics.method", "sketch"),
+            "ddp_exact_skip": host_syncs(out_dir, "h-ddp", *DDP, "--debug.ignore_all_labels_steps", "2,5"),
+        },
+        "collectives": {
+            name: collectives(out_dir, f"c-{name}", *extra)
+            for name, extra in {
+                "fsdp": ["--diagnostics.enable", "false"],
+                "fsdp_skip_sync": ["--diagnostics.enable", "false", "--parallelism.skip_grad_sync", "on"],
+                "ddp": ["--diagnostics.enable", "false", *DDP],
+                "hsdp": ["--diagnostics.enable", "false", *HSDP],
+                "fsdp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP],
+                "fsdp_sketch": ["--diagnostics.method", "sketch", *DIAG_EVERY_STEP],
+                "ddp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP, *DDP],
+                "hsdp_sketch": [*DIAG_EVERY_STEP, *HSDP],
+                "fsdp_unmeasured": ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+            }.items()
+        },
+    }
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""Counters for what a training step must not grow silently: host syncs and collectives.
+
+Used by the tests (exact counts per step) and by scripts/bench.py (counts next to timings).
+Both cost far more than they measure, so they wrap counted steps, never timed ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+class HostSyncCounter:
+    """Counts every way a tensor is read on the host (HOST_READS) and torch.cuda.synchronize.
+
+    `install()` patches them once for the process; counts accrue only inside `phase(name)`, per
+    phase name, so a test can tell log steps (where reading metrics is allowed) from the rest.
+    """
+
+    def __init__(self) -> None:
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self._phase: str | None = None
+        self._installed = False
+
+    def install(self) -> None:
+        if self._installed:
+            return
+        self._installed = True
+        for name in HOST_READS:
+            setattr(torch.Tensor, name, self._wrap(getattr(torch.Tensor, name), name))
+        torch.cuda.synchronize = self._wrap(torch.cuda.synchronize, "cuda.synchronize")
+
+    def _wrap(self, orig, name: str):
+        def counted(*args, **kwargs):
+            if self._phase is not None:
+                self.counts[self._phase][name] += 1
+            return orig(*args, **kwargs)
+
+        return counted
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        outer, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = outer
+
+
+# Dispatcher ops that move data between ranks (c10d: torch.distributed's calls, DDP and FSDP;
+# _c10d_functional: DTensor and functional collectives). Waits and wrappers are not collectives.
+_NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the collectives issued while active, per (process group name, op).
+
+    A dispatch mode sees every collective whatever issued it (Python, DDP's reducer, FSDP's
+    hooks, DTensor's redistributions), with the group it runs on. `groups` maps group names to
+    labels (names differ between ranks: label this rank's groups); the other groups count under
+    `other`, or under their own name if it is None.
+    """
+
+    def __init__(self, groups: dict[str, str] | None = None, other: str | None = None) -> None:
+        super().__init__()
+        self.groups = groups or {}
+        self.other = other
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not torch.Tensor for t in types):
+            # A tensor subclass (DTensor) first: modes run before subclasses, so let it desugar
+            # into plain ops, its own collectives included, which then come back here.
+            return NotImplemented
+        ns, op = func.namespace, func._opname
+        if ns == "c10d" or (ns == "_c10d_functional" and op not in _NOT_COLLECTIVES):
+            group = _group_name(ns, args, kwargs or {})
+            self.counts[(self.groups.get(group, self.other or group), op.rstrip("_"))] += 1
+        return func(*args, **(kwargs or {}))
+
+    def by_group(self) -> dict[str, dict[str, int]]:
+        out: dict[str, dict[str, int]] = {}
+        for (group, op), n in sorted(self.counts.items()):
+            out.setdefault(group, {})[op] = n
+        return out
+
+
+def _group_name(ns: str, args: tuple, kwargs: dict) -> str:
+    if ns == "_c10d_functional":  # the group travels by name, the last positional argument
+        return str(kwargs.get("group_name", args[-1]))
+    for a in args:  # c10d ops take the ProcessGroup as a boxed script object
+        if isinstance(a, torch._C.ScriptObject):
+            return torch._C._distributed_c10d.ProcessGroup.unbox(a).group_name
+    return "?"
