@@ -8,12 +8,13 @@ blocks and the root), L blocks, B DDP buckets:
   reshard after forward (not the last block, not the root), again in backward: M (U + L - 1);
 - it reduce-scatters every unit's gradient on each microbatch that syncs: M U, or U when sync is
   skipped on non-final microbatches (and on measured steps, so the probe sees whole steps);
-  HSDP adds one all-reduce across replicas per reduce-scatter;
+  on gloo each reduce-scatter is one all-to-all (titanlite.distributed.parallelize); HSDP adds
+  one all-reduce across replicas per reduce-scatter;
 - DDP all-reduces each bucket on the final microbatch: B;
 - the loss normaliser is one all-reduce of the step's valid-token count; the gradient-norm clip
   under FSDP one functional all-reduce of the sharded norms (DTensor);
-- diagnostics, measured step: `exact` turns each reduction into an all-to-all (plus, for DDP, an
-  all-gather of the reduced shards) and adds a gather and a Gram all-reduce on its own group;
+- diagnostics, measured step: `exact` reduces with an all-to-all (for DDP, plus an all-gather
+  of the reduced shards) and adds a gather and a Gram all-reduce on its own group;
   `sketch` keeps the reduction and gathers twice on its own group (statistics, sketches); an
   unmeasured step issues nothing extra;
 - a log step reads the metrics with one all-reduce, whatever the configuration.
@@ -44,12 +45,15 @@ def test_no_host_sync_outside_log_steps(counts):
         assert phases["log"] == {"tolist": 8}, (case, phases)
 
 
+RS = "alltoall_base"  # FSDP's reduce-scatter as titanlite does it on gloo
+
+
 def expected(case: str, c: dict) -> dict:
     m, u, layers = c["micro"], c["units"], c["layers"]
     gathers = m * (u + layers - 1)
     tokens_and_clip = {"allreduce": 1, "all_reduce": 1}  # token count; FSDP's norm
-    fsdp = {"_allgather_base": gathers, "_reduce_scatter_base": m * u, **tokens_and_clip}
-    skipped = {**fsdp, "_reduce_scatter_base": u}
+    fsdp = {"_allgather_base": gathers, RS: m * u, **tokens_and_clip}
+    skipped = {**fsdp, RS: u}
     exact_probe = {"allgather": 1, "allreduce": 1}
     sketch_probe = {"allgather": 2}
     return {
@@ -58,10 +62,7 @@ def expected(case: str, c: dict) -> dict:
         "fsdp_skip_sync": {"main": skipped},
         "ddp": {"main": {"allreduce": 1 + c.get("buckets", 0)}},
         "hsdp": {"main": {**fsdp, "allreduce": m * u + 1}},
-        "fsdp_exact": {
-            "main": {"_allgather_base": gathers, "alltoall_base": u, **tokens_and_clip},
-            "diagnostics": exact_probe,
-        },
+        "fsdp_exact": {"main": skipped, "diagnostics": exact_probe},
         "fsdp_sketch": {"main": skipped, "diagnostics": sketch_probe},
         "ddp_exact": {
             "main": {"alltoall_base": c.get("buckets", 0), "allgather": c.get("buckets", 0), "allreduce": 1},

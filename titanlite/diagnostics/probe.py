@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from titanlite.diagnostics.sketch import CountSketch
+from titanlite.distributed.parallelize import _ReduceScatter, reduce_scatter
 
 _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, for the sketch hash
 
@@ -78,15 +79,12 @@ class GradProbe:
         return rows.sum(0)
 
 
-class ProbingReduceScatter:
+class ProbingReduceScatter(_ReduceScatter):
     """FSDP2 custom reduce-scatter (see FSDPModule.set_custom_reduce_scatter)."""
 
     def __init__(self, probe: GradProbe, unit: int) -> None:
         self.probe = probe
         self.offset = unit * _UNIT_STRIDE
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         probe = self.probe
@@ -96,7 +94,7 @@ class ProbingReduceScatter:
             if probe.method == "exact":
                 output_tensor.copy_(probe.reduce_with_gram(input_tensor, group))
                 return None
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+        return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
 def _probe_bucket(probe: GradProbe, bucket, group: dist.ProcessGroup):

@@ -41,6 +41,7 @@ def parallelize_blocks(
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     disable_fsdp_grad_division(model)
+    use_fast_reduce_scatter(model)
     return model
 
 
@@ -54,6 +55,50 @@ def disable_fsdp_grad_division(model: nn.Module) -> None:
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp,
+    async_op: bool = False,
+) -> dist.Work | None:
+    """FSDP2's gradient reduce-scatter, done the fast way for the group's backend.
+
+    gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole input, so
+    every rank receives every coordinate. An all-to-all delivers each rank the world's copies of
+    its own shard only, and the rank sums them: 0.5 to 0.78x the time on this project's CPU
+    machine (2 and 4 ranks, 64K to 4M floats; scripts/bench.py measures it in a step). Other
+    backends keep their native reduce-scatter.
+    """
+    if dist.get_backend(group) != "gloo" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    world = group.size()
+    received = torch.empty_like(input)
+    dist.all_to_all_single(received, input, group=group)
+    torch.sum(received.view(world, -1), dim=0, out=output.view(-1))
+    if op == dist.ReduceOp.AVG:
+        output.div_(world)
+    return None
+
+
+class _ReduceScatter:
+    """FSDP2 custom reduce-scatter (FSDPModule.set_custom_reduce_scatter) calling reduce_scatter."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+        return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
+
+
+def use_fast_reduce_scatter(model: nn.Module) -> None:
+    """Every FSDP unit reduces through reduce_scatter (which only differs from FSDP's own on gloo).
+    The diagnostics probe, when installed, replaces this with its own, which calls it too."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_custom_reduce_scatter(_ReduceScatter())
 
 
 class SumHookState:

@@ -1,0 +1,430 @@
+#!/usr/bin/env python
+"""Training-step speed, titanlite's configurations side by side with a plain baseline.
+
+    .venv/bin/python scripts/bench.py [--quick] [--dp 4 8] [--reps 40] [--only GROUP ...]
+                                      [--config FILE] [--out bench.json] [--section.key value ...]
+
+For each dp degree, one torchrun builds one trainer per configuration in the same process group
+(default: debug model, built-in SFT data, 1 sequence x 256 tokens x 2 microbatches per rank):
+    baseline        what a user would otherwise write: per microbatch the mean cross entropy / M,
+                    FSDP's default gradient averaging, torch's clip_grad_norm_, plain fused AdamW;
+                    same model, data, optimizer settings and schedule
+    titanlite       the exact loss path (summed loss / global valid tokens, SUM reductions, the
+                    token-count all-reduce, on-device update skipping), FSDP, diagnostics off
+    diag-default    diagnostics at the default schedule past warmup (probe installed, step not
+                    measured); diag-sketch-every / diag-exact-every: every step measured
+    skip-sync       FSDP without gradient reduction on non-final microbatches
+    ddp, hsdp       the other data-parallel modes (hsdp: 2 replicas x dp/2 shards)
+    native-rs       gloo only: titanlite with gloo's own reduce-scatter, not the all-to-all
+                    titanlite uses there (titanlite.distributed.parallelize.reduce_scatter)
+and compares them in groups: loss (titanlite vs baseline), diagnostics (vs titanlite, i.e.
+off), measuring (diag-*-every vs skip-sync: a measured step reduces once, on its last
+microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), modes (ddp, hsdp vs
+fsdp) and reduce-scatter (titanlite vs native-rs).
+Each round runs one step of every configuration, in an order that rotates from round to round,
+so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
+is the median over rounds of the configuration's step time over its reference's in the same
+round, with a 95% confidence interval of that median (order statistics). Two clocks: wall time
+on rank 0, and CPU time summed over ranks (with more ranks than cores, wall time mostly
+measures the scheduler). Per configuration also: tokens/s per rank, and one extra step counted
+with titanlite.tools.instrument: collectives by group and host syncs, so regressions show.
+On CUDA: TFLOP/s, MFU and peak memory too. --quick: dp=4, 20 rounds (under 5 min on 2 cores).
+Also the probe hook's own cost, timed directly: all the default diagnostics schedule adds to
+499 steps of 500, which no step-time ratio resolves. Results go to --out as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OFF = ["--diagnostics.enable", "false"]
+EVERY = ["--diagnostics.warmup_steps", "1000000"]
+CONFIGS = {
+    "baseline": ["--loss.normalization", "local_mean", *OFF],  # its own step: see PlainStep
+    "titanlite": OFF,
+    "diag-default": ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+    "diag-sketch-every": ["--diagnostics.method", "sketch", *EVERY],
+    "diag-exact-every": ["--diagnostics.method", "exact", *EVERY],
+    "skip-sync": ["--parallelism.skip_grad_sync", "on", *OFF],
+    "ddp": ["--parallelism.dp_replicate", "{dp}", *OFF],
+    "hsdp": ["--parallelism.dp_replicate", "2", *OFF],
+    "native-rs": OFF,  # built with FSDP's own reduce-scatter: see build()
+}
+# group: (reference, the configurations measured against it)
+GROUPS = {
+    "loss": ("baseline", ["titanlite"]),
+    "diagnostics": ("titanlite", ["diag-default", "diag-sketch-every", "diag-exact-every"]),
+    # A measured step reduces once, on its last microbatch (the probe sees whole steps), so the
+    # cost of measuring shows against the step that also skips the earlier syncs.
+    "measuring": ("skip-sync", ["diag-sketch-every", "diag-exact-every"]),
+    "sync": ("titanlite", ["skip-sync"]),
+    "modes": ("titanlite", ["ddp", "hsdp"]),
+    "reduce-scatter": ("native-rs", ["titanlite"]),
+}
+INTERVAL = 500  # diag-default's interval, for the amortized figure
+
+
+def ratio_stats(ts: list[float], ref: list[float]) -> dict:
+    """Median of per-round ratios to the reference, with a 95% interval of that median."""
+    ratios = sorted(t / r for t, r in zip(ts, ref, strict=True))
+    n = len(ratios)
+    half = 0.98 * math.sqrt(n)  # 1.96 sigma of Binomial(n, 1/2) around the median rank
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return {"ratio": statistics.median(ratios), "ci95": [ratios[lo], ratios[hi]], "n": n}
+
+
+class PlainStep:
+    """The baseline's step on a trainer whose FSDP kept its default gradient averaging."""
+
+    def __init__(self, trainer) -> None:
+        import torch
+
+        self.t = trainer
+        o = trainer.cfg.optimizer
+        self.optimizer = torch.optim.AdamW(
+            trainer.model.parameters(),
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            fused=True,
+        )
+
+    def train_step(self, step: int) -> None:
+        import torch
+        import torch.nn.functional as F
+
+        from titanlite.components.loss import IGNORE_INDEX
+        from titanlite.distributed.parallelize import grad_sync
+
+        t = self.t
+        micro = t.next_microbatches(step)
+        for m, (inputs, labels) in enumerate(micro):
+            with grad_sync(t.model, m == len(micro) - 1 or not t.layout.skip_grad_sync):
+                with t.dims.autocast():
+                    logits = t.model(inputs)
+                    loss = F.cross_entropy(
+                        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX
+                    )
+                (loss / len(micro)).backward()
+        torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.training.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def build(name: str, args: argparse.Namespace, dump: str):
+    """A trainer (or the baseline's step) for one configuration."""
+    from unittest import mock
+
+    import titanlite.distributed.parallelize as parallelize
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer
+
+    extra = [a.format(dp=args.world) for a in CONFIGS[name]]
+    cfg, _ = parse_args(
+        [
+            "--config",
+            str(REPO / args.config),
+            "--training.global_batch_size",
+            str(2 * args.world),
+            "--training.local_batch_size",
+            "1",
+            "--training.steps",
+            "100000",
+            "--metrics.enable_tensorboard",
+            "false",
+            *args.overrides,
+            "--job.dump_folder",
+            dump,
+            "--job.run_name",
+            name,
+            *extra,
+        ]
+    )
+    if name == "native-rs":
+        with mock.patch.object(parallelize, "use_fast_reduce_scatter", lambda model: None):
+            return Trainer(cfg)
+    if name != "baseline":
+        return Trainer(cfg)
+    # FSDP dividing by the world size in the reduction, as a user's script would have it.
+    with mock.patch.object(parallelize, "disable_fsdp_grad_division", lambda model: None):
+        return PlainStep(Trainer(cfg))
+
+
+def _probe_call_cost(model, probe, calls: int = 20000) -> tuple[float, int]:
+    """What an unmeasured step adds: the probe's reduce-scatter hook in place of the plain one,
+    one Python call per FSDP unit in front of the same collective. Timing the collective itself
+    only measures the scheduler here, so both are timed around a no-op collective; the
+    difference, in microseconds per call."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    import titanlite.diagnostics.probe as probe_mod
+    import titanlite.distributed.parallelize as parallelize
+
+    units = sum(isinstance(m, FSDPModule) for m in model.modules())
+    hooks = {"probe": probe_mod.ProbingReduceScatter(probe, 0), "plain": parallelize._ReduceScatter()}
+    out, inp = torch.empty(4), torch.empty(4 * probe.world)
+    real = probe_mod.reduce_scatter, parallelize.reduce_scatter
+
+    def noop(*args, **kwargs):
+        return None
+
+    probe_mod.reduce_scatter = parallelize.reduce_scatter = noop
+    try:
+        timed = {name: math.inf for name in hooks}
+        for name, call in list(hooks.items()) * 5:  # alternating; the fastest round of each
+            start = time.perf_counter()
+            for _ in range(calls):
+                call(out, inp, None, "sum")
+            timed[name] = min(timed[name], (time.perf_counter() - start) / calls)
+    finally:
+        probe_mod.reduce_scatter, parallelize.reduce_scatter = real
+    return 1e6 * (timed["probe"] - timed["plain"]), units
+
+
+def _trainer(obj):
+    return obj.t if isinstance(obj, PlainStep) else obj
+
+
+def count_step(obj, step: int, host) -> dict:
+    """One step under the counters: collectives by group, host syncs."""
+    from titanlite.tools.instrument import CollectiveCounter
+
+    t = _trainer(obj)
+    labels = {t.diagnostics.group.group_name: "diagnostics"} if t.diagnostics.enabled else {}
+    host.counts.clear()
+    with CollectiveCounter(labels, other="main") as coll, host.phase("step"):
+        obj.train_step(step)
+    return {
+        "collectives": {g: sum(ops.values()) for g, ops in coll.by_group().items()},
+        "collective_ops": coll.by_group(),
+        "host_syncs": sum(host.counts["step"].values()),
+    }
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from titanlite.distributed.utils import peak_flops
+    from titanlite.tools.instrument import HostSyncCounter
+
+    dump = tempfile.mkdtemp(prefix="bench-")
+    objs = {}
+    for name in args.names:  # native-rs comes last: the process group exists by then
+        if name == "hsdp" and (args.world % 2 or args.world < 4):
+            continue
+        if name == "native-rs" and dist.get_backend() != "gloo":
+            continue
+        objs[name] = build(name, args, dump)
+    names = list(objs)
+    cuda = _trainer(objs[names[0]]).device.type == "cuda"
+    wall: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
+    peak_mem = dict.fromkeys(names, 0.0)
+    for rnd in range(args.reps + 2):  # rounds 0 and 1 warm every configuration up, untimed
+        for i in range(len(names)):
+            name = names[(rnd + i) % len(names)]
+            dist.barrier()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            objs[name].train_step(rnd + 1)
+            if cuda:
+                torch.cuda.synchronize()  # the benchmark's clock, not the trainer's hot path
+                peak_mem[name] = max(peak_mem[name], torch.cuda.max_memory_allocated() / 2**30)
+            elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+            if rnd > 1:
+                wall[name].append(elapsed)
+                cpu[name].append(elapsed_cpu)
+        for obj in objs.values():  # what a log step does, outside the timed region
+            t = _trainer(obj)
+            t.diagnostics.collect()
+            t._window.clear()
+    summed = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
+    dist.all_reduce(summed)  # CPU time summed over ranks: the work a step costs
+    host = HostSyncCounter()
+    host.install()  # after the timed rounds: the patched reads cost a Python call each
+    counts = {n: count_step(objs[n], args.reps + 3, host) for n in names}
+    extra = {}
+    if "diag-default" in objs:
+        t = objs["diag-default"]
+        extra["probe_call_us"], extra["units"] = _probe_call_cost(t.model, t.diagnostics.probe)
+    if dist.get_rank() == 0:
+        t0 = _trainer(objs[names[0]])
+        tokens = t0.cfg.training.local_batch_size * t0.cfg.training.seq_len * t0.layout.grad_accum
+        peak = peak_flops(t0.device, t0.dims.param_dtype)
+        result = {
+            "names": names,
+            "wall": wall,
+            "cpu": dict(zip(names, summed.tolist(), strict=True)),
+            "counts": counts,
+            "tokens_per_rank_step": tokens,
+            "flops_per_token": t0.flops_per_token,
+            "peak_flops": peak,
+            "peak_mem_gib": peak_mem if cuda else None,
+            "device": torch.cuda.get_device_name() if cuda else f"{os.cpu_count()} CPU cores, gloo",
+            **extra,
+        }
+        Path(args.worker_out).write_text(json.dumps(result))
+    for obj in objs.values():
+        _trainer(obj).close()
+    dist.destroy_process_group()
+
+
+def summarize(raw: dict) -> dict:
+    """Per configuration: step time, tokens/s, counts; per group: ratios to the reference."""
+    names, tokens = raw["names"], raw["tokens_per_rank_step"]
+    configs = {}
+    for n in names:
+        step = statistics.median(raw["wall"][n])
+        row = {
+            "step_ms": 1000 * step,
+            "cpu_step_ms": 1000 * statistics.median(raw["cpu"][n]),
+            "tokens_per_s_per_rank": tokens / step,
+            **raw["counts"][n],
+        }
+        if raw["flops_per_token"] and raw["peak_mem_gib"] is not None:
+            row["tflops"] = raw["flops_per_token"] * tokens / step / 1e12
+            row["peak_mem_gib"] = raw["peak_mem_gib"][n]
+            if raw["peak_flops"]:
+                row["mfu_pct"] = 100 * row["tflops"] * 1e12 / raw["peak_flops"]
+        configs[n] = row
+    groups = {}
+    for g, (ref, others) in GROUPS.items():
+        if ref not in names:
+            continue
+        rows = {}
+        for n in others:
+            if n in names:
+                rows[n] = {clock: ratio_stats(raw[clock][n], raw[clock][ref]) for clock in ("wall", "cpu")}
+        if g == "diagnostics" and "diag-default" in rows and "diag-exact-every" in rows:
+            # A measured step every INTERVAL: its extra cost spread over the interval.
+            extra = rows["diag-exact-every"]["wall"]["ratio"] - 1
+            rows["diag-default"]["amortized_wall_ratio"] = (
+                rows["diag-default"]["wall"]["ratio"] + extra / INTERVAL
+            )
+        if rows:
+            groups[g] = {"reference": ref, "ratios": rows}
+    out = {"device": raw["device"], "configs": configs, "groups": groups}
+    if "probe_call_us" in raw:
+        share = raw["probe_call_us"] * raw["units"] / (configs["titanlite"]["step_ms"] * 1000)
+        out["probe_hook"] = {
+            "us_per_call": raw["probe_call_us"],
+            "units": raw["units"],
+            "share_of_step": share,
+        }
+    return out
+
+
+def table(dp: int, s: dict) -> str:
+    lines = [f"\ndp={dp} ({s['device']})"]
+    gpu = any("tflops" in r for r in s["configs"].values())
+    head = f"{'config':<19}{'step ms':>9}{'CPU ms':>9}{'tok/s/rank':>12}{'collectives/step':>26}{'host syncs':>12}"
+    lines.append(head + (f"{'TFLOP/s':>9}{'MFU %':>7}{'peak GiB':>10}" if gpu else ""))
+    for n, r in s["configs"].items():
+        coll = " ".join(f"{g} {c}" for g, c in sorted(r["collectives"].items()))
+        line = f"{n:<19}{r['step_ms']:>9.1f}{r['cpu_step_ms']:>9.1f}{r['tokens_per_s_per_rank']:>12.0f}{coll:>26}{r['host_syncs']:>12}"
+        if gpu:
+            line += f"{r.get('tflops', 0):>9.1f}{r.get('mfu_pct', 0):>7.1f}{r.get('peak_mem_gib', 0):>10.2f}"
+        lines.append(line)
+    lines.append(f"\n{'ratio (step time / reference)':<42}{'wall':>8}{'95% CI':>17}{'CPU':>8}{'95% CI':>17}")
+    for g, grp in s["groups"].items():
+        for n, r in grp["ratios"].items():
+            w, c = r["wall"], r["cpu"]
+            label = f"{g}: {n} / {grp['reference']}"
+            lines.append(
+                f"{label:<42}{w['ratio']:>8.3f}{_ci(w):>17}{c['ratio']:>8.3f}{_ci(c):>17}"
+                + (f"   amortized {r['amortized_wall_ratio']:.4f}" if "amortized_wall_ratio" in r else "")
+            )
+    if "probe_hook" in s:
+        p = s["probe_hook"]
+        lines.append(
+            f"unmeasured step, the probe hook's own cost: {p['us_per_call']:.2f} us per call x "
+            f"{p['units']} FSDP units = {100 * p['share_of_step']:.5f}% of a step"
+        )
+    return "\n".join(lines)
+
+
+def _ci(r: dict) -> str:
+    return f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    p.add_argument("--quick", action="store_true", help="dp=4, 20 rounds: under 5 minutes on 2 cores")
+    p.add_argument("--dp", type=int, nargs="+", help="dp degrees, one torchrun each (default 4 8)")
+    p.add_argument("--reps", type=int, help="timed rounds (default 30; --quick 20)")
+    p.add_argument("--only", nargs="+", choices=list(GROUPS), help="measure only these groups")
+    p.add_argument("--config", default="train_configs/debug_sft.toml")
+    p.add_argument("--out", default="bench.json")
+    p.add_argument("--worker-out", help=argparse.SUPPRESS)
+    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--names", nargs="+", help=argparse.SUPPRESS)
+    args, overrides = p.parse_known_args()
+    args.overrides = overrides
+    if args.worker_out:
+        return worker(args)
+    dps = args.dp or ([4] if args.quick else [4, 8])
+    reps = args.reps or (20 if args.quick else 30)
+    groups = args.only or list(GROUPS)
+    names = [n for n in CONFIGS if any(n == GROUPS[g][0] or n in GROUPS[g][1] for g in groups)]
+    _check_config(args.config, overrides)
+    report = {"reps": reps, "config": args.config, "overrides": overrides, "dp": {}}
+    for dp in dps:
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={dp}",
+                __file__,
+                "--worker-out",
+                tmp.name,
+                "--world",
+                str(dp),
+                "--reps",
+                str(reps),
+                "--config",
+                args.config,
+                "--names",
+                *names,
+                *overrides,
+            ]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                sys.exit(f"bench: dp={dp} failed:\n{proc.stderr[-4000:]}")
+            summary = summarize(json.loads(Path(tmp.name).read_text()))
+        report["dp"][str(dp)] = summary
+        print(table(dp, summary), flush=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"\nwritten to {args.out}")
+
+
+def _check_config(config: str, overrides: list[str]) -> None:
+    """Bad input fails here in one line, before any worker starts."""
+    sys.path.insert(0, str(REPO))
+    from titanlite.config import parse_args
+    from titanlite.errors import UserError
+
+    try:
+        parse_args(["--config", str(REPO / config), *overrides])
+    except UserError as e:
+        sys.exit(f"bench: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

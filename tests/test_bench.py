@@ -1,0 +1,53 @@
+"""scripts/bench.py end to end at a tiny size (2 ranks, 2 rounds): it runs, prints its table and
+writes every ratio and count. Speed itself is never asserted here (shared, noisy machines):
+the figures come from the benchmark, in the README."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_bench_reports_ratios_and_counts(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "scripts/bench.py", "--dp", "2", "--reps", "2", "--only", "loss", "reduce-scatter"]
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())["dp"]["2"]
+    assert set(report["configs"]) == {"baseline", "titanlite", "native-rs"}
+    for name, row in report["configs"].items():
+        assert row["host_syncs"] == 0 and row["tokens_per_s_per_rank"] > 0, (name, row)
+    # The exact loss path adds one collective, the token-count all-reduce; gloo's reduce-scatter
+    # and titanlite's all-to-all are one call each.
+    ops = {n: report["configs"][n]["collective_ops"]["main"] for n in report["configs"]}
+    assert ops["titanlite"]["allreduce"] == ops["baseline"].get("allreduce", 0) + 1
+    assert ops["titanlite"]["alltoall_base"] == ops["native-rs"]["_reduce_scatter_base"]
+    for group, ref, other in (
+        ("loss", "baseline", "titanlite"),
+        ("reduce-scatter", "native-rs", "titanlite"),
+    ):
+        assert report["groups"][group]["reference"] == ref
+        ratio = report["groups"][group]["ratios"][other]
+        assert ratio["wall"]["n"] == 2 and ratio["cpu"]["ratio"] > 0
+    assert (
+        "loss: titanlite / baseline" in proc.stdout and "reduce-scatter: titanlite / native-rs" in proc.stdout
+    )
+
+
+def test_bench_bad_override_is_one_line(tmp_path):
+    cmd = [
+        sys.executable,
+        "scripts/bench.py",
+        "--dp",
+        "2",
+        "--training.sed",
+        "1",
+        "--out",
+        str(tmp_path / "b.json"),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "training.sed" in proc.stderr
+    assert not (tmp_path / "b.json").exists()
