@@ -11,8 +11,8 @@ Everything is written under `step-<N>.tmp`, then the marker, then one rename pub
 killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
 half checkpoint that looks complete. With async_mode = "async" the step waits only while DCP
 copies the state to host memory; the write and the publish follow on a background thread.
-The dataloader state is the step itself: the data order is
-a function of (seed, global batch, step) only (datasets/sampler.py), which holds at any dp.
+The dataloader state is the step itself: the data order is a function of (seed, global batch,
+step) only (datasets/sampler.py), which holds at any dp.
 """
 
 from __future__ import annotations
