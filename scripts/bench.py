@@ -173,7 +173,7 @@ def _probe_call_cost(model, probe, calls: int = 20000) -> tuple[float, int]:
     import titanlite.distributed.parallelize as parallelize
 
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    hooks = {"probe": probe_mod.ProbingReduceScatter(probe, 0), "plain": parallelize._ReduceScatter()}
+    hooks = {"probe": probe_mod.ProbingReduceScatter(probe, 0), "plain": parallelize.ReduceScatterComm()}
     out, inp = torch.empty(4), torch.empty(4 * probe.world)
     real = probe_mod.reduce_scatter, parallelize.reduce_scatter
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from titanlite.diagnostics.sketch import CountSketch
-from titanlite.distributed.parallelize import _ReduceScatter, reduce_scatter
+from titanlite.distributed.parallelize import ReduceScatterComm, reduce_scatter
 
 _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, for the sketch hash
 
@@ -79,7 +79,7 @@ class GradProbe:
         return rows.sum(0)
 
 
-class ProbingReduceScatter(_ReduceScatter):
+class ProbingReduceScatter(ReduceScatterComm):
     """FSDP2 custom reduce-scatter (see FSDPModule.set_custom_reduce_scatter)."""
 
     def __init__(self, probe: GradProbe, unit: int) -> None:

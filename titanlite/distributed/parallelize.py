@@ -83,7 +83,7 @@ def reduce_scatter(
     return None
 
 
-class _ReduceScatter:
+class ReduceScatterComm:
     """FSDP2 custom reduce-scatter (FSDPModule.set_custom_reduce_scatter) calling reduce_scatter."""
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -98,7 +98,7 @@ def use_fast_reduce_scatter(model: nn.Module) -> None:
     The diagnostics probe, when installed, replaces this with its own, which calls it too."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            module.set_custom_reduce_scatter(_ReduceScatter())
+            module.set_custom_reduce_scatter(ReduceScatterComm())
 
 
 class SumHookState:
