@@ -13,16 +13,31 @@ from helpers import REPO
 
 def test_bench_reports_ratios_and_counts(tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "scripts/bench.py", "--dp", "2", "--reps", "2", "--only", "loss", "reduce-scatter"]
+    cmd = [
+        sys.executable,
+        "scripts/bench.py",
+        "--dp",
+        "2",
+        "--reps",
+        "2",
+        "--only",
+        "loss",
+        "diagnostics",
+        "reduce-scatter",
+    ]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["dp"]["2"]
-    assert set(report["configs"]) == {"baseline", "titanlite", "native-rs"}
+    diag = {"diag-default", "diag-sketch-every", "diag-exact-every"}
+    assert set(report["configs"]) == {"baseline", "titanlite", "native-rs", *diag}
+    assert set(report["groups"]["diagnostics"]["ratios"]) == diag
+    assert report["probe_hook"]["units"] == 7  # the debug model's 6 blocks + the root
     for name, row in report["configs"].items():
         assert row["host_syncs"] == 0 and row["tokens_per_s_per_rank"] > 0, (name, row)
     # The exact loss path adds one collective, the token-count all-reduce; gloo's reduce-scatter
     # and titanlite's all-to-all are one call each.
     ops = {n: report["configs"][n]["collective_ops"]["main"] for n in report["configs"]}
+    assert report["configs"]["diag-exact-every"]["collectives"]["diagnostics"] == 2
     assert ops["titanlite"]["allreduce"] == ops["baseline"].get("allreduce", 0) + 1
     assert ops["titanlite"]["alltoall_base"] == ops["native-rs"]["_reduce_scatter_base"]
     for group, ref, other in (
