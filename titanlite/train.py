@@ -36,15 +36,11 @@ from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, 
 from titanlite.distributed.parallelize import grad_sync, unwrap, wrap_ddp
 from titanlite.distributed.param_init import ParamInit
 from titanlite.distributed.utils import clip_grad_norm_, peak_flops
-from titanlite.errors import UserError
+from titanlite.errors import TrainingError, UserError
 from titanlite.tools.logging import init_logging
 from titanlite.tools.memory import GiB, available_bytes, estimate_memory
 
 logger = init_logging()
-
-
-class TrainingError(Exception):
-    """The run cannot go on (e.g. a non-finite loss); printed as one line, exit code 3."""
 
 
 def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
@@ -253,17 +249,7 @@ class Trainer:
 
     def save_checkpoint(self, step: int) -> None:
         host = {"scheduler": self.scheduler.state_dict(), "diagnostics": self.diagnostics.state_dict()}
-        try:
-            self.checkpointer.save(step, host, self._generators())
-        except OSError as e:
-            raise TrainingError(str(e)) from None
-
-    def finish_checkpoints(self) -> None:
-        """The last async save is settled before the run reports success."""
-        try:
-            self.checkpointer.wait()
-        except OSError as e:
-            raise TrainingError(str(e)) from None
+        self.checkpointer.save(step, host, self._generators())
 
     def is_checkpoint_step(self, step: int) -> bool:
         every = self.cfg.checkpoint.interval
@@ -409,7 +395,7 @@ class Trainer:
                 if self.is_checkpoint_step(step):
                     self.save_checkpoint(step)
                 window_start = time.perf_counter()
-        self.finish_checkpoints()
+        self.checkpointer.wait()  # the last async save is settled before the run reports success
         if self.cfg.checkpoint.export_weights:
             self.export_weights()
         logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")

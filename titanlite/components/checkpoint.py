@@ -4,7 +4,7 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
     DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
-                             and what it was trained on (model, data, seed, global batch)
+                             and what it was trained on (model, data, seed, global batch, seq_len)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection)
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.config import JobConfig
-from titanlite.errors import UserError
+from titanlite.errors import TrainingError, UserError
 
 logger = logging.getLogger("titanlite")
 
@@ -57,6 +57,7 @@ IDENTITY = (
     ("data", "path"),
     ("training", "seed"),
     ("training", "global_batch_size"),
+    ("training", "seq_len"),  # the data position is counted in sequences of this length
 )
 
 
@@ -257,7 +258,8 @@ class Checkpointer:
         return None
 
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
-        """Every rank learns whether any rank failed; if one did, all raise the same error."""
+        """Every rank learns whether any rank failed; if one did, all raise the same error (the
+        run stops: exit 3)."""
         errors: list = [None] * self.world
         dist.all_gather_object(errors, error, group=self.group)
         first = next((e for e in errors if e), None)
@@ -266,7 +268,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = complete_steps(self.folder)
-        raise OSError(
+        raise TrainingError(
             f"checkpoint save at step {step} failed ({first}); "
             + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
         )

@@ -94,8 +94,11 @@ class ReduceScatterComm:
 
 
 def use_fast_reduce_scatter(model: nn.Module) -> None:
-    """Every FSDP unit reduces through reduce_scatter (which only differs from FSDP's own on gloo).
-    The diagnostics probe, when installed, replaces this with its own, which calls it too."""
+    """On gloo, every FSDP unit reduces through reduce_scatter; other backends keep FSDP's own
+    path untouched. The diagnostics probe, when installed, replaces this with its own, which
+    calls reduce_scatter too."""
+    if dist.get_backend() != "gloo":
+        return
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_custom_reduce_scatter(ReduceScatterComm())
