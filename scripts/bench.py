@@ -84,21 +84,11 @@ def ratio_stats(ts: list[float], ref: list[float]) -> dict:
 
 
 class PlainStep:
-    """The baseline's step on a trainer whose FSDP kept its default gradient averaging."""
+    """The baseline's step on a trainer whose FSDP kept its default gradient averaging. It uses
+    the trainer's optimizer (fused AdamW) as a plain one: no update-skip flag is ever set."""
 
     def __init__(self, trainer) -> None:
-        import torch
-
         self.t = trainer
-        o = trainer.cfg.optimizer
-        self.optimizer = torch.optim.AdamW(
-            trainer.model.parameters(),
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            fused=True,
-        )
 
     def train_step(self, step: int) -> None:
         import torch
@@ -118,8 +108,9 @@ class PlainStep:
                     )
                 (loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.training.max_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        t.optimizer.step()
+        t.scheduler.step()
+        t.optimizer.zero_grad(set_to_none=True)
 
 
 def build(name: str, args: argparse.Namespace, dump: str):
