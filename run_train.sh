@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Train with torchrun.  ./run_train.sh [--config FILE] [--section.key value ...]
+#   --help        every config key with its type, default and doc
 #   NGPU / NPROC  ranks on this node (default: the GPU count, else 2 CPU ranks)
 #   LOG_RANK      which local ranks print to the console (default 0; e.g. 0,1)
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node (static rendezvous)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source scripts/env.sh
+
+for arg in "$@"; do
+    case "$arg" in -h | --help) exec "$PY" -m titanlite.preflight --help ;; esac
+done
 
 args=("$@")
 case " $* " in

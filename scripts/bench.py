@@ -242,7 +242,7 @@ def worker(args: argparse.Namespace) -> None:
         for obj in objs.values():  # what a log step does, outside the timed region
             t = _trainer(obj)
             t.diagnostics.collect()
-            t._window.clear()
+            t.window.clear()
     summed = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
     dist.all_reduce(summed)  # CPU time summed over ranks: the work a step costs
     host = HostSyncCounter()

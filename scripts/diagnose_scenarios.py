@@ -6,12 +6,13 @@
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
-[debug] switches, see titanlite/diagnostics/faults.py):
+[debug] switches, see titanlite/components/faults.py):
     healthy          no fault
     same_data        every rank reads rank 0's share
     corrupt_labels   rank dp/2's labels shuffled within each sequence
     grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction
-    S1-1/S1-2/S1-3   dropout 0.1 with the paper's seeds: shared / rank 0 differs / per rank
+    S1-1/S1-2/S1-3   dropout 0.1 with the seed settings of "Silent Inconsistency in Data-Parallel
+                     Full Fine-Tuning" (arXiv 2602.14462): shared / rank 0 differs / per rank
 One torchrun at --dp ranks runs them one after another in one process group (a run folder each
 under --out), every step measured. Then a table, scenario x (global loss and its step-to-step
 jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise cosine, lowest per-rank
@@ -68,7 +69,8 @@ def worker(args: argparse.Namespace, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from titanlite.config import parse_args
-    from titanlite.train import Trainer, TrainingError
+    from titanlite.errors import TrainingError
+    from titanlite.train import Trainer
 
     status = {}
     for name in args.scenarios:
@@ -149,11 +151,13 @@ COLUMNS = [
 
 
 def table(rows: dict[str, dict]) -> str:
+    from titanlite.tools.formatting import fmt
+
     head = f"{'scenario':<16}{'steps':>6}" + "".join(f"{t:>14}" for _, t, _ in COLUMNS)
     head += f"{'low-cos rank':>14}{'top-loss rank':>15}  alerts"
     lines = [head]
     for name, r in rows.items():
-        cells = "".join(f"{'-' if r[k] is None else format(r[k], f):>14}" for k, _, f in COLUMNS)
+        cells = "".join(f"{fmt(r[k], f):>14}" for k, _, f in COLUMNS)
         low = (
             f"{r['cos_min_rank']} ({100 * r['cos_min_rank_share']:.0f}%)"
             if r["cos_min_rank"] is not None

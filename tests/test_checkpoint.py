@@ -1,5 +1,6 @@
-"""Checkpoint, resume and reshard through the trainer's CLI (2- and 4-rank CPU runs, debug model,
-built-in SFT data, 6 steps, checkpoints every 3).
+"""Checkpoint, resume and reshard through the trainer's CLI (2- and 4-rank CPU runs, debug model
+with its output head tied to the embedding as in Llama 3.2, built-in SFT data, 6 steps,
+checkpoints every 3; the untied model's reshard is in tests/test_invariance.py).
 
 - a run killed by SIGKILL at step 5 and started again with the same command continues from its
   step-3 checkpoint: per-step losses bitwise equal to the run that never stopped, FSDP and DDP
@@ -25,6 +26,8 @@ STEPS = 6
 BASE = [
     "--config",
     "train_configs/debug_sft.toml",
+    "--model.flavor",
+    "debugmodel_tied",
     "--training.steps",
     str(STEPS),
     "--metrics.log_freq",

@@ -217,3 +217,22 @@ def test_model_registered_from_outside_the_package_trains(tmp_path):
     assert len(losses) == 8 and losses[-1] < losses[0]
     cfg = json.loads(json.dumps(load_config(str(tmp_path / "toy" / "config.toml")).model.__dict__))
     assert cfg["name"] == "toy_mlp"
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [["./run_train.sh", "--help"], [sys.executable, "-m", "titanlite.train", "--config", "x.toml", "-h"]],
+)
+def test_help_prints_every_config_key_and_exits_0(cmd):
+    from dataclasses import fields
+
+    from titanlite.config import JobConfig
+
+    env = {**os.environ, "NPROC": "2", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: ")
+    cfg = JobConfig()
+    for section in fields(cfg):
+        for f in fields(getattr(cfg, section.name)):
+            assert f"  --{section.name}.{f.name} " in proc.stdout, f"{section.name}.{f.name}"

@@ -141,3 +141,34 @@ def test_shipped_configs_load():
 
     for f in sorted(Path(__file__).parents[1].glob("train_configs/*.toml")):
         load_config(str(f))
+
+
+def test_exact_diagnostics_under_hsdp_is_refused_before_any_worker(capsys):
+    from titanlite import preflight
+
+    hsdp = ["--parallelism.dp_replicate", "2", "--training.local_batch_size", "1"]
+    cfg, _ = parse_args([*hsdp, "--diagnostics.method", "exact"])
+    with pytest.raises(UserError, match=r"diagnostics.method 'exact' needs fsdp or ddp .* 'sketch'"):
+        validate(cfg, 4)
+    validate(cfg, 2)  # dp_replicate 2 of 2 ranks is ddp: exact is fine there
+    cfg.diagnostics.enable = False
+    validate(cfg, 4)  # nothing measures, nothing to refuse
+    argv = ["--world-size", "4", *hsdp, "--diagnostics.method", "exact"]
+    assert preflight.main(argv) == 2
+    assert "titanlite: error: diagnostics.method 'exact'" in capsys.readouterr().err
+
+
+def test_help_lists_every_key_with_type_default_and_doc():
+    from dataclasses import fields
+
+    from titanlite.config import JobConfig
+    from titanlite.config.manager import config_help
+
+    text = config_help("usage: here")
+    cfg = JobConfig()
+    for section in fields(cfg):
+        assert f"[{section.name}]" in text
+        for f in fields(getattr(cfg, section.name)):
+            assert f.metadata["help"] in text, f.name
+    assert '  --training.device str = "auto"\n' in text and "(one of: auto, cpu, cuda)" in text
+    assert "  --debug.ignore_all_labels_steps list[int] = []\n" in text

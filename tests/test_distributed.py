@@ -1,4 +1,5 @@
-"""Gradient exactness and init invariance over FSDP/DDP/HSDP, dp in {1, 2, 4}, accum in {1, 2, 4}.
+"""Gradient exactness and init invariance over FSDP/DDP/HSDP, dp in {1, 2, 4}, accum in {1, 2, 4};
+tied embeddings in every mode; the reduce dtype honoured by FSDP and DDP.
 
 One torchrun per world size runs every case (tests/workers/exactness.py); these tests read its
 results. Labels are deliberately imbalanced: a rank-microbatch with no valid token at all, and
@@ -61,3 +62,29 @@ def test_initial_weights_are_bitwise_identical_across_dp_and_mode(results):
     hashes = {c["init_hash"] for w in WORLDS for c in results[w]["cases"]}
     hashes |= {results[w]["ref_hash"] for w in WORLDS}
     assert len(hashes) == 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_tied_embeddings_stay_tied_with_exact_gradient_and_init_in_every_mode(results, world):
+    """Llama 3.2's layout: the output head is the embedding. DDP materialises an unsharded
+    model, whose to_empty() would give the head a parameter of its own, left uninitialised."""
+    cases = results[world]["tied_cases"]
+    assert {c["mode"] for c in cases} == {"fsdp", "ddp", "hsdp"}
+    for c in cases:
+        assert c["tied"], c
+        assert c["max_rel_err"] <= TOL, c
+        assert c["init_hash"] == results[world]["tied_ref_hash"], c
+
+
+@pytest.mark.parametrize("world", (2, 4))
+def test_bf16_reduce_is_honoured_by_fsdp_and_ddp(results, world):
+    """training.mixed_precision_reduce = bfloat16: every reduced gradient value is a bf16
+    number (a float32 reduction of float32 gradients leaves almost none so, as the float32
+    cases show), within bf16 rounding of the exact gradient."""
+    cases = results[world]["reduce_cases"]
+    assert {c["mode"] for c in cases} == {"fsdp", "ddp"}
+    for c in cases:
+        assert c["reduce_dtype"] == "bfloat16" and c["bf16_values"], c
+        assert 1e-6 < c["max_rel_err"] <= 2e-2, c
+    fp32 = [c for c in results[world]["cases"] if c["mode"] in ("fsdp", "ddp") and c["accum"] == 2]
+    assert fp32 and not any(c["bf16_values"] for c in fp32)

@@ -71,3 +71,21 @@ def test_param_init_depends_on_seed_and_name_only():
             assert not torch.equal(pa, pc), n
     wq0, wq1 = a.layers[0].attention.wq.weight, a.layers[1].attention.wq.weight
     assert not torch.equal(wq0, wq1)  # same shape, different name: different draw
+
+
+def test_flops_per_token_count_the_output_head_tied_or_not():
+    """Llama 3.2 1B (tied) at seq 2048: 6 x (16 blocks + final norm + the 128256 x 2048 head)
+    + 12 x 16 x 2048 x 2048 = 8.22e9 FLOPs per token, from its shapes written out here. Tying
+    the head to the embedding changes no matmul, so the count must not change."""
+    dim, layers, kv, hidden, vocab, seq = 2048, 16, 512, 8192, 128256, 2048
+    block = 2 * dim * dim + 2 * dim * kv + 3 * dim * hidden + 2 * dim
+    want = 6 * (layers * block + dim + vocab * dim) + 12 * layers * dim * seq
+    assert want == 8_220_192_768
+    got = {}
+    for tied in (True, False):
+        args = dataclasses.replace(
+            llama3_flavors["1B"], vocab_size=vocab, max_seq_len=seq, tie_embeddings=tied
+        )
+        with torch.device("meta"):
+            got[tied] = Llama3(args).num_flops_per_token(seq)
+    assert got == {True: want, False: want}

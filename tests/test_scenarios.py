@@ -1,7 +1,7 @@
 """scripts/diagnose_scenarios.py at dp=4 (debug model, pretraining data, 30 steps, on_alert =
 stop): every injected fault moves the metric that should detect it and raises its alert naming
-the rank, which stops that run; the healthy run stays silent to the end. The paper's S1 seed
-scenarios are left to the README's full run (reported, not asserted)."""
+the rank, which stops that run; the healthy run stays silent to the end. The seed scenarios
+S1-1/2/3 (arXiv 2602.14462) are left to the README's full run (reported, not asserted)."""
 
 from __future__ import annotations
 

@@ -79,3 +79,14 @@ def test_collectives_per_step_are_exactly_the_designed_ones(counts):
         assert c["micro"] == 2 and (c["units"] == c["layers"] + 1 or "buckets" in c), (case, c)
         assert c["step"] == expected(case, c), (case, c["step"], expected(case, c))
         assert c["log"] == {"main": {"allreduce": 1}}, (case, c["log"])
+
+
+def test_window_mean_leaves_out_skipped_steps(counts):
+    """Log steps 1, 3, 6, 7; steps 2 and 5 have no valid token. Step 3's window (2, 3) trained
+    only step 3, so its mean is step 3's loss, not half of it; step 6's averages steps 4 and 6."""
+    recs = {r["step"]: r for r in counts["metrics"]}
+    assert sorted(recs) == [1, 3, 6, 7]
+    assert recs[3]["skipped_steps"] == 1 and recs[3]["loss_window_steps"] == 1
+    assert recs[3]["loss_window_mean"] == pytest.approx(recs[3]["loss"], rel=1e-12)
+    assert recs[6]["skipped_steps"] == 1 and recs[6]["loss_window_steps"] == 2
+    assert recs[7]["loss_window_mean"] == pytest.approx(recs[7]["loss"], rel=1e-12)

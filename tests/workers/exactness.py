@@ -5,11 +5,15 @@ Llama through the production path (parallelize_blocks + materialize), run the pr
 forward_backward on this rank's slice of a fixed global batch with deliberately imbalanced
 labels, and compare the full reduced gradient with a single-process reference on the whole
 global batch. Also records a hash of the full initial weights per mode.
+"tied_cases": the same with the output head tied to the embedding (Llama 3.2's layout), in
+every mode. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
+and whether every reduced gradient value is a bfloat16 number, as only a bf16 reduction makes it.
 Writes JSON results (rank 0) to argv[1].
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import sys
@@ -22,12 +26,13 @@ from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
-from titanlite.distributed.parallelize import parallelize_blocks, unwrap
+from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
-from titanlite.train import forward_backward, materialize
+from titanlite.train import forward_backward
 
 ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+TIED = dataclasses.replace(ARGS, tie_embeddings=True)
 GLOBAL_BATCH, SEQ, SEED = 16, 16, 7
 
 
@@ -42,7 +47,7 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def build(cfg: JobConfig, world: int, mode: str, accum: int):
+def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS):
     """The tiny Llama through the production path, for `mode` at `world` ranks, `accum`
     microbatches per rank. Returns (layout, dims, model)."""
     cfg.parallelism.mode = mode
@@ -51,9 +56,9 @@ def build(cfg: JobConfig, world: int, mode: str, accum: int):
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce)
     with torch.device("meta"):
-        model = Llama3(ARGS)
+        model = Llama3(args)
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
 
 
@@ -86,8 +91,8 @@ def full_weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = Llama3(ARGS)
+def reference(args: Llama3Args = ARGS) -> dict[str, torch.Tensor]:
+    model = Llama3(args)
     model.init_weights(ParamInit(model, SEED))
     tokens, labels = global_batch()
     loss = cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()
@@ -96,13 +101,22 @@ def reference() -> dict[str, torch.Tensor]:
 
 
 def run_case(
-    world: int, mode: str, accum: int, norm: str, skip_sync: str, ref: dict, ac: str = "none"
+    world: int,
+    mode: str,
+    accum: int,
+    norm: str,
+    skip_sync: str,
+    ref: dict,
+    ac: str = "none",
+    args: Llama3Args = ARGS,
+    reduce: str = "float32",
 ) -> dict:
     cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
+    cfg.training.mixed_precision_reduce = reduce
     cfg.parallelism.skip_grad_sync = skip_sync
     cfg.loss.normalization = norm
-    layout, dims, model = build(cfg, world, mode, accum)
+    layout, dims, model = build(cfg, world, mode, accum, args)
     init_hash = full_weights_hash(model)
     micro = rank_microbatches(world, accum)
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
@@ -110,6 +124,7 @@ def run_case(
     dist.all_reduce(share)
     grads = full_grads(model)
     rel = max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
+    bf16 = all(torch.equal(g, g.bfloat16().float()) for g in grads.values())
     local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
     min_micro = min(int((y != IGNORE_INDEX).sum()) for _, y in micro)
     counts = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
@@ -125,6 +140,9 @@ def run_case(
         "skip_grad_sync": layout.skip_grad_sync,
         "activation_checkpoint": ac,
         "max_rel_err": rel,
+        "reduce_dtype": reduce,
+        "bf16_values": bf16,
+        "tied": unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
         "logged_loss": share.item(),
         "init_hash": init_hash,
         "rank_tokens": [int(c) for c in counts],
@@ -150,6 +168,13 @@ def main() -> None:
     cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
     results = [run_case(world, *c, ref) for c in cases]
     results += [run_case(world, mode, 2, "global", "auto", ref, ac="full") for mode in ("fsdp", "ddp")]
+    tied_ref = reference(TIED)
+    tied = [run_case(world, m, 2, "global", "auto", tied_ref, args=TIED) for m in ("fsdp", "ddp", "hsdp")]
+    # Sync skipping on: one reduction per step, whose result the gradient then is (FSDP would
+    # otherwise add two reduced microbatches up in float32).
+    reduce = [run_case(world, m, 2, "global", "on", ref, reduce="bfloat16") for m in ("fsdp", "ddp")]
+    tied_model = Llama3(TIED)
+    tied_model.init_weights(ParamInit(tied_model, SEED))
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(
@@ -158,6 +183,9 @@ def main() -> None:
                     "ref_loss": ref_loss,
                     "ref_hash": full_weights_hash(model),
                     "cases": results,
+                    "tied_ref_hash": full_weights_hash(tied_model),
+                    "tied_cases": tied,
+                    "reduce_cases": reduce,
                 },
                 f,
             )

@@ -9,13 +9,18 @@ collectives: per case, the collectives of one ordinary step (step 3: DDP rebuild
     all others, the data-parallel groups), with the structure they follow from (FSDP units, units that
     reshard after forward, DDP buckets, microbatches).
 
-Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}} (rank 0).
+metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 7; steps 2 and
+    5 have no valid token, so their updates are skipped).
+
+Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}, "metrics": [...]}
+(rank 0).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
@@ -120,6 +125,8 @@ def main() -> None:
         },
     }
     if dist.get_rank() == 0:
+        lines = (Path(out_dir) / "h-ddp" / "metrics.jsonl").read_text().splitlines()
+        results["metrics"] = [json.loads(line) for line in lines]
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()

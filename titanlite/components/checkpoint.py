@@ -4,7 +4,7 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
     DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
-                             and what it was trained on (model, data, seed, global batch, seq_len)
+                             and what it was trained on (titanlite.config.identity)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection)
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
@@ -13,16 +13,17 @@ half checkpoint that looks complete. With async_mode = "async" the step waits on
 copies the state to host memory; the write and the publish follow on a background thread.
 The dataloader state is the step itself: the data order is a function of (seed, global batch,
 step) only (datasets/sampler.py), which holds at any dp.
+`export_weights` writes the full weights as one file, for use outside titanlite.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import logging
 import os
 import shutil
-import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,35 +35,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
+from titanlite.components.faults import Faults
 from titanlite.config import JobConfig
+from titanlite.config.identity import identity
+from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
+from titanlite.tools.cache import atomic_write_bytes
 
 logger = logging.getLogger("titanlite")
 
 MARKER = "complete"
-# What a checkpoint must share with the run that loads it (anything else may change on resume,
-# the layout included).
-IDENTITY = (
-    ("model", "name"),
-    ("model", "flavor"),
-    ("model", "builtin_vocab_size"),
-    ("model", "tokenizer_path"),
-    ("data", "mode"),
-    ("data", "path"),
-    ("training", "seed"),
-    ("training", "global_batch_size"),
-    ("training", "seq_len"),  # the data position is counted in sequences of this length
-)
-
-
-def identity(cfg: JobConfig) -> dict[str, Any]:
-    return {f"{sec}.{key}": getattr(getattr(cfg, sec), key) for sec, key in IDENTITY}
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -150,7 +139,7 @@ def _first_cause(e: BaseException) -> str:
 
 
 class _FullDiskWriter(dcp.FileSystemWriter):
-    """debug.fail_save_step: this rank's shard write fails as on a full disk, inside DCP, so
+    """Faults.save_fails: this rank's shard write fails as on a full disk, inside DCP, so
     the failure travels the real path (DCP gathers it and raises on every rank)."""
 
     def write_data(self, plan, planner):
@@ -167,7 +156,12 @@ class Checkpointer:
     """
 
     def __init__(
-        self, cfg: JobConfig, folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+        self,
+        cfg: JobConfig,
+        folder: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        faults: Faults | None = None,
     ):
         self.cfg = cfg
         self.folder = folder
@@ -175,6 +169,7 @@ class Checkpointer:
         self.optimizer = optimizer
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
+        self.faults = faults or Faults(cfg.debug, cfg.training.seed, self.rank, self.world)
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = dist.new_group(backend="gloo") if self.is_async else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
@@ -211,8 +206,7 @@ class Checkpointer:
         state = json.dumps(
             {"step": step, "world_size": self.world, "identity": identity(self.cfg), **host_state}
         )
-        full = step == self.cfg.debug.fail_save_step and self.rank == self.world - 1
-        writer = (_FullDiskWriter if full else dcp.FileSystemWriter)(str(tmp))
+        writer = (_FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
         if not self.is_async:
             error = self._write(
                 step, tmp, lambda: dcp.save(self._dcp_state(), storage_writer=writer), state, start
@@ -240,8 +234,7 @@ class Checkpointer:
             return error
         final = step_dir(self.folder, step)
         if self.rank == 0:
-            if step == self.cfg.debug.sigkill_in_save:  # fault injection: die before publishing
-                os.kill(os.getpid(), signal.SIGKILL)
+            self.faults.kill_in_save(step)
             try:
                 (tmp / "state.json").write_text(state)
                 (tmp / MARKER).write_text(f"{step}\n")
@@ -260,9 +253,7 @@ class Checkpointer:
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
         """Every rank learns whether any rank failed; if one did, all raise the same error (the
         run stops: exit 3)."""
-        errors: list = [None] * self.world
-        dist.all_gather_object(errors, error, group=self.group)
-        first = next((e for e in errors if e), None)
+        first = first_error(error, self.group)
         if first is None:
             return
         if self.rank == 0:
@@ -314,3 +305,14 @@ class Checkpointer:
                 g.manual_seed(base + 7919 * (i + 1))
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
+
+
+def export_weights(model: torch.nn.Module, path: Path) -> None:
+    """The full, unsharded model weights as one torch.save file at `path` (for evaluation or
+    conversion); every rank takes part in the gather, rank 0 writes atomically."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(path, buf.getvalue())
+        logger.info(f"exported full weights to {path}")

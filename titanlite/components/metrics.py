@@ -7,12 +7,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from titanlite.tools.cache import atomic_write_bytes
+from titanlite.tools.formatting import fmt, format_duration
+
 logger = logging.getLogger("titanlite")
-
-
-def format_duration(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def progress_line(rec: dict[str, Any], total_steps: int) -> str:
@@ -31,20 +29,16 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def diagnostics_line(d: dict[str, Any]) -> str:
     return " | ".join(
         [
             f"diag step {d['step']}",
-            f"loss std {_fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
+            f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
             f"tokens {d['tokens_min']}..{d['tokens_max']}",
-            f"grad_norm cv {_fmt(d.get('grad_norm_cv'), '.3f')}",
-            f"cos {_fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
-            f"{_fmt(d.get('cos_to_mean_min'), '.3f')})",
-            f"noise scale {_fmt(d.get('noise_scale_tokens'), ',.0f')} tokens",
+            f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
+            f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
+            f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
+            f"noise scale {fmt(d.get('noise_scale_tokens'), ',.0f')} tokens",
         ]
     )
 
@@ -117,8 +111,6 @@ class MetricsWriter:
 def truncate_after(run_dir: Path, step: int) -> None:
     """A resumed run continues from `step`: drop the records of later steps (written before the
     crash) from the JSONL files, and a line cut off by the crash; each file rewritten atomically."""
-    from titanlite.tools.cache import atomic_write_bytes
-
     for name in ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl"):
         path = run_dir / name
         if not path.is_file():

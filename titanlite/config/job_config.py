@@ -153,7 +153,7 @@ class Debug:
     )
     seed_mode: str = opt(
         "shared",
-        "dropout/shuffle seeds: shared (S1-1), rank0_differs (S1-2), per_rank (S1-3)",
+        "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",
         choices=("shared", "rank0_differs", "per_rank"),
     )
 

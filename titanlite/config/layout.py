@@ -74,7 +74,9 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def validate(cfg: JobConfig, world_size: int) -> Layout:
-    """All checks that need no torch: layout, batch sizes and the data/tokenizer files."""
+    """Every rule on a config that needs no torch (layout, batch sizes, value ranges, option
+    combinations, the data and tokenizer files): the preflight runs it before torchrun starts,
+    the trainer again in every worker."""
     from pathlib import Path
 
     layout = resolve_layout(cfg, world_size)
@@ -88,6 +90,11 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     d = cfg.diagnostics
     if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3:
         raise UserError("diagnostics.sketch_dim must be >= 16, interval >= 1 and alert_window >= 3")
+    if d.enable and d.method == "exact" and layout.mode == "hsdp":
+        raise UserError(
+            "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
+            "one replica); use diagnostics.method = 'sketch' or 'auto'"
+        )
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_latest_k < 0 or not c.folder:
         raise UserError("checkpoint.interval and keep_latest_k must be >= 0 and checkpoint.folder non-empty")

@@ -1,4 +1,5 @@
-"""Load a TOML file into JobConfig, apply `--section.key value` overrides, and write it back.
+"""Load a TOML file into JobConfig, apply `--section.key value` overrides, write it back, and
+describe every key (`--help`).
 
 Every problem is a UserError with one line that names the key and the closest valid one.
 """
@@ -169,4 +170,40 @@ def to_toml(cfg: JobConfig) -> str:
         for f in fields(section):
             lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}")
         lines.append("")
+    return "\n".join(lines)
+
+
+HELP_FLAGS = ("-h", "--help")
+
+
+def wants_help(argv: list[str]) -> bool:
+    return any(a in HELP_FLAGS for a in argv)
+
+
+def _type_name(typ: Any) -> str:
+    if typing.get_origin(typ) is list:
+        (item,) = typing.get_args(typ)
+        return f"list[{item.__name__}]"
+    return typ.__name__
+
+
+def config_help(usage: str) -> str:
+    """`usage`, then every section and key with its type, default, choices and one-line doc,
+    from the schema itself (titanlite.config.job_config)."""
+    lines = [
+        usage,
+        "",
+        "A TOML file (--config) sets [section] key = value; a flag --section.key VALUE (or",
+        "--section.key=VALUE) overrides it. Lists are comma-separated on the command line.",
+    ]
+    cfg = JobConfig()
+    for sf in fields(cfg):
+        section = getattr(cfg, sf.name)
+        lines += ["", f"[{sf.name}]"]
+        for name, (typ, f) in _field_types(section).items():
+            default = _toml_value(getattr(section, name))
+            choices = f.metadata.get("choices")
+            doc = f.metadata["help"] + (f" (one of: {', '.join(choices)})" if choices else "")
+            lines.append(f"  --{sf.name}.{name} {_type_name(typ)} = {default}")
+            lines.append(f"        {doc}")
     return "\n".join(lines)

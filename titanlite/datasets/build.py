@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titanlite.components.faults import Faults
 from titanlite.components.tokenizer import (
     Tokenizer,
     builtin_tokenizer_path,
@@ -22,7 +22,7 @@ from titanlite.datasets import corpus
 from titanlite.datasets.pretrain import PackedDataset, build_token_cache
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sft import SFTDataset
-from titanlite.diagnostics import faults
+from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
 
@@ -36,10 +36,7 @@ def _built_once(path: Path, build, is_builder: bool) -> None:
             build()
         except UserError as e:
             error = str(e)
-    if dist.is_initialized():
-        errors: list = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
-        error = next((e for e in errors if e), None)
+    error = first_error(error)
     if error:
         raise UserError(error)
 
@@ -93,15 +90,19 @@ def _collate(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, 
 
 
 def build_dataloader(
-    cfg: JobConfig, dataset, dp_rank: int, dp_size: int, pin_memory: bool
+    cfg: JobConfig, dataset, dp_rank: int, dp_size: int, pin_memory: bool, faults: Faults | None = None
 ) -> StatefulDataLoader:
+    """This rank's loader. `faults` (default: from cfg.debug) says whose share of each global
+    batch it reads and the seed of the data order: its own and training.seed, unless a fault
+    is injected."""
+    faults = faults or Faults(cfg.debug, cfg.training.seed, dp_rank, dp_size)
     sampler = GlobalBatchSampler(
         len(dataset),
         cfg.training.global_batch_size,
         cfg.training.local_batch_size,
-        faults.data_rank(cfg, dp_rank),
+        faults.data_rank,
         dp_size,
-        faults.rank_seed(cfg, dp_rank),  # cfg.training.seed unless a seed fault is injected
+        faults.seed,
     )
     return StatefulDataLoader(
         dataset,

@@ -1,4 +1,6 @@
-"""Named alerts from the anomaly tables of the loss-dispersion and gradient-direction manuals.
+"""Named alerts from the anomaly tables of the Loss Dispersion and the Gradient Direction
+Consistency Reference Manuals (titanlite's source documents), which describe the metrics of
+"Silent Inconsistency in Data-Parallel Full Fine-Tuning" (arXiv 2602.14462).
 
 A pure function of the sequence of measured-step records (stats.step_metrics), so it gives the
 same verdict on every rank and can be replayed on a recorded diagnostics.jsonl. Every threshold
@@ -178,7 +180,7 @@ class AlertMonitor:
         ):
             msg = f"loss dispersion {p.loss_std:.4f} is {p.loss_std / ref_std:.1f}x its recent median while the global loss is smooth"
             out += self._fire("dispersion_spike", p, [], msg, loss_std=p.loss_std, median=ref_std)
-        # 2. dispersion rising while the global loss falls (the manual's critical warning)
+        # 2. dispersion rising while the global loss falls (the Loss Dispersion manual's critical warning)
         # Dispersion grows naturally for a long time while the model learns: own, longer burn-in.
         if spread_ok and self.seen > c.trend_burn_in and len(pts) == c.alert_window:
             third = max(1, len(pts) // 3)

@@ -18,19 +18,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Debug as DebugConfig
+from titanlite.components.faults import Faults
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.distributed.parallel_dims import ParallelDims
-from titanlite.errors import UserError
+from titanlite.tools.readback import readback
 
 logger = logging.getLogger("titanlite")
 
 
 @dataclass
 class _Pending:
+    """A measured step whose gathers are in flight: device tensors, read at the next log step."""
+
     step: int
     per_rank: torch.Tensor  # [world, 3]: loss sum, valid tokens, local grad norm^2
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
@@ -46,14 +48,29 @@ class _Pending:
         return d @ d.T
 
 
+@dataclass
+class _Measured:
+    """A measured step on the host, per rank."""
+
+    step: int
+    loss_sums: list[float]
+    tokens: list[float]
+    norms_sq: list[float]  # squared norm of what each rank contributes to the reduction
+    gram: list[list[float]]
+    global_norm: float
+
+
 class Diagnostics:
+    """Off (dp = 1 or diagnostics.enable = false) it measures nothing; `group`, `monitor` and
+    `probe` are None then (the probe exists without diagnostics only to inject gradient noise)."""
+
     def __init__(
         self,
         cfg: DiagnosticsConfig,
         model: torch.nn.Module,
         dims: ParallelDims,
         seed: int,
-        debug: DebugConfig | None = None,
+        faults: Faults | None = None,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
@@ -61,44 +78,50 @@ class Diagnostics:
         self.measuring = False
         self._pending: list[_Pending] = []
         self.noise = NoiseScale(cfg.noise_scale_ema)
-        noisy = debug is not None and debug.grad_noise_rank == dist.get_rank()
+        self.group: dist.ProcessGroup | None = None
+        self.monitor: AlertMonitor | None = None
+        self.probe: GradProbe | None = None
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
         # auto: exact where the reduction allows it (measured no dearer than off on CPU, see the
-        # README), sketch under HSDP.
+        # README), sketch under HSDP (config validation refuses exact there).
         self.method = cfg.method if cfg.method != "auto" else ("sketch" if dims.mode == "hsdp" else "exact")
-        if self.enabled and self.method == "exact" and dims.mode == "hsdp":
-            raise UserError(
-                "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
-                "one replica); use diagnostics.method = 'sketch'"
-            )
         if self.enabled:
             self.group = dist.new_group(ranks=list(range(self.world)))
             hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
             self.monitor = AlertMonitor(cfg, hosts)
-        if self.enabled or (debug is not None and debug.grad_noise_rank >= 0 and self.world > 1):
+        if self.enabled or (faults is not None and faults.grad_noise):
             self.probe = GradProbe(
                 self.method,
                 self.world,
                 cfg.sketch_dim,
                 seed,
                 dims.device,
-                debug.grad_noise_scale if noisy else 0.0,
+                faults.grad_noise_scale if faults is not None else 0.0,
             )
             install(model, self.probe)
 
+    @property
+    def method_used(self) -> str:
+        """What run.json records: the method, or "off"."""
+        return self.method if self.enabled else "off"
+
     def state_dict(self) -> dict:
         """Host state that a resumed run must continue from (the same on every rank)."""
-        if not self.enabled:
+        if self.monitor is None:
             return {}
         noise = {"trace_ema": self.noise.trace_ema, "gsq_ema": self.noise.gsq_ema}
         return {"noise": noise, "monitor": self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.enabled and state:
+        if self.monitor is not None and state:
             self.noise.trace_ema, self.noise.gsq_ema = state["noise"]["trace_ema"], state["noise"]["gsq_ema"]
             self.monitor.load_state_dict(state["monitor"])
+
+    def generators(self) -> dict[str, torch.Generator]:
+        """RNG streams a checkpoint must carry (the gradient-noise fault's)."""
+        return {"grad_noise": self.probe.noise_generator} if self.probe is not None else {}
 
     def is_measured(self, step: int) -> bool:
         return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
@@ -139,37 +162,36 @@ class Diagnostics:
             )
         )
 
+    def _read(self) -> list[_Measured]:
+        """Wait for the pending gathers and read them all with one host read."""
+        for p in self._pending:
+            for w in p.works:
+                w.wait()
+        host = readback([t for p in self._pending for t in (p.per_rank, p.gram(), p.global_norm)])
+        measured = []
+        for i, p in enumerate(self._pending):
+            per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
+            loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
+            measured.append(_Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm))
+        self._pending.clear()
+        return measured
+
     def collect(self) -> tuple[list[dict], list[Alert]]:
         """Log step: one host read of every pending measured step; returns their records and
         the alerts they raise (the same on every rank)."""
         if not self._pending:
             return [], []
-        for p in self._pending:
-            for w in p.works:
-                w.wait()
-        flat = torch.cat(
-            [
-                torch.cat([p.per_rank.flatten(), p.gram().flatten(), p.global_norm.reshape(1)])
-                for p in self._pending
+        records, alerts = [], []
+        for m in self._read():
+            rec = {"step": m.step, "method": self.method}
+            rec.update(step_metrics(m.loss_sums, m.tokens, m.norms_sq, m.gram))
+            total = sum(m.tokens)
+            rank_sq = [
+                g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(m.norms_sq, m.tokens, strict=True)
             ]
-        ).tolist()
-        records, alerts, pos, w = [], [], 0, self.world
-        for p in self._pending:
-            per_rank = [flat[pos + 3 * r : pos + 3 * r + 3] for r in range(w)]
-            pos += 3 * w
-            gram = [flat[pos + w * i : pos + w * i + w] for i in range(w)]
-            pos += w * w
-            global_norm = flat[pos]
-            pos += 1
-            loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
-            rec = {"step": p.step, "method": self.method}
-            rec.update(step_metrics(loss_sums, tokens, norms_sq, gram))
-            total = sum(tokens)
-            rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]
-            rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, global_norm**2)
+            rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
             raised = self.monitor.update(rec)
             rec["alerts"] = [a.name for a in raised]
             records.append(rec)
             alerts += raised
-        self._pending.clear()
         return records, alerts

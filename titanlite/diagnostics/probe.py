@@ -97,13 +97,13 @@ class ProbingReduceScatter(ReduceScatterComm):
         return reduce_scatter(output_tensor, input_tensor, group, op, async_op)
 
 
-def _probe_bucket(probe: GradProbe, bucket, group: dist.ProcessGroup):
-    """DDP interceptor (see SumHookState): observe the bucket; reduce it here in `exact` mode."""
-    buf = bucket.buffer()
+def _probe_bucket(probe: GradProbe, buf: torch.Tensor, index: int, group: dist.ProcessGroup):
+    """DDP interceptor (see SumHookState): perturb and observe bucket `index` (`buf`: the bucket
+    in the reduce dtype); in `exact` mode reduce it here and return it."""
     probe.perturb(buf)
     if not probe.measuring:
         return None
-    probe.observe(buf, bucket.index() * _UNIT_STRIDE)
+    probe.observe(buf, index * _UNIT_STRIDE)
     if probe.method != "exact":
         return None  # the hook's plain SUM all-reduce follows
     chunk = -(-buf.numel() // probe.world)
@@ -112,10 +112,7 @@ def _probe_bucket(probe: GradProbe, bucket, group: dist.ProcessGroup):
     summed = probe.reduce_with_gram(padded, group).to(buf.dtype)
     gathered = torch.empty_like(padded)
     dist.all_gather(list(gathered.view(probe.world, chunk).unbind(0)), summed, group=group)
-    buf.copy_(gathered[: buf.numel()])
-    fut = torch.futures.Future()
-    fut.set_result(buf)
-    return fut
+    return buf.copy_(gathered[: buf.numel()])
 
 
 def install(model: torch.nn.Module, probe: GradProbe) -> None:

@@ -15,7 +15,9 @@ The step's gradient is \sum_r h_r, so each rank's cosine to it is
 cosine to the sum of the *other* ranks is kept too:
 \sum_{j != i} G_ij / sqrt(G_ii \sum_{j,k != i} G_jk). A rank with no valid token has no gradient of its own:
 it is left out of the loss, norm and cosine statistics (and counted in `empty_ranks`).
-Dispersions are population statistics (1/N), as in the loss-dispersion manual.
+Dispersions are population statistics (1/N), as the Loss Dispersion Reference Manual defines
+them (titanlite's source documents, on the metrics of "Silent Inconsistency in Data-Parallel
+Full Fine-Tuning", arXiv 2602.14462).
 """
 
 from __future__ import annotations
@@ -115,14 +117,15 @@ def step_metrics(
 
 @dataclass
 class NoiseScale:
-    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 (McCandlish et al. 2018, app. A),
-    counted in tokens, from per-rank and global gradient norms, smoothed by EMA.
+    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 ("An Empirical Model of
+    Large-Batch Training", McCandlish et al., arXiv 1812.06162, appendix A), counted in tokens,
+    from per-rank and global gradient norms, smoothed by EMA.
 
     For a gradient averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b. Rank r has
     b = n_r and the whole step b = N, so with q = mean_r(1/n_r) (q = 1/B_small when the counts
     are equal, which is the appendix's case):
         tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N.
-    Both are noisy per step, so each is smoothed by EMA before the ratio, as the paper advises.
+    Both are noisy per step, so each is smoothed by EMA before the ratio, as that appendix advises.
     """
 
     decay: float = 0.9

@@ -1,7 +1,10 @@
-"""Generic data-parallel wrapping of a model made of repeated blocks: AC, compile, FSDP/DDP/HSDP.
+"""Generic data-parallel wrapping of a model made of repeated blocks: AC, compile, FSDP/DDP/HSDP;
+and `materialize`, which gives the wrapped meta-device model its real, initialized weights.
 
 Every mode reduces gradients with a plain SUM: the loss is already divided by the global token
 count (titanlite.components.loss), so the usual division by the world size must not happen.
+Every mode reduces in training.mixed_precision_reduce: FSDP/HSDP through their mixed-precision
+policy, DDP in its comm hook.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from titanlite.config import JobConfig
 from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.distributed.param_init import ParamInit
 
 
 def parallelize_blocks(
@@ -105,22 +109,33 @@ def use_fast_reduce_scatter(model: nn.Module) -> None:
 
 
 class SumHookState:
-    """State of titanlite's DDP comm hook. `interceptor(bucket, group)` may take over a bucket's
-    reduction (the diagnostics probe does on measured steps) by returning a Future."""
+    """State of titanlite's DDP comm hook. `interceptor(tensor, bucket_index, group)` may take
+    over a bucket's reduction (the diagnostics probe does on measured steps): it reduces
+    `tensor` (the bucket in the reduce dtype) in place and returns it, or returns None."""
 
-    def __init__(self, group: dist.ProcessGroup) -> None:
+    def __init__(self, group: dist.ProcessGroup, reduce_dtype: torch.dtype) -> None:
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.interceptor = None
 
 
 def _sum_allreduce_hook(state, bucket):  # DDP checks the real annotations; strings fail it
-    """DDP comm hook: all-reduce SUM, without the default hook's division by the world size."""
+    """DDP comm hook: all-reduce SUM in the reduce dtype, without the default hook's division by
+    the world size. A bf16 reduce sends half the bytes; the result is cast back into the bucket."""
+    buf = bucket.buffer()
+    comm = buf if buf.dtype == state.reduce_dtype else buf.to(state.reduce_dtype)
+
+    def into_bucket(reduced: torch.Tensor) -> torch.Tensor:
+        return reduced if reduced is buf else buf.copy_(reduced)
+
     if state.interceptor is not None:
-        fut = state.interceptor(bucket, state.group)
-        if fut is not None:
+        reduced = state.interceptor(comm, bucket.index(), state.group)
+        if reduced is not None:
+            fut = torch.futures.Future()
+            fut.set_result(into_bucket(reduced))
             return fut
-    fut = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True).get_future()
-    return fut.then(lambda f: f.value()[0])
+    fut = dist.all_reduce(comm, group=state.group, async_op=True).get_future()
+    return fut.then(lambda f: into_bucket(f.value()[0]))
 
 
 def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -131,9 +146,43 @@ def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=group, forward_sync_buffers=False
     )
-    ddp.titanlite_hook_state = SumHookState(group)
+    ddp.titanlite_hook_state = SumHookState(group, dims.reduce_dtype)
     ddp.register_comm_hook(ddp.titanlite_hook_state, _sum_allreduce_hook)
     return ddp
+
+
+def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, name, owner, owner_name) for each parameter slot holding a parameter that
+    another slot holds first: tied weights, e.g. Llama 3.2's output head and embedding."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    tied = []
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is None:
+                continue
+            if id(p) in first:
+                tied.append((module, name, *first[id(p)]))
+            else:
+                first[id(p)] = (module, name)
+    return tied
+
+
+def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
+    """Meta-device model (already parallelized by its spec) -> initialized model on the device.
+
+    `to_empty` makes a new Parameter per module on an unsharded model, which would untie tied
+    weights (FSDP keeps them: the shared parameter is one sharded tensor), so the ties are
+    restored before init. Weights come from ParamInit, so they are the same for every dp
+    degree and mode; DDP wraps the model only now, because it needs real tensors.
+    """
+    tied = _tied_parameters(model)
+    model.to_empty(device=dims.device)
+    for module, name, owner, owner_name in tied:
+        if getattr(module, name) is not getattr(owner, owner_name):
+            setattr(module, name, getattr(owner, owner_name))
+    with torch.no_grad():
+        model.init_weights(ParamInit(model, seed))
+    return wrap_ddp(model, dims) if dims.mode == "ddp" else model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

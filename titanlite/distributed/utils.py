@@ -1,11 +1,24 @@
-"""Gradient clipping across shards and peak FLOP/s of known accelerators."""
+"""Cross-rank helpers: agreeing on an error, gradient clipping across shards; and the peak
+FLOP/s of known accelerators."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+
+def first_error(error: str | None, group: dist.ProcessGroup | None = None) -> str | None:
+    """Every rank of `group` passes its own error (None: fine) and gets the first one any rank
+    had, so all raise the same one-line error together instead of some hanging in the next
+    collective. A no-op without a process group."""
+    if not dist.is_initialized():
+        return error
+    errors: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e), None)
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -5,7 +5,9 @@ A fork adds a model with one call:
     register_model(ModelSpec("mymodel", MyModel, {"small": MyArgs(...)}, parallelize_mymodel))
 
 and selects it with `[model] name = "mymodel"` (plus `import_module = "my_pkg.my_model"` so the
-registration runs inside every worker). The contract for a registered model:
+registration runs inside every worker). `build_meta_model(cfg, vocab_size)` is the one call
+that turns a config into the model on the meta device, for the trainer and a fork's own
+scripts alike. The contract for a registered model:
 
 - `model_cls(args)` builds it; `args` is a dataclass with the fields `vocab_size` and
   `max_seq_len`, which the trainer fills in from the tokenizer and `training.seq_len`;
@@ -21,10 +23,15 @@ registration runs inside every worker). The contract for a registered model:
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+import torch.nn as nn
+
+from titanlite.config import JobConfig
 from titanlite.errors import UserError
 
 
@@ -62,3 +69,39 @@ def get_flavor(spec: ModelSpec, flavor: str) -> Any:
         hint = f"did you mean '{match[0]}'?" if match else f"valid: {', '.join(spec.flavors)}"
         raise UserError(f"model.flavor '{flavor}' is not a flavor of {spec.name} ({hint})")
     return spec.flavors[flavor]
+
+
+@dataclass
+class MetaModel:
+    """A model built on the meta device (no memory yet) with what the trainer needs to know."""
+
+    spec: ModelSpec
+    args: Any  # the flavor with vocab_size, max_seq_len (and dropout) filled in
+    model: nn.Module
+    flops_per_token: int  # training FLOPs per token; 0 if the model does not say
+
+
+def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
+    """cfg.model on the meta device: imports model.import_module (a fork's registration), looks
+    up the name and flavor, fills in the vocabulary, training.seq_len and model.dropout. Next:
+    `spec.parallelize_fn`, then titanlite.distributed.parallelize.materialize."""
+    m = cfg.model
+    if m.import_module:
+        try:
+            importlib.import_module(m.import_module)
+        except ImportError as e:
+            raise UserError(
+                f"model.import_module '{m.import_module}' cannot be imported ({e}); check the module path and PYTHONPATH"
+            ) from None
+    import titanlite.models  # noqa: F401  (registers the built-in models)
+
+    spec = get_model_spec(m.name)
+    args = replace(get_flavor(spec, m.flavor), vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+    if m.dropout:
+        if not hasattr(args, "dropout"):
+            raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")
+        args = replace(args, dropout=m.dropout)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
+    return MetaModel(spec, args, model, flops)

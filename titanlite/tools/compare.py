@@ -3,10 +3,11 @@
 A run folder holds config.toml (the full config), run.json (what "auto" and the layout resolved
 to) and metrics.jsonl (one record per log step; invariance runs log every step), plus
 diagnostics.jsonl when the diagnostics measured. Two runs are comparable only if they train the
-same thing: the same global batch, seed, sequence length, data and model. Layout settings (dp
-degrees, mode, local batch, accumulation, logging) are what an invariance comparison varies;
-anything else that differs (loss normalization, optimizer, precision, faults) is reported, and
-the verdict says whether it mattered.
+same thing (titanlite.config.identity: model, data, seed, global batch, sequence length; a
+checkpoint resumes under the same rule). Layout settings (dp degrees, mode, local batch,
+accumulation, logging) are what an invariance comparison varies; anything else that differs
+(loss normalization, optimizer, precision, dropout, faults) is reported, and the verdict says
+whether it mattered.
 
 The verdict: the largest relative loss difference over the common steps against a tolerance.
 Defaults: 1e-5 for fp32 runs (titanlite's exact loss path measures ~4e-7 over 30 steps on CPU,
@@ -22,18 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titanlite.config.identity import IDENTITY_KEYS
 from titanlite.config.manager import tomllib
 from titanlite.errors import UserError
+from titanlite.tools.formatting import fmt
 
-# Must be equal, or the runs train different things and no verdict is meaningful.
-IDENTITY = (
-    "training.global_batch_size",
-    "training.seed",
-    "training.seq_len",
-    "data.mode",
-    "data.path",
-    "model.",
-)
 # Expected to differ between the runs of an invariance comparison.
 LAYOUT = (
     "parallelism.",
@@ -152,7 +146,7 @@ def config_diff(a: Run, b: Run) -> ConfigDiff:
         if va == vb:
             continue
         line = f"{key}: {va!r} vs {vb!r}"
-        if _matches(key, IDENTITY):
+        if key in IDENTITY_KEYS:
             out.refused.append(line)
         elif _matches(key, LAYOUT):
             out.layout.append(line)
@@ -269,10 +263,6 @@ def compare(ref: Run, other: Run, rtol: float, steps: int | None = None) -> Comp
     return Comparison(ref, other, rows, rtol, diff)
 
 
-def _fmt(v: float | None, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def table(cmp: Comparison, max_rows: int | None = None) -> str:
     """The per-step table; with max_rows, evenly spaced rows plus the first failing one."""
     rows = cmp.rows
@@ -291,9 +281,9 @@ def table(cmp: Comparison, max_rows: int | None = None) -> str:
     for r in rows:
         (sa, sb), (ca, cb) = r.diag["loss_std"], r.diag["cos_mean_pairwise"]
         lines.append(
-            f"{r.step:>6} {_fmt(r.loss[0], '.8f'):>20} {_fmt(r.loss[1], '.8f'):>20} "
-            f"{_fmt(r.abs, '.2e'):>10} {_fmt(r.rel, '.2e'):>10} {_fmt(r.grad_norm_rel, '.2e'):>10} "
-            f"{_fmt(sa, '.5f'):>11} {_fmt(sb, '.5f'):>11} {_fmt(ca, '.3f'):>7} {_fmt(cb, '.3f'):>7}"
+            f"{r.step:>6} {fmt(r.loss[0], '.8f'):>20} {fmt(r.loss[1], '.8f'):>20} "
+            f"{fmt(r.abs, '.2e'):>10} {fmt(r.rel, '.2e'):>10} {fmt(r.grad_norm_rel, '.2e'):>10} "
+            f"{fmt(sa, '.5f'):>11} {fmt(sb, '.5f'):>11} {fmt(ca, '.3f'):>7} {fmt(cb, '.3f'):>7}"
             + ("  <- first beyond rtol" if r.step == bad else "")
         )
     return "\n".join(lines)

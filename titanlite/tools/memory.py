@@ -1,4 +1,5 @@
-"""Memory per rank, estimated on the meta model before anything is allocated.
+"""Memory per rank: estimated on the meta model before anything is allocated, and the peak
+reached, for the log.
 
 A model that cannot fit stops with a message instead of swapping or being OOM-killed.
 The estimate is deliberately simple and a little pessimistic:
@@ -14,14 +15,22 @@ The estimate is deliberately simple and a little pessimistic:
 
 from __future__ import annotations
 
+import logging
 import os
+import resource
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
 
+from titanlite.config import JobConfig
+from titanlite.config.layout import Layout
+from titanlite.errors import UserError
+
 GiB = 1024**3
+logger = logging.getLogger("titanlite")
 
 
 @dataclass
@@ -99,3 +108,49 @@ def _cgroup_limit() -> float | None:
         if raw.isdigit():
             return float(raw)
     return None
+
+
+def check_memory(
+    model: nn.Module,
+    args: Any,
+    cfg: JobConfig,
+    layout: Layout,
+    device: torch.device,
+    param_dtype: torch.dtype,
+) -> None:
+    """Log the estimate for the meta model `model` (built from `args`) and refuse, in one line,
+    a job that cannot fit on this rank."""
+    t = cfg.training
+    blocks = getattr(model, "layers", None)
+    est = estimate_memory(
+        model,
+        sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0,
+        dim=getattr(args, "dim", 0),
+        n_layers=getattr(args, "n_layers", 0),
+        vocab_size=args.vocab_size,
+        local_batch=t.local_batch_size,
+        seq_len=t.seq_len,
+        shard=layout.dp_shard,
+        mode=layout.mode,
+        param_bytes=param_dtype.itemsize,
+        activation_checkpoint=t.activation_checkpoint != "none",
+    )
+    avail, what = available_bytes(device)
+    logger.info(
+        f"model {cfg.model.name}/{cfg.model.flavor}: {est.params:,} params, vocab {args.vocab_size}; "
+        f"{layout.mode} {layout.dp_replicate}x{layout.dp_shard}, grad accum {layout.grad_accum}; "
+        f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
+    )
+    if est.total_bytes > avail:
+        raise UserError(
+            f"model {cfg.model.flavor} needs about {est.total_bytes / GiB:.1f} GiB per rank "
+            f"but {avail / GiB:.1f} GiB is available ({what}); use more ranks or GPUs, a smaller "
+            "local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
+        )
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far: allocated on the GPU, or this process's resident set on the host."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB

@@ -190,7 +190,9 @@ class Llama3(nn.Module):
         return self.output(self.norm(h))
 
     def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6 x non-embedding params + attention's 12 x L x d x S."""
-        params = sum(p.numel() for p in self.parameters())
-        params -= self.tok_embeddings.weight.numel()
+        """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward) plus
+        attention's 12 x L x d x S. The embedding is a lookup; the output head is a matmul and
+        counts whether or not it shares the embedding's weight."""
+        params = sum(p.numel() for p in self.layers.parameters()) + self.norm.weight.numel()
+        params += self.output.weight.numel()
         return 6 * params + 12 * self.args.n_layers * self.args.dim * seq_len

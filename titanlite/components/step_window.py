@@ -1,0 +1,91 @@
+"""The steps since the last log step: kept as device tensors, read on the host once, there.
+
+Per step: this rank's share of the loss, whether the update was skipped (no valid token in the
+global batch, or a non-finite gradient norm; decided on the device, the same on every rank),
+and of the last step the gradient norm and the global valid-token count. The log step sums the
+shares over ranks (the logged loss is that sum, see titanlite.components.loss) with one
+all-reduce and reads everything with one host read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from titanlite.tools.readback import readback
+
+
+@dataclass
+class WindowRecord:
+    """The window on the host, the same on every rank."""
+
+    steps: list[int]
+    losses: list[float]  # each step's global loss (NaN where a rank's loss was non-finite)
+    nonfinite_ranks: list[int]  # how many ranks had a non-finite loss, per step
+    empty: list[bool]  # no valid token in the whole global batch
+    skipped: list[bool]  # the optimizer update was skipped (empty, or a non-finite grad norm)
+    grad_norm: float  # the last step's pre-clip gradient norm
+    tokens: int  # the last step's valid tokens over all ranks
+
+    @property
+    def trained_losses(self) -> list[float]:
+        """The losses of the steps whose update was applied: a skipped step's loss is 0 (no
+        token) or meaningless, and must not pull the window's mean down."""
+        return [loss for loss, skipped in zip(self.losses, self.skipped, strict=True) if not skipped]
+
+    @property
+    def loss_mean(self) -> float | None:
+        kept = self.trained_losses
+        return sum(kept) / len(kept) if kept else None
+
+
+class StepWindow:
+    def __init__(self) -> None:
+        self._steps: list[int] = []
+        self._shares: list[torch.Tensor] = []  # per step: [loss share, loss non-finite]
+        self._flags: list[torch.Tensor] = []  # per step: [no valid token, update skipped]
+        self._last: torch.Tensor | None = None  # [grad norm, valid tokens] of the last step
+
+    def add(
+        self,
+        step: int,
+        loss_share: torch.Tensor,
+        tokens: torch.Tensor,
+        grad_norm: torch.Tensor,
+        skipped: torch.Tensor,
+    ) -> None:
+        """Record a step; every argument stays on the device."""
+        self._steps.append(step)
+        self._shares.append(torch.stack([loss_share, (~torch.isfinite(loss_share)).to(loss_share.dtype)]))
+        self._flags.append(torch.stack([tokens == 0, skipped]))
+        self._last = torch.stack([grad_norm.double(), tokens.double()])
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
+        """One all-reduce and one host read; the window is empty afterwards."""
+        if not self._steps:
+            raise RuntimeError("StepWindow.read() on an empty window")
+        shared = torch.stack(self._shares).double()  # summed over ranks -> global values
+        dist.all_reduce(shared, group=group)
+        shared, flags, last = readback([shared, torch.stack(self._flags), self._last])
+        record = WindowRecord(
+            steps=list(self._steps),
+            losses=[loss for loss, _ in shared],
+            nonfinite_ranks=[int(bad) for _, bad in shared],
+            empty=[bool(e) for e, _ in flags],
+            skipped=[bool(s) for _, s in flags],
+            grad_norm=last[0],
+            tokens=int(last[1]),
+        )
+        self.clear()
+        return record
+
+    def clear(self) -> None:
+        self._steps.clear()
+        self._shares.clear()
+        self._flags.clear()
+        self._last = None
