@@ -1,1 +1,2 @@
-"""Small utilities: caches, logging, memory estimates, host-sync accounting."""
+"""Small utilities: caches, logging, memory estimates, host reads, formatting, run comparison,
+host-sync and collective accounting."""
