@@ -28,7 +28,7 @@ titanlite_check() {
 import importlib.util, sys
 mods = ["torch", "torchdata", "tensorboard", "sentencepiece", "numpy", "matplotlib", "titanlite"]
 if sys.argv[1]:
-    mods += ["pytest", "ruff"]
+    mods += ["pytest", "ruff", "transformers", "safetensors"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PYEOF
 }

@@ -17,7 +17,8 @@ scripts alike. The contract for a registered model:
   depend on how the model is sharded;
 - optional `model.num_flops_per_token(seq_len) -> int` for TFLOP/s and MFU;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
-  checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize).
+  checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
+- optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder.
 """
 
 from __future__ import annotations
@@ -36,11 +37,26 @@ from titanlite.errors import UserError
 
 
 @dataclass(frozen=True)
+class HFAdapter:
+    """A model's mapping to a Hugging Face transformers folder (config.json + safetensors).
+
+    The weight maps work on one full tensor at a time, so a sharded model is converted tensor
+    by tensor and no rank ever holds the whole model."""
+
+    architectures: tuple[str, ...]  # config.json "architectures" this adapter reads
+    args_from_config: Callable[[dict], Any]  # config.json -> the model's args
+    config_from_args: Callable[[Any], dict]  # the model's args -> config.json
+    from_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (HF name, tensor, args) -> titanlite's
+    to_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (titanlite name, tensor, args) -> HF's
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     name: str
     model_cls: type
     flavors: dict[str, Any]
     parallelize_fn: Callable[..., Any]
+    hf: HFAdapter | None = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

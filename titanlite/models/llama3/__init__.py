@@ -1,5 +1,6 @@
 """Llama 3 flavors and registration."""
 
+from titanlite.models.llama3.hf import LLAMA3_HF
 from titanlite.models.llama3.model import Llama3, Llama3Args
 from titanlite.models.llama3.parallelize import parallelize_llama
 from titanlite.models.registry import ModelSpec, register_model
@@ -34,6 +35,6 @@ llama3_flavors = {
     ),
 }
 
-register_model(ModelSpec("llama3", Llama3, llama3_flavors, parallelize_llama))
+register_model(ModelSpec("llama3", Llama3, llama3_flavors, parallelize_llama, hf=LLAMA3_HF))
 
 __all__ = ["Llama3", "Llama3Args", "llama3_flavors"]

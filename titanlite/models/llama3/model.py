@@ -21,6 +21,7 @@ class Llama3Args:
     vocab_size: int = -1  # filled in from the tokenizer
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
+    hidden_dim: int | None = None  # SwiGLU hidden size given outright (HF's intermediate_size); wins
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama 3.1/3.2 long-context frequency scaling
@@ -113,6 +114,8 @@ class FeedForward(nn.Module):
 
 
 def ffn_hidden_dim(args: Llama3Args) -> int:
+    if args.hidden_dim is not None:
+        return args.hidden_dim
     hidden = int(2 * 4 * args.dim / 3)
     if args.ffn_dim_multiplier is not None:
         hidden = int(args.ffn_dim_multiplier * hidden)

@@ -1,0 +1,177 @@
+"""Llama 3 <-> Hugging Face transformers' LlamaForCausalLM: config.json and weight names.
+
+Rotary embeddings: titanlite, like Meta's reference code, rotates consecutive pairs of each
+head's q/k features (x0, x1), (x2, x3), ...; transformers rotates the two halves of the head
+against each other. The models agree when each head's q and k rows are reordered: pair members
+2i and 2i+1 become rows i and i + head_dim/2 (the permutation of transformers' Llama weight
+conversion script). Each tensor converts on its own, so a sharded model converts one full
+tensor at a time.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from titanlite.errors import UserError
+from titanlite.models.llama3.model import Llama3Args, ffn_hidden_dim
+from titanlite.models.registry import HFAdapter
+
+_TOP = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_BACK = {v: k for k, v in _TOP.items()}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows, titanlite's pair layout -> transformers' half layout."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _to_pairs(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows, transformers' half layout -> titanlite's pair layout."""
+    rows, cols = w.shape
+    return w.view(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _heads(name: str, args: Llama3Args) -> int | None:
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads or args.n_heads
+    return None
+
+
+def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor] | None:
+    """One transformers tensor -> (titanlite name, tensor); None for a tied head's copy, which
+    titanlite holds once, as the embedding."""
+    if name == "lm_head.weight" and args.tie_embeddings:
+        return None
+    ours = _TOP_BACK.get(name)
+    match = _HF_LAYER.fullmatch(name)
+    if ours is None and match and match.group(2) in _LAYER_BACK:
+        ours = f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}"
+    if ours is None:
+        raise UserError(f"the Hugging Face weights hold '{name}', which a Llama 3 model has no place for")
+    heads = _heads(ours, args)
+    return ours, (_to_pairs(tensor, heads) if heads else tensor)
+
+
+def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor]:
+    """One titanlite tensor -> (transformers name, tensor)."""
+    theirs = _TOP.get(name)
+    match = _LAYER_NAME.fullmatch(name)
+    if theirs is None and match and match.group(2) in _LAYER:
+        theirs = f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    if theirs is None:
+        raise ValueError(f"no Hugging Face name for titanlite's '{name}'")
+    heads = _heads(name, args)
+    return theirs, (_to_halves(tensor, heads) if heads else tensor)
+
+
+def args_from_config(config: dict) -> Llama3Args:
+    """Llama3Args from a transformers LlamaConfig (config.json), old style (rope_theta,
+    rope_scaling) or new (rope_parameters). vocab_size is config.json's; max_seq_len is left to
+    training.seq_len. Anything titanlite's Llama cannot represent is one UserError."""
+    try:
+        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        args = {
+            "dim": dim,
+            "n_layers": int(config["num_hidden_layers"]),
+            "n_heads": heads,
+            "n_kv_heads": int(config.get("num_key_value_heads") or heads),
+            "vocab_size": int(config["vocab_size"]),
+            "hidden_dim": int(config["intermediate_size"]),
+            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        }
+    except KeyError as e:
+        raise UserError(f"config.json has no {e}; it is not a complete Llama config") from None
+    unsupported = [
+        f"{key} = {config[key]!r}"
+        for key, ok in (
+            ("hidden_act", lambda v: v == "silu"),
+            ("attention_bias", lambda v: not v),
+            ("mlp_bias", lambda v: not v),
+            ("head_dim", lambda v: v is None or int(v) * heads == dim),
+        )
+        if key in config and not ok(config[key])
+    ]
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    args["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "llama3":
+        args.update(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+        )
+    elif kind != "default":
+        unsupported.append(f"rope type {kind!r}")
+    if unsupported:
+        raise UserError(
+            f"config.json asks for what titanlite's Llama 3 does not do: {', '.join(unsupported)}; "
+            "use a Llama 3.x model folder"
+        )
+    return Llama3Args(**args)
+
+
+def config_from_args(args: Llama3Args) -> dict:
+    """config.json for transformers' LlamaForCausalLM (the keys Meta's own folders use)."""
+    head_dim = args.dim // args.n_heads
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads or args.n_heads,
+        "head_dim": head_dim,
+        "intermediate_size": ffn_hidden_dim(args),
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": max(args.max_seq_len, args.rope_original_max_len),
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+    if args.rope_scaling_factor is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_len,
+        }
+    return config
+
+
+LLAMA3_HF = HFAdapter(
+    architectures=("LlamaForCausalLM",),
+    args_from_config=args_from_config,
+    config_from_args=config_from_args,
+    from_hf=from_hf,
+    to_hf=to_hf,
+)
