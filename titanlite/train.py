@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ import torch.nn as nn
 
 from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.faults import Faults
+from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.loss import LossBalancer, cross_entropy_sum
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
@@ -116,6 +118,8 @@ class Trainer:
         self.start_step = 1
         if resume is not None:
             self._resume(resume)
+        elif cfg.model.hf_assets_path:  # pretrained weights start a new run, never a resumed one
+            load_hf_weights(self.model, Path(cfg.model.hf_assets_path).expanduser(), meta.spec.hf, meta.args)
         self._batches = iter(self.dataloader)  # after a resume has set the position
         self.window = StepWindow()
         self._tokens_per_rank_step = t.seq_len * t.local_batch_size * self.layout.grad_accum

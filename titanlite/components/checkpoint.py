@@ -93,7 +93,8 @@ def check_compatible(folder: Path, step: int, cfg: JobConfig) -> dict:
         raise UserError(
             f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
         ) from None
-    theirs, ours = state.get("identity", {}), identity(cfg)
+    # A key that joined the identity after the checkpoint was written had its default then.
+    theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
     diff = [f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}" for k, v in ours.items() if theirs.get(k) != v]
     if diff:
         raise UserError(

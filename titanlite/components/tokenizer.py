@@ -1,18 +1,23 @@
-"""SentencePiece tokenizer: a user's .model, or a small one trained on the stdlib corpus.
+"""Tokenizers: a SentencePiece .model, a Hugging Face tokenizer.json, or the built-in one (a
+small SentencePiece model trained on the stdlib corpus).
 
 The built-in tokenizer is trained on first use, deterministically (single thread, no sampling,
 fixed file order), and cached by a hash of everything that determines it.
+Every kind offers the same: vocab_size, bos_id, eos_id, pad_id, encode (text only: titanlite
+adds BOS and EOS itself, one each per document or record), decode, fingerprint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
 from pathlib import Path
 
 import sentencepiece as spm
 
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
+from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes
 
 TRAINER_VERSION = 1  # bump when the training recipe below changes
@@ -48,17 +53,100 @@ class Tokenizer:
         return self.sp.decode(ids)
 
 
-def load_tokenizer(path: str) -> Tokenizer:
-    from titanlite.errors import UserError
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (the `tokenizers` library). Its special tokens come from the
+    files beside it (tokenizer_config.json, special_tokens_map.json, config.json), never from
+    hard-coded ids; without a pad token, padding uses EOS (its labels are ignored anyway)."""
 
-    data = Path(path).expanduser().read_bytes()
+    def __init__(self, path: Path) -> None:
+        from tokenizers import Tokenizer as Backend
+
+        data = path.read_bytes()
+        try:
+            self.tok = Backend.from_str(data.decode("utf-8"))
+        except Exception as e:
+            raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({_first_line(e)})") from None
+        self.source = str(path)
+        specials = _special_tokens(path.parent)
+        self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
+        self.pad_id = self._id(specials, "pad") if specials.get("pad") is not None else self.eos_id
+        self.max_id = max(self.tok.get_vocab(with_added_tokens=True).values())
+        key = data + json.dumps(specials, sort_keys=True).encode()
+        self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
+
+    def _id(self, specials: dict, kind: str) -> int:
+        token = specials.get(kind)
+        if isinstance(token, int):
+            return token
+        found = self.tok.token_to_id(token) if token is not None else None
+        if found is None:
+            raise UserError(
+                f"the tokenizer in '{self.source}' names no usable {kind} token ({token!r}); its "
+                f"folder's tokenizer_config.json or config.json must name one"
+            )
+        return found
+
+    @property
+    def vocab_size(self) -> int:
+        return self.max_id + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def _special_tokens(folder: Path) -> dict:
+    """bos/eos/pad as token strings (tokenizer_config.json, special_tokens_map.json) or, failing
+    those, ids (config.json; a list of EOS ids gives its first)."""
+    out: dict = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data = _read_json(folder / name)
+        for kind in ("bos", "eos", "pad"):
+            token = data.get(f"{kind}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if kind not in out and isinstance(token, str):
+                out[kind] = token
+    config = _read_json(folder / "config.json")
+    for kind in ("bos", "eos", "pad"):
+        value = config.get(f"{kind}_token_id")
+        value = value[0] if isinstance(value, list) and value else value
+        if kind not in out and isinstance(value, int):
+            out[kind] = value
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
     try:
-        return Tokenizer(data, path)
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"'{path}' is not valid JSON ({_first_line(e)}); fix or remove it") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
+    """A tokenizer file by its kind: tokenizer.json (or a folder holding one) is Hugging Face's,
+    anything else must be a SentencePiece model."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "tokenizer.json").is_file():
+            raise UserError(f"'{path}' holds no tokenizer.json; point at a Hugging Face model folder")
+        return HFTokenizer(p / "tokenizer.json")
+    if p.suffix == ".json":
+        return HFTokenizer(p)
+    try:
+        return Tokenizer(p.read_bytes(), path)
     except Exception as e:  # sentencepiece raises RuntimeError/OSError with long messages
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"model.tokenizer_path '{path}' is not a SentencePiece model ({first}); "
-            "point it at a .model file or leave it empty"
+            f"model.tokenizer_path '{path}' is not a SentencePiece model ({_first_line(e)}); "
+            "point it at a .model file, a Hugging Face tokenizer.json, or leave it empty"
         ) from None
 
 

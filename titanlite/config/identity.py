@@ -16,6 +16,7 @@ IDENTITY_KEYS = (
     "model.flavor",
     "model.builtin_vocab_size",
     "model.tokenizer_path",
+    "model.hf_assets_path",
     "data.mode",
     "data.path",
     "training.seed",

@@ -31,7 +31,12 @@ class Job:
 class Model:
     name: str = opt("llama3", "registered model name (see titanlite.models.registry)")
     flavor: str = opt("debugmodel", "size preset of the model, e.g. debugmodel, 1B, 8B")
-    tokenizer_path: str = opt("", "SentencePiece .model file; empty: built-in stdlib tokenizer")
+    tokenizer_path: str = opt(
+        "", "SentencePiece .model or HF tokenizer.json; empty: hf_assets_path's, else built-in stdlib"
+    )
+    hf_assets_path: str = opt(
+        "", "Hugging Face model folder: shapes (config.json), tokenizer, pretrained weights; flavor unused"
+    )
     builtin_vocab_size: int = opt(2048, "vocabulary of the built-in tokenizer (trained, cached)")
     import_module: str = opt("", "module imported first so it can register models (forks)")
     dropout: float = opt(0.0, "dropout on residual branches (models whose args have `dropout`)")

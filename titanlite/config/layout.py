@@ -110,9 +110,34 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
         raise UserError(
             f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "
-            "SentencePiece .model, or leave it empty for the built-in tokenizer"
+            "SentencePiece .model or a tokenizer.json, or leave it empty"
+        )
+    if cfg.model.hf_assets_path:
+        check_hf_folder(
+            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
         )
     return layout
+
+
+def check_hf_folder(folder, need_tokenizer: bool) -> None:
+    """A Hugging Face model folder has config.json (valid JSON), its weights and, unless another
+    tokenizer is named, tokenizer.json."""
+    import json
+
+    if not folder.is_dir():
+        raise UserError(f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model")
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"'{folder}' has no config.json; it is not a Hugging Face model folder") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"'{folder / 'config.json'}' is not valid JSON ({e})") from None
+    if not any((folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise UserError(
+            f"'{folder}' has no model.safetensors or model.safetensors.index.json; download the weights too"
+        )
+    if need_tokenizer and not (folder / "tokenizer.json").is_file():
+        raise UserError(f"'{folder}' has no tokenizer.json; download it, or set model.tokenizer_path")
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:

@@ -12,6 +12,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.components.faults import Faults
 from titanlite.components.tokenizer import (
+    HFTokenizer,
     Tokenizer,
     builtin_tokenizer_path,
     load_tokenizer,
@@ -45,9 +46,10 @@ def _is_local_leader() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
-def build_tokenizer(cfg: JobConfig) -> Tokenizer:
-    if cfg.model.tokenizer_path:
-        return load_tokenizer(cfg.model.tokenizer_path)
+def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer:
+    """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one."""
+    if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
+        return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
     _built_once(path, lambda: train_builtin_tokenizer(path, cfg.model.builtin_vocab_size), _is_local_leader())
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")

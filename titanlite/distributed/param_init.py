@@ -21,6 +21,17 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
 
 
+@torch.no_grad()
+def copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Set parameter `p` (a DTensor shard or a plain tensor) from the full tensor `full`, which
+    every rank holds alike: each rank copies its own part, with no communication."""
+    if isinstance(p, DTensor):
+        shard = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        p.to_local().copy_(shard.to_local())
+    else:
+        p.copy_(full)
+
+
 def canonical_name(name: str) -> str:
     """A parameter's name with wrapper prefixes removed: the same with or without AC/compile."""
     for prefix in _WRAPPER_PREFIXES:
@@ -42,14 +53,8 @@ class ParamInit:
         digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
         return torch.Generator(device=p.device).manual_seed(int.from_bytes(digest[:8], "little"))
 
-    @torch.no_grad()
     def _assign(self, p: torch.Tensor, full: torch.Tensor) -> None:
-        if isinstance(p, DTensor):
-            # src_data_rank=None: every rank holds the same full tensor, so no communication.
-            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(shard.to_local())
-        else:
-            p.copy_(full)
+        copy_full_(p, full)
 
     def _empty_full(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=torch.float32, device=p.device)

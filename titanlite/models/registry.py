@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -97,9 +99,30 @@ class MetaModel:
     flops_per_token: int  # training FLOPs per token; 0 if the model does not say
 
 
+def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
+    """The model's args from a Hugging Face folder's config.json, through the spec's adapter; the
+    tokenizer's ids must fit the embedding."""
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    archs = config.get("architectures") or [config.get("model_type", "?")]
+    if spec.hf is None or not set(archs) & set(spec.hf.architectures):
+        reads = ", ".join(spec.hf.architectures) if spec.hf else "nothing: it has no HFAdapter"
+        raise UserError(
+            f"'{folder}' holds a {', '.join(archs)} but model '{spec.name}' reads {reads}; "
+            "use a folder of that architecture, or a model.name whose adapter reads it"
+        )
+    args = spec.hf.args_from_config(config)
+    if tokenizer_vocab > args.vocab_size:
+        raise UserError(
+            f"the tokenizer's ids reach {tokenizer_vocab - 1} but config.json's vocab_size is "
+            f"{args.vocab_size}; use the folder's own tokenizer"
+        )
+    return args
+
+
 def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     """cfg.model on the meta device: imports model.import_module (a fork's registration), looks
-    up the name and flavor, fills in the vocabulary, training.seq_len and model.dropout. Next:
+    up the name, takes the shapes from the flavor (vocabulary: the tokenizer's `vocab_size`) or
+    from model.hf_assets_path's config.json, fills in training.seq_len and model.dropout. Next:
     `spec.parallelize_fn`, then titanlite.distributed.parallelize.materialize."""
     m = cfg.model
     if m.import_module:
@@ -112,7 +135,11 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     import titanlite.models  # noqa: F401  (registers the built-in models)
 
     spec = get_model_spec(m.name)
-    args = replace(get_flavor(spec, m.flavor), vocab_size=vocab_size, max_seq_len=cfg.training.seq_len)
+    if m.hf_assets_path:
+        args = hf_args(spec, Path(m.hf_assets_path).expanduser(), vocab_size)
+    else:
+        args = replace(get_flavor(spec, m.flavor), vocab_size=vocab_size)
+    args = replace(args, max_seq_len=cfg.training.seq_len)
     if m.dropout:
         if not hasattr(args, "dropout"):
             raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.config.identity import IDENTITY_KEYS
-from titanlite.config.manager import tomllib
+from titanlite.config.job_config import JobConfig
+from titanlite.config.manager import to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 
@@ -120,9 +121,10 @@ def load_run(path: str | Path) -> Run:
         raw = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{cfg_file}: not valid TOML ({e})") from None
-    config = {
-        f"{sec}.{k}": v for sec, table in raw.items() if isinstance(table, dict) for k, v in table.items()
-    }
+    # A key added to titanlite after the run was written had its default value then.
+    defaults = tomllib.loads(to_toml(JobConfig()))
+    merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
+    config = {f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()}
     resolved = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
     metrics = {r["step"]: r for r in _read_jsonl(metrics_file) if "step" in r}
     if not metrics:
