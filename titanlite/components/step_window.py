@@ -62,9 +62,6 @@ class StepWindow:
         self._flags.append(torch.stack([tokens == 0, skipped]))
         self._last = torch.stack([grad_norm.double(), tokens.double()])
 
-    def __len__(self) -> int:
-        return len(self._steps)
-
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""
         if not self._steps:

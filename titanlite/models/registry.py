@@ -48,7 +48,8 @@ class HFAdapter:
     architectures: tuple[str, ...]  # config.json "architectures" this adapter reads
     args_from_config: Callable[[dict], Any]  # config.json -> the model's args
     config_from_args: Callable[[Any], dict]  # the model's args -> config.json
-    from_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (HF name, tensor, args) -> titanlite's
+    # (HF name, tensor, args) -> titanlite's name and tensor; None: no place of its own (a tied copy)
+    from_hf: Callable[[str, Any, Any], tuple[str, Any] | None]
     to_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (titanlite name, tensor, args) -> HF's
 
 

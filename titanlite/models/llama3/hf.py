@@ -36,8 +36,17 @@ _LAYER = {
 }
 _TOP_BACK = {v: k for k, v in _TOP.items()}
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
+
+
+def _rename(name: str, top: dict[str, str], layer: dict[str, str], src: str, dst: str) -> str | None:
+    """`name` in the other naming: a top-level name through `top`, a block's `<src>layers.<i>.x`
+    through `layer` as `<dst>layers.<i>.y`; None if neither knows it."""
+    if name in top:
+        return top[name]
+    match = re.fullmatch(re.escape(src) + r"layers\.(\d+)\.(.+)", name)
+    if match and match.group(2) in layer:
+        return f"{dst}layers.{match.group(1)}.{layer[match.group(2)]}"
+    return None
 
 
 def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -65,10 +74,7 @@ def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, tor
     titanlite holds once, as the embedding."""
     if name == "lm_head.weight" and args.tie_embeddings:
         return None
-    ours = _TOP_BACK.get(name)
-    match = _HF_LAYER.fullmatch(name)
-    if ours is None and match and match.group(2) in _LAYER_BACK:
-        ours = f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}"
+    ours = _rename(name, _TOP_BACK, _LAYER_BACK, src="model.", dst="")
     if ours is None:
         raise UserError(f"the Hugging Face weights hold '{name}', which a Llama 3 model has no place for")
     heads = _heads(ours, args)
@@ -77,10 +83,7 @@ def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, tor
 
 def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor]:
     """One titanlite tensor -> (transformers name, tensor)."""
-    theirs = _TOP.get(name)
-    match = _LAYER_NAME.fullmatch(name)
-    if theirs is None and match and match.group(2) in _LAYER:
-        theirs = f"model.layers.{match.group(1)}.{_LAYER[match.group(2)]}"
+    theirs = _rename(name, _TOP, _LAYER, src="", dst="model.")
     if theirs is None:
         raise ValueError(f"no Hugging Face name for titanlite's '{name}'")
     heads = _heads(name, args)
