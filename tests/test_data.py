@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -152,3 +153,42 @@ def test_user_tokenizer_file(tmp_path):
     bad.write_text("not a model")
     with pytest.raises(UserError, match="is not a SentencePiece model"):
         build_tokenizer(_cfg("--model.tokenizer_path", str(bad)))
+
+
+def test_chat_records_default_format_and_bad_records(tmp_path):
+    """Without a chat template (the built-in SentencePiece tokenizer): the documented default,
+    with each assistant turn and its EOS as the only targets."""
+    from titanlite.datasets.chat import default_segments
+
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a prime."},
+        {"role": "assistant", "content": "7"},
+        {"role": "user", "content": "Another?"},
+        {"role": "assistant", "content": "11"},
+    ]
+    data = tmp_path / "chat.jsonl"
+    alpaca = {"instruction": "Say hi", "input": "", "output": "hi"}
+    data.write_text(json.dumps({"messages": conversation}) + "\n" + json.dumps(alpaca) + "\n")
+    cfg = _cfg("--data.mode", "sft", "--data.path", str(data), "--training.seq_len", "128")
+    tok = build_tokenizer(cfg)
+    ds = build_dataset(cfg, tok)
+    x, y = ds[0]
+    prompt = ["### System:\nBe brief.", "\n\n### User:\nName a prime.", "\n\n### Assistant:\n"]
+    assert default_segments(conversation, tok)[:5] == [
+        ([tok.bos_id], False),
+        *((tok.encode(p), False) for p in prompt),
+        ([*tok.encode("7"), tok.eos_id], True),
+    ]
+    targets = y[y != IGNORE_INDEX].tolist()
+    assert targets == [*tok.encode("7"), tok.eos_id, *tok.encode("11"), tok.eos_id]
+    assert x[0] == tok.bos_id and (x == tok.bos_id).sum() == 1
+    assert tok.decode(ds[1][1][ds[1][1] != IGNORE_INDEX].tolist()[:-1]) == "hi"  # alpaca beside it
+    for line, needle in (
+        ({"messages": []}, 'has "messages" that is not a non-empty list'),
+        ({"messages": [{"role": "user"}]}, 'message 0 is not {"role": str, "content": str}'),
+        ({"text": "x"}, 'no string field "instruction"; records need "messages" (chat) or instruction'),
+    ):
+        data.write_text(json.dumps(line) + "\n")
+        with pytest.raises(UserError, match=re.escape(needle)):
+            build_dataset(cfg, tok)

@@ -115,15 +115,53 @@ def test_config_round_trips_and_unsupported_configs_are_one_line(tmp_path):
         LLAMA3_HF.from_hf("model.extra.weight", torch.zeros(1), args)
 
 
-def hf_tokenizer(path: Path) -> None:
-    """A byte-level BPE (Llama 3's kind) trained on a few stdlib files, saved as transformers does."""
+# A chat template in the manner of Llama 3.2's (headers, <|eot_id|>, a dated system turn),
+# written for these tests.
+CHAT_TEMPLATE = """{{- bos_token }}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "1 Jan 2000" %}
+    {%- endif %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\n\nToday Date: " + date_string + "\n\n" }}
+{{- system_message + "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if message['role'] not in ['user', 'assistant'] %}
+        {{- raise_exception('unknown role ' + message['role']) }}
+    {%- endif %}
+    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
+def hf_tokenizer(path: Path, template_in_config: bool = False) -> None:
+    """A byte-level BPE (Llama 3's kind) trained on a few stdlib files, with Llama 3's chat
+    special tokens and CHAT_TEMPLATE, saved as transformers does (the template in
+    chat_template.jinja, or the older way, in tokenizer_config.json)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|begin_of_text|>", "<|end_of_text|>"]
+    specials = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|eot_id|>",
+    ]
     trainer = trainers.BpeTrainer(
         vocab_size=300,
         special_tokens=specials,
@@ -133,31 +171,64 @@ def hf_tokenizer(path: Path) -> None:
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
     tok.train([str(f) for f in files], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+    if template_in_config:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+        (path / "chat_template.jinja").unlink()
+
+
+def chat_records(n: int = 48) -> list[dict]:
+    """Conversations whose assistant turns differ in length (so ranks see different counts)."""
+    lines = Path(sysconfig.get_paths()["stdlib"], "json", "decoder.py").read_text().splitlines()
+    records = []
+    for i in range(n):
+        answer = " ".join(lines[i : i + 1 + i % 5])
+        messages = [{"role": "user", "content": f"Line {i} of json/decoder.py?"}]
+        messages.append({"role": "assistant", "content": answer or "(empty)"})
+        if i % 3 == 0:
+            messages = [{"role": "system", "content": "Quote exactly."}, *messages]
+            messages += [
+                {"role": "user", "content": "And the next?"},
+                {"role": "assistant", "content": lines[i + 1]},
+            ]
+        records.append({"messages": messages})
+    return records
 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> Path:
+    """`tied` (chat template in chat_template.jinja), `untied` (in tokenizer_config.json), and
+    chat.jsonl."""
     root = tmp_path_factory.mktemp("hf_assets")
     for name in ("tied", "untied"):
         hf_folder(root / name, tied=name == "tied", vocab=320)
-        hf_tokenizer(root / name)
+        hf_tokenizer(root / name, template_in_config=name == "untied")
+    (root / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_records()))
     return root
 
 
 @pytest.fixture(scope="module")
-def loaded(assets, tmp_path_factory) -> dict[int, list[dict]]:
-    out = {}
-    for world in (1, 2):
-        tmp = tmp_path_factory.mktemp(f"hf_load{world}")
-        check(torchrun(world, "tests/workers/hf_load.py", str(tmp / "out.json"), str(assets), str(tmp)))
+def loaded(assets, tmp_path_factory) -> dict[int, dict]:
+    """World 2 first: world 1 continues its fine-tune's checkpoint at dp=1."""
+    out, runs = {}, {}
+    for world in (2, 1):
+        runs[world] = tmp = tmp_path_factory.mktemp(f"hf_load{world}")
+        upstream = [str(runs[2])] if world == 1 else []
+        check(
+            torchrun(
+                world, "tests/workers/hf_load.py", str(tmp / "out.json"), str(assets), str(tmp), *upstream
+            )
+        )
         out[world] = json.loads((tmp / "out.json").read_text())
+        out[world]["runs"] = tmp
     return out
 
 
 @pytest.mark.parametrize("world", (1, 2))
 def test_trainer_loads_hf_weights_with_the_same_logits_and_gradient(loaded, world):
-    cases = loaded[world]
+    cases = loaded[world]["cases"]
     assert {(c["name"], c["mode"]) for c in cases} == {
         (n, m) for n in ("tied", "untied") for m in ("fsdp", "ddp")
     }
@@ -227,3 +298,185 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
         save_file(broken, folder / "model.safetensors")
         with pytest.raises(UserError, match=needle):
             load_hf_weights(Llama3(args), folder, LLAMA3_HF, args)
+
+
+def _int_keys(d: dict) -> dict[int, float]:
+    return {int(k): v for k, v in d.items()}
+
+
+def test_pretrained_start_resumes_reshards_and_starts_new_runs(loaded):
+    """The world-2 fine-tune (FSDP, chat records, 5 steps) and what was started from it."""
+    f = loaded[2]["finetune"]
+    ft = _int_keys(f["losses"]["ft"])
+    assert sorted(ft) == [1, 2, 3, 4, 5] and all(v is not None and 0 < v < 10 for v in ft.values()), ft
+    later = (3, 4, 5)
+    # resumed from its own step 2 (model.hf_assets_path still set: the checkpoint wins): bitwise
+    assert f["resume_start_step"] == 3
+    assert {s: _int_keys(f["losses"]["ft-resumed"])[s] for s in later} == {s: ft[s] for s in later}
+    # resharded: FSDP dp=2 -> DDP dp=2, and -> FSDP dp=1 (tests/workers/hf_load.py at world 1)
+    for other in (_int_keys(f["losses"]["ft-ddp"]), _int_keys(loaded[1]["dp1_losses"])):
+        assert max(abs(other[s] - ft[s]) / ft[s] for s in later) <= TOL, (other, ft)
+    # a new run from the step-2 folder: the same weights as the resume, no optimizer state, step 0
+    assert f["model_only_vs_resume"] == 0.0
+    assert (f["model_only_optimizer_entries"], f["model_only_last_epoch"]) == (0, 0)
+    # ... with the optimizer: the resume's AdamW state, this run's lr at the schedule's position 2
+    assert f["optim_vs_resume"] == 0.0
+    assert f["optim_lrs"] == [f["optim_want_lr"]] == [5e-4]  # position 0 would be 2.5e-4 (warmup 2)
+    # the source is only read; the new runs write their own checkpoints
+    assert f["source_untouched"] and f["from_ckpt_checkpoints"] == ["step-00000001", "step-00000002"]
+    # the exported folder as a start: the fine-tuned weights, bitwise
+    assert f["export_reload_vs_trained"] == 0.0
+
+
+def test_exported_folder_loads_in_transformers_with_titanlite_logits(loaded, assets):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = loaded[2]["runs"] / "ft" / "hf"
+    saved = torch.load(loaded[2]["runs"] / "ft_logits.pt")
+    with torch.no_grad():
+        theirs = AutoModelForCausalLM.from_pretrained(out)(saved["tokens"]).logits
+        before = AutoModelForCausalLM.from_pretrained(assets / "untied")(saved["tokens"]).logits
+    scale = saved["logits"].abs().max()
+    assert ((theirs - saved["logits"]).abs().max() / scale).item() <= TOL
+    assert ((before - saved["logits"]).abs().max() / scale).item() > 1e-3  # the fine-tune moved it
+    config = json.loads((out / "config.json").read_text())
+    assert (config["dtype"], config["tie_word_embeddings"], config["intermediate_size"]) == (
+        "float32",
+        False,
+        80,
+    )
+    tok, src = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(assets / "untied")
+    text = "def f(x):\n    return x  # héllo"
+    assert tok(text).input_ids == src(text).input_ids and tok.chat_template == CHAT_TEMPLATE
+    assert not any(out.parent.glob("hf.tmp"))
+
+
+def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_path, capsys):
+    import importlib.util
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location(
+        "export_hf", Path(__file__).parents[1] / "scripts/export_hf.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
+    step5 = ckpts / "step-00000005"
+    assert script.main([str(step5), str(tmp_path / "fp32"), "--max-shard-gb", "0.00005"]) == 0
+    index = json.loads((tmp_path / "fp32" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    ours = {k: v for f in files for k, v in load_file(tmp_path / "fp32" / f).items()}
+    end_of_run = load_file(loaded[2]["runs"] / "ft" / "hf" / "model.safetensors")
+    assert ours.keys() == end_of_run.keys() and all(torch.equal(ours[k], end_of_run[k]) for k in ours)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ours.values())
+    assert script.main([str(step5), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
+    assert bf16.dtype == torch.bfloat16
+    assert torch.equal(bf16.model.norm.weight, ours["model.norm.weight"].to(torch.bfloat16))
+    # bad input: one line, exit 2, nothing written
+    incomplete = Path(shutil.copytree(step5, tmp_path / "step-incomplete"))
+    (incomplete / "complete").unlink()
+    for argv, needle in (
+        ([str(step5), str(tmp_path / "fp32")], "exists and is not empty"),
+        ([str(incomplete), str(tmp_path / "x")], "is incomplete"),
+        ([str(ckpts), str(tmp_path / "x")], "is a checkpoint folder; point STEP_FOLDER at one of its step"),
+        ([str(tmp_path / "none"), str(tmp_path / "x")], "is not a folder"),
+    ):
+        capsys.readouterr()
+        assert script.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
+
+
+MESSAGES = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "Sum a list."},
+    {"role": "assistant", "content": "Use sum(xs)."},
+    {"role": "user", "content": "And the product?"},
+    {"role": "assistant", "content": "math.prod(xs), héllo"},
+]
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])  # chat_template.jinja; tokenizer_config.json
+def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(assets, name):
+    from transformers import AutoTokenizer
+
+    from titanlite.components.loss import IGNORE_INDEX
+    from titanlite.components.tokenizer import load_tokenizer
+    from titanlite.datasets.chat import chat_segments, template_pieces
+    from titanlite.datasets.sft import to_example
+
+    ours, theirs = load_tokenizer(str(assets / name)), AutoTokenizer.from_pretrained(assets / name)
+    date = {"date_string": "26 Jul 2024"}  # titanlite's fixed strftime_now date; transformers' is today
+    want = theirs.apply_chat_template(MESSAGES, tokenize=False, **date)
+    pieces = template_pieces(ours.chat_template, MESSAGES, ours.special_tokens)
+    assert "".join(text for text, _ in pieces) == want and "Today Date: 26 Jul 2024" in want
+    assert [text for text, target in pieces if target] == [
+        "Use sum(xs).<|eot_id|>",
+        "math.prod(xs), héllo<|eot_id|>",
+    ]
+    ids = [t for seg, _ in chat_segments(MESSAGES, ours) for t in seg]
+    assert ids.count(ours.bos_id) == 1 and ids[0] == ours.bos_id  # the template's BOS, not a second
+    for turn in (3, 5):  # the prompt of each assistant turn is what inference tokenizes
+        prompt = theirs.apply_chat_template(
+            MESSAGES[: turn - 1], add_generation_prompt=True, **date
+        ).input_ids
+        assert ids[: len(prompt)] == prompt
+    x, y = to_example(chat_segments(MESSAGES, ours), 256, ours.pad_id)
+    assert (
+        ours.decode(y[y != IGNORE_INDEX].tolist()) == "Use sum(xs).<|eot_id|>math.prod(xs), héllo<|eot_id|>"
+    )
+    bad = [*MESSAGES[:2], {"role": "critic", "content": "no"}]
+    with pytest.raises(UserError, match="the chat template fails on a record \\(unknown role critic\\)"):
+        chat_segments(bad, ours)
+
+
+def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets, tmp_path, capsys):
+    import shutil
+
+    from titanlite import preflight
+    from titanlite.components.checkpoint import check_fits
+
+    ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
+    incomplete = Path(shutil.copytree(ckpts / "step-00000002", tmp_path / "step-00000002"))
+    (incomplete / "complete").unlink()
+    (tmp_path / "empty").mkdir()
+    for extra, needle in (
+        ((str(ckpts),), "is a checkpoint folder; point checkpoint.initial_load_path at one of its step folders, e.g. the newest: '"),
+        ((str(incomplete),), "is incomplete (its save never finished)"),
+        ((str(tmp_path / "none"),), "is not a folder"),
+        ((str(tmp_path / "empty"),), "holds no config.json nor a checkpoint"),
+        ((str(assets / "tied"), "--checkpoint.initial_load_model_only", "false"), "needs a titanlite checkpoint"),
+    ):  # fmt: skip
+        capsys.readouterr()
+        assert preflight.main(["--world-size", "1", "--checkpoint.initial_load_path", *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+    assert (
+        preflight.main(["--world-size", "1", "--checkpoint.initial_load_path", str(ckpts / "step-00000002")])
+        == 0
+    )
+    # a checkpoint of another model: the first tensor that does not fit, from .metadata alone
+    with pytest.raises(
+        UserError,
+        match="'tok_embeddings.weight' in checkpoint .* has shape \\(320, 32\\), this model's \\(7, 32\\)",
+    ):
+        check_fits(ckpts / "step-00000002", {"tok_embeddings.weight": torch.empty(7, 32)})
+    with pytest.raises(
+        UserError, match="holds no 'layers.9.attention.wq.weight'; it is not a checkpoint of this model"
+    ):
+        check_fits(ckpts / "step-00000002", {"layers.9.attention.wq.weight": torch.empty(1)})
+
+
+@pytest.mark.parametrize("config", ["llama3_2_1b_sft", "llama3_1_8b_sft"])
+def test_sft_configs_are_ready_for_a_downloaded_folder(assets, config, capsys):
+    from titanlite import preflight
+
+    argv = ["--world-size", "8", "--config", f"train_configs/{config}.toml"]
+    assert preflight.main(argv) == 2  # the folder it names is not downloaded here
+    assert "is not a folder; point it at a downloaded model" in capsys.readouterr().err
+    assert preflight.main([*argv, "--model.hf_assets_path", str(assets / "tied")]) == 0

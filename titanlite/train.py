@@ -19,13 +19,14 @@ import torch.nn as nn
 from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.faults import Faults
 from titanlite.components.hf_checkpoint import load_hf_weights
+from titanlite.components.hf_export import export_hf
 from titanlite.components.loss import LossBalancer, cross_entropy_sum
 from titanlite.components.metrics import MetricsWriter
-from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
+from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
 from titanlite.components.run_folder import checkpoint_folder, open_run_folder, run_info
 from titanlite.components.step_window import StepWindow
 from titanlite.config import JobConfig, parse_args
-from titanlite.config.layout import validate
+from titanlite.config.layout import initial_load_kind, validate
 from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.diagnostics.component import Diagnostics
@@ -90,7 +91,12 @@ class Trainer:
 
         # The model is checked (name, flavor, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
-        meta = build_meta_model(cfg, self.tokenizer.vocab_size)
+        self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size)
+        if cfg.checkpoint.export_hf and meta.spec.hf is None:
+            raise UserError(
+                f"checkpoint.export_hf: model '{meta.spec.name}' has no HFAdapter in its registry entry; "
+                "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
+            )
         check_memory(meta.model, meta.args, cfg, self.layout, self.device, self.dims.param_dtype)
         self.flops_per_token = meta.flops_per_token
         dataset = build_dataset(cfg, self.tokenizer)
@@ -118,8 +124,8 @@ class Trainer:
         self.start_step = 1
         if resume is not None:
             self._resume(resume)
-        elif cfg.model.hf_assets_path:  # pretrained weights start a new run, never a resumed one
-            load_hf_weights(self.model, Path(cfg.model.hf_assets_path).expanduser(), meta.spec.hf, meta.args)
+        else:  # initial weights start a new run, never a resumed one
+            self._initial_load()
         self._batches = iter(self.dataloader)  # after a resume has set the position
         self.window = StepWindow()
         self._tokens_per_rank_step = t.seq_len * t.local_batch_size * self.layout.grad_accum
@@ -136,6 +142,21 @@ class Trainer:
         self.diagnostics.load_state_dict(state["diagnostics"])
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": step * self.layout.grad_accum})
         self.start_step = step + 1
+
+    def _initial_load(self) -> None:
+        """checkpoint.initial_load_path, else model.hf_assets_path's weights, else keep the
+        random init. A titanlite checkpoint may bring its optimizer state and schedule position."""
+        c = self.cfg.checkpoint
+        source = c.initial_load_path or self.cfg.model.hf_assets_path
+        if not source:
+            return
+        path = Path(source).expanduser()
+        if initial_load_kind(path) == "hf":
+            load_hf_weights(self.model, path, self.meta.spec.hf, self.meta.args)
+            return
+        state = self.checkpointer.load_initial(path, with_optimizer=not c.initial_load_model_only)
+        if not c.initial_load_model_only:
+            continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
 
     def save_checkpoint(self, step: int) -> None:
         host = {"scheduler": self.scheduler.state_dict(), "diagnostics": self.diagnostics.state_dict()}
@@ -250,7 +271,23 @@ class Trainer:
         self.checkpointer.wait()  # the last async save is settled before the run reports success
         if self.cfg.checkpoint.export_weights:
             export_weights(self.model, self.run_dir / "weights.pt")
+        if self.cfg.checkpoint.export_hf:
+            self.export_hf(self.run_dir / "hf")
         logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
+
+    def export_hf(self, folder: Path) -> None:
+        """The model as a Hugging Face folder (every rank calls it), with the tokenizer's files
+        when it is a Hugging Face one."""
+        source = self.cfg.model.hf_assets_path
+        export_hf(
+            self.model,
+            folder,
+            self.meta.spec.hf,
+            self.meta.args,
+            self.cfg.checkpoint.export_dtype,
+            Path(source).expanduser() if source else None,
+            getattr(self.tokenizer, "folder", None),
+        )
 
     def close(self) -> None:
         self.checkpointer.close()

@@ -8,21 +8,29 @@ tokenizer.json and the weights take the production path; then
 - one step's reduced gradient (forward_backward on this rank's share of a fixed batch, exact
   loss) against the HF model's gradient of the same global token-mean loss;
 - two training steps, to see the run go on from there.
-Writes JSON (rank 0).
+At world 2, fine-tuning from the untied folder on chat records (`finetune`): 5 steps with
+checkpoints every 2 and the Hugging Face export; the same run resumed from its step 2 (FSDP, and
+resharded to DDP); new runs started from that checkpoint (weights only; with the optimizer and
+the schedule position) and from the exported folder. With UPSTREAM (world 1): the world-2
+fine-tune's step-2 checkpoint continued at dp=1.
+argv: OUT.json ASSETS RUNS [UPSTREAM]. Writes JSON (rank 0).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
 from titanlite.components.loss import IGNORE_INDEX
+from titanlite.components.optimizer import lr_factor
 from titanlite.config import parse_args
 from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
@@ -92,10 +100,146 @@ def case(assets: str, runs: str, name: str, mode: str) -> dict:
     }
 
 
+def sft_trainer(assets: str, runs: str, name: str, *extra: str) -> Trainer:
+    """The untied folder fine-tuned on the test's chat records (assets/chat.jsonl)."""
+    overrides = [
+        *(
+            "--model.hf_assets_path",
+            f"{assets}/untied",
+            "--data.mode",
+            "sft",
+            "--data.path",
+            f"{assets}/chat.jsonl",
+        ),
+        *("--training.seq_len", "160", "--training.steps", "5", "--metrics.log_freq", "1"),
+        *("--training.global_batch_size", "4", "--training.local_batch_size", "1"),
+        *(
+            "--optimizer.lr",
+            "1e-3",
+            "--lr_scheduler.warmup_steps",
+            "2",
+            "--lr_scheduler.decay_type",
+            "constant",
+        ),
+        *("--diagnostics.enable", "false", "--metrics.enable_tensorboard", "false"),
+        *("--job.dump_folder", runs, "--job.run_name", name),
+        *extra,
+    ]
+    return Trainer(parse_args(overrides)[0])
+
+
+def full_params(t: Trainer) -> dict[str, torch.Tensor]:
+    return {
+        canonical_name(n): (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in unwrap(t.model).named_parameters()
+    }
+
+
+def full_optimizer_state(t: Trainer) -> dict:
+    """A copy: the state dict's tensors (the step counts at least) are the optimizer's own."""
+    state = get_optimizer_state_dict(t.model, t.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {name: {k: v.detach().clone() for k, v in s.items()} for name, s in state["state"].items()}
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """Largest absolute difference over matching tensors (nested dicts); inf if the keys differ."""
+    if a.keys() != b.keys():
+        return float("inf")
+    diffs = [max_diff(a[k], b[k]) if isinstance(a[k], dict) else (a[k] - b[k]).abs().max().item() for k in a]
+    return max(diffs, default=0.0)
+
+
+def losses(run: str) -> dict[int, float]:
+    return {
+        r["step"]: r["loss"] for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines())
+    }
+
+
+def listing(folder: Path) -> list:
+    return sorted(
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+    )
+
+
+def run_to_end(t: Trainer) -> None:
+    t.train()
+    t.close()
+
+
+def finetune(assets: str, runs: str) -> dict:
+    """World 2: the fine-tune, its resume and reshard, and new runs started from it."""
+    ft = sft_trainer(
+        assets, runs, "ft", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+        "--checkpoint.export_hf", "true",
+    )  # fmt: skip
+    run_to_end(ft)
+    tokens = batch(ft.meta.args.vocab_size)[0]
+    with torch.no_grad():
+        logits = ft.model(tokens)
+    if dist.get_rank() == 0:
+        torch.save({"tokens": tokens, "logits": logits}, f"{runs}/ft_logits.pt")
+    trained = full_params(ft)
+    step2 = Path(runs, "ft", "checkpoints", "step-00000002")
+    source_before = listing(step2.parent)
+
+    def resumed(name: str, *extra: str) -> Trainer:
+        folder = ("--checkpoint.folder", str(step2.parent), "--checkpoint.load_step", "2")
+        return sft_trainer(assets, runs, name, *folder, "--checkpoint.interval", "0", *extra)
+
+    fsdp = resumed("ft-resumed")
+    start = full_params(fsdp), full_optimizer_state(fsdp), fsdp.start_step
+    run_to_end(fsdp)
+    run_to_end(resumed("ft-ddp", "--parallelism.mode", "ddp", "--parallelism.dp_replicate", "2"))
+
+    initial = ("--checkpoint.initial_load_path", str(step2), "--checkpoint.interval", "1")
+    model_only = sft_trainer(assets, runs, "from-ckpt", *initial, "--training.steps", "2")
+    model_only_state = (
+        full_params(model_only),
+        len(model_only.optimizer.state),
+        model_only.scheduler.last_epoch,
+    )
+    run_to_end(model_only)
+    with_optim = sft_trainer(
+        assets, runs, "from-ckpt-optim", *initial, "--checkpoint.initial_load_model_only", "false",
+        "--optimizer.lr", "5e-4", "--training.steps", "2",
+    )  # fmt: skip
+    optim_state = full_optimizer_state(with_optim)
+    lrs = {g["lr"] for g in with_optim.optimizer.param_groups}
+    want_lr = 5e-4 * lr_factor(2, with_optim.cfg)
+    run_to_end(with_optim)
+    from_export = sft_trainer(assets, runs, "from-hf", "--checkpoint.initial_load_path", f"{runs}/ft/hf")
+    exported = full_params(from_export)
+    from_export.close()
+    return {
+        "losses": {name: losses(f"{runs}/{name}") for name in ("ft", "ft-resumed", "ft-ddp", "from-ckpt")},
+        "resume_start_step": start[2],
+        "model_only_vs_resume": max_diff(model_only_state[0], start[0]),
+        "model_only_optimizer_entries": model_only_state[1],
+        "model_only_last_epoch": model_only_state[2],
+        "optim_vs_resume": max_diff(optim_state, start[1]),
+        "optim_lrs": sorted(lrs),
+        "optim_want_lr": want_lr,
+        "export_reload_vs_trained": max_diff(exported, trained),
+        "source_untouched": listing(step2.parent) == source_before,
+        "from_ckpt_checkpoints": sorted(p.name for p in Path(runs, "from-ckpt", "checkpoints").iterdir()),
+    }
+
+
 def main() -> None:
     out, assets, runs = sys.argv[1:4]
+    upstream = sys.argv[4] if len(sys.argv) > 4 else None
     init_distributed(torch.device("cpu"))
-    results = [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in ("fsdp", "ddp")]
+    results = {
+        "cases": [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in ("fsdp", "ddp")]
+    }
+    if dist.get_world_size() == 2:
+        results["finetune"] = finetune(assets, runs)
+    if upstream:
+        step2 = f"{upstream}/ft/checkpoints"
+        run_to_end(
+            sft_trainer(assets, runs, "ft-dp1", "--checkpoint.folder", step2, "--checkpoint.load_step", "2")
+        )
+        results["dp1_losses"] = losses(f"{runs}/ft-dp1")
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f)

@@ -45,13 +45,14 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.components.faults import Faults
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
+from titanlite.config.layout import CHECKPOINT_MARKER
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes
 
 logger = logging.getLogger("titanlite")
 
-MARKER = "complete"
+MARKER = CHECKPOINT_MARKER
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -306,6 +307,36 @@ class Checkpointer:
                 g.manual_seed(base + 7919 * (i + 1))
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
+
+    def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
+        """Another run's step folder as the start of this one: the model (resharded to this
+        layout) and, `with_optimizer`, the optimizer state. Only reads `path`. Returns its
+        state.json."""
+        state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
+        check_fits(path, state["model"])
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        if with_optimizer:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        host = json.loads((path / "state.json").read_text())
+        what = "model and optimizer" if with_optimizer else "model"
+        logger.info(f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0")
+        return host
+
+
+def check_fits(path: Path, model_state: dict[str, Any]) -> None:
+    """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
+    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        have = saved.get(f"model.{name}")
+        if have is None:
+            raise UserError(f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model")
+        if tuple(have.size) != tuple(tensor.shape):
+            raise UserError(
+                f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
+                f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
+            )
 
 
 def export_weights(model: torch.nn.Module, path: Path) -> None:

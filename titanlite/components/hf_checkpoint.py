@@ -44,11 +44,13 @@ def weight_files(folder: Path) -> dict[str, Path]:
         return dict.fromkeys(f.keys(), folder / "model.safetensors")
 
 
-def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter, args: Any) -> None:
+def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, args: Any) -> None:
     """Every parameter of `model` from `folder`'s weights; a missing, unexpected or mis-shaped
     tensor is one UserError naming it."""
     from safetensors import safe_open
 
+    if adapter is None:
+        raise UserError(f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them")
     start = time.perf_counter()
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
     files = weight_files(folder)

@@ -48,3 +48,19 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: JobConfig) -> LambdaLR:
     return LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+
+
+def continue_schedule(
+    optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: JobConfig, position: int
+) -> None:
+    """After loading another run's optimizer state: this run's hyperparameters (the loaded param
+    groups carry the source's), and the schedule at `position` (the source's optimizer steps),
+    so the first step's lr is lr * lr_factor(position) under this run's schedule settings."""
+    o = cfg.optimizer
+    for group in optimizer.param_groups:
+        group.update(
+            lr=o.lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
+        )
+    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+    scheduler.last_epoch = position - 1
+    scheduler.step()  # sets every group's lr for `position`

@@ -67,9 +67,17 @@ class HFTokenizer:
         except Exception as e:
             raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({_first_line(e)})") from None
         self.source = str(path)
+        self.folder = path.parent  # its companion files (specials, chat template) live here
         specials = _special_tokens(path.parent)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
-        self.pad_id = self._id(specials, "pad") if specials.get("pad") is not None else self.eos_id
+        has_pad = specials.get("pad") is not None
+        self.pad_id = self._id(specials, "pad") if has_pad else self.eos_id
+        # What a chat template sees as bos_token, eos_token (and pad_token), as transformers passes them.
+        self.special_tokens = {
+            f"{kind}_token": self.tok.id_to_token(getattr(self, f"{kind}_id"))
+            for kind in ("bos", "eos", *(("pad",) if has_pad else ()))
+        }
+        self.chat_template = _chat_template(path.parent)
         self.max_id = max(self.tok.get_vocab(with_added_tokens=True).values())
         key = data + json.dumps(specials, sort_keys=True).encode()
         self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
@@ -115,6 +123,18 @@ def _special_tokens(folder: Path) -> dict:
         if kind not in out and isinstance(value, int):
             out[kind] = value
     return out
+
+
+def _chat_template(folder: Path) -> str | None:
+    """The folder's chat template: chat_template.jinja (how transformers saves it now), else
+    tokenizer_config.json's "chat_template" (a string, or a list of named ones: "default")."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def _read_json(path: Path) -> dict:

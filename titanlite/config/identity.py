@@ -22,6 +22,8 @@ IDENTITY_KEYS = (
     "training.seed",
     "training.global_batch_size",
     "training.seq_len",  # the data position is counted in sequences of this length
+    "checkpoint.initial_load_path",  # the weights a new run starts from
+    "checkpoint.initial_load_model_only",
 )
 
 

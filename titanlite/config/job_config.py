@@ -136,6 +136,19 @@ class Checkpoint:
     export_weights: bool = opt(
         False, "at the end, save the full model weights (torch.save) as <run folder>/weights.pt"
     )
+    export_hf: bool = opt(
+        False,
+        "at the end, write <run folder>/hf: safetensors, config.json and tokenizer files for transformers",
+    )
+    export_dtype: str = opt(
+        "float32", "dtype of the exported Hugging Face weights", choices=("float32", "bfloat16")
+    )
+    initial_load_path: str = opt(
+        "", "a new run starts from this Hugging Face folder or titanlite step folder (read only)"
+    )
+    initial_load_model_only: bool = opt(
+        True, "initial_load_path: weights only; false: also AdamW state and LR schedule position"
+    )
 
 
 @dataclass

@@ -116,7 +116,42 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         check_hf_folder(
             Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
         )
+    if c.initial_load_path:
+        kind = initial_load_kind(Path(c.initial_load_path).expanduser())
+        if kind == "hf" and not c.initial_load_model_only:
+            raise UserError(
+                "checkpoint.initial_load_model_only = false needs a titanlite checkpoint (a Hugging "
+                "Face folder holds no optimizer state); set it to true"
+            )
     return layout
+
+
+CHECKPOINT_MARKER = "complete"  # written last into a checkpoint step folder (components/checkpoint.py)
+
+
+def initial_load_kind(path, flag: str = "checkpoint.initial_load_path") -> str:
+    """Whether `path` is a Hugging Face model folder ("hf") or a complete checkpoint step folder
+    ("titanlite"); anything else is one UserError that says what to point `flag` at."""
+    what = "point it at a Hugging Face model folder or a titanlite step folder (<run>/checkpoints/step-N)"
+    if not path.is_dir():
+        raise UserError(f"{flag} '{path}' is not a folder; {what}")
+    if (path / "config.json").is_file():
+        check_hf_folder(path, need_tokenizer=False)
+        return "hf"
+    if (path / ".metadata").is_file():
+        if not (path / CHECKPOINT_MARKER).is_file() or not (path / "state.json").is_file():
+            raise UserError(
+                f"checkpoint '{path}' is incomplete (its save never finished); point {flag} at a "
+                "complete step folder"
+            )
+        return "titanlite"
+    steps = sorted(p for p in path.glob("step-*") if (p / CHECKPOINT_MARKER).is_file())
+    if steps:
+        raise UserError(
+            f"'{path}' is a checkpoint folder; point {flag} at one of its step folders, e.g. the "
+            f"newest: '{steps[-1]}'"
+        )
+    raise UserError(f"{flag} '{path}' holds no config.json nor a checkpoint; {what}")
 
 
 def check_hf_folder(folder, need_tokenizer: bool) -> None:

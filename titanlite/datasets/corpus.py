@@ -16,6 +16,7 @@ import sysconfig
 import textwrap
 from pathlib import Path
 
+from titanlite.datasets.chat import check_messages
 from titanlite.errors import UserError
 
 _SKIP_TOP = {"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
@@ -107,16 +108,23 @@ def pretrain_documents(path: str) -> list[str]:
 
 
 def sft_records_from_files(path: str) -> list[dict]:
-    """Alpaca-style records: instruction, optional input, output."""
+    """SFT records, each either chat (`messages`: role/content dicts) or alpaca (instruction,
+    optional input, output)."""
     records = []
     for f in user_files(path):
         if f.suffix != ".jsonl":
-            raise UserError(f"SFT data file '{f}' must be .jsonl with instruction/input/output")
+            raise UserError(f"SFT data file '{f}' must be .jsonl of chat or alpaca records")
         for i, rec in enumerate(read_jsonl(f), 1):
+            if "messages" in rec:
+                records.append(
+                    {"messages": check_messages(rec["messages"], f"SFT data file '{f}' record {i}")}
+                )
+                continue
             for key in ("instruction", "output"):
                 if not isinstance(rec.get(key), str):
                     raise UserError(
-                        f"SFT data file '{f}' record {i} has no string field \"{key}\"; alpaca records need instruction, input (optional) and output"
+                        f"SFT data file '{f}' record {i} has no string field \"{key}\"; records need "
+                        '"messages" (chat) or instruction, input (optional) and output (alpaca)'
                     )
             records.append(
                 {

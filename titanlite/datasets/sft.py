@@ -1,4 +1,9 @@
-"""Supervised fine-tuning: alpaca records rendered into a prompt; only the response is a target."""
+"""Supervised fine-tuning: one record per sequence, only the response tokens are targets.
+
+Records are alpaca (`instruction`, optional `input`, `output`: rendered into the alpaca prompt,
+`<bos> prompt response <eos>`, the response and <eos> are targets) or chat (`messages`: see
+titanlite.datasets.chat, only the assistant turns are targets).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,7 @@ import numpy as np
 
 from titanlite.components.loss import IGNORE_INDEX
 from titanlite.components.tokenizer import Tokenizer
+from titanlite.datasets.chat import Segment, chat_segments
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further "
@@ -23,31 +29,39 @@ def render_prompt(record: dict) -> str:
     return template.format(instruction=record["instruction"], input=record.get("input", ""))
 
 
-class SFTDataset:
-    """One record per sequence: <bos> prompt response <eos>, truncated or padded to seq_len.
+def record_segments(record: dict, tok: Tokenizer) -> list[Segment]:
+    if "messages" in record:
+        return chat_segments(record["messages"], tok)
+    prompt = [tok.bos_id, *tok.encode(render_prompt(record))]
+    return [(prompt, False), ([*tok.encode(record["output"]), tok.eos_id], True)]
 
-    Labels are IGNORE_INDEX on the prompt and the padding, so a record whose prompt fills the
-    window has no valid token at all: the loss path must handle that exactly.
-    """
+
+def to_example(segments: list[Segment], seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Segments -> (inputs, labels) of seq_len, truncated or padded. Position j predicts token
+    j+1; its label is that token if it belongs to a target segment, else IGNORE_INDEX. A record
+    whose targets lie past the window has no valid token at all: the loss path handles that."""
+    ids = np.asarray([t for seg, _ in segments for t in seg][: seq_len + 1], dtype=np.int64)
+    target = np.asarray([flag for seg, flag in segments for _ in seg][: seq_len + 1], dtype=bool)
+    inputs = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    inputs[: len(ids) - 1] = ids[:-1]
+    labels[: len(ids) - 1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
+    return inputs, labels
+
+
+class SFTDataset:
+    """Records tokenized on access; padding and non-target positions are IGNORE_INDEX."""
 
     def __init__(self, records: list[dict], tok: Tokenizer, seq_len: int) -> None:
         self.records = records
         self.tok = tok
         self.seq_len = seq_len
+        chat = next((r for r in records if "messages" in r), None)
+        if chat is not None:  # a chat template that cannot be split into turns fails now, not mid-run
+            record_segments(chat, tok)
 
     def __len__(self) -> int:
         return len(self.records)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        rec = self.records[i]
-        prompt = [self.tok.bos_id, *self.tok.encode(render_prompt(rec))]
-        response = [*self.tok.encode(rec["output"]), self.tok.eos_id]
-        ids = np.asarray((prompt + response)[: self.seq_len + 1], dtype=np.int64)
-        # Position j predicts ids[j+1]; it is a target only when ids[j+1] is a response token.
-        targets = ids[1:].copy()
-        targets[: max(0, len(prompt) - 1)] = IGNORE_INDEX
-        inputs = np.full(self.seq_len, self.tok.pad_id, dtype=np.int64)
-        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        inputs[: len(ids) - 1] = ids[:-1]
-        labels[: len(targets)] = targets
-        return inputs, labels
+        return to_example(record_segments(self.records[i], self.tok), self.seq_len, self.tok.pad_id)

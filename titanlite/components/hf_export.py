@@ -1,0 +1,281 @@
+"""The model as a Hugging Face transformers folder: safetensors shards (+ index), config.json,
+and the tokenizer files, for `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.
+
+One full tensor at a time: each parameter is gathered (FSDP: an all-gather of that tensor only;
+DDP: already whole), converted by the model's HFAdapter (names; Llama's q/k row permutation
+needs the full tensor) and added to the shard being filled, which is written once it reaches
+`max_shard_bytes`. Rank 0 writes; host memory is bounded by one shard, never by the model. The
+shard plan comes from the shapes first, so the file names (`model-00001-of-00003.safetensors`)
+are known before any tensor moves. Everything is written under `<folder>.tmp` and published by
+one rename, so an interrupted export never leaves a folder that looks complete.
+
+`scripts/export_hf.py` does the same from a checkpoint folder, reading one tensor at a time
+from DCP instead of gathering it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from titanlite.distributed.parallelize import unwrap
+from titanlite.distributed.param_init import canonical_name
+from titanlite.distributed.utils import first_error
+from titanlite.errors import TrainingError
+from titanlite.models.registry import HFAdapter
+
+logger = logging.getLogger("titanlite")
+
+DEFAULT_SHARD_BYTES = 5 * 10**9  # the Hugging Face Hub's usual shard size
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Files beside tokenizer.json that name its special tokens and chat template, copied as they are.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
+# config.json keys taken from the source folder: they describe tokens and the context length the
+# model was made for, which titanlite's args do not carry.
+_CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+
+
+def plan_shards(
+    tensors: Iterable[tuple[str, tuple[int, ...]]],
+    adapter: HFAdapter,
+    args: Any,
+    dtype: torch.dtype,
+    max_shard_bytes: int,
+) -> list[list[tuple[str, str]]]:
+    """(titanlite name, shape) pairs -> shards of (titanlite name, HF name), each at most
+    `max_shard_bytes` (a single larger tensor gets a shard of its own)."""
+    shards: list[list[tuple[str, str]]] = [[]]
+    size = 0
+    for name, shape in tensors:
+        hf_name, converted = adapter.to_hf(name, torch.empty(shape, device="meta"), args)
+        nbytes = converted.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, hf_name))
+        size += nbytes
+    return shards
+
+
+def shard_file(i: int, n: int) -> str:
+    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def companion_files(source: Path | None, tokenizer_dir: Path | None) -> dict[str, Path]:
+    """Files copied beside the weights: the source folder's generation_config.json (sampling
+    defaults, end-of-turn ids) and the tokenizer's files, when it is a Hugging Face one."""
+    files = {}
+    if source is not None and (source / "generation_config.json").is_file():
+        files["generation_config.json"] = source / "generation_config.json"
+    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
+        if (tokenizer_dir / name).is_file():
+            files[name] = tokenizer_dir / name
+    return files
+
+
+def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | None) -> dict:
+    """config.json: the adapter's, plus the token ids and context length of the source folder's."""
+    config = adapter.config_from_args(args)
+    if source is not None and (source / "config.json").is_file():
+        theirs = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        for key in _CARRIED_KEYS:
+            if key in theirs:
+                config[key] = (
+                    theirs[key] if key != "max_position_embeddings" else max(theirs[key], config[key])
+                )
+    name = str(dtype).removeprefix("torch.")
+    config["torch_dtype"] = config["dtype"] = name  # the first for transformers 4, the second for 5
+    return config
+
+
+def write_hf_folder(
+    folder: Path,
+    shards: list[list[tuple[str, str]]],
+    fetch: Callable[[str], torch.Tensor | None],
+    adapter: HFAdapter,
+    args: Any,
+    dtype: torch.dtype,
+    config: dict,
+    files: dict[str, Path],
+    writes: bool = True,
+) -> str | None:
+    """Write the folder if `writes` (one rank does): `fetch(name)` gives titanlite's full tensor
+    (None where nothing is written; every rank calls it in the same order, so a gather inside it
+    is collective). Returns this rank's failure in one line (None: fine); on failure nothing is
+    published."""
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(folder.name + ".tmp")
+    error = None
+    if writes:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"cannot create {tmp}: {e}"
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        tensors = {}
+        for name, hf_name in shard:
+            full = fetch(name)
+            if full is None or error:
+                continue
+            _, converted = adapter.to_hf(name, full, args)
+            tensors[hf_name] = converted.detach().to(device="cpu", dtype=dtype).contiguous()
+        if not writes or error:
+            continue
+        file = shard_file(i, len(shards))
+        try:
+            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+        except OSError as e:
+            error = f"writing {tmp / file}: {e}"
+        weight_map.update(dict.fromkeys(tensors, file))
+        total += sum(t.numel() * t.itemsize for t in tensors.values())
+    if writes and not error:
+        try:
+            _finish(folder, tmp, config, weight_map, total, len(shards), files)
+        except OSError as e:
+            error = f"publishing {folder}: {e}"
+    if error and writes:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return error
+
+
+def _finish(
+    folder: Path, tmp: Path, config: dict, weight_map: dict, total: int, n: int, files: dict[str, Path]
+) -> None:
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name, path in files.items():
+        shutil.copy2(path, tmp / name)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if folder.exists():  # an export of this run from an earlier attempt
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def export_hf(
+    model: nn.Module,
+    folder: Path,
+    adapter: HFAdapter | None,
+    args: Any,
+    dtype_name: str,
+    source: Path | None,
+    tokenizer_dir: Path | None,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> None:
+    """The trained (possibly sharded) model as a Hugging Face folder; every rank calls it.
+    `source`: the folder the model came from (its token ids and context length are kept);
+    `tokenizer_dir`: where tokenizer.json and its companions are (None: no tokenizer files)."""
+    if adapter is None:
+        raise TrainingError("checkpoint.export_hf: this model has no HFAdapter in its registry entry")
+    start = time.perf_counter()
+    dtype = DTYPES[dtype_name]
+    params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
+    shards = plan_shards(
+        ((n, tuple(p.shape)) for n, p in params.items()), adapter, args, dtype, max_shard_bytes
+    )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+
+    def fetch(name: str) -> torch.Tensor | None:
+        p = params[name].detach()
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        return full if rank == 0 else None
+
+    config = hf_config(adapter, args, dtype, source) if rank == 0 else {}
+    files = companion_files(source, tokenizer_dir)
+    error = first_error(
+        write_hf_folder(folder, shards, fetch, adapter, args, dtype, config, files, writes=rank == 0)
+    )
+    if error:
+        raise TrainingError(f"Hugging Face export failed ({error}); the run's checkpoints are intact")
+    if rank == 0:
+        logger.info(
+            f"exported a Hugging Face folder to {folder} ({len(shards)} shard(s), {dtype_name}) "
+            f"in {time.perf_counter() - start:.1f}s"
+        )
+
+
+def export_checkpoint(
+    step_folder: Path,
+    folder: Path,
+    dtype_name: str,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    import_module: str = "",
+) -> int:
+    """A titanlite checkpoint step folder as a Hugging Face folder, in one process with no
+    process group: the model is rebuilt from the checkpoint's identity (state.json: model,
+    tokenizer, sequence length), then every tensor is read from DCP on its own, so memory is
+    bounded by one shard. Only reads `step_folder`. Returns the number of shards."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.components.checkpoint import check_fits
+    from titanlite.config import JobConfig
+    from titanlite.config.identity import IDENTITY_KEYS
+    from titanlite.config.layout import initial_load_kind
+    from titanlite.datasets.build import build_tokenizer
+    from titanlite.errors import UserError
+    from titanlite.models.registry import build_meta_model
+
+    if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":
+        raise UserError(f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder")
+    if folder.exists() and any(folder.iterdir()):
+        raise UserError(f"'{folder}' exists and is not empty; pick a new output folder or remove it")
+    saved = json.loads((step_folder / "state.json").read_text())["identity"]
+    cfg = JobConfig()
+    for dotted in IDENTITY_KEYS:  # a key newer than the checkpoint keeps its default, as on resume
+        section, key = dotted.split(".")
+        if dotted in saved:
+            setattr(getattr(cfg, section), key, saved[dotted])
+    cfg.model.import_module = import_module
+    tok = build_tokenizer(cfg)
+    meta = build_meta_model(cfg, tok.vocab_size)
+    if meta.spec.hf is None:
+        raise UserError(
+            f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
+        )
+    dtype = DTYPES[dtype_name]
+    params = dict(meta.model.named_parameters())
+    check_fits(step_folder, params)
+    shards = plan_shards(
+        ((n, tuple(p.shape)) for n, p in params.items()), meta.spec.hf, meta.args, dtype, max_shard_bytes
+    )
+
+    def fetch(name: str) -> torch.Tensor:
+        tensor = torch.empty(params[name].shape, dtype=torch.float32)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: tensor}}, checkpoint_id=str(step_folder), no_dist=True)
+        return tensor
+
+    source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
+    config = hf_config(meta.spec.hf, meta.args, dtype, source)
+    files = companion_files(source, getattr(tok, "folder", None))
+    error = write_hf_folder(folder, shards, fetch, meta.spec.hf, meta.args, dtype, config, files)
+    if error:
+        raise UserError(f"the export failed ({error}); nothing was published at '{folder}'")
+    return len(shards)
