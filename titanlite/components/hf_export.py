@@ -236,7 +236,7 @@ def export_checkpoint(
     from titanlite.components.checkpoint import check_fits
     from titanlite.config import JobConfig
     from titanlite.config.identity import IDENTITY_KEYS
-    from titanlite.config.layout import initial_load_kind
+    from titanlite.config.layout import check_hf_folder, initial_load_kind
     from titanlite.datasets.build import build_tokenizer
     from titanlite.errors import UserError
     from titanlite.models.registry import build_meta_model
@@ -252,6 +252,10 @@ def export_checkpoint(
         if dotted in saved:
             setattr(getattr(cfg, section), key, saved[dotted])
     cfg.model.import_module = import_module
+    if cfg.model.hf_assets_path:  # the folder the run was made from gives shapes and tokenizer
+        check_hf_folder(
+            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
+        )
     tok = build_tokenizer(cfg)
     meta = build_meta_model(cfg, tok.vocab_size)
     if meta.spec.hf is None:

@@ -57,10 +57,11 @@ def continue_schedule(
     groups carry the source's), and the schedule at `position` (the source's optimizer steps),
     so the first step's lr is lr * lr_factor(position) under this run's schedule settings."""
     o = cfg.optimizer
+    lr = o.lr * lr_factor(position, cfg)
     for group in optimizer.param_groups:
-        group.update(
-            lr=o.lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay
-        )
-    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
-    scheduler.last_epoch = position - 1
-    scheduler.step()  # sets every group's lr for `position`
+        group.update(lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+    n = len(optimizer.param_groups)
+    # Through its state dict: LambdaLR.step() here would warn that it ran before optimizer.step().
+    scheduler.load_state_dict(
+        {**scheduler.state_dict(), "base_lrs": [o.lr] * n, "last_epoch": position, "_last_lr": [lr] * n}
+    )

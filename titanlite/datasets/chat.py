@@ -69,7 +69,7 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool, spe
             add_generation_prompt=add_generation_prompt,
             **specials,
         )
-    except jinja2.exceptions.TemplateError as e:
+    except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
         raise UserError(
             f"the chat template fails on a record ({e}); fix the record or the template"
         ) from None

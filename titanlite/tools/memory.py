@@ -136,14 +136,19 @@ def check_memory(
         activation_checkpoint=t.activation_checkpoint != "none",
     )
     avail, what = available_bytes(device)
+    model = (
+        f"{cfg.model.name} from {cfg.model.hf_assets_path}"
+        if cfg.model.hf_assets_path
+        else f"{cfg.model.name}/{cfg.model.flavor}"
+    )
     logger.info(
-        f"model {cfg.model.name}/{cfg.model.flavor}: {est.params:,} params, vocab {args.vocab_size}; "
+        f"model {model}: {est.params:,} params, vocab {args.vocab_size}; "
         f"{layout.mode} {layout.dp_replicate}x{layout.dp_shard}, grad accum {layout.grad_accum}; "
         f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
     )
     if est.total_bytes > avail:
         raise UserError(
-            f"model {cfg.model.flavor} needs about {est.total_bytes / GiB:.1f} GiB per rank "
+            f"model {model} needs about {est.total_bytes / GiB:.1f} GiB per rank "
             f"but {avail / GiB:.1f} GiB is available ({what}); use more ranks or GPUs, a smaller "
             "local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
         )
