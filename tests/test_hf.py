@@ -379,11 +379,13 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
     # bad input: one line, exit 2, nothing written
     incomplete = Path(shutil.copytree(step5, tmp_path / "step-incomplete"))
     (incomplete / "complete").unlink()
+    (tmp_path / "a-file").write_text("")  # the output folder cannot be created under it
     for argv, needle in (
         ([str(step5), str(tmp_path / "fp32")], "exists and is not empty"),
         ([str(incomplete), str(tmp_path / "x")], "is incomplete"),
         ([str(ckpts), str(tmp_path / "x")], "is a checkpoint folder; point STEP_FOLDER at one of its step"),
         ([str(tmp_path / "none"), str(tmp_path / "x")], "is not a folder"),
+        ([str(step5), str(tmp_path / "a-file" / "x")], "nothing was published"),
     ):
         capsys.readouterr()
         assert script.main(argv) == 2, argv

@@ -48,7 +48,7 @@ from titanlite.config.identity import identity
 from titanlite.config.layout import CHECKPOINT_MARKER
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
-from titanlite.tools.cache import atomic_write_bytes
+from titanlite.tools.cache import atomic_write_bytes, fsync_dir
 
 logger = logging.getLogger("titanlite")
 
@@ -120,14 +120,6 @@ def _set_rng_states(states: dict[str, torch.Tensor], extra_generators: dict[str,
     for name, g in extra_generators.items():
         if name in states:
             g.set_state(states[name])
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _first_cause(e: BaseException) -> str:
@@ -240,11 +232,11 @@ class Checkpointer:
             try:
                 (tmp / "state.json").write_text(state)
                 (tmp / MARKER).write_text(f"{step}\n")
-                _fsync_dir(tmp)
+                fsync_dir(tmp)
                 if final.exists():  # a checkpoint of this step from an earlier attempt
                     shutil.rmtree(final)
                 os.replace(tmp, final)
-                _fsync_dir(self.folder)
+                fsync_dir(self.folder)
             except OSError as e:
                 return str(e)
             self._prune()

@@ -34,6 +34,7 @@ from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError
 from titanlite.models.registry import HFAdapter
+from titanlite.tools.cache import fsync_dir
 
 logger = logging.getLogger("titanlite")
 
@@ -92,13 +93,11 @@ def companion_files(source: Path | None, tokenizer_dir: Path | None) -> dict[str
 def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | None) -> dict:
     """config.json: the adapter's, plus the token ids and context length of the source folder's."""
     config = adapter.config_from_args(args)
+    max_position = config.get("max_position_embeddings", 0)
     if source is not None and (source / "config.json").is_file():
         theirs = json.loads((source / "config.json").read_text(encoding="utf-8"))
-        for key in _CARRIED_KEYS:
-            if key in theirs:
-                config[key] = (
-                    theirs[key] if key != "max_position_embeddings" else max(theirs[key], config[key])
-                )
+        config.update({key: theirs[key] for key in _CARRIED_KEYS if key in theirs})
+        config["max_position_embeddings"] = max(config["max_position_embeddings"], max_position)
     name = str(dtype).removeprefix("torch.")
     config["torch_dtype"] = config["dtype"] = name  # the first for transformers 4, the second for 5
     return config
@@ -166,11 +165,7 @@ def _finish(
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name, path in files.items():
         shutil.copy2(path, tmp / name)
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(tmp)
     if folder.exists():  # an export of this run from an earlier attempt
         shutil.rmtree(folder)
     os.replace(tmp, folder)

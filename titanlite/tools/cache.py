@@ -14,6 +14,15 @@ def cache_dir(configured: str) -> Path:
     return path
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (a rename into it, new files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
