@@ -229,9 +229,8 @@ def loaded(assets, tmp_path_factory) -> dict[int, dict]:
 @pytest.mark.parametrize("world", (1, 2))
 def test_trainer_loads_hf_weights_with_the_same_logits_and_gradient(loaded, world):
     cases = loaded[world]["cases"]
-    assert {(c["name"], c["mode"]) for c in cases} == {
-        (n, m) for n in ("tied", "untied") for m in ("fsdp", "ddp")
-    }
+    modes = ("fsdp", "ddp", "hsdp") if world == 2 else ("fsdp", "ddp")
+    assert {(c["name"], c["mode"]) for c in cases} == {(n, m) for n in ("tied", "untied") for m in modes}
     for c in cases:
         assert c["tied"] == (c["name"] == "tied")
         assert c["logits_err"] <= TOL and c["grad_err"] <= TOL, c
@@ -313,8 +312,11 @@ def test_pretrained_start_resumes_reshards_and_starts_new_runs(loaded):
     # resumed from its own step 2 (model.hf_assets_path still set: the checkpoint wins): bitwise
     assert f["resume_start_step"] == 3
     assert {s: _int_keys(f["losses"]["ft-resumed"])[s] for s in later} == {s: ft[s] for s in later}
-    # resharded: FSDP dp=2 -> DDP dp=2, and -> FSDP dp=1 (tests/workers/hf_load.py at world 1)
-    for other in (_int_keys(f["losses"]["ft-ddp"]), _int_keys(loaded[1]["dp1_losses"])):
+    # resharded: FSDP dp=2 -> DDP dp=2, HSDP 2x1, and FSDP dp=1 (tests/workers/hf_load.py at world 1)
+    resharded = [_int_keys(f["losses"][k]) for k in ("ft-ddp", "ft-hsdp")] + [
+        _int_keys(loaded[1]["dp1_losses"])
+    ]
+    for other in resharded:
         assert max(abs(other[s] - ft[s]) / ft[s] for s in later) <= TOL, (other, ft)
     # a new run from the step-2 folder: the same weights as the resume, no optimizer state, step 0
     assert f["model_only_vs_resume"] == 0.0
@@ -349,6 +351,11 @@ def test_exported_folder_loads_in_transformers_with_titanlite_logits(loaded, ass
     text = "def f(x):\n    return x  # héllo"
     assert tok(text).input_ids == src(text).input_ids and tok.chat_template == CHAT_TEMPLATE
     assert not any(out.parent.glob("hf.tmp"))
+    # the same steps resumed under HSDP 2x1 and exported from there: the same tensors
+    hsdp = load_file(loaded[2]["runs"] / "ft-hsdp" / "hf" / "model.safetensors")
+    fsdp = load_file(out / "model.safetensors")
+    assert hsdp.keys() == fsdp.keys()
+    assert max(((hsdp[k] - fsdp[k]).norm() / fsdp[k].norm()).item() for k in fsdp) <= TOL
 
 
 def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_path, capsys):

@@ -63,7 +63,7 @@ def case(assets: str, runs: str, name: str, mode: str) -> dict:
         "--parallelism.mode",
         mode,
         "--parallelism.dp_replicate",
-        str(world if mode == "ddp" else 1),
+        str(world if mode in ("ddp", "hsdp") else 1),  # HSDP: 2 replicas of 1 shard
     ]
     t = Trainer(parse_args(overrides)[0])
     hf = LlamaForCausalLM.from_pretrained(f"{assets}/{name}")
@@ -190,6 +190,8 @@ def finetune(assets: str, runs: str) -> dict:
     start = full_params(fsdp), full_optimizer_state(fsdp), fsdp.start_step
     run_to_end(fsdp)
     run_to_end(resumed("ft-ddp", "--parallelism.mode", "ddp", "--parallelism.dp_replicate", "2"))
+    hsdp = ("--parallelism.mode", "hsdp", "--parallelism.dp_replicate", "2", "--checkpoint.export_hf", "true")
+    run_to_end(resumed("ft-hsdp", *hsdp))
 
     initial = ("--checkpoint.initial_load_path", str(step2), "--checkpoint.interval", "1")
     model_only = sft_trainer(assets, runs, "from-ckpt", *initial, "--training.steps", "2")
@@ -211,7 +213,9 @@ def finetune(assets: str, runs: str) -> dict:
     exported = full_params(from_export)
     from_export.close()
     return {
-        "losses": {name: losses(f"{runs}/{name}") for name in ("ft", "ft-resumed", "ft-ddp", "from-ckpt")},
+        "losses": {
+            name: losses(f"{runs}/{name}") for name in ("ft", "ft-resumed", "ft-ddp", "ft-hsdp", "from-ckpt")
+        },
         "resume_start_step": start[2],
         "model_only_vs_resume": max_diff(model_only_state[0], start[0]),
         "model_only_optimizer_entries": model_only_state[1],
@@ -229,9 +233,8 @@ def main() -> None:
     out, assets, runs = sys.argv[1:4]
     upstream = sys.argv[4] if len(sys.argv) > 4 else None
     init_distributed(torch.device("cpu"))
-    results = {
-        "cases": [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in ("fsdp", "ddp")]
-    }
+    modes = ("fsdp", "ddp", "hsdp") if dist.get_world_size() == 2 else ("fsdp", "ddp")
+    results = {"cases": [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in modes]}
     if dist.get_world_size() == 2:
         results["finetune"] = finetune(assets, runs)
     if upstream:
