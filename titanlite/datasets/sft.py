@@ -12,6 +12,7 @@ import numpy as np
 from titanlite.components.loss import IGNORE_INDEX
 from titanlite.components.tokenizer import Tokenizer
 from titanlite.datasets.chat import Segment, chat_segments
+from titanlite.errors import UserError
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further "
@@ -64,4 +65,8 @@ class SFTDataset:
         return len(self.records)
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        return to_example(record_segments(self.records[i], self.tok), self.seq_len, self.tok.pad_id)
+        try:
+            segments = record_segments(self.records[i], self.tok)
+        except UserError as e:  # which record: the data is read in order, so it can be found
+            raise UserError(f"SFT record {i + 1} of the data: {e}") from None
+        return to_example(segments, self.seq_len, self.tok.pad_id)
