@@ -272,10 +272,10 @@ class Trainer:
         if self.cfg.checkpoint.export_weights:
             export_weights(self.model, self.run_dir / "weights.pt")
         if self.cfg.checkpoint.export_hf:
-            self.export_hf(self.run_dir / "hf")
+            self._export_hf(self.run_dir / "hf")
         logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
 
-    def export_hf(self, folder: Path) -> None:
+    def _export_hf(self, folder: Path) -> None:
         """The model as a Hugging Face folder (every rank calls it), with the tokenizer's files
         when it is a Hugging Face one."""
         source = self.cfg.model.hf_assets_path
@@ -286,7 +286,7 @@ class Trainer:
             self.meta.args,
             self.cfg.checkpoint.export_dtype,
             Path(source).expanduser() if source else None,
-            getattr(self.tokenizer, "folder", None),
+            self.tokenizer.folder,
         )
 
     def close(self) -> None:

@@ -45,14 +45,12 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.components.faults import Faults
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
-from titanlite.config.layout import CHECKPOINT_MARKER
+from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes, fsync_dir
 
 logger = logging.getLogger("titanlite")
-
-MARKER = CHECKPOINT_MARKER
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -283,11 +281,7 @@ class Checkpointer:
         size, this rank's RNG states; at another world size the RNG streams cannot map onto
         the new ranks, so they are re-seeded from (seed, step, rank). Returns state.json."""
         path = step_dir(self.folder, step)
-        host = json.loads((path / "state.json").read_text())
-        state = self._dcp_state()
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        host = self._load_state(path, with_optimizer=True)
         rng = path / f"rng-rank{self.rank}.pt"
         saved_world = host["world_size"]
         if saved_world == self.world and rng.is_file():
@@ -300,17 +294,23 @@ class Checkpointer:
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
 
-    def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
-        """Another run's step folder as the start of this one: the model (resharded to this
-        layout) and, `with_optimizer`, the optimizer state. Only reads `path`. Returns its
-        state.json."""
+    def _load_state(self, path: Path, with_optimizer: bool, check: bool = False) -> dict[str, Any]:
+        """The model (and optimizer) from the step folder `path`, resharded by DCP to this
+        layout; `check`: shapes against its .metadata first. Returns its state.json."""
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
-        check_fits(path, state["model"])
+        if check:
+            check_fits(path, state["model"])
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if with_optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        host = json.loads((path / "state.json").read_text())
+        return json.loads((path / "state.json").read_text())
+
+    def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
+        """Another run's step folder as the start of this one: the model (resharded to this
+        layout) and, `with_optimizer`, the optimizer state. Only reads `path`. Returns its
+        state.json."""
+        host = self._load_state(path, with_optimizer, check=True)
         what = "model and optimizer" if with_optimizer else "model"
         logger.info(f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0")
         return host

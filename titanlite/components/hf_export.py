@@ -106,7 +106,7 @@ def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | 
 def write_hf_folder(
     folder: Path,
     shards: list[list[tuple[str, str]]],
-    fetch: Callable[[str], torch.Tensor | None],
+    fetch: Callable[[str], torch.Tensor],
     adapter: HFAdapter,
     args: Any,
     dtype: torch.dtype,
@@ -114,10 +114,9 @@ def write_hf_folder(
     files: dict[str, Path],
     writes: bool = True,
 ) -> str | None:
-    """Write the folder if `writes` (one rank does): `fetch(name)` gives titanlite's full tensor
-    (None where nothing is written; every rank calls it in the same order, so a gather inside it
-    is collective). Returns this rank's failure in one line (None: fine); on failure nothing is
-    published."""
+    """Write the folder if `writes` (one rank does). `fetch(name)` gives titanlite's full tensor;
+    every rank calls it in the same order, so a gather inside it is collective. Returns this
+    rank's failure in one line (None: fine); on failure nothing is published."""
     from safetensors.torch import save_file
 
     tmp = folder.with_name(folder.name + ".tmp")
@@ -133,7 +132,7 @@ def write_hf_folder(
         tensors = {}
         for name, hf_name in shard:
             full = fetch(name)
-            if full is None or error:
+            if not writes or error:
                 continue
             _, converted = adapter.to_hf(name, full, args)
             tensors[hf_name] = converted.detach().to(device="cpu", dtype=dtype).contiguous()
@@ -174,7 +173,7 @@ def _finish(
 def export_hf(
     model: nn.Module,
     folder: Path,
-    adapter: HFAdapter | None,
+    adapter: HFAdapter,
     args: Any,
     dtype_name: str,
     source: Path | None,
@@ -184,8 +183,6 @@ def export_hf(
     """The trained (possibly sharded) model as a Hugging Face folder; every rank calls it.
     `source`: the folder the model came from (its token ids and context length are kept);
     `tokenizer_dir`: where tokenizer.json and its companions are (None: no tokenizer files)."""
-    if adapter is None:
-        raise TrainingError("checkpoint.export_hf: this model has no HFAdapter in its registry entry")
     start = time.perf_counter()
     dtype = DTYPES[dtype_name]
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
@@ -194,10 +191,9 @@ def export_hf(
     )
     rank = dist.get_rank() if dist.is_initialized() else 0
 
-    def fetch(name: str) -> torch.Tensor | None:
+    def fetch(name: str) -> torch.Tensor:
         p = params[name].detach()
-        full = p.full_tensor() if isinstance(p, DTensor) else p
-        return full if rank == 0 else None
+        return p.full_tensor() if isinstance(p, DTensor) else p
 
     config = hf_config(adapter, args, dtype, source) if rank == 0 else {}
     files = companion_files(source, tokenizer_dir)
@@ -273,7 +269,7 @@ def export_checkpoint(
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
     config = hf_config(meta.spec.hf, meta.args, dtype, source)
-    files = companion_files(source, getattr(tok, "folder", None))
+    files = companion_files(source, tok.folder)
     error = write_hf_folder(folder, shards, fetch, meta.spec.hf, meta.args, dtype, config, files)
     if error:
         raise UserError(f"the export failed ({error}); nothing was published at '{folder}'")

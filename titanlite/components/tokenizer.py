@@ -4,7 +4,8 @@ small SentencePiece model trained on the stdlib corpus).
 The built-in tokenizer is trained on first use, deterministically (single thread, no sampling,
 fixed file order), and cached by a hash of everything that determines it.
 Every kind offers the same: vocab_size, bos_id, eos_id, pad_id, encode (text only: titanlite
-adds BOS and EOS itself, one each per document or record), decode, fingerprint.
+adds BOS and EOS itself, one each per document or record), decode, fingerprint; and folder,
+chat_template and special_tokens (a Hugging Face tokenizer's companion files; none for SentencePiece).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ TRAINER_VERSION = 1  # bump when the training recipe below changes
 
 
 class Tokenizer:
+    # A SentencePiece model has no companion files: no chat template, nothing for an HF export.
+    folder: Path | None = None
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = {}
+
     def __init__(self, model_proto: bytes, source: str) -> None:
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
         self.source = source

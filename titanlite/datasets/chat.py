@@ -97,7 +97,7 @@ def template_pieces(template: str, messages: list[dict], specials: dict[str, str
 
 def chat_segments(messages: list[dict], tok: Any) -> list[Segment]:
     """Token segments of one conversation for tokenizer `tok` (its chat_template, if any)."""
-    template = getattr(tok, "chat_template", None)
+    template = tok.chat_template
     if template is None:
         return default_segments(messages, tok)
     segments = [
