@@ -26,7 +26,7 @@ titanlite_install() {
 titanlite_check() {
     "$PY" - "$1" <<'PYEOF' 2>/dev/null
 import importlib.util, sys
-mods = ["torch", "torchdata", "tensorboard", "sentencepiece", "tokenizers", "safetensors", "jinja2", "numpy", "matplotlib", "titanlite"]
+mods = ["torch", "torchdata", "tensorboard", "sentencepiece", "tokenizers", "safetensors", "jinja2", "numpy", "pyarrow", "matplotlib", "titanlite"]
 if sys.argv[1]:
     mods += ["pytest", "ruff", "transformers"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))

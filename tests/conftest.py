@@ -8,3 +8,34 @@ def _shared_cache(tmp_path_factory):
     """One tokenizer/data cache for the whole session (subprocesses inherit it)."""
     os.environ["TITANLITE_CACHE"] = str(tmp_path_factory.mktemp("titanlite-cache"))
     yield
+
+
+@pytest.fixture(scope="session")
+def prepared_sft(tmp_path_factory, _shared_cache):
+    """The built-in SFT set (stdlib functions) prepared by scripts/prepare_data.py, as a user
+    would: the resume and invariance tests train from it with --data.path."""
+    import json
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    from titanlite.datasets.corpus import stdlib_sft_records
+
+    folder = tmp_path_factory.mktemp("prepared-sft")
+    raw = folder / "stdlib_sft.jsonl"
+    raw.write_text("".join(json.dumps(r) + "\n" for r in stdlib_sft_records()))
+    out = folder / "prepared"
+    cmd = [
+        sys.executable,
+        "scripts/prepare_data.py",
+        "--tokenizer",
+        "builtin",
+        "--mode",
+        "sft",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run([*cmd, str(raw)], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return str(out)

@@ -15,6 +15,7 @@ import json
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -417,6 +418,7 @@ def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as
     from titanlite.components.loss import IGNORE_INDEX
     from titanlite.components.tokenizer import load_tokenizer
     from titanlite.datasets.chat import chat_segments, template_pieces
+    from titanlite.datasets.records import record_tokens
     from titanlite.datasets.sft import to_example
 
     ours, theirs = load_tokenizer(str(assets / name)), AutoTokenizer.from_pretrained(assets / name)
@@ -435,7 +437,8 @@ def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as
             MESSAGES[: turn - 1], add_generation_prompt=True, **date
         ).input_ids
         assert ids[: len(prompt)] == prompt
-    x, y = to_example(chat_segments(MESSAGES, ours), 256, ours.pad_id)
+    ids, target = record_tokens({"messages": MESSAGES}, ours)
+    x, y = to_example(np.asarray(ids), np.asarray(target), 256, ours.pad_id)
     assert (
         ours.decode(y[y != IGNORE_INDEX].tolist()) == "Use sum(xs).<|eot_id|>math.prod(xs), héllo<|eot_id|>"
     )

@@ -41,8 +41,9 @@ def _max_rel(summary: dict) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path):
-    ckpt = ("--checkpoint.interval", "20")
+def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, prepared_sft):
+    """On data prepared by scripts/prepare_data.py (the built-in SFT set), read memory-mapped."""
+    ckpt = ("--checkpoint.interval", "20", "--data.path", prepared_sft)
     proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt)
     assert proc.returncode == 0, proc.stderr
     (cmp,) = summary["comparisons"]
@@ -69,6 +70,8 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path):
             *QUIET,
             *source,
             *where,
+            "--data.path",
+            prepared_sft,
         )
     )
     want = {r["step"]: r["loss"] for r in read_metrics(dp8)}

@@ -53,7 +53,10 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
 
     noisy = rows["grad_noise"]  # rank 1's gradient drowned in noise: its norm and its direction
     assert noisy["grad_norm_cv"] > 3 * ok["grad_norm_cv"]
-    assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.8
+    # Lowest cosine to the others in most steps (chance: 1 in 4). Not in every step: each other
+    # rank's "others" holds rank 1's noise too, so their cosines drop with it: the share depends
+    # on the data order (92% of the steps with the stored permutation, 75% with the computed one).
+    assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.6
     assert noisy["cos_to_others_min"] < ok["cos_to_others_min"] / 2
     assert ("faulty_worker", [1]) in _alerts(noisy) and noisy["stopped"]
     assert (tmp_path / "scenarios.png").stat().st_size > 10_000

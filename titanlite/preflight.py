@@ -12,6 +12,7 @@ import sys
 
 from titanlite.config.layout import validate
 from titanlite.config.manager import config_help, parse_args, wants_help
+from titanlite.datasets.spec import check_data_tokenizer
 from titanlite.errors import UserError
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
@@ -31,6 +32,9 @@ def main(argv: list[str]) -> int:
             raise UserError("usage: python -m titanlite.preflight --world-size N [--config FILE] [overrides]")
         cfg, _ = parse_args(argv[2:])
         validate(cfg, int(argv[1]))
+        check_data_tokenizer(
+            cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
+        )
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2

@@ -32,8 +32,12 @@ class Tokenizer:
 
     def __init__(self, model_proto: bytes, source: str) -> None:
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
+        self.model_proto = model_proto
         self.source = source
         self.fingerprint = hashlib.sha256(model_proto).hexdigest()[:16]
+
+    def __reduce__(self):  # data-preparation worker processes rebuild it from the model bytes
+        return Tokenizer, (self.model_proto, self.source)
 
     @property
     def vocab_size(self) -> int:
@@ -55,6 +59,10 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """One thread: data preparation parallelises over processes, one per core."""
+        return self.sp.encode(texts, num_threads=1)
+
     def decode(self, ids: list[int]) -> str:
         return self.sp.decode(ids)
 
@@ -73,6 +81,7 @@ class HFTokenizer:
         except Exception as e:
             raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({_first_line(e)})") from None
         self.source = str(path)
+        self.path = path
         self.folder = path.parent  # its companion files (specials, chat template) live here
         specials = _special_tokens(path.parent)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
@@ -104,8 +113,15 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self.max_id + 1
 
+    def __reduce__(self):  # data-preparation worker processes reload it from its file
+        return HFTokenizer, (self.path,)
+
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Batched; a preparation worker sets TOKENIZERS_PARALLELISM=false (one core each)."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)

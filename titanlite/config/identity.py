@@ -18,7 +18,8 @@ IDENTITY_KEYS = (
     "model.tokenizer_path",
     "model.hf_assets_path",
     "data.mode",
-    "data.path",
+    "data.path",  # with a mixture's weights
+    "data.text_field",
     "training.seed",
     "training.global_batch_size",
     "training.seq_len",  # the data position is counted in sequences of this length

@@ -102,7 +102,12 @@ class Parallelism:
 @dataclass
 class Data:
     mode: str = opt("pretrain", "pretrain: packed documents; sft: prompt/response", ("pretrain", "sft"))
-    path: str = opt("", "a .txt/.jsonl file or a folder of them; empty: built-in stdlib data")
+    path: str = opt(
+        "",
+        "prepared folder, or raw .txt/.jsonl/.jsonl.gz/.parquet/.arrow file or folder; mixture: "
+        "'a:0.7,b:0.3'; empty: built-in stdlib data",
+    )
+    text_field: str = opt("text", "the field (jsonl) or column (parquet, arrow) that holds a document's text")
     cache_dir: str = opt("", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite")
     num_workers: int = opt(0, "StatefulDataLoader worker processes per rank")
 

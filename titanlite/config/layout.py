@@ -79,6 +79,8 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     the trainer again in every worker."""
     from pathlib import Path
 
+    from titanlite.datasets.spec import check_data
+
     layout = resolve_layout(cfg, world_size)
     for key in ("corrupt_labels_rank", "grad_noise_rank"):
         if getattr(cfg.debug, key) >= world_size:
@@ -102,11 +104,7 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr is {cfg.optimizer.lr}; it must be > 0")
-    if cfg.data.path and not Path(cfg.data.path).expanduser().exists():
-        raise UserError(
-            f"data.path '{cfg.data.path}' does not exist; point it at a .txt/.jsonl file or "
-            "folder, or leave it empty for the built-in data"
-        )
+    check_data(cfg.data.mode, cfg.data.path)
     if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
         raise UserError(
             f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "

@@ -20,12 +20,19 @@ from titanlite.components.tokenizer import (
 )
 from titanlite.config import JobConfig
 from titanlite.datasets import corpus
-from titanlite.datasets.pretrain import PackedDataset, build_token_cache
+from titanlite.datasets.prepare import META, data_key, prepare
+from titanlite.datasets.prepared import Prepared, is_prepared
+from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sft import SFTDataset
+from titanlite.datasets.sources import discover
+from titanlite.datasets.spec import parse_data_path
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
+from titanlite.tools.logging import init_logging
+
+logger = init_logging()
 
 
 def _built_once(path: Path, build, is_builder: bool) -> None:
@@ -55,34 +62,80 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer:
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
-def build_dataset(cfg: JobConfig, tok: Tokenizer) -> SFTDataset | PackedDataset:
-    cache = cache_dir(cfg.data.cache_dir)
-    seq_len = cfg.training.seq_len
-    if cfg.data.mode == "sft":
-        if cfg.data.path:
-            records = corpus.sft_records_from_files(cfg.data.path)
-        else:
-            path = cache / f"sft-stdlib-{corpus.corpus_fingerprint()}.jsonl"
+def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Path:
+    """Raw inputs (or the built-in data for name "") prepared into the cache, once per node."""
+    cache, mode = cache_dir(cfg.data.cache_dir), cfg.data.mode
+    if name:
+        files = discover(name)
+    elif mode == "sft":
+        jsonl = cache / f"sft-stdlib-{corpus.corpus_fingerprint()}.jsonl"
 
-            def build() -> None:
-                lines = (json.dumps(r) for r in corpus.stdlib_sft_records())
-                atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+        def build() -> None:
+            lines = (json.dumps(r) for r in corpus.stdlib_sft_records())
+            atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode())
 
-            _built_once(path, build, _is_local_leader())
-            records = [json.loads(line) for line in path.read_text().splitlines() if line]
-        return SFTDataset(records, tok, seq_len)
-    source = (
-        corpus.files_fingerprint(corpus.user_files(cfg.data.path))
-        if cfg.data.path
-        else f"stdlib-{corpus.corpus_fingerprint()}"
-    )
-    path = cache / f"tokens-{tok.fingerprint}-{source}.npy"
+        _built_once(jsonl, build, _is_local_leader())
+        files = [jsonl]
+    else:
+        files = list(corpus.stdlib_files())
+    out = cache / f"prepared-{mode}-{data_key(files, tok, mode, cfg.data.text_field)}"
+    size = sum(f.stat().st_size for f in files)
+    workers = min(os.cpu_count() or 1, 8) if size > 256 << 20 else 1
     _built_once(
-        path,
-        lambda: build_token_cache(path, corpus.pretrain_documents(cfg.data.path), tok),
+        out / META,
+        lambda: prepare(files, out, tok, mode, cfg.data.text_field, workers, say=logger.info),
         _is_local_leader(),
     )
-    return PackedDataset(path, seq_len)
+    return out
+
+
+def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer):
+    """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped;
+    returns them as one MixtureDataset (of one dataset when there is no mixture)."""
+    parts = parse_data_path(cfg.data.path) or [("", 1.0)]
+    datasets = []
+    for name, _ in parts:
+        folder = Path(name).expanduser() if name else None
+        if folder is None or not is_prepared(folder):
+            folder = _prepared_on_the_fly(cfg, tok, name)
+        data = Prepared(folder)
+        if data.mode != cfg.data.mode:
+            raise UserError(f"prepared data '{folder}' is for {data.mode} but data.mode is {cfg.data.mode}")
+        data.check_tokenizer(tok)
+        if cfg.data.mode == "sft":
+            dataset = SFTDataset(data, cfg.training.seq_len, tok.pad_id)
+            note = dataset.check_targets()
+            if note and int(os.environ.get("RANK", "0")) == 0:
+                logger.warning(note)
+        else:
+            dataset = PackedDataset(data, cfg.training.seq_len)
+        datasets.append(dataset)
+    return MixtureDataset(datasets, [w for _, w in parts])
+
+
+class MixtureDataset:
+    """Datasets as one index space, with their weights (the sampler decides how often each is read)."""
+
+    def __init__(self, parts: list, weights: list[float]) -> None:
+        self.parts = parts
+        self.weights = weights
+        self.sizes = [len(p) for p in parts]
+        self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _find(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return k, i - int(self.starts[k])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        k, j = self._find(i)
+        return self.parts[k][j]
+
+    def trace(self, i: int) -> list[dict]:
+        k, j = self._find(i)
+        return self.parts[k].trace(j)
 
 
 def _collate(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,12 +152,13 @@ def build_dataloader(
     is injected."""
     faults = faults or Faults(cfg.debug, cfg.training.seed, dp_rank, dp_size)
     sampler = GlobalBatchSampler(
-        len(dataset),
+        dataset.sizes,
         cfg.training.global_batch_size,
         cfg.training.local_batch_size,
         faults.data_rank,
         dp_size,
         faults.seed,
+        dataset.weights,
     )
     return StatefulDataLoader(
         dataset,

@@ -1,10 +1,26 @@
-"""Which sequences each rank reads: a function of (seed, global batch size, step) only.
+"""Which sequences each rank reads: a function of (seed, global batch size, step) only, computed,
+never stored, so its memory does not grow with the data.
 
-Step t's global batch is a fixed, ordered list of global_batch_size sequence indices drawn from a
-per-epoch permutation seeded by (seed, epoch). The dp ranks split it into contiguous slices
-(rank r takes positions [r*G/dp, (r+1)*G/dp)) and each rank cuts its slice into microbatches
-of local_batch_size. Changing dp or the accumulation steps changes who computes which sequence,
-never which sequences a step contains, nor their order.
+The global stream is positions p = 0, 1, 2, ...; step t holds positions [t*G, (t+1)*G) in order.
+The dp ranks split a step into contiguous slices (rank r takes [r*G/dp, (r+1)*G/dp)) and each
+rank cuts its slice into microbatches of local_batch_size. Changing dp or the accumulation
+changes who computes which sequence, never which sequences a step contains, nor their order.
+
+Position -> sequence:
+- one dataset of N sequences: epoch e = p // N is the seeded permutation pi_(seed, e) of [0, N),
+  and p maps to pi_(seed, e)(p mod N). Epochs follow each other without a gap, so a step that
+  straddles two epochs may hold one sequence twice.
+- a mixture of datasets with weights w_d: the stream is cut into blocks of MIX_BLOCK positions;
+  each block holds round(w_d * MIX_BLOCK) positions of dataset d (largest remainder), in an order
+  permuted per block (one block's assignment is computed at a time: 4096 entries). The c-th
+  position given to dataset d reads its own stream position c as above (its own epochs), so
+  every dataset is read in full before any of its sequences repeats, and the weights hold
+  exactly per block.
+
+The permutations are a balanced Feistel network (6 rounds, a splitmix64 round function) on the
+smallest power of four >= N, cycle-walked back into [0, N) (Black and Rogaway, "Ciphers with
+Arbitrary Finite Domains", CT-RSA 2002): a bijection for any N, about 4 evaluations at worst per
+index, computed for the G indices of a step only.
 """
 
 from __future__ import annotations
@@ -13,45 +29,140 @@ import numpy as np
 
 from titanlite.errors import UserError
 
+MIX_BLOCK = 4096
+_MIX_STREAM = 0x6D6978  # the block permutations' key stream, apart from the datasets' (0, 1, ...)
+_M1, _M2, _GOLDEN = (
+    np.uint64(0xBF58476D1CE4E5B9),
+    np.uint64(0x94D049BB133111EB),
+    np.uint64(0x9E3779B97F4A7C15),
+)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: a bijective avalanche of 64-bit words."""
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def stream_keys(seed: int, stream: int, epochs: np.ndarray) -> np.ndarray:
+    """One 64-bit key per element: the permutation of (seed, stream, epoch)."""
+    head = _mix64(np.asarray([(seed & (2**64 - 1)) ^ (stream * 0x51ED27)], dtype=np.uint64) + _GOLDEN)
+    return _mix64(head ^ _mix64(np.asarray(epochs, dtype=np.uint64) + _GOLDEN))
+
+
+def permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
+    """pi_key(x) for x in [0, n): a bijection of [0, n) per key (see the module docstring)."""
+    half = max(1, (max(n - 1, 1).bit_length() + 1) // 2)
+    low = np.uint64((1 << half) - 1)
+    shift = np.uint64(half)
+    rounds = [_mix64(keys + np.uint64(r * 0x9E3779B97F4A7C15 % 2**64)) for r in range(6)]
+
+    def feistel(v: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        left, right = v >> shift, v & low
+        for rk in rounds:
+            left, right = right, left ^ (_mix64(right ^ rk[idx]) & low)
+        return (left << shift) | right
+
+    y = np.asarray(x, dtype=np.uint64).copy()
+    todo = np.arange(len(y))
+    y = feistel(y, todo)
+    while True:  # cycle walking: apply again until back inside [0, n)
+        todo = todo[y[todo] >= np.uint64(n)]
+        if not len(todo):
+            return y.astype(np.int64)
+        y[todo] = feistel(y[todo], todo)
+
+
+def block_counts(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
+    """Positions per block for each dataset: weights x block, rounded by largest remainder."""
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    exact = w * block
+    counts = np.floor(exact).astype(np.int64)
+    order = np.argsort(-(exact - counts), kind="stable")
+    counts[order[: block - counts.sum()]] += 1
+    return counts
+
 
 class GlobalBatchSampler:
-    """Yields this rank's microbatches (lists of sequence indices), forever. Stateful."""
+    """Yields this rank's microbatches (lists of indices into the concatenated datasets), forever.
+    Stateful: its state is the number of microbatches it has yielded."""
 
     def __init__(
         self,
-        num_sequences: int,
+        sizes: list[int],
         global_batch_size: int,
         local_batch_size: int,
         dp_rank: int,
         dp_size: int,
         seed: int,
+        weights: list[float] | None = None,
     ) -> None:
-        if num_sequences < global_batch_size:
+        if sum(sizes) < global_batch_size or min(sizes) < 1:
             raise UserError(
-                f"the data has {num_sequences} sequences but training.global_batch_size is "
-                f"{global_batch_size}; lower the batch or seq_len, or add data"
+                f"the data has {sum(sizes)} sequences (per dataset: {sizes}) but training.global_batch_size "
+                f"is {global_batch_size}; lower the batch or seq_len, or add data"
             )
         if global_batch_size % (local_batch_size * dp_size):
             raise ValueError("global batch must be a multiple of local batch x dp")
-        self.num_sequences = num_sequences
+        self.sizes = list(sizes)
+        self.starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
+        self.counts = block_counts(weights or [1.0] * len(sizes))
+        self.count_starts = np.cumsum([0, *self.counts[:-1]], dtype=np.int64)
         self.global_batch_size = global_batch_size
         self.local_batch_size = local_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
         self.grad_accum = global_batch_size // (local_batch_size * dp_size)
-        self.steps_per_epoch = num_sequences // global_batch_size  # the tail of an epoch is dropped
         self.microbatches_yielded = 0
-        self._perm_epoch = -1
-        self._perm: np.ndarray | None = None
+        self._cached: tuple[int, np.ndarray] | None = None
+        self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, position in its own stream) of every position of one mixing block."""
+        if self._block_cache is None or self._block_cache[0] != block:
+            q = permute(
+                np.arange(MIX_BLOCK),
+                MIX_BLOCK,
+                stream_keys(self.seed, _MIX_STREAM, np.full(MIX_BLOCK, block)),
+            )
+            d = np.searchsorted(self.count_starts, q, side="right") - 1
+            c = np.empty(MIX_BLOCK, dtype=np.int64)
+            for k, n in enumerate(self.counts):  # each dataset's positions in stream order
+                sel = d == k
+                c[sel] = block * n + np.arange(int(sel.sum()))
+            self._block_cache = (block, d, c)
+        return self._block_cache[1], self._block_cache[2]
+
+    def datasets_of(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(dataset, position in that dataset's own stream) of global stream positions."""
+        if len(self.sizes) == 1:
+            return np.zeros(len(positions), np.int64), positions
+        d, c = np.empty_like(positions), np.empty_like(positions)
+        blocks, r = np.divmod(positions, MIX_BLOCK)
+        for b in np.unique(blocks):
+            sel = blocks == b
+            bd, bc = self._block(int(b))
+            d[sel], c[sel] = bd[r[sel]], bc[r[sel]]
+        return d, c
+
+    def sequences(self, positions: np.ndarray) -> np.ndarray:
+        """Indices into the concatenated datasets of global stream positions."""
+        d, c = self.datasets_of(np.asarray(positions, dtype=np.int64))
+        out = np.empty(len(c), dtype=np.int64)
+        for k, n in enumerate(self.sizes):
+            sel = d == k
+            epoch, pos = np.divmod(c[sel], n)
+            out[sel] = self.starts[k] + permute(pos, n, stream_keys(self.seed, k, epoch))
+        return out
 
     def global_batch(self, step: int) -> np.ndarray:
         """The ordered sequence indices of 0-based step `step`, for every rank alike."""
-        epoch, pos = divmod(step, self.steps_per_epoch)
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_sequences)
-            self._perm_epoch = epoch
-        return self._perm[pos * self.global_batch_size : (pos + 1) * self.global_batch_size]
+        if self._cached is None or self._cached[0] != step:
+            g = self.global_batch_size
+            self._cached = (step, self.sequences(np.arange(step * g, (step + 1) * g)))
+        return self._cached[1]
 
     def __iter__(self) -> GlobalBatchSampler:
         return self

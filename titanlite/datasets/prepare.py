@@ -1,0 +1,363 @@
+"""Prepare raw inputs once: tokenize them with every core into token shards plus a small index,
+which training then reads memory-mapped (titanlite.datasets.prepared).
+
+A prepared folder holds, per shard `shard-NNNNN`:
+    .tokens        the documents' tokens back to back (uint16, or uint32 for vocabularies > 65,536);
+                   pretraining: <bos> text <eos>; SFT: the record's tokens (titanlite.datasets.records)
+    .mask          SFT only: 1 per target token (uint8)
+    .offsets.npy   int64, docs + 1 token offsets of its documents
+    .rows.npy      int64, each document's row within its input piece
+    .first.npy     SFT only: int32, each record's first target token (-1: none)
+    .json          written last: its key, counts and pieces; a shard without it does not exist
+and `meta.json`, written last of all: the format, the tokenizer, the sources and every shard.
+A folder without meta.json is incomplete and no run accepts it.
+
+Work is cut into shards of about `shard_bytes` of input (titanlite.datasets.sources' pieces,
+grouped in input order), so the document order does not depend on the number of workers.
+Every file is written under a temporary name and renamed; a shard whose .json carries the same
+key is not prepared again, so an interrupted preparation resumes where it stopped. A lock file
+makes a second preparation of the same folder (another run, another node on a shared file
+system) wait and then find the work done.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from titanlite.datasets.records import record_tokens, sft_format_key
+from titanlite.datasets.sources import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
+from titanlite.errors import UserError
+from titanlite.tools.cache import atomic_write_bytes, fsync_dir
+
+FORMAT = 1
+META = "meta.json"
+LOCK = ".lock"
+TMP = ".tmp-"
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
+
+
+def tokenizer_key(tok: Any, mode: str) -> dict:
+    """What a prepared folder records of its tokenizer, and a run's tokenizer must match."""
+    key = {"fingerprint": tok.fingerprint, "source": tok.source, "vocab_size": tok.vocab_size}
+    if mode == "sft":
+        key["format"] = sft_format_key(tok)
+    return key
+
+
+def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
+    """Identifies a preparation: the inputs, the tokenizer (and SFT format), mode and text field."""
+    what = {
+        "format": FORMAT,
+        "mode": mode,
+        "text_field": text_field if mode == "pretrain" else None,
+        "tokenizer": {k: v for k, v in tokenizer_key(tok, mode).items() if k != "source"},
+        "sources": files_fingerprint(files),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def group_pieces(pieces: list[Piece], shard_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces into shards of at least `shard_bytes` (the last may be smaller)."""
+    shards, current, size = [], [], 0
+    for piece in pieces:
+        current.append(piece)
+        size += piece.nbytes
+        if size >= shard_bytes:
+            shards.append(current)
+            current, size = [], 0
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_key(key: str, pieces: list[Piece]) -> str:
+    text = key + json.dumps([[p.source, p.start, p.stop] for p in pieces])
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+# ---- one shard, in a worker process -------------------------------------------------------------
+
+_TOKENIZER: Any = None
+
+
+def _init_worker(tok: Any) -> None:
+    global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    _TOKENIZER = tok
+
+
+def _documents(piece: Piece, mode: str, text_field: str, counts: dict) -> Any:
+    """read_piece's documents; its return value (the piece's row count) lands in counts."""
+    counts["rows"] = yield from read_piece(piece, mode, text_field)
+
+
+def _batches(pieces: list[Piece], mode: str, text_field: str, batch_chars: int = 1 << 20):
+    """(piece index, rows, documents) batches of about batch_chars, and each piece's row count."""
+    for k, piece in enumerate(pieces):
+        counts: dict = {}
+        rows, docs, chars = [], [], 0
+        for row, doc in _documents(piece, mode, text_field, counts):
+            rows.append(row)
+            docs.append(doc)
+            chars += len(doc) if isinstance(doc, str) else 1024
+            if chars >= batch_chars:
+                yield k, rows, docs, None
+                rows, docs, chars = [], [], 0
+        yield k, rows, docs, counts["rows"]
+
+
+class _ShardWriter:
+    """The files of one shard under temporary names; publish() renames them and writes .json."""
+
+    def __init__(self, out: Path, name: str, mode: str, dtype: np.dtype) -> None:
+        self.out, self.name, self.mode, self.dtype = out, name, mode, dtype
+        self.suffix = f"{TMP}{os.getpid()}"
+        self.tokens = open(out / f".{name}.tokens{self.suffix}", "wb")  # noqa: SIM115 - closed in publish()
+        self.mask = open(out / f".{name}.mask{self.suffix}", "wb") if mode == "sft" else None  # noqa: SIM115
+        self.offsets, self.rows, self.first = [0], [], []
+
+    def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
+        ids.astype(self.dtype, copy=False).tofile(self.tokens)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.rows.append(row)
+        if mask is not None:
+            mask.astype(np.uint8).tofile(self.mask)
+            hits = np.flatnonzero(mask)
+            self.first.append(int(hits[0]) if len(hits) else -1)
+
+    def publish(self, info: dict) -> dict:
+        arrays = {
+            "offsets.npy": np.asarray(self.offsets, np.int64),
+            "rows.npy": np.asarray(self.rows, np.int64),
+        }
+        if self.mode == "sft":
+            arrays["first.npy"] = np.asarray(self.first, np.int32)
+        files = [f for f in (self.tokens, self.mask) if f is not None]
+        for name, array in arrays.items():
+            fh = open(self.out / f".{self.name}.{name}{self.suffix}", "wb")  # noqa: SIM115
+            np.save(fh, array)
+            files.append(fh)
+        for fh in files:
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        for fh in files:
+            tmp = Path(fh.name)
+            os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(self.suffix)))
+        info = {**info, "tokens": self.offsets[-1], "docs": len(self.rows)}
+        atomic_write_bytes(self.out / f"{self.name}.json", json.dumps(info).encode())
+        return info
+
+
+def write_shard(job: tuple) -> dict:
+    """Tokenize one shard's pieces and publish it; returns its .json content."""
+    out, name, pieces, mode, text_field, key = job
+    tok = _TOKENIZER
+    writer = _ShardWriter(out, name, mode, token_dtype(tok.vocab_size))
+    piece_info = [[p.source, -1, 0] for p in pieces]  # source, first document, rows
+    for k, rows, docs, n_rows in _batches(pieces, mode, text_field):
+        if piece_info[k][1] < 0:
+            piece_info[k][1] = len(writer.rows)
+        if mode == "sft":
+            for row, record in zip(rows, docs, strict=True):
+                ids, mask = record_tokens(record, tok)
+                writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
+        else:
+            for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
+                writer.add(np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row)
+        if n_rows is not None:
+            piece_info[k][2] = n_rows
+    nbytes = sum(p.nbytes for p in pieces)
+    return writer.publish({"key": key, "pieces": piece_info, "input_bytes": nbytes})
+
+
+# ---- the whole preparation ------------------------------------------------------------------------
+
+
+@contextmanager
+def _locked(out: Path, say: Callable[[str], None]):
+    with open(out / LOCK, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another preparation of '{out}' to finish")
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _clean_tmp(out: Path) -> None:
+    for f in out.glob(f".shard-*{TMP}*"):
+        f.unlink(missing_ok=True)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Progress:
+    """Documents, tokens, tokens/s and ETA (by input bytes), at most every `every` seconds."""
+
+    def __init__(self, total_bytes: int, say: Callable[[str], None], every: float = 2.0) -> None:
+        self.total, self.say, self.every = max(total_bytes, 1), say, every
+        self.start = self.last = time.perf_counter()
+        self.bytes = self.docs = self.tokens = self.new_tokens = 0
+
+    def add(self, info: dict, fresh: bool, last: bool = False) -> None:
+        self.bytes += info["input_bytes"]
+        self.docs += info["docs"]
+        self.tokens += info["tokens"]
+        self.new_tokens += info["tokens"] if fresh else 0
+        now = time.perf_counter()
+        if now - self.last < self.every and not last:
+            return
+        self.last = now
+        elapsed = now - self.start
+        rate = self.new_tokens / elapsed if elapsed > 0 else 0.0
+        done = self.bytes / self.total
+        eta = elapsed * (1 - done) / done if done > 0 and self.new_tokens else 0.0
+        self.say(
+            f"prepared {done:6.1%} | {self.docs:,} docs | {self.tokens:,} tokens | "
+            f"{rate:,.0f} tok/s | eta {time.strftime('%H:%M:%S', time.gmtime(eta))}"
+        )
+
+
+def prepare(
+    files: list[Path],
+    out: Path,
+    tok: Any,
+    mode: str = "pretrain",
+    text_field: str = "text",
+    workers: int = 1,
+    shard_bytes: int = 64 << 20,
+    say: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+) -> dict:
+    """Prepare `files` into `out` (resuming a preparation that stopped); returns meta.json's content."""
+    out.mkdir(parents=True, exist_ok=True)
+    key = data_key(files, tok, mode, text_field)
+    with _locked(out, say):
+        meta = read_json(out / META)
+        if meta is not None:
+            if meta.get("key") == key:
+                return meta
+            raise UserError(
+                f"'{out}' already holds a preparation of other inputs or with another tokenizer or mode; "
+                "choose another output folder or delete it"
+            )
+        _clean_tmp(out)
+        shards = group_pieces(plan_pieces(files, shard_bytes), shard_bytes)
+        names = [f"shard-{i:05d}" for i in range(len(shards))]
+        keys = [shard_key(key, pieces) for pieces in shards]
+        infos: list[dict | None] = [read_json(out / f"{n}.json") for n in names]
+        infos = [i if i and i.get("key") == k else None for i, k in zip(infos, keys, strict=True)]
+        progress = Progress(sum(p.nbytes for s in shards for p in s), say)
+        for info in infos:
+            if info is not None:
+                progress.add(info, fresh=False)
+        todo = [
+            (out, names[i], shards[i], mode, text_field, keys[i])
+            for i, info in enumerate(infos)
+            if info is None
+        ]
+        try:
+            for n, (name, info) in enumerate(_run(todo, tok, workers), 1):
+                infos[names.index(name)] = info
+                progress.add(info, fresh=True, last=n == len(todo))
+        except BaseException:
+            _clean_tmp(out)
+            raise
+        meta = _finish(out, key, infos, names, files, tok, mode, text_field)
+        progress.say(
+            f"prepared '{out}': {meta['docs']:,} documents, {meta['tokens']:,} tokens in {len(names)} shards"
+        )
+        return meta
+
+
+def _run(todo: list[tuple], tok: Any, workers: int):
+    """(shard name, info) as shards finish: in this process, or in a pool of `workers`."""
+    if workers <= 1 or len(todo) <= 1:
+        _init_worker(tok)
+        for job in todo:
+            yield job[1], write_shard(job)
+        return
+    # fork: workers start at once and need no importable __main__; a worker that dies (killed,
+    # out of memory) breaks the pool with an error instead of hanging it.
+    ctx = multiprocessing.get_context("fork")
+    n = min(workers, len(todo))
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(tok,)) as pool:
+        try:
+            for job, info in zip(todo, pool.map(write_shard, todo), strict=True):
+                yield job[1], info
+        except BrokenProcessPool:
+            raise UserError(
+                "a preparation worker died (out of memory? killed?); run again to resume"
+            ) from None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _finish(
+    out: Path,
+    key: str,
+    infos: list,
+    names: list[str],
+    files: list[Path],
+    tok: Any,
+    mode: str,
+    text_field: str,
+) -> dict:
+    """Rows of each piece counted from the start of its file; then meta.json, atomically."""
+    rows_seen: dict[int, int] = {}
+    shards = []
+    for name, info in zip(names, infos, strict=True):
+        pieces = []
+        for source, first_doc, n_rows in info["pieces"]:
+            pieces.append([source, first_doc, rows_seen.get(source, 0)])
+            rows_seen[source] = rows_seen.get(source, 0) + n_rows
+        shards.append({"name": name, "tokens": info["tokens"], "docs": info["docs"], "pieces": pieces})
+    docs = sum(s["docs"] for s in shards)
+    if docs == 0:
+        raise UserError(
+            f"the inputs ({len(files)} file(s), first '{files[0]}') hold no documents; check the files"
+        )
+    meta = {
+        "format": FORMAT,
+        "key": key,
+        "mode": mode,
+        "text_field": text_field,
+        "dtype": token_dtype(tok.vocab_size).name,
+        "tokenizer": tokenizer_key(tok, mode),
+        "sources": [
+            {**s, "kind": kind_of(f, "txt")} for s, f in zip(files_fingerprint(files), files, strict=True)
+        ],
+        "tokens": sum(s["tokens"] for s in shards),
+        "docs": docs,
+        "shards": shards,
+    }
+    fsync_dir(out)
+    atomic_write_bytes(out / META, json.dumps(meta, indent=1).encode())
+    fsync_dir(out)
+    return meta

@@ -1,0 +1,79 @@
+"""What `data.path` names, checked without torch (the preflight runs this before torchrun starts).
+
+`data.path` is empty (the built-in stdlib data), one path, or a mixture `a:0.7,b:0.3` of paths
+with weights. Each path is a prepared folder (scripts/prepare_data.py) or raw inputs (a file or a
+folder of titanlite.datasets.sources' kinds), which the trainer prepares into its cache on first
+use, up to RAW_LIMIT_BYTES: larger inputs are prepared once, with every core, by the script.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from titanlite.errors import UserError
+
+RAW_LIMIT_BYTES = 2 << 30
+_WEIGHTED = re.compile(r"^(.*):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
+
+
+def parse_data_path(path: str) -> list[tuple[str, float]]:
+    """[(path, weight)]: [] for the built-in data, weights normalised to sum to 1."""
+    if not path.strip():
+        return []
+    parts = []
+    for item in path.split(","):
+        m = _WEIGHTED.match(item.strip())
+        name, weight = (m.group(1), float(m.group(2))) if m else (item.strip(), None)
+        parts.append((name, weight))
+    if len(parts) == 1:
+        return [(parts[0][0], 1.0)]
+    if any(w is None or w <= 0 for _, w in parts) or any(not name for name, _ in parts):
+        raise UserError(
+            f"data.path '{path}' lists several datasets; give each a positive weight: 'a:0.7,b:0.3'"
+        )
+    total = sum(w for _, w in parts)
+    return [(name, w / total) for name, w in parts]
+
+
+def check_data(mode: str, path: str) -> None:
+    """Every dataset of data.path exists; a prepared one is complete, intact and of this mode; raw
+    inputs are of known kinds and small enough to prepare on the fly."""
+    from titanlite.datasets.prepared import Prepared, is_prepared
+    from titanlite.datasets.sources import discover
+
+    for name, _ in parse_data_path(path):
+        p = Path(name).expanduser()
+        if not p.exists():
+            raise UserError(
+                f"data.path '{name}' does not exist; point it at a prepared folder, a data file or folder, "
+                "or leave it empty for the built-in data"
+            )
+        if is_prepared(p):
+            data = Prepared(p)
+            if data.mode != mode:
+                raise UserError(
+                    f"prepared data '{p}' was prepared for {data.mode} but data.mode is {mode}; prepare it "
+                    f"with --mode {mode} or set data.mode = '{data.mode}'"
+                )
+            continue
+        size = sum(f.stat().st_size for f in discover(p))
+        if size > RAW_LIMIT_BYTES:
+            raise UserError(
+                f"data.path '{name}' holds {size / 2**30:.1f} GiB of raw data; prepare it once with every core "
+                f"(python scripts/prepare_data.py --tokenizer TOKENIZER --mode {mode} --out FOLDER {name}) "
+                "and point data.path at FOLDER"
+            )
+
+
+def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
+    """The preflight's check that prepared datasets were tokenized with the run's tokenizer (the
+    built-in one is trained on first use, so the trainer checks that case itself)."""
+    from titanlite.components.tokenizer import load_tokenizer
+    from titanlite.datasets.prepared import Prepared, is_prepared
+
+    prepared = [Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())]
+    if prepared and tokenizer_path:
+        tok = load_tokenizer(tokenizer_path)
+        for p in prepared:
+            Prepared(p).check_tokenizer(tok)
