@@ -29,6 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from titanlite.components.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402
 from titanlite.datasets.corpus import stdlib_files  # noqa: E402
 
 
@@ -166,6 +167,9 @@ def main() -> int:
         env = {**os.environ, "TITANLITE_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
         report: dict = {"cores": os.cpu_count(), "sizes_mb": sizes, "prepare": {}, "train": {}}
+        # The built-in tokenizer is trained once, before anything is timed.
+        tokenizer = builtin_tokenizer_path(work / "cache", 2048)
+        train_builtin_tokenizer(tokenizer, 2048)
         for mb in sizes:
             corpus = make_corpus(work / f"corpus-{mb:g}", mb)
             on_disk = sum(f.stat().st_size for f in corpus.iterdir()) / 2**20

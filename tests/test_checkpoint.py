@@ -1,5 +1,6 @@
 """Checkpoint, resume and reshard through the trainer's CLI (2- and 4-rank CPU runs, debug model
-with its output head tied to the embedding as in Llama 3.2, built-in SFT data, 6 steps,
+with its output head tied to the embedding as in Llama 3.2, the built-in SFT set prepared by
+scripts/prepare_data.py and read memory-mapped, 6 steps,
 checkpoints every 3; the untied model's reshard is in tests/test_invariance.py).
 
 - a run killed by SIGKILL at step 5 and started again with the same command continues from its
@@ -35,13 +36,14 @@ BASE = [
     "--metrics.enable_tensorboard",
     "false",
 ]
+DATA: list[str] = []  # --data.path: the built-in SFT set prepared by the script (set by `ref`)
 DDP = ("--parallelism.dp_replicate", "2")
 DROPOUT = ("--model.dropout", "0.1")  # the DDP runs: the dropout RNG must resume exactly too
 
 
 def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True):
     where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
-    proc = train(nproc, *BASE, *where, *extra, timeout=600, launcher="titanlite.launch")
+    proc = train(nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch")
     if ok:
         check(proc)
     return proc
@@ -58,8 +60,10 @@ def listing(folder: Path) -> list[tuple[str, int, int]]:
 
 
 @pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    """Uninterrupted runs (FSDP and DDP) and a FSDP run killed at step 5, then restarted."""
+def ref(tmp_path_factory, prepared_sft):
+    """Uninterrupted runs (FSDP and DDP) and a FSDP run killed at step 5, then restarted, all on
+    data prepared by scripts/prepare_data.py (mid-epoch: 48 of 5,318 records)."""
+    DATA[:] = ["--data.path", prepared_sft]
     tmp = tmp_path_factory.mktemp("ckpt")
     run(tmp, "fsdp")
     run(tmp, "ddp", *DDP, *DROPOUT)
