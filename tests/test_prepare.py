@@ -309,6 +309,8 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
         [*pre, "--model.tokenizer_path", str(other)], cwd=REPO, capture_output=True, text=True
     )
     _one_line_exit_2(proc, "was tokenized with builtin:")
+    proc = subprocess.run([*pre, "--data.mode", "sft"], cwd=REPO, capture_output=True, text=True)
+    _one_line_exit_2(proc, "was prepared for pretrain but data.mode is sft")
     # an unreadable (truncated) shard: refused at start-up, by name
     shard = good / "shard-00001.tokens"
     shard.write_bytes(shard.read_bytes()[:-2])

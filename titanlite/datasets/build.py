@@ -20,6 +20,7 @@ from titanlite.components.tokenizer import (
 )
 from titanlite.config import JobConfig
 from titanlite.datasets import corpus
+from titanlite.datasets.mixture import MixtureDataset
 from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.datasets.pretrain import PackedDataset
@@ -99,8 +100,7 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer):
         if folder is None or not is_prepared(folder):
             folder = _prepared_on_the_fly(cfg, tok, name)
         data = Prepared(folder)
-        if data.mode != cfg.data.mode:
-            raise UserError(f"prepared data '{folder}' is for {data.mode} but data.mode is {cfg.data.mode}")
+        data.check_mode(cfg.data.mode)
         data.check_tokenizer(tok)
         if cfg.data.mode == "sft":
             dataset = SFTDataset(data, cfg.training.seq_len, tok.pad_id)
@@ -111,31 +111,6 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer):
             dataset = PackedDataset(data, cfg.training.seq_len)
         datasets.append(dataset)
     return MixtureDataset(datasets, [w for _, w in parts])
-
-
-class MixtureDataset:
-    """Datasets as one index space, with their weights (the sampler decides how often each is read)."""
-
-    def __init__(self, parts: list, weights: list[float]) -> None:
-        self.parts = parts
-        self.weights = weights
-        self.sizes = [len(p) for p in parts]
-        self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
-
-    def __len__(self) -> int:
-        return int(self.starts[-1])
-
-    def _find(self, i: int) -> tuple[int, int]:
-        k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return k, i - int(self.starts[k])
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        k, j = self._find(i)
-        return self.parts[k][j]
-
-    def trace(self, i: int) -> list[dict]:
-        k, j = self._find(i)
-        return self.parts[k].trace(j)
 
 
 def _collate(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:

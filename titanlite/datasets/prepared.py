@@ -84,6 +84,13 @@ class Prepared:
                         f"{size} bytes; the folder is damaged: delete it and prepare it again"
                     )
 
+    def check_mode(self, mode: str) -> None:
+        if self.mode != mode:
+            raise UserError(
+                f"prepared data '{self.folder}' was prepared for {self.mode} but data.mode is {mode}; prepare "
+                f"it with --mode {mode} or set data.mode = '{self.mode}'"
+            )
+
     def check_tokenizer(self, tok: Any) -> None:
         """The run must tokenize as the preparation did (same model, same SFT format)."""
         ours, theirs = tokenizer_key(tok, self.mode), self.meta["tokenizer"]

@@ -50,12 +50,7 @@ def check_data(mode: str, path: str) -> None:
                 "or leave it empty for the built-in data"
             )
         if is_prepared(p):
-            data = Prepared(p)
-            if data.mode != mode:
-                raise UserError(
-                    f"prepared data '{p}' was prepared for {data.mode} but data.mode is {mode}; prepare it "
-                    f"with --mode {mode} or set data.mode = '{data.mode}'"
-                )
+            Prepared(p).check_mode(mode)
             continue
         size = sum(f.stat().st_size for f in discover(p))
         if size > RAW_LIMIT_BYTES:
