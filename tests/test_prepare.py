@@ -357,3 +357,30 @@ def test_sft_records_without_a_target_at_seq_len(tmp_path, tok):
     for i in range(len(rows)):
         (ta, ma), (tb, mb) = pa_.document(i), pb.document(i)
         assert (ta == tb).all() and (ma == mb).all() and ma.any()
+
+
+def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
+    """scripts/trace_batch.py: a step's sequences, each rank's share as its loader reads it, and
+    the source rows behind every sequence."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("trace_batch", REPO / "scripts" / "trace_batch.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(200, seed=4)))
+    args = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--data.path", str(raw)]
+    args += ["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2"]
+    assert tool.main(["--step", "3", "--dp", "2", "--rank", "1", "--json", *args]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cfg = parse_args(args)[0]
+    ds = build_dataset(cfg, tok)
+    loader_rank1 = GlobalBatchSampler(ds.sizes, 8, 2, 1, 2, cfg.training.seed)
+    for _ in range(4):  # steps 1 and 2: two microbatches each
+        next(loader_rank1)
+    assert [r["sequence"] for r in rows] == next(loader_rank1) + next(loader_rank1)
+    assert [r["position"] for r in rows] == [4, 5, 6, 7] and {r["rank"] for r in rows} == {1}
+    for r in rows:
+        assert r["sources"] == ds.trace(r["sequence"]) and r["sources"][0]["file"] == str(raw.resolve())
+    assert tool.main(["--step", "0", *args]) == 2
+    assert "--step must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,72 @@
+"""Which documents a training step read: every sequence of a step's global batch (or of one
+rank's share of it), traced to its source files, rows and token ranges.
+
+    python scripts/trace_batch.py --config train_configs/llama_1b.toml --data.path /data/tok/fineweb --step 1200
+    python scripts/trace_batch.py --step 1200 --dp 8 --rank 3 --json     # rank 3's share at dp=8
+
+The batch of a step depends only on the seed, the global batch size, seq_len and the data (see
+titanlite/datasets/sampler.py), so this needs neither the run nor a GPU. Steps count from 1, as
+in the run's logs. Any --section.key value of the run applies (data.path, training.seed, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.config import parse_args  # noqa: E402
+from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402
+from titanlite.datasets.sampler import GlobalBatchSampler  # noqa: E402
+from titanlite.errors import UserError  # noqa: E402
+
+
+def trace_step(cfg, step: int, dp: int = 1, rank: int | None = None) -> list[dict]:
+    """One entry per sequence of step `step` (1-based): its position in the global batch, the
+    rank that reads it at `dp`, its index and its sources."""
+    g = cfg.training.global_batch_size
+    if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
+        raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
+    dataset = build_dataset(cfg, build_tokenizer(cfg))
+    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
+    per_rank = g // dp
+    out = []
+    for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
+        if rank is None or j // per_rank == rank:
+            out.append(
+                {"position": j, "rank": j // per_rank, "sequence": index, "sources": dataset.trace(index)}
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--step", type=int, required=True, help="training step, from 1")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel degree of the run (for --rank)")
+    ap.add_argument("--rank", type=int, help="only this dp rank's share")
+    ap.add_argument("--json", action="store_true", help="one JSON object per sequence")
+    args, rest = ap.parse_known_args(argv)
+    try:
+        cfg, _ = parse_args(rest)
+        rows = trace_step(cfg, args.step, args.dp, args.rank)
+    except UserError as e:
+        print(f"trace_batch: error: {e}", file=sys.stderr)
+        return 2
+    for row in rows:
+        if args.json:
+            print(json.dumps(row))
+            continue
+        where = "; ".join(
+            f"{s['file']} row {s['row']} tokens {s['tokens'][0]}-{s['tokens'][1]}" for s in row["sources"]
+        )
+        print(
+            f"step {args.step} position {row['position']} rank {row['rank']} sequence {row['sequence']}: {where}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
