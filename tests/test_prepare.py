@@ -270,6 +270,14 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
     proc = _script("--tokenizer", "builtin", "--out", str(out), str(raw))
     _one_line_exit_2(proc, f"'{raw}' line 2 has no string field \"text\"; set data.text_field")
     assert not (out / "meta.json").exists() and not list(out.glob("shard-*"))
+    lines = [json.dumps({"text": d}) for d in _docs(300)]
+    lines[249] = "{oops"
+    raw.write_text("\n".join(lines) + "\n")  # line 250 lies in a later byte range: still named
+    _one_line_exit_2(
+        _script("--tokenizer", "builtin", "--out", str(out), "--shard-mb", "0.002", str(raw)),
+        f"'{raw}' line 250 is not valid JSON",
+    )
+    assert not (out / "meta.json").exists() and not list(out.glob(".shard-*"))
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.jsonl").write_text("\n")
     _one_line_exit_2(

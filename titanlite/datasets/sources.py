@@ -200,9 +200,9 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                n = _line_number(piece.path, offset) if piece.kind == "jsonl" else row + 1
+                where = _where_line(piece, offset, row)
                 raise UserError(
-                    f"data file '{piece.path}' line {n} is not valid JSON ({_first_line(e)}); fix or remove that line"
+                    f"data file '{piece.path}' {where} is not valid JSON ({_first_line(e)}); fix or remove that line"
                 ) from None
             yield (
                 row,
