@@ -8,3 +8,9 @@ class UserError(Exception):
 class TrainingError(Exception):
     """The run cannot go on (a non-finite loss, an alert with on_alert = stop, a failed
     checkpoint save); the message names the cause. Exit 3."""
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's first message line, for one-line errors (its type when it has no message)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -18,7 +18,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
-from titanlite.errors import UserError
+from titanlite.errors import UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes
 
 TRAINER_VERSION = 1  # bump when the training recipe below changes
@@ -79,7 +79,7 @@ class HFTokenizer:
         try:
             self.tok = Backend.from_str(data.decode("utf-8"))
         except Exception as e:
-            raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({_first_line(e)})") from None
+            raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({first_line(e)})") from None
         self.source = str(path)
         self.path = path
         self.folder = path.parent  # its companion files (specials, chat template) live here
@@ -165,12 +165,8 @@ def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"'{path}' is not valid JSON ({_first_line(e)}); fix or remove it") from None
+        raise UserError(f"'{path}' is not valid JSON ({first_line(e)}); fix or remove it") from None
     return data if isinstance(data, dict) else {}
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
@@ -187,7 +183,7 @@ def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
         return Tokenizer(p.read_bytes(), path)
     except Exception as e:  # sentencepiece raises RuntimeError/OSError with long messages
         raise UserError(
-            f"model.tokenizer_path '{path}' is not a SentencePiece model ({_first_line(e)}); "
+            f"model.tokenizer_path '{path}' is not a SentencePiece model ({first_line(e)}); "
             "point it at a .model file, a Hugging Face tokenizer.json, or leave it empty"
         ) from None
 

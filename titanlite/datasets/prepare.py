@@ -278,13 +278,13 @@ def prepare(
             if info is not None:
                 progress.add(info, fresh=False)
         todo = [
-            (out, names[i], shards[i], mode, text_field, keys[i])
+            (i, (out, names[i], shards[i], mode, text_field, keys[i]))
             for i, info in enumerate(infos)
             if info is None
         ]
         try:
-            for n, (name, info) in enumerate(_run(todo, tok, workers), 1):
-                infos[names.index(name)] = info
+            for n, (i, info) in enumerate(_run(todo, tok, workers), 1):
+                infos[i] = info
                 progress.add(info, fresh=True, last=n == len(todo))
         except BaseException:
             _clean_tmp(out)
@@ -296,12 +296,12 @@ def prepare(
         return meta
 
 
-def _run(todo: list[tuple], tok: Any, workers: int):
-    """(shard name, info) as shards finish: in this process, or in a pool of `workers`."""
+def _run(todo: list[tuple[int, tuple]], tok: Any, workers: int):
+    """(shard index, info) in shard order: in this process, or in a pool of `workers`."""
     if workers <= 1 or len(todo) <= 1:
         _init_worker(tok)
-        for job in todo:
-            yield job[1], write_shard(job)
+        for i, job in todo:
+            yield i, write_shard(job)
         return
     # fork: workers start at once and need no importable __main__; a worker that dies (killed,
     # out of memory) breaks the pool with an error instead of hanging it.
@@ -309,8 +309,9 @@ def _run(todo: list[tuple], tok: Any, workers: int):
     n = min(workers, len(todo))
     with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(tok,)) as pool:
         try:
-            for job, info in zip(todo, pool.map(write_shard, todo), strict=True):
-                yield job[1], info
+            jobs = [job for _, job in todo]
+            for (i, _), info in zip(todo, pool.map(write_shard, jobs), strict=True):
+                yield i, info
         except BrokenProcessPool:
             raise UserError(
                 "a preparation worker died (out of memory? killed?); run again to resume"

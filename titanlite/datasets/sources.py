@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.datasets.records import SFT_COLUMNS, sft_record
-from titanlite.errors import UserError
+from titanlite.errors import UserError, first_line
 
 SUFFIXES = {
     ".txt": "txt",
@@ -111,12 +111,7 @@ def _parquet(path: Path):
     try:
         return pq.ParquetFile(path)
     except Exception as e:
-        raise UserError(f"data file '{path}' is not a readable parquet file ({_first_line(e)})") from None
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise UserError(f"data file '{path}' is not a readable parquet file ({first_line(e)})") from None
 
 
 def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
@@ -137,7 +132,7 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
                 yield row, line, pos
                 row, pos = row + 1, pos + len(line)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise UserError(f"data file '{piece.path}' cannot be read ({_first_line(e)}); replace it") from None
+        raise UserError(f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it") from None
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -172,7 +167,7 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
     except UserError:
         raise
     except Exception as e:  # pyarrow raises several types for a damaged file
-        raise UserError(f"data file '{piece.path}' cannot be read ({_first_line(e)}); replace it") from None
+        raise UserError(f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it") from None
 
 
 def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int, Any], None, int]:
@@ -202,7 +197,7 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
             except ValueError as e:
                 where = _where_line(piece, offset, row)
                 raise UserError(
-                    f"data file '{piece.path}' {where} is not valid JSON ({_first_line(e)}); fix or remove that line"
+                    f"data file '{piece.path}' {where} is not valid JSON ({first_line(e)}); fix or remove that line"
                 ) from None
             yield (
                 row,
