@@ -17,10 +17,12 @@ def torchrun(
     timeout: int = 600,
     env: dict | None = None,
     launcher: str = "torch.distributed.run",
+    launch: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
-    """Run `torchrun --standalone --nproc_per_node nproc ARGS` and capture its output
-    (launcher "titanlite.launch": with the workers' exit codes, as run_train.sh does)."""
-    cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *args]
+    """Run `torchrun --standalone --nproc_per_node nproc [launch] ARGS` and capture its output
+    (launcher "titanlite.launch": with preflight, run lock and the workers' exit codes, as
+    run_train.sh does)."""
+    cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *launch, *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     full_env.update(env or {})
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
@@ -36,8 +38,16 @@ def run_per_world(tmp_path_factory, script: str, worlds: tuple[int, ...]) -> dic
     return out
 
 
-def train(nproc: int, *overrides: str, timeout: int = 600, launcher: str = "torch.distributed.run"):
-    return torchrun(nproc, "-m", "titanlite.train", *overrides, timeout=timeout, launcher=launcher)
+def train(
+    nproc: int,
+    *overrides: str,
+    timeout: int = 600,
+    launcher: str = "torch.distributed.run",
+    launch: tuple[str, ...] = (),
+):
+    return torchrun(
+        nproc, "-m", "titanlite.train", *overrides, timeout=timeout, launcher=launcher, launch=launch
+    )
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,23 +1,28 @@
-"""Checkpoint, resume and reshard through the trainer's CLI (2- and 4-rank CPU runs, debug model
-with its output head tied to the embedding as in Llama 3.2, the built-in SFT set prepared by
-scripts/prepare_data.py and read memory-mapped, 6 steps,
-checkpoints every 3; the untied model's reshard is in tests/test_invariance.py).
+"""Checkpoint, resume, restart and reshard through the launcher (2- and 4-rank CPU runs, debug
+model with its output head tied to the embedding as in Llama 3.2, the built-in SFT set prepared
+by scripts/prepare_data.py and read memory-mapped, 6 steps, checkpoints every 3; the untied
+model's reshard is in tests/test_invariance.py).
 
-- a run killed by SIGKILL at step 5 and started again with the same command continues from its
-  step-3 checkpoint: per-step losses bitwise equal to the run that never stopped, FSDP and DDP
-  (with dropout: RNG states resume too);
+- a worker SIGKILLed at a random step, with one restart allowed (MAX_RESTARTS), is restarted by
+  torchrun and the run resumes by itself: per-step losses bitwise equal to the run that never
+  stopped; killed without restarts, the launcher names the rank and its log, and the same
+  command continues it bitwise (DDP with dropout: RNG states resume too);
+- a Ctrl-C (SIGINT to the launcher) finishes the step, writes a checkpoint and exits 130 with one
+  line; the same command continues bitwise and says that its changed optimizer.lr is not applied;
 - a checkpoint written at dp=2 FSDP continues at dp=4 FSDP and at dp=2 DDP within 1e-5;
 - a run killed inside the save of step 6 leaves that checkpoint unpublished: the restart loads
   step 3 and finishes, equal to the uninterrupted run;
 - async_mode: a run killed inside the background write resumes from the previous async
   checkpoint bitwise, and a failed background write stops the run at the next save;
-- a checkpoint trained on something else, or an unwritable folder, is a one-line error and
-  touches nothing.
+- a checkpoint trained on something else or written by another run, a checkpoint folder that
+  cannot be one: one line, exit 2, before any worker starts, nothing touched.
 """
 
 from __future__ import annotations
 
 import json
+import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -41,9 +46,13 @@ DDP = ("--parallelism.dp_replicate", "2")
 DROPOUT = ("--model.dropout", "0.1")  # the DDP runs: the dropout RNG must resume exactly too
 
 
-def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True):
+CKPT = ("--checkpoint.interval", "3")
+
+
+def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True, restarts: int = 0):
     where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
-    proc = train(nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch")
+    launch = ("--max-restarts", str(restarts))
+    proc = train(nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch", launch=launch)
     if ok:
         check(proc)
     return proc
@@ -61,44 +70,72 @@ def listing(folder: Path) -> list[tuple[str, int, int]]:
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory, prepared_sft):
-    """Uninterrupted runs (FSDP and DDP) and a FSDP run killed at step 5, then restarted, all on
-    data prepared by scripts/prepare_data.py (mid-epoch: 48 of 5,318 records)."""
+    """Uninterrupted runs (FSDP with checkpoints at steps 3 and 6, and DDP), on data prepared by
+    scripts/prepare_data.py (mid-epoch: 48 of 5,318 records)."""
     DATA[:] = ["--data.path", prepared_sft]
     tmp = tmp_path_factory.mktemp("ckpt")
-    run(tmp, "fsdp")
+    run(tmp, "fsdp", *CKPT)
     run(tmp, "ddp", *DDP, *DROPOUT)
-    ckpt = ("--checkpoint.interval", "3")
-    killed = run(tmp, "fsdp-resumed", *ckpt, "--debug.sigkill_step", "5", ok=False)
-    assert killed.returncode != 0
-    run(tmp, "fsdp-resumed", *ckpt)
     return tmp
 
 
 @pytest.mark.slow
-def test_resume_after_sigkill_is_bitwise_exact(ref):
-    want = losses(ref, "fsdp")
-    assert losses(ref, "fsdp-resumed") == want and sorted(want) == list(range(1, STEPS + 1))
-    folder = ref / "fsdp-resumed" / "checkpoints"
+def test_worker_killed_mid_run_is_restarted_and_resumes_bitwise(ref):
+    """Killed at step 2 the restart starts over (no checkpoint yet); at 4 or 5 it resumes from 3."""
+    step = random.randint(2, 5)
+    kill = ("--debug.sigkill_step", str(step), "--debug.sigkill_rank", "1")
+    proc = run(ref, "restarted", *CKPT, *kill, restarts=1)
+    assert "titanlite: rank 1 was killed by SIGKILL; restarting the workers" in proc.stderr, (
+        step,
+        proc.stderr,
+    )
+    assert losses(ref, "restarted") == losses(ref, "fsdp"), step
+    folder = ref / "restarted" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", "step-00000006"]
     state = json.loads((folder / "step-00000006" / "state.json").read_text())
     assert state["step"] == 6 and state["scheduler"]["last_epoch"] == 6 and state["diagnostics"]["monitor"]
+    assert state["run_folder"] == str((ref / "restarted").resolve())
+    assert len(list((ref / "restarted" / "logs").glob("*/attempt_1/1/stderr.log"))) == 1
 
 
 @pytest.mark.slow
-def test_ddp_resume_is_bitwise_exact(ref):
-    ckpt = ("--checkpoint.interval", "3")
-    assert (
-        run(ref, "ddp-resumed", *DDP, *DROPOUT, *ckpt, "--debug.sigkill_step", "5", ok=False).returncode != 0
-    )
-    run(ref, "ddp-resumed", *DDP, *DROPOUT, *ckpt)
+def test_killed_rank_is_named_and_the_same_command_continues(ref):
+    kill = ("--debug.sigkill_step", "5", "--debug.sigkill_rank", "1")
+    proc = run(ref, "ddp-resumed", *DDP, *DROPOUT, *CKPT, *kill, ok=False)
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert summary.startswith("titanlite: rank 1 was killed by SIGKILL;") and "its full log: " in summary
+    assert Path(summary.split("its full log: ")[1]).is_file()
+    run(ref, "ddp-resumed", *DDP, *DROPOUT, *CKPT)
     assert losses(ref, "ddp-resumed") == losses(ref, "ddp")
 
 
 @pytest.mark.slow
+def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
+    """The SIGINT reaches the launcher as step 3 starts; the ranks agree to stop after step 4 or
+    5 (the flag is read one step late), which is not a checkpoint step."""
+    proc = run(ref, "stopped", *CKPT, "--debug.signal_step", "3", ok=False)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    lines = sorted({ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite:")})  # every rank's
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    stop = int(lines[0].split("after step ")[1].split(";")[0])
+    assert stop in (4, 5) and f"checkpoint step-{stop} (saved in " in lines[0]
+    assert "rerun the same command to continue" in lines[0]
+    folder = ref / "stopped" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", f"step-{stop:08d}"]
+    proc = run(ref, "stopped", *CKPT, "--optimizer.lr", "1e-3")
+    out = proc.stdout + proc.stderr
+    assert f"resumed from step {stop}" in out
+    assert "resume: optimizer.lr was 0.0008, now 0.001: not applied" in out
+    assert losses(ref, "stopped") == losses(ref, "fsdp")
+
+
+@pytest.mark.slow
 def test_reshard_dp2_to_dp4_and_fsdp_to_ddp(ref):
-    source = ("--checkpoint.folder", str(ref / "fsdp-resumed" / "checkpoints"), "--checkpoint.load_step", "3")
-    run(ref, "dp4", *source, nproc=4)
-    run(ref, "to-ddp", *source, *DDP)
+    """The step-3 checkpoint copied into a new run folder continues at another layout."""
+    for name, nproc, extra in (("dp4", 4, ()), ("to-ddp", 2, DDP)):
+        shutil.copytree(ref / "fsdp/checkpoints/step-00000003", ref / name / "checkpoints/step-00000003")
+        run(ref, name, *extra, nproc=nproc)
     want = losses(ref, "fsdp")
     for name in ("dp4", "to-ddp"):
         got = losses(ref, name)
@@ -121,34 +158,35 @@ def test_kill_inside_save_keeps_the_previous_checkpoint(ref):
 
 
 @pytest.mark.slow
-def test_mismatched_checkpoint_or_unwritable_folder_fails_cleanly(ref, tmp_path):
-    folder = ref / "fsdp-resumed" / "checkpoints"
-    before = listing(ref / "fsdp-resumed")
-    for extra, key in (
-        (("--training.seed", "7"), "training.seed"),
-        (("--model.flavor", "debugmodel"), "model.flavor"),  # another model (the data fixes the vocabulary)
-        (("--training.seq_len", "128"), "training.seq_len"),
-    ):
-        proc = run(ref, "fsdp-resumed", *extra, ok=False)
+def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
+    """Each refusal is one line from the launcher (no worker started: no rank-tagged output)."""
+    folder = ref / "fsdp" / "checkpoints"
+    before = listing(ref / "fsdp")
+    cases = [
+        ("fsdp", ("--training.seed", "7"), "trained on something else (training.seed"),
+        ("fsdp", ("--model.flavor", "debugmodel"), "trained on something else (model.flavor"),
+        ("fsdp", ("--training.seq_len", "128"), "trained on something else (training.seq_len"),
+        ("other", ("--checkpoint.folder", str(folder), "--checkpoint.load_step", "4"), "(complete: 3, 6)"),
+        ("other", ("--checkpoint.folder", str(folder)), "holds the checkpoints of run '"),
+    ]
+    for name, extra, needle in cases:
+        proc = run(ref, name, *extra, ok=False)
         assert proc.returncode == 2, proc.stderr[-2000:]
-        errors = {line for line in proc.stderr.splitlines() if "titanlite: error" in line}  # every rank's
-        assert len(errors) == 1 and "trained on something else" in min(errors) and key in min(errors)
-    assert listing(ref / "fsdp-resumed") == before
-    proc = run(ref, "other", "--checkpoint.folder", str(folder), "--checkpoint.load_step", "4", ok=False)
-    assert proc.returncode == 2 and "no complete checkpoint of that step (complete: 3, 6)" in proc.stderr
+        assert proc.stderr.startswith("titanlite: error: ") and len(proc.stderr.splitlines()) == 1, (
+            proc.stderr
+        )
+        assert needle in proc.stderr and "[titanlite r" not in proc.stdout + proc.stderr
+    assert "checkpoint.initial_load_path = '" + str(folder / "step-00000006") in proc.stderr
+    assert listing(ref / "fsdp") == before and not (ref / "other").exists()
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    proc = run(
-        tmp_path,
-        "unwritable",
-        "--checkpoint.interval",
-        "3",
-        "--checkpoint.folder",
-        str(blocker / "ck"),
-        ok=False,
-    )
-    assert proc.returncode == 3 and "checkpoint save at step 3 failed" in proc.stderr
-    assert "no earlier checkpoint exists" in proc.stderr
+    for ck, needle in (
+        (blocker, "is a file; point checkpoint.folder at a folder"),
+        (blocker / "ck", "is a file"),
+    ):
+        proc = run(tmp_path, "unwritable", *CKPT, "--checkpoint.folder", str(ck), ok=False)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
 @pytest.mark.slow

@@ -90,6 +90,18 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("titanlite: error: training.global_batch_size=6")
     assert "torch.distributed" not in proc.stderr
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", str(blocker / "runs")],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert f"job.dump_folder '{blocker}/runs/" in proc.stderr and f"'{blocker}' is a file" in proc.stderr
 
 
 def test_model_too_big_for_this_machine_is_refused(tmp_path):

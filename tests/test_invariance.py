@@ -3,7 +3,8 @@ one run per layout and gives scripts/compare_runs.py's verdict).
 
 Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, global batch 16:
 dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps; FSDP, DDP and HSDP 2x4 at
-dp=8. The dp=8 run's checkpoint of step 20 continues at dp=16 on the same curve. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
+dp=8. The dp=8 run's checkpoint of step 20, copied into a new run folder, continues at dp=16 on the same
+curve. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
 verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,9 +55,12 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, p
     assert "PASS" in proc.stdout and (tmp_path / "inv/compare/compare.png").exists()
     assert "local batch 1 x accum 2" in proc.stdout and "local batch 1 x accum 1" in proc.stdout
 
-    # Reshard: the dp=8 run's step-20 checkpoint (FSDP over 8) continues as FSDP over 16.
+    # Reshard: the dp=8 run's step-20 checkpoint (FSDP over 8), copied into a new run folder,
+    # continues as FSDP over 16.
     dp8 = tmp_path / "inv" / "fsdp-1x8-lb1"
-    source = ("--checkpoint.folder", str(dp8 / "checkpoints"), "--checkpoint.load_step", "20")
+    step20 = "checkpoints/step-00000020"
+    shutil.copytree(dp8 / step20, tmp_path / "dp16-from-dp8" / step20)
+    source = ("--checkpoint.load_step", "20")
     where = ("--job.dump_folder", str(tmp_path), "--job.run_name", "dp16-from-dp8")
     check(
         train(

@@ -10,6 +10,11 @@ class TrainingError(Exception):
     checkpoint save); the message names the cause. Exit 3."""
 
 
+class LostRank(Exception):
+    """A collective waited longer than comm.timeout_s; the message names the ranks that did not
+    arrive (titanlite.distributed.liveness). Exit 4: a restart may help."""
+
+
 def first_line(e: BaseException) -> str:
     """An exception's first message line, for one-line errors (its type when it has no message)."""
     text = str(e).strip()

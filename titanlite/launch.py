@@ -1,35 +1,250 @@
-"""torchrun, reporting failures the titanlite way (used by run_train.sh).
-
+"""torchrun, the titanlite way (run_train.sh calls it):
 `python -m titanlite.launch [torchrun args] -m titanlite.train [train args]`
 
-Workers print their own one-line error (exit 2: bad input, 3: the run was stopped); torchrun's
-multi-screen failure summary would bury it, so it is replaced by the workers' exit code, plus
-one line naming the rank when a worker crashed for another reason (its traceback is above).
+Before any worker starts: every check that needs no worker (titanlite.preflight), the run
+folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
+0, the run lock. Then torchrun's agent, with:
+- every rank's output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, whatever
+  LOG_RANK shows on the console; a crashed rank's last lines are shown with one line naming it;
+- SIGINT / SIGTERM passed on to the workers, which finish their step, checkpoint and exit with
+  128 + the signal. No SIGKILL timer runs meanwhile: the workers take the time a save needs
+  (the stop line reports it). A second signal kills them at once;
+- no restart (MAX_RESTARTS) after an exit that a restart cannot fix: bad input, a training
+  error, a stop by signal.
+Exit code: the workers' (0 done, 2 bad input, 3 the run stopped itself, 4 a rank stopped
+responding, 128+N stopped by signal N), or 1 when a worker crashed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import signal
 import sys
+import time
+from pathlib import Path
 
+import torch.distributed.elastic.multiprocessing.api as mp_api
+import torch.distributed.launcher.api as launcher_api
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import get_args_parser, run
+from torch.distributed.run import config_from_args, get_args_parser
+
+from titanlite.components.run_lock import HELD_ENV, RunLock
+from titanlite.components.run_plan import existing_parent
+from titanlite.distributed.liveness import EXIT_LOST_RANK
+from titanlite.errors import UserError
+from titanlite.preflight import plan_run
+from titanlite.tools.process import AGENT_PID_ENV
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Exits a restart cannot fix: bad input, a training error, a stop by signal.
+NO_RESTART = {2, 3, *(128 + s for s in STOP_SIGNALS)}
+# After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
+# waiting on the dead peer in a collective, which no grace can finish).
+FAILURE_GRACE_S = 5
+TAIL_LINES = 20
+
+_stop = {"signal": 0}
+
+
+class _Agent(LocalElasticAgent):
+    """torchrun's agent, which skips hopeless restarts and says when it restarts."""
+
+    current: _Agent | None = None
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        _Agent.current = self
+        self.last_failure = ""
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        if result.is_failed():
+            codes = {f.exitcode for f in result.failures.values()}
+            if _stop["signal"] or codes & NO_RESTART:
+                self._remaining_restarts = 0
+            rank, first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+            self.last_failure = f"rank {rank} {_how(first.exitcode)}"
+        return result
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL (inside
+        # its process context, whatever --shutdown-timeout says); they wait on the dead peer,
+        # which no grace can finish. A user's stop never goes through this: the workers exit
+        # by themselves first.
+        close = self._pcontext.close
+        self._pcontext.close = lambda death_sig=None, timeout=30: close(
+            death_sig, min(timeout, FAILURE_GRACE_S)
+        )
+        return pids
+
+    def _restart_workers(self, worker_group) -> None:
+        left = self._remaining_restarts
+        print(
+            f"titanlite: {self.last_failure}; restarting the workers ({left} restart(s) left after "
+            "this one); they resume from the last complete checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
+        super()._restart_workers(worker_group)
+
+
+def _on_signal(signum: int, frame) -> None:
+    """The first SIGINT/SIGTERM goes on to the workers, which stop after their step with a
+    checkpoint; a second one (or one before the workers run) kills them and ends the launch."""
+    agent = _Agent.current
+    pids = list(agent._pcontext.pids().values()) if agent and agent._pcontext else []
+    if not _stop["signal"] and pids:
+        _stop["signal"] = signum
+        agent._remaining_restarts = 0
+        forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
+        for pid in pids:
+            _kill(pid, forward)
+        return
+    for pid in pids:
+        _kill(pid, signal.SIGKILL)
+    raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+class _RunLogs(DefaultLogsSpecs):
+    """torchrun's per-rank log files, in a folder of the run folder (not a random temp one)."""
+
+    def __init__(self, folder: Path, shown: set[int] | None) -> None:
+        super().__init__(log_dir=str(folder), tee=Std.ALL, local_ranks_filter=shown)
+
+    def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
+        return str(log_dir)
+
+
+class _NoTag(str):
+    """An empty console tag per line. torchrun tags each line it copies from a rank's log with
+    "[default0]:" unless a prefix template is given, and ignores an empty (falsy) template; the
+    titanlite logger tags its lines with the rank already."""
+
+    def __bool__(self) -> bool:
+        return True
+
+
+def _how(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"failed with exit code {exitcode}"
+
+
+def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
+    attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    return attempts[-1] / str(local_rank) / "stderr.log" if attempts else None
+
+
+def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
+    """The exit code for a failed launch, with what the console has not shown: the failed rank's
+    one-line error, or a crashed rank's last lines and its log file."""
+    rank, first = e.get_first_failure()
+    code = first.exitcode
+    log = _stderr_log(log_dir, first.local_rank)
+    lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []
+    on_console = shown is None or first.local_rank in shown
+    if code in NO_RESTART or code == EXIT_LOST_RANK:
+        own = [ln for ln in lines if ln.startswith("titanlite: ")]
+        if own and not on_console:
+            print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
+        return code
+    if not on_console:
+        for line in lines[-TAIL_LINES:]:
+            print(f"[rank{rank}]: {line}", file=sys.stderr)
+    said = "its last lines are above" if lines else "it printed nothing"
+    print(f"titanlite: rank {rank} {_how(code)}; {said}; its full log: {log}", file=sys.stderr, flush=True)
+    return 1
+
+
+def _world_size(args) -> tuple[int, int]:
+    try:
+        nnodes = int(str(args.nnodes).split(":")[-1])
+        return nnodes * int(args.nproc_per_node), nnodes
+    except ValueError:
+        raise UserError(
+            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} "
+            f"and {args.nproc_per_node!r}"
+        ) from None
+
+
+def _standalone(args) -> None:
+    """torchrun's --standalone: a rendezvous on a free local port (as torch.distributed.run.run)."""
+    import uuid
+
+    if args.standalone:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
 
 
 def main(argv: list[str]) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _on_signal)
+    mp_api._terminate_process_handler = _on_signal  # what torchrun's agent installs as it starts
+    launcher_api.LocalElasticAgent = _Agent
+    lock, made, code = None, None, 1
     try:
-        run(get_args_parser().parse_args(argv))
-    except ChildFailedError as e:
-        rank, first = e.get_first_failure()
-        if first.exitcode in (2, 3):
-            return first.exitcode
-        print(
-            f"titanlite: rank {rank} failed (exit code {first.exitcode}); see its output above",
-            file=sys.stderr,
-        )
-        return first.exitcode if first.exitcode > 0 else 1
-    return 0
+        args = get_args_parser().parse_args(argv)
+        world, nnodes = _world_size(args)
+        plan = plan_run(args.training_script_args, world, nnodes)
+        run_dir = plan.run_dir
+        if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
+            args.training_script_args += ["--job.run_name", run_dir.name]
+        base = existing_parent(run_dir)
+        if base != run_dir.absolute():  # the first folder this launch creates
+            made = base / run_dir.absolute().relative_to(base).parts[0]
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if args.node_rank == 0:
+            lock = RunLock(run_dir)
+            lock.acquire()
+            os.environ[HELD_ENV] = str(lock.path.resolve())
+        os.environ[AGENT_PID_ENV] = str(os.getpid())
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
+        shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
+        _standalone(args)
+        config, cmd, cmd_args = config_from_args(args)
+        config.logs_specs = _RunLogs(log_dir, shown)
+        config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
+        try:
+            launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
+            code = 0
+        except ChildFailedError as e:
+            code = _report(e, log_dir, shown)
+    except UserError as e:
+        print(f"titanlite: error: {e}", file=sys.stderr)
+        code = 2
+    except SignalException as e:
+        name = e.sigval.name
+        if _stop["signal"]:
+            print(
+                f"titanlite: stopped at once by a second {name}: the workers were killed mid-step; rerun the "
+                "same command to resume from the last complete checkpoint",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"titanlite: stopped by {name} before the workers started; nothing to save", file=sys.stderr
+            )
+        code = 128 + int(e.sigval)
+    finally:
+        if lock is not None:
+            lock.release()
+        if code == 2 and made is not None:  # bad input found by the workers: leave nothing behind
+            shutil.rmtree(made, ignore_errors=True)
+    return code
 
 
 if __name__ == "__main__":

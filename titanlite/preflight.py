@@ -1,15 +1,29 @@
-"""Validate a config for a given world size before any worker starts (used by run_train.sh).
+"""Everything about a run that can be checked before any worker starts (titanlite.launch runs it).
 
-`python -m titanlite.preflight --world-size N [--config FILE] [--section.key value ...]`
-prints nothing and exits 0 when the config is usable, or prints one line and exits 2.
-`python -m titanlite.preflight --help` prints run_train.sh's usage and every config key.
-Imports no torch, so it answers in well under a second.
+`plan_run` parses the config and checks: the layout for the world size, value ranges, the data
+and tokenizer files, the run folder (its name fixed here, writable, not held by a live run, not
+holding another run), the checkpoint folder (not a file, writable, its checkpoint resumable, free
+space for one more checkpoint, estimated from the model's shapes). A problem is one UserError.
+
+`python -m titanlite.preflight --world-size N [--config FILE] [overrides]` runs the same checks
+and prints nothing (exit 0) or one line (exit 2); `--help` prints run_train.sh's usage and every
+config key, without importing torch.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+from titanlite.components.run_plan import (
+    check_checkpoint_space,
+    check_writable,
+    checkpoint_folder,
+    resume_step,
+    run_name,
+)
+from titanlite.config import JobConfig
 from titanlite.config.layout import validate
 from titanlite.config.manager import config_help, parse_args, wants_help
 from titanlite.datasets.spec import check_data_tokenizer
@@ -18,9 +32,63 @@ from titanlite.errors import UserError
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 Trains with torchrun on this node (default config: train_configs/debug_model.toml).
 Environment: NGPU / NPROC ranks on this node (default: the GPU count, else 2 CPU ranks);
-LOG_RANK local ranks that print (default 0, e.g. 0,1); NNODES, NODE_RANK, MASTER_ADDR,
-MASTER_PORT for several nodes. Exit codes: 0 done, 2 bad input (one line says what), 3 the run
-was stopped (non-finite loss, diagnostics.on_alert = stop, a failed checkpoint save)."""
+LOG_RANK local ranks that print (default 0, e.g. 0,1; every rank's log is in <run>/logs);
+MAX_RESTARTS restarts of a failed worker group, which resume from the last checkpoint (one node);
+NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several nodes (and --job.run_name).
+Ctrl-C or SIGTERM: the step finishes, a checkpoint is written, exit 128+signal; Ctrl-C twice
+stops at once. Exit codes: 0 done, 2 bad input (one line says what), 3 the run was stopped
+(non-finite loss, diagnostics.on_alert = stop, a failed checkpoint save), 4 a rank stopped
+responding (comm.timeout_s; the line names it), 130/143 stopped by SIGINT/SIGTERM."""
+
+# Bytes per parameter of a checkpoint: float32 weights plus AdamW's two float32 moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+@dataclass
+class RunPlan:
+    cfg: JobConfig
+    run_dir: Path
+    resume: int | None  # the checkpoint step the run continues from; None: a fresh run
+
+
+def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: bool = True) -> RunPlan:
+    cfg, path = parse_args(argv)
+    validate(cfg, world_size)
+    check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
+    run_dir = Path(cfg.job.dump_folder).expanduser() / run_name(cfg, path, nnodes)
+    check_writable(run_dir, "job.dump_folder")
+    folder = checkpoint_folder(cfg, run_dir)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")
+    resume = resume_step(cfg, run_dir, restarted=False)
+    if cfg.checkpoint.interval > 0:
+        check_writable(folder, "checkpoint.folder")
+        if check_space:
+            n, what = model_parameters(cfg)
+            check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
+    return RunPlan(cfg, run_dir, resume)
+
+
+def model_parameters(cfg: JobConfig) -> tuple[int, str]:
+    """The model's parameter count, from its shapes on the meta device (imports torch), and its
+    name for messages."""
+    from titanlite.models.registry import build_meta_model
+
+    meta = build_meta_model(cfg, _vocab_size(cfg))
+    n = sum(p.numel() for p in meta.model.parameters())
+    flavor = "the Hugging Face model" if cfg.model.hf_assets_path else cfg.model.flavor
+    return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
+
+
+def _vocab_size(cfg: JobConfig) -> int:
+    from titanlite.components.tokenizer import load_tokenizer
+
+    m = cfg.model
+    if m.tokenizer_path:
+        return load_tokenizer(m.tokenizer_path).vocab_size
+    if m.hf_assets_path:
+        return 0  # the folder's config.json gives the vocabulary
+    return m.builtin_vocab_size
 
 
 def main(argv: list[str]) -> int:
@@ -30,11 +98,7 @@ def main(argv: list[str]) -> int:
     try:
         if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
             raise UserError("usage: python -m titanlite.preflight --world-size N [--config FILE] [overrides]")
-        cfg, _ = parse_args(argv[2:])
-        validate(cfg, int(argv[1]))
-        check_data_tokenizer(
-            cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
-        )
+        plan_run(argv[2:], int(argv[1]), check_space=False)
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         return 2

@@ -8,6 +8,8 @@ this file holds the step and the loop.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,26 +19,31 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.components.checkpoint import Checkpointer, export_weights
+from titanlite.components.checkpoint_index import resume_changes
 from titanlite.components.faults import Faults
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
 from titanlite.components.loss import LossBalancer, cross_entropy_sum
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
-from titanlite.components.run_folder import checkpoint_folder, open_run_folder, run_info
+from titanlite.components.run_folder import open_run_folder, run_info
+from titanlite.components.run_plan import checkpoint_folder, is_restart
 from titanlite.components.step_window import StepWindow
+from titanlite.components.stop import Stopped, StopSignals
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import initial_load_kind, validate
 from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.diagnostics.component import Diagnostics
+from titanlite.distributed.liveness import EXIT_LOST_RANK, Heartbeat, flight_recorder_env, is_timeout
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import grad_sync, materialize
 from titanlite.distributed.utils import clip_grad_norm_, peak_flops
-from titanlite.errors import TrainingError, UserError
+from titanlite.errors import LostRank, TrainingError, UserError
 from titanlite.models.registry import build_meta_model
 from titanlite.tools.logging import init_logging
 from titanlite.tools.memory import check_memory, peak_memory_gib
+from titanlite.tools.process import die_with_parent
 
 logger = init_logging()
 
@@ -74,12 +81,18 @@ def forward_backward(
 
 
 class Trainer:
-    def __init__(self, cfg: JobConfig, config_path: str | None = None) -> None:
+    def __init__(
+        self, cfg: JobConfig, config_path: str | None = None, stops: StopSignals | None = None
+    ) -> None:
         self.cfg = cfg
         t = cfg.training
+        self.stops = stops or StopSignals()
         self.device = resolve_device(t.device)
-        init_distributed(self.device)
+        if self.device.type == "cuda":
+            flight_recorder_env(_trace_dir(cfg), cfg.comm.trace_buffer)
+        init_distributed(self.device, cfg.comm.timeout_s)
         self.rank = dist.get_rank()
+        self.heartbeat = Heartbeat(cfg.comm.timeout_s, watch=self.device.type == "cuda")
         self.layout = validate(cfg, dist.get_world_size())
         self.dims = ParallelDims.build(
             self.layout, self.device, t.mixed_precision_param, t.mixed_precision_reduce
@@ -104,7 +117,9 @@ class Trainer:
             cfg, dataset, self.dims.dp_rank, self.dims.dp_size, self.device.type == "cuda", self.faults
         )
         self.model = materialize(meta.spec.parallelize_fn(meta.model, self.dims, cfg), self.dims, t.seed)
-        self.diagnostics = Diagnostics(cfg.diagnostics, self.model, self.dims, t.seed, self.faults)
+        self.diagnostics = Diagnostics(
+            cfg.diagnostics, self.model, self.dims, t.seed, self.faults, cfg.comm.timeout_s
+        )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.balancer = LossBalancer(
@@ -112,15 +127,15 @@ class Trainer:
         )
 
         info = run_info(cfg, self.dims, self.diagnostics.method_used)
-        self.run_dir, resume = open_run_folder(cfg, config_path, info)
+        self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info)
         self.metrics = MetricsWriter(
             self.run_dir if self.rank == 0 else None,
             t.steps,
             cfg.metrics.enable_tensorboard,
-            purge_step=None if resume is None else resume + 1,
+            purge_step=resume + 1 if resume is not None else 1 if is_restart() else None,
         )
         folder = checkpoint_folder(cfg, self.run_dir)
-        self.checkpointer = Checkpointer(cfg, folder, self.model, self.optimizer, self.faults)
+        self.checkpointer = Checkpointer(cfg, folder, self.model, self.optimizer, self.faults, self.run_dir)
         self.start_step = 1
         if resume is not None:
             self._resume(resume)
@@ -136,9 +151,15 @@ class Trainer:
 
     def _resume(self, step: int) -> None:
         """Continue after `step`: weights, optimizer and RNG from the checkpoint, the schedule and
-        diagnostics from its state.json, and the data position from the step."""
+        diagnostics from its state.json, and the data position from the step. Every config value
+        that differs from the checkpoint's run is printed with what takes effect."""
         state = self.checkpointer.load(step, self._generators())
+        if self.rank == 0:
+            for line in resume_changes(state, self.cfg):
+                logger.info(line)
         self.scheduler.load_state_dict(state["scheduler"])
+        if not self.cfg.checkpoint.restore_hparams:
+            continue_schedule(self.optimizer, self.scheduler, self.cfg, step)
         self.diagnostics.load_state_dict(state["diagnostics"])
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": step * self.layout.grad_accum})
         self.start_step = step + 1
@@ -179,6 +200,7 @@ class Trainer:
 
     def train_step(self, step: int) -> None:
         micro = self.next_microbatches(step)
+        self.heartbeat.reached(step)
         measured = self.diagnostics.begin_step(step)
         loss_total, loss_sum = forward_backward(
             self.model,
@@ -254,26 +276,61 @@ class Trainer:
         steps = self.cfg.training.steps
         sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
         start = window_start = time.perf_counter()
-        for step in range(self.start_step, steps + 1):
-            self.faults.kill_at_step(step)
-            if sync_debug:
-                torch.cuda.set_sync_debug_mode("error")
-            lr = self.scheduler.get_last_lr()[0]
-            self.train_step(step)
-            if self.is_log_step(step):
+        self.stops.arm(self.cfg.comm.timeout_s)
+        step = self.start_step
+        try:
+            for step in range(self.start_step, steps + 1):
+                self.faults.kill_at_step(step)
+                self.faults.interrupt_at_step(step)
+                self.faults.hang_at_step(step)
                 if sync_debug:
-                    torch.cuda.set_sync_debug_mode("default")
-                now = time.perf_counter()
-                self._log(step, lr, now - window_start, now - start)
-                if self.is_checkpoint_step(step):
-                    self.save_checkpoint(step)
-                window_start = time.perf_counter()
-        self.checkpointer.wait()  # the last async save is settled before the run reports success
+                    torch.cuda.set_sync_debug_mode("error")
+                lr = self.scheduler.get_last_lr()[0]
+                self.train_step(step)
+                stop = self.stops.poll() if step < steps else 0
+                if self.is_log_step(step) or stop:
+                    self.heartbeat.idle()
+                    if sync_debug:
+                        torch.cuda.set_sync_debug_mode("default")
+                    now = time.perf_counter()
+                    self._log(step, lr, now - window_start, now - start)
+                    if self.is_checkpoint_step(step):
+                        self.save_checkpoint(step)
+                    if stop:
+                        self._stop(step, stop)
+                    window_start = time.perf_counter()
+            self.heartbeat.idle()
+            self.stops.drain()
+            self.checkpointer.wait()  # the last async save is settled before the run reports success
+        except RuntimeError as e:
+            if is_timeout(e) and dist.get_world_size() > 1:
+                raise LostRank(self.heartbeat.explain(step)) from None
+            raise
         if self.cfg.checkpoint.export_weights:
             export_weights(self.model, self.run_dir / "weights.pt")
         if self.cfg.checkpoint.export_hf:
             self._export_hf(self.run_dir / "hf")
         logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
+
+    def _stop(self, step: int, signum: int) -> None:
+        """Every rank, after the step all agreed on: a settled checkpoint (unless checkpointing is
+        off), then Stopped with the line that says how to continue and the grace a stop needs."""
+        name = signal.Signals(signum).name
+        if self.cfg.checkpoint.interval <= 0:
+            raise Stopped(
+                signum,
+                f"stopped by {name} after step {step}; checkpointing is off (checkpoint.interval = 0), so nothing was saved",
+            )
+        began = time.perf_counter()
+        if not self.is_checkpoint_step(step):
+            self.save_checkpoint(step)
+        self.checkpointer.wait()
+        took = time.perf_counter() - began
+        raise Stopped(
+            signum,
+            f"stopped by {name} after step {step}; checkpoint step-{step} (saved in {took:.1f}s: a "
+            f"scheduler's grace period must cover a step plus that); rerun the same command to continue",
+        )
 
     def _export_hf(self, folder: Path) -> None:
         """The model as a Hugging Face folder (every rank calls it), with the tokenizer's files
@@ -290,12 +347,22 @@ class Trainer:
         )
 
     def close(self) -> None:
+        self.heartbeat.close()
         self.checkpointer.close()
         self.metrics.close()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
 
 USAGE = """usage: torchrun [torchrun options] -m titanlite.train [--config FILE] [--section.key VALUE ...]
 (./run_train.sh runs it so, after checking the config; without torchrun: one rank)"""
+
+
+def _trace_dir(cfg: JobConfig) -> Path:
+    """Where NCCL's flight recorder dumps: the run folder's comm_trace/ when the launcher named
+    the run (it always does), else the dump folder's."""
+    base = Path(cfg.job.dump_folder).expanduser()
+    return (base / cfg.job.run_name if cfg.job.run_name else base) / "comm_trace"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,10 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     if wants_help(argv):
         print(config_help(USAGE))
         return 0
+    die_with_parent()
     trainer = None
     try:
+        stops = StopSignals()  # first: a signal during set-up stops at once, in one line
         cfg, path = parse_args(argv)
-        trainer = Trainer(cfg, path)
+        trainer = Trainer(cfg, path, stops)
         trainer.train()
         return 0
     except UserError as e:
@@ -315,6 +384,16 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingError as e:
         print(f"titanlite: stopped: {e}", file=sys.stderr, flush=True)
         return 3
+    except LostRank as e:
+        print(f"titanlite: stopped: {e}", file=sys.stderr, flush=True)
+        if trainer is not None:
+            trainer.close()
+        sys.stdout.flush()
+        # A clean teardown would wait on the lost peer (gloo's pending sends, tens of seconds).
+        os._exit(EXIT_LOST_RANK)
+    except Stopped as e:
+        print(f"titanlite: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
     finally:
         if trainer is not None:
             trainer.close()

@@ -19,6 +19,7 @@ argv: OUT.json ASSETS RUNS [UPSTREAM]. Writes JSON (rank 0).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -183,8 +184,8 @@ def finetune(assets: str, runs: str) -> dict:
     source_before = listing(step2.parent)
 
     def resumed(name: str, *extra: str) -> Trainer:
-        folder = ("--checkpoint.folder", str(step2.parent), "--checkpoint.load_step", "2")
-        return sft_trainer(assets, runs, name, *folder, "--checkpoint.interval", "0", *extra)
+        copy_checkpoint(step2, Path(runs, name))
+        return sft_trainer(assets, runs, name, "--checkpoint.interval", "0", *extra)
 
     fsdp = resumed("ft-resumed")
     start = full_params(fsdp), full_optimizer_state(fsdp), fsdp.start_step
@@ -229,6 +230,14 @@ def finetune(assets: str, runs: str) -> dict:
     }
 
 
+def copy_checkpoint(step: Path, run_dir: Path) -> None:
+    """A step folder copied into a new run folder, which then resumes from it (a run folder
+    resumes only its own checkpoints)."""
+    if dist.get_rank() == 0:
+        shutil.copytree(step, run_dir / "checkpoints" / step.name)
+    dist.barrier()
+
+
 def main() -> None:
     out, assets, runs = sys.argv[1:4]
     upstream = sys.argv[4] if len(sys.argv) > 4 else None
@@ -238,10 +247,8 @@ def main() -> None:
     if dist.get_world_size() == 2:
         results["finetune"] = finetune(assets, runs)
     if upstream:
-        step2 = f"{upstream}/ft/checkpoints"
-        run_to_end(
-            sft_trainer(assets, runs, "ft-dp1", "--checkpoint.folder", step2, "--checkpoint.load_step", "2")
-        )
+        copy_checkpoint(Path(upstream, "ft", "checkpoints", "step-00000002"), Path(runs, "ft-dp1"))
+        run_to_end(sft_trainer(assets, runs, "ft-dp1", "--checkpoint.load_step", "2"))
         results["dp1_losses"] = losses(f"{runs}/ft-dp1")
     if dist.get_rank() == 0:
         with open(out, "w") as f:

@@ -4,7 +4,8 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
     DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
-                             and what it was trained on (titanlite.config.identity)
+                             what it was trained on (titanlite.config.identity), the whole
+                             config and the run folder that wrote it (components/checkpoint_index)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection)
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
@@ -27,6 +28,7 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.components.checkpoint_index import complete_steps, flat_config, step_dir
 from titanlite.components.faults import Faults
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
@@ -51,56 +54,6 @@ from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes, fsync_dir
 
 logger = logging.getLogger("titanlite")
-
-
-def step_dir(folder: Path, step: int) -> Path:
-    return folder / f"step-{step:08d}"
-
-
-def complete_steps(folder: Path) -> list[int]:
-    """Steps of the published, complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for d in folder.iterdir():
-        name = d.name
-        if name.startswith("step-") and name[5:].isdigit() and (d / MARKER).is_file():
-            steps.append(int(name[5:]))
-    return sorted(steps)
-
-
-def find(folder: Path, load_step: int) -> int | None:
-    """The step to resume from (None: start fresh); a named step must exist and be complete."""
-    steps = complete_steps(folder)
-    if load_step < 0:
-        return steps[-1] if steps else None
-    if load_step not in steps:
-        have = ", ".join(map(str, steps)) or "none"
-        raise UserError(
-            f"checkpoint.load_step={load_step} but {folder} holds no complete checkpoint of that step "
-            f"(complete: {have}); pick one of them or -1 for the newest"
-        )
-    return load_step
-
-
-def check_compatible(folder: Path, step: int, cfg: JobConfig) -> dict:
-    """Read state.json and refuse a checkpoint trained on something else, naming the mismatch."""
-    path = step_dir(folder, step) / "state.json"
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
-        ) from None
-    # A key that joined the identity after the checkpoint was written had its default then.
-    theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
-    diff = [f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}" for k, v in ours.items() if theirs.get(k) != v]
-    if diff:
-        raise UserError(
-            f"checkpoint {path.parent} was trained on something else ({'; '.join(diff)}); "
-            "use a matching config, another checkpoint.folder, or start a new run"
-        )
-    return state
 
 
 def _rng_states(extra_generators: dict[str, torch.Generator]) -> dict[str, torch.Tensor]:
@@ -154,16 +107,22 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         faults: Faults | None = None,
+        run_dir: Path | None = None,
     ):
         self.cfg = cfg
         self.folder = folder
+        self.run_dir = run_dir
         self.model = model
         self.optimizer = optimizer
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.faults = faults or Faults(cfg.debug, cfg.training.seed, self.rank, self.world)
         self.is_async = cfg.checkpoint.async_mode == "async"
-        self.group = dist.new_group(backend="gloo") if self.is_async else None
+        self.group = (
+            dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.comm.timeout_s))
+            if self.is_async
+            else None
+        )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
         self._pending: tuple[int, Path, Future] | None = None
 
@@ -196,7 +155,14 @@ class Checkpointer:
         self._settle(step, tmp, error)
         # Serialised now: the scheduler and diagnostics move on while an async write runs.
         state = json.dumps(
-            {"step": step, "world_size": self.world, "identity": identity(self.cfg), **host_state}
+            {
+                "step": step,
+                "world_size": self.world,
+                "identity": identity(self.cfg),
+                "config": flat_config(self.cfg),
+                "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
+                **host_state,
+            }
         )
         writer = (_FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
         if not self.is_async:

@@ -12,13 +12,15 @@ Data-Parallel Full Fine-Tuning", studies the seed ones):
   the data shuffle, titanlite's normal mode), S1-2 "rank0_differs", S1-3 "per_rank". Dropout
   (model.dropout) makes seeds matter.
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
-loss, a rank killed at a step or inside a save, a save failing as on a full disk.
+loss, a rank killed at a step or inside a save, a rank that hangs, a save failing as on a full
+disk.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -64,9 +66,23 @@ class Faults:
         return step == self.debug.nan_loss_step and self.rank == 0
 
     def kill_at_step(self, step: int) -> None:
-        """Rank 0 dies (SIGKILL) as this step starts: a crash to recover from."""
-        if step == self.debug.sigkill_step and self.rank == 0:
+        """Rank sigkill_rank dies (SIGKILL) as this step starts: a crash to recover from. Only in
+        a run's first attempt, so a worker group that torchrun restarts gets past it."""
+        if step == self.debug.sigkill_step and self.rank == self.debug.sigkill_rank and _first_attempt():
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def interrupt_at_step(self, step: int) -> None:
+        """Rank 0 sends SIGINT to its launcher as this step starts (to itself without torchrun):
+        the stop path, at a known step."""
+        if step == self.debug.signal_step and self.rank == 0 and _first_attempt():
+            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGINT)
+
+    def hang_at_step(self, step: int) -> None:
+        """Rank hang_rank stops responding as this step starts (before it takes its batch), as on
+        a hung data read: its peers wait in their next collective until comm.timeout_s."""
+        if step == self.debug.hang_step and self.rank == self.debug.hang_rank:
+            while True:
+                time.sleep(60)
 
     def kill_in_save(self, step: int) -> None:
         """Rank 0 dies inside this step's save, after DCP wrote, before the publish."""
@@ -76,3 +92,8 @@ class Faults:
     def save_fails(self, step: int) -> bool:
         """The last rank's checkpoint write of this step fails as on a full disk."""
         return step == self.debug.fail_save_step and self.rank == self.world - 1
+
+
+def _first_attempt() -> bool:
+    """Not a worker group that torchrun restarted (a fault fires once per run)."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")

@@ -154,6 +154,10 @@ class Checkpoint:
     initial_load_model_only: bool = opt(
         True, "initial_load_path: weights only; false: also AdamW state and LR schedule position"
     )
+    restore_hparams: bool = opt(
+        True,
+        "on resume, lr, betas, eps and weight_decay come from the checkpoint; false: from this config",
+    )
 
 
 @dataclass
@@ -167,7 +171,15 @@ class Debug:
     corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
     grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
     grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS")
-    sigkill_step: int = opt(-1, "fault: rank 0 is killed (SIGKILL) as this step starts (crash recovery)")
+    sigkill_step: int = opt(
+        -1, "fault: rank sigkill_rank is killed (SIGKILL) as this step starts, in a run's first attempt"
+    )
+    sigkill_rank: int = opt(0, "the rank that sigkill_step kills")
+    signal_step: int = opt(
+        -1, "fault: as this step starts, rank 0 sends SIGINT to its launcher, as a Ctrl-C would"
+    )
+    hang_step: int = opt(-1, "fault: rank hang_rank stops responding as this step starts (comm timeout)")
+    hang_rank: int = opt(0, "the rank that hang_step hangs")
     fail_save_step: int = opt(
         -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
     )
@@ -219,6 +231,17 @@ class Diagnostics:
 
 
 @dataclass
+class Comm:
+    timeout_s: int = opt(
+        600, "a collective waiting longer than this stops the run, naming the ranks that did not arrive"
+    )
+    trace_buffer: int = opt(
+        2000,
+        "NCCL flight recorder: collectives kept per rank, dumped into <run>/comm_trace on a timeout; 0: off",
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -230,5 +253,6 @@ class JobConfig:
     loss: Loss = field(default_factory=Loss)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    comm: Comm = field(default_factory=Comm)
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
     debug: Debug = field(default_factory=Debug)

@@ -82,7 +82,7 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     from titanlite.datasets.spec import check_data
 
     layout = resolve_layout(cfg, world_size)
-    for key in ("corrupt_labels_rank", "grad_noise_rank"):
+    for key in ("corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"):
         if getattr(cfg.debug, key) >= world_size:
             raise UserError(
                 f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
@@ -100,6 +100,8 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     c = cfg.checkpoint
     if c.interval < 0 or c.keep_latest_k < 0 or not c.folder:
         raise UserError("checkpoint.interval and keep_latest_k must be >= 0 and checkpoint.folder non-empty")
+    if cfg.comm.timeout_s < 1 or cfg.comm.trace_buffer < 0:
+        raise UserError("comm.timeout_s must be >= 1 (seconds) and comm.trace_buffer >= 0")
     if cfg.metrics.log_freq < 1:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.components.faults import Faults
@@ -36,6 +38,9 @@ from titanlite.tools.logging import init_logging
 logger = init_logging()
 
 
+BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
+
+
 def _built_once(path: Path, build, is_builder: bool) -> None:
     """One rank per node builds a missing cache file while the others wait; a bad-input error
     met by the builder (a malformed data file, say) is raised on every rank alike."""
@@ -45,7 +50,10 @@ def _built_once(path: Path, build, is_builder: bool) -> None:
             build()
         except UserError as e:
             error = str(e)
-    error = first_error(error)
+    # The others wait for work here, not for a peer: on a group whose timeout is not
+    # comm.timeout_s, which a user may set to seconds to catch hung ranks fast.
+    waiting = dist.new_group(backend="gloo", timeout=BUILD_WAIT) if dist.is_initialized() else None
+    error = first_error(error, waiting)
     if error:
         raise UserError(error)
 

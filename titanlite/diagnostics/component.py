@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,7 @@ class Diagnostics:
         dims: ParallelDims,
         seed: int,
         faults: Faults | None = None,
+        timeout_s: int = 600,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
@@ -87,7 +89,7 @@ class Diagnostics:
         # README), sketch under HSDP (config validation refuses exact there).
         self.method = cfg.method if cfg.method != "auto" else ("sketch" if dims.mode == "hsdp" else "exact")
         if self.enabled:
-            self.group = dist.new_group(ranks=list(range(self.world)))
+            self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
             hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
             self.monitor = AlertMonitor(cfg, hosts)

@@ -35,7 +35,23 @@ def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **kwargs)
+    timeout = timedelta(seconds=timeout_s)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torchrun's agent hosts the store and keeps it when it restarts the workers
+        # (--max-restarts). A group made by new_group keys its members' addresses by a name that
+        # repeats in every attempt, so a restarted worker would read a dead peer's address and
+        # fail to connect (torch 2.13, c10d rendezvous). A prefix per attempt keeps them apart.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        kwargs.update(
+            store=dist.PrefixStore(
+                f"titanlite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
+            ),
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
 def _free_port() -> int:

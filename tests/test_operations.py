@@ -1,0 +1,234 @@
+"""Runs that survive real operations, through run_train.sh and the launcher as a user starts them
+(2 CPU ranks, the debug model on the built-in data; checkpoint, signal and restart exactness
+are in tests/test_checkpoint.py):
+
+- a second launch on a live run folder is refused in one line naming the holder; a SIGKILL of the
+  launcher's process group leaves no worker behind; the next launch takes the stale lock over
+  and resumes;
+- a second Ctrl-C stops at once, in one line, without orphans;
+- a rank that stops responding makes the other stop within comm.timeout_s plus a grace, exit 4,
+  with one line naming the rank (shown by the launcher although LOG_RANK hides that rank);
+- two launchers on one machine (NNODES=2, one rank each) train the losses of one node with two;
+- the lock, the free-space estimate and the multi-node naming rule, in process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from helpers import REPO, read_metrics
+
+from titanlite.components.run_lock import STALE_S, RunLock
+from titanlite.components.run_plan import check_checkpoint_space, run_name
+from titanlite.config import load_config
+from titanlite.errors import UserError
+
+FAST = [
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+    "--metrics.log_freq",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+]
+
+
+def launch(tmp: Path, name: str, *extra: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """./run_train.sh in a session of its own (a terminal's Ctrl-C reaches its process group)."""
+    cmd = ["./run_train.sh", *FAST, "--job.dump_folder", str(tmp), "--job.run_name", name, *extra]
+    full_env = {**os.environ, "NPROC": "2", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, **popen,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if (run_dir / "metrics.jsonl").is_file() and any(r["step"] >= step for r in read_metrics(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    raise AssertionError(f"no step {step} in {run_dir} after {timeout}s")
+
+
+def workers_of(tmp: Path) -> list[int]:
+    """Live titanlite.train processes whose command line names the dump folder `tmp`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if b"titanlite.train" in cmd and str(tmp).encode() in cmd and d.name.isdigit():
+            state = (d / "stat").read_text().split(") ")[-1][:1]
+            if state != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+def no_workers_within(tmp: Path, seconds: float) -> list[int]:
+    end = time.monotonic() + seconds
+    while (left := workers_of(tmp)) and time.monotonic() < end:
+        time.sleep(0.1)
+    return left
+
+
+@pytest.mark.slow
+def test_one_live_run_per_folder_and_no_orphans(tmp_path):
+    ckpt = ("--training.steps", "300", "--checkpoint.interval", "2")
+    first = launch(tmp_path, "held", *ckpt)
+    wait_for_step(tmp_path / "held", 2, first)
+    code, _, err = finish(launch(tmp_path, "held", *ckpt), timeout=120)
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"is in use by a live run (host {socket.gethostname()}, pid {first.pid}, started " in err
+
+    os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group, as a scheduler would
+    first.wait()
+    assert no_workers_within(tmp_path, 10) == []
+    code, out, err = finish(launch(tmp_path, "held", "--training.steps", "3", "--checkpoint.interval", "2"))
+    assert code == 0, err[-3000:]
+    assert f"taking over the stale lock of host {socket.gethostname()} pid {first.pid}" in out + err
+    assert "resumed from step" in out + err and not (tmp_path / "held" / "run.lock").exists()
+
+
+@pytest.mark.slow
+def test_second_ctrl_c_stops_at_once(tmp_path):
+    proc = launch(tmp_path, "twice", "--training.steps", "300", "--checkpoint.interval", "100")
+    wait_for_step(tmp_path / "twice", 2, proc)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)
+    began = time.monotonic()
+    code, _, err = finish(proc, timeout=60)
+    assert code == 130 and time.monotonic() - began < 15, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("titanlite: stopped at once by a second SIGINT"), err[
+        -3000:
+    ]
+    assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
+
+
+@pytest.mark.slow
+def test_hung_rank_is_named_and_the_others_stop(tmp_path):
+    """Rank 0 hangs as step 3 starts; rank 1 waits in step 3's first collective until the 5 s
+    timeout. LOG_RANK=0 hides rank 1, so its line comes from its log file, via the launcher."""
+    hang = ("--comm.timeout_s", "5", "--debug.hang_step", "3", "--debug.hang_rank", "0")
+    proc = launch(tmp_path, "hung", "--training.steps", "50", *hang)
+    wait_for_step(tmp_path / "hung", 2, proc)
+    began = time.monotonic()
+    code, _, err = finish(proc, timeout=120)
+    took = time.monotonic() - began
+    assert code == 4, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(
+        "[rank1]: titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"
+    )
+    assert "rank(s) 0 did not arrive (last step reached: 0: 2)" in line
+    assert took < 5 + 20, took  # the timeout, the launcher's 5 s grace for the hung rank, slack
+    assert no_workers_within(tmp_path, 10) == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_launchers_as_two_nodes_match_one_node(tmp_path):
+    steps = ("--training.steps", "4")
+    one = launch(tmp_path, "one-node", *steps)
+    assert finish(one)[0] == 0
+    nodes = {"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = [launch(tmp_path, "two-nodes", *steps, env={**nodes, "NODE_RANK": str(k)}) for k in (0, 1)]
+    results = [finish(p) for p in procs]
+    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one-node")}
+    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "two-nodes")}
+    assert got == want and sorted(got) == [1, 2, 3, 4]
+    assert json.loads((tmp_path / "two-nodes" / "run.json").read_text())["world_size"] == 2
+    assert sorted(p.name.split("-")[-1] for p in (tmp_path / "two-nodes" / "logs").iterdir()) == [
+        "node0",
+        "node1",
+    ]
+
+
+def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, caplog):
+    held = RunLock(tmp_path)
+    held.acquire()
+    with pytest.raises(
+        UserError, match=rf"in use by a live run \(host {socket.gethostname()}, pid {os.getpid()}"
+    ):
+        RunLock(tmp_path).acquire()
+    held.release()
+    assert not (tmp_path / "run.lock").exists()
+    # A lock file left by a process that is gone (no flock on it): taken over with a warning.
+    (tmp_path / "run.lock").write_text(
+        json.dumps({"host": socket.gethostname(), "pid": 999999, "started": "x"})
+    )
+    again = RunLock(tmp_path)
+    again.acquire()
+    assert "taking over the stale lock" in caplog.text and "pid 999999" in caplog.text
+    again.release()
+    # Another host's lock, whose flock this host may not see: live while its heartbeat is fresh.
+    (tmp_path / "run.lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "started": "x"}))
+    with pytest.raises(UserError, match="host elsewhere, pid 1"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - STALE_S - 1
+    os.utime(tmp_path / "run.lock", (old, old))
+    RunLock(tmp_path).acquire()
+
+
+def test_checkpoint_space_and_multi_node_names(tmp_path, monkeypatch):
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=3 * 2**30))
+    check_checkpoint_space(tmp_path / "ck", 2 * 2**30, "a model")
+    with pytest.raises(
+        UserError, match=r"has 3.0 GiB free but one checkpoint of a model needs about 4.0 GiB"
+    ):
+        check_checkpoint_space(tmp_path / "ck", 4 * 2**30, "a model")
+    cfg = load_config(None)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    with pytest.raises(UserError, match="needs --job.run_name"):
+        run_name(cfg, "train_configs/llama_1b.toml", nnodes=2)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert run_name(cfg, "train_configs/llama_1b.toml", nnodes=2) == "llama_1b-slurm4242"
+
+
+def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkeypatch):
+    """llama3 1B: 12 bytes per parameter (float32 weights and AdamW's two moments)."""
+    from titanlite.preflight import plan_run
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=2**30))
+    argv = [
+        "--config",
+        "train_configs/llama_1b.toml",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--checkpoint.interval",
+        "10",
+    ]
+    with pytest.raises(
+        UserError, match=r"llama3 1B \(1.04B parameters, weights and AdamW state\) needs about 11.6 GiB"
+    ):
+        plan_run(argv, world_size=8)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,91 @@
+"""Where a run writes and what it resumes, decided from the config and the disk alone (torch-free):
+the launcher decides it before any worker starts, and rank 0 again in the workers (which also
+covers a plain `torchrun -m titanlite.train`).
+
+The run folder is `<job.dump_folder>/<job.run_name>`. Its default name carries the start time, so
+the launcher fixes it before torchrun: a worker group that torchrun restarts reopens the same
+folder. Under SLURM the default is `<config stem>-slurm<job id>`, the same on every node and for
+a requeued job.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import datetime
+from pathlib import Path
+
+from titanlite.components.checkpoint_index import check_resumable, find
+from titanlite.config import JobConfig
+from titanlite.errors import UserError
+
+
+def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
+    if cfg.job.run_name:
+        return cfg.job.run_name
+    stem = Path(config_path).stem if config_path else "default"
+    if os.environ.get("SLURM_JOB_ID"):
+        return f"{stem}-slurm{os.environ['SLURM_JOB_ID']}"
+    if nnodes > 1:
+        raise UserError(
+            "a run on several nodes needs --job.run_name (every node must open the same run folder); "
+            "under SLURM the job id names it"
+        )
+    return f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
+    """checkpoint.folder; a relative one lives inside the run folder."""
+    folder = Path(cfg.checkpoint.folder).expanduser()
+    return folder if folder.is_absolute() else run_dir / folder
+
+
+def is_restart() -> bool:
+    """This worker group was restarted by torchrun (--max-restarts) after a failure."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+
+
+def resume_step(cfg: JobConfig, run_dir: Path, restarted: bool) -> int | None:
+    """The checkpoint step to resume from (None: a fresh run). Refuses, in one line, a checkpoint
+    this run may not resume, and a folder that holds another run without a checkpoint (unless
+    this is torchrun restarting this very run, which then starts over)."""
+    folder = checkpoint_folder(cfg, run_dir)
+    resume = find(folder, cfg.checkpoint.load_step)
+    if resume is not None:
+        check_resumable(folder, resume, cfg, run_dir)
+    elif (run_dir / "metrics.jsonl").exists() and not restarted:
+        raise UserError(
+            f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
+            "pick another --job.run_name or move it"
+        )
+    return resume
+
+
+def existing_parent(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """`path` is a folder that exists or can be created: no file in its way, write permission."""
+    base = existing_parent(path)
+    if not base.is_dir():
+        raise UserError(f"{flag} '{path}' cannot be a folder: '{base}' is a file; point {flag} elsewhere")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise UserError(
+            f"{flag} '{path}' is not writable ('{base}' denies it); point {flag} at a writable folder"
+        )
+
+
+def check_checkpoint_space(folder: Path, need_bytes: int, what: str) -> None:
+    """Free space for one more checkpoint, estimated by the caller (`what` says of what)."""
+    free = shutil.disk_usage(existing_parent(folder)).free
+    if free < need_bytes:
+        raise UserError(
+            f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} "
+            f"needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, "
+            "or set checkpoint.interval = 0"
+        )

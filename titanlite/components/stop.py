@@ -1,0 +1,73 @@
+"""Stopping on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) without losing work.
+
+The handler only records the signal. Ranks may receive it at different steps, or one rank only,
+so they agree on the stop step through a MAX all-reduce of the recorded signal on a gloo group
+of their own: started after each step, read after the next one. By then it has long completed,
+so reading it costs no wait, and every rank reads the same value after the same step. The
+trainer then finishes that step, writes a checkpoint, and exits with 128 + the signal number.
+
+A signal before the loop starts stops at once (there is nothing to save yet). Once a stop is under
+way, further signals are ignored here: the launcher answers a second Ctrl-C by killing the workers.
+"""
+
+from __future__ import annotations
+
+import signal
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """The run stops for a signal (exit 128 + signum); the message is the one line to print."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+class StopSignals:
+    def __init__(self) -> None:
+        self.received = 0  # the first stop signal's number; 0: none
+        self.armed = False  # the loop runs: a signal stops after the current step
+        self.group: dist.ProcessGroup | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received:
+            return
+        self.received = signum
+        if not self.armed:
+            raise Stopped(
+                signum, f"stopped by {signal.Signals(signum).name} before the first step; nothing to save"
+            )
+
+    def arm(self, timeout_s: int) -> None:
+        """Every rank, once, as the loop starts."""
+        if dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        self.armed = True
+
+    def poll(self) -> int:
+        """Every rank after every step: the signal all ranks agree to stop for (0: go on)."""
+        if self.group is None:
+            return self.received
+        agreed = 0
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()  # completed during the step just run
+            agreed = int(flag[0])  # a host tensor of a gloo group: reading it is no device sync
+        flag = torch.tensor([self.received], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return agreed
+
+    def drain(self) -> None:
+        """Every rank, when the loop ends normally: complete the last all-reduce."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
