@@ -8,7 +8,8 @@ are in tests/test_checkpoint.py):
 - a second Ctrl-C stops at once, in one line, without orphans;
 - a rank that stops responding makes the other stop within comm.timeout_s plus a grace, exit 4,
   with one line naming the rank (shown by the launcher although LOG_RANK hides that rank);
-- two launchers on one machine (NNODES=2, one rank each) train the losses of one node with two;
+- scripts/train.slurm, its two node tasks on this machine (NNODES=2, one rank each), trains the
+  losses of one node with two ranks;
 - the lock, the free-space estimate and the multi-node naming rule, in process.
 """
 
@@ -152,23 +153,53 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+FAKE_SRUN = """#!/usr/bin/env bash
+# srun on one machine: one task per node of the allocation, each with its SLURM_NODEID.
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NNODES; i++)); do SLURM_NODEID=$i "$@" & pids+=($!); done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+exit $rc
+"""
+
+
 @pytest.mark.slow
-def test_two_launchers_as_two_nodes_match_one_node(tmp_path):
+def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
+    """scripts/train.slurm under a stand-in srun that runs its two node tasks on this machine:
+    run_train.sh with NNODES=2, one rank per node, static rendezvous on localhost. The same
+    losses, bitwise, as one node with two ranks."""
     steps = ("--training.steps", "4")
-    one = launch(tmp_path, "one-node", *steps)
-    assert finish(one)[0] == 0
-    nodes = {"NNODES": "2", "NPROC": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    procs = [launch(tmp_path, "two-nodes", *steps, env={**nodes, "NODE_RANK": str(k)}) for k in (0, 1)]
-    results = [finish(p) for p in procs]
-    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    assert finish(launch(tmp_path, "one-node", *steps))[0] == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    slurm = {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "n[1-2]",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
+    env = {
+        **os.environ,
+        **slurm,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "NPROC": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    env["MASTER_PORT"] = str(_free_port())
+    cmd = ["bash", "scripts/train.slurm", *FAST, *steps, "--job.dump_folder", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "debug_model-slurm4242"  # the default name under SLURM: the job id
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one-node")}
-    got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "two-nodes")}
+    got = {r["step"]: r["loss"] for r in read_metrics(run)}
     assert got == want and sorted(got) == [1, 2, 3, 4]
-    assert json.loads((tmp_path / "two-nodes" / "run.json").read_text())["world_size"] == 2
-    assert sorted(p.name.split("-")[-1] for p in (tmp_path / "two-nodes" / "logs").iterdir()) == [
-        "node0",
-        "node1",
-    ]
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    assert sorted(p.name.split("-")[-1] for p in (run / "logs").iterdir()) == ["node0", "node1"]
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, caplog):

@@ -37,3 +37,63 @@ def test_decays_reach_their_floor():
     assert math.isclose(lr_factor(9, cos), 0.1 + 0.9 * 0.5)
     assert lr_factor(6, cos) > lr_factor(6, lin) and lr_factor(12, cos) < lr_factor(12, lin)
     assert all(lr_factor(s, const) == 1.0 for s in range(4, 14))
+
+
+def _resumed(cfg, saved_optimizer: dict, saved_scheduler: dict):
+    """A fresh optimizer and schedule loaded from a checkpoint's state, as Trainer._resume does."""
+    import torch
+
+    from titanlite.components.optimizer import build_lr_scheduler, build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_lr_scheduler(optimizer, cfg)
+    optimizer.load_state_dict(saved_optimizer)
+    scheduler.load_state_dict(saved_scheduler)
+    return optimizer, scheduler
+
+
+def test_resume_restores_hparams_unless_told_and_says_which():
+    """What `resume_changes` prints is what happens: with restore_hparams the checkpoint's lr and
+    betas stay; without, this config's apply at the checkpoint's schedule position."""
+    import torch
+
+    from titanlite.components.checkpoint_index import flat_config, resume_changes
+    from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule
+
+    old = _cfg("cosine")
+    model = torch.nn.Linear(4, 4)
+    optimizer = build_optimizer(model, old)
+    scheduler = build_lr_scheduler(optimizer, old)
+    for _ in range(6):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    state = {"step": 6, "config": flat_config(old)}
+    changed = ["--optimizer.lr", "1e-3", "--optimizer.beta2", "0.99", "--metrics.log_freq", "3"]
+
+    kept = parse_args([*changed, *_args(old)])[0]
+    lines = resume_changes(state, kept)
+    assert [ln.split(" was")[0] for ln in lines] == [
+        "resume: optimizer.lr",
+        "resume: optimizer.beta2",
+        "resume: metrics.log_freq",
+    ]
+    assert "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied")
+    opt, sched = _resumed(kept, optimizer.state_dict(), scheduler.state_dict())
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95) and sched.base_lrs == [8e-4]
+
+    applied = parse_args([*changed, "--checkpoint.restore_hparams", "false", *_args(old)])[0]
+    assert "applied from step 7" in resume_changes(state, applied)[0]
+    opt, sched = _resumed(applied, optimizer.state_dict(), scheduler.state_dict())
+    continue_schedule(opt, sched, applied, 6)
+    assert opt.param_groups[0]["betas"] == (0.9, 0.99) and sched.base_lrs == [1e-3]
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(6, applied))
+
+
+def _args(cfg) -> list[str]:
+    s = cfg.lr_scheduler
+    return [
+        "--lr_scheduler.decay_type", s.decay_type, "--lr_scheduler.warmup_steps", str(s.warmup_steps),
+        "--training.steps", str(cfg.training.steps), "--lr_scheduler.min_lr_factor", str(s.min_lr_factor),
+    ]  # fmt: skip

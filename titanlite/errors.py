@@ -11,8 +11,8 @@ class TrainingError(Exception):
 
 
 class LostRank(Exception):
-    """A collective waited longer than comm.timeout_s; the message names the ranks that did not
-    arrive (titanlite.distributed.liveness). Exit 4: a restart may help."""
+    """A collective waited longer than comm.timeout_s or lost a peer; the message names the
+    ranks that did not arrive (titanlite.distributed.liveness). Exit 4: a restart may help."""
 
 
 def first_line(e: BaseException) -> str:

@@ -38,6 +38,7 @@ from titanlite.components.run_plan import existing_parent
 from titanlite.distributed.liveness import EXIT_LOST_RANK
 from titanlite.errors import UserError
 from titanlite.preflight import plan_run
+from titanlite.tools.logging import init_logging
 from titanlite.tools.process import AGENT_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -189,6 +190,7 @@ def _standalone(args) -> None:
 
 
 def main(argv: list[str]) -> int:
+    init_logging()  # the launcher's own warnings (a stale run lock taken over) look like the workers'
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     for sig in STOP_SIGNALS:
         signal.signal(sig, _on_signal)

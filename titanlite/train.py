@@ -35,7 +35,7 @@ from titanlite.config.layout import initial_load_kind, validate
 from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.diagnostics.component import Diagnostics
-from titanlite.distributed.liveness import EXIT_LOST_RANK, Heartbeat, flight_recorder_env, is_timeout
+from titanlite.distributed.liveness import EXIT_LOST_RANK, Heartbeat, flight_recorder_env, lost_peer
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import grad_sync, materialize
 from titanlite.distributed.utils import clip_grad_norm_, peak_flops
@@ -303,8 +303,9 @@ class Trainer:
             self.stops.drain()
             self.checkpointer.wait()  # the last async save is settled before the run reports success
         except RuntimeError as e:
-            if is_timeout(e) and dist.get_world_size() > 1:
-                raise LostRank(self.heartbeat.explain(step)) from None
+            how = lost_peer(e) if dist.get_world_size() > 1 else None
+            if how:
+                raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
         if self.cfg.checkpoint.export_weights:
             export_weights(self.model, self.run_dir / "weights.pt")

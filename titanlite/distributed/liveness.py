@@ -29,9 +29,18 @@ EXIT_LOST_RANK = 4  # a rank stopped responding; torchrun's restart (MAX_RESTART
 _KEY = "titanlite/reached/"
 
 
-def is_timeout(e: BaseException) -> bool:
+_LOST = ("connection reset", "connection closed", "broken pipe", "communicator was aborted")
+
+
+def lost_peer(e: BaseException) -> str | None:
+    """What a collective's error says happened to a peer: "timeout", "lost" (its connection
+    broke: the peer died) or None (some other error)."""
+    if not isinstance(e, RuntimeError):
+        return None
     text = str(e).lower()
-    return isinstance(e, RuntimeError) and ("timed out" in text or "timeout" in text)
+    if "timed out" in text or "timeout" in text:
+        return "timeout"
+    return "lost" if any(k in text for k in _LOST) else None
 
 
 def flight_recorder_env(trace_dir: Path, entries: int) -> None:
@@ -57,6 +66,7 @@ class Heartbeat:
         self.step = 0  # the step this rank has reached (has its batch for); 0: none yet
         self.busy = False  # inside a step (the watch runs only then, not during saves)
         self._since = time.monotonic()
+        self._period = period
         self._stop = threading.Event()
         self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
         if self._store is not None:
@@ -72,7 +82,7 @@ class Heartbeat:
 
     def _run(self) -> None:
         published, warned = None, False
-        while not self._stop.wait(0.5):
+        while not self._stop.wait(self._period):
             step = self.step
             try:
                 if step != published:
@@ -85,12 +95,15 @@ class Heartbeat:
                     and time.monotonic() - self._since > self.timeout_s
                 ):
                     warned = True
-                    print(f"titanlite: stopped: {self.explain(step)}", file=sys.stderr, flush=True)
+                    print(f"titanlite: stopped: {self.explain(step, 'timeout')}", file=sys.stderr, flush=True)
             except Exception:  # the store is gone (the job is ending): nothing left to publish
                 return
 
-    def explain(self, step: int) -> str:
-        """The lost-rank line: which ranks did not reach the step this rank waits in."""
+    def explain(self, step: int, how: str) -> str:
+        """The lost-rank line: which ranks did not reach the step this rank waits in; `how` is
+        lost_peer's answer."""
+        if how == "lost":  # the peers' heartbeats are up to a period old; let them catch up
+            time.sleep(2 * self._period)
         reached = {}
         for r in range(self.world):
             key = f"{_KEY}{r}"
@@ -98,9 +111,13 @@ class Heartbeat:
                 reached[r] = int(self._store.get(key)) if self._store.check([key]) else None
             except Exception:
                 reached[r] = None
+        reached[self.rank] = step  # its own, not the heartbeat's copy
         top = max([s for s in reached.values() if s is not None] + [step])
         behind = {r: s for r, s in reached.items() if s is None or s < top}
-        head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
+        if how == "timeout":
+            head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
+        else:
+            head = f"a collective lost its connection to a peer at step {top}"
         if not behind:
             return (
                 f"{head}; every rank reached that step, so the wait is inside it (a collective or a "

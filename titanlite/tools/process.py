@@ -19,6 +19,6 @@ def die_with_parent() -> None:
         return
     parent = os.getppid()
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    expected = int(os.environ.get(AGENT_PID_ENV, parent))
+    expected = int(os.environ.pop(AGENT_PID_ENV, parent))  # popped: not for runs this one starts
     if parent != expected or os.getppid() != parent:  # the launcher died before the prctl
         os._exit(128 + int(signal.SIGKILL))
