@@ -239,13 +239,16 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    cmd = [sys.executable, "-m", "titanlite.launch", "--standalone", "--nproc_per_node", str(args.dp)]
+    # torchrun itself: titanlite.launch is for titanlite.train (its preflight reads train flags)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp)]
     cmd += [__file__, "--worker", "--dp", str(args.dp), "--steps", str(args.steps), "--config", args.config]
     cmd += ["--out", str(args.out), "--scenarios", *args.scenarios, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        errors = [line for line in lines if line.startswith("titanlite: error")]  # a worker's own line
+        tail = "\n".join(errors[:1] or lines[-15:])
         print(
             f"diagnose_scenarios: error: the runs failed (exit {proc.returncode}):\n{tail}", file=sys.stderr
         )

