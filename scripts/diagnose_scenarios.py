@@ -11,6 +11,7 @@ whose packed sequences give every rank the same token count, so a rank's loss is
     same_data        every rank reads rank 0's share
     corrupt_labels   rank dp/2's labels shuffled within each sequence
     grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction
+    replica_flip     DDP, replicas compared every step; one bit of rank dp-1's weights flips at step 5
     S1-1/S1-2/S1-3   dropout 0.1 with the seed settings of "Silent Inconsistency in Data-Parallel
                      Full Fine-Tuning" (arXiv 2602.14462): shared / rank 0 differs / per rank
 One torchrun at --dp ranks runs them one after another in one process group (a run folder each
@@ -47,6 +48,10 @@ def scenarios(dp: int) -> dict[str, list[str]]:
         "same_data": ["--debug.same_data", "true"],
         "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2)],
         "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10"],
+        "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
+            *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
+            *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
+        ],
         "S1-1": [*dropout, "shared"],
         "S1-2": [*dropout, "rank0_differs"],
         "S1-3": [*dropout, "per_rank"],

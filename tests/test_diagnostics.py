@@ -137,3 +137,18 @@ def test_step_metrics_leave_out_empty_ranks():
     assert m["cos_mean_pairwise"] == pytest.approx(0.5)
     assert m["rank_grad_norm"] == [pytest.approx(2 * 4 / 3), pytest.approx(2 * 4), None]
     assert m["rank_cos_to_mean"][2] is None and m["cos_to_mean_min_rank"] in (0, 1)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_flipped_bit_in_one_replica_is_named(results, world):
+    """One bit of rank `world - 2`'s first parameter flips before step 2: replica_drift fires
+    after step 2, once, naming the ranks that left their shard's majority (both replicas when
+    there are two) and the parameter; FSDP has no replicas to compare."""
+    cases = {c["mode"]: c for c in results[world]["replicas"]}
+    assert cases["fsdp"]["alerts"] == [[], [], []]
+    for mode in ("ddp", "hsdp"):
+        c, flipped = cases[mode], world - 2
+        shards = 1 if mode == "ddp" else world // 2
+        group = [r for r in range(world) if r % shards == flipped % shards]  # its shard's replicas
+        named = [flipped] if len(group) > 2 else group
+        assert c["alerts"] == [[], [["replica_drift", 2, named, c["first"]]], []], (mode, c)

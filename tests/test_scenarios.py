@@ -2,8 +2,10 @@
 stop): every injected fault moves the metric that should detect it; the same data and the noisy
 gradient raise their alerts (naming the rank), which stop those runs; shuffled labels raise no
 alert but one naming rank 2 (30 steps of this fault sit at the edge of single_rank_outlier's
-persistence rule: it fires with some data orders, not with others); the healthy run stays silent. The seed scenarios
-S1-1/2/3 (arXiv 2602.14462) are left to the README's full run (reported, not asserted)."""
+persistence rule: it fires with some data orders, not with others); a bit flipped in one DDP
+replica's weights raises replica_drift after that step, naming the rank; the healthy run stays
+silent. The seed scenarios S1-1/2/3 (arXiv 2602.14462) are left to the README's full run
+(reported, not asserted)."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
         "--out",
         str(tmp_path),
     ]
-    cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise"]
+    cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise", "replica_flip"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
@@ -61,4 +63,8 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
     assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.6
     assert noisy["cos_to_others_min"] < ok["cos_to_others_min"] / 2
     assert ("faulty_worker", [1]) in _alerts(noisy) and noisy["stopped"]
+
+    flip = rows["replica_flip"]  # a bit of rank 3's weights flips as step 5 starts: seen after it
+    assert flip["steps"] == 5 and _alerts(flip) == [("replica_drift", [3])], flip
+    assert flip["alerts"][0]["step"] == 5 and "replica_drift" in flip["stopped"]
     assert (tmp_path / "scenarios.png").stat().st_size > 10_000

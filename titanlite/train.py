@@ -28,12 +28,14 @@ from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
 from titanlite.components.run_folder import open_run_folder, run_info
 from titanlite.components.run_plan import checkpoint_folder, is_restart
+from titanlite.components.spike_guard import SpikeGuard
 from titanlite.components.step_window import StepWindow
 from titanlite.components.stop import Stopped, StopSignals
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import initial_load_kind, validate
 from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.diagnostics.alerts import Alert
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.distributed.liveness import EXIT_LOST_RANK, Heartbeat, flight_recorder_env, lost_peer
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
@@ -55,13 +57,13 @@ def forward_backward(
     dims: ParallelDims,
     *,
     skip_grad_sync: bool,
-    nan_loss: bool = False,
+    loss_factor: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate this rank's gradients for one step.
 
     Returns (this rank's share of the step's loss, its summed cross entropy). The shares of all
     ranks sum to the logged loss (see titanlite.components.loss); the sum feeds the diagnostics.
-    `nan_loss` poisons this rank's loss (debug.nan_loss_step) to exercise the non-finite stop.
+    `loss_factor` scales this rank's loss (debug: NaN for the non-finite stop, a spike for the guard).
     """
     balancer.begin_step([labels for _, labels in micro])
     loss_total = torch.zeros((), device=dims.device)
@@ -71,8 +73,8 @@ def forward_backward(
         with grad_sync(model, sync):
             with dims.autocast():
                 loss_sum = cross_entropy_sum(model(inputs), labels)
-            if nan_loss:
-                loss_sum = loss_sum * float("nan")
+            if loss_factor != 1.0:
+                loss_sum = loss_sum * loss_factor
             loss = balancer.scale(loss_sum, m)
             loss.backward()
         loss_total += loss.detach()
@@ -122,6 +124,7 @@ class Trainer:
         )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self.guard = SpikeGuard(cfg.diagnostics, self.device, self.dims.dp_group)
         self.balancer = LossBalancer(
             cfg.loss.normalization, self.dims.dp_group, self.dims.dp_size, self.layout.grad_accum
         )
@@ -161,6 +164,7 @@ class Trainer:
         if not self.cfg.checkpoint.restore_hparams:
             continue_schedule(self.optimizer, self.scheduler, self.cfg, step)
         self.diagnostics.load_state_dict(state["diagnostics"])
+        self.guard.load_state_dict(state.get("spike_guard", {}))
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": step * self.layout.grad_accum})
         self.start_step = step + 1
 
@@ -180,7 +184,11 @@ class Trainer:
             continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
 
     def save_checkpoint(self, step: int) -> None:
-        host = {"scheduler": self.scheduler.state_dict(), "diagnostics": self.diagnostics.state_dict()}
+        host = {
+            "scheduler": self.scheduler.state_dict(),
+            "diagnostics": self.diagnostics.state_dict(),
+            "spike_guard": self.guard.state_dict(),
+        }
         self.checkpointer.save(step, host, self._generators())
 
     def is_checkpoint_step(self, step: int) -> bool:
@@ -208,18 +216,22 @@ class Trainer:
             self.balancer,
             self.dims,
             skip_grad_sync=self.layout.skip_grad_sync or measured,  # the probe sees whole steps
-            nan_loss=self.faults.nan_loss(step),
+            loss_factor=self.faults.loss_factor(step),
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:
             self.diagnostics.end_step(step, loss_sum, self.balancer.local_tokens(), grad_norm)
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)
+        guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
+        if guard is not None:
+            skip = skip | guard[0].bool()
         set_skip(self.optimizer, skip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.window.add(step, loss_total, tokens, grad_norm, skip)
+        self.diagnostics.after_update(step)
+        self.window.add(step, loss_total, tokens, grad_norm, skip, guard)
 
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint step: a checkpoint follows a log, so no step's record is lost."""
@@ -235,8 +247,10 @@ class Trainer:
                     f"non-finite loss at step {s} on {bad} of {self.dims.dp_size} rank(s); its "
                     "update was skipped and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
-        for s, empty, skipped in zip(w.steps, w.empty, w.skipped, strict=True):
-            if skipped:
+        for s, empty, skipped, guard in zip(w.steps, w.empty, w.skipped, w.guard, strict=True):
+            if guard is not None and guard[0]:
+                self._spike(s, guard)
+            elif skipped:
                 why = "no valid token in the whole global batch" if empty else "a non-finite gradient norm"
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
         n = len(w.steps)
@@ -271,6 +285,23 @@ class Trainer:
         if alerts and self.cfg.diagnostics.on_alert == "stop":
             raise TrainingError(f"diagnostics.on_alert = 'stop': {alerts[0].line()}")
 
+    def _spike(self, step: int, guard: list[float]) -> None:
+        """A step the spike guard skipped: an event, and the stop after too many in a row."""
+        _, value, threshold, in_a_row = guard
+        g = self.cfg.diagnostics
+        msg = (
+            f"{self.guard.metric} {value:.4g} above the spike guard's threshold {threshold:.4g} (mean + "
+            f"{g.spike_k:g} std of the last applied steps); its optimizer update was skipped"
+        )
+        if self.rank == 0:
+            self.metrics.write_alerts([Alert("spike_skipped", step, [], [], msg, values={"value": value})])
+        if in_a_row > g.spike_max_consecutive:
+            raise TrainingError(
+                f"the spike guard skipped {int(in_a_row)} steps in a row, up to step {step} (more than "
+                f"diagnostics.spike_max_consecutive = {g.spike_max_consecutive}): the run diverges or its "
+                "data went bad; resume from an earlier checkpoint with a lower optimizer.lr, or check the data"
+            )
+
     # ---- the loop -------------------------------------------------------------------------------
     def train(self) -> None:
         steps = self.cfg.training.steps
@@ -283,6 +314,7 @@ class Trainer:
                 self.faults.kill_at_step(step)
                 self.faults.interrupt_at_step(step)
                 self.faults.hang_at_step(step)
+                self.faults.flip_bit(step, self.model)
                 if sync_debug:
                     torch.cuda.set_sync_debug_mode("error")
                 lr = self.scheduler.get_last_lr()[0]

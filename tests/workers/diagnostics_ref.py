@@ -3,7 +3,8 @@
 For FSDP and DDP, `exact` and `sketch`, one training step of the tiny Llama on the imbalanced
 global batch of exactness.py goes through the real probe, gathers and collect(). Every rank
 also computes the reference itself: each rank's local token-mean gradient separately, on an
-unsharded copy, and the metrics from those vectors directly. Writes JSON (rank 0) to argv[1].
+unsharded copy, and the metrics from those vectors directly. Then the replica check under FSDP,
+DDP and HSDP, with one bit flipped on one rank. Writes JSON (rank 0) to argv[1].
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import torch
 import torch.distributed as dist
 from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microbatches
 
+from titanlite.components.faults import Faults
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.distributed.parallel_dims import init_distributed
-from titanlite.distributed.param_init import ParamInit
+from titanlite.distributed.parallelize import unwrap
+from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_
 from titanlite.models.llama3 import Llama3
 from titanlite.train import forward_backward
@@ -88,6 +91,26 @@ def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -
     return {"world": world, "mode": mode, "method": method, "k": k, "sketch_seed": sketch_seed, "record": rec}
 
 
+def replica_case(world: int, mode: str, flip_rank: int) -> dict:
+    """The replica check after three updates-in-name: replicas equal at step 1; one bit of
+    `flip_rank`'s first parameter flipped before step 2; still differing at step 3. Returns the
+    alerts collected after each step."""
+    cfg = JobConfig()
+    cfg.diagnostics.replica_check_interval = 1
+    cfg.debug.flip_bit_step, cfg.debug.flip_bit_rank = 2, flip_rank
+    _, dims, model = build(cfg, world, mode, accum=1)
+    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED)
+    faults = Faults(cfg.debug, SEED, dist.get_rank(), world)
+    alerts = []
+    for step in (1, 2, 3):
+        faults.flip_bit(step, model)
+        diag.after_update(step)
+        _, raised = diag.collect()
+        alerts.append([(a.name, a.step, a.ranks, a.values.get("parameter")) for a in raised])
+    first = canonical_name(next(iter(unwrap(model).named_parameters()))[0])
+    return {"world": world, "mode": mode, "flip_rank": flip_rank, "alerts": alerts, "first": first}
+
+
 def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
@@ -98,9 +121,11 @@ def main() -> None:
         for k in (256, 4096)
         for s in range(6)
     ]
+    replicas = [replica_case(world, mode, world - 2) for mode in ("fsdp", "ddp", "hsdp")]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            json.dump({"world": world, "reference": reference(world), "cases": cases}, f)
+            out = {"world": world, "reference": reference(world), "cases": cases, "replicas": replicas}
+            json.dump(out, f)
     dist.destroy_process_group()
 
 

@@ -11,6 +11,8 @@ Data-Parallel Full Fine-Tuning", studies the seed ones):
 - seed_mode: the settings of that study, S1-1 "shared" (all ranks share the seed of dropout and of
   the data shuffle, titanlite's normal mode), S1-2 "rank0_differs", S1-3 "per_rank". Dropout
   (model.dropout) makes seeds matter.
+- flip_bit_step: one bit of one parameter flips on one rank (silent data corruption in a
+  replica's weights, which only the replica check sees).
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
 loss, a rank killed at a step or inside a save, a rank that hangs, a save failing as on a full
 disk.
@@ -23,9 +25,11 @@ import signal
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from titanlite.components.loss import IGNORE_INDEX
 from titanlite.config.job_config import Debug
+from titanlite.diagnostics.replicas import as_bits
 
 _SEED_STRIDE = 1_000_003
 
@@ -61,9 +65,27 @@ class Faults:
                 row[valid] = row[valid[torch.randperm(len(valid), generator=self.label_generator)]]
         return labels
 
-    def nan_loss(self, step: int) -> bool:
-        """Rank 0's loss of this step is made NaN (the non-finite stop)."""
-        return step == self.debug.nan_loss_step and self.rank == 0
+    def flip_bit(self, step: int, model: torch.nn.Module) -> None:
+        """Rank flip_bit_rank flips the lowest bit of its first parameter's first local element
+        as this step starts: its replica silently differs from then on."""
+        if step != self.debug.flip_bit_step or self.rank != self.debug.flip_bit_rank:
+            return
+        for p in model.parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.numel():
+                with torch.no_grad():
+                    bits = as_bits(local.detach().view(-1)[:1])
+                    bits ^= 1
+                return
+
+    def loss_factor(self, step: int) -> float:
+        """What rank 0's loss of this step is multiplied by: NaN (the non-finite stop),
+        spike_scale (the spike guard), else 1."""
+        if self.rank != 0:
+            return 1.0
+        if step == self.debug.nan_loss_step:
+            return float("nan")
+        return self.debug.spike_scale if step == self.debug.spike_step else 1.0
 
     def kill_at_step(self, step: int) -> None:
         """Rank sigkill_rank dies (SIGKILL) as this step starts: a crash to recover from. Only in

@@ -1,7 +1,8 @@
 """The steps since the last log step: kept as device tensors, read on the host once, there.
 
 Per step: this rank's share of the loss, whether the update was skipped (no valid token in the
-global batch, or a non-finite gradient norm; decided on the device, the same on every rank),
+global batch, a non-finite gradient norm, or a spike; decided on the device, the same on every
+rank), the spike guard's verdict when it is on,
 and of the last step the gradient norm and the global valid-token count. The log step sums the
 shares over ranks (the logged loss is that sum, see titanlite.components.loss) with one
 all-reduce and reads everything with one host read.
@@ -25,7 +26,8 @@ class WindowRecord:
     losses: list[float]  # each step's global loss (NaN where a rank's loss was non-finite)
     nonfinite_ranks: list[int]  # how many ranks had a non-finite loss, per step
     empty: list[bool]  # no valid token in the whole global batch
-    skipped: list[bool]  # the optimizer update was skipped (empty, or a non-finite grad norm)
+    skipped: list[bool]  # the optimizer update was skipped (empty, a non-finite grad norm, a spike)
+    guard: list[list[float] | None]  # the spike guard's [spike, value, threshold, in a row], per step
     grad_norm: float  # the last step's pre-clip gradient norm
     tokens: int  # the last step's valid tokens over all ranks
 
@@ -47,6 +49,7 @@ class StepWindow:
         self._shares: list[torch.Tensor] = []  # per step: [loss share, loss non-finite]
         self._flags: list[torch.Tensor] = []  # per step: [no valid token, update skipped]
         self._last: torch.Tensor | None = None  # [grad norm, valid tokens] of the last step
+        self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
 
     def add(
         self,
@@ -55,12 +58,15 @@ class StepWindow:
         tokens: torch.Tensor,
         grad_norm: torch.Tensor,
         skipped: torch.Tensor,
+        guard: torch.Tensor | None = None,
     ) -> None:
         """Record a step; every argument stays on the device."""
         self._steps.append(step)
         self._shares.append(torch.stack([loss_share, (~torch.isfinite(loss_share)).to(loss_share.dtype)]))
         self._flags.append(torch.stack([tokens == 0, skipped]))
         self._last = torch.stack([grad_norm.double(), tokens.double()])
+        if guard is not None:
+            self._guard.append(guard)
 
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""
@@ -68,13 +74,15 @@ class StepWindow:
             raise RuntimeError("StepWindow.read() on an empty window")
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values
         dist.all_reduce(shared, group=group)
-        shared, flags, last = readback([shared, torch.stack(self._flags), self._last])
+        guarded = [torch.stack(self._guard)] if self._guard else []
+        shared, flags, last, *guard = readback([shared, torch.stack(self._flags), self._last, *guarded])
         record = WindowRecord(
             steps=list(self._steps),
             losses=[loss for loss, _ in shared],
             nonfinite_ranks=[int(bad) for _, bad in shared],
             empty=[bool(e) for e, _ in flags],
             skipped=[bool(s) for _, s in flags],
+            guard=guard[0] if guard else [None] * len(self._steps),
             grad_norm=last[0],
             tokens=int(last[1]),
         )
@@ -85,4 +93,5 @@ class StepWindow:
         self._steps.clear()
         self._shares.clear()
         self._flags.clear()
+        self._guard.clear()
         self._last = None

@@ -186,6 +186,12 @@ class Debug:
     sigkill_in_save: int = opt(
         -1, "fault: rank 0 is killed inside this step's checkpoint save, before it is published"
     )
+    spike_step: int = opt(-1, "fault: rank 0's loss is multiplied by spike_scale at this step (a spike)")
+    spike_scale: float = opt(1000.0, "the factor of spike_step")
+    flip_bit_step: int = opt(
+        -1, "fault: as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)"
+    )
+    flip_bit_rank: int = opt(1, "the rank whose parameter flip_bit_step flips")
     seed_mode: str = opt(
         "shared",
         "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",
@@ -228,6 +234,19 @@ class Diagnostics:
     cos_low: float = opt(0.05, "cosine_drop: fires when the mean cosine falls below this")
     faulty_margin: float = opt(0.1, "faulty_worker: rank's median cosine to others below theirs by this")
     norm_outlier_factor: float = opt(3.0, "faulty_worker: or its grad norm this many x the others' median")
+    skip_spikes: str = opt(
+        "off",
+        "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",
+        choices=("off", "grad_norm", "loss"),
+    )
+    spike_k: float = opt(6.0, "spike guard: standard deviations above the recent mean that make a spike")
+    spike_window: int = opt(100, "spike guard: applied steps whose values form the history")
+    spike_min_history: int = opt(20, "spike guard: values it needs before it judges a step")
+    spike_max_consecutive: int = opt(3, "spike guard: skips in a row allowed; one more stops the run")
+    replica_check_interval: int = opt(
+        100,
+        "replica_drift: every this many steps, compare the replicas' parameters bitwise (ddp, hsdp); 0: off",
+    )
 
 
 @dataclass

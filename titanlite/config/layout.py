@@ -82,7 +82,9 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     from titanlite.datasets.spec import check_data
 
     layout = resolve_layout(cfg, world_size)
-    for key in ("corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"):
+    ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
+    ranks += ["flip_bit_rank"] if cfg.debug.flip_bit_step >= 0 else []
+    for key in ranks:
         if getattr(cfg.debug, key) >= world_size:
             raise UserError(
                 f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
@@ -90,8 +92,15 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise UserError(f"model.dropout is {cfg.model.dropout}; it must be in [0, 1)")
     d = cfg.diagnostics
-    if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3:
-        raise UserError("diagnostics.sketch_dim must be >= 16, interval >= 1 and alert_window >= 3")
+    if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3 or d.replica_check_interval < 0:
+        raise UserError(
+            "diagnostics.sketch_dim must be >= 16, interval >= 1, alert_window >= 3 and replica_check_interval >= 0"
+        )
+    if d.spike_k <= 0 or not 1 <= d.spike_min_history <= d.spike_window or d.spike_max_consecutive < 0:
+        raise UserError(
+            "diagnostics: spike_k must be > 0, 1 <= spike_min_history <= spike_window and "
+            "spike_max_consecutive >= 0"
+        )
     if d.enable and d.method == "exact" and layout.mode == "hsdp":
         raise UserError(
             "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "

@@ -25,6 +25,9 @@ CAUSES = {
     "identical_data": "ranks read the same data (rank not passed to the loader?): audit the sharding",
     "cosine_drop": "desynchronised seeds or data loader across ranks",
     "faulty_worker": "a faulty worker: possible silent data corruption or a failing device on that host",
+    "spike_skipped": "a loss or gradient-norm spike: a bad batch (inspect the step's samples) or a learning rate too high",
+    "replica_drift": "silent data corruption or a failing device on that host (check its ECC errors: nvidia-smi -q -d ECC), "
+    "or an op that is not deterministic across replicas; resume from the last checkpoint without that host",
 }
 
 

@@ -5,7 +5,8 @@ Measured steps are every step for the first `warmup_steps`, then every `interval
 measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
 each rank contributes (summed loss, valid tokens, local gradient norm^2) plus its partial Gram
 (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own process group,
-so none of it queues behind, or delays, the gradient traffic. Results stay device tensors until
+so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
+steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
 collect(), which reads them all at once.
 """
 
@@ -23,6 +24,7 @@ from titanlite.components.faults import Faults
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
+from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.tools.readback import readback
@@ -83,6 +85,8 @@ class Diagnostics:
         self.group: dist.ProcessGroup | None = None
         self.monitor: AlertMonitor | None = None
         self.probe: GradProbe | None = None
+        self.replicas: ReplicaCheck | None = None
+        self._drifted: set[int] = set()  # ranks replica_drift has named since replicas last agreed
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
         # auto: exact where the reduction allows it (measured no dearer than off on CPU, see the
@@ -93,6 +97,7 @@ class Diagnostics:
             hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
             self.monitor = AlertMonitor(cfg, hosts)
+            self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
         if self.enabled or (faults is not None and faults.grad_noise):
             self.probe = GradProbe(
                 self.method,
@@ -164,27 +169,57 @@ class Diagnostics:
             )
         )
 
-    def _read(self) -> list[_Measured]:
-        """Wait for the pending gathers and read them all with one host read."""
+    def after_update(self, step: int) -> None:
+        """After the optimizer step: start the replica check if one is due. Reads nothing."""
+        if self.replicas is not None and self.replicas.due(step):
+            self.replicas.start(step)
+
+    def _read(self) -> tuple[list[_Measured], list[tuple[int, list]]]:
+        """Wait for the pending gathers and read them all with one host read: the measured
+        steps, and the replica checks as (step, hashes[rank][parameter])."""
         for p in self._pending:
             for w in p.works:
                 w.wait()
-        host = readback([t for p in self._pending for t in (p.per_rank, p.gram(), p.global_norm)])
+        checks = self.replicas.take() if self.replicas is not None else []
+        tensors = [t for p in self._pending for t in (p.per_rank, p.gram(), p.global_norm)]
+        host = readback(tensors + [c.hashes for c in checks])
         measured = []
         for i, p in enumerate(self._pending):
             per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
             loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
             measured.append(_Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm))
         self._pending.clear()
-        return measured
+        return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
+
+    def _replica_alerts(self, checks: list[tuple[int, list]]) -> list[Alert]:
+        """replica_drift once per rank that starts to differ (a drifted replica stays so)."""
+        alerts = []
+        for step, hashes in checks:
+            drift = self.replicas.compare(step, hashes)
+            if drift is None:
+                self._drifted.clear()
+                continue
+            if set(drift.ranks) <= self._drifted:
+                continue
+            self._drifted |= set(drift.ranks)
+            hosts = [self.monitor.hosts[r] for r in drift.ranks]
+            msg = (
+                f"after step {step} the parameters of rank(s) {drift.ranks} differ bitwise from the other "
+                f"replicas of their shard, first in {drift.parameter}"
+            )
+            values = {"parameter": drift.parameter}
+            alerts.append(Alert("replica_drift", step, drift.ranks, hosts, msg, values=values))
+        return alerts
 
     def collect(self) -> tuple[list[dict], list[Alert]]:
-        """Log step: one host read of every pending measured step; returns their records and
-        the alerts they raise (the same on every rank)."""
-        if not self._pending:
+        """Log step: one host read of every pending measured step and replica check; returns the
+        steps' records and the alerts they raise (the same on every rank)."""
+        if not self._pending and (self.replicas is None or not self.replicas.pending):
             return [], []
         records, alerts = [], []
-        for m in self._read():
+        measured, checks = self._read()
+        alerts += self._replica_alerts(checks)
+        for m in measured:
             rec = {"step": m.step, "method": self.method}
             rec.update(step_metrics(m.loss_sums, m.tokens, m.norms_sq, m.gram))
             total = sum(m.tokens)

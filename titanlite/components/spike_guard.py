@@ -1,0 +1,90 @@
+"""The spike guard: skip the update of a step whose global gradient norm (or loss) stands far
+above its recent history, the "skip mechanism" that the anomaly tables of the Loss Dispersion
+Reference Manual recommend against single-step anomalies (a toxic batch, an overflow).
+
+Decided on the device, with no host read, through the same found_inf path as the zero-token
+skip, so a skipped step consumes its data and its LR step like one. A step is a spike when at
+least `spike_min_history` earlier values are known and its value exceeds their mean + spike_k *
+std (population std over the last `spike_window` applied steps). Skipped steps never enter the
+history, so a run of spikes cannot raise its own threshold. The log step reads what happened,
+logs every skip, and stops the run once more than `spike_max_consecutive` steps in a row were
+skipped (the steps up to that log step are skipped too: nothing unsafe is applied meanwhile).
+The history is saved in checkpoints, so a resumed run decides as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+
+
+class SpikeGuard:
+    def __init__(self, cfg: DiagnosticsConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
+        self.metric = cfg.skip_spikes  # "off", "grad_norm" or "loss"
+        self.enabled = self.metric != "off"
+        self.k, self.min_history, self.max_consecutive = (
+            cfg.spike_k,
+            cfg.spike_min_history,
+            cfg.spike_max_consecutive,
+        )
+        self.group = group
+        self.history = torch.zeros(cfg.spike_window, dtype=torch.float64, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)  # values ever added
+        self.consecutive = torch.zeros((), dtype=torch.int64, device=device)
+        self._slots = torch.arange(cfg.spike_window, device=device)
+
+    def check(self, loss_share: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
+        """Every rank, every step, before the optimizer step. `skipped`: the step is skipped for
+        another reason (no valid token, non-finite norm). Returns [spike, value, threshold,
+        consecutive spikes] (float64, device); the spike flag is the same on every rank."""
+        if self.metric == "loss":  # the global loss: the ranks' shares summed (one scalar all-reduce)
+            value = loss_share.detach().double().clone()
+            if self.group is not None:
+                dist.all_reduce(value, group=self.group)
+        else:
+            value = grad_norm.detach().double()
+        known = self.count.clamp(max=self.history.numel())
+        used = self._slots < known
+        n = known.clamp(min=1).double()
+        mean = torch.where(used, self.history, 0.0).sum() / n
+        std = (torch.where(used, (self.history - mean) ** 2, 0.0).sum() / n).sqrt()
+        threshold = mean + self.k * std
+        spike = (known >= self.min_history) & (value > threshold) & ~skipped
+        keep = ~(spike | skipped)
+        slot = (self.count % self.history.numel()).view(1)
+        self.history.index_copy_(0, slot, torch.where(keep, value, self.history.index_select(0, slot)))
+        self.count += keep.long()
+        self.consecutive.copy_(torch.where(spike, self.consecutive + 1, 0))
+        return torch.stack([spike.double(), value, threshold, self.consecutive.double()])
+
+    def state_dict(self) -> dict:
+        """Host values (read at a checkpoint step, which is a log step)."""
+        if not self.enabled:
+            return {}
+        return {
+            "history": self.history.tolist(),
+            "count": int(self.count),
+            "consecutive": int(self.consecutive),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.enabled or not state:
+            return
+        if len(state["history"]) != self.history.numel():
+            # Another window: keep the most recent values, in order, as the new history.
+            values = _chronological(state["history"], state["count"])[-self.history.numel() :]
+            state = {"history": values, "count": len(values), "consecutive": state["consecutive"]}
+            state["history"] += [0.0] * (self.history.numel() - len(values))
+        self.history.copy_(torch.tensor(state["history"], dtype=torch.float64))
+        self.count.fill_(state["count"])
+        self.consecutive.fill_(state["consecutive"])
+
+
+def _chronological(history: list[float], count: int) -> list[float]:
+    """A ring buffer's values, oldest first."""
+    if count <= len(history):
+        return history[:count]
+    start = count % len(history)
+    return history[start:] + history[:start]
