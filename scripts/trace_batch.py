@@ -19,27 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.config import parse_args  # noqa: E402
-from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402
-from titanlite.datasets.sampler import GlobalBatchSampler  # noqa: E402
+from titanlite.datasets.trace import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
-
-
-def trace_step(cfg, step: int, dp: int = 1, rank: int | None = None) -> list[dict]:
-    """One entry per sequence of step `step` (1-based): its position in the global batch, the
-    rank that reads it at `dp`, its index and its sources."""
-    g = cfg.training.global_batch_size
-    if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
-        raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
-    dataset = build_dataset(cfg, build_tokenizer(cfg))
-    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
-    per_rank = g // dp
-    out = []
-    for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
-        if rank is None or j // per_rank == rank:
-            out.append(
-                {"position": j, "rank": j // per_rank, "sequence": index, "sources": dataset.trace(index)}
-            )
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,11 +5,12 @@ injected faults: tests/test_scenarios.py."""
 from __future__ import annotations
 
 import random
+import sysconfig
 
 import pytest
 
 from titanlite.config.job_config import Diagnostics
-from titanlite.diagnostics.alerts import CAUSES, AlertMonitor
+from titanlite.diagnostics.alerts import CAUSES, Alert, AlertMonitor
 
 WORLD, STEPS = 4, 60
 
@@ -150,3 +151,27 @@ def test_two_ranks_raise_no_dispersion_alerts():
 
 def test_nothing_fires_before_min_steps():
     assert run(list(healthy(1, _same))[: Diagnostics().alert_min_steps]) == []
+
+
+def test_alert_line_names_the_highest_loss_samples_by_source():
+    root = sysconfig.get_paths()["stdlib"]
+    samples = [
+        {"rank": 2, "index": 7 + i, "tokens": 100, "loss": loss, "sources": [{"file": f, "row": 3}]}
+        for i, (loss, f) in enumerate(
+            [
+                (2.0, "/data/a.jsonl"),
+                (9.5, f"{root}/json/decoder.py"),
+                (None, "/data/b.jsonl"),
+                (4.0, "/x.txt"),
+            ]
+        )
+    ]
+    samples[0]["sources"].append({"file": "/data/a.jsonl", "row": 4})
+    alert = Alert("single_rank_outlier", 21, [2], ["h"], "rank 2 ...", samples=samples)
+    line = alert.line()
+    assert line.endswith(
+        "highest-loss samples: r2 #8 stdlib:json.decoder row 3 (100 tok, loss 9.500), r2 #10 /x.txt row 3 "
+        "(100 tok, loss 4.000), r2 #7 /data/a.jsonl row 3 +1 doc(s) (100 tok, loss 2.000); 1 more in "
+        "events.jsonl (scripts/inspect_step.py shows them)"
+    ), line
+    assert Alert("cosine_drop", 3, [], [], "m").line().endswith(CAUSES["cosine_drop"])

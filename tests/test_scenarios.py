@@ -63,8 +63,35 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
     assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.6
     assert noisy["cos_to_others_min"] < ok["cos_to_others_min"] / 2
     assert ("faulty_worker", [1]) in _alerts(noisy) and noisy["stopped"]
+    _alert_names_its_samples(tmp_path / "grad_noise", rank=1)
 
     flip = rows["replica_flip"]  # a bit of rank 3's weights flips as step 5 starts: seen after it
     assert flip["steps"] == 5 and _alerts(flip) == [("replica_drift", [3])], flip
     assert flip["alerts"][0]["step"] == 5 and "replica_drift" in flip["stopped"]
     assert (tmp_path / "scenarios.png").stat().st_size > 10_000
+
+
+def _alert_names_its_samples(run_dir, rank: int) -> None:
+    """The alert carries the named rank's sequences of its step (index, tokens, loss, sources), its
+    console line the highest-loss ones; scripts/inspect_step.py lists the same from the folder."""
+    events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
+    alert = next(a for a in events if a["ranks"] == [rank])
+    samples = alert["samples"]
+    assert len(samples) == 2 and {s["rank"] for s in samples} == {rank}, samples  # 2 sequences per rank
+    assert all(s["tokens"] > 0 and s["loss"] > 0 and s["sources"] for s in samples), samples
+    cmd = [sys.executable, "scripts/inspect_step.py", str(run_dir), "--step", str(alert["step"])]
+    proc = subprocess.run([*cmd, "--rank", str(rank), "--json"], cwd=REPO, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert [(r["index"], r["loss"], r["sources"]) for r in rows] == [
+        (s["index"], s["loss"], s["sources"]) for s in samples
+    ]
+    assert all(r["index"] == r["assigned"] and r["text"] and r["targets"] > 0 for r in rows), rows
+    text = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).stdout
+    assert len(text.splitlines()) == 2 * 8 and "stdlib:" in text  # the whole global batch of 8, 2 lines each
+    bad = subprocess.run([*cmd[:2], str(run_dir.parent), *cmd[3:]], cwd=REPO, capture_output=True, text=True)
+    assert (
+        bad.returncode == 2
+        and bad.stderr.startswith("inspect_step: error: ")
+        and "has no config.toml" in bad.stderr
+    )

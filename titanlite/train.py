@@ -23,7 +23,7 @@ from titanlite.components.checkpoint_index import resume_changes
 from titanlite.components.faults import Faults
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
-from titanlite.components.loss import LossBalancer, cross_entropy_sum
+from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_per_sample
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
 from titanlite.components.run_folder import open_run_folder, run_info
@@ -61,25 +61,26 @@ def forward_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate this rank's gradients for one step.
 
-    Returns (this rank's share of the step's loss, its summed cross entropy). The shares of all
-    ranks sum to the logged loss (see titanlite.components.loss); the sum feeds the diagnostics.
+    Returns (this rank's share of the step's loss, its summed cross entropy per sequence, in
+    microbatch order). The shares of all ranks sum to the logged loss (see
+    titanlite.components.loss); the per-sequence sums feed the diagnostics.
     `loss_factor` scales this rank's loss (debug: NaN for the non-finite stop, a spike for the guard).
     """
     balancer.begin_step([labels for _, labels in micro])
     loss_total = torch.zeros((), device=dims.device)
-    loss_sums = torch.zeros((), device=dims.device)
+    sample_sums = []
     for m, (inputs, labels) in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
             with dims.autocast():
-                loss_sum = cross_entropy_sum(model(inputs), labels)
+                per_sample = cross_entropy_per_sample(model(inputs), labels)
             if loss_factor != 1.0:
-                loss_sum = loss_sum * loss_factor
-            loss = balancer.scale(loss_sum, m)
+                per_sample = per_sample * loss_factor
+            loss = balancer.scale(per_sample.sum(), m)
             loss.backward()
         loss_total += loss.detach()
-        loss_sums += loss_sum.detach()
-    return loss_total, loss_sums
+        sample_sums.append(per_sample.detach())
+    return loss_total, torch.cat(sample_sums)
 
 
 class Trainer:
@@ -120,7 +121,7 @@ class Trainer:
         )
         self.model = materialize(meta.spec.parallelize_fn(meta.model, self.dims, cfg), self.dims, t.seed)
         self.diagnostics = Diagnostics(
-            cfg.diagnostics, self.model, self.dims, t.seed, self.faults, cfg.comm.timeout_s
+            cfg.diagnostics, self.model, self.dims, t.seed, self.faults, cfg.comm.timeout_s, dataset.trace
         )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -210,7 +211,7 @@ class Trainer:
         micro = self.next_microbatches(step)
         self.heartbeat.reached(step)
         measured = self.diagnostics.begin_step(step)
-        loss_total, loss_sum = forward_backward(
+        loss_total, sample_sums = forward_backward(
             self.model,
             micro,
             self.balancer,
@@ -220,7 +221,10 @@ class Trainer:
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:
-            self.diagnostics.end_step(step, loss_sum, self.balancer.local_tokens(), grad_norm)
+            sample_tokens = torch.cat([(labels != IGNORE_INDEX).sum(-1) for _, labels in micro])
+            ids = torch.from_numpy(self.dataloader.batch_sampler.rank_share(step - 1))
+            ids = ids.to(self.device, non_blocking=True)  # host to device: no wait on the device
+            self.diagnostics.end_step(step, sample_sums, sample_tokens, ids, grad_norm)
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)
         guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
@@ -247,7 +251,8 @@ class Trainer:
                     f"non-finite loss at step {s} on {bad} of {self.dims.dp_size} rank(s); its "
                     "update was skipped and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
-        for s, empty, skipped, guard in zip(w.steps, w.empty, w.skipped, w.guard, strict=True):
+        guards = w.guard or [None] * len(w.steps)
+        for s, empty, skipped, guard in zip(w.steps, w.empty, w.skipped, guards, strict=True):
             if guard is not None and guard[0]:
                 self._spike(s, guard)
             elif skipped:

@@ -31,11 +31,15 @@ from titanlite.train import forward_backward
 def reference(world: int) -> dict:
     tokens, labels = global_batch()
     per = GLOBAL_BATCH // world
-    losses, counts, grads = [], [], []
+    losses, counts, grads, sample_tokens, sample_loss = [], [], [], [], []
     for r in range(world):
         model = Llama3(ARGS)
         model.init_weights(ParamInit(model, SEED))
         x, y = tokens[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
+        with torch.no_grad():  # each sequence alone: the per-sample losses alerts carry
+            sample_tokens.append([int((row != IGNORE_INDEX).sum()) for row in y])
+            sums = [cross_entropy_sum(model(x[i : i + 1]), y[i : i + 1]).item() for i in range(len(x))]
+            sample_loss.append([s / t if t else None for s, t in zip(sums, sample_tokens[-1], strict=True)])
         n = int((y != IGNORE_INDEX).sum())
         s = cross_entropy_sum(model(x), y)
         (s / max(n, 1)).backward()
@@ -60,6 +64,8 @@ def reference(world: int) -> dict:
     return {
         "rank_loss": losses,
         "rank_tokens": counts,
+        "sample_tokens": sample_tokens,
+        "sample_loss": sample_loss,
         "rank_grad_norm": norms,
         "cos_matrix": cos,
         "rank_cos_to_mean": [
@@ -81,11 +87,11 @@ def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
     measured = diag.begin_step(1)
-    _, loss_sum = forward_backward(
-        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync or measured
-    )
+    _, sums = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync or measured)
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
-    diag.end_step(1, loss_sum, balancer.local_tokens(), grad_norm)
+    tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
+    ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
+    diag.end_step(1, sums, tokens, ids, grad_norm)
     (rec,), _ = diag.collect()
     k = diag.probe.sketch.numel() if method == "sketch" else 0  # the prime actually used
     return {"world": world, "mode": mode, "method": method, "k": k, "sketch_seed": sketch_seed, "record": rec}

@@ -41,14 +41,21 @@ IGNORE_INDEX = -100
 """Label value that marks a position without a target (prompt, padding)."""
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross entropy over valid positions, in fp32 whatever the logits' dtype."""
-    return F.cross_entropy(
+def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed token cross entropy over its valid positions ([batch], fp32 whatever
+    the logits' dtype): what the loss path sums, kept per sample for the diagnostics' alerts."""
+    per_token = F.cross_entropy(
         logits.flatten(0, -2).float(),
         labels.flatten(),
         ignore_index=IGNORE_INDEX,
-        reduction="sum",
+        reduction="none",
     )
+    return per_token.view(labels.shape).sum(-1)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross entropy over valid positions (the per-sample sums, added)."""
+    return cross_entropy_per_sample(logits, labels).sum()
 
 
 def count_valid(labels: torch.Tensor) -> torch.Tensor:

@@ -27,9 +27,10 @@ class WindowRecord:
     nonfinite_ranks: list[int]  # how many ranks had a non-finite loss, per step
     empty: list[bool]  # no valid token in the whole global batch
     skipped: list[bool]  # the optimizer update was skipped (empty, a non-finite grad norm, a spike)
-    guard: list[list[float] | None]  # the spike guard's [spike, value, threshold, in a row], per step
     grad_norm: float  # the last step's pre-clip gradient norm
     tokens: int  # the last step's valid tokens over all ranks
+    # The spike guard's [spike, value, threshold, spikes in a row] per step (None: guard off).
+    guard: list[list[float] | None] | None = None
 
     @property
     def trained_losses(self) -> list[float]:
@@ -82,7 +83,7 @@ class StepWindow:
             nonfinite_ranks=[int(bad) for _, bad in shared],
             empty=[bool(e) for e, _ in flags],
             skipped=[bool(s) for _, s in flags],
-            guard=guard[0] if guard else [None] * len(self._steps),
+            guard=guard[0] if guard else None,
             grad_norm=last[0],
             tokens=int(last[1]),
         )

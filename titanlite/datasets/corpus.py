@@ -35,6 +35,15 @@ def stdlib_files() -> tuple[Path, ...]:
     return tuple(files)
 
 
+def source_name(file: str) -> str:
+    """A source file as people name it: "stdlib:json.decoder" for the built-in data, else the path."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    path = Path(file)
+    if path.suffix == ".py" and path.is_relative_to(root):
+        return "stdlib:" + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+    return file
+
+
 @functools.lru_cache(maxsize=1)
 def corpus_fingerprint() -> str:
     """Changes when the interpreter's stdlib does (names and sizes of the files)."""

@@ -167,12 +167,16 @@ class GlobalBatchSampler:
     def __iter__(self) -> GlobalBatchSampler:
         return self
 
+    def rank_share(self, step: int) -> np.ndarray:
+        """This rank's sequences of 0-based step `step`, in microbatch order."""
+        per_rank = self.global_batch_size // self.dp_size
+        return self.global_batch(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+
     def __next__(self) -> list[int]:
         step, micro = divmod(self.microbatches_yielded, self.grad_accum)
-        per_rank = self.global_batch_size // self.dp_size
-        start = self.dp_rank * per_rank + micro * self.local_batch_size
+        start = micro * self.local_batch_size
         self.microbatches_yielded += 1
-        return [int(i) for i in self.global_batch(step)[start : start + self.local_batch_size]]
+        return [int(i) for i in self.rank_share(step)[start : start + self.local_batch_size]]
 
     def __len__(self) -> int:  # DataLoader asks; the stream is endless
         return 2**62

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.datasets.corpus import source_name
 
 CAUSES = {
     "dispersion_spike": "seed mismatch (dropout/augmentation) or shuffle desync: align the seeds, check the sampler's epoch",
@@ -40,6 +41,8 @@ class Alert:
     message: str
     cause: str = ""
     values: dict = field(default_factory=dict)
+    # The sequences the named ranks trained on at `step`: rank, index, tokens, loss, sources.
+    samples: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.cause = self.cause or CAUSES[self.name]
@@ -49,7 +52,26 @@ class Alert:
 
     def line(self) -> str:
         where = f" rank(s) {self.ranks} on {sorted(set(self.hosts))}" if self.ranks else ""
-        return f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
+        line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
+        if not self.samples:
+            return line
+        worst = sorted(self.samples, key=lambda s: -(s["loss"] if s["loss"] is not None else -1.0))
+        shown = ", ".join(_sample(s) for s in worst[:SHOWN_SAMPLES])
+        more = len(self.samples) - SHOWN_SAMPLES
+        rest = f"; {more} more in events.jsonl" if more > 0 else ""
+        return f"{line}; highest-loss samples: {shown}{rest} (scripts/inspect_step.py shows them)"
+
+
+SHOWN_SAMPLES = 3  # samples an alert's console line names (events.jsonl keeps them all)
+
+
+def _sample(s: dict) -> str:
+    """`r2 #1100 stdlib:inspect row 0 (441 tok, loss 7.91)`: rank, dataset index, first source."""
+    src = s["sources"][0] if s["sources"] else None
+    where = f" {source_name(src['file'])} row {src['row']}" if src else ""
+    extra = f" +{len(s['sources']) - 1} doc(s)" if len(s["sources"]) > 1 else ""
+    loss = f", loss {s['loss']:.3f}" if s["loss"] is not None else ""
+    return f"r{s['rank']} #{s['index']}{where}{extra} ({s['tokens']} tok{loss})"
 
 
 @dataclass

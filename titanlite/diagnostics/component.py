@@ -3,7 +3,8 @@ collect() on log steps.
 
 Measured steps are every step for the first `warmup_steps`, then every `interval` steps. On a
 measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
-each rank contributes (summed loss, valid tokens, local gradient norm^2) plus its partial Gram
+each rank contributes (summed loss, valid tokens, local gradient norm^2; per sequence: its index,
+summed loss and valid tokens, so an alert can name the data behind it) plus its partial Gram
 (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own process group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -37,7 +39,9 @@ class _Pending:
     """A measured step whose gathers are in flight: device tensors, read at the next log step."""
 
     step: int
-    per_rank: torch.Tensor  # [world, 3]: loss sum, valid tokens, local grad norm^2
+    per_rank: (
+        torch.Tensor
+    )  # [world, 3 + 3n]: loss sum, tokens, local grad norm^2; n sequences' sums, tokens, ids
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
     global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
     works: list
@@ -61,6 +65,7 @@ class _Measured:
     norms_sq: list[float]  # squared norm of what each rank contributes to the reduction
     gram: list[list[float]]
     global_norm: float
+    samples: list[list[dict]]  # per rank, per sequence: index, valid tokens, token-mean loss
 
 
 class Diagnostics:
@@ -75,9 +80,11 @@ class Diagnostics:
         seed: int,
         faults: Faults | None = None,
         timeout_s: int = 600,
+        trace: Callable[[int], list[dict]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
+        self.trace = trace  # a sequence index -> its sources (file, row, token range)
         self.enabled = cfg.enable and self.world > 1
         self.measuring = False
         self._pending: list[_Pending] = []
@@ -142,14 +149,22 @@ class Diagnostics:
         return self.measuring
 
     def end_step(
-        self, step: int, loss_sum: torch.Tensor, tokens: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        step: int,
+        sample_sums: torch.Tensor,
+        sample_tokens: torch.Tensor,
+        sample_ids: torch.Tensor,
+        grad_norm: torch.Tensor,
     ) -> None:
-        """Start the async gathers of this measured step. Reads nothing on the host."""
+        """Start the async gathers of this measured step: per sequence of this rank (microbatch
+        order) its summed loss, valid tokens and dataset index. Reads nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
-        mine = torch.stack([loss_sum.double(), tokens.double(), self.probe.norm_sq.clone()])
-        per_rank = torch.empty(self.world, 3, dtype=torch.float64, device=mine.device)
+        sums, tokens = sample_sums.double(), sample_tokens.double()
+        totals = torch.stack([sums.sum(), tokens.sum(), self.probe.norm_sq.clone()])
+        mine = torch.cat([totals, sums, tokens, sample_ids.double()])  # ids: exact below 2**53
+        per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
             directions = self.probe.gram.clone()
@@ -186,8 +201,11 @@ class Diagnostics:
         measured = []
         for i, p in enumerate(self._pending):
             per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
-            loss_sums, tokens, norms_sq = (list(col) for col in zip(*per_rank, strict=True))
-            measured.append(_Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm))
+            loss_sums, tokens, norms_sq = (
+                list(col) for col in zip(*(row[:3] for row in per_rank), strict=True)
+            )
+            samples = [_samples(row[3:]) for row in per_rank]
+            measured.append(_Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, samples))
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
 
@@ -211,6 +229,10 @@ class Diagnostics:
             alerts.append(Alert("replica_drift", step, drift.ranks, hosts, msg, values=values))
         return alerts
 
+    def _located(self, rank: int, sample: dict) -> dict:
+        sources = self.trace(sample["index"]) if self.trace is not None else []
+        return {"rank": rank, **sample, "sources": sources}
+
     def collect(self) -> tuple[list[dict], list[Alert]]:
         """Log step: one host read of every pending measured step and replica check; returns the
         steps' records and the alerts they raise (the same on every rank)."""
@@ -227,8 +249,21 @@ class Diagnostics:
                 g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(m.norms_sq, m.tokens, strict=True)
             ]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
+            rec["rank_samples"] = m.samples
             raised = self.monitor.update(rec)
+            for alert in raised:  # the data behind each rank an alert names
+                alert.samples = [self._located(r, s) for r in alert.ranks for s in m.samples[r]]
             rec["alerts"] = [a.name for a in raised]
             records.append(rec)
             alerts += raised
         return records, alerts
+
+
+def _samples(values: list[float]) -> list[dict]:
+    """One rank's gathered per-sequence values (n sums, n token counts, n indices) as records."""
+    n = len(values) // 3
+    sums, tokens, ids = values[:n], values[n : 2 * n], values[2 * n :]
+    return [
+        {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None}
+        for s, t, i in zip(sums, tokens, ids, strict=True)
+    ]
