@@ -24,11 +24,8 @@ class SpikeGuard:
     def __init__(self, cfg: DiagnosticsConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
         self.metric = cfg.skip_spikes  # "off", "grad_norm" or "loss"
         self.enabled = self.metric != "off"
-        self.k, self.min_history, self.max_consecutive = (
-            cfg.spike_k,
-            cfg.spike_min_history,
-            cfg.spike_max_consecutive,
-        )
+        self.k = cfg.spike_k
+        self.min_history = cfg.spike_min_history
         self.group = group
         self.history = torch.zeros(cfg.spike_window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # values ever added

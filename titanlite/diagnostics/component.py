@@ -39,9 +39,8 @@ class _Pending:
     """A measured step whose gathers are in flight: device tensors, read at the next log step."""
 
     step: int
-    per_rank: (
-        torch.Tensor
-    )  # [world, 3 + 3n]: loss sum, tokens, local grad norm^2; n sequences' sums, tokens, ids
+    # [world, 3 + 3n]: loss sum, valid tokens, local grad norm^2; its n sequences' sums, tokens, ids
+    per_rank: torch.Tensor
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
     global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
     works: list
