@@ -9,6 +9,7 @@ silent. The seed scenarios S1-1/2/3 (arXiv 2602.14462) are left to the README's 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ def _alerts(row: dict) -> list[tuple[str, list[int]]]:
 
 
 @pytest.mark.slow
-def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
+def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     cmd = [
         sys.executable,
         "scripts/diagnose_scenarios.py",
@@ -63,7 +64,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
     assert noisy["cos_min_rank"] == 1 and noisy["cos_min_rank_share"] >= 0.6
     assert noisy["cos_to_others_min"] < ok["cos_to_others_min"] / 2
     assert ("faulty_worker", [1]) in _alerts(noisy) and noisy["stopped"]
-    _alert_names_its_samples(tmp_path / "grad_noise", rank=1)
+    _alert_names_its_samples(tmp_path / "grad_noise", 1, capsys)
 
     flip = rows["replica_flip"]  # a bit of rank 3's weights flips as step 5 starts: seen after it
     assert flip["steps"] == 5 and _alerts(flip) == [("replica_drift", [3])], flip
@@ -71,7 +72,14 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path):
     assert (tmp_path / "scenarios.png").stat().st_size > 10_000
 
 
-def _alert_names_its_samples(run_dir, rank: int) -> None:
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:
     """The alert carries the named rank's sequences of its step (index, tokens, loss, sources), its
     console line the highest-loss ones; scripts/inspect_step.py lists the same from the folder."""
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -79,19 +87,18 @@ def _alert_names_its_samples(run_dir, rank: int) -> None:
     samples = alert["samples"]
     assert len(samples) == 2 and {s["rank"] for s in samples} == {rank}, samples  # 2 sequences per rank
     assert all(s["tokens"] > 0 and s["loss"] > 0 and s["sources"] for s in samples), samples
-    cmd = [sys.executable, "scripts/inspect_step.py", str(run_dir), "--step", str(alert["step"])]
-    proc = subprocess.run([*cmd, "--rank", str(rank), "--json"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(x) for x in proc.stdout.splitlines()]
+    inspect = _script("inspect_step")  # in this process: one start-up less per call
+    capsys.readouterr()  # what the test printed so far
+    args = [str(run_dir), "--step", str(alert["step"])]
+    assert inspect.main([*args, "--rank", str(rank), "--json"]) == 0
+    rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(r["index"], r["loss"], r["sources"]) for r in rows] == [
         (s["index"], s["loss"], s["sources"]) for s in samples
     ]
     assert all(r["index"] == r["assigned"] and r["text"] and r["targets"] > 0 for r in rows), rows
-    text = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True).stdout
+    assert inspect.main(args) == 0
+    text = capsys.readouterr().out
     assert len(text.splitlines()) == 2 * 8 and "stdlib:" in text  # the whole global batch of 8, 2 lines each
-    bad = subprocess.run([*cmd[:2], str(run_dir.parent), *cmd[3:]], cwd=REPO, capture_output=True, text=True)
-    assert (
-        bad.returncode == 2
-        and bad.stderr.startswith("inspect_step: error: ")
-        and "has no config.toml" in bad.stderr
-    )
+    assert inspect.main([str(run_dir.parent), *args[1:]]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inspect_step: error: ") and "has no config.toml" in err, err

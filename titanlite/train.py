@@ -296,7 +296,8 @@ class Trainer:
         g = self.cfg.diagnostics
         msg = (
             f"{self.guard.metric} {value:.4g} above the spike guard's threshold {threshold:.4g} (mean + "
-            f"{g.spike_k:g} std of the last applied steps); its optimizer update was skipped"
+            f"{g.spike_k:g} std of the last applied steps); its optimizer update was skipped "
+            f"(scripts/inspect_step.py {self.run_dir} --step {step} lists its sequences)"
         )
         if self.rank == 0:
             self.metrics.write_alerts([Alert("spike_skipped", step, [], [], msg, values={"value": value})])
