@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -48,6 +49,14 @@ def train(
     return torchrun(
         nproc, "-m", "titanlite.train", *overrides, timeout=timeout, launcher=launcher, launch=launch
     )
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module, to call its functions in the test's process."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

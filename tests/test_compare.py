@@ -3,20 +3,17 @@ it refuses to compare, and broken metrics files."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from titanlite.config import load_config
 from titanlite.config.manager import to_toml
 from titanlite.tools.compare import TOLERANCE, default_tolerance, load_run
 
-REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("compare_runs", REPO / "scripts/compare_runs.py")
-compare_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_runs)
+compare_runs = load_script("compare_runs")
 
 LOSSES = [8.0 - 0.1 * i for i in range(20)]
 

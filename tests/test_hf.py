@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import check, read_metrics, torchrun
+from helpers import check, load_script, read_metrics, torchrun
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -360,16 +360,11 @@ def test_exported_folder_loads_in_transformers_with_titanlite_logits(loaded, ass
 
 
 def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_path, capsys):
-    import importlib.util
     import shutil
 
     from transformers import AutoModelForCausalLM
 
-    spec = importlib.util.spec_from_file_location(
-        "export_hf", Path(__file__).parents[1] / "scripts/export_hf.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("export_hf")
     ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
     step5 = ckpts / "step-00000005"
     assert script.main([str(step5), str(tmp_path / "fp32"), "--max-shard-gb", "0.00005"]) == 0

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO
+from helpers import REPO, load_script
 
 from titanlite.components.loss import IGNORE_INDEX
 from titanlite.config import parse_args
@@ -370,11 +370,7 @@ def test_sft_records_without_a_target_at_seq_len(tmp_path, tok):
 def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
     """scripts/trace_batch.py: a step's sequences, each rank's share as its loader reads it, and
     the source rows behind every sequence."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("trace_batch", REPO / "scripts" / "trace_batch.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_script("trace_batch")
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(200, seed=4)))
     args = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--data.path", str(raw)]

@@ -9,14 +9,13 @@ silent. The seed scenarios S1-1/2/3 (arXiv 2602.14462) are left to the README's 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import REPO, load_script
 
 
 def _alerts(row: dict) -> list[tuple[str, list[int]]]:
@@ -72,13 +71,6 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     assert (tmp_path / "scenarios.png").stat().st_size > 10_000
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:
     """The alert carries the named rank's sequences of its step (index, tokens, loss, sources), its
     console line the highest-loss ones; scripts/inspect_step.py lists the same from the folder."""
@@ -87,7 +79,7 @@ def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:
     samples = alert["samples"]
     assert len(samples) == 2 and {s["rank"] for s in samples} == {rank}, samples  # 2 sequences per rank
     assert all(s["tokens"] > 0 and s["loss"] > 0 and s["sources"] for s in samples), samples
-    inspect = _script("inspect_step")  # in this process: one start-up less per call
+    inspect = load_script("inspect_step")  # in this process: one start-up less per call
     capsys.readouterr()  # what the test printed so far
     args = [str(run_dir), "--step", str(alert["step"])]
     assert inspect.main([*args, "--rank", str(rank), "--json"]) == 0
