@@ -63,22 +63,42 @@ def expected(case: str, c: dict) -> dict:
         "ddp": {"main": {"allreduce": 1 + c.get("buckets", 0)}},
         "hsdp": {"main": {**fsdp, "allreduce": m * u + 1}},
         "fsdp_exact": {"main": skipped, "diagnostics": exact_probe},
-        "fsdp_sketch": {"main": skipped, "diagnostics": sketch_probe},
+        # The sketch adds up per microbatch, so a measured step reduces as an unmeasured one.
+        "fsdp_sketch": {"main": fsdp, "diagnostics": sketch_probe},
+        "fsdp_auto_accum4": {"main": fsdp, "diagnostics": sketch_probe},
         "ddp_exact": {
             "main": {"alltoall_base": c.get("buckets", 0), "allgather": c.get("buckets", 0), "allreduce": 1},
             "diagnostics": exact_probe,
         },
-        "hsdp_sketch": {"main": {**skipped, "allreduce": u + 1}, "diagnostics": sketch_probe},
+        "hsdp_sketch": {"main": {**fsdp, "allreduce": m * u + 1}, "diagnostics": sketch_probe},
     }[case]
 
 
 def test_collectives_per_step_are_exactly_the_designed_ones(counts):
     results = counts["collectives"]
-    assert len(results) == 9
+    assert len(results) == 10
     for case, c in results.items():
-        assert c["micro"] == 2 and (c["units"] == c["layers"] + 1 or "buckets" in c), (case, c)
+        assert c["micro"] == (4 if case.endswith("accum4") else 2), (case, c)
+        assert c["units"] == c["layers"] + 1 or "buckets" in c, (case, c)
         assert c["step"] == expected(case, c), (case, c["step"], expected(case, c))
         assert c["log"] == {"main": {"allreduce": 1}}, (case, c["log"])
+
+
+def test_measured_steps_hold_no_unsharded_gradient_by_default(counts):
+    """Between microbatches FSDP holds unsharded gradients only where the reduction is skipped:
+    skip_grad_sync on, or a measured step the user asked `exact` for. A measured step under the
+    default method holds none (the sketch adds up per microbatch), at accumulation 2 and 4 and
+    under HSDP; the memory estimate counts exactly what is held."""
+    results = counts["collectives"]
+    holding = {"fsdp_skip_sync", "fsdp_exact"}
+    for case, c in results.items():
+        if "buckets" in c:
+            continue  # DDP holds its whole gradient on every step, measured or not
+        want = 4 * c["params"] if case in holding else 0
+        assert c["held_grad_bytes"] == want, (case, c["held_grad_bytes"], want)
+        assert c["estimated_held_bytes"] == want, (case, c["estimated_held_bytes"], want)
+    assert results["fsdp_auto_accum4"]["method"] == "sketch"
+    assert results["fsdp_exact"]["method"] == "exact"
 
 
 def test_window_mean_leaves_out_skipped_steps(counts):

@@ -121,7 +121,14 @@ class Trainer:
         )
         self.model = materialize(meta.spec.parallelize_fn(meta.model, self.dims, cfg), self.dims, t.seed)
         self.diagnostics = Diagnostics(
-            cfg.diagnostics, self.model, self.dims, t.seed, self.faults, cfg.comm.timeout_s, dataset.trace
+            cfg.diagnostics,
+            self.model,
+            self.dims,
+            self.layout,
+            t.seed,
+            self.faults,
+            cfg.comm.timeout_s,
+            dataset.trace,
         )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
@@ -216,7 +223,7 @@ class Trainer:
             micro,
             self.balancer,
             self.dims,
-            skip_grad_sync=self.layout.skip_grad_sync or measured,  # the probe sees whole steps
+            skip_grad_sync=self.diagnostics.skip_grad_sync(self.layout.skip_grad_sync, measured),
             loss_factor=self.faults.loss_factor(step),
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)

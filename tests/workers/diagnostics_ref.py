@@ -78,23 +78,37 @@ def reference(world: int) -> dict:
     }
 
 
-def run_case(world: int, mode: str, method: str, k: int, sketch_seed: int = 0) -> dict:
+def run_case(
+    world: int, mode: str, method: str, k: int, sketch_seed: int = 0, skip_sync: str = "auto"
+) -> dict:
+    """One measured step with 2 microbatches. Under FSDP the layout reduces every microbatch
+    (skip_sync auto), so the sketch is summed per microbatch; skip_sync "on" sketches whole steps."""
     cfg = JobConfig()
     cfg.diagnostics.method = method
     cfg.diagnostics.sketch_dim = k
+    cfg.parallelism.skip_grad_sync = skip_sync
     layout, dims, model = build(cfg, world, mode, accum=2)
-    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED + sketch_seed)
+    diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED + sketch_seed)
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
     measured = diag.begin_step(1)
-    _, sums = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync or measured)
+    skip = diag.skip_grad_sync(layout.skip_grad_sync, measured)
+    _, sums = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip)
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
     diag.end_step(1, sums, tokens, ids, grad_norm)
     (rec,), _ = diag.collect()
     k = diag.probe.sketch.numel() if method == "sketch" else 0  # the prime actually used
-    return {"world": world, "mode": mode, "method": method, "k": k, "sketch_seed": sketch_seed, "record": rec}
+    return {
+        "world": world,
+        "mode": mode,
+        "method": method,
+        "k": k,
+        "sketch_seed": sketch_seed,
+        "skip_sync": skip_sync,
+        "record": rec,
+    }
 
 
 def replica_case(world: int, mode: str, flip_rank: int) -> dict:
@@ -104,8 +118,8 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     cfg = JobConfig()
     cfg.diagnostics.replica_check_interval = 1
     cfg.debug.flip_bit_step, cfg.debug.flip_bit_rank = 2, flip_rank
-    _, dims, model = build(cfg, world, mode, accum=1)
-    diag = Diagnostics(cfg.diagnostics, model, dims, seed=SEED)
+    layout, dims, model = build(cfg, world, mode, accum=1)
+    diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)
     faults = Faults(cfg.debug, SEED, dist.get_rank(), world)
     alerts = []
     for step in (1, 2, 3):
@@ -127,6 +141,7 @@ def main() -> None:
         for k in (256, 4096)
         for s in range(6)
     ]
+    cases += [run_case(world, "fsdp", "sketch", k, 0, skip_sync="on") for k in (256, 4096)]
     replicas = [replica_case(world, mode, world - 2) for mode in ("fsdp", "ddp", "hsdp")]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:

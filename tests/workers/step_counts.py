@@ -7,7 +7,8 @@ host_syncs: whole training runs with every host read counted, separately for log
 collectives: per case, the collectives of one ordinary step (step 3: DDP rebuilds its buckets
     once, at step 2) and of one log, by group ("diagnostics": the diagnostics' own group; "main":
     all others, the data-parallel groups), with the structure they follow from (FSDP units, units that
-    reshard after forward, DDP buckets, microbatches).
+    reshard after forward, DDP buckets, microbatches). Also the bytes of unsharded gradient FSDP
+    holds when each later microbatch of that step starts, and what the memory estimate counts.
 
 metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 7; steps 2 and
     5 have no valid token, so their updates are skipped).
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from titanlite.config import parse_args
 from titanlite.tools.instrument import CollectiveCounter, HostSyncCounter
+from titanlite.tools.memory import measured_step_bytes
 from titanlite.train import Trainer
 
 HOST = HostSyncCounter()
@@ -86,16 +88,41 @@ def structure(t: Trainer) -> dict:
     return info
 
 
+def unsharded_grad_bytes(model) -> int:
+    """Bytes of unsharded gradient the FSDP units hold now (kept when a reduction is skipped)."""
+    total = 0
+    for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+        group = unit._get_fsdp_state()._fsdp_param_group
+        for p in group.fsdp_params if group is not None else []:
+            unsharded = getattr(p, "_unsharded_param", None)
+            for g in (p.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None):
+                total += g.numel() * g.element_size() if g is not None else 0
+    return total
+
+
 def collectives(out_dir: str, name: str, *overrides: str) -> dict:
     t = trainer(out_dir, name, *overrides)
     labels = {t.diagnostics.group.group_name: "diagnostics"} if t.diagnostics.enabled else {}
     for step in (1, 2):
         t.train_step(step)
+    held: list[int] = []  # at each microbatch's forward: what the earlier ones left behind
+    hook = t.model.register_forward_pre_hook(lambda *_: held.append(unsharded_grad_bytes(t.model)))
     with CollectiveCounter(labels, other="main") as step_count:
         t.train_step(3)
+    hook.remove()
     with CollectiveCounter(labels, other="main") as log_count:
         t._log(3, 1e-3, 1.0, 1.0)
-    result = {"step": step_count.by_group(), "log": log_count.by_group(), **structure(t)}
+    params = sum(p.numel() for p in t.model.parameters())
+    block = sum(p.numel() for p in t.model.layers[0].parameters()) if hasattr(t.model, "layers") else 0
+    result = {
+        "step": step_count.by_group(),
+        "log": log_count.by_group(),
+        "method": t.diagnostics.method_used,
+        "held_grad_bytes": max(held[1:]),
+        "estimated_held_bytes": measured_step_bytes(t.cfg, t.layout, params, block)[0],
+        "params": params,
+        **structure(t),
+    }
     t.close()
     return result
 
@@ -121,6 +148,7 @@ def main() -> None:
                 "ddp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP, *DDP],
                 "hsdp_sketch": [*DIAG_EVERY_STEP, *HSDP],
                 "fsdp_unmeasured": ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+                "fsdp_auto_accum4": [*DIAG_EVERY_STEP, "--training.global_batch_size", "16"],
             }.items()
         },
     }

@@ -206,7 +206,8 @@ class Diagnostics:
     interval: int = opt(500, "after the warmup, measure every this many steps")
     method: str = opt(
         "auto",
-        "gradient directions: exact (Gram), sketch (CountSketch); auto: exact, sketch under hsdp",
+        "gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold "
+        "unsharded grads across microbatches (fsdp with accumulation) or under hsdp",
         choices=("auto", "exact", "sketch"),
     )
     sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)")

@@ -73,6 +73,30 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     return Layout(p.dp_replicate, shard, mode, t.global_batch_size // per_micro, skip)
 
 
+def holds_unsharded_grads(layout: Layout) -> bool:
+    """Whether FSDP/HSDP keeps every unit's unsharded gradient from one microbatch to the next:
+    when the reduction waits for the last microbatch (skip_grad_sync). DDP always holds its full
+    gradient, so it holds nothing more."""
+    return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
+
+
+def diagnostics_method(method: str, layout: Layout) -> str:
+    """diagnostics.method (`method`) at this layout, `auto` resolved.
+
+    `exact` needs each rank's whole-step local gradient at once. That is free under DDP, with one
+    microbatch, or when the earlier microbatches skip the reduction anyway; otherwise a measured
+    step must skip it, and FSDP then keeps every unit's unsharded gradient across microbatches
+    (4 bytes x all parameters per rank). The sketch is linear (the sketch of a sum is the sum of
+    the sketches), so it accumulates per microbatch while FSDP reduce-scatters as usual, at
+    O(world x sketch_dim) memory: `auto` takes it there, and under HSDP, where exact cannot work.
+    """
+    if method != "auto":
+        return method
+    if layout.mode == "hsdp":
+        return "sketch"
+    return "exact" if layout.grad_accum == 1 or layout.skip_grad_sync else "sketch"
+
+
 def validate(cfg: JobConfig, world_size: int) -> Layout:
     """Every rule on a config that needs no torch (layout, batch sizes, value ranges, option
     combinations, the data and tokenizer files): the preflight runs it before torchrun starts,

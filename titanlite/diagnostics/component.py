@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from titanlite.components.faults import Faults
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.config.layout import Layout, diagnostics_method
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
@@ -76,6 +77,7 @@ class Diagnostics:
         cfg: DiagnosticsConfig,
         model: torch.nn.Module,
         dims: ParallelDims,
+        layout: Layout,
         seed: int,
         faults: Faults | None = None,
         timeout_s: int = 600,
@@ -95,9 +97,11 @@ class Diagnostics:
         self._drifted: set[int] = set()  # ranks replica_drift has named since replicas last agreed
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
-        # auto: exact where the reduction allows it (measured no dearer than off on CPU, see the
-        # README), sketch under HSDP (config validation refuses exact there).
-        self.method = cfg.method if cfg.method != "auto" else ("sketch" if dims.mode == "hsdp" else "exact")
+        self.method = diagnostics_method(cfg.method, layout)
+        # exact needs the whole-step local gradient at once: a measured step reduces only on its
+        # last microbatch. The sketch adds up per microbatch when the layout reduces each one.
+        self.whole_step = self.method == "exact"
+        self.per_microbatch = self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
         if self.enabled:
             self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
             hosts: list = [None] * self.world
@@ -140,12 +144,16 @@ class Diagnostics:
         return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
 
     def begin_step(self, step: int) -> bool:
-        """Arm the probe for this step; True if the step is measured (then the trainer
-        reduces gradients only on the last microbatch, so the probe sees the whole step)."""
+        """Arm the probe for this step; True if the step is measured."""
         self.measuring = self.enabled and self.is_measured(step)
         if self.enabled:
-            self.probe.start(self.measuring)
+            self.probe.start(self.measuring, self.per_microbatch)
         return self.measuring
+
+    def skip_grad_sync(self, layout_skips: bool, measured: bool) -> bool:
+        """Whether the step's earlier microbatches skip the reduction: as the layout says, and on
+        measured `exact` steps, whose probe must see each rank's whole-step gradient at once."""
+        return layout_skips or (measured and self.whole_step)
 
     def end_step(
         self,
@@ -161,7 +169,7 @@ class Diagnostics:
             return
         self.probe.measuring = self.measuring = False
         sums, tokens = sample_sums.double(), sample_tokens.double()
-        totals = torch.stack([sums.sum(), tokens.sum(), self.probe.norm_sq.clone()])
+        totals = torch.stack([sums.sum(), tokens.sum(), self.probe.local_norm_sq()])
         mine = torch.cat([totals, sums, tokens, sample_ids.double()])  # ids: exact below 2**53
         per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
@@ -241,7 +249,11 @@ class Diagnostics:
         measured, checks = self._read()
         alerts += self._replica_alerts(checks)
         for m in measured:
-            rec = {"step": m.step, "method": self.method}
+            rec = {
+                "step": m.step,
+                "method": self.method,
+                "norms": "sketch" if self.per_microbatch else "exact",
+            }
             rec.update(step_metrics(m.loss_sums, m.tokens, m.norms_sq, m.gram))
             total = sum(m.tokens)
             rank_sq = [

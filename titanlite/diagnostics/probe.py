@@ -2,7 +2,10 @@
 
 On a measured step the probe takes, from what it is handed anyway:
   - the squared L2 norm of the local gradient;
-  - `sketch`: its CountSketch (O(D), no communication);
+  - `sketch`: its CountSketch (O(D), no communication). When FSDP reduces every microbatch, the
+    probe sees each microbatch's gradient in turn and adds up their sketches (the sketch is
+    linear); the norm of a sum cannot be added up that way, so it comes from the sketch then
+    (|sketch|^2 estimates |g|^2 without bias, relative error about sqrt(2 / k));
   - `exact`: the Gram matrix of all ranks' local gradients, at no more communication volume
     than the reduction itself: the reduce-scatter becomes an all-to-all (each rank receives
     every rank's copy of its own shard), the rank sums the rows (the reduce-scatter's result)
@@ -41,6 +44,7 @@ class GradProbe:
         self.method = method
         self.world = world
         self.measuring = False
+        self.per_microbatch = False
         self.noise_scale = noise_scale  # > 0 only on the rank of the grad_noise fault
         self.noise_generator = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -49,12 +53,21 @@ class GradProbe:
         k = self.countsketch.k if self.countsketch else 0
         self.sketch = torch.zeros(k, dtype=torch.float32, device=device)
 
-    def start(self, measuring: bool) -> None:
+    def start(self, measuring: bool, per_microbatch: bool = False) -> None:
+        """Arm for a step; `per_microbatch`: the step's gradient arrives as several microbatch
+        gradients (sketch only), so the norm is taken from the summed sketch at the end."""
         self.measuring = measuring
+        self.per_microbatch = per_microbatch
         if measuring:
             self.norm_sq.zero_()
             self.gram.zero_()
             self.sketch.zero_()
+
+    def local_norm_sq(self) -> torch.Tensor:
+        """|local gradient|^2 of the step: exact, or from the sketch (see the module doc)."""
+        if self.per_microbatch:
+            return self.sketch.double().square().sum()
+        return self.norm_sq.clone()
 
     def perturb(self, local: torch.Tensor) -> None:
         """The grad_noise fault: add N(0, (scale * RMS)^2) noise to this rank's local gradient."""
@@ -66,7 +79,8 @@ class GradProbe:
     def observe(self, local: torch.Tensor, offset: int) -> None:
         """Account for one flat piece of this rank's local gradient."""
         flat = local.reshape(-1).float()
-        self.norm_sq += torch.dot(flat, flat).double()
+        if not self.per_microbatch:
+            self.norm_sq += torch.dot(flat, flat).double()
         if self.method == "sketch":
             self.countsketch.add_(self.sketch, flat, offset)
 

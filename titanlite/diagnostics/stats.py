@@ -7,7 +7,8 @@ Inputs (the same on every rank after the gather):
   G     Gram matrix of the h_r (exact, or estimated from sketches)
 
 Rank r's own token-mean loss is S_r / n_r and its own token-mean gradient g_r = h_r N / n_r,
-so ||g_r|| = sqrt(q_r) N / n_r (always exact). Cosines are scale-free and come from G alone:
+so ||g_r|| = sqrt(q_r) N / n_r (exact, unless q_r comes from a sketch summed per microbatch:
+see probe.py). Cosines are scale-free and come from G alone:
 cos(g_i, g_j) = G_ij / sqrt(G_ii G_jj).
 The step's gradient is \sum_r h_r, so each rank's cosine to it is
 \sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank whose gradient is much larger than the others'

@@ -10,7 +10,13 @@ The estimate is deliberately simple and a little pessimistic:
     out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
     GPU and CPU: measured 49 MB, not 256 MB, for 16 heads x 2048^2 on CPU); with activation
     checkpointing, one block's worth plus each block's input;
-  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss.
+  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss;
+  - unsharded gradients that FSDP/HSDP keeps across microbatches (4 bytes x all params, in the
+    fp32 reduce dtype) when the reduction waits for the last microbatch: on every step with
+    skip_grad_sync, on measured steps with diagnostics.method = exact and accumulation;
+  - the diagnostics' own buffers on a measured step: the sketch's sign table and scratch (two
+    segments of 2^20 floats) and the gathered sketches, or exact's all-to-all receive buffer
+    (one block's gradient).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout
+from titanlite.config.layout import Layout, diagnostics_method, holds_unsharded_grads
 from titanlite.errors import UserError
 
 GiB = 1024**3
@@ -40,17 +46,43 @@ class MemoryEstimate:
     gathered_bytes: float
     activation_bytes: float
     logits_bytes: float
+    held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
+    diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
 
     @property
     def total_bytes(self) -> float:
-        return self.states_bytes + self.gathered_bytes + self.activation_bytes + self.logits_bytes
+        return (
+            self.states_bytes
+            + self.gathered_bytes
+            + self.activation_bytes
+            + self.logits_bytes
+            + self.held_grads_bytes
+            + self.diagnostics_bytes
+        )
 
     def summary(self) -> str:
         return (
             f"{self.total_bytes / GiB:.2f} GiB (params+grads+AdamW {self.states_bytes / GiB:.2f}, "
             f"gathered {self.gathered_bytes / GiB:.2f}, activations {self.activation_bytes / GiB:.2f}, "
-            f"logits {self.logits_bytes / GiB:.2f})"
+            f"logits {self.logits_bytes / GiB:.2f}, held unsharded grads {self.held_grads_bytes / GiB:.2f}, "
+            f"diagnostics {self.diagnostics_bytes / GiB:.2f})"
         )
+
+
+def measured_step_bytes(
+    cfg: JobConfig, layout: Layout, params: int, block_params: int
+) -> tuple[float, float]:
+    """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
+    one if diagnostics run (see diagnostics_method for why `exact` can hold gradients)."""
+    held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
+    d = cfg.diagnostics
+    if not d.enable or layout.dp < 2:
+        return held, 0.0
+    if diagnostics_method(d.method, layout) == "sketch":
+        return held, 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
+    if layout.mode != "ddp" and layout.grad_accum > 1:
+        held = 4.0 * params  # a measured step reduces on its last microbatch only
+    return held, 4.0 * block_params
 
 
 def estimate_memory(
@@ -66,6 +98,8 @@ def estimate_memory(
     mode: str,
     param_bytes: int,
     activation_checkpoint: bool,
+    held_grads_bytes: float = 0.0,
+    diagnostics_bytes: float = 0.0,
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
     divisor = shard if mode in ("fsdp", "hsdp") else 1
@@ -78,7 +112,7 @@ def estimate_memory(
         tokens * dim * param_bytes * n_layers if activation_checkpoint else 0
     )
     logits = tokens * vocab_size * (param_bytes + 4 + 4)
-    return MemoryEstimate(params, states, gathered, activations, logits)
+    return MemoryEstimate(params, states, gathered, activations, logits, held_grads_bytes, diagnostics_bytes)
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:
@@ -122,9 +156,11 @@ def check_memory(
     a job that cannot fit on this rank."""
     t = cfg.training
     blocks = getattr(model, "layers", None)
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
+    held, diag = measured_step_bytes(cfg, layout, sum(p.numel() for p in model.parameters()), block_params)
     est = estimate_memory(
         model,
-        sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0,
+        block_params,
         dim=getattr(args, "dim", 0),
         n_layers=getattr(args, "n_layers", 0),
         vocab_size=args.vocab_size,
@@ -134,6 +170,8 @@ def check_memory(
         mode=layout.mode,
         param_bytes=param_dtype.itemsize,
         activation_checkpoint=t.activation_checkpoint != "none",
+        held_grads_bytes=held,
+        diagnostics_bytes=diag,
     )
     avail, what = available_bytes(device)
     model = (
@@ -147,10 +185,16 @@ def check_memory(
         f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
     )
     if est.total_bytes > avail:
+        fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
+        if est.held_grads_bytes:
+            why = "parallelism.skip_grad_sync" if layout.skip_grad_sync else "diagnostics.method = 'exact'"
+            fixes = (
+                f"{why} keeps {est.held_grads_bytes / GiB:.2f} GiB of unsharded gradients across "
+                f"microbatches: set it to 'auto', or {fixes}"
+            )
         raise UserError(
             f"model {model} needs about {est.total_bytes / GiB:.1f} GiB per rank "
-            f"but {avail / GiB:.1f} GiB is available ({what}); use more ranks or GPUs, a smaller "
-            "local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
+            f"but {avail / GiB:.1f} GiB is available ({what}); {fixes}"
         )
 
 

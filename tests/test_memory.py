@@ -1,0 +1,73 @@
+"""The memory estimate counts what a measured step holds: unsharded gradients only where the
+method or the layout keeps them across microbatches (tests/test_step_counts.py checks the same
+bytes against what FSDP really holds), and refuses in one line that names the setting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titanlite.tools.memory as memory
+from titanlite.config import parse_args
+from titanlite.config.layout import diagnostics_method, resolve_layout
+from titanlite.errors import UserError
+from titanlite.models.registry import build_meta_model
+
+ACCUM4 = ["--training.global_batch_size", "16", "--training.local_batch_size", "1"]  # 4 ranks
+P, BLOCK = 1000, 100
+SKETCH_BYTES = 4.0 * (2 * 2**20 + 2 * 4 * 1024)
+EXACT_BYTES = 4.0 * BLOCK
+
+
+def config(*argv: str):
+    cfg, _ = parse_args(["--config", "train_configs/debug_model.toml", *ACCUM4, *argv])
+    return cfg, resolve_layout(cfg, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, method, held, diag",
+    [
+        ([], "sketch", 0, SKETCH_BYTES),  # fsdp, accumulation 4: auto sums sketches per microbatch
+        (["--diagnostics.method", "exact"], "exact", 4 * P, EXACT_BYTES),  # asked for: it holds them
+        (["--parallelism.skip_grad_sync", "on"], "exact", 4 * P, EXACT_BYTES),  # held on every step
+        (["--parallelism.dp_replicate", "4"], "exact", 0, EXACT_BYTES),  # ddp: its grads are counted
+        (["--parallelism.dp_replicate", "2"], "sketch", 0, SKETCH_BYTES),  # hsdp
+        (["--training.global_batch_size", "4"], "exact", 0, EXACT_BYTES),  # one microbatch
+        (["--diagnostics.enable", "false", "--diagnostics.method", "exact"], "exact", 0, 0.0),
+    ],
+)
+def test_measured_step_bytes(argv, method, held, diag):
+    cfg, layout = config(*argv)
+    assert diagnostics_method(cfg.diagnostics.method, layout) == method
+    assert memory.measured_step_bytes(cfg, layout, P, BLOCK) == (held, diag)
+
+
+def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
+    """With memory for the default measured step but not for exact's held gradients: exact is
+    refused with a line naming diagnostics.method; auto fits."""
+    cfg, layout = config("--diagnostics.method", "exact")
+    meta = build_meta_model(cfg, 512)
+    params = sum(p.numel() for p in meta.model.parameters())
+    block = sum(p.numel() for p in meta.model.layers[0].parameters())
+    base = memory.estimate_memory(
+        meta.model,
+        block,
+        dim=meta.args.dim,
+        n_layers=meta.args.n_layers,
+        vocab_size=meta.args.vocab_size,
+        local_batch=1,
+        seq_len=cfg.training.seq_len,
+        shard=4,
+        mode="fsdp",
+        param_bytes=4,
+        activation_checkpoint=False,
+    ).total_bytes
+    budget = base + SKETCH_BYTES + 2 * params  # room for the sketch, half of exact's 4 B/param
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (budget, "test budget"))
+    check = memory.check_memory
+    with pytest.raises(
+        UserError, match=r"diagnostics.method = 'exact' keeps \d+\.\d\d GiB of unsharded .* 'auto'"
+    ):
+        check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
+    cfg.diagnostics.method = "auto"
+    check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
