@@ -3,15 +3,18 @@
 
     python scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
+    python scripts/diagnose_scenarios.py --replay DIR [--diagnostics.key value ...]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
 [debug] switches, see titanlite/components/faults.py):
     healthy          no fault
+    healthy_sft      no fault, built-in SFT data (unequal token counts), 2 microbatches per rank
     same_data        every rank reads rank 0's share
     corrupt_labels   rank dp/2's labels shuffled within each sequence
     grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction
     replica_flip     DDP, replicas compared every step; one bit of rank dp-1's weights flips at step 5
+    stuck_loader     from step 5, rank dp-1's loader hands out step 5's batch again and again
     S1-1/S1-2/S1-3   dropout 0.1 with the seed settings of "Silent Inconsistency in Data-Parallel
                      Full Fine-Tuning" (arXiv 2602.14462): shared / rank 0 differs / per rank
 One torchrun at --dp ranks runs them one after another in one process group (a run folder each
@@ -21,6 +24,15 @@ cosine to the other ranks' sum and which rank, the rank with the highest loss, a
 measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png).
 Overrides apply to every scenario (e.g. --diagnostics.on_alert stop: a run ends at its first
 alert, which the table shows).
+
+A second table, detection: per fault, the alert that names it (and the rank(s) at fault), the
+step it started, the step that alert first fired and the steps in between; every other alert is
+listed as wrong (in a healthy scenario, a false alarm).
+
+--replay DIR: no training; the tables again from DIR's run folders, with the alerts that today's
+rules (and the --diagnostics overrides given) raise on each run's recorded diagnostics.jsonl:
+how thresholds are tuned on a long run recorded once. replica_drift is kept from events.jsonl
+(the replica hashes are not recorded).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ def scenarios(dp: int) -> dict[str, list[str]]:
     dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
     return {
         "healthy": [],
+        "healthy_sft": ["--data.mode", "sft", "--training.local_batch_size", "1"],  # 2 microbatches
         "same_data": ["--debug.same_data", "true"],
         "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2)],
         "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10"],
@@ -52,9 +65,27 @@ def scenarios(dp: int) -> dict[str, list[str]]:
             *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
             *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
         ],
+        "stuck_loader": ["--debug.stuck_loader_step", "5", "--debug.stuck_loader_rank", str(dp - 1)],
         "S1-1": [*dropout, "shared"],
         "S1-2": [*dropout, "rank0_differs"],
         "S1-3": [*dropout, "per_rank"],
+    }
+
+
+def expected(dp: int) -> dict[str, tuple[str, list[int], int] | None]:
+    """Per scenario: (the alert that names its fault, the rank(s) at fault, the step the fault
+    starts), or None where no alert is right."""
+    return {
+        "healthy": None,
+        "healthy_sft": None,
+        "same_data": ("identical_data", list(range(1, dp)), 1),
+        "corrupt_labels": ("single_rank_outlier", [dp // 2], 1),
+        "grad_noise": ("faulty_worker", [1], 1),
+        "replica_flip": ("replica_drift", [dp - 1], 5),
+        "stuck_loader": ("stale_batch", [dp - 1], 5),
+        "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
+        "S1-2": ("data_order_mismatch", [0], 1),
+        "S1-3": ("data_order_mismatch", list(range(dp)), 1),
     }
 
 
@@ -112,12 +143,48 @@ def _argmin_live(values: list) -> tuple[int | None, float | None]:
     return (min(live)[1], min(live)[0]) if live else (None, None)
 
 
-def summarize(run_dir: Path, stopped: str | None) -> dict:
-    """One scenario's row from its run folder."""
-    read = lambda f: [json.loads(x) for x in (run_dir / f).read_text().splitlines() if x]  # noqa: E731
-    metrics = read("metrics.jsonl")
-    diag = [d for d in read("diagnostics.jsonl") if d["step"] > SKIP and d.get("loss_std") is not None]
-    events = read("events.jsonl") if (run_dir / "events.jsonl").exists() else []
+def _read(run_dir: Path, name: str) -> list[dict]:
+    path = run_dir / name
+    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+
+
+def replay(run_dir: Path, overrides: list[str]) -> list[dict]:
+    """The alerts today's rules, with `overrides`, raise on the run's recorded measured steps (the
+    last record of a step, as a resumed run rewrites some), plus its recorded replica_drift."""
+    from titanlite.config import parse_args
+    from titanlite.diagnostics.alerts import AlertMonitor
+
+    cfg, _ = parse_args(["--config", str(run_dir / "config.toml"), *overrides])
+    records = {r["step"]: r for r in _read(run_dir, "diagnostics.jsonl")}
+    if not records:
+        return []
+    world = len(next(iter(records.values()))["rank_loss"])
+    monitor = AlertMonitor(cfg.diagnostics, ["-"] * world)
+    alerts = [a.to_dict() for step in sorted(records) for a in monitor.update(records[step])]
+    drift = [e for e in _read(run_dir, "events.jsonl") if e["name"] == "replica_drift"]
+    return sorted(alerts + drift, key=lambda a: a["step"])
+
+
+def detection(alerts: list[dict], want: tuple[str, list[int], int] | None) -> dict:
+    """When the alert that names the fault first fired, and every other alert."""
+    hit = [a for a in alerts if want and a["name"] == want[0] and sorted(a["ranks"]) == want[1]]
+    first = hit[0]["step"] if hit else None
+    return {
+        "expected": f"{want[0]} {want[1]}" if want else "none",
+        "onset": want[2] if want else None,
+        "detected_step": first,
+        "steps_to_detection": first - want[2] + 1 if first is not None else None,
+        "wrong_alerts": [a for a in alerts if a not in hit],
+    }
+
+
+def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] | None = None) -> dict:
+    """One scenario's row from its run folder; `alerts`: replayed ones instead of events.jsonl's."""
+    metrics = _read(run_dir, "metrics.jsonl")
+    diag = [
+        d for d in _read(run_dir, "diagnostics.jsonl") if d["step"] > SKIP and d.get("loss_std") is not None
+    ]
+    events = _read(run_dir, "events.jsonl") if alerts is None else alerts
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
     # A faulty rank's own gradient can dominate the mean and look aligned with it: compare each
     # rank with the sum of the others instead.
@@ -140,7 +207,8 @@ def summarize(run_dir: Path, stopped: str | None) -> dict:
         "cos_min_rank_share": low_share,
         "loss_max_rank": max_rank,
         "loss_max_rank_share": max_share,
-        "alerts": [{"name": e["name"], "step": e["step"], "ranks": e["ranks"]} for e in events],
+        "alerts": (alerts := [{"name": e["name"], "step": e["step"], "ranks": e["ranks"]} for e in events]),
+        **detection(alerts, want),
     }
 
 
@@ -180,6 +248,19 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def detection_table(rows: dict[str, dict]) -> str:
+    lines = [
+        f"{'scenario':<16}{'expected alert (ranks)':<30}{'onset':>6}{'fired':>7}{'steps':>7}  wrong alerts"
+    ]
+    for name, r in rows.items():
+        wrong = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["wrong_alerts"]) or "none"
+        cells = [r["onset"], r["detected_step"], r["steps_to_detection"]]
+        shown = "".join(f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, (6, 7, 7), strict=True))
+        missed = " (not detected)" if r["onset"] is not None and r["detected_step"] is None else ""
+        lines.append(f"{name:<16}{r['expected']:<30}{shown}  {wrong}{missed}")
+    return "\n".join(lines)
+
+
 def plot(rows: dict[str, dict], path: Path) -> None:
     import matplotlib
 
@@ -214,8 +295,11 @@ def main() -> int:
     p.add_argument("--config", default=str(REPO / "train_configs/debug_model.toml"))
     p.add_argument("--out", type=Path)
     p.add_argument("--scenarios", nargs="+", help="a subset, in this order (default: all)")
+    p.add_argument("--replay", type=Path, metavar="DIR", help="tables from DIR's runs, alerts replayed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args, overrides = p.parse_known_args()
+    if args.replay:
+        return replay_main(args, overrides)
     known = scenarios(args.dp)
     args.scenarios = args.scenarios or list(known)
     unknown = [s for s in args.scenarios if s not in known]
@@ -259,11 +343,41 @@ def main() -> int:
         )
         return 2
     status = json.loads((args.out / "status.json").read_text())
-    rows = {name: summarize(args.out / name, status[name]["stopped"]) for name in args.scenarios}
+    want = expected(args.dp)
+    rows = {name: summarize(args.out / name, status[name]["stopped"], want[name]) for name in args.scenarios}
     (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "scenarios.png")
     print(f"dp={args.dp}, {args.steps} steps, averages over measured steps > {SKIP}\n{table(rows)}")
+    print(f"\ndetection\n{detection_table(rows)}")
     print(f"\nwritten: {args.out}/{{scenarios.json,scenarios.png}} and a run folder per scenario")
+    return 0
+
+
+def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
+    """--replay: the tables from recorded runs, alerts from today's rules."""
+    from titanlite.errors import UserError
+
+    status_file = args.replay / "status.json"
+    if not status_file.is_file():
+        print(
+            f"diagnose_scenarios: error: {args.replay} holds no scenarios (no status.json)", file=sys.stderr
+        )
+        return 2
+    status = json.loads(status_file.read_text())
+    dp = json.loads((args.replay / next(iter(status)) / "run.json").read_text())["world_size"]
+    want = expected(dp)
+    try:
+        rows = {
+            name: summarize(
+                args.replay / name, s["stopped"], want[name], replay(args.replay / name, overrides)
+            )
+            for name, s in status.items()
+        }
+    except UserError as e:
+        print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
+        return 2
+    (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
+    print(f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}")
     return 0
 
 

@@ -47,6 +47,15 @@ def healthy(seed=0, fault=None):
             tokens=[rng.randint(50, 500) for _ in range(WORLD)],
             norms=[1.0 + rng.gauss(0, 0.3) ** 2 for _ in range(WORLD)],
         )
+        # What each rank read: 2 sequences, indices from one shared order, token fingerprints
+        rec["rank_samples"] = [
+            [
+                {"index": 8 * t + 2 * r + i, "content": rng.random(), "tokens": 100, "loss": 5.0}
+                for i in range(2)
+            ]
+            for r in range(WORLD)
+        ]
+        rec["data_order"] = [1000 + t] * WORLD
         yield fault(t, rec) if fault else rec
 
 
@@ -109,6 +118,73 @@ def _noisy_device(t, rec):
     """Rank 1's gradient is 8x larger than the others' (noise added before the reduction)."""
     rec["rank_grad_norm"][1] = 8.0
     return rec
+
+
+def _copied_share(t, rec):
+    """From step 30, ranks 1 and 3 are handed rank 0's sequences."""
+    if t >= 30:
+        for r in (1, 3):
+            rec["rank_samples"][r] = [dict(x) for x in rec["rank_samples"][0]]
+    return rec
+
+
+_STUCK: list = []
+
+
+def _stuck_loader(t, rec):
+    """From step 30, rank 2's loader delivers step 30's tokens again; its sampler moves on."""
+    if t == 30:
+        _STUCK[:] = [x["content"] for x in rec["rank_samples"][2]]
+    if t >= 30:
+        for x, c in zip(rec["rank_samples"][2], _STUCK, strict=True):
+            x["content"] = c
+    return rec
+
+
+def _rank0_order(t, rec):
+    """Rank 0's sampler shuffles with its own seed (S1-2)."""
+    rec["data_order"][0] += 7
+    return rec
+
+
+def _per_rank_order(t, rec):
+    """Every rank's sampler has its own seed (S1-3)."""
+    rec["data_order"] = [h + 7 * r for r, h in enumerate(rec["data_order"])]
+    return rec
+
+
+@pytest.mark.parametrize(
+    "fault, name, ranks, step",
+    [
+        (_copied_share, "identical_data", [1, 3], 30),
+        (_stuck_loader, "stale_batch", [2], 31),
+        (_rank0_order, "data_order_mismatch", [0], 1),
+        (_per_rank_order, "data_order_mismatch", [0, 1, 2, 3], 1),
+    ],
+)
+def test_data_checks_fire_at_once_and_name_the_ranks(fault, name, ranks, step):
+    """Exact checks of what ranks read: no burn-in, the first step the data shows it."""
+    alerts = run(healthy(2, fault))
+    assert [(a.name, a.ranks, a.step) for a in alerts][:1] == [(name, ranks, step)], [
+        a.line() for a in alerts
+    ]
+    assert all(a.name == name for a in alerts) and alerts[0].cause == CAUSES[name]
+
+
+def _legit_repeats(t, rec):
+    """What healthy data may do: a tiny dataset hands a rank the same sequences again (same
+    indices, same tokens), and two ranks get duplicate documents (same tokens, other indices)."""
+    if t >= 20:
+        rec["rank_samples"][1] = [dict(x, index=i, content=0.5) for i, x in enumerate(rec["rank_samples"][1])]
+        dup = rec["rank_samples"][2]
+        rec["rank_samples"][3] = [
+            dict(x, content=d["content"]) for x, d in zip(rec["rank_samples"][3], dup, strict=True)
+        ]
+    return rec
+
+
+def test_legitimate_repeats_raise_no_data_alert():
+    assert run(healthy(3, _legit_repeats)) == []
 
 
 @pytest.mark.parametrize(

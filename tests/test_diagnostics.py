@@ -46,9 +46,12 @@ def test_exact_matches_per_rank_reference(results, world):
         assert _vec_close(rec["rank_cos_to_mean"], ref["rank_cos_to_mean"], abs_=1e-5)
         for key in ("loss_std", "grad_norm_std", "tokens_std"):
             assert _close(rec[key], ref[key]), (c["mode"], key)
-        # Each rank's sequences, as alerts name them: the index it was given, tokens, loss.
+        # Each rank's sequences, as alerts name them: the index it was given, tokens, loss, and the
+        # fingerprint of its tokens; each rank's data-order hash (rank 0's differs).
+        assert rec["data_order"] == [12346] + [12345] * (world - 1)
         for r, samples in enumerate(rec["rank_samples"]):
             assert [s["index"] for s in samples] == [1000 * r + i for i in range(len(samples))]
+            assert [s["content"] for s in samples] == ref["sample_content"][r]
             assert [s["tokens"] for s in samples] == ref["sample_tokens"][r]
             assert _vec_close([s["loss"] for s in samples], ref["sample_loss"][r]), (c["mode"], r)
 

@@ -1,11 +1,11 @@
 """scripts/diagnose_scenarios.py at dp=4 (debug model, pretraining data, 30 steps, on_alert =
-stop): every injected fault moves the metric that should detect it; the same data and the noisy
-gradient raise their alerts (naming the rank), which stop those runs; shuffled labels raise no
-alert but one naming rank 2 (30 steps of this fault sit at the edge of single_rank_outlier's
-persistence rule: it fires with some data orders, not with others); a bit flipped in one DDP
-replica's weights raises replica_drift after that step, naming the rank; the healthy run stays
-silent. The seed scenarios S1-1/2/3 (arXiv 2602.14462) are left to the README's full run
-(reported, not asserted)."""
+stop): every injected fault moves the metric that should detect it and raises the alert that
+names it (and its rank), which stops that run, and the detection table says when; shuffled labels
+raise no alert but one naming rank 2 (30 steps of this fault sit at the edge of
+single_rank_outlier's persistence rule); the healthy run stays silent. The data faults (ranks
+handed the same sequences, a stuck loader, per-rank shuffle seeds) are caught exactly, at the
+first step the data shows them. --replay over the same folders raises the same alerts. S1-1 and
+the long runs are the benchmark's (README)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
         str(tmp_path),
     ]
     cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise", "replica_flip"]
+    cmd += ["stuck_loader", "S1-2", "S1-3"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
@@ -46,10 +47,15 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     assert ok["alerts"] == [] and ok["steps"] == 30 and ok["stopped"] is None
     assert ok["loss_std"] > 0 and ok["cos_mean"] < 0.9
 
-    same = rows["same_data"]  # every rank the same batch: no dispersion, aligned gradients
-    assert same["loss_std"] < 1e-6 * same["loss_final"] and same["cos_mean"] > 0.99
-    assert _alerts(same) == [("identical_data", [])] and "identical_data" in same["stopped"]
-    assert same["steps"] < 30  # stopped at the alert
+    # Every rank handed rank 0's sequences: caught at step 1 from the indices; the metrics agree
+    # (no dispersion, aligned gradients).
+    same = rows["same_data"]
+    assert _alerts(same) == [("identical_data", [1, 2, 3])] and same["steps_to_detection"] == 1
+    assert same["steps"] == 1 and "identical_data" in same["stopped"]
+    (first,) = [
+        json.loads(x) for x in (tmp_path / "same_data" / "diagnostics.jsonl").read_text().splitlines()
+    ]
+    assert first["loss_std"] < 1e-6 * first["rank_loss"][0] and first["cos_mean_pairwise"] > 0.99
 
     bad = rows["corrupt_labels"]  # rank 2's labels shuffled: rank 2 drives the loss range
     assert bad["loss_max_rank"] == 2 and bad["loss_max_rank_share"] >= 0.5 > ok["loss_max_rank_share"]
@@ -67,8 +73,28 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
 
     flip = rows["replica_flip"]  # a bit of rank 3's weights flips as step 5 starts: seen after it
     assert flip["steps"] == 5 and _alerts(flip) == [("replica_drift", [3])], flip
-    assert flip["alerts"][0]["step"] == 5 and "replica_drift" in flip["stopped"]
-    assert (tmp_path / "scenarios.png").stat().st_size > 10_000
+    assert flip["steps_to_detection"] == 1 and "replica_drift" in flip["stopped"]
+
+    stuck = rows["stuck_loader"]  # rank 3 repeats step 5's batch: its tokens repeat at step 6
+    assert _alerts(stuck) == [("stale_batch", [3])] and stuck["detected_step"] == 6 == stuck["steps"]
+    for name, ranks in (("S1-2", [0]), ("S1-3", [0, 1, 2, 3])):  # per-rank shuffle seeds
+        assert _alerts(rows[name]) == [("data_order_mismatch", ranks)] and rows[name]["steps"] == 1, name
+    assert all(r["wrong_alerts"] == [] for n, r in rows.items() if n != "corrupt_labels"), rows
+    assert "detection" in proc.stdout and (tmp_path / "scenarios.png").stat().st_size > 10_000
+
+    # The rules replayed over the recorded steps raise what the runs raised.
+    replayed = subprocess.run(
+        [sys.executable, "scripts/diagnose_scenarios.py", "--replay", str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert replayed.returncode == 0, replayed.stderr[-3000:]
+    again = json.loads((tmp_path / "replayed.json").read_text())
+    for name, row in rows.items():
+        assert again[name]["alerts"] == row["alerts"], (name, again[name]["alerts"], row["alerts"])
 
 
 def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 import torch
-from helpers import read_metrics
+from helpers import load_script, read_metrics
 from test_cli import SMALL, single
 
 from titanlite.components.spike_guard import SpikeGuard
@@ -83,12 +83,21 @@ def _run(tmp_path, name: str, *args: str):
     return proc, losses
 
 
-def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides_the_same(tmp_path):
+def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides_the_same(tmp_path, capsys):
     proc, guarded = _run(tmp_path, "guarded", *GUARD, *SPIKE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(x) for x in (tmp_path / "guarded/events.jsonl").read_text().splitlines()]
     assert [(e["name"], e["step"]) for e in events] == [("spike_skipped", 7)], events
     assert "grad_norm" in events[0]["message"] and "its optimizer update was skipped" in proc.stderr
+    # The event names the step's sequences (unmeasured at dp 1: from the data order), as
+    # inspect_step lists them.
+    capsys.readouterr()
+    assert load_script("inspect_step").main([str(tmp_path / "guarded"), "--step", "7", "--json"]) == 0
+    listed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["index"], x["sources"]) for x in events[0]["samples"]] == [
+        (x["index"], x["sources"]) for x in listed
+    ]
+    assert "samples: r0 #" in proc.stderr
 
     # The same data and LR schedule with step 7 empty instead: bitwise the same weights after.
     _, empty = _run(tmp_path, "empty", "--debug.ignore_all_labels_steps", "7")

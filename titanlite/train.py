@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -37,6 +38,7 @@ from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.diagnostics.alerts import Alert
 from titanlite.diagnostics.component import Diagnostics
+from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.distributed.liveness import EXIT_LOST_RANK, Heartbeat, flight_recorder_env, lost_peer
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import grad_sync, materialize
@@ -212,7 +214,7 @@ class Trainer:
             micro.append(
                 (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
             )
-        return micro
+        return self.faults.stuck_batch(step, micro)
 
     def train_step(self, step: int) -> None:
         micro = self.next_microbatches(step)
@@ -229,9 +231,14 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:
             sample_tokens = torch.cat([(labels != IGNORE_INDEX).sum(-1) for _, labels in micro])
-            ids = torch.from_numpy(self.dataloader.batch_sampler.rank_share(step - 1))
-            ids = ids.to(self.device, non_blocking=True)  # host to device: no wait on the device
-            self.diagnostics.end_step(step, sample_sums, sample_tokens, ids, grad_norm)
+            content = content_fingerprint(torch.cat([inputs for inputs, _ in micro]))
+            sampler = self.dataloader.batch_sampler
+            host = np.append(sampler.rank_share(step - 1), sampler.order_hash(step - 1))
+            # host to device: no wait on the device; indices and the hash are exact in float64
+            host = torch.from_numpy(host.astype(np.float64)).to(self.device, non_blocking=True)
+            self.diagnostics.end_step(
+                step, sample_sums, sample_tokens, host[:-1], content, host[-1:], grad_norm
+            )
         tokens = self.balancer.global_tokens()
         skip = (tokens == 0) | ~torch.isfinite(grad_norm)
         guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
@@ -259,10 +266,9 @@ class Trainer:
                     "update was skipped and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
         guards = w.guard or [None] * len(w.steps)
+        spikes = [(s, g) for s, g in zip(w.steps, guards, strict=True) if g is not None and g[0]]
         for s, empty, skipped, guard in zip(w.steps, w.empty, w.skipped, guards, strict=True):
-            if guard is not None and guard[0]:
-                self._spike(s, guard)
-            elif skipped:
+            if skipped and not (guard is not None and guard[0]):
                 why = "no valid token in the whole global batch" if empty else "a non-finite gradient norm"
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
         n = len(w.steps)
@@ -290,24 +296,42 @@ class Trainer:
         diag, alerts = self.diagnostics.collect()
         if diag:
             rec["diag"] = {k: v for k, v in diag[-1].items() if isinstance(v, (int, float)) and k != "step"}
+        measured = {d["step"]: d for d in diag}
+        skipped = [self._spike(s, guard, measured.get(s)) for s, guard in spikes]
         if self.rank == 0:
             self.metrics.write(rec)
             self.metrics.write_diagnostics(diag)
-            self.metrics.write_alerts(alerts)
+            self.metrics.write_alerts(skipped + alerts)
+        for s, guard in spikes:
+            self._spike_stop(s, guard)
         if alerts and self.cfg.diagnostics.on_alert == "stop":
             raise TrainingError(f"diagnostics.on_alert = 'stop': {alerts[0].line()}")
 
-    def _spike(self, step: int, guard: list[float]) -> None:
-        """A step the spike guard skipped: an event, and the stop after too many in a row."""
-        _, value, threshold, in_a_row = guard
+    def _spike(self, step: int, guard: list[float], measured: dict | None) -> Alert:
+        """The event of a step the spike guard skipped, with the step's sequences: from its
+        diagnostics record if it was measured (their losses too), else from the data order."""
+        _, value, threshold, _ = guard
         g = self.cfg.diagnostics
         msg = (
             f"{self.guard.metric} {value:.4g} above the spike guard's threshold {threshold:.4g} (mean + "
             f"{g.spike_k:g} std of the last applied steps); its optimizer update was skipped "
             f"(scripts/inspect_step.py {self.run_dir} --step {step} lists its sequences)"
         )
-        if self.rank == 0:
-            self.metrics.write_alerts([Alert("spike_skipped", step, [], [], msg, values={"value": value})])
+        if measured is not None:
+            per_rank = measured["rank_samples"]
+        else:
+            ids = self.dataloader.batch_sampler.global_batch(step - 1).tolist()
+            per = len(ids) // self.dims.dp_size
+            per_rank = [
+                [{"index": i, "tokens": None, "loss": None} for i in ids[r * per : (r + 1) * per]]
+                for r in range(self.dims.dp_size)
+            ]
+        samples = [self.diagnostics.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
+        return Alert("spike_skipped", step, [], [], msg, values={"value": value}, samples=samples)
+
+    def _spike_stop(self, step: int, guard: list[float]) -> None:
+        """The stop after more than spike_max_consecutive skipped spikes in a row."""
+        in_a_row, g = guard[3], self.cfg.diagnostics
         if in_a_row > g.spike_max_consecutive:
             raise TrainingError(
                 f"the spike guard skipped {int(in_a_row)} steps in a row, up to step {step} (more than "

@@ -20,6 +20,7 @@ from titanlite.components.faults import Faults
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
+from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
@@ -31,13 +32,14 @@ from titanlite.train import forward_backward
 def reference(world: int) -> dict:
     tokens, labels = global_batch()
     per = GLOBAL_BATCH // world
-    losses, counts, grads, sample_tokens, sample_loss = [], [], [], [], []
+    losses, counts, grads, sample_tokens, sample_loss, sample_content = [], [], [], [], [], []
     for r in range(world):
         model = Llama3(ARGS)
         model.init_weights(ParamInit(model, SEED))
         x, y = tokens[r * per : (r + 1) * per], labels[r * per : (r + 1) * per]
         with torch.no_grad():  # each sequence alone: the per-sample losses alerts carry
             sample_tokens.append([int((row != IGNORE_INDEX).sum()) for row in y])
+            sample_content.append(content_fingerprint(x).tolist())
             sums = [cross_entropy_sum(model(x[i : i + 1]), y[i : i + 1]).item() for i in range(len(x))]
             sample_loss.append([s / t if t else None for s, t in zip(sums, sample_tokens[-1], strict=True)])
         n = int((y != IGNORE_INDEX).sum())
@@ -66,6 +68,7 @@ def reference(world: int) -> dict:
         "rank_tokens": counts,
         "sample_tokens": sample_tokens,
         "sample_loss": sample_loss,
+        "sample_content": sample_content,
         "rank_grad_norm": norms,
         "cos_matrix": cos,
         "rank_cos_to_mean": [
@@ -97,7 +100,9 @@ def run_case(
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
-    diag.end_step(1, sums, tokens, ids, grad_norm)
+    content = content_fingerprint(torch.cat([x for x, _ in micro]))
+    order = torch.tensor([12345.0 + (dist.get_rank() == 0)], dtype=torch.float64)  # rank 0's differs
+    diag.end_step(1, sums, tokens, ids, content, order, grad_norm)
     (rec,), _ = diag.collect()
     k = diag.probe.sketch.numel() if method == "sketch" else 0  # the prime actually used
     return {

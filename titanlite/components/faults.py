@@ -13,6 +13,8 @@ Data-Parallel Full Fine-Tuning", studies the seed ones):
   (model.dropout) makes seeds matter.
 - flip_bit_step: one bit of one parameter flips on one rank (silent data corruption in a
   replica's weights, which only the replica check sees).
+- stuck_loader_step: from that step on, one rank's loader hands out that step's batch again and
+  again (a reader stuck on a stale buffer), while its sampler moves on.
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
 loss, a rank killed at a step or inside a save, a rank that hangs, a save failing as on a full
 disk.
@@ -53,6 +55,7 @@ class Faults:
         self.grad_noise = debug.grad_noise_rank >= 0 and world > 1
         # Std of this rank's gradient noise relative to the gradient's RMS (0: none).
         self.grad_noise_scale = debug.grad_noise_scale if debug.grad_noise_rank == rank else 0.0
+        self._stuck: list | None = None  # the batch a stuck loader repeats
 
     def labels(self, step: int, labels: torch.Tensor) -> torch.Tensor:
         """A microbatch's host labels as this step's faults leave them."""
@@ -64,6 +67,16 @@ class Faults:
                 valid = (row != IGNORE_INDEX).nonzero().flatten()
                 row[valid] = row[valid[torch.randperm(len(valid), generator=self.label_generator)]]
         return labels
+
+    def stuck_batch(self, step: int, micro: list) -> list:
+        """The step's microbatches as this rank's loader delivers them: from stuck_loader_step
+        on, on stuck_loader_rank, the batch of that step again."""
+        d = self.debug
+        if d.stuck_loader_step < 0 or self.rank != d.stuck_loader_rank or step < d.stuck_loader_step:
+            return micro
+        if step == d.stuck_loader_step or self._stuck is None:
+            self._stuck = micro
+        return self._stuck
 
     def flip_bit(self, step: int, model: torch.nn.Module) -> None:
         """Rank flip_bit_rank flips the lowest bit of its first parameter's first local element

@@ -192,6 +192,11 @@ class Debug:
         -1, "fault: as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)"
     )
     flip_bit_rank: int = opt(1, "the rank whose parameter flip_bit_step flips")
+    stuck_loader_step: int = opt(
+        -1,
+        "fault: from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)",
+    )
+    stuck_loader_rank: int = opt(1, "the rank whose loader stuck_loader_step freezes")
     seed_mode: str = opt(
         "shared",
         "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",

@@ -164,6 +164,13 @@ class GlobalBatchSampler:
             self._cached = (step, self.sequences(np.arange(step * g, (step + 1) * g)))
         return self._cached[1]
 
+    def order_hash(self, step: int) -> int:
+        """A 52-bit hash (exact in a float64) of step `step`'s ordered global batch: every rank's
+        sampler must give the same one, or ranks split different batches (data_order_mismatch)."""
+        idx = self.global_batch(step).astype(np.uint64)
+        pos = _mix64(np.arange(1, len(idx) + 1, dtype=np.uint64) * _GOLDEN)
+        return int(np.bitwise_xor.reduce(_mix64(idx ^ pos))) & ((1 << 52) - 1)
+
     def __iter__(self) -> GlobalBatchSampler:
         return self
 

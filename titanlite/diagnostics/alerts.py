@@ -18,12 +18,17 @@ from dataclasses import asdict, dataclass, field
 
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.datasets.corpus import source_name
+from titanlite.diagnostics.data_checks import DataChecks
 
 CAUSES = {
     "dispersion_spike": "seed mismatch (dropout/augmentation) or shuffle desync: align the seeds, check the sampler's epoch",
     "dispersion_rising_loss_falling": "ranks drifting apart while the average looks healthy: audit seeds, sharding and precision now",
     "single_rank_outlier": "a bad batch on that rank (corrupted, extreme or noisy samples): inspect its data",
     "identical_data": "ranks read the same data (rank not passed to the loader?): audit the sharding",
+    "stale_batch": "that rank's data loader repeats a batch (a reader stuck on a stale buffer or cache): "
+    "check its loader workers and storage, then resume from a checkpoint before the repeats",
+    "data_order_mismatch": "the ranks shuffle the data with different seeds or epochs (per-rank sampler seeds), so "
+    "some sequences are read twice and others never: give every rank's sampler the same seed",
     "cosine_drop": "desynchronised seeds or data loader across ranks",
     "faulty_worker": "a faulty worker: possible silent data corruption or a failing device on that host",
     "spike_skipped": "a loss or gradient-norm spike: a bad batch (inspect the step's samples) or a learning rate too high",
@@ -55,11 +60,12 @@ class Alert:
         line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
         if not self.samples:
             return line
-        worst = sorted(self.samples, key=lambda s: -(s["loss"] if s["loss"] is not None else -1.0))
+        worst = sorted(self.samples, key=lambda s: -(s["loss"] if s.get("loss") is not None else -1.0))
         shown = ", ".join(_sample(s) for s in worst[:SHOWN_SAMPLES])
         more = len(self.samples) - SHOWN_SAMPLES
         rest = f"; {more} more in events.jsonl" if more > 0 else ""
-        return f"{line}; highest-loss samples: {shown}{rest} (scripts/inspect_step.py shows them)"
+        label = "highest-loss samples" if any(s.get("loss") is not None for s in worst) else "samples"
+        return f"{line}; {label}: {shown}{rest} (scripts/inspect_step.py shows them)"
 
 
 SHOWN_SAMPLES = 3  # samples an alert's console line names (events.jsonl keeps them all)
@@ -70,8 +76,9 @@ def _sample(s: dict) -> str:
     src = s["sources"][0] if s["sources"] else None
     where = f" {source_name(src['file'])} row {src['row']}" if src else ""
     extra = f" +{len(s['sources']) - 1} doc(s)" if len(s["sources"]) > 1 else ""
-    loss = f", loss {s['loss']:.3f}" if s["loss"] is not None else ""
-    return f"r{s['rank']} #{s['index']}{where}{extra} ({s['tokens']} tok{loss})"
+    facts = [f"{s['tokens']} tok"] if s.get("tokens") is not None else []
+    facts += [f"loss {s['loss']:.3f}"] if s.get("loss") is not None else []
+    return f"r{s['rank']} #{s['index']}{where}{extra}" + (f" ({', '.join(facts)})" if facts else "")
 
 
 @dataclass
@@ -157,18 +164,21 @@ class AlertMonitor:
         self.history: deque[_Point] = deque(maxlen=cfg.alert_window)
         self.seen = 0
         self._last: dict[tuple[str, int], int] = {}
+        self.data = DataChecks()
 
     def state_dict(self) -> dict:
         return {
             "history": [asdict(p) for p in self.history],
             "seen": self.seen,
             "last": [[name, rank, seen] for (name, rank), seen in self._last.items()],
+            "data": self.data.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.history = deque((_Point(**p) for p in state["history"]), maxlen=self.cfg.alert_window)
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
+        self.data.load_state_dict(state.get("data", {}))
 
     def _fire(self, name: str, p: _Point, ranks: list[int], message: str, **values) -> list[Alert]:
         key = (name, ranks[0] if ranks else -1)
@@ -183,15 +193,16 @@ class AlertMonitor:
             return []
         c = self.cfg
         self.seen += 1
+        # Exact checks of what the ranks read: no history needed, so no burn-in.
+        out = [a for name, ranks, msg in self.data.update(rec) for a in self._fire(name, p, ranks, msg)]
         if self.seen <= c.alert_min_steps:
-            return []  # burn-in: not even a baseline
+            return out  # burn-in: not even a baseline
         past = list(self.history)
         self.history.append(p)
         pts = list(self.history)
         if len(past) < c.alert_min_steps:
-            return []
+            return out
         world = len(self.hosts)
-        out: list[Alert] = []
         # 1. a dispersion spike while the global loss stays smooth
         ref_std = statistics.median(q.loss_std for q in past)
         ref_loss = statistics.median(q.loss for q in past[-5:])

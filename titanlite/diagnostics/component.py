@@ -3,8 +3,9 @@ collect() on log steps.
 
 Measured steps are every step for the first `warmup_steps`, then every `interval` steps. On a
 measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
-each rank contributes (summed loss, valid tokens, local gradient norm^2; per sequence: its index,
-summed loss and valid tokens, so an alert can name the data behind it) plus its partial Gram
+each rank contributes (summed loss, valid tokens, local gradient norm^2, its sampler's hash of the
+global batch; per sequence: its index, summed loss, valid tokens and a fingerprint of its tokens,
+so an alert can name the data behind it and data_checks.py can compare what ranks read) plus its partial Gram
 (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own process group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
@@ -40,7 +41,8 @@ class _Pending:
     """A measured step whose gathers are in flight: device tensors, read at the next log step."""
 
     step: int
-    # [world, 3 + 3n]: loss sum, valid tokens, local grad norm^2; its n sequences' sums, tokens, ids
+    # [world, 4 + 4n]: loss sum, valid tokens, local grad norm^2, data order hash; its n
+    # sequences' loss sums, valid tokens, dataset indices, content fingerprints
     per_rank: torch.Tensor
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
     global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
@@ -65,7 +67,8 @@ class _Measured:
     norms_sq: list[float]  # squared norm of what each rank contributes to the reduction
     gram: list[list[float]]
     global_norm: float
-    samples: list[list[dict]]  # per rank, per sequence: index, valid tokens, token-mean loss
+    orders: list[int]  # per rank: hash of the global batch as its sampler orders it
+    samples: list[list[dict]]  # per rank, per sequence: index, valid tokens, token-mean loss, content
 
 
 class Diagnostics:
@@ -161,16 +164,21 @@ class Diagnostics:
         sample_sums: torch.Tensor,
         sample_tokens: torch.Tensor,
         sample_ids: torch.Tensor,
+        content: torch.Tensor,
+        order: torch.Tensor,
         grad_norm: torch.Tensor,
     ) -> None:
         """Start the async gathers of this measured step: per sequence of this rank (microbatch
-        order) its summed loss, valid tokens and dataset index. Reads nothing on the host."""
+        order) its summed loss, valid tokens, dataset index and content fingerprint
+        (data_checks.content_fingerprint); `order`: [1] float64, the sampler's hash of the global
+        batch (GlobalBatchSampler.order_hash). Reads nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
         sums, tokens = sample_sums.double(), sample_tokens.double()
         totals = torch.stack([sums.sum(), tokens.sum(), self.probe.local_norm_sq()])
-        mine = torch.cat([totals, sums, tokens, sample_ids.double()])  # ids: exact below 2**53
+        # ids and the order hash: integers below 2**53, exact in float64
+        mine = torch.cat([totals, order.double(), sums, tokens, sample_ids.double(), content.double()])
         per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
@@ -208,11 +216,14 @@ class Diagnostics:
         measured = []
         for i, p in enumerate(self._pending):
             per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
-            loss_sums, tokens, norms_sq = (
-                list(col) for col in zip(*(row[:3] for row in per_rank), strict=True)
+            loss_sums, tokens, norms_sq, orders = (
+                list(col) for col in zip(*(row[:4] for row in per_rank), strict=True)
             )
-            samples = [_samples(row[3:]) for row in per_rank]
-            measured.append(_Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, samples))
+            samples = [_samples(row[4:]) for row in per_rank]
+            orders = [int(h) for h in orders]
+            measured.append(
+                _Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, orders, samples)
+            )
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
 
@@ -236,7 +247,8 @@ class Diagnostics:
             alerts.append(Alert("replica_drift", step, drift.ranks, hosts, msg, values=values))
         return alerts
 
-    def _located(self, rank: int, sample: dict) -> dict:
+    def locate(self, rank: int, sample: dict) -> dict:
+        """A sequence record of `rank` with its sources (file, row) added."""
         sources = self.trace(sample["index"]) if self.trace is not None else []
         return {"rank": rank, **sample, "sources": sources}
 
@@ -261,9 +273,10 @@ class Diagnostics:
             ]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
             rec["rank_samples"] = m.samples
+            rec["data_order"] = m.orders
             raised = self.monitor.update(rec)
             for alert in raised:  # the data behind each rank an alert names
-                alert.samples = [self._located(r, s) for r in alert.ranks for s in m.samples[r]]
+                alert.samples = [self.locate(r, s) for r in alert.ranks for s in m.samples[r]]
             rec["alerts"] = [a.name for a in raised]
             records.append(rec)
             alerts += raised
@@ -271,10 +284,11 @@ class Diagnostics:
 
 
 def _samples(values: list[float]) -> list[dict]:
-    """One rank's gathered per-sequence values (n sums, n token counts, n indices) as records."""
-    n = len(values) // 3
-    sums, tokens, ids = values[:n], values[n : 2 * n], values[2 * n :]
+    """One rank's gathered per-sequence values (n sums, token counts, indices, fingerprints) as
+    records."""
+    n = len(values) // 4
+    sums, tokens, ids, content = (values[i * n : (i + 1) * n] for i in range(4))
     return [
-        {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None}
-        for s, t, i in zip(sums, tokens, ids, strict=True)
+        {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None, "content": c}
+        for s, t, i, c in zip(sums, tokens, ids, content, strict=True)
     ]
