@@ -61,7 +61,7 @@ def healthy(seed=0, fault=None):
 
 def run(stream) -> list:
     cfg = Diagnostics()
-    cfg.trend_burn_in = 20  # the synthetic streams are short; the real default waits longer
+    cfg.trend_burn_in, cfg.trend_window = 20, 36  # the synthetic streams are short
     mon = AlertMonitor(cfg, [f"host{r}" for r in range(WORLD)])
     return [a for rec in stream for a in mon.update(rec)]
 
@@ -169,6 +169,21 @@ def test_data_checks_fire_at_once_and_name_the_ranks(fault, name, ranks, step):
         a.line() for a in alerts
     ]
     assert all(a.name == name for a in alerts) and alerts[0].cause == CAUSES[name]
+
+
+def test_the_exact_identical_data_check_speaks_for_the_statistical_one():
+    """Every rank handed rank 0's batch: the losses agree too, but one alert per window, the one
+    that names the ranks."""
+
+    def same_batch(t, rec):
+        same = _same(t, rec)
+        same.update(rank_samples=[rec["rank_samples"][0]] * WORLD, data_order=rec["data_order"])
+        return same
+
+    alerts = run(healthy(4, same_batch))
+    assert [(a.name, a.ranks, a.step) for a in alerts] == [
+        ("identical_data", [1, 2, 3], t) for t in (1, 21, 41)
+    ]
 
 
 def _legit_repeats(t, rec):

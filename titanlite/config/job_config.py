@@ -218,15 +218,18 @@ class Diagnostics:
     sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)")
     noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")
     on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
-    alert_window: int = opt(20, "measured steps that trend and persistence rules look back on")
+    alert_window: int = opt(20, "measured steps that persistence rules look back on; alert cooldown")
     alert_min_steps: int = opt(10, "burn-in: measured steps ignored before alerts, then history they need")
     spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median")
     smooth_loss_tol: float = opt(
         0.05, "dispersion_spike: global loss within this fraction of its recent median"
     )
     trend_burn_in: int = opt(100, "dispersion_rising_loss_falling: measured steps before it is armed")
+    trend_window: int = opt(
+        100, "dispersion_rising_loss_falling: measured steps it looks back on (medians of thirds)"
+    )
     trend_rise: float = opt(
-        1.0, "dispersion_rising_loss_falling: rise of the std, last vs first third of the window"
+        1.0, "dispersion_rising_loss_falling: rise of the median std, last vs first third of trend_window"
     )
     outlier_margin: float = opt(
         0.05, "single_rank_outlier: the rank's loss above the others' mean by this fraction"
