@@ -27,7 +27,7 @@ alert, which the table shows).
 
 A second table, detection: per fault, the alert that names it (and the rank(s) at fault), the
 step it started, the step that alert first fired and the steps in between; every other alert is
-listed as wrong (in a healthy scenario, a false alarm).
+listed as other (in a healthy scenario, a false alarm).
 
 --replay DIR: no training; the tables again from DIR's run folders, with the alerts that today's
 rules (and the --diagnostics overrides given) raise on each run's recorded diagnostics.jsonl:
@@ -174,7 +174,7 @@ def detection(alerts: list[dict], want: tuple[str, list[int], int] | None) -> di
         "onset": want[2] if want else None,
         "detected_step": first,
         "steps_to_detection": first - want[2] + 1 if first is not None else None,
-        "wrong_alerts": [a for a in alerts if a not in hit],
+        "other_alerts": [a for a in alerts if a not in hit],
     }
 
 
@@ -250,10 +250,10 @@ def table(rows: dict[str, dict]) -> str:
 
 def detection_table(rows: dict[str, dict]) -> str:
     lines = [
-        f"{'scenario':<16}{'expected alert (ranks)':<30}{'onset':>6}{'fired':>7}{'steps':>7}  wrong alerts"
+        f"{'scenario':<16}{'expected alert (ranks)':<30}{'onset':>6}{'fired':>7}{'steps':>7}  other alerts"
     ]
     for name, r in rows.items():
-        wrong = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["wrong_alerts"]) or "none"
+        wrong = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["other_alerts"]) or "none"
         cells = [r["onset"], r["detected_step"], r["steps_to_detection"]]
         shown = "".join(f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, (6, 7, 7), strict=True))
         missed = " (not detected)" if r["onset"] is not None and r["detected_step"] is None else ""

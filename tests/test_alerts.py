@@ -186,6 +186,21 @@ def test_the_exact_identical_data_check_speaks_for_the_statistical_one():
     ]
 
 
+def test_a_rank_a_data_check_names_is_not_blamed_on_its_device():
+    """A stuck loader's rank memorises its batch, so its gradient parts from the others': the
+    stale_batch alert names the cause, faulty_worker stays quiet about that rank."""
+
+    def stuck_and_apart(t, rec):
+        rec = _stuck_loader(t, rec)
+        for j in range(WORLD):
+            if j != 2 and t >= 30:
+                rec["cos_matrix"][2][j] = rec["cos_matrix"][j][2] = -0.5
+        return rec
+
+    alerts = run(healthy(5, stuck_and_apart))
+    assert {(a.name, tuple(a.ranks)) for a in alerts} == {("stale_batch", (2,))}, [a.line() for a in alerts]
+
+
 def _legit_repeats(t, rec):
     """What healthy data may do: a tiny dataset hands a rank the same sequences again (same
     indices, same tokens), and two ranks get duplicate documents (same tokens, other indices)."""

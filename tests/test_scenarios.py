@@ -79,7 +79,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     assert _alerts(stuck) == [("stale_batch", [3])] and stuck["detected_step"] == 6 == stuck["steps"]
     for name, ranks in (("S1-2", [0]), ("S1-3", [0, 1, 2, 3])):  # per-rank shuffle seeds
         assert _alerts(rows[name]) == [("data_order_mismatch", ranks)] and rows[name]["steps"] == 1, name
-    assert all(r["wrong_alerts"] == [] for n, r in rows.items() if n != "corrupt_labels"), rows
+    assert all(r["other_alerts"] == [] for n, r in rows.items() if n != "corrupt_labels"), rows
     assert "detection" in proc.stdout and (tmp_path / "scenarios.png").stat().st_size > 10_000
 
     # The rules replayed over the recorded steps raise what the runs raised.

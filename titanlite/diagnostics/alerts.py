@@ -165,6 +165,8 @@ class AlertMonitor:
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
         self.seen = 0
         self._last: dict[tuple[str, int], int] = {}
+        # (data check, rank) -> measured step it last failed: what explains a rank's statistics
+        self._data_failed: dict[tuple[str, int], int] = {}
         self.data = DataChecks()
 
     def state_dict(self) -> dict:
@@ -174,6 +176,7 @@ class AlertMonitor:
             "seen": self.seen,
             "last": [[name, rank, seen] for (name, rank), seen in self._last.items()],
             "data": self.data.state_dict(),
+            "data_failed": [[name, rank, seen] for (name, rank), seen in self._data_failed.items()],
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -182,6 +185,17 @@ class AlertMonitor:
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
         self.data.load_state_dict(state.get("data", {}))
+        self._data_failed = {(name, rank): seen for name, rank, seen in state.get("data_failed", [])}
+
+    def _explained(self, name: str | None = None, rank: int | None = None) -> bool:
+        """Whether a data check (`name`, any if None) failed for `rank` (any if None) within the
+        window: it names the cause, so statistical rules about the same ranks stay quiet."""
+        return any(
+            (name is None or n == name)
+            and (rank is None or r == rank)
+            and self.seen - seen < self.cfg.alert_window
+            for (n, r), seen in self._data_failed.items()
+        )
 
     def _fire(self, name: str, p: _Point, ranks: list[int], message: str, **values) -> list[Alert]:
         key = (name, ranks[0] if ranks else -1)
@@ -197,7 +211,10 @@ class AlertMonitor:
         c = self.cfg
         self.seen += 1
         # Exact checks of what the ranks read: no history needed, so no burn-in.
-        out = [a for name, ranks, msg in self.data.update(rec) for a in self._fire(name, p, ranks, msg)]
+        out = []
+        for name, ranks, msg in self.data.update(rec):
+            out += self._fire(name, p, ranks, msg)
+            self._data_failed.update({(name, r): self.seen for r in ranks})
         if self.seen <= c.alert_min_steps:
             return out  # burn-in: not even a baseline
         past = list(self.history)
@@ -235,18 +252,14 @@ class AlertMonitor:
                 out += self._fire("dispersion_rising_loss_falling", p, [], msg, std_from=std_a, std_to=std_b)
         # 3. one rank drives the range, persistently
         hit = _persistent(pts, "max_rank", "gap", world, c.persist_frac)
-        if hit and hit[2] > c.outlier_margin:
+        if hit and hit[2] > c.outlier_margin and not self._explained(rank=hit[0]):
             top, n, gap = hit
             msg = f"rank {top} had the highest loss in {n} of the last {len(pts)} measured steps, {100 * gap:.1f}% above the others"
             out += self._fire("single_rank_outlier", p, [top], msg, share=n / len(pts))
         # 4. ranks indistinguishable throughout: the same data (unless the exact check, which
-        # names the ranks, already said so within the window)
+        # names the ranks, already says so)
         recent = pts[-c.alert_min_steps :]
-        named = any(
-            name == "identical_data" and rank >= 0 and self.seen - seen < c.alert_window
-            for (name, rank), seen in self._last.items()
-        )
-        if not named and all(
+        if not self._explained("identical_data") and all(
             q.loss_std <= c.identical_std * q.loss or (q.cos is not None and q.cos > c.identical_cos)
             for q in recent
         ):
@@ -261,7 +274,7 @@ class AlertMonitor:
             out += self._fire("cosine_drop", p, [], msg, cos=p.cos)
         # 6. one rank persistently disagrees with the others, or its gradient norm stands apart
         hit = _persistent(pts, "low_rank", "low_margin", world, c.persist_frac)
-        if hit and hit[2] > c.faulty_margin:
+        if hit and hit[2] > c.faulty_margin and not self._explained(rank=hit[0]):
             low, n, margin = hit
             msg = (
                 f"rank {low} ({self.hosts[low]}) had the lowest gradient cosine to the other ranks in {n} of the "
@@ -269,7 +282,7 @@ class AlertMonitor:
             )
             out += self._fire("faulty_worker", p, [low], msg, share=n / len(pts))
         hit = _persistent(pts, "big_rank", "big_ratio", world, c.persist_frac)
-        if hit and hit[2] > c.norm_outlier_factor:
+        if hit and hit[2] > c.norm_outlier_factor and not self._explained(rank=hit[0]):
             big, n, ratio = hit
             msg = (
                 f"rank {big} ({self.hosts[big]}) had the largest gradient norm in {n} of the last {len(pts)} "
