@@ -5,8 +5,8 @@ Measured steps are every step for the first `warmup_steps`, then every `interval
 measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
 each rank contributes (summed loss, valid tokens, local gradient norm^2, its sampler's hash of the
 global batch; per sequence: its index, summed loss, valid tokens and a fingerprint of its tokens,
-so an alert can name the data behind it and data_checks.py can compare what ranks read) plus its partial Gram
-(`exact`) or sketch (`sketch`), gathered asynchronously on the component's own process group,
+so an alert can name the data behind it and data_checks.py can compare what ranks read) plus its
+partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
 collect(), which reads them all at once.
