@@ -1,9 +1,30 @@
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
 import torch
 import torch.nn.functional as F
+from helpers import REPO
+from toy_model import ToyMLP
 
-from titanlite.components.loss import IGNORE_INDEX, LossBalancer, count_valid, cross_entropy_sum
+from titanlite.components.loss import (
+    IGNORE_INDEX,
+    LossBalancer,
+    chunk_positions,
+    chunked_cross_entropy_per_sample,
+    count_valid,
+    cross_entropy_per_sample,
+    cross_entropy_sum,
+    loss_chunk,
+)
+from titanlite.config import JobConfig
+from titanlite.distributed.param_init import ParamInit
+from titanlite.errors import UserError
+from titanlite.models.llama3 import Llama3, Llama3Args
 
 
 def test_cross_entropy_sum_is_fp32_sum_over_valid_tokens():
@@ -51,3 +72,95 @@ def test_zero_valid_tokens_gives_zero_not_nan():
     assert loss.item() == 0.0
     assert torch.count_nonzero(logits.grad) == 0
     assert int(bal.global_tokens()) == 0
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-6) -> None:
+    """Relative error of the whole tensor (elementwise, entries near 0 only show rounding)."""
+    assert (got - want).norm() <= rel * want.norm(), ((got - want).norm() / want.norm()).item()
+
+
+def _grads(fn, *leaves):
+    for x in leaves:
+        x.grad = None
+    out = fn()
+    (out * torch.arange(1, out.numel() + 1)).sum().backward()  # a different weight per sequence
+    return out.detach(), [x.grad.clone() for x in leaves]
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 37])
+def test_chunked_loss_is_the_whole_sequence_loss_and_gradient(chunk):
+    """Chunks of 1, 5 (not dividing 37), 16 and the whole sequence: per-sequence sums and the
+    gradients of the hidden states and the output weight, to 1e-6."""
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(3, 37, 16, generator=g, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 37), generator=g)
+    labels[0, :30] = IGNORE_INDEX
+    labels[2] = IGNORE_INDEX  # a sequence without targets sums to 0
+    want, want_grads = _grads(
+        lambda: cross_entropy_per_sample(F.linear(hidden, weight), labels), hidden, weight
+    )
+    got, got_grads = _grads(
+        lambda: chunked_cross_entropy_per_sample(hidden, weight, labels, chunk), hidden, weight
+    )
+    _close(got, want)
+    assert got[2] == 0
+    for a, b in zip(got_grads, want_grads, strict=True):
+        _close(a, b)
+
+
+def test_llama_loss_path_equals_its_logits_path():
+    """The model's own chunked loss (labels in, sums out) against cross entropy of its logits:
+    values and every parameter's gradient, tied head too."""
+    for tied in (False, True):
+        _check_llama_loss_path(tied)
+
+
+def _check_llama_loss_path(tied: bool) -> None:
+    args = Llama3Args(
+        dim=32, n_layers=2, n_heads=4, vocab_size=96, multiple_of=16, max_seq_len=24, tie_embeddings=tied
+    )
+    model = Llama3(args)
+    model.init_weights(ParamInit(model, 5))
+    tokens = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    labels = tokens.roll(-1, dims=1)
+    labels[1, :7] = IGNORE_INDEX
+    params = list(model.parameters())
+    want, want_grads = _grads(lambda: cross_entropy_per_sample(model(tokens), labels), *params)
+    got, got_grads = _grads(lambda: model(tokens, labels=labels, loss_chunk=7), *params)
+    _close(got, want)
+    for a, b in zip(got_grads, want_grads, strict=True):
+        _close(a, b)
+
+
+def test_chunk_size_follows_the_logits_budget_and_a_logits_only_model_is_refused():
+    # 4 sequences x 128,256 vocab x 4 bytes = 2 MB of fp32 logits per position
+    assert chunk_positions(256, 4, 2048, 128256) == 130
+    assert chunk_positions(256, 4, 512, 2048) == 512  # the debug model: all fit, no chunks
+    assert chunk_positions(0, 4, 2048, 128256) == 2048
+    assert chunk_positions(0.001, 4, 2048, 128256) == 1
+    cfg = JobConfig()
+    cfg.training.seq_len, cfg.training.local_batch_size = 2048, 4
+    meta = SimpleNamespace(
+        spec=SimpleNamespace(name="llama3", model_cls=Llama3), args=SimpleNamespace(vocab_size=128256)
+    )
+    assert loss_chunk(cfg, meta) == 130
+    meta.spec = SimpleNamespace(name="toy_mlp", model_cls=ToyMLP)
+    with pytest.raises(UserError, match=r"model 'toy_mlp' returns logits only .* set it to 0"):
+        loss_chunk(cfg, meta)
+    cfg.loss.chunk_logits_mib = 0
+    assert loss_chunk(cfg, meta) == 0
+
+
+def test_loss_memory_benchmark_shows_the_saving(tmp_path):
+    """scripts/loss_memory.py at a small size: the whole sequence's fp32 logits are 64 MiB (the
+    estimate counts 192: output, fp32 copy, gradient); 64-position chunks hold 8 MiB of them."""
+    out = tmp_path / "mem.json"
+    cmd = [sys.executable, "scripts/loss_memory.py", "--seq", "512", "--batch", "1", "--budgets", "0", "8"]
+    proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    whole, chunked = json.loads(out.read_text())
+    assert (whole["chunk_positions"], chunked["chunk_positions"]) == (512, 64)
+    assert whole["loss"] == pytest.approx(chunked["loss"], rel=1e-6)
+    assert whole["estimated_logits_mib"] == 192 and chunked["estimated_logits_mib"] == 24
+    assert whole["peak_mib"] - chunked["peak_mib"] > 48, (whole, chunked)

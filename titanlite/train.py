@@ -24,7 +24,7 @@ from titanlite.components.checkpoint_index import resume_changes
 from titanlite.components.faults import Faults
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
-from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_per_sample
+from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_per_sample, loss_chunk
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
 from titanlite.components.run_folder import open_run_folder, run_info
@@ -60,6 +60,7 @@ def forward_backward(
     *,
     skip_grad_sync: bool,
     loss_factor: float = 1.0,
+    loss_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulate this rank's gradients for one step.
 
@@ -67,6 +68,8 @@ def forward_backward(
     microbatch order). The shares of all ranks sum to the logged loss (see
     titanlite.components.loss); the per-sequence sums feed the diagnostics.
     `loss_factor` scales this rank's loss (debug: NaN for the non-finite stop, a spike for the guard).
+    `loss_chunk`: sequence positions per chunk of the model's own loss path (0, or the whole
+    sequence: the model returns logits and the loss follows).
     """
     balancer.begin_step([labels for _, labels in micro])
     loss_total = torch.zeros((), device=dims.device)
@@ -75,7 +78,10 @@ def forward_backward(
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
             with dims.autocast():
-                per_sample = cross_entropy_per_sample(model(inputs), labels)
+                if 0 < loss_chunk < labels.shape[1]:
+                    per_sample = model(inputs, labels=labels, loss_chunk=loss_chunk)
+                else:
+                    per_sample = cross_entropy_per_sample(model(inputs), labels)
             if loss_factor != 1.0:
                 per_sample = per_sample * loss_factor
             loss = balancer.scale(per_sample.sum(), m)
@@ -115,6 +121,7 @@ class Trainer:
                 f"checkpoint.export_hf: model '{meta.spec.name}' has no HFAdapter in its registry entry; "
                 "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
             )
+        self.loss_chunk = loss_chunk(cfg, meta)
         check_memory(meta.model, meta.args, cfg, self.layout, self.device, self.dims.param_dtype)
         self.flops_per_token = meta.flops_per_token
         dataset = build_dataset(cfg, self.tokenizer)
@@ -227,6 +234,7 @@ class Trainer:
             self.dims,
             skip_grad_sync=self.diagnostics.skip_grad_sync(self.layout.skip_grad_sync, measured),
             loss_factor=self.faults.loss_factor(step),
+            loss_chunk=self.loss_chunk,
         )
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:

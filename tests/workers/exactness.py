@@ -6,7 +6,7 @@ forward_backward on this rank's slice of a fixed global batch with deliberately 
 labels, and compare the full reduced gradient with a single-process reference on the whole
 global batch. Also records a hash of the full initial weights per mode.
 "tied_cases": the same with the output head tied to the embedding (Llama 3.2's layout), in
-every mode. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
+every mode. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
 and whether every reduced gradient value is a bfloat16 number, as only a bf16 reduction makes it.
 Writes JSON results (rank 0) to argv[1].
 """
@@ -110,6 +110,7 @@ def run_case(
     ac: str = "none",
     args: Llama3Args = ARGS,
     reduce: str = "float32",
+    loss_chunk: int = 0,
 ) -> dict:
     cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
@@ -120,7 +121,9 @@ def run_case(
     init_hash = full_weights_hash(model)
     micro = rank_microbatches(world, accum)
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
-    share, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync)
+    share, _ = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=loss_chunk
+    )
     dist.all_reduce(share)
     grads = full_grads(model)
     rel = max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
@@ -139,6 +142,7 @@ def run_case(
         "norm": norm,
         "skip_grad_sync": layout.skip_grad_sync,
         "activation_checkpoint": ac,
+        "loss_chunk": loss_chunk,
         "max_rel_err": rel,
         "reduce_dtype": reduce,
         "bf16_values": bf16,
@@ -168,8 +172,11 @@ def main() -> None:
     cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
     results = [run_case(world, *c, ref) for c in cases]
     results += [run_case(world, mode, 2, "global", "auto", ref, ac="full") for mode in ("fsdp", "ddp")]
+    # The loss inside the model, 5 positions at a time (16 per sequence: 4 chunks, the last short)
+    results += [run_case(world, m, 2, "global", "auto", ref, loss_chunk=5) for m in ("fsdp", "ddp", "hsdp")]
     tied_ref = reference(TIED)
     tied = [run_case(world, m, 2, "global", "auto", tied_ref, args=TIED) for m in ("fsdp", "ddp", "hsdp")]
+    tied.append(run_case(world, "fsdp", 2, "global", "auto", tied_ref, args=TIED, loss_chunk=5))
     # Sync skipping on: one reduction per step, whose result the gradient then is (FSDP would
     # otherwise add two reduced microbatches up in float32).
     reduce = [run_case(world, m, 2, "global", "on", ref, reduce="bfloat16") for m in ("fsdp", "ddp")]

@@ -33,9 +33,14 @@ it finite (zero gradient) and the trainer skips its optimizer update on the devi
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from titanlite.errors import UserError
 
 IGNORE_INDEX = -100
 """Label value that marks a position without a target (prompt, padding)."""
@@ -51,6 +56,54 @@ def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torc
         reduction="none",
     )
     return per_token.view(labels.shape).sum(-1)
+
+
+def chunked_cross_entropy_per_sample(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """cross_entropy_per_sample(hidden @ weight.T, labels) with the logits of `chunk` sequence
+    positions alive at a time, forward and backward: each chunk's projection and cross entropy
+    run under activation checkpointing, so backward recomputes that chunk's logits (one extra
+    output matmul) instead of keeping [batch, seq, vocab] of them, and of their gradient.
+    At vocab 128,256 a 2,048-token sequence's fp32 logits alone take 1 GB. The sums are the
+    same per chunk, added in another order (exact to float rounding)."""
+    # split, not slices: backward gathers the chunks' gradients once, where each slice's would
+    # be a zero-padded full-size tensor
+    sums = [
+        checkpoint(_projected_ce, h, weight, y, use_reentrant=False)
+        for h, y in zip(hidden.split(chunk, dim=1), labels.split(chunk, dim=1), strict=True)
+    ]
+    return torch.stack(sums).sum(0)
+
+
+def _projected_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_per_sample(F.linear(hidden, weight), labels)
+
+
+def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
+    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
+    (loss.chunk_logits_mib); seq_len (no chunking) when they all fit, or when the budget is 0."""
+    if budget_mib <= 0:
+        return seq_len
+    per_position = local_batch * vocab * 4
+    return max(1, min(seq_len, int(budget_mib * 2**20 // per_position)))
+
+
+def loss_chunk(cfg, meta) -> int:
+    """The trainer's loss chunk (positions; 0: logits then loss) for a config and its meta model
+    (titanlite.models.registry.MetaModel). A model whose forward takes no `labels` computes
+    logits only: chunking it is refused in one line."""
+    t = cfg.training
+    chunk = chunk_positions(cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, meta.args.vocab_size)
+    if chunk >= t.seq_len:
+        return 0
+    if "labels" not in inspect.signature(meta.spec.model_cls.forward).parameters:
+        raise UserError(
+            f"model '{meta.spec.name}' returns logits only (its forward takes no labels), and "
+            f"loss.chunk_logits_mib = {cfg.loss.chunk_logits_mib:g} asks for the loss in chunks; set it to 0, or "
+            "give the model forward(tokens, labels, loss_chunk) (see models/llama3/model.py)"
+        )
+    return chunk
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

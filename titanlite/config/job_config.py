@@ -119,6 +119,11 @@ class Loss:
         "global: sum / valid tokens of the whole step (exact); local_mean: naive per-rank mean",
         choices=("global", "local_mean"),
     )
+    chunk_logits_mib: float = opt(
+        256.0,
+        "most MiB one chunk of fp32 logits may take: the output projection and cross entropy run "
+        "chunk by chunk over the sequence; 0: the whole sequence at once",
+    )
 
 
 @dataclass

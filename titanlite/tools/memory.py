@@ -10,7 +10,9 @@ The estimate is deliberately simple and a little pessimistic:
     out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
     GPU and CPU: measured 49 MB, not 256 MB, for 16 heads x 2048^2 on CPU); with activation
     checkpointing, one block's worth plus each block's input;
-  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss;
+  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss, of the whole
+    sequence, or of one chunk of loss.chunk_logits_mib's positions (backward recomputes one
+    chunk at a time);
   - unsharded gradients that FSDP/HSDP keeps across microbatches (4 bytes x all params, in the
     fp32 reduce dtype) when the reduction waits for the last microbatch: on every step with
     skip_grad_sync, on measured steps with diagnostics.method = exact and accumulation;
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from titanlite.components.loss import chunk_positions
 from titanlite.config import JobConfig
 from titanlite.config.layout import Layout, diagnostics_method, holds_unsharded_grads
 from titanlite.errors import UserError
@@ -100,6 +103,7 @@ def estimate_memory(
     activation_checkpoint: bool,
     held_grads_bytes: float = 0.0,
     diagnostics_bytes: float = 0.0,
+    loss_positions: int | None = None,
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
     divisor = shard if mode in ("fsdp", "hsdp") else 1
@@ -111,7 +115,7 @@ def estimate_memory(
     activations = per_layer * layers_held + (
         tokens * dim * param_bytes * n_layers if activation_checkpoint else 0
     )
-    logits = tokens * vocab_size * (param_bytes + 4 + 4)
+    logits = local_batch * (loss_positions or seq_len) * vocab_size * (param_bytes + 4 + 4)
     return MemoryEstimate(params, states, gathered, activations, logits, held_grads_bytes, diagnostics_bytes)
 
 
@@ -172,6 +176,9 @@ def check_memory(
         activation_checkpoint=t.activation_checkpoint != "none",
         held_grads_bytes=held,
         diagnostics_bytes=diag,
+        loss_positions=chunk_positions(
+            cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, args.vocab_size
+        ),
     )
     avail, what = available_bytes(device)
     model = (

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlite.components.loss import chunked_cross_entropy_per_sample
 from titanlite.distributed.param_init import ParamInit
 
 
@@ -182,7 +183,13 @@ class Llama3(nn.Module):
             layer.init_weights(init)
         init.constant_(self.norm.weight, 1.0)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk: int = 0
+    ) -> torch.Tensor:
+        """Logits; with `labels`, each sequence's summed cross entropy instead, the output
+        projection run `loss_chunk` positions at a time inside the loss (the trainer's path at
+        a large vocabulary: see titanlite.components.loss.chunked_cross_entropy_per_sample).
+        It happens here, in the root's forward, where FSDP has the output weight unsharded."""
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}")
@@ -190,6 +197,8 @@ class Llama3(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin)
+        if labels is not None:
+            return chunked_cross_entropy_per_sample(self.norm(h), self.output.weight, labels, loss_chunk)
         return self.output(self.norm(h))
 
     def num_flops_per_token(self, seq_len: int) -> int:

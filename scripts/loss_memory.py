@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Peak memory of one forward + backward at a large vocabulary: the loss on the whole sequence's
+logits against the loss in chunks (loss.chunk_logits_mib), measured, beside what the memory
+estimate counts for the logits.
+
+    .venv/bin/python scripts/loss_memory.py [--vocab 32768] [--seq 2048] [--batch 2] [--dim 256]
+                                            [--layers 2] [--budgets 0 64 16] [--device cpu]
+
+Each budget runs in a fresh process (a process's memory high-water mark only rises): the model
+and the batch are made first, then one step; the figure is the step's peak above what was held
+before it (GPU: max_memory_allocated; CPU: the resident set's high-water mark, ru_maxrss, with
+glibc told to map every block over 64 KiB on its own, MALLOC_MMAP_THRESHOLD_, so that a freed
+block leaves the resident set: by default its heap kept freed chunk buffers and a 64-position
+chunk showed 570 MiB where it holds 193).
+Budget 0 is the whole sequence at once. Written as JSON with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+MiB = 2**20
+
+
+def _rss() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def one(args: argparse.Namespace, budget: float) -> dict:
+    """One step at `budget` MiB per chunk of fp32 logits, in this process."""
+    import torch
+
+    from titanlite.components.loss import IGNORE_INDEX, chunk_positions, cross_entropy_per_sample
+    from titanlite.distributed.param_init import ParamInit
+    from titanlite.models.llama3 import Llama3, Llama3Args
+    from titanlite.tools.memory import estimate_memory
+
+    device = torch.device(args.device)
+    model_args = Llama3Args(
+        dim=args.dim, n_layers=args.layers, n_heads=4, vocab_size=args.vocab, max_seq_len=args.seq
+    )
+    with torch.device(device):
+        model = Llama3(model_args)
+    model.init_weights(ParamInit(model, 0))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
+    labels = tokens.roll(-1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    chunk = chunk_positions(budget, args.batch, args.seq, args.vocab)
+    est = estimate_memory(
+        model,
+        0,
+        dim=args.dim,
+        n_layers=args.layers,
+        vocab_size=args.vocab,
+        local_batch=args.batch,
+        seq_len=args.seq,
+        shard=1,
+        mode="fsdp",
+        param_bytes=4,
+        activation_checkpoint=False,
+        loss_positions=chunk,
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        before = _rss()
+    start = time.perf_counter()
+    if chunk < args.seq:
+        loss = model(tokens, labels=labels, loss_chunk=chunk).sum()
+    else:
+        loss = cross_entropy_per_sample(model(tokens), labels).sum()
+    loss.backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = _rss() - before
+    return {
+        "budget_mib": budget,
+        "chunk_positions": chunk,
+        "loss": loss.item(),
+        "step_s": time.perf_counter() - start,
+        "peak_mib": peak / MiB,
+        "estimated_logits_mib": est.logits_bytes / MiB,
+        "estimated_activations_mib": est.activation_bytes / MiB,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--budgets", type=float, nargs="+", default=[0, 64, 16])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--one", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args, args.one)))
+        return 0
+    rows = []
+    for budget in args.budgets:
+        cmd = [sys.executable, __file__, "--one", str(budget)]
+        for key in ("vocab", "seq", "batch", "dim", "layers", "device"):
+            cmd += [f"--{key}", str(getattr(args, key))]
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            print(f"loss_memory: error: budget {budget:g} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            return 1
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(
+        f"vocab {args.vocab}, {args.batch} x {args.seq} tokens, dim {args.dim}, {args.layers} layers, {args.device}"
+    )
+    print(f"{'budget MiB':>10}{'chunk':>7}{'loss':>10}{'step s':>8}{'peak MiB':>10}{'est. logits MiB':>17}")
+    for r in rows:
+        budget = "whole" if r["budget_mib"] <= 0 else f"{r['budget_mib']:g}"
+        print(
+            f"{budget:>10}{r['chunk_positions']:>7}{r['loss']:>10.2f}{r['step_s']:>8.2f}"
+            f"{r['peak_mib']:>10.0f}{r['estimated_logits_mib']:>17.0f}"
+        )
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
