@@ -327,13 +327,9 @@ class Trainer:
         )
         if measured is not None:
             per_rank = measured["rank_samples"]
-        else:
-            ids = self.dataloader.batch_sampler.global_batch(step - 1).tolist()
-            per = len(ids) // self.dims.dp_size
-            per_rank = [
-                [{"index": i, "tokens": None, "loss": None} for i in ids[r * per : (r + 1) * per]]
-                for r in range(self.dims.dp_size)
-            ]
+        else:  # from the data order, host-side: no device value is read
+            shares = self.dataloader.batch_sampler.shares(step - 1)
+            per_rank = [[{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares]
         samples = [self.diagnostics.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
         return Alert("spike_skipped", step, [], [], msg, values={"value": value}, samples=samples)
 

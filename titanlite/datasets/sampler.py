@@ -174,10 +174,13 @@ class GlobalBatchSampler:
     def __iter__(self) -> GlobalBatchSampler:
         return self
 
+    def shares(self, step: int) -> list[np.ndarray]:
+        """Every rank's sequences of 0-based step `step`, rank by rank, each in microbatch order."""
+        return np.split(self.global_batch(step), self.dp_size)
+
     def rank_share(self, step: int) -> np.ndarray:
         """This rank's sequences of 0-based step `step`, in microbatch order."""
-        per_rank = self.global_batch_size // self.dp_size
-        return self.global_batch(step)[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank]
+        return self.shares(step)[self.dp_rank]
 
     def __next__(self) -> list[int]:
         step, micro = divmod(self.microbatches_yielded, self.grad_accum)

@@ -23,6 +23,7 @@ The estimate is deliberately simple and a little pessimistic:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import resource
@@ -83,8 +84,8 @@ def measured_step_bytes(
         return held, 0.0
     if diagnostics_method(d.method, layout) == "sketch":
         return held, 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
-    if layout.mode != "ddp" and layout.grad_accum > 1:
-        held = 4.0 * params  # a measured step reduces on its last microbatch only
+    if holds_unsharded_grads(dataclasses.replace(layout, skip_grad_sync=True)):
+        held = 4.0 * params  # a measured exact step reduces on its last microbatch only
     return held, 4.0 * block_params
 
 
