@@ -67,7 +67,7 @@ def one(args: argparse.Namespace, budget: float) -> dict:
         shard=1,
         mode="fsdp",
         param_bytes=4,
-        activation_checkpoint=False,
+        activation_checkpoint="none",
         loss_positions=chunk,
     )
     if device.type == "cuda":

@@ -136,6 +136,35 @@ def test_missing_files_are_named(tmp_path):
         validate(cfg, 1)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data.mode", "synthetic"], "set model.vocab_size (e.g. 128256) or model.hf_assets_path"),
+        (
+            ["--data.mode", "synthetic", "--model.vocab_size", "512", "--data.path", "x"],
+            "leave data.path empty",
+        ),
+        (["--model.vocab_size", "-1"], "model.vocab_size is -1; it must be >= 0"),
+    ],
+)
+def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, message):
+    cfg, _ = parse_args(argv)
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(cfg, 1)
+
+
+def test_vocab_size_pads_the_tokenizers_and_may_not_cut_it():
+    from titanlite.models.registry import build_meta_model
+
+    cfg, _ = parse_args(["--model.vocab_size", "4096"])
+    assert build_meta_model(cfg, 2048).model.output.weight.shape[0] == 4096
+    assert build_meta_model(parse_args([])[0], 2048).model.output.weight.shape[0] == 2048
+    with pytest.raises(
+        UserError, match=re.escape("model.vocab_size is 4096 but the tokenizer's ids reach 5000")
+    ):
+        build_meta_model(cfg, 5001)
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 

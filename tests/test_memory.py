@@ -60,7 +60,7 @@ def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
         shard=4,
         mode="fsdp",
         param_bytes=4,
-        activation_checkpoint=False,
+        activation_checkpoint="none",
     ).total_bytes
     budget = base + SKETCH_BYTES + 2 * params  # room for the sketch, half of exact's 4 B/param
     monkeypatch.setattr(memory, "available_bytes", lambda device: (budget, "test budget"))

@@ -89,3 +89,46 @@ def test_flops_per_token_count_the_output_head_tied_or_not():
         with torch.device("meta"):
             got[tied] = Llama3(args).num_flops_per_token(seq)
     assert got == {True: want, False: want}
+
+
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts aten ops by name (overload packet), e.g. 'mm', 'silu'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["none", "selective", "full"])
+def test_activation_checkpointing_recomputes_what_its_kind_says(kind):
+    """Backward of one block: full recomputes matmuls and attention, selective only the pointwise
+    ops (SwiGLU's silu, the norms' rsqrt) and keeps the matmul and attention outputs; the
+    gradient is the same in all three."""
+    from titanlite.distributed.parallelize import checkpoint_block
+
+    args = Llama3Args(
+        dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=8
+    )
+    model = Llama3(args)
+    model.init_weights(ParamInit(model, 0))
+    model.layers[0] = checkpoint_block(model.layers[0], kind)
+    x = torch.randint(0, 50, (2, 8))
+    loss = model(x).square().mean()
+    with _OpCounter() as backward:
+        loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.layers[0].parameters()])
+    plain = Llama3(args)
+    plain.init_weights(ParamInit(plain, 0))
+    plain(x).square().mean().backward()
+    torch.testing.assert_close(grads, torch.cat([p.grad.flatten() for p in plain.layers[0].parameters()]))
+    n = backward.counts
+    gradient_mms = 2 * 8  # input and weight gradients of 7 linears and the head
+    attention = sum(v for k, v in n.items() if k.startswith("_scaled_dot_product") and "backward" not in k)
+    recomputed = n.get("silu", 0) + n.get("rsqrt", 0)
+    assert (n["mm"] > gradient_mms, attention > 0) == (kind == "full",) * 2, n
+    assert (recomputed > 0) == (kind != "none"), n

@@ -84,6 +84,8 @@ def _vocab_size(cfg: JobConfig) -> int:
     from titanlite.components.tokenizer import load_tokenizer
 
     m = cfg.model
+    if cfg.data.mode == "synthetic":
+        return 0  # no tokenizer: model.vocab_size (or the folder's config.json) gives it
     if m.tokenizer_path:
         return load_tokenizer(m.tokenizer_path).vocab_size
     if m.hf_assets_path:

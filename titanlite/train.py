@@ -115,7 +115,7 @@ class Trainer:
 
         # The model is checked (name, flavor, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
-        self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size)
+        self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
         if cfg.checkpoint.export_hf and meta.spec.hf is None:
             raise UserError(
                 f"checkpoint.export_hf: model '{meta.spec.name}' has no HFAdapter in its registry entry; "
@@ -124,7 +124,7 @@ class Trainer:
         self.loss_chunk = loss_chunk(cfg, meta)
         check_memory(meta.model, meta.args, cfg, self.layout, self.device, self.dims.param_dtype)
         self.flops_per_token = meta.flops_per_token
-        dataset = build_dataset(cfg, self.tokenizer)
+        dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
         self.dataloader = build_dataloader(
             cfg, dataset, self.dims.dp_rank, self.dims.dp_size, self.device.type == "cuda", self.faults
         )
@@ -417,7 +417,7 @@ class Trainer:
             self.meta.args,
             self.cfg.checkpoint.export_dtype,
             Path(source).expanduser() if source else None,
-            self.tokenizer.folder,
+            self.tokenizer.folder if self.tokenizer else None,
         )
 
     def close(self) -> None:

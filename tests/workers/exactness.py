@@ -171,7 +171,8 @@ def main() -> None:
     cases += [("fsdp", 2, "global", "on"), ("ddp", 2, "global", "on"), ("hsdp", 2, "global", "on")]
     cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
     results = [run_case(world, *c, ref) for c in cases]
-    results += [run_case(world, mode, 2, "global", "auto", ref, ac="full") for mode in ("fsdp", "ddp")]
+    for ac in ("full", "selective"):
+        results += [run_case(world, mode, 2, "global", "auto", ref, ac=ac) for mode in ("fsdp", "ddp")]
     # The loss inside the model, 5 positions at a time (16 per sequence: 4 chunks, the last short)
     results += [run_case(world, m, 2, "global", "auto", ref, loss_chunk=5) for m in ("fsdp", "ddp", "hsdp")]
     tied_ref = reference(TIED)

@@ -248,7 +248,7 @@ def export_checkpoint(
             Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
         )
     tok = build_tokenizer(cfg)
-    meta = build_meta_model(cfg, tok.vocab_size)
+    meta = build_meta_model(cfg, tok.vocab_size if tok else 0)
     if meta.spec.hf is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
@@ -269,7 +269,7 @@ def export_checkpoint(
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
     config = hf_config(meta.spec.hf, meta.args, dtype, source)
-    files = companion_files(source, tok.folder)
+    files = companion_files(source, tok.folder if tok else None)
     error = write_hf_folder(folder, shards, fetch, meta.spec.hf, meta.args, dtype, config, files)
     if error:
         raise UserError(f"the export failed ({error}); nothing was published at '{folder}'")

@@ -15,6 +15,7 @@ IDENTITY_KEYS = (
     "model.name",
     "model.flavor",
     "model.builtin_vocab_size",
+    "model.vocab_size",
     "model.tokenizer_path",
     "model.hf_assets_path",
     "data.mode",

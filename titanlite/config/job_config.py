@@ -38,6 +38,9 @@ class Model:
         "", "Hugging Face model folder: shapes (config.json), tokenizer, pretrained weights; flavor unused"
     )
     builtin_vocab_size: int = opt(2048, "vocabulary of the built-in tokenizer (trained, cached)")
+    vocab_size: int = opt(
+        0, "embedding rows; 0: the tokenizer's vocabulary; larger: padded (data.mode = synthetic: its range)"
+    )
     import_module: str = opt("", "module imported first so it can register models (forks)")
     dropout: float = opt(0.0, "dropout on residual branches (models whose args have `dropout`)")
 
@@ -78,7 +81,9 @@ class Training:
         "float32", "dtype of gradient reduction", choices=("float32", "bfloat16")
     )
     activation_checkpoint: str = opt(
-        "none", "recompute each block's activations in backward", choices=("none", "full")
+        "none",
+        "recompute in backward: full: each block; selective: its pointwise ops (matmul and attention outputs kept)",
+        choices=("none", "selective", "full"),
     )
     compile: bool = opt(False, "torch.compile each transformer block")
 
@@ -101,7 +106,11 @@ class Parallelism:
 
 @dataclass
 class Data:
-    mode: str = opt("pretrain", "pretrain: packed documents; sft: prompt/response", ("pretrain", "sft"))
+    mode: str = opt(
+        "pretrain",
+        "pretrain: packed documents; sft: prompt/response; synthetic: random tokens < model.vocab_size (benchmarks)",
+        ("pretrain", "sft", "synthetic"),
+    )
     path: str = opt(
         "",
         "prepared folder, or raw .txt/.jsonl/.jsonl.gz/.parquet/.arrow file or folder; mixture: "
@@ -172,6 +181,9 @@ class Debug:
     )
     nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
     sync_debug: bool = opt(False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps")
+    skip_memory_check: bool = opt(
+        False, "start even if the memory estimate says the job does not fit (to find where it really stops)"
+    )
     same_data: bool = opt(False, "fault: every rank reads rank 0's share of the batch")
     corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
     grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")

@@ -140,6 +140,17 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr is {cfg.optimizer.lr}; it must be > 0")
+    m = cfg.model
+    if m.vocab_size < 0 or (m.vocab_size and m.hf_assets_path):
+        raise UserError(
+            f"model.vocab_size is {m.vocab_size}; it must be >= 0, and 0 with model.hf_assets_path "
+            "(whose config.json gives the vocabulary)"
+        )
+    if cfg.data.mode == "synthetic" and (cfg.data.path or not (m.vocab_size or m.hf_assets_path)):
+        raise UserError(
+            "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
+            "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
+        )
     check_data(cfg.data.mode, cfg.data.path)
     if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
         raise UserError(

@@ -30,6 +30,7 @@ from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sft import SFTDataset
 from titanlite.datasets.sources import discover
 from titanlite.datasets.spec import parse_data_path
+from titanlite.datasets.synthetic import SyntheticDataset
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
@@ -62,8 +63,11 @@ def _is_local_leader() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0
 
 
-def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer:
-    """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one."""
+def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
+    """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one;
+    None for synthetic data, which has no text."""
+    if cfg.data.mode == "synthetic":
+        return None
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
@@ -98,9 +102,15 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
     return out
 
 
-def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer):
+def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
     """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped;
-    returns them as one MixtureDataset (of one dataset when there is no mixture)."""
+    returns them as one MixtureDataset (of one dataset when there is no mixture). Synthetic data
+    draws below `vocab_size`, the model's (default: model.vocab_size)."""
+    if cfg.data.mode == "synthetic":
+        synthetic = SyntheticDataset(
+            vocab_size or cfg.model.vocab_size, cfg.training.seq_len, cfg.training.seed
+        )
+        return MixtureDataset([synthetic], [1.0])
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
     datasets = []
     for name, _ in parts:

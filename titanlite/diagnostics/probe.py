@@ -88,7 +88,12 @@ class GradProbe:
         """All-to-all of `padded` (world equal chunks); returns this rank's summed chunk."""
         recv = torch.empty_like(padded)
         dist.all_to_all_single(recv, padded, group=group)
-        rows = recv.view(self.world, -1).float()
+        return self.sum_with_gram(recv)
+
+    def sum_with_gram(self, received: torch.Tensor) -> torch.Tensor:
+        """The device work on every rank's copy of this rank's shard (world rows): their sum,
+        and the partial Gram matrix added up."""
+        rows = received.view(self.world, -1).float()
         self.gram += (rows @ rows.T).double()
         return rows.sum(0)
 

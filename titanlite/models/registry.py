@@ -122,10 +122,16 @@ def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
 
 def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     """cfg.model on the meta device: imports model.import_module (a fork's registration), looks
-    up the name, takes the shapes from the flavor (vocabulary: the tokenizer's `vocab_size`) or
-    from model.hf_assets_path's config.json, fills in training.seq_len and model.dropout. Next:
-    `spec.parallelize_fn`, then titanlite.distributed.parallelize.materialize."""
+    up the name, takes the shapes from the flavor (vocabulary: model.vocab_size, else the
+    tokenizer's `vocab_size`; 0: no tokenizer) or from model.hf_assets_path's config.json, fills
+    in training.seq_len and model.dropout. Next: `spec.parallelize_fn`, then
+    titanlite.distributed.parallelize.materialize."""
     m = cfg.model
+    if m.vocab_size and m.vocab_size < vocab_size:
+        raise UserError(
+            f"model.vocab_size is {m.vocab_size} but the tokenizer's ids reach {vocab_size - 1}; "
+            f"set it to {vocab_size} or more, or 0 for the tokenizer's own"
+        )
     if m.import_module:
         try:
             importlib.import_module(m.import_module)
@@ -139,7 +145,7 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     if m.hf_assets_path:
         args = hf_args(spec, Path(m.hf_assets_path).expanduser(), vocab_size)
     else:
-        args = replace(get_flavor(spec, m.flavor), vocab_size=vocab_size)
+        args = replace(get_flavor(spec, m.flavor), vocab_size=m.vocab_size or vocab_size)
     args = replace(args, max_seq_len=cfg.training.seq_len)
     if m.dropout:
         if not hasattr(args, "dropout"):

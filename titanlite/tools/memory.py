@@ -101,7 +101,7 @@ def estimate_memory(
     shard: int,
     mode: str,
     param_bytes: int,
-    activation_checkpoint: bool,
+    activation_checkpoint: str,
     held_grads_bytes: float = 0.0,
     diagnostics_bytes: float = 0.0,
     loss_positions: int | None = None,
@@ -112,10 +112,12 @@ def estimate_memory(
     gathered = 2 * block_params * param_bytes if mode in ("fsdp", "hsdp") else 0
     tokens = local_batch * seq_len
     per_layer = tokens * 34 * dim * param_bytes
-    layers_held = 1 if activation_checkpoint else n_layers
-    activations = per_layer * layers_held + (
-        tokens * dim * param_bytes * n_layers if activation_checkpoint else 0
-    )
+    if activation_checkpoint == "full":  # each block's input, and one block's recomputed activations
+        activations = tokens * dim * param_bytes * n_layers + per_layer
+    elif activation_checkpoint == "selective":  # matmul/attention outputs: about half, plus one block's rest
+        activations = per_layer * (n_layers + 1) / 2
+    else:
+        activations = per_layer * n_layers
     logits = local_batch * (loss_positions or seq_len) * vocab_size * (param_bytes + 4 + 4)
     return MemoryEstimate(params, states, gathered, activations, logits, held_grads_bytes, diagnostics_bytes)
 
@@ -149,21 +151,15 @@ def _cgroup_limit() -> float | None:
     return None
 
 
-def check_memory(
-    model: nn.Module,
-    args: Any,
-    cfg: JobConfig,
-    layout: Layout,
-    device: torch.device,
-    param_dtype: torch.dtype,
-) -> None:
-    """Log the estimate for the meta model `model` (built from `args`) and refuse, in one line,
-    a job that cannot fit on this rank."""
+def job_estimate(
+    model: nn.Module, args: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype
+) -> MemoryEstimate:
+    """The estimate for the meta model `model` (built from `args`) under cfg and its layout."""
     t = cfg.training
     blocks = getattr(model, "layers", None)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
     held, diag = measured_step_bytes(cfg, layout, sum(p.numel() for p in model.parameters()), block_params)
-    est = estimate_memory(
+    return estimate_memory(
         model,
         block_params,
         dim=getattr(args, "dim", 0),
@@ -174,13 +170,26 @@ def check_memory(
         shard=layout.dp_shard,
         mode=layout.mode,
         param_bytes=param_dtype.itemsize,
-        activation_checkpoint=t.activation_checkpoint != "none",
+        activation_checkpoint=t.activation_checkpoint,
         held_grads_bytes=held,
         diagnostics_bytes=diag,
         loss_positions=chunk_positions(
             cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, args.vocab_size
         ),
     )
+
+
+def check_memory(
+    model: nn.Module,
+    args: Any,
+    cfg: JobConfig,
+    layout: Layout,
+    device: torch.device,
+    param_dtype: torch.dtype,
+) -> None:
+    """Log the estimate for the meta model `model` (built from `args`) and refuse, in one line,
+    a job that cannot fit on this rank (unless debug.skip_memory_check)."""
+    est = job_estimate(model, args, cfg, layout, param_dtype)
     avail, what = available_bytes(device)
     model = (
         f"{cfg.model.name} from {cfg.model.hf_assets_path}"
@@ -192,8 +201,8 @@ def check_memory(
         f"{layout.mode} {layout.dp_replicate}x{layout.dp_shard}, grad accum {layout.grad_accum}; "
         f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
     )
-    if est.total_bytes > avail:
-        fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'full'"
+    if est.total_bytes > avail and not cfg.debug.skip_memory_check:
+        fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'selective' or 'full'"
         if est.held_grads_bytes:
             why = "parallelism.skip_grad_sync" if layout.skip_grad_sync else "diagnostics.method = 'exact'"
             fixes = (

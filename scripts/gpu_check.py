@@ -1,0 +1,532 @@
+#!/usr/bin/env python
+"""The GPU path in one command: speed, memory, the no-host-sync claim and bf16 accuracy.
+
+    scripts/gpu_check.sh [--smoke] [--out DIR] [--only SECTION ...] [--steps N]
+
+One GPU is enough (and one GPU cannot test NCCL between ranks: see the README's multi-GPU
+checklist). Each training run is a fresh single-rank trainer process (`python -m
+titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. Sections:
+  speed   llama_1b shapes at Llama 3's vocabulary (128,256) on random tokens (data.mode =
+          synthetic), bf16 params, fp32 reduction, local batch 4 x seq 2048: tokens/s, TFLOP/s,
+          MFU, peak memory and the memory estimate, for activation checkpointing none /
+          selective / full x compile off / on (median of the log windows after the first)
+  batch   the largest local batch at seq 2048 that runs, per AC kind, compile off (doubling,
+          then bisection; debug.skip_memory_check lets the estimate be tested, not obeyed),
+          beside the largest the memory estimate admits
+  sync    steps under torch.cuda.set_sync_debug_mode("error") outside log steps
+          (debug.sync_debug): a host sync anywhere in the step fails the run
+  accum   llama_1b on the built-in data: accumulation 1 vs 4 over the same global batch; the
+          largest relative loss difference, which compare_runs' default tolerance must cover
+  probe   the diagnostics probe's device work per measured step (exact: the partial Gram;
+          sketch: the CountSketch) on llama_1b's FSDP units at simulated world sizes 8 and 16,
+          against the step time (diagnostics are off at one rank, so no run shows it)
+  hf      a LlamaForCausalLM with llama_1b's layer shapes (2 layers) against titanlite's Llama
+          read from its saved folder: logits in fp32 and in bf16 (needs transformers)
+--smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
+the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
+DIR/gpu_check.md (the README's table). Exit 1 if a check fails (sync, hf, accum, a crashed run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+GiB = 2**30
+SECTIONS = ("speed", "batch", "sync", "accum", "probe", "hf")
+
+
+@dataclasses.dataclass
+class Shapes:
+    """What the full check and the smoke run differ in."""
+
+    config: str  # the trainer config the runs start from
+    vocab: int
+    seq: int
+    batch: int  # the speed section's local batch
+    steps: int
+    log_freq: int
+    max_batch: int  # the batch search stops here
+    compile_kinds: tuple[str, ...]  # AC kinds also timed with compile on
+    accum_steps: int
+    hf: dict  # LlamaConfig shapes
+    hf_tokens: int
+
+
+FULL = Shapes(
+    config="train_configs/llama_1b.toml",
+    vocab=128256,
+    seq=2048,
+    batch=4,
+    steps=30,
+    log_freq=10,
+    max_batch=64,
+    compile_kinds=("none", "selective", "full"),
+    accum_steps=30,
+    hf=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
+    hf_tokens=512,
+)
+SMOKE = Shapes(
+    config="train_configs/debug_model.toml",
+    vocab=2048,
+    seq=128,
+    batch=2,
+    steps=6,
+    log_freq=2,
+    max_batch=2,
+    compile_kinds=("selective",),  # one compiled run: compile on a CPU costs ~20 s a run
+    accum_steps=6,
+    hf=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
+    hf_tokens=32,
+)
+# Tolerances of the accuracy checks. hf: the largest logit difference over the largest logit;
+# bf16 rounds every op to an 8-bit mantissa (2^-8 = 0.4% per op), and the two models order their
+# ops differently (RoPE layout, fused vs separate projections), so a few per cent.
+HF_TOL = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+# ---- training runs --------------------------------------------------------------------------
+def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float = 900) -> dict:
+    """One single-rank trainer run; returns its exit code, log records and the tail of stderr."""
+    argv = [
+        sys.executable,
+        "-m",
+        "titanlite.train",
+        "--config",
+        shapes.config,
+        "--job.dump_folder",
+        str(out / "runs"),
+        "--job.run_name",
+        name,
+        "--metrics.enable_tensorboard",
+        "false",
+        "--checkpoint.interval",
+        "0",
+        *overrides,
+    ]
+    began = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        rc, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = 124, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+    metrics = out / "runs" / name / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    tail = [line for line in err.strip().splitlines() if line.strip()][-3:]
+    return {"rc": rc, "records": records, "error": " | ".join(tail), "wall_s": time.perf_counter() - began}
+
+
+def synthetic(shapes: Shapes, batch: int, steps: int, *overrides: str) -> list[str]:
+    return [
+        "--data.mode",
+        "synthetic",
+        "--model.vocab_size",
+        str(shapes.vocab),
+        "--training.seq_len",
+        str(shapes.seq),
+        "--training.local_batch_size",
+        str(batch),
+        "--training.global_batch_size",
+        str(batch),
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        str(shapes.log_freq),
+        *overrides,
+    ]
+
+
+def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
+    """The trainer's memory estimate for this run, on the meta device (no GPU touched)."""
+    import torch
+
+    from titanlite.config import parse_args
+    from titanlite.config.layout import validate
+    from titanlite.models.registry import build_meta_model
+    from titanlite.tools.memory import job_estimate
+
+    cfg, _ = parse_args(["--config", shapes.config, *overrides])
+    layout = validate(cfg, 1)
+    meta = build_meta_model(cfg, 0)
+    cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and has_gpu())
+    dtype = torch.bfloat16 if cuda and cfg.training.mixed_precision_param != "float32" else torch.float32
+    return job_estimate(meta.model, meta.args, cfg, layout, dtype).total_bytes / GiB
+
+
+def has_gpu() -> bool:
+    """Without initializing CUDA in this process (the trainer runs need the whole GPU)."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True).returncode == 0
+    except FileNotFoundError:
+        return False
+
+
+def device_bytes() -> float:
+    """What one rank may use: the GPU's total memory, else the host's available share."""
+    if has_gpu():
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        return float(out.split()[0]) * 2**20
+    import torch
+
+    from titanlite.tools.memory import available_bytes
+
+    return available_bytes(torch.device("cpu"))[0]
+
+
+def window_figures(records: list[dict], log_freq: int) -> dict:
+    """Medians over the log windows after the first (which holds start-up and compilation)."""
+    later = [r for r in records if r["step"] > log_freq] or records[-1:]
+    out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later)}
+    for key in ("tflops", "mfu_pct"):
+        if all(key in r for r in later):
+            out[key] = statistics.median(r[key] for r in later)
+    out["peak_gib"] = records[-1]["memory_gib"]
+    return out
+
+
+def check_speed(shapes: Shapes, out: Path, steps: int) -> dict:
+    rows = []
+    for compiled in (False, True):
+        for ac in ("none", "selective", "full"):
+            if compiled and ac not in shapes.compile_kinds:
+                continue
+            extra = ["--training.activation_checkpoint", ac, "--training.compile", str(compiled).lower()]
+            overrides = synthetic(shapes, shapes.batch, steps, *extra)
+            run = train(shapes, out, f"speed-{ac}-{'compile' if compiled else 'eager'}", *overrides)
+            row = {"ac": ac, "compile": compiled, "rc": run["rc"], "est_gib": estimate_gib(shapes, overrides)}
+            if run["rc"] == 0 and run["records"]:
+                row.update(window_figures(run["records"], shapes.log_freq))
+            else:
+                row["error"] = run["error"]
+            rows.append(row)
+            say(f"speed {ac:9s} compile {'on ' if compiled else 'off'}: {brief(row)}")
+    return {"rows": rows, "ok": all(r["rc"] == 0 for r in rows)}
+
+
+def check_batch(shapes: Shapes, out: Path) -> dict:
+    """Largest local batch that runs two steps, per AC kind: doubling, then bisection."""
+    avail = device_bytes()
+    rows = []
+    for ac in ("none", "selective", "full"):
+        tried: dict[int, bool] = {}
+
+        def fits(b: int, ac: str = ac, tried: dict = tried) -> bool:
+            extra = ["--training.activation_checkpoint", ac, "--debug.skip_memory_check", "true"]
+            run = train(shapes, out, f"batch-{ac}-{b}", *synthetic(shapes, b, 2, *extra))
+            tried[b] = run["rc"] == 0
+            return tried[b]
+
+        lo, hi = 0, None
+        b = 1
+        while b <= shapes.max_batch and fits(b):
+            lo, b = b, 2 * b
+        hi = b if b <= shapes.max_batch else None
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        admitted = 0
+        while admitted < shapes.max_batch:
+            overrides = synthetic(shapes, admitted + 1, 2, "--training.activation_checkpoint", ac)
+            if estimate_gib(shapes, overrides) * GiB > avail:
+                break
+            admitted += 1
+        row = {"ac": ac, "largest": lo, "capped": hi is None, "estimate_admits": admitted, "tried": tried}
+        rows.append(row)
+        cap = f" (the search stops at {shapes.max_batch})" if hi is None else ""
+        say(f"batch {ac:9s}: largest local batch that runs {lo}{cap}; the estimate admits {admitted}")
+    return {"rows": rows, "seq": shapes.seq, "device_gib": avail / GiB, "ok": all(r["largest"] for r in rows)}
+
+
+def check_sync(shapes: Shapes, out: Path, steps: int) -> dict:
+    if not has_gpu():
+        say("sync: skipped, set_sync_debug_mode is CUDA's (the CPU suite counts host syncs instead)")
+        return {"skipped": "no GPU", "ok": True}
+    run = train(shapes, out, "sync", *synthetic(shapes, shapes.batch, steps, "--debug.sync_debug", "true"))
+    ok = run["rc"] == 0
+    say(f"sync: {steps} steps under sync_debug_mode('error'): {'pass' if ok else 'FAIL ' + run['error']}")
+    return {"steps": steps, "ok": ok, "error": None if ok else run["error"]}
+
+
+def check_accum(shapes: Shapes, out: Path) -> dict:
+    """Accumulation 1 vs 4 over the same global batch of 4 sequences, built-in data."""
+    from titanlite.tools.compare import compare, default_tolerance, load_run
+
+    common = ["--training.global_batch_size", "4", "--training.steps", str(shapes.accum_steps)]
+    common += ["--metrics.log_freq", "1", "--training.seq_len", str(shapes.seq)]
+    runs = {}
+    for accum, local in ((1, 4), (4, 1)):
+        run = train(shapes, out, f"accum-{accum}", *common, "--training.local_batch_size", str(local))
+        if run["rc"] != 0:
+            say(f"accum: the run with accumulation {accum} failed: {run['error']}")
+            return {"ok": False, "error": run["error"]}
+        runs[accum] = load_run(out / "runs" / f"accum-{accum}")
+    rtol = default_tolerance(list(runs.values()))
+    cmp = compare(runs[1], runs[4], rtol)
+    rels = [r.rel for r in cmp.rows if r.rel is not None]
+    worst = max(rels) if rels else math.nan
+    dtype = runs[1].param_dtype
+    ok = worst <= rtol
+    say(f"accum: accumulation 1 vs 4, {len(rels)} steps: largest relative loss difference {worst:.3g} "
+        f"(compare_runs' default tolerance {rtol:g}: {'pass' if ok else 'FAIL'})")  # fmt: skip
+    return {"steps": len(rels), "max_rel": worst, "mean_rel": statistics.fmean(rels), "rtol": rtol,
+            "param_dtype": dtype, "ok": ok}  # fmt: skip
+
+
+# ---- in this process, after the runs (they need the whole GPU) -------------------------------
+def check_probe(shapes: Shapes, step_s: float | None) -> dict:
+    """The probe's work per measured step over llama_1b's FSDP units (each block, then the root:
+    embedding, head, final norm), each padded to a multiple of the world size as FSDP does."""
+    import torch
+
+    from titanlite.config import parse_args
+    from titanlite.diagnostics.probe import GradProbe
+    from titanlite.models.registry import build_meta_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg, _ = parse_args(["--config", shapes.config, "--model.vocab_size", str(shapes.vocab)])
+    model = build_meta_model(cfg, 0).model
+    units = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
+    units.append(sum(p.numel() for p in model.parameters()) - sum(units))
+    reps = 5 if device.type == "cuda" else 2
+    rows = []
+    for world in (8, 16):
+        padded = [-(-n // world) * world for n in units]
+        grad = torch.randn(max(padded), device=device)  # fp32: the reduction dtype
+        for method in ("exact", "sketch"):
+            probe = GradProbe(method, world, 1024, 0, device)
+            times = []
+            for r in range(reps + 1):  # the first warms up (sketch tables, kernels)
+                sync(device)
+                began = time.perf_counter()
+                probe.start(True)
+                for i, n in enumerate(padded):
+                    probe.observe(grad[:n], i << 40)
+                    if method == "exact":
+                        probe.sum_with_gram(grad[:n])
+                sync(device)
+                if r:
+                    times.append(time.perf_counter() - began)
+            ms = 1000 * statistics.median(times)
+            row = {"world": world, "method": method, "ms": ms}
+            if step_s:
+                row["of_step_pct"] = 100 * ms / 1000 / step_s
+            rows.append(row)
+            share = f" = {row['of_step_pct']:.2f}% of a step" if step_s else ""
+            say(f"probe world {world:2d} {method:6s}: {ms:.2f} ms per measured step{share}")
+        del grad
+    return {"rows": rows, "units": len(units), "params": sum(units), "step_s": step_s, "ok": True}
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_hf(shapes: Shapes, out: Path) -> dict:
+    try:
+        import transformers
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        say("hf: skipped, transformers is not installed (pip install transformers)")
+        return {"skipped": "no transformers", "ok": True}
+    import torch
+
+    transformers.utils.logging.disable_progress_bar()
+    from titanlite.components.hf_checkpoint import load_hf_weights
+    from titanlite.models.llama3 import Llama3
+    from titanlite.models.llama3.hf import LLAMA3_HF
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = LlamaConfig(
+        vocab_size=shapes.vocab,
+        num_hidden_layers=2,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        **shapes.hf,
+    )
+    folder = out / "hf_model"
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).to(device)
+    args = LLAMA3_HF.args_from_config(json.loads((folder / "config.json").read_text()))
+    ours = Llama3(dataclasses.replace(args, max_seq_len=shapes.hf_tokens))
+    load_hf_weights(ours, folder, LLAMA3_HF, ours.args)
+    ours = ours.to(device)
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, shapes.vocab, (2, shapes.hf_tokens), generator=g).to(device)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        hf.to(dtype)
+        ours.to(dtype)
+        with torch.no_grad():
+            mine, theirs = ours(tokens).float(), hf(tokens).logits.float()
+        rel = ((mine - theirs).abs().max() / theirs.abs().max()).item()
+        name = str(dtype).removeprefix("torch.")
+        rows.append({"dtype": name, "max_rel": rel, "tol": HF_TOL[name], "ok": rel <= HF_TOL[name]})
+        verdict = "pass" if rel <= HF_TOL[name] else "FAIL"
+        say(
+            f"hf {name}: largest logit difference / largest logit {rel:.3g} (tolerance {HF_TOL[name]:g}: {verdict})"
+        )
+    return {"rows": rows, "layers": 2, "vocab": shapes.vocab, "ok": all(r["ok"] for r in rows)}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def say(line: str) -> None:
+    print(f"gpu_check: {line}", flush=True)
+
+
+def brief(row: dict) -> str:
+    if row["rc"] != 0:
+        return f"FAILED ({row.get('error', '')})"
+    parts = [f"{row['tokens_per_s']:,.0f} tokens/s"]
+    if "tflops" in row:
+        parts.append(f"{row['tflops']:.1f} TFLOP/s")
+    if "mfu_pct" in row:
+        parts.append(f"MFU {row['mfu_pct']:.1f}%")
+    parts.append(f"peak {row['peak_gib']:.2f} GiB (estimate {row['est_gib']:.2f})")
+    return ", ".join(parts)
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Device: {result['device']}; {result['shapes']}.", ""]
+    if "speed" in result:
+        lines += [
+            "| AC | compile | tokens/s | TFLOP/s | MFU | peak memory | estimate |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in result["speed"]["rows"]:
+            if r["rc"]:
+                lines.append(
+                    f"| {r['ac']} | {'on' if r['compile'] else 'off'} | failed: {r.get('error', '')} | | | | |"
+                )
+                continue
+            tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
+            mfu = f"{r['mfu_pct']:.1f}%" if "mfu_pct" in r else "-"
+            lines.append(
+                f"| {r['ac']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | {tf} | {mfu} "
+                f"| {r['peak_gib']:.2f} GiB | {r['est_gib']:.2f} GiB |"
+            )
+        lines.append("")
+    if "batch" in result:
+        b = result["batch"]
+        cells = ", ".join(
+            f"{r['ac']} {r['largest']}{'+' if r['capped'] else ''} (estimate admits {r['estimate_admits']})"
+            for r in b["rows"]
+        )
+        lines += [f"Largest local batch at seq {b['seq']}: {cells}.", ""]
+    if "probe" in result:
+        cells = ", ".join(
+            f"{r['method']} at world {r['world']}: {r['ms']:.2f} ms"
+            + (f" ({r['of_step_pct']:.2f}% of a step)" if "of_step_pct" in r else "")
+            for r in result["probe"]["rows"]
+        )
+        lines += [f"Probe work per measured step: {cells}.", ""]
+    for key, what in (
+        ("sync", "No host sync between log steps"),
+        ("accum", "Accumulation 1 vs 4"),
+        ("hf", "HF logits"),
+    ):
+        if key in result:
+            r = result[key]
+            if "skipped" in r:
+                lines.append(f"{what}: skipped ({r['skipped']}).")
+            elif key == "sync":
+                lines.append(f"{what}: {r['steps']} steps, {'pass' if r['ok'] else 'FAIL'}.")
+            elif key == "accum" and "max_rel" in r:
+                lines.append(
+                    f"{what} ({r['param_dtype']}, {r['steps']} steps): largest relative loss difference "
+                    f"{r['max_rel']:.3g}, mean {r['mean_rel']:.3g} (default rtol {r['rtol']:g})."
+                )
+            elif key == "hf":
+                lines.append(
+                    f"{what}: "
+                    + ", ".join(f"{x['dtype']} {x['max_rel']:.3g} (tol {x['tol']:g})" for x in r["rows"])
+                    + "."
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="the CPU version with tiny shapes (CI)")
+    p.add_argument("--out", help="results folder (default: outputs/gpu_check-<time>)")
+    p.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections only")
+    p.add_argument("--steps", type=int, help="steps of the speed and sync runs (default 30; smoke 6)")
+    args = p.parse_args(argv)
+    shapes = SMOKE if args.smoke else FULL
+    if not args.smoke and not has_gpu():
+        print("gpu_check: error: no GPU here (nvidia-smi lists none); run it on a GPU machine, or --smoke on a CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    out = Path(args.out or REPO / "outputs" / time.strftime("gpu_check-%Y%m%d-%H%M%S")).resolve()
+    if out.exists() and any(out.iterdir()):
+        print(f"gpu_check: error: '{out}' is not empty; pick another --out", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    sections = args.only or SECTIONS
+    steps = args.steps or shapes.steps
+    result: dict = {"device": device_name(), "smoke": args.smoke}
+    result["shapes"] = f"{Path(shapes.config).stem} shapes, vocab {shapes.vocab:,}, seq {shapes.seq}"
+    began = time.perf_counter()
+    if "speed" in sections:
+        result["speed"] = check_speed(shapes, out, steps)
+    if "batch" in sections:
+        result["batch"] = check_batch(shapes, out)
+    if "sync" in sections:
+        result["sync"] = check_sync(shapes, out, steps)
+    if "accum" in sections:
+        result["accum"] = check_accum(shapes, out)
+    if "probe" in sections:
+        base = next((r for r in result.get("speed", {}).get("rows", []) if r.get("tokens_per_s")), None)
+        step_s = shapes.batch * shapes.seq / base["tokens_per_s"] if base else None
+        result["probe"] = check_probe(shapes, step_s)
+    if "hf" in sections:
+        result["hf"] = check_hf(shapes, out)
+    result["wall_s"] = time.perf_counter() - began
+    (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "gpu_check.md").write_text(markdown(result))
+    print(markdown(result))
+    failed = [s for s in sections if not result[s]["ok"]]
+    say(
+        f"{'FAILED: ' + ', '.join(failed) if failed else 'all checks passed'} in {result['wall_s']:.0f} s; {out}"
+    )
+    return 1 if failed else 0
+
+
+def device_name() -> str:
+    if has_gpu():
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+        )
+        return out.stdout.strip().splitlines()[0]
+    return f"CPU ({os.cpu_count()} cores)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
