@@ -29,6 +29,9 @@ round, with a 95% confidence interval of that median (order statistics). Two clo
 on rank 0, and CPU time summed over ranks (with more ranks than cores, wall time mostly
 measures the scheduler). Per configuration also: tokens/s per rank, and one extra step counted
 with titanlite.tools.instrument: collectives by group and host syncs, so regressions show.
+After them, 5 steps each of baseline and titanlite under torch.profiler give the step-time
+breakdown: forward and backward compute, FSDP's all-gathers and gradient reduction, clipping,
+optimizer, data and the rest (host time; the trainer names its parts with record_function).
 On CUDA: TFLOP/s, MFU and peak memory too. --quick: dp=4, 20 rounds (under 5 min on 2 cores).
 Also the probe hook's own cost, timed directly: all the default diagnostics schedule adds to
 499 steps of 500, which no step-time ratio resolves. Results go to --out as JSON.
@@ -74,6 +77,7 @@ GROUPS = {
     "reduce-scatter": ("native-rs", ["titanlite"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
+BREAKDOWN_STEPS = 5  # profiled steps of baseline and titanlite, after the timed rounds
 
 
 def ratio_stats(ts: list[float], ref: list[float]) -> dict:
@@ -95,24 +99,29 @@ class PlainStep:
     def train_step(self, step: int) -> None:
         import torch
         import torch.nn.functional as F
+        from torch.profiler import record_function
 
         from titanlite.components.loss import IGNORE_INDEX
         from titanlite.distributed.parallelize import grad_sync
 
         t = self.t
-        micro = t.next_microbatches(step)
+        with record_function("titanlite.data"):
+            micro = t.next_microbatches(step)
         for m, (inputs, labels) in enumerate(micro):
             with grad_sync(t.model, m == len(micro) - 1 or not t.layout.skip_grad_sync):
-                with t.dims.autocast():
+                with t.dims.autocast(), record_function("titanlite.forward"):
                     logits = t.model(inputs)
                     loss = F.cross_entropy(
                         logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE_INDEX
                     )
-                (loss / len(micro)).backward()
-        torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.training.max_norm)
-        t.optimizer.step()
-        t.scheduler.step()
-        t.optimizer.zero_grad(set_to_none=True)
+                with record_function("titanlite.backward"):
+                    (loss / len(micro)).backward()
+        with record_function("titanlite.clip"):
+            torch.nn.utils.clip_grad_norm_(t.model.parameters(), t.cfg.training.max_norm)
+        with record_function("titanlite.optimizer"):
+            t.optimizer.step()
+            t.scheduler.step()
+            t.optimizer.zero_grad(set_to_none=True)
 
 
 def build(name: str, args: argparse.Namespace, dump: str):
@@ -206,6 +215,61 @@ def count_step(obj, step: int, host) -> dict:
     }
 
 
+# The step's parts, from torch.profiler ranges: the trainer's own (titanlite/train.py names
+# them; PlainStep does too) and FSDP's communication ranges inside forward and backward.
+PARTS = ("data", "forward", "backward", "clip", "optimizer")
+BREAKDOWN = ("forward", "backward", "all_gather", "reduce", "clip", "optimizer", "data", "other")
+
+
+def breakdown(obj, first_step: int, steps: int) -> dict:
+    """Host time per step (ms) of each part of `steps` steps, under torch.profiler: data,
+    forward and backward compute (their FSDP all-gathers and gradient reductions taken out),
+    all-gather, reduce (FSDP's post-backward reduction: copy-in, reduce-scatter, copy-out),
+    clip, optimizer, and the rest of the step. On CUDA these are launch times, not kernel
+    times (read a GPU trace there)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            with record_function("titanlite.step"):
+                obj.train_step(first_step + i)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for e in prof.events():
+        name = e.name
+        if name.startswith("FSDP::all_gather") and "copy" not in name:
+            key = "all_gather"
+        elif name.startswith("FSDP::post_backward_reduce"):
+            key = "reduce"
+        elif name.startswith("titanlite."):
+            key = name.removeprefix("titanlite.")
+        else:
+            continue
+        spans.setdefault(key, []).append((e.time_range.start, e.time_range.end))
+
+    def total(key: str, within: str | None = None) -> float:
+        inside = spans.get(within, [])
+        return sum(
+            b - a
+            for a, b in spans.get(key, [])
+            if within is None or any(s <= a and b <= e for s, e in inside)
+        )
+
+    ms = {p: total(p) for p in PARTS}
+    gather_fwd, gather_bwd = total("all_gather", "forward"), total("all_gather", "backward")
+    reduce = total("reduce", "backward")
+    out = {
+        "data": ms["data"],
+        "forward": ms["forward"] - gather_fwd,
+        "backward": ms["backward"] - gather_bwd - reduce,
+        "all_gather": gather_fwd + gather_bwd,
+        "reduce": reduce,
+        "clip": ms["clip"],
+        "optimizer": ms["optimizer"],
+    }
+    out["other"] = total("step") - sum(out.values())
+    return {k: v / 1000 / steps for k, v in out.items()}  # us -> ms per step
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -250,7 +314,10 @@ def worker(args: argparse.Namespace) -> None:
     host = HostSyncCounter()
     host.install()  # after the timed rounds: the patched reads cost a Python call each
     counts = {n: count_step(objs[n], args.reps + 3, host) for n in names}
-    extra = {}
+    extra = {"breakdown": {}}
+    for n in ("baseline", "titanlite"):
+        if n in objs:
+            extra["breakdown"][n] = breakdown(objs[n], args.reps + 4, BREAKDOWN_STEPS)
     if "diag-default" in objs:
         t = objs["diag-default"]
         extra["probe_call_us"], extra["units"] = _probe_call_cost(t.model, t.diagnostics.probe)
@@ -310,7 +377,7 @@ def summarize(raw: dict) -> dict:
             )
         if rows:
             groups[g] = {"reference": ref, "ratios": rows}
-    out = {"device": raw["device"], "configs": configs, "groups": groups}
+    out = {"device": raw["device"], "configs": configs, "groups": groups, "breakdown": raw["breakdown"]}
     if "probe_call_us" in raw:
         share = raw["probe_call_us"] * raw["units"] / (configs["titanlite"]["step_ms"] * 1000)
         out["probe_hook"] = {
@@ -340,6 +407,16 @@ def table(dp: int, s: dict) -> str:
             lines.append(
                 f"{label:<42}{w['ratio']:>8.3f}{_ci(w):>17}{c['ratio']:>8.3f}{_ci(c):>17}"
                 + (f"   amortized {r['amortized_wall_ratio']:.4f}" if "amortized_wall_ratio" in r else "")
+            )
+    if s["breakdown"]:
+        lines.append(
+            f"\n{'step-time breakdown, host ms per step':<42}" + "".join(f"{p:>11}" for p in BREAKDOWN)
+        )
+        for n, parts in s["breakdown"].items():
+            total = sum(parts.values())
+            lines.append(f"{n:<32}{total:>10.1f}" + "".join(f"{parts[p]:>11.1f}" for p in BREAKDOWN))
+            lines.append(
+                f"{'':<32}{'share':>10}" + "".join(f"{100 * parts[p] / total:>10.1f}%" for p in BREAKDOWN)
             )
     if "probe_hook" in s:
         p = s["probe_hook"]

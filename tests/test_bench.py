@@ -47,6 +47,22 @@ def test_bench_reports_ratios_and_counts(tmp_path):
         assert report["groups"][group]["reference"] == ref
         ratio = report["groups"][group]["ratios"][other]
         assert ratio["wall"]["n"] == 2 and ratio["cpu"]["ratio"] > 0
+    # The profiler's breakdown covers the step: every part measured, nothing counted twice.
+    for name in ("baseline", "titanlite"):
+        parts = report["breakdown"][name]
+        assert set(parts) == {
+            "forward",
+            "backward",
+            "all_gather",
+            "reduce",
+            "clip",
+            "optimizer",
+            "data",
+            "other",
+        }
+        assert all(parts[p] > 0 for p in ("forward", "backward", "all_gather", "reduce", "optimizer")), parts
+        assert parts["other"] >= 0 and parts["backward"] > parts["forward"], parts
+    assert "step-time breakdown, host ms per step" in proc.stdout
     assert (
         "loss: titanlite / baseline" in proc.stdout and "reduce-scatter: titanlite / native-rs" in proc.stdout
     )

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.profiler import record_function
 
 from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.checkpoint_index import resume_changes
@@ -77,7 +78,7 @@ def forward_backward(
     for m, (inputs, labels) in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
-            with dims.autocast():
+            with dims.autocast(), record_function("titanlite.forward"):
                 if 0 < loss_chunk < labels.shape[1]:
                     per_sample = model(inputs, labels=labels, loss_chunk=loss_chunk)
                 else:
@@ -85,7 +86,8 @@ def forward_backward(
             if loss_factor != 1.0:
                 per_sample = per_sample * loss_factor
             loss = balancer.scale(per_sample.sum(), m)
-            loss.backward()
+            with record_function("titanlite.backward"):
+                loss.backward()
         loss_total += loss.detach()
         sample_sums.append(per_sample.detach())
     return loss_total, torch.cat(sample_sums)
@@ -224,7 +226,10 @@ class Trainer:
         return self.faults.stuck_batch(step, micro)
 
     def train_step(self, step: int) -> None:
-        micro = self.next_microbatches(step)
+        """One optimizer step. Its parts are named for torch.profiler (titanlite.data, .forward,
+        .backward, .clip, .optimizer: scripts/bench.py's step-time breakdown)."""
+        with record_function("titanlite.data"):
+            micro = self.next_microbatches(step)
         self.heartbeat.reached(step)
         measured = self.diagnostics.begin_step(step)
         loss_total, sample_sums = forward_backward(
@@ -236,7 +241,8 @@ class Trainer:
             loss_factor=self.faults.loss_factor(step),
             loss_chunk=self.loss_chunk,
         )
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        with record_function("titanlite.clip"):
+            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:
             sample_tokens = torch.cat([(labels != IGNORE_INDEX).sum(-1) for _, labels in micro])
             content = content_fingerprint(torch.cat([inputs for inputs, _ in micro]))
@@ -252,10 +258,11 @@ class Trainer:
         guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
         if guard is not None:
             skip = skip | guard[0].bool()
-        set_skip(self.optimizer, skip)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("titanlite.optimizer"):
+            set_skip(self.optimizer, skip)
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.diagnostics.after_update(step)
         self.window.add(step, loss_total, tokens, grad_norm, skip, guard)
 
