@@ -17,13 +17,14 @@ For each dp degree, one torchrun builds one trainer per configuration in the sam
     ddp, hsdp       the other data-parallel modes (hsdp: 2 replicas x dp/2 shards)
     native-rs       gloo only: titanlite with gloo's own reduce-scatter, not the all-to-all
                     titanlite uses there (titanlite.distributed.parallelize.reduce_scatter)
-    no-reshard      candidate: every block kept unsharded after forward (no backward all-gathers)
+    reshard         FSDP freeing each block's gathered params after forward, gathering them again
+                    in backward (parallelism.reshard_after_forward = always)
     one-unit        candidate: the whole model one FSDP unit (one all-gather, one reduce-scatter)
 and compares them in groups: loss (titanlite vs baseline), diagnostics (vs titanlite, i.e.
 off; with accumulation, `sketch` sums its sketch per microbatch and reduces as titanlite
 does), measuring (diag-exact-every vs skip-sync: an exact measured step reduces once, on its
 last microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), modes (ddp, hsdp vs
-fsdp), reduce-scatter (titanlite vs native-rs) and fsdp-units (the candidates vs titanlite).
+fsdp), reduce-scatter (titanlite vs native-rs) and fsdp-units (reshard and one-unit vs titanlite).
 Each round runs one step of every configuration, in an order that rotates from round to round,
 so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
 is the median over rounds of the configuration's step time over its reference's in the same
@@ -65,11 +66,11 @@ CONFIGS = {
     "ddp": ["--parallelism.dp_replicate", "{dp}", *OFF],
     "hsdp": ["--parallelism.dp_replicate", "2", *OFF],
     "native-rs": OFF,  # built with FSDP's own reduce-scatter: see build()
-    # Candidates, not titanlite's layout (see build()): blocks kept unsharded after forward (no
-    # all-gathers in backward), and one FSDP unit for the whole model (one all-gather and one
-    # reduce-scatter a pass; the debug model's blocks are 3.4 MB each).
-    "no-reshard": OFF,
-    "one-unit": OFF,
+    # FSDP layouts: blocks resharded after forward (gathered again in backward: what auto does
+    # for a model over 5% of a rank's memory), and a candidate, one FSDP unit for the whole model
+    # (one all-gather and one reduce-scatter a pass; the debug model's blocks are 3.4 MB each).
+    "reshard": ["--parallelism.reshard_after_forward", "always", *OFF],
+    "one-unit": OFF,  # built with the blocks in the root's unit: see build()
 }
 # group: (reference, the configurations measured against it)
 GROUPS = {
@@ -82,7 +83,7 @@ GROUPS = {
     "sync": ("titanlite", ["skip-sync"]),
     "modes": ("titanlite", ["ddp", "hsdp"]),
     "reduce-scatter": ("native-rs", ["titanlite"]),
-    "fsdp-units": ("titanlite", ["no-reshard", "one-unit"]),
+    "fsdp-units": ("titanlite", ["reshard", "one-unit"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
 BREAKDOWN_STEPS = 5  # profiled steps of baseline and titanlite, after the timed rounds
@@ -164,15 +165,13 @@ def build(name: str, args: argparse.Namespace, dump: str):
     if name == "native-rs":
         with mock.patch.object(parallelize, "use_fast_reduce_scatter", lambda model: None):
             return Trainer(cfg)
-    if name in ("no-reshard", "one-unit"):
+    if name == "one-unit":
         shard = parallelize.fully_shard
 
-        def candidate(module, **kwargs):
-            if name == "one-unit" and module is not None and not hasattr(module, "layers"):
-                return module  # blocks join the root's unit
-            return shard(module, **{**kwargs, "reshard_after_forward": False})
+        def root_only(module, **kwargs):
+            return shard(module, **kwargs) if hasattr(module, "layers") else module
 
-        with mock.patch.object(parallelize, "fully_shard", candidate):
+        with mock.patch.object(parallelize, "fully_shard", root_only):
             return Trainer(cfg)
     if name != "baseline":
         return Trainer(cfg)

@@ -160,7 +160,7 @@ def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
     meta = build_meta_model(cfg, 0)
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and has_gpu())
     dtype = torch.bfloat16 if cuda and cfg.training.mixed_precision_param != "float32" else torch.float32
-    return job_estimate(meta.model, meta.args, cfg, layout, dtype).total_bytes / GiB
+    return job_estimate(meta.model, meta.args, cfg, layout, dtype, device_bytes()).total_bytes / GiB
 
 
 def has_gpu() -> bool:

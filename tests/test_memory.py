@@ -71,3 +71,30 @@ def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
         check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
     cfg.diagnostics.method = "auto"
     check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
+
+
+def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_them():
+    """reshard_after_forward = auto keeps the whole model's gathered params from forward to
+    backward when they take <= 5% of a rank's memory; the estimate then counts all of them
+    (tests/test_step_counts.py sees the backward all-gathers go)."""
+    cfg, layout = config()
+    keeps = memory.keeps_gathered_params
+    assert keeps(cfg, 10**6, 4, 80e6) and not keeps(cfg, 10**6, 4, 79e6)  # 4 MB vs 5% of 80 MB
+    cfg.parallelism.reshard_after_forward = "never"
+    assert keeps(cfg, 10**9, 2, 1e9)
+    cfg.parallelism.reshard_after_forward = "always"
+    assert not keeps(cfg, 10, 4, 1e12)
+    meta = build_meta_model(cfg, 512)
+    params = sum(p.numel() for p in meta.model.parameters())
+    block = sum(p.numel() for p in meta.model.layers[0].parameters())
+    small, large = (
+        memory.job_estimate(meta.model, meta.args, cfg, layout, torch.bfloat16, available)
+        for available in (1e6, 1e12)
+    )
+    assert small.gathered_bytes == 2 * block * 2  # one block's params and gradient, bf16
+    cfg.parallelism.reshard_after_forward = "auto"
+    small, large = (
+        memory.job_estimate(meta.model, meta.args, cfg, layout, torch.bfloat16, available)
+        for available in (1e6, 1e12)
+    )
+    assert small.gathered_bytes == 2 * block * 2 and large.gathered_bytes == (params + block) * 2

@@ -4,8 +4,10 @@ calls for on the main and the diagnostics groups, so extra communication cannot 
 
 The expected counts follow from the structure, per step with M microbatches, U FSDP units (the
 blocks and the root), L blocks, B DDP buckets:
-- FSDP all-gathers each unit's parameters in every forward and, for the L - 1 blocks that
-  reshard after forward (not the last block, not the root), again in backward: M (U + L - 1);
+- FSDP all-gathers each unit's parameters in every forward and, for the R blocks that reshard
+  after forward, again in backward: M (U + R). R = L - 1 (not the last block, not the root)
+  with parallelism.reshard_after_forward = always; 0 where the params stay gathered until
+  backward (auto, for a model this small);
 - it reduce-scatters every unit's gradient on each microbatch that syncs: M U, or U when sync is
   skipped on non-final microbatches (and on measured steps, so the probe sees whole steps);
   on gloo each reduce-scatter is one all-to-all (titanlite.distributed.parallelize); HSDP adds
@@ -49,8 +51,8 @@ RS = "alltoall_base"  # FSDP's reduce-scatter as titanlite does it on gloo
 
 
 def expected(case: str, c: dict) -> dict:
-    m, u, layers = c["micro"], c["units"], c["layers"]
-    gathers = m * (u + layers - 1)
+    m, u = c["micro"], c["units"]
+    gathers = m * (u + c["resharding"])
     tokens_and_clip = {"allreduce": 1, "all_reduce": 1}  # token count; FSDP's norm
     fsdp = {"_allgather_base": gathers, RS: m * u, **tokens_and_clip}
     skipped = {**fsdp, RS: u}
@@ -59,6 +61,7 @@ def expected(case: str, c: dict) -> dict:
     return {
         "fsdp": {"main": fsdp},
         "fsdp_unmeasured": {"main": fsdp},
+        "fsdp_reshard": {"main": fsdp},
         "fsdp_skip_sync": {"main": skipped},
         "ddp": {"main": {"allreduce": 1 + c.get("buckets", 0)}},
         "hsdp": {"main": {**fsdp, "allreduce": m * u + 1}},
@@ -76,7 +79,14 @@ def expected(case: str, c: dict) -> dict:
 
 def test_collectives_per_step_are_exactly_the_designed_ones(counts):
     results = counts["collectives"]
-    assert len(results) == 10
+    assert len(results) == 11
+    # auto keeps this small model's params gathered from forward to backward; always does not
+    resharding = {case: c["resharding"] for case, c in results.items() if "buckets" not in c}
+    assert resharding == {
+        case: c["layers"] - 1 if case == "fsdp_reshard" else 0
+        for case, c in results.items()
+        if "buckets" not in c
+    }
     for case, c in results.items():
         assert c["micro"] == (4 if case.endswith("accum4") else 2), (case, c)
         assert c["units"] == c["layers"] + 1 or "buckets" in c, (case, c)

@@ -83,6 +83,10 @@ def host_syncs(out_dir: str, name: str, *overrides: str) -> dict:
 def structure(t: Trainer) -> dict:
     units = [m for m in t.model.modules() if isinstance(m, FSDPModule)]
     info = {"units": len(units), "micro": t.layout.grad_accum, "layers": len(t.model.layers) if units else 0}
+    # units that free their gathered params after forward (FSDP's own record of it)
+    info["resharding"] = sum(
+        u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in units
+    )
     if t.layout.mode == "ddp":
         info["buckets"] = t.model._get_ddp_logging_data()["num_buckets_reduced"]
     return info
@@ -141,6 +145,12 @@ def main() -> None:
             for name, extra in {
                 "fsdp": ["--diagnostics.enable", "false"],
                 "fsdp_skip_sync": ["--diagnostics.enable", "false", "--parallelism.skip_grad_sync", "on"],
+                "fsdp_reshard": [
+                    "--diagnostics.enable",
+                    "false",
+                    "--parallelism.reshard_after_forward",
+                    "always",
+                ],
                 "ddp": ["--diagnostics.enable", "false", *DDP],
                 "hsdp": ["--diagnostics.enable", "false", *HSDP],
                 "fsdp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP],

@@ -102,6 +102,13 @@ class Parallelism:
         "no gradient reduction on non-final microbatches; auto: on for ddp, off for fsdp/hsdp",
         choices=("auto", "on", "off"),
     )
+    reshard_after_forward: str = opt(
+        "auto",
+        "fsdp/hsdp: always: free each block's gathered params after its forward (backward gathers "
+        "them again); never: keep them until its backward; auto: never if the whole model's "
+        "gathered params take <= 5% of this rank's memory",
+        choices=("auto", "always", "never"),
+    )
 
 
 @dataclass

@@ -22,6 +22,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 from titanlite.config import JobConfig
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.param_init import ParamInit
+from titanlite.tools.memory import available_bytes, keeps_gathered_params
 
 
 def parallelize_blocks(
@@ -40,9 +41,11 @@ def parallelize_blocks(
         return model  # DDP wraps the materialized model: see wrap_ddp
     mesh = dims.mesh["dp_shard"] if dims.mode == "fsdp" else dims.mesh
     mp = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype)
+    params = sum(p.numel() for p in model.parameters())
+    keep = keeps_gathered_params(cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0])
     for i, block in enumerate(blocks):
         # The last block's params are needed again at once by backward: keep them unsharded.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     disable_fsdp_grad_division(model)
     use_fast_reduce_scatter(model)

@@ -5,7 +5,9 @@ A model that cannot fit stops with a message instead of swapping or being OOM-ki
 The estimate is deliberately simple and a little pessimistic:
   - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
     the shard degree under FSDP/HSDP (whole under DDP);
-  - FSDP also holds one all-gathered block (params + grads, in the param dtype) at a time;
+  - FSDP also holds one all-gathered block (params + grads, in the param dtype) at a time, or
+    every block's params when they stay gathered from forward to backward
+    (parallelism.reshard_after_forward: keeps_gathered_params);
   - activations saved for backward: about 34 x dim values per token per layer (QKV, attention
     out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
     GPU and CPU: measured 49 MB, not 256 MB, for 16 heads x 2048^2 on CPU); with activation
@@ -89,6 +91,21 @@ def measured_step_bytes(
     return held, 4.0 * block_params
 
 
+KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered up to this share
+
+
+def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, available: float) -> bool:
+    """Whether FSDP keeps each block's gathered params from its forward to its backward
+    (parallelism.reshard_after_forward). Keeping them saves the all-gather of every block but
+    the last in backward (one in three of FSDP's collectives: 0.94 of the step time of the
+    debug model on 2 CPU ranks, scripts/bench.py's fsdp-units) for the whole model's params
+    held through the step; auto does so where that costs <= 5% of `available` bytes."""
+    policy = cfg.parallelism.reshard_after_forward
+    if policy == "auto":
+        return params * param_bytes <= KEEP_GATHERED_SHARE * available
+    return policy == "never"
+
+
 def estimate_memory(
     model: nn.Module,
     block_params: int,
@@ -105,11 +122,14 @@ def estimate_memory(
     held_grads_bytes: float = 0.0,
     diagnostics_bytes: float = 0.0,
     loss_positions: int | None = None,
+    keep_gathered: bool = False,
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
     divisor = shard if mode in ("fsdp", "hsdp") else 1
     states = 16 * params / divisor
-    gathered = 2 * block_params * param_bytes if mode in ("fsdp", "hsdp") else 0
+    gathered = 0.0
+    if mode in ("fsdp", "hsdp"):  # every block's params, and one block's gradient; else one block's both
+        gathered = (params + block_params if keep_gathered else 2 * block_params) * param_bytes
     tokens = local_batch * seq_len
     per_layer = tokens * 34 * dim * param_bytes
     if activation_checkpoint == "full":  # each block's input, and one block's recomputed activations
@@ -152,13 +172,15 @@ def _cgroup_limit() -> float | None:
 
 
 def job_estimate(
-    model: nn.Module, args: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype
+    model: nn.Module, args: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype, available: float
 ) -> MemoryEstimate:
-    """The estimate for the meta model `model` (built from `args`) under cfg and its layout."""
+    """The estimate for the meta model `model` (built from `args`) under cfg and its layout, on
+    a rank with `available` bytes (which decides reshard_after_forward = auto)."""
     t = cfg.training
     blocks = getattr(model, "layers", None)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
-    held, diag = measured_step_bytes(cfg, layout, sum(p.numel() for p in model.parameters()), block_params)
+    params = sum(p.numel() for p in model.parameters())
+    held, diag = measured_step_bytes(cfg, layout, params, block_params)
     return estimate_memory(
         model,
         block_params,
@@ -176,6 +198,7 @@ def job_estimate(
         loss_positions=chunk_positions(
             cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, args.vocab_size
         ),
+        keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
     )
 
 
@@ -189,8 +212,8 @@ def check_memory(
 ) -> None:
     """Log the estimate for the meta model `model` (built from `args`) and refuse, in one line,
     a job that cannot fit on this rank (unless debug.skip_memory_check)."""
-    est = job_estimate(model, args, cfg, layout, param_dtype)
     avail, what = available_bytes(device)
+    est = job_estimate(model, args, cfg, layout, param_dtype, avail)
     model = (
         f"{cfg.model.name} from {cfg.model.hf_assets_path}"
         if cfg.model.hf_assets_path
