@@ -81,13 +81,14 @@ def test_resume_restores_hparams_unless_told_and_says_which():
     ]
     assert "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied")
     opt, sched = _resumed(kept, optimizer.state_dict(), scheduler.state_dict())
-    assert opt.param_groups[0]["betas"] == (0.9, 0.95) and sched.base_lrs == [8e-4]
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95) and sched.base_lrs == [8e-4, 8e-4]
 
     applied = parse_args([*changed, "--checkpoint.restore_hparams", "false", *_args(old)])[0]
     assert "applied from step 7" in resume_changes(state, applied)[0]
     opt, sched = _resumed(applied, optimizer.state_dict(), scheduler.state_dict())
     continue_schedule(opt, sched, applied, 6)
-    assert opt.param_groups[0]["betas"] == (0.9, 0.99) and sched.base_lrs == [1e-3]
+    assert opt.param_groups[0]["betas"] == (0.9, 0.99) and sched.base_lrs == [1e-3, 1e-3]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]  # the bias stays undecayed
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(6, applied))
 
 
@@ -97,3 +98,48 @@ def _args(cfg) -> list[str]:
         "--lr_scheduler.decay_type", s.decay_type, "--lr_scheduler.warmup_steps", str(s.warmup_steps),
         "--training.steps", str(cfg.training.steps), "--lr_scheduler.min_lr_factor", str(s.min_lr_factor),
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_weight_decay_spares_norms_biases_and_embeddings_unless_asked(tied):
+    """Matrices decay; norm gains, biases and embedding tables (a tied head with them) do not,
+    unless optimizer.weight_decay_embeddings. Checked on the update itself: with zero gradients
+    AdamW moves only what decays, by lr x weight_decay."""
+    import torch
+
+    from titanlite.components.optimizer import build_optimizer
+    from titanlite.distributed.param_init import ParamInit
+    from titanlite.models.llama3 import Llama3, Llama3Args
+
+    args = Llama3Args(
+        dim=16, n_layers=1, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8, tie_embeddings=tied
+    )
+    model = Llama3(args)
+    model.add_module("extra", torch.nn.Linear(16, 16))  # a bias, which titanlite's Llama has none of
+    model.init_weights(ParamInit(model, 0))
+    for embeddings_too in (False, True):
+        cfg = parse_args(["--optimizer.weight_decay_embeddings", str(embeddings_too).lower()])[0]
+        optimizer = build_optimizer(model, cfg)
+        decayed = {
+            name
+            for name, p in model.named_parameters()
+            for g in optimizer.param_groups
+            if g["weight_decay"] > 0 and any(p is q for q in g["params"])
+        }
+        matrices = {n for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n}
+        if tied:  # the head is the embedding: named once, as tok_embeddings.weight
+            matrices.discard("output.weight")
+        want = matrices | ({"tok_embeddings.weight"} if embeddings_too else set())
+        if not tied and not embeddings_too:
+            assert "output.weight" in decayed  # an untied head is a matrix like any other
+        assert decayed == want, decayed ^ want
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        for n, p in model.named_parameters():
+            shrink = 1 - cfg.optimizer.lr * cfg.optimizer.weight_decay if n in decayed else 1.0
+            torch.testing.assert_close(p.detach(), before[n] * shrink, msg=n)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(before[n])

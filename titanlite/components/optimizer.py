@@ -1,4 +1,4 @@
-"""AdamW (fused) and warmup + decay LR schedule.
+"""AdamW (fused) with weight-decay groups, and warmup + decay LR schedule.
 
 The fused AdamW kernel takes a device flag `found_inf`; when it is 1 the whole update (params,
 moments and step count) is skipped on the device. titanlite sets it for steps with no valid
@@ -16,15 +16,28 @@ from torch.optim.lr_scheduler import LambdaLR
 from titanlite.config import JobConfig
 
 
+def param_groups(model: nn.Module, cfg: JobConfig) -> list[dict]:
+    """AdamW's parameter groups: weight decay on matrices; none on norms' gains and biases (every
+    parameter of fewer than 2 dims) nor, unless optimizer.weight_decay_embeddings, on embedding
+    tables (a tied output head is the embedding): decay would pull a norm's gain, or the row of
+    a rarely seen token, toward 0 for no regularising gain. Each group says whether it decays
+    ("decay"), so a resumed run's hyperparameters can be set group by group."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    decay, exempt = [], []
+    for p in model.parameters():  # each tied parameter once
+        spared = p.ndim < 2 or (id(p) in embeddings and not cfg.optimizer.weight_decay_embeddings)
+        (exempt if spared else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.optimizer.weight_decay, "decay": True},
+        {"params": exempt, "weight_decay": 0.0, "decay": False},
+    ]
+    return [g for g in groups if g["params"]]
+
+
 def build_optimizer(model: nn.Module, cfg: JobConfig) -> torch.optim.AdamW:
     o = cfg.optimizer
     return torch.optim.AdamW(
-        model.parameters(),
-        lr=o.lr,
-        betas=(o.beta1, o.beta2),
-        eps=o.eps,
-        weight_decay=o.weight_decay,
-        fused=True,
+        param_groups(model, cfg), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=True
     )
 
 
@@ -59,7 +72,8 @@ def continue_schedule(
     o = cfg.optimizer
     lr = o.lr * lr_factor(position, cfg)
     for group in optimizer.param_groups:
-        group.update(lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay)
+        decay = o.weight_decay if group.get("decay", True) else 0.0
+        group.update(lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay)
     n = len(optimizer.param_groups)
     # Through its state dict: LambdaLR.step() here would warn that it ran before optimizer.step().
     scheduler.load_state_dict(

@@ -24,6 +24,7 @@ IDENTITY_KEYS = (
     "training.seed",
     "training.global_batch_size",
     "training.seq_len",  # the data position is counted in sequences of this length
+    "optimizer.weight_decay_embeddings",  # which parameter group a table is in: the optimizer's layout
     "checkpoint.initial_load_path",  # the weights a new run starts from
     "checkpoint.initial_load_model_only",
 )

@@ -52,7 +52,8 @@ class Optimizer:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     eps: float = opt(1e-8, "AdamW epsilon")
-    weight_decay: float = opt(0.1, "decoupled weight decay")
+    weight_decay: float = opt(0.1, "decoupled weight decay of matrices (never of norms and biases)")
+    weight_decay_embeddings: bool = opt(False, "decay embedding tables (and a tied output head) too")
 
 
 @dataclass

@@ -97,9 +97,10 @@ KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered
 def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, available: float) -> bool:
     """Whether FSDP keeps each block's gathered params from its forward to its backward
     (parallelism.reshard_after_forward). Keeping them saves the all-gather of every block but
-    the last in backward (one in three of FSDP's collectives: 0.94 of the step time of the
-    debug model on 2 CPU ranks, scripts/bench.py's fsdp-units) for the whole model's params
-    held through the step; auto does so where that costs <= 5% of `available` bytes."""
+    the last in backward, one in three of FSDP's collectives (the debug model's step on 2 CPU
+    ranks takes 0.94 to 0.98 of the resharding one: scripts/bench.py's fsdp-units), and holds
+    the whole model's params through the step; auto keeps them where that costs <= 5% of
+    `available` bytes."""
     policy = cfg.parallelism.reshard_after_forward
     if policy == "auto":
         return params * param_bytes <= KEEP_GATHERED_SHARE * available
