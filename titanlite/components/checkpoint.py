@@ -44,7 +44,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanlite.components.checkpoint_index import complete_steps, flat_config, step_dir
+from titanlite.components.checkpoint_index import (
+    OPTIMIZER_GROUPS,
+    complete_steps,
+    flat_config,
+    optimizer_groups_error,
+    step_dir,
+)
 from titanlite.components.faults import Faults
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
@@ -161,6 +167,7 @@ class Checkpointer:
                 "identity": identity(self.cfg),
                 "config": flat_config(self.cfg),
                 "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
+                "optimizer_groups": OPTIMIZER_GROUPS,
                 **host_state,
             }
         )
@@ -266,6 +273,8 @@ class Checkpointer:
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
         if check:
             check_fits(path, state["model"])
+        if with_optimizer:
+            check_optimizer_groups(path, len(self.optimizer.param_groups))
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if with_optimizer:
@@ -295,6 +304,15 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
+
+
+def check_optimizer_groups(path: Path, groups: int) -> None:
+    """The checkpoint at `path` holds this optimizer's parameter groups, each marked with
+    whether it decays (components/optimizer.py: param_groups); one written before the groups
+    existed holds one unmarked group: refused in one line (optimizer_groups_error)."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if sum(f"optim.param_groups.{i}.decay" in saved for i in range(groups)) != groups:
+        raise UserError(optimizer_groups_error(path))
 
 
 def export_weights(model: torch.nn.Module, path: Path) -> None:

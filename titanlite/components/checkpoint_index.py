@@ -62,6 +62,19 @@ def read_state(folder: Path, step: int) -> dict[str, Any]:
         ) from None
 
 
+# The optimizer state's layout in a checkpoint: AdamW's weight-decay groups, each marked with
+# whether it decays (components/optimizer.py: param_groups). Checkpoints before them had none.
+OPTIMIZER_GROUPS = "decay_groups"
+
+
+def optimizer_groups_error(path: Path) -> str:
+    return (
+        f"checkpoint '{path}' holds its optimizer state without titanlite's weight-decay groups (it was "
+        "written before them), so it cannot resume; start a new run from its weights with "
+        f"checkpoint.initial_load_path = '{path}' (initial_load_model_only = true)"
+    )
+
+
 def check_resumable(folder: Path, step: int, cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
     """Refuse, in one line, a checkpoint trained on something else, or one in a folder outside
     this run folder that another run folder wrote (resuming would write this run's checkpoints
@@ -76,6 +89,8 @@ def check_resumable(folder: Path, step: int, cfg: JobConfig, run_dir: Path) -> d
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
+    if state.get("optimizer_groups") != OPTIMIZER_GROUPS:
+        raise UserError(optimizer_groups_error(step_dir(folder, step)))
     # A key that joined the identity after the checkpoint was written had its default then.
     theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
     diff = [f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}" for k, v in ours.items() if theirs.get(k) != v]
