@@ -119,7 +119,7 @@ def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float 
         proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
         rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, err = 124, (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+        rc, err = 124, e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
     metrics = out / "runs" / name / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     tail = [line for line in err.strip().splitlines() if line.strip()][-3:]

@@ -76,60 +76,26 @@ def env_for_run() -> dict[str, str]:
 
 def command(variant: str, steps: int, tag: str, runs_dir: Path) -> tuple[list[str], Path]:
     fw, extra, _ = VARIANTS[variant]
+    # The same step on both sides: both frameworks' configs name these keys alike.
+    step = [
+        "--training.seq_len", str(SEQ), "--training.local_batch_size", str(LOCAL_BATCH),
+        "--training.global_batch_size", str(GLOBAL_BATCH), "--training.steps", str(steps),
+        "--metrics.log_freq", "1",
+    ]  # fmt: skip
+    launch = ["--standalone", "--nproc_per_node", "2"]
     if fw == "torchtitan":
-        cmd = [
-            str(TT_TORCHRUN),
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "--tee",
-            "3",
+        script = [
             str(HERE / "run_torchtitan.py"),
             "--module",
             "tt_cpu_config",
             "--config",
             "tt_cpu_debugmodel",
-            "--training.seq_len",
-            str(SEQ),
-            "--training.local_batch_size",
-            str(LOCAL_BATCH),
-            "--training.global_batch_size",
-            str(GLOBAL_BATCH),
-            "--training.steps",
-            str(steps),
-            "--metrics.log_freq",
-            "1",
-            "--dump_folder",
-            str(runs_dir / tag),
-            *extra,
         ]
-        return cmd, HERE
-    cmd = [
-        str(TL_TORCHRUN),
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "titanlite.train",
-        "--config",
-        "train_configs/debug_model.toml",
-        "--training.seq_len",
-        str(SEQ),
-        "--training.local_batch_size",
-        str(LOCAL_BATCH),
-        "--training.global_batch_size",
-        str(GLOBAL_BATCH),
-        "--training.steps",
-        str(steps),
-        "--metrics.log_freq",
-        "1",
-        "--job.dump_folder",
-        str(runs_dir),
-        "--job.run_name",
-        tag,
-        *extra,
-    ]
-    return cmd, TL_ROOT
+        out = ["--dump_folder", str(runs_dir / tag)]
+        return [str(TT_TORCHRUN), *launch, "--tee", "3", *script, *step, *out, *extra], HERE
+    config = ["-m", "titanlite.train", "--config", "train_configs/debug_model.toml"]
+    out = ["--job.dump_folder", str(runs_dir), "--job.run_name", tag]
+    return [str(TL_TORCHRUN), *launch, *config, *step, *out, *extra], TL_ROOT
 
 
 def parse_tt(log: str, steps: int) -> dict:

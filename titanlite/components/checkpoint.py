@@ -270,16 +270,17 @@ class Checkpointer:
     def _load_state(self, path: Path, with_optimizer: bool, check: bool = False) -> dict[str, Any]:
         """The model (and optimizer) from the step folder `path`, resharded by DCP to this
         layout; `check`: shapes against its .metadata first. Returns its state.json."""
+        host = json.loads((path / "state.json").read_text())
+        if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
+            raise UserError(optimizer_groups_error(path))  # its optimizer state has another layout
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
         if check:
             check_fits(path, state["model"])
-        if with_optimizer:
-            check_optimizer_groups(path, len(self.optimizer.param_groups))
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if with_optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        return json.loads((path / "state.json").read_text())
+        return host
 
     def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
         """Another run's step folder as the start of this one: the model (resharded to this
@@ -304,15 +305,6 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
-
-
-def check_optimizer_groups(path: Path, groups: int) -> None:
-    """The checkpoint at `path` holds this optimizer's parameter groups, each marked with
-    whether it decays (components/optimizer.py: param_groups); one written before the groups
-    existed holds one unmarked group: refused in one line (optimizer_groups_error)."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if sum(f"optim.param_groups.{i}.decay" in saved for i in range(groups)) != groups:
-        raise UserError(optimizer_groups_error(path))
 
 
 def export_weights(model: torch.nn.Module, path: Path) -> None:
