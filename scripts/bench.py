@@ -116,7 +116,7 @@ class PlainStep:
         t = self.t
         with record_function("titanlite.data"):
             micro = t.next_microbatches(step)
-        for m, (inputs, labels) in enumerate(micro):
+        for m, (inputs, labels, _) in enumerate(micro):  # the baseline runs unpacked data
             with grad_sync(t.model, m == len(micro) - 1 or not t.layout.skip_grad_sync):
                 with t.dims.autocast(), record_function("titanlite.forward"):
                     logits = t.model(inputs)

@@ -57,7 +57,7 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
         r, i = row["rank"], row["position"] % per_rank
         sample = ranks[r][i] if ranks is not None else None
         index = sample["index"] if sample else row["sequence"]
-        inputs, labels = dataset[index]
+        inputs, labels = dataset[index][:2]
         text = tok.decode(np.asarray(inputs)[: 4 * chars].tolist())[:chars]
         out.append(
             {

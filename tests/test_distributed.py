@@ -1,4 +1,5 @@
 """Gradient exactness and init invariance over FSDP/DDP/HSDP, dp in {1, 2, 4}, accum in {1, 2, 4};
+packed sequences against their records one by one; the eval loss at every dp;
 tied embeddings in every mode; the reduce dtype honoured by FSDP and DDP.
 
 One torchrun per world size runs every case (tests/workers/exactness.py); these tests read its
@@ -106,3 +107,28 @@ def test_bf16_reduce_is_honoured_by_fsdp_and_ddp(results, world):
         assert 1e-6 < c["max_rel_err"] <= 2e-2, c
     fp32 = [c for c in results[world]["cases"] if c["mode"] in ("fsdp", "ddp") and c["accum"] == 2]
     assert fp32 and not any(c["bf16_values"] for c in fp32)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_packed_sequences_train_as_their_records_one_by_one_in_every_mode(results, world):
+    """Packed SFT: records sharing sequences (positions restart per record, so attention stays
+    inside each) give the gradient and loss of every record run as a sequence of its own, at
+    every dp and mode: packing keeps dp invariance."""
+    cases = results[world]["packed_cases"]
+    assert {c["mode"] for c in cases} == {"fsdp", "ddp", "hsdp"}
+    for c in cases:
+        assert c["max_rel_err"] <= TOL, c
+        assert abs(c["logged_loss"] - c["ref_loss"]) <= TOL * c["ref_loss"], c
+
+
+def test_eval_loss_is_the_same_at_every_dp_and_eval_batch(results):
+    """The held-out loss (summed loss and valid tokens all-reduced) at dp 1, 2, 4 and eval batch
+    1 or 3 (the last round padded with label-less items): one value to 1e-6; the model is left
+    in training mode."""
+    cases = [c for w in WORLDS for c in results[w]["eval_cases"]]
+    assert {(c["world"], c["batch"]) for c in cases} == {(w, b) for w in WORLDS for b in (1, 3)}
+    base = cases[0]
+    for c in cases:
+        assert c["eval_tokens"] == base["eval_tokens"] > 0 and c["eval_sequences"] == 13, c
+        assert abs(c["eval_loss"] - base["eval_loss"]) <= 1e-6 * base["eval_loss"], (c, base)
+        assert c["training"], c

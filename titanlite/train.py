@@ -22,10 +22,17 @@ from torch.profiler import record_function
 
 from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.checkpoint_index import resume_changes
+from titanlite.components.evaluate import Evaluator
 from titanlite.components.faults import Faults
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
-from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_per_sample, loss_chunk
+from titanlite.components.loss import (
+    IGNORE_INDEX,
+    LossBalancer,
+    check_document_support,
+    loss_chunk,
+    sequence_losses,
+)
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule, set_skip
 from titanlite.components.run_folder import open_run_folder, run_info
@@ -36,7 +43,13 @@ from titanlite.components.stop import Stopped, StopSignals
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import initial_load_kind, validate
 from titanlite.config.manager import config_help, wants_help
-from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
+from titanlite.datasets.build import (
+    Microbatch,
+    build_dataloader,
+    build_dataset,
+    build_eval_dataset,
+    build_tokenizer,
+)
 from titanlite.diagnostics.alerts import Alert
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.data_checks import content_fingerprint
@@ -55,7 +68,7 @@ logger = init_logging()
 
 def forward_backward(
     model: nn.Module,
-    micro: list[tuple[torch.Tensor, torch.Tensor]],
+    micro: list[Microbatch] | list[tuple[torch.Tensor, torch.Tensor]],
     balancer: LossBalancer,
     dims: ParallelDims,
     *,
@@ -69,20 +82,17 @@ def forward_backward(
     microbatch order). The shares of all ranks sum to the logged loss (see
     titanlite.components.loss); the per-sequence sums feed the diagnostics.
     `loss_factor` scales this rank's loss (debug: NaN for the non-finite stop, a spike for the guard).
-    `loss_chunk`: sequence positions per chunk of the model's own loss path (0, or the whole
-    sequence: the model returns logits and the loss follows).
+    `loss_chunk`: see sequence_losses.
     """
-    balancer.begin_step([labels for _, labels in micro])
+    micro = [Microbatch(*batch) for batch in micro]
+    balancer.begin_step([batch.labels for batch in micro])
     loss_total = torch.zeros((), device=dims.device)
     sample_sums = []
-    for m, (inputs, labels) in enumerate(micro):
+    for m, batch in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
             with dims.autocast(), record_function("titanlite.forward"):
-                if 0 < loss_chunk < labels.shape[1]:
-                    per_sample = model(inputs, labels=labels, loss_chunk=loss_chunk)
-                else:
-                    per_sample = cross_entropy_per_sample(model(inputs), labels)
+                per_sample = sequence_losses(model, batch, loss_chunk)
             if loss_factor != 1.0:
                 per_sample = per_sample * loss_factor
             loss = balancer.scale(per_sample.sum(), m)
@@ -124,9 +134,11 @@ class Trainer:
                 "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
             )
         self.loss_chunk = loss_chunk(cfg, meta)
+        check_document_support(cfg, meta)
         check_memory(meta.model, meta.args, cfg, self.layout, self.device, self.dims.param_dtype)
         self.flops_per_token = meta.flops_per_token
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
+        eval_data = build_eval_dataset(cfg, self.tokenizer)
         self.dataloader = build_dataloader(
             cfg, dataset, self.dims.dp_rank, self.dims.dp_size, self.device.type == "cuda", self.faults
         )
@@ -141,6 +153,10 @@ class Trainer:
             cfg.comm.timeout_s,
             dataset.trace,
         )
+        self.evaluator = None
+        if eval_data is not None:
+            batch = cfg.eval.local_batch_size or t.local_batch_size
+            self.evaluator = Evaluator(eval_data, self.dims, batch, loss_chunk(cfg, meta, batch))
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.diagnostics, self.device, self.dims.dp_group)
@@ -215,14 +231,12 @@ class Trainer:
         return every > 0 and (step % every == 0 or step == self.cfg.training.steps)
 
     # ---- the step -------------------------------------------------------------------------------
-    def next_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next_microbatches(self, step: int) -> list[Microbatch]:
         micro = []
         for _ in range(self.layout.grad_accum):
-            inputs, labels = next(self._batches)
-            labels = self.faults.labels(step, labels)
-            micro.append(
-                (inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True))
-            )
+            batch = next(self._batches)
+            batch = batch._replace(labels=self.faults.labels(step, batch.labels))
+            micro.append(batch.to(self.device))
         return self.faults.stuck_batch(step, micro)
 
     def train_step(self, step: int) -> None:
@@ -244,8 +258,8 @@ class Trainer:
         with record_function("titanlite.clip"):
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         if measured:
-            sample_tokens = torch.cat([(labels != IGNORE_INDEX).sum(-1) for _, labels in micro])
-            content = content_fingerprint(torch.cat([inputs for inputs, _ in micro]))
+            sample_tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in micro])
+            content = content_fingerprint(torch.cat([batch.inputs for batch in micro]))
             sampler = self.dataloader.batch_sampler
             host = np.append(sampler.rank_share(step - 1), sampler.order_hash(step - 1))
             # host to device: no wait on the device; indices and the hash are exact in float64
@@ -267,9 +281,29 @@ class Trainer:
         self.window.add(step, loss_total, tokens, grad_norm, skip, guard)
 
     def is_log_step(self, step: int) -> bool:
-        """Also every checkpoint step: a checkpoint follows a log, so no step's record is lost."""
+        """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is
+        lost, and an eval reads the host there."""
         freq, last = self.cfg.metrics.log_freq, self.cfg.training.steps
-        return step == self.start_step or step % freq == 0 or step == last or self.is_checkpoint_step(step)
+        return (
+            step == self.start_step
+            or step % freq == 0
+            or step == last
+            or self.is_checkpoint_step(step)
+            or self.is_eval_step(step)
+        )
+
+    def is_eval_step(self, step: int) -> bool:
+        every = self.cfg.eval.interval
+        return self.evaluator is not None and (
+            step == self.cfg.training.steps or (every > 0 and step % every == 0)
+        )
+
+    def evaluate(self, step: int) -> None:
+        """The eval set's loss and perplexity (every rank computes, rank 0 writes)."""
+        began = time.perf_counter()
+        rec = {"step": step, **self.evaluator.run(self.model), "eval_s": time.perf_counter() - began}
+        if self.rank == 0:
+            self.metrics.write_eval(rec)
 
     # ---- the log step: the only place the host reads device values ------------------------------
     def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
@@ -374,6 +408,8 @@ class Trainer:
                         torch.cuda.set_sync_debug_mode("default")
                     now = time.perf_counter()
                     self._log(step, lr, now - window_start, now - start)
+                    if self.is_eval_step(step):
+                        self.evaluate(step)
                     if self.is_checkpoint_step(step):
                         self.save_checkpoint(step)
                     if stop:

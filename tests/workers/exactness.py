@@ -6,7 +6,10 @@ forward_backward on this rank's slice of a fixed global batch with deliberately 
 labels, and compare the full reduced gradient with a single-process reference on the whole
 global batch. Also records a hash of the full initial weights per mode.
 "tied_cases": the same with the output head tied to the embedding (Llama 3.2's layout), in
-every mode. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
+every mode. "packed_cases": a global batch of packed sequences (2-3 records each, positions
+restarting per record) against the reference of every record run as a sequence of its own.
+"eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
+round), against the single-process token mean. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
 and whether every reduced gradient value is a bfloat16 number, as only a bf16 reduction makes it.
 Writes JSON results (rank 0) to argv[1].
 """
@@ -22,9 +25,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.components.evaluate import Evaluator
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
+from titanlite.datasets.build import Microbatch
+from titanlite.datasets.packing import restart_positions
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
@@ -47,6 +53,39 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
+def records() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """32 records of 2-9 tokens (inputs, labels; the first half of each record's labels ignored,
+    as a prompt's), packed in order into GLOBAL_BATCH sequences of SEQ slots."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(32):
+        n = int(torch.randint(2, 10, (), generator=g))
+        x, y = torch.randint(0, ARGS.vocab_size, (2, n), generator=g)
+        y[: n // 2] = IGNORE_INDEX
+        out.append((x, y))
+    return out
+
+
+def packed_global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The records, first fit in order, into GLOBAL_BATCH sequences (padding: its own document)."""
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    for x, y in records():
+        if sum(len(r[0]) for r in rows[-1]) + len(x) > SEQ:
+            rows.append([])
+        rows[-1].append((x, y))
+    assert len(rows) <= GLOBAL_BATCH
+    tokens = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    labels = torch.full((GLOBAL_BATCH, SEQ), IGNORE_INDEX)
+    positions = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    for i, row in enumerate(rows):
+        lengths = [len(x) for x, _ in row]
+        ends = torch.tensor(lengths).cumsum(0).tolist()
+        tokens[i, : ends[-1]] = torch.cat([x for x, _ in row])
+        labels[i, : ends[-1]] = torch.cat([y for _, y in row])
+        positions[i] = torch.from_numpy(restart_positions([0, *ends], SEQ))
+    return tokens, labels, positions
+
+
 def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS):
     """The tiny Llama through the production path, for `mode` at `world` ranks, `accum`
     microbatches per rank. Returns (layout, dims, model)."""
@@ -62,15 +101,13 @@ def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = 
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
 
 
-def rank_microbatches(world: int, accum: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's contiguous share of the global batch, cut into `accum` microbatches."""
-    tokens, labels = global_batch()
+def rank_microbatches(world: int, accum: int, batch: tuple[torch.Tensor, ...] | None = None) -> list[tuple]:
+    """This rank's contiguous share of the global batch (default: global_batch()), cut into
+    `accum` microbatches."""
+    batch = batch or global_batch()
     per_rank, lb = GLOBAL_BATCH // world, GLOBAL_BATCH // (world * accum)
     start = dist.get_rank() * per_rank
-    return [
-        (tokens[start + m * lb : start + (m + 1) * lb], labels[start + m * lb : start + (m + 1) * lb])
-        for m in range(accum)
-    ]
+    return [tuple(t[start + m * lb : start + (m + 1) * lb] for t in batch) for m in range(accum)]
 
 
 def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -100,6 +137,27 @@ def reference(args: Llama3Args = ARGS) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
+def records_reference() -> tuple[dict[str, torch.Tensor], float]:
+    """Gradient and token-mean loss of the records, each run as a sequence of its own."""
+    model = Llama3(ARGS)
+    model.init_weights(ParamInit(model, SEED))
+    recs = records()
+    total = sum(int((y != IGNORE_INDEX).sum()) for _, y in recs)
+    loss = sum(cross_entropy_sum(model(x[None]), y[None]) for x, y in recs) / total
+    loss.backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def eval_case(world: int, batch_size: int) -> dict:
+    """The Evaluator's loss of the packed sequences as an eval set, under FSDP at `world`."""
+    cfg = JobConfig()
+    _, dims, model = build(cfg, world, "fsdp", 1)
+    tokens, labels, positions = packed_global_batch()
+    items = [(tokens[i].numpy(), labels[i].numpy(), positions[i].numpy()) for i in range(GLOBAL_BATCH - 3)]
+    result = Evaluator(items, dims, batch_size, loss_chunk=0).run(model)
+    return {"world": world, "batch": batch_size, **result, "training": model.training}
+
+
 def run_case(
     world: int,
     mode: str,
@@ -111,6 +169,7 @@ def run_case(
     args: Llama3Args = ARGS,
     reduce: str = "float32",
     loss_chunk: int = 0,
+    batch: tuple[torch.Tensor, ...] | None = None,
 ) -> dict:
     cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
@@ -119,7 +178,7 @@ def run_case(
     cfg.loss.normalization = norm
     layout, dims, model = build(cfg, world, mode, accum, args)
     init_hash = full_weights_hash(model)
-    micro = rank_microbatches(world, accum)
+    micro = rank_microbatches(world, accum, batch)
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
     share, _ = forward_backward(
         model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=loss_chunk
@@ -128,8 +187,8 @@ def run_case(
     grads = full_grads(model)
     rel = max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref)
     bf16 = all(torch.equal(g, g.bfloat16().float()) for g in grads.values())
-    local_tokens = sum(int((y != IGNORE_INDEX).sum()) for _, y in micro)
-    min_micro = min(int((y != IGNORE_INDEX).sum()) for _, y in micro)
+    local_tokens = sum(int((Microbatch(*b).labels != IGNORE_INDEX).sum()) for b in micro)
+    min_micro = min(int((Microbatch(*b).labels != IGNORE_INDEX).sum()) for b in micro)
     counts = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
     dist.all_gather(counts, torch.tensor(local_tokens))
     mins = [torch.zeros((), dtype=torch.int64) for _ in range(world)]
@@ -181,6 +240,15 @@ def main() -> None:
     # Sync skipping on: one reduction per step, whose result the gradient then is (FSDP would
     # otherwise add two reduced microbatches up in float32).
     reduce = [run_case(world, m, 2, "global", "on", ref, reduce="bfloat16") for m in ("fsdp", "ddp")]
+    packed_ref, packed_loss = records_reference()
+    packed = [
+        {
+            **run_case(world, m, a, "global", "auto", packed_ref, batch=packed_global_batch()),
+            "ref_loss": packed_loss,
+        }
+        for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
+    ]
+    evals = [eval_case(world, b) for b in (1, 3)]
     tied_model = Llama3(TIED)
     tied_model.init_weights(ParamInit(tied_model, SEED))
     if dist.get_rank() == 0:
@@ -194,6 +262,8 @@ def main() -> None:
                     "tied_ref_hash": full_weights_hash(tied_model),
                     "tied_cases": tied,
                     "reduce_cases": reduce,
+                    "packed_cases": packed,
+                    "eval_cases": evals,
                 },
                 f,
             )

@@ -89,12 +89,13 @@ def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: in
     return max(1, min(seq_len, int(budget_mib * 2**20 // per_position)))
 
 
-def loss_chunk(cfg, meta) -> int:
+def loss_chunk(cfg, meta, local_batch: int = 0) -> int:
     """The trainer's loss chunk (positions; 0: logits then loss) for a config and its meta model
-    (titanlite.models.registry.MetaModel). A model whose forward takes no `labels` computes
-    logits only: chunking it is refused in one line."""
+    (titanlite.models.registry.MetaModel), at `local_batch` sequences (0: training's). A model
+    whose forward takes no `labels` computes logits only: chunking it is refused in one line."""
     t = cfg.training
-    chunk = chunk_positions(cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, meta.args.vocab_size)
+    batch = local_batch or t.local_batch_size
+    chunk = chunk_positions(cfg.loss.chunk_logits_mib, batch, t.seq_len, meta.args.vocab_size)
     if chunk >= t.seq_len:
         return 0
     if "labels" not in inspect.signature(meta.spec.model_cls.forward).parameters:
@@ -104,6 +105,30 @@ def loss_chunk(cfg, meta) -> int:
             "give the model forward(tokens, labels, loss_chunk) (see models/llama3/model.py)"
         )
     return chunk
+
+
+def check_document_support(cfg, meta) -> None:
+    """data.packing and data.document_mask hand the model each token's position in its document;
+    a model whose forward takes no `positions` is refused in one line."""
+    if (cfg.data.packing or cfg.data.document_mask) and "positions" not in inspect.signature(
+        meta.spec.model_cls.forward
+    ).parameters:
+        raise UserError(
+            f"model '{meta.spec.name}' has no per-document attention (its forward takes no positions), "
+            "which data.packing and data.document_mask need; turn them off, or give the model "
+            "forward(tokens, ..., positions) (see models/llama3/model.py)"
+        )
+
+
+def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch.Tensor:
+    """Each sequence's summed cross entropy over its valid tokens, for a Microbatch
+    (titanlite.datasets.build): training's and eval's maths. `loss_chunk`: sequence positions per
+    chunk of the model's own loss path (0, or the whole sequence: the model returns logits and
+    the loss follows)."""
+    extra = {} if batch.positions is None else {"positions": batch.positions}
+    if 0 < loss_chunk < batch.labels.shape[1]:
+        return model(batch.inputs, labels=batch.labels, loss_chunk=loss_chunk, **extra)
+    return cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -53,12 +53,14 @@ class MetricsWriter:
         self._jsonl = None
         self._diag = None
         self._events = None
+        self._eval = None
         self._tb = None
         if run_dir is None:
             return
         self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._diag = (run_dir / "diagnostics.jsonl").open("a", encoding="utf-8")
         self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
+        self._eval = (run_dir / "eval.jsonl").open("a", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -90,6 +92,20 @@ class MetricsWriter:
                         self._tb.add_scalar(f"diag/{key}", value, rec["step"])
         logger.info(diagnostics_line(records[-1]))
 
+    def write_eval(self, rec: dict[str, Any]) -> None:
+        """An eval's record: a console line, a line in eval.jsonl, TensorBoard scalars under eval/."""
+        logger.info(
+            f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | perplexity {rec['eval_perplexity']:.2f} | "
+            f"{rec['eval_tokens']:,} tokens of {rec['eval_sequences']:,} sequences in {rec['eval_s']:.1f}s"
+        )
+        if self._eval is not None:
+            self._eval.write(json.dumps(rec) + "\n")
+            self._eval.flush()
+        if self._tb is not None:
+            for key, value in rec.items():
+                if key.startswith("eval_"):
+                    self._tb.add_scalar(f"eval/{key[5:]}", value, rec["step"])
+
     def write_alerts(self, alerts: list) -> None:
         """Alerts: a console warning, a line in events.jsonl and TensorBoard text."""
         for alert in alerts:
@@ -101,7 +117,7 @@ class MetricsWriter:
                 self._tb.add_text(f"alerts/{alert.name}", alert.line(), alert.step)
 
     def close(self) -> None:
-        for f in (self._jsonl, self._diag, self._events):
+        for f in (self._jsonl, self._diag, self._events, self._eval):
             if f is not None:
                 f.close()
         if self._tb is not None:
@@ -111,7 +127,7 @@ class MetricsWriter:
 def truncate_after(run_dir: Path, step: int) -> None:
     """A resumed run continues from `step`: drop the records of later steps (written before the
     crash) from the JSONL files, and a line cut off by the crash; each file rewritten atomically."""
-    for name in ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl"):
+    for name in ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl"):
         path = run_dir / name
         if not path.is_file():
             continue

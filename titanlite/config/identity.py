@@ -21,6 +21,9 @@ IDENTITY_KEYS = (
     "data.mode",
     "data.path",  # with a mixture's weights
     "data.text_field",
+    "data.packing",  # which records share a sequence
+    "data.document_mask",  # what a token attends to
+    "eval.fraction",  # which sequences are held out of training
     "training.seed",
     "training.global_batch_size",
     "training.seq_len",  # the data position is counted in sequences of this length

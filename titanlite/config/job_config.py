@@ -127,6 +127,31 @@ class Data:
     text_field: str = opt("text", "the field (jsonl) or column (parquet, arrow) that holds a document's text")
     cache_dir: str = opt("", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite")
     num_workers: int = opt(0, "StatefulDataLoader worker processes per rank")
+    packing: bool = opt(
+        False, "sft: pack several records per sequence; attention and RoPE positions restart at each record"
+    )
+    document_mask: bool = opt(
+        False, "pretrain: attention stays within each document and RoPE positions restart at each"
+    )
+
+
+@dataclass
+class Eval:
+    fraction: float = opt(
+        0.0, "hold out this fraction of the data's sequences (sft: records) as the eval set; never trained on"
+    )
+    path: str = opt("", "eval data of its own (prepared folder or raw files, no mixture); wins over fraction")
+    interval: int = opt(
+        0, "evaluate every this many steps and after the last one; 0: after the last one only"
+    )
+    max_sequences: int = opt(0, "evaluate on this many sequences spread over the eval set; 0: all of it")
+    local_batch_size: int = opt(0, "sequences per eval forward per rank; 0: training.local_batch_size")
+    prompts: list[str] = opt(
+        [], "at each eval, decode these prompts into <run>/samples.jsonl and TensorBoard"
+    )
+    sample_tokens: int = opt(64, "new tokens decoded per prompt")
+    temperature: float = opt(0.0, "sampling temperature of the prompts; 0: greedy")
+    top_p: float = opt(0.9, "nucleus sampling: the smallest set of tokens with this much probability")
 
 
 @dataclass
@@ -303,6 +328,7 @@ class JobConfig:
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     data: Data = field(default_factory=Data)
+    eval: Eval = field(default_factory=Eval)
     loss: Loss = field(default_factory=Loss)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)

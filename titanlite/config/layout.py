@@ -152,6 +152,7 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
         )
     check_data(cfg.data.mode, cfg.data.path)
+    check_documents_and_eval(cfg)
     if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
         raise UserError(
             f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "
@@ -169,6 +170,46 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
                 "Face folder holds no optimizer state); set it to true"
             )
     return layout
+
+
+def check_documents_and_eval(cfg: JobConfig) -> None:
+    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range and its
+    data exists."""
+    from titanlite.datasets.spec import check_data, parse_data_path
+
+    d, e = cfg.data, cfg.eval
+    if d.packing and d.mode != "sft":
+        raise UserError(
+            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
+            "already: set data.document_mask = true to keep attention within documents"
+        )
+    if d.document_mask and d.mode != "pretrain":
+        raise UserError(
+            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
+            "data.packing = true (packed records always attend within themselves)"
+        )
+    if not 0.0 <= e.fraction <= 0.5:
+        raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
+    if min(e.interval, e.max_sequences, e.local_batch_size) < 0 or e.sample_tokens < 1:
+        raise UserError(
+            "eval.interval, max_sequences and local_batch_size must be >= 0 and eval.sample_tokens >= 1"
+        )
+    if e.temperature < 0 or not 0.0 < e.top_p <= 1.0:
+        raise UserError(
+            f"eval.temperature must be >= 0 (is {e.temperature}) and eval.top_p in (0, 1] (is {e.top_p})"
+        )
+    if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
+        raise UserError(
+            "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
+        )
+    if e.path:
+        if len(parse_data_path(e.path)) != 1:
+            raise UserError(f"eval.path '{e.path}' names several datasets; give one (no mixture weights)")
+        check_data(d.mode, e.path, "eval.path")
+    if e.prompts and not (e.path or e.fraction):
+        raise UserError(
+            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
+        )
 
 
 CHECKPOINT_MARKER = "complete"  # written last into a checkpoint step folder (components/checkpoint.py)

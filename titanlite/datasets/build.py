@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,9 +29,10 @@ from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler
-from titanlite.datasets.sft import SFTDataset
+from titanlite.datasets.sft import PackedSFTDataset, SFTDataset
 from titanlite.datasets.sources import discover
 from titanlite.datasets.spec import parse_data_path
+from titanlite.datasets.split import HeldOut, Subset, spaced, split_part
 from titanlite.datasets.synthetic import SyntheticDataset
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
@@ -102,39 +105,90 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
     return out
 
 
+def _open_prepared(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Prepared:
+    """One dataset of a data path, prepared (on the fly for raw inputs) and checked."""
+    folder = Path(name).expanduser() if name else None
+    if folder is None or not is_prepared(folder):
+        folder = _prepared_on_the_fly(cfg, tok, name)
+    data = Prepared(folder)
+    data.check_mode(cfg.data.mode)
+    data.check_tokenizer(tok)
+    return data
+
+
+def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, part: str | None):
+    """The sequences of one prepared dataset: all of them (part None), or the "train" or "eval"
+    part of eval.fraction's split (titanlite.datasets.split). SFT records are split before they
+    are packed, so no pack mixes the two."""
+    seq_len, d = cfg.training.seq_len, cfg.data
+    if d.mode == "sft":
+        dataset = SFTDataset(data, seq_len, tok.pad_id)
+        note = dataset.check_targets()
+        if note and part != "eval" and int(os.environ.get("RANK", "0")) == 0:
+            logger.warning(note)
+    else:
+        dataset = PackedDataset(data, seq_len, d.document_mask)
+    if part is None:
+        return PackedSFTDataset(data, seq_len, tok.pad_id) if d.packing else dataset
+    held = HeldOut(data.num_docs if d.mode == "sft" else len(dataset), cfg.eval.fraction, cfg.training.seed)
+    if d.packing:
+        records = held.indices(part, np.arange(held.size(part)))
+        return PackedSFTDataset(data, seq_len, tok.pad_id, records)
+    return split_part(dataset, held, part)
+
+
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
-    """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped;
-    returns them as one MixtureDataset (of one dataset when there is no mixture). Synthetic data
-    draws below `vocab_size`, the model's (default: model.vocab_size)."""
+    """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped,
+    less eval.fraction's held-out part; returns them as one MixtureDataset (of one dataset when
+    there is no mixture). Synthetic data draws below `vocab_size`, the model's (default:
+    model.vocab_size)."""
     if cfg.data.mode == "synthetic":
         synthetic = SyntheticDataset(
             vocab_size or cfg.model.vocab_size, cfg.training.seq_len, cfg.training.seed
         )
         return MixtureDataset([synthetic], [1.0])
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
-    datasets = []
-    for name, _ in parts:
-        folder = Path(name).expanduser() if name else None
-        if folder is None or not is_prepared(folder):
-            folder = _prepared_on_the_fly(cfg, tok, name)
-        data = Prepared(folder)
-        data.check_mode(cfg.data.mode)
-        data.check_tokenizer(tok)
-        if cfg.data.mode == "sft":
-            dataset = SFTDataset(data, cfg.training.seq_len, tok.pad_id)
-            note = dataset.check_targets()
-            if note and int(os.environ.get("RANK", "0")) == 0:
-                logger.warning(note)
-        else:
-            dataset = PackedDataset(data, cfg.training.seq_len)
-        datasets.append(dataset)
+    part = "train" if cfg.eval.fraction > 0 else None
+    datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, part) for name, _ in parts]
     return MixtureDataset(datasets, [w for _, w in parts])
 
 
-def _collate(items: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor]:
-    inputs = torch.from_numpy(np.stack([x for x, _ in items]))
-    labels = torch.from_numpy(np.stack([y for _, y in items]))
-    return inputs, labels
+def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> MixtureDataset | None:
+    """The eval set: eval.path's data, else eval.fraction's held-out part of every dataset of
+    data.path (None: neither), cut to eval.max_sequences spread evenly over it."""
+    e = cfg.eval
+    if e.path:
+        datasets = [_sequences(cfg, _open_prepared(cfg, tok, e.path), tok, None)]
+    elif e.fraction > 0:
+        parts = parse_data_path(cfg.data.path) or [("", 1.0)]
+        datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, "eval") for name, _ in parts]
+    else:
+        return None
+    dataset = MixtureDataset(datasets, [1.0] * len(datasets))
+    if not len(dataset):
+        raise UserError(
+            f"eval.fraction = {e.fraction:g} holds out no sequence of this data; raise it, or set eval.path"
+        )
+    if e.max_sequences and e.max_sequences < len(dataset):
+        picked = Subset(dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences))
+        dataset = MixtureDataset([picked], [1.0])
+    return dataset
+
+
+class Microbatch(NamedTuple):
+    """One microbatch: tokens, next-token labels and, for document masking (packed SFT,
+    data.document_mask), each token's position within its document."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Microbatch:
+        return Microbatch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
+
+
+def collate(items: list[tuple[np.ndarray, ...]]) -> Microbatch:
+    return Microbatch(*(torch.from_numpy(np.stack(column)) for column in zip(*items, strict=True)))
 
 
 def build_dataloader(
@@ -157,7 +211,7 @@ def build_dataloader(
         dataset,
         batch_sampler=sampler,
         num_workers=cfg.data.num_workers,
-        collate_fn=_collate,
+        collate_fn=collate,
         pin_memory=pin_memory,
         # Its own generator: creating an iterator draws a seed, which must not move the global
         # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.

@@ -29,3 +29,8 @@ class MixtureDataset:
     def trace(self, i: int) -> list[dict]:
         k, j = self._find(i)
         return self.parts[k].trace(j)
+
+    def content_slots(self, i: int) -> int:
+        """Slots of sequence i that hold tokens rather than padding."""
+        k, j = self._find(i)
+        return self.parts[k].content_slots(j)

@@ -183,6 +183,22 @@ class Prepared:
             k += 1
         return out
 
+    def document_lengths(self) -> np.ndarray:
+        """Every document's token count, int64 (8 bytes per document)."""
+        return np.concatenate(
+            [np.diff(self._shard(k)["offsets"]) for k in range(len(self.shards))] or [np.zeros(0, np.int64)]
+        )
+
+    def document_starts(self, start: int, stop: int) -> np.ndarray:
+        """The stream offsets in [start, stop) where a document begins (shard starts included)."""
+        out = []
+        first = int(np.searchsorted(self.token_starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.token_starts, stop, side="left"))
+        for k in range(max(first, 0), min(last, len(self.shards))):
+            offsets = np.asarray(self._shard(k)["offsets"][:-1]) + self.token_starts[k]
+            out.append(offsets[(offsets >= start) & (offsets < stop)])
+        return np.concatenate(out or [np.zeros(0, np.int64)])
+
     def first_targets(self) -> np.ndarray:
         """SFT: every record's first target token (-1: none), int32 (4 bytes per record)."""
         return np.concatenate(

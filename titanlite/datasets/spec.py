@@ -36,9 +36,9 @@ def parse_data_path(path: str) -> list[tuple[str, float]]:
     return [(name, w / total) for name, w in parts]
 
 
-def check_data(mode: str, path: str) -> None:
-    """Every dataset of data.path exists; a prepared one is complete, intact and of this mode; raw
-    inputs are of known kinds and small enough to prepare on the fly."""
+def check_data(mode: str, path: str, key: str = "data.path") -> None:
+    """Every dataset of data.path (or `key`'s) exists; a prepared one is complete, intact and of
+    this mode; raw inputs are of known kinds and small enough to prepare on the fly."""
     from titanlite.datasets.prepared import Prepared, is_prepared
     from titanlite.datasets.sources import discover
 
@@ -46,7 +46,7 @@ def check_data(mode: str, path: str) -> None:
         p = Path(name).expanduser()
         if not p.exists():
             raise UserError(
-                f"data.path '{name}' does not exist; point it at a prepared folder, a data file or folder, "
+                f"{key} '{name}' does not exist; point it at a prepared folder, a data file or folder, "
                 "or leave it empty for the built-in data"
             )
         if is_prepared(p):
@@ -55,9 +55,9 @@ def check_data(mode: str, path: str) -> None:
         size = sum(f.stat().st_size for f in discover(p))
         if size > RAW_LIMIT_BYTES:
             raise UserError(
-                f"data.path '{name}' holds {size / 2**30:.1f} GiB of raw data; prepare it once with every core "
+                f"{key} '{name}' holds {size / 2**30:.1f} GiB of raw data; prepare it once with every core "
                 f"(python scripts/prepare_data.py --tokenizer TOKENIZER --mode {mode} --out FOLDER {name}) "
-                "and point data.path at FOLDER"
+                f"and point {key} at FOLDER"
             )
 
 

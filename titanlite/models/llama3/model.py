@@ -1,4 +1,7 @@
-"""Llama 3: RMSNorm, RoPE (with Llama 3.1 frequency scaling), GQA, SwiGLU, SDPA attention."""
+"""Llama 3: RMSNorm, RoPE (with Llama 3.1 frequency scaling), GQA, SwiGLU, SDPA attention.
+
+Given `positions` (packed SFT, data.document_mask), each document attends only to itself and
+its RoPE positions restart at 0: titanlite.models.attention builds the mask from them."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import torch.nn.functional as F
 
 from titanlite.components.loss import chunked_cross_entropy_per_sample
 from titanlite.distributed.param_init import ParamInit
+from titanlite.models.attention import DocumentMask, attend, document_mask
 
 
 @dataclass(frozen=True)
@@ -53,10 +57,10 @@ def rope_frequencies(args: Llama3Args) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x0, x1), (x2, x3), ... as Meta's complex-number RoPE does."""
+    """Rotate consecutive pairs (x0, x1), (x2, x3), ... as Meta's complex-number RoPE does.
+    x: [B, S, heads, head_dim]; cos, sin: [1 or B, S, 1, head_dim / 2]."""
     xf = x.float().unflatten(-1, (-1, 2))
     real, imag = xf[..., 0], xf[..., 1]
-    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     out = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return out.flatten(-2).type_as(x)
 
@@ -86,7 +90,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask = None
+    ) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seqlen, self.n_kv_heads, self.head_dim)
@@ -96,9 +102,7 @@ class Attention(nn.Module):
         if rep > 1:  # grouped-query attention: share each k/v head among `rep` query heads
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -133,9 +137,11 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
         self.dropout = args.dropout
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask = None
+    ) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        h = x + F.dropout(self.attention(self.attention_norm(x), cos, sin), p)
+        h = x + F.dropout(self.attention(self.attention_norm(x), cos, sin, mask), p)
         return h + F.dropout(self.feed_forward(self.ffn_norm(h)), p)
 
     def init_weights(self, init: ParamInit) -> None:
@@ -184,19 +190,29 @@ class Llama3(nn.Module):
         init.constant_(self.norm.weight, 1.0)
 
     def forward(
-        self, tokens: torch.Tensor, labels: torch.Tensor | None = None, loss_chunk: int = 0
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_chunk: int = 0,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits; with `labels`, each sequence's summed cross entropy instead, the output
         projection run `loss_chunk` positions at a time inside the loss (the trainer's path at
         a large vocabulary: see titanlite.components.loss.chunked_cross_entropy_per_sample).
-        It happens here, in the root's forward, where FSDP has the output weight unsharded."""
+        It happens here, in the root's forward, where FSDP has the output weight unsharded.
+        `positions` [B, S]: each token's position in its document (0 starts one); None: one
+        causal sequence."""
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        if positions is None:
+            cos, sin, mask = self.rope_cos[None, :seqlen, None], self.rope_sin[None, :seqlen, None], None
+        else:
+            cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
+            mask = document_mask(positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, mask)
         if labels is not None:
             return chunked_cross_entropy_per_sample(self.norm(h), self.output.weight, labels, loss_chunk)
         return self.output(self.norm(h))
