@@ -155,6 +155,7 @@ class Trainer:
             t.steps,
             cfg.metrics.enable_tensorboard,
             purge_step=resume + 1 if resume is not None else 1 if is_restart() else None,
+            cfg=cfg,
         )
         folder = checkpoint_folder(cfg, self.run_dir)
         self.checkpointer = Checkpointer(cfg, folder, self.model, self.optimizer, self.faults, self.run_dir)
