@@ -129,6 +129,6 @@ def test_eval_loss_is_the_same_at_every_dp_and_eval_batch(results):
     assert {(c["world"], c["batch"]) for c in cases} == {(w, b) for w in WORLDS for b in (1, 3)}
     base = cases[0]
     for c in cases:
-        assert c["eval_tokens"] == base["eval_tokens"] > 0 and c["eval_sequences"] == 13, c
-        assert abs(c["eval_loss"] - base["eval_loss"]) <= 1e-6 * base["eval_loss"], (c, base)
+        assert c["tokens"] == base["tokens"] > 0 and c["sequences"] == 13, c
+        assert abs(c["loss"] - base["loss"]) <= 1e-6 * base["loss"], (c, base)
         assert c["training"], c

@@ -171,6 +171,7 @@ class Trainer:
             t.steps,
             cfg.metrics.enable_tensorboard,
             purge_step=resume + 1 if resume is not None else 1 if is_restart() else None,
+            cfg=cfg,
         )
         folder = checkpoint_folder(cfg, self.run_dir)
         self.checkpointer = Checkpointer(cfg, folder, self.model, self.optimizer, self.faults, self.run_dir)
@@ -301,7 +302,7 @@ class Trainer:
     def evaluate(self, step: int) -> None:
         """The eval set's loss and perplexity (every rank computes, rank 0 writes)."""
         began = time.perf_counter()
-        rec = {"step": step, **self.evaluator.run(self.model), "eval_s": time.perf_counter() - began}
+        rec = {"step": step, **self.evaluator.run(self.model), "seconds": time.perf_counter() - began}
         if self.rank == 0:
             self.metrics.write_eval(rec)
 

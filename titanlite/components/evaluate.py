@@ -47,7 +47,7 @@ class Evaluator:
 
     @torch.no_grad()
     def run(self, model: nn.Module) -> dict[str, float]:
-        """{"eval_loss", "eval_perplexity", "eval_tokens", "eval_sequences"}; every rank calls it."""
+        """{"loss", "perplexity", "tokens", "sequences"}; every rank calls it."""
         was_training = model.training
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.dims.device)  # loss sum, valid tokens
@@ -66,8 +66,8 @@ class Evaluator:
         loss_sum, tokens = totals.tolist()  # the eval's one read on the host
         loss = loss_sum / tokens if tokens else float("nan")
         return {
-            "eval_loss": loss,
-            "eval_perplexity": math.exp(min(loss, 700.0)) if tokens else float("nan"),
-            "eval_tokens": int(tokens),
-            "eval_sequences": len(self.dataset),
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)) if tokens else float("nan"),
+            "tokens": int(tokens),
+            "sequences": len(self.dataset),
         }

@@ -1,12 +1,19 @@
-"""Where numbers go: a progress line, a JSONL file (one object per log step) and TensorBoard."""
+"""Where numbers go: a progress line, a JSONL file (one object per log step), TensorBoard and,
+if enabled, Weights & Biases."""
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from titanlite.config.job_config import JobConfig
+from titanlite.config.job_config import Metrics as MetricsConfig
+from titanlite.errors import UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.formatting import fmt, format_duration
 
@@ -43,85 +50,205 @@ def diagnostics_line(d: dict[str, Any]) -> str:
     )
 
 
+class _TensorBoard:
+    """A sink: TensorBoard events in <run folder>/tb (`purge_step`: a resumed run drops the
+    events of the steps it repeats)."""
+
+    def __init__(self, log_dir: Path, purge_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self._writer.add_scalar(tag, value, step)
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self._writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+WANDB_ID_FILE = "wandb_id"  # in the run folder: a resumed run continues the same W&B run
+WANDB_STEP = "step"  # the x axis of every W&B chart (see _WandB)
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The run folder's W&B run id, made on its first use and kept in the folder."""
+    path = run_dir / WANDB_ID_FILE
+    run_id = path.read_text().strip() if path.is_file() else ""
+    if run_id:
+        return run_id
+    run_id = secrets.token_hex(8)
+    atomic_write_bytes(path, (run_id + "\n").encode())
+    return run_id
+
+
+class _WandB:
+    """A sink: Weights & Biases (imported only when metrics.enable_wandb is on).
+
+    Values are logged against our own `step` key (define_metric), never wandb's `step=`: W&B
+    drops a value whose step is below one it has seen, yet a log step writes the diagnostics of
+    earlier steps after its train record, and a resumed run repeats the steps after its checkpoint."""
+
+    def __init__(self, run_dir: Path, metrics: MetricsConfig, config: dict[str, Any]) -> None:
+        import wandb
+
+        try:
+            self._run = wandb.init(
+                project=metrics.wandb_project,
+                entity=metrics.wandb_entity or None,
+                mode=metrics.wandb_mode,
+                dir=str(run_dir),
+                name=run_dir.name,
+                id=wandb_run_id(run_dir),
+                resume="allow",
+                config=config,
+            )
+        except Exception as e:  # no login, no network, a bad project: wandb's own exception types
+            raise UserError(
+                f"metrics.enable_wandb: wandb.init failed ({first_line(e)}); run `wandb login`, "
+                "set metrics.wandb_mode = 'offline' or metrics.enable_wandb = false"
+            ) from None
+        self._run.define_metric(WANDB_STEP)
+        self._groups: set[str] = set()
+
+    def _axis(self, tags: Iterable[str]) -> None:
+        """Each group ("train", "diag", ...) gets the `step` axis on its first value."""
+        for tag in tags:
+            group = tag.partition("/")[0]
+            if group not in self._groups:
+                self._groups.add(group)
+                self._run.define_metric(f"{group}/*", step_metric=WANDB_STEP)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        self._axis(values)
+        self._run.log({**values, WANDB_STEP: step})
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        self._axis([tag])
+        self._run.log({tag: text, WANDB_STEP: step})
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
+    """`<prefix>/<key>` -> value for every number of a record but its step (None, a bool, a
+    nested dict or list are not scalars): what every sink gets, so their keys are equal."""
+    return {
+        f"{prefix}/{key}": value
+        for key, value in rec.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
 class MetricsWriter:
-    """Writes on rank 0 only. The JSONL file is flushed after every record so scripts can tail it."""
+    """Writes on rank 0 only. The JSONL file is flushed after every record so scripts can tail it.
+    TensorBoard and W&B are sinks fed through write_scalars and _text only, so they hold the same
+    keys at the same steps."""
 
     def __init__(
-        self, run_dir: Path | None, total_steps: int, tensorboard: bool, purge_step: int | None = None
+        self,
+        run_dir: Path | None,
+        total_steps: int,
+        tensorboard: bool,
+        purge_step: int | None = None,
+        cfg: JobConfig | None = None,
     ) -> None:
         self.total_steps = total_steps
         self._jsonl = None
         self._diag = None
         self._events = None
         self._eval = None
-        self._tb = None
+        self._samples = None
+        self._sinks: list[_TensorBoard | _WandB] = []
         if run_dir is None:
             return
         self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
         self._diag = (run_dir / "diagnostics.jsonl").open("a", encoding="utf-8")
         self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
         self._eval = (run_dir / "eval.jsonl").open("a", encoding="utf-8")
+        self._samples = (run_dir / "samples.jsonl").open("a", encoding="utf-8")
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            self._sinks.append(_TensorBoard(run_dir / "tb", purge_step))
+        if cfg is not None and cfg.metrics.enable_wandb:
+            self._sinks.append(_WandB(run_dir, cfg.metrics, asdict(cfg)))
 
-            self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=purge_step)
+    def write_scalars(self, prefix: str, rec: dict[str, Any]) -> None:
+        """A record's numbers to every sink as `<prefix>/<key>` at its step: the one path of
+        scalars (train/, diag/, and any later group such as eval/)."""
+        values = scalar_tags(prefix, rec)
+        if values:
+            for sink in self._sinks:
+                sink.scalars(rec["step"], values)
+
+    def _text(self, tag: str, text: str, step: int) -> None:
+        for sink in self._sinks:
+            sink.text(tag, text, step)
 
     def write(self, rec: dict[str, Any]) -> None:
         logger.info(progress_line(rec, self.total_steps))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in rec.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{key}", value, rec["step"])
+        self.write_scalars("train", rec)
 
     def write_diagnostics(self, records: list[dict[str, Any]]) -> None:
         """Every measured step in full (per-rank vectors too) to diagnostics.jsonl; scalars to
-        TensorBoard under diag/; a one-line summary of the latest to the console."""
+        the sinks under diag/; a one-line summary of the latest to the console."""
         if not records:
             return
         if self._diag is not None:
             for rec in records:
                 self._diag.write(json.dumps(rec) + "\n")
             self._diag.flush()
-        if self._tb is not None:
-            for rec in records:
-                for key, value in rec.items():
-                    if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        self._tb.add_scalar(f"diag/{key}", value, rec["step"])
+        for rec in records:
+            self.write_scalars("diag", rec)
         logger.info(diagnostics_line(records[-1]))
 
     def write_eval(self, rec: dict[str, Any]) -> None:
-        """An eval's record: a console line, a line in eval.jsonl, TensorBoard scalars under eval/."""
+        """An eval's record: a console line, a line in eval.jsonl, scalars in the sinks under eval/."""
         logger.info(
-            f"eval step {rec['step']} | loss {rec['eval_loss']:.4f} | perplexity {rec['eval_perplexity']:.2f} | "
-            f"{rec['eval_tokens']:,} tokens of {rec['eval_sequences']:,} sequences in {rec['eval_s']:.1f}s"
+            f"eval step {rec['step']} | loss {rec['loss']:.4f} | perplexity {rec['perplexity']:.2f} | "
+            f"{rec['tokens']:,} tokens of {rec['sequences']:,} sequences in {rec['seconds']:.1f}s"
         )
         if self._eval is not None:
             self._eval.write(json.dumps(rec) + "\n")
             self._eval.flush()
-        if self._tb is not None:
-            for key, value in rec.items():
-                if key.startswith("eval_"):
-                    self._tb.add_scalar(f"eval/{key[5:]}", value, rec["step"])
+        self.write_scalars("eval", rec)
+
+    def write_samples(self, step: int, samples: list[dict[str, str]]) -> None:
+        """Decoded prompts ({"prompt", "text"}): samples.jsonl, text in the sinks (samples/<i>)
+        and the first one on the console."""
+        if not samples:
+            return
+        first = samples[0]["text"].strip().replace("\n", " ")
+        logger.info(f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {first[:80]!r}")
+        if self._samples is not None:
+            for i, sample in enumerate(samples):
+                self._samples.write(json.dumps({"step": step, "index": i, **sample}) + "\n")
+            self._samples.flush()
+        for i, sample in enumerate(samples):
+            self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
 
     def write_alerts(self, alerts: list) -> None:
-        """Alerts: a console warning, a line in events.jsonl and TensorBoard text."""
+        """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>)."""
         for alert in alerts:
             logger.warning(alert.line())
             if self._events is not None:
                 self._events.write(json.dumps(alert.to_dict()) + "\n")
                 self._events.flush()
-            if self._tb is not None:
-                self._tb.add_text(f"alerts/{alert.name}", alert.line(), alert.step)
+            self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
     def close(self) -> None:
-        for f in (self._jsonl, self._diag, self._events, self._eval):
+        for f in (self._jsonl, self._diag, self._events, self._eval, self._samples):
             if f is not None:
                 f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
 
 
 def truncate_after(run_dir: Path, step: int) -> None:

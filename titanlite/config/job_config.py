@@ -172,6 +172,14 @@ class Loss:
 class Metrics:
     log_freq: int = opt(10, "log every this many steps (and at the first and last step)")
     enable_tensorboard: bool = opt(True, "write TensorBoard events into <run folder>/tb")
+    enable_wandb: bool = opt(False, "also log to Weights & Biases (needs `pip install wandb`)")
+    wandb_project: str = opt("titanlite", "W&B project")
+    wandb_entity: str = opt("", "W&B entity (user or team); empty: your default entity")
+    wandb_mode: str = opt(
+        "online",
+        "online: stream to W&B; offline: write into <run folder>/wandb, no network (`wandb sync` later)",
+        choices=("online", "offline"),
+    )
 
 
 @dataclass

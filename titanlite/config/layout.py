@@ -5,6 +5,7 @@ Kept free of torch so the launcher's preflight check can use it before any worke
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from titanlite.config.job_config import JobConfig
@@ -138,6 +139,11 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError("comm.timeout_s must be >= 1 (seconds) and comm.trace_buffer >= 0")
     if cfg.metrics.log_freq < 1:
         raise UserError(f"metrics.log_freq is {cfg.metrics.log_freq}; it must be >= 1")
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:  # found, not imported
+        raise UserError(
+            "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "
+            "metrics.enable_wandb = false"
+        )
     if cfg.optimizer.lr <= 0:
         raise UserError(f"optimizer.lr is {cfg.optimizer.lr}; it must be > 0")
     m = cfg.model
