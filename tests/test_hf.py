@@ -5,7 +5,8 @@ BPE tokenizer.json trained here with `tokenizers`, all made in the test (no netw
 - titanlite/models/llama3/hf.py alone: same logits and gradient as transformers, exact round trip;
 - through the trainer (model.hf_assets_path; tests/workers/hf_load.py, one torchrun per world
   size 1 and 2, FSDP and DDP): same logits, same gradient of one exact-loss step, training goes on;
-- the tokenizer gives AutoTokenizer's ids; bad folders are one-line errors.
+- the tokenizer gives AutoTokenizer's ids; bad folders are one-line errors;
+- scripts/generate.py on that fine-tune's run folder: transformers' greedy text.
 transformers is a test-only dependency (the dev extra)."""
 
 from __future__ import annotations
@@ -395,6 +396,47 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+
+
+def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path, capsys):
+    """scripts/generate.py on the fine-tune's run folder: greedy text from its newest checkpoint
+    (step 5, whose weights the end-of-run export holds) equals transformers' greedy generate on
+    the exported folder; the same from --step 5 and from the step folder; bad input is one line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    script = load_script("generate")
+    run = loaded[2]["runs"] / "ft"
+    prompts = ["def parse(text):", "Line 7 of json/decoder.py?"]
+    argv = [a for p in prompts for a in ("--prompt", p)] + ["--max-new-tokens", "10"]
+    outs = []
+    for where in ([str(run)], [str(run), "--step", "5"], [str(run / "checkpoints" / "step-00000005")]):
+        assert script.main([*where, *argv]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2], outs
+    hf, tok = AutoModelForCausalLM.from_pretrained(run / "hf"), AutoTokenizer.from_pretrained(run / "hf")
+    for prompt in prompts:
+        ids = [tok.bos_token_id, *tok(prompt, add_special_tokens=False).input_ids]
+        new = hf.generate(
+            torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id
+        )[0, len(ids) :].tolist()
+        new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+        head = tok.decode(ids, skip_special_tokens=False)
+        completion = tok.decode(ids + new, skip_special_tokens=False)[len(head) :]
+        assert f"{prompt}{completion}\n" in outs[0] and completion, (prompt, completion, outs[0])
+    sampled = [script.main([str(run), *argv, "--temperature", "1", "--seed", "3"]) for _ in range(2)]
+    texts = capsys.readouterr().out.split("# ")[1:]
+    assert sampled == [0, 0] and texts[0] == texts[1] and texts[0] != outs[0].removeprefix("# ")
+    (tmp_path / "empty").mkdir()
+    for extra, needle in (
+        ([str(tmp_path / "empty")], "holds no complete checkpoint (looked in '"),
+        ([str(tmp_path / "none")], "is not a folder; give a run folder or a checkpoint step folder"),
+        ([str(run), "--step", "3"], "holds no complete checkpoint of that step (complete: 2, 4, 5)"),
+        ([str(run / "checkpoints" / "step-00000005"), "--step", "5"], "is a step folder already"),
+        ([str(run), "--top-p", "0"], "--top-p in (0, 1]"),
+    ):
+        assert script.main([*extra, "--prompt", "x"]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.startswith("generate: error: ") and needle in err and err.count("\n") == 1, err
 
 
 MESSAGES = [

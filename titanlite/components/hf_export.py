@@ -218,53 +218,32 @@ def export_checkpoint(
 ) -> int:
     """A titanlite checkpoint step folder as a Hugging Face folder, in one process with no
     process group: the model is rebuilt from the checkpoint's identity (state.json: model,
-    tokenizer, sequence length), then every tensor is read from DCP on its own, so memory is
-    bounded by one shard. Only reads `step_folder`. Returns the number of shards."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from titanlite.components.checkpoint import check_fits
-    from titanlite.config import JobConfig
-    from titanlite.config.identity import IDENTITY_KEYS
-    from titanlite.config.layout import check_hf_folder, initial_load_kind
-    from titanlite.datasets.build import build_tokenizer
+    tokenizer, sequence length; components/checkpoint_model.py), then every tensor is read from
+    DCP on its own, so memory is bounded by one shard. Only reads `step_folder`. Returns the
+    number of shards."""
+    from titanlite.components.checkpoint_model import read_tensors, rebuild
+    from titanlite.config.layout import initial_load_kind
     from titanlite.errors import UserError
-    from titanlite.models.registry import build_meta_model
 
     if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":
         raise UserError(f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder")
     if folder.exists() and any(folder.iterdir()):
         raise UserError(f"'{folder}' exists and is not empty; pick a new output folder or remove it")
-    saved = json.loads((step_folder / "state.json").read_text())["identity"]
-    cfg = JobConfig()
-    for dotted in IDENTITY_KEYS:  # a key newer than the checkpoint keeps its default, as on resume
-        section, key = dotted.split(".")
-        if dotted in saved:
-            setattr(getattr(cfg, section), key, saved[dotted])
-    cfg.model.import_module = import_module
-    if cfg.model.hf_assets_path:  # the folder the run was made from gives shapes and tokenizer
-        check_hf_folder(
-            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
-        )
-    tok = build_tokenizer(cfg)
-    meta = build_meta_model(cfg, tok.vocab_size if tok else 0)
+    rebuilt = rebuild(step_folder, import_module)
+    cfg, tok, meta = rebuilt.cfg, rebuilt.tokenizer, rebuilt.meta
     if meta.spec.hf is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
         )
     dtype = DTYPES[dtype_name]
     params = dict(meta.model.named_parameters())
-    check_fits(step_folder, params)
     shards = plan_shards(
         ((n, tuple(p.shape)) for n, p in params.items()), meta.spec.hf, meta.args, dtype, max_shard_bytes
     )
 
     def fetch(name: str) -> torch.Tensor:
         tensor = torch.empty(params[name].shape, dtype=torch.float32)
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": {name: tensor}}, checkpoint_id=str(step_folder), no_dist=True)
+        read_tensors(step_folder, {name: tensor})
         return tensor
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None

@@ -200,6 +200,15 @@ def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, 
     return tied
 
 
+def to_empty_tied(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)` with its tied weights still tied (see materialize)."""
+    tied = _tied_parameters(model)
+    model.to_empty(device=device)
+    for module, name, owner, owner_name in tied:
+        if getattr(module, name) is not getattr(owner, owner_name):
+            setattr(module, name, getattr(owner, owner_name))
+
+
 def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
     """Meta-device model (already parallelized by its spec) -> initialized model on the device.
 
@@ -208,11 +217,7 @@ def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
     restored before init. Weights come from ParamInit, so they are the same for every dp
     degree and mode; DDP wraps the model only now, because it needs real tensors.
     """
-    tied = _tied_parameters(model)
-    model.to_empty(device=dims.device)
-    for module, name, owner, owner_name in tied:
-        if getattr(module, name) is not getattr(owner, owner_name):
-            setattr(module, name, getattr(owner, owner_name))
+    to_empty_tied(model, dims.device)
     with torch.no_grad():
         model.init_weights(ParamInit(model, seed))
     return wrap_ddp(model, dims) if dims.mode == "ddp" else model

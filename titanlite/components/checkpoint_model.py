@@ -1,0 +1,79 @@
+"""The model a checkpoint step folder holds, rebuilt offline: one process, no process group, no
+run config. The checkpoint's state.json says what the run trained (its identity: model, flavor
+or hf_assets_path, tokenizer, sequence length), which is enough to build the same model and
+tokenizer; the weights are then read from DCP. scripts/export_hf.py (through
+hf_export.export_checkpoint) and scripts/generate.py start here.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+
+from titanlite.components.tokenizer import HFTokenizer, Tokenizer
+from titanlite.config import JobConfig
+from titanlite.models.registry import MetaModel
+
+
+@dataclass
+class Rebuilt:
+    cfg: JobConfig  # defaults, with the checkpoint's identity keys
+    tokenizer: Tokenizer | HFTokenizer | None  # None: the run trained on synthetic data
+    meta: MetaModel  # on the meta device; every parameter is in the checkpoint with its shape
+
+
+def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
+    """Config, tokenizer and meta-device model of a complete titanlite step folder (the caller
+    has checked that it is one: titanlite.config.layout.initial_load_kind). Only reads it."""
+    from titanlite.components.checkpoint import check_fits
+    from titanlite.config.identity import IDENTITY_KEYS
+    from titanlite.config.layout import check_hf_folder
+    from titanlite.datasets.build import build_tokenizer
+    from titanlite.models.registry import build_meta_model
+
+    saved = json.loads((step_folder / "state.json").read_text())["identity"]
+    cfg = JobConfig()
+    for dotted in IDENTITY_KEYS:  # a key newer than the checkpoint keeps its default, as on resume
+        section, key = dotted.split(".")
+        if dotted in saved:
+            setattr(getattr(cfg, section), key, saved[dotted])
+    cfg.model.import_module = import_module
+    if cfg.model.hf_assets_path:  # the folder the run was made from gives shapes and tokenizer
+        check_hf_folder(
+            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
+        )
+    tok = build_tokenizer(cfg)
+    meta = build_meta_model(cfg, tok.vocab_size if tok else 0)
+    check_fits(step_folder, dict(meta.model.named_parameters()))
+    return Rebuilt(cfg, tok, meta)
+
+
+def read_tensors(step_folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill `tensors` (titanlite parameter names -> full tensors of their shapes) in place from
+    the checkpoint's model state, in this process alone."""
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": tensors}, checkpoint_id=str(step_folder), no_dist=True)
+
+
+def load_model(step_folder: Path, device: torch.device, import_module: str = "") -> tuple[nn.Module, Rebuilt]:
+    """The checkpoint's model with its weights (float32, on `device`, eval mode), whole in this
+    process: for a model that fits one device. init_weights runs first only because it is what
+    computes the buffers (RoPE tables), which the checkpoint does not hold; its weights are then
+    overwritten."""
+    from titanlite.distributed.parallelize import to_empty_tied
+    from titanlite.distributed.param_init import ParamInit
+
+    rebuilt = rebuild(step_folder, import_module)
+    model = rebuilt.meta.model
+    to_empty_tied(model, device)
+    with torch.no_grad():
+        model.init_weights(ParamInit(model, 0))
+    read_tensors(step_folder, {name: p.detach() for name, p in model.named_parameters()})
+    return model.eval(), rebuilt
