@@ -20,17 +20,23 @@ For each dp degree, one torchrun builds one trainer per configuration in the sam
     reshard         FSDP freeing each block's gathered params after forward, gathering them again
                     in backward (parallelism.reshard_after_forward = always)
     one-unit        candidate: the whole model one FSDP unit (one all-gather, one reduce-scatter)
+    unpacked,       at a fine-tuning length (seq_len 1024; the built-in records are 150-620 tokens,
+    packed          10th-90th percentile): one SFT record per sequence, and records packed into
+                    each sequence with per-document attention (data.packing); packing's gain is
+                    in what a step holds: padding and target tokens
 and compares them in groups: loss (titanlite vs baseline), diagnostics (vs titanlite, i.e.
 off; with accumulation, `sketch` sums its sketch per microbatch and reduces as titanlite
 does), measuring (diag-exact-every vs skip-sync: an exact measured step reduces once, on its
 last microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), modes (ddp, hsdp vs
-fsdp), reduce-scatter (titanlite vs native-rs) and fsdp-units (reshard and one-unit vs titanlite).
+fsdp), reduce-scatter (titanlite vs native-rs), fsdp-units (reshard and one-unit vs titanlite) and
+packing (packed vs unpacked).
 Each round runs one step of every configuration, in an order that rotates from round to round,
 so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
 is the median over rounds of the configuration's step time over its reference's in the same
 round, with a 95% confidence interval of that median (order statistics). Two clocks: wall time
 on rank 0, and CPU time summed over ranks (with more ranks than cores, wall time mostly
-measures the scheduler). Per configuration also: tokens/s per rank, and one extra step counted
+measures the scheduler). Per configuration also: tokens/s per rank, the share of padding in the
+sequences of the first 64 (or more) steps and target (valid-label) tokens/s per rank, and one extra step counted
 with titanlite.tools.instrument: collectives by group and host syncs, so regressions show.
 After them, 5 steps each of baseline and titanlite under torch.profiler give the step-time
 breakdown: forward and backward compute, FSDP's all-gathers and gradient reduction, clipping,
@@ -71,6 +77,8 @@ CONFIGS = {
     # (one all-gather and one reduce-scatter a pass; the debug model's blocks are 3.4 MB each).
     "reshard": ["--parallelism.reshard_after_forward", "always", *OFF],
     "one-unit": OFF,  # built with the blocks in the root's unit: see build()
+    "unpacked": ["--training.seq_len", "1024", *OFF],
+    "packed": ["--training.seq_len", "1024", "--data.packing", "true", *OFF],
 }
 # group: (reference, the configurations measured against it)
 GROUPS = {
@@ -84,8 +92,10 @@ GROUPS = {
     "modes": ("titanlite", ["ddp", "hsdp"]),
     "reduce-scatter": ("native-rs", ["titanlite"]),
     "fsdp-units": ("titanlite", ["reshard", "one-unit"]),
+    "packing": ("unpacked", ["packed"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
+DATA_STEPS = 64  # global batches whose padding and target tokens are counted, at least
 BREAKDOWN_STEPS = 5  # profiled steps of baseline and titanlite, after the timed rounds
 
 
@@ -287,6 +297,28 @@ def breakdown(obj, first_step: int, steps: int) -> dict:
     return {k: v / 1000 / steps for k, v in out.items()}  # us -> ms per step
 
 
+def data_stats(obj, steps: range) -> dict:
+    """What the global batches of `steps` hold (host reads of the data, no step run): the share of
+    sequence slots that are padding, and target tokens (labels not ignored) per step, over all
+    ranks."""
+    import numpy as np
+
+    from titanlite.components.loss import IGNORE_INDEX
+
+    t = _trainer(obj)
+    dataset, sampler = t.dataloader.dataset, t.dataloader.batch_sampler
+    seqs = np.concatenate([sampler.global_batch(step - 1) for step in steps]).tolist()
+    slots = len(seqs) * t.cfg.training.seq_len
+    content = sum(dataset.content_slots(i) for i in seqs) if hasattr(dataset, "content_slots") else slots
+    targets = sum(int((np.asarray(dataset[i][1]) != IGNORE_INDEX).sum()) for i in seqs)
+    tokens = t.cfg.training.local_batch_size * t.cfg.training.seq_len * t.layout.grad_accum
+    return {
+        "padding": 1 - content / slots,
+        "targets_per_step": targets / len(steps),
+        "tokens_per_rank_step": tokens,
+    }
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -326,6 +358,8 @@ def worker(args: argparse.Namespace) -> None:
             t = _trainer(obj)
             t.diagnostics.collect()
             t.window.clear()
+    steps = range(1, max(args.reps + 3, DATA_STEPS + 1))  # the timed steps and more, for the mean
+    data = {n: data_stats(objs[n], steps) for n in names} if dist.get_rank() == 0 else {}
     summed = torch.tensor([cpu[n] for n in names], dtype=torch.float64)
     dist.all_reduce(summed)  # CPU time summed over ranks: the work a step costs
     host = HostSyncCounter()
@@ -340,14 +374,14 @@ def worker(args: argparse.Namespace) -> None:
         extra["probe_call_us"], extra["units"] = _probe_call_cost(t.model, t.diagnostics.probe)
     if dist.get_rank() == 0:
         t0 = _trainer(objs[names[0]])
-        tokens = t0.cfg.training.local_batch_size * t0.cfg.training.seq_len * t0.layout.grad_accum
         peak = peak_flops(t0.device, t0.dims.param_dtype)
         result = {
             "names": names,
             "wall": wall,
             "cpu": dict(zip(names, summed.tolist(), strict=True)),
             "counts": counts,
-            "tokens_per_rank_step": tokens,
+            "data": data,
+            "world": dist.get_world_size(),
             "flops_per_token": t0.flops_per_token,
             "peak_flops": peak,
             "peak_mem_gib": peak_mem if cuda else None,
@@ -362,14 +396,18 @@ def worker(args: argparse.Namespace) -> None:
 
 def summarize(raw: dict) -> dict:
     """Per configuration: step time, tokens/s, counts; per group: ratios to the reference."""
-    names, tokens = raw["names"], raw["tokens_per_rank_step"]
+    names = raw["names"]
     configs = {}
     for n in names:
         step = statistics.median(raw["wall"][n])
+        tokens = raw["data"][n]["tokens_per_rank_step"]
         row = {
             "step_ms": 1000 * step,
             "cpu_step_ms": 1000 * statistics.median(raw["cpu"][n]),
             "tokens_per_s_per_rank": tokens / step,
+            "padding_pct": 100 * raw["data"][n]["padding"],
+            "targets_per_step": raw["data"][n]["targets_per_step"],
+            "targets_per_s_per_rank": raw["data"][n]["targets_per_step"] / raw["world"] / step,
             **raw["counts"][n],
         }
         if raw["flops_per_token"] and raw["peak_mem_gib"] is not None:
@@ -408,11 +446,13 @@ def summarize(raw: dict) -> dict:
 def table(dp: int, s: dict) -> str:
     lines = [f"\ndp={dp} ({s['device']})"]
     gpu = any("tflops" in r for r in s["configs"].values())
-    head = f"{'config':<19}{'step ms':>9}{'CPU ms':>9}{'tok/s/rank':>12}{'collectives/step':>26}{'host syncs':>12}"
+    head = f"{'config':<19}{'step ms':>9}{'CPU ms':>9}{'tok/s/rank':>12}{'pad %':>7}{'targets/s/rank':>16}"
+    head += f"{'collectives/step':>26}{'host syncs':>12}"
     lines.append(head + (f"{'TFLOP/s':>9}{'MFU %':>7}{'peak GiB':>10}" if gpu else ""))
     for n, r in s["configs"].items():
         coll = " ".join(f"{g} {c}" for g, c in sorted(r["collectives"].items()))
-        line = f"{n:<19}{r['step_ms']:>9.1f}{r['cpu_step_ms']:>9.1f}{r['tokens_per_s_per_rank']:>12.0f}{coll:>26}{r['host_syncs']:>12}"
+        line = f"{n:<19}{r['step_ms']:>9.1f}{r['cpu_step_ms']:>9.1f}{r['tokens_per_s_per_rank']:>12.0f}"
+        line += f"{r['padding_pct']:>7.1f}{r['targets_per_s_per_rank']:>16.0f}{coll:>26}{r['host_syncs']:>12}"
         if gpu:
             line += f"{r.get('tflops', 0):>9.1f}{r.get('mfu_pct', 0):>7.1f}{r.get('peak_mem_gib', 0):>10.2f}"
         lines.append(line)

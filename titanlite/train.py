@@ -24,6 +24,7 @@ from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.checkpoint_index import resume_changes
 from titanlite.components.evaluate import Evaluator
 from titanlite.components.faults import Faults
+from titanlite.components.generate import generate
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
 from titanlite.components.loss import (
@@ -50,6 +51,7 @@ from titanlite.datasets.build import (
     build_eval_dataset,
     build_tokenizer,
 )
+from titanlite.datasets.records import prompt_tokens
 from titanlite.diagnostics.alerts import Alert
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.data_checks import content_fingerprint
@@ -157,6 +159,7 @@ class Trainer:
         if eval_data is not None:
             batch = cfg.eval.local_batch_size or t.local_batch_size
             self.evaluator = Evaluator(eval_data, self.dims, batch, loss_chunk(cfg, meta, batch))
+        self.prompts = [prompt_tokens(p, self._prompt_format(), self.tokenizer) for p in cfg.eval.prompts]
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.diagnostics, self.device, self.dims.dp_group)
@@ -300,11 +303,40 @@ class Trainer:
         )
 
     def evaluate(self, step: int) -> None:
-        """The eval set's loss and perplexity (every rank computes, rank 0 writes)."""
+        """The eval set's loss and perplexity, and eval.prompts decoded (every rank computes in
+        lockstep, rank 0 writes). Sampling draws from a generator of its own, seeded by step."""
         began = time.perf_counter()
         rec = {"step": step, **self.evaluator.run(self.model), "seconds": time.perf_counter() - began}
         if self.rank == 0:
             self.metrics.write_eval(rec)
+        if not self.prompts:
+            return
+        e = self.cfg.eval
+        generator = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed * 1_000_003 + step)
+        with self.dims.autocast():
+            outs = generate(
+                self.model,
+                self.prompts,
+                e.sample_tokens,
+                eos_id=self.tokenizer.eos_id,
+                temperature=e.temperature,
+                top_p=e.top_p,
+                generator=generator,
+                group=self.dims.dp_group,
+            )
+        texts = [self.tokenizer.decode([t for t in out if t != self.tokenizer.eos_id]) for out in outs]
+        if self.rank == 0:
+            self.metrics.write_samples(
+                step, [{"prompt": p, "text": x} for p, x in zip(e.prompts, texts, strict=True)]
+            )
+
+    def _prompt_format(self) -> str:
+        fmt = self.cfg.eval.prompt_format
+        if fmt != "auto":
+            return fmt
+        if self.cfg.data.mode != "sft":
+            return "text"
+        return "chat" if getattr(self.tokenizer, "chat_template", None) else "alpaca"
 
     # ---- the log step: the only place the host reads device values ------------------------------
     def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:

@@ -147,7 +147,13 @@ class Eval:
     max_sequences: int = opt(0, "evaluate on this many sequences spread over the eval set; 0: all of it")
     local_batch_size: int = opt(0, "sequences per eval forward per rank; 0: training.local_batch_size")
     prompts: list[str] = opt(
-        [], "at each eval, decode these prompts into <run>/samples.jsonl and TensorBoard"
+        [], "at each eval, decode these prompts into <run>/samples.jsonl and TensorBoard (CLI: a JSON list)"
+    )
+    prompt_format: str = opt(
+        "auto",
+        "how a prompt is put to the model: text (BOS + text), alpaca (an instruction), chat (a user "
+        "turn); auto: sft data: chat if the tokenizer has a chat template, else alpaca; pretrain: text",
+        choices=("auto", "text", "alpaca", "chat"),
     )
     sample_tokens: int = opt(64, "new tokens decoded per prompt")
     temperature: float = opt(0.0, "sampling temperature of the prompts; 0: greedy")

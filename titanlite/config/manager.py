@@ -7,6 +7,7 @@ Every problem is a UserError with one line that names the key and the closest va
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 import typing
 from dataclasses import fields, is_dataclass
@@ -37,7 +38,12 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
-        if from_cli:
+        if from_cli and value.strip().startswith("["):  # a JSON list: items may hold commas
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise UserError(f"config key '{key}' is not a valid JSON list: {value!r}") from None
+        elif from_cli:
             value = [v for v in value.split(",") if v.strip()] if value.strip() else []
         if not isinstance(value, list):
             raise UserError(f"config key '{key}' must be a list, got {value!r}")

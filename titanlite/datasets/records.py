@@ -59,6 +59,24 @@ def record_tokens(record: dict, tok: Any) -> tuple[list[int], list[bool]]:
     return [t for ids, _ in segments for t in ids], [flag for ids, flag in segments for _ in ids]
 
 
+def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
+    """A prompt to decode from, as training saw prompts: "text": BOS and the text; "alpaca":
+    the alpaca prompt of an instruction; "chat": a user turn and the assistant header (the chat
+    template's, else the default format's). The prompt is everything before the first target."""
+    if fmt == "text":
+        return [tok.bos_id, *tok.encode(text)]
+    if fmt == "alpaca":
+        record = {"instruction": text, "input": "", "output": ""}
+    else:
+        record = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]}
+    ids = []
+    for segment, target in record_segments(record, tok):
+        if target:
+            break
+        ids += segment
+    return ids
+
+
 def sft_format_key(tok: Any) -> str:
     """What besides the tokenizer decides an SFT record's tokens: the chat template (or the
     default format) and the alpaca prompts."""

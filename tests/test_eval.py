@@ -1,0 +1,70 @@
+"""Held-out evaluation and samples inside a training run (2 ranks, FSDP, packed SFT).
+
+The eval loss at dp 1, 2, 4 and any eval batch: tests/test_distributed.py (eval_cases); the split
+and the packing plan: tests/test_packing.py; decoding itself: tests/test_generate.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import check, read_metrics, train
+
+PROMPT = "Write the body of `join`, from the Python module `posixpath`."
+
+
+def _run(tmp_path, name: str, *extra: str) -> list[dict]:
+    check(
+        train(
+            2,
+            "--config",
+            "train_configs/debug_sft.toml",
+            "--training.steps",
+            "4",
+            "--training.seq_len",
+            "256",
+            "--training.local_batch_size",
+            "2",
+            "--data.packing",
+            "true",
+            "--eval.fraction",
+            "0.05",
+            "--eval.max_sequences",
+            "12",
+            "--model.dropout",
+            "0.1",  # a draw from the global RNG by eval would change later dropout masks
+            "--metrics.enable_tensorboard",
+            "false",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.run_name",
+            name,
+            *extra,
+        )
+    )
+    return read_metrics(tmp_path / name)
+
+
+def _lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow
+def test_eval_never_changes_training_and_writes_loss_and_samples(tmp_path):
+    """A run that evaluates (and decodes a prompt) every 2 steps logs bitwise the training losses
+    and grad norms of one that evaluates only after its last step, whose eval it repeats exactly:
+    eval touches neither the data order nor any RNG, and leaves the model as it found it."""
+    decode = ("--eval.prompts", json.dumps([PROMPT]), "--eval.temperature", "0.8")
+    often = _run(tmp_path, "often", "--eval.interval", "2", *decode)
+    once = _run(tmp_path, "once")
+    assert [(r["step"], r["loss"], r["grad_norm"]) for r in often] == [
+        (r["step"], r["loss"], r["grad_norm"]) for r in once
+    ]
+    evals, last = _lines(tmp_path / "often/eval.jsonl"), _lines(tmp_path / "once/eval.jsonl")
+    assert [e["step"] for e in evals] == [2, 4] and [e["step"] for e in last] == [4]
+    assert evals[1]["loss"] == last[0]["loss"] and evals[0]["loss"] > evals[1]["loss"]
+    assert evals[1]["sequences"] == 12 and evals[1]["tokens"] > 0
+    assert abs(evals[1]["perplexity"] - 2.718281828 ** evals[1]["loss"]) < 1e-6 * evals[1]["perplexity"]
+    samples = _lines(tmp_path / "often/samples.jsonl")
+    assert [(s["step"], s["prompt"]) for s in samples] == [(2, PROMPT), (4, PROMPT)]
+    assert all(s["text"] for s in samples) and not (tmp_path / "once/samples.jsonl").read_text()
