@@ -3,11 +3,14 @@
 
     python scripts/generate.py RUN_DIR --prompt "def parse(" [--prompt ...] [--step N]
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--seed 0] [--device auto]
+        [--format auto|text|alpaca|chat]
 
 RUN_DIR: a run folder (its newest complete checkpoint, or --step N) or directly a checkpoint step
 folder, e.g. outputs/my-run/checkpoints/step-00001000; it is only read. The model and tokenizer
 are rebuilt from what the checkpoint says it trained (as scripts/export_hf.py does), the weights
-loaded whole in one process. Each prompt starts with BOS, as every training document does.
+loaded whole in one process. A prompt is put to the model as the run's data put prompts
+(--format auto: an SFT run's alpaca prompt, or a user turn of its chat template; a pretraining
+run's BOS and text), or as --format says.
 Temperature 0 is greedy; above 0, nucleus sampling with --top-p, seeded by --seed (the same
 command prints the same text). A fork's model needs --import-module.
 Exit status: 0 printed, 2 bad input (one line says what).
@@ -79,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--format",
+        choices=("auto", "text", "alpaca", "chat"),
+        default="auto",
+        help="how a prompt is put to the model (auto: as the run's data put them)",
+    )
     p.add_argument("--import-module", default="", help="module that registers a fork's model")
     args = p.parse_args(argv)
     try:
@@ -86,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             raise UserError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
         from titanlite.components.checkpoint_model import load_model
         from titanlite.components.generate import sample_text
+        from titanlite.datasets.records import prompt_format
 
         step_folder = find_step_folder(args.run_dir.expanduser(), args.step)
         device = pick_device(args.device)
@@ -102,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         rebuilt.tokenizer,
         args.prompt,
         args.max_new_tokens,
+        fmt=prompt_format(args.format, rebuilt.cfg.data.mode, rebuilt.tokenizer),
         temperature=args.temperature,
         top_p=args.top_p,
         generator=torch.Generator().manual_seed(args.seed),  # on the CPU: the same draws on any device

@@ -22,6 +22,10 @@ titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. S
           against the step time (diagnostics are off at one rank, so no run shows it)
   hf      a LlamaForCausalLM with llama_1b's layer shapes (2 layers) against titanlite's Llama
           read from its saved folder: logits in fp32 and in bf16 (needs transformers)
+  packing llama_1b on the built-in SFT set at seq 2048: one record per sequence vs records packed
+          with per-document attention (data.packing: FlexAttention's block mask, compiled), the
+          packed run under sync_debug: tokens/s and target tokens per step (mean over the
+          logged steps) of each
 --smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
 the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
 DIR/gpu_check.md (the README's table). Exit 1 if a check fails (sync, hf, accum, a crashed run).
@@ -43,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 GiB = 2**30
-SECTIONS = ("speed", "batch", "sync", "accum", "probe", "hf")
+SECTIONS = ("speed", "batch", "sync", "accum", "probe", "hf", "packing")
 
 
 @dataclasses.dataclass
@@ -61,6 +65,7 @@ class Shapes:
     accum_steps: int
     hf: dict  # LlamaConfig shapes
     hf_tokens: int
+    sft_seq: int  # the packing section's seq_len (the built-in records are 150-620 tokens)
 
 
 FULL = Shapes(
@@ -75,6 +80,7 @@ FULL = Shapes(
     accum_steps=30,
     hf=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
     hf_tokens=512,
+    sft_seq=2048,
 )
 SMOKE = Shapes(
     config="train_configs/debug_model.toml",
@@ -88,6 +94,7 @@ SMOKE = Shapes(
     accum_steps=6,
     hf=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     hf_tokens=32,
+    sft_seq=512,
 )
 # Tolerances of the accuracy checks. hf: the largest logit difference over the largest logit;
 # bf16 rounds every op to an 8-bit mantissa (2^-8 = 0.4% per op), and the two models order their
@@ -286,6 +293,36 @@ def check_accum(shapes: Shapes, out: Path) -> dict:
             "param_dtype": dtype, "ok": ok}  # fmt: skip
 
 
+def check_packing(shapes: Shapes, out: Path, steps: int) -> dict:
+    """Unpacked vs packed SFT on the built-in set; the packed run under sync_debug (on CUDA)."""
+    common = ["--data.mode", "sft", "--training.seq_len", str(shapes.sft_seq), "--training.steps", str(steps)]
+    common += [
+        "--training.local_batch_size",
+        str(shapes.batch),
+        "--training.global_batch_size",
+        str(shapes.batch),
+    ]
+    common += ["--metrics.log_freq", str(shapes.log_freq)]
+    rows = []
+    for packed in (False, True):
+        extra = ["--data.packing", "true", "--debug.sync_debug", "true"] if packed else []
+        run = train(shapes, out, f"packing-{'on' if packed else 'off'}", *common, *extra)
+        row = {"packed": packed, "rc": run["rc"]}
+        if run["rc"] == 0 and run["records"]:
+            row.update(window_figures(run["records"], shapes.log_freq))
+            row["targets_per_step"] = statistics.fmean(r["valid_tokens"] for r in run["records"])
+            row["targets_per_s"] = (
+                row["tokens_per_s"] * row["targets_per_step"] / (shapes.batch * shapes.sft_seq)
+            )
+        else:
+            row["error"] = run["error"]
+        rows.append(row)
+        what = f"{row['targets_per_s']:,.0f} target tokens/s" if "targets_per_s" in row else ""
+        say(f"packing {'on ' if packed else 'off'}: {what} ({row['tokens_per_s']:,.0f} tokens/s)" if what else
+            f"packing {'on ' if packed else 'off'}: FAILED ({row.get('error', '')})")  # fmt: skip
+    return {"rows": rows, "seq": shapes.sft_seq, "ok": all(r["rc"] == 0 for r in rows)}
+
+
 # ---- in this process, after the runs (they need the whole GPU) -------------------------------
 def check_probe(shapes: Shapes, step_s: float | None) -> dict:
     """The probe's work per measured step over llama_1b's FSDP units (each block, then the root:
@@ -439,6 +476,18 @@ def markdown(result: dict) -> str:
             for r in b["rows"]
         )
         lines += [f"Largest local batch at seq {b['seq']}: {cells}.", ""]
+    if "packing" in result:
+        cells = ", ".join(
+            f"{'packed' if r['packed'] else 'one record per sequence'} "
+            + (
+                f"{r['tokens_per_s']:,.0f} tokens/s, {r['targets_per_step']:,.0f} target tokens per step "
+                f"({r['targets_per_s']:,.0f}/s)"
+                if r["rc"] == 0
+                else f"failed: {r.get('error', '')}"
+            )
+            for r in result["packing"]["rows"]
+        )
+        lines += [f"SFT on the built-in set at seq {result['packing']['seq']}: {cells}.", ""]
     if "probe" in result:
         cells = ", ".join(
             f"{r['method']} at world {r['world']}: {r['ms']:.2f} ms"
@@ -508,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         result["probe"] = check_probe(shapes, step_s)
     if "hf" in sections:
         result["hf"] = check_hf(shapes, out)
+    if "packing" in sections:
+        result["packing"] = check_packing(shapes, out, steps)
     result["wall_s"] = time.perf_counter() - began
     (out / "gpu_check.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "gpu_check.md").write_text(markdown(result))

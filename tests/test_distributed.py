@@ -132,3 +132,15 @@ def test_eval_loss_is_the_same_at_every_dp_and_eval_batch(results):
         assert c["tokens"] == base["tokens"] > 0 and c["sequences"] == 13, c
         assert abs(c["loss"] - base["loss"]) <= 1e-6 * base["loss"], (c, base)
         assert c["training"], c
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_generation_keeps_every_rank_in_lockstep_under_fsdp(results, world):
+    """Decoding under FSDP (every forward collective): greedy and top-p continuations are the
+    same on every rank, though each rank's sampling generator has its own seed (rank 0's choice is
+    broadcast), and greedy equals the unsharded model's."""
+    g = results[world]["generate"]
+    assert len(g["every_rank"]) == world
+    assert all(r == g["every_rank"][0] for r in g["every_rank"])
+    greedy, sampled = g["every_rank"][0]
+    assert greedy == g["unsharded"] and all(len(x) == 8 for x in greedy + sampled)

@@ -52,8 +52,12 @@ def test_smoke_runs_every_section_and_its_checks_hold(tmp_path):
     assert hf["float32"]["max_rel"] <= 1e-4 and hf["bfloat16"]["max_rel"] <= 3e-2
     assert 0 < hf["float32"]["max_rel"] < hf["bfloat16"]["max_rel"]  # bf16 is measured, not skipped
     assert result["sync"] == {"skipped": "no GPU", "ok": True}
+    packing = result["packing"]["rows"]
+    assert [r["packed"] for r in packing] == [False, True]
+    assert all(r["rc"] == 0 and r["targets_per_step"] > 0 and r["targets_per_s"] > 0 for r in packing)
     table = (out / "gpu_check.md").read_text()
     assert "| selective | on |" in table and "Largest local batch at seq 128" in table
+    assert "SFT on the built-in set at seq 512: one record per sequence " in table
 
 
 def test_full_check_refuses_a_machine_without_gpu_in_one_line(tmp_path):

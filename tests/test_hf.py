@@ -401,13 +401,15 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
 def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path, capsys):
     """scripts/generate.py on the fine-tune's run folder: greedy text from its newest checkpoint
     (step 5, whose weights the end-of-run export holds) equals transformers' greedy generate on
-    the exported folder; the same from --step 5 and from the step folder; bad input is one line."""
+    the exported folder, from BOS + text (--format text) and, by default for this chat run, from
+    the chat template's generation prompt of a user turn; the same from --step 5 and from the
+    step folder; bad input is one line."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     script = load_script("generate")
     run = loaded[2]["runs"] / "ft"
     prompts = ["def parse(text):", "Line 7 of json/decoder.py?"]
-    argv = [a for p in prompts for a in ("--prompt", p)] + ["--max-new-tokens", "10"]
+    argv = [a for p in prompts for a in ("--prompt", p)] + ["--max-new-tokens", "10", "--format", "text"]
     outs = []
     for where in ([str(run)], [str(run), "--step", "5"], [str(run / "checkpoints" / "step-00000005")]):
         assert script.main([*where, *argv]) == 0
@@ -423,6 +425,18 @@ def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path
         head = tok.decode(ids, skip_special_tokens=False)
         completion = tok.decode(ids + new, skip_special_tokens=False)[len(head) :]
         assert f"{prompt}{completion}\n" in outs[0] and completion, (prompt, completion, outs[0])
+    assert script.main([str(run), "--prompt", prompts[0], "--max-new-tokens", "10"]) == 0
+    chat = capsys.readouterr().out
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": prompts[0]}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(text, add_special_tokens=False).input_ids
+    new = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id)
+    new = new[0, len(ids) :].tolist()
+    new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
+    head = tok.decode(ids, skip_special_tokens=False)
+    completion = tok.decode(ids + new, skip_special_tokens=False)[len(head) :]
+    assert chat.endswith(f"{prompts[0]}{completion}\n") and chat != outs[0], (chat, completion)
     sampled = [script.main([str(run), *argv, "--temperature", "1", "--seed", "3"]) for _ in range(2)]
     texts = capsys.readouterr().out.split("# ")[1:]
     assert sampled == [0, 0] and texts[0] == texts[1] and texts[0] != outs[0].removeprefix("# ")

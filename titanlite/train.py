@@ -24,7 +24,7 @@ from titanlite.components.checkpoint import Checkpointer, export_weights
 from titanlite.components.checkpoint_index import resume_changes
 from titanlite.components.evaluate import Evaluator
 from titanlite.components.faults import Faults
-from titanlite.components.generate import generate
+from titanlite.components.generate import sample_text
 from titanlite.components.hf_checkpoint import load_hf_weights
 from titanlite.components.hf_export import export_hf
 from titanlite.components.loss import (
@@ -51,7 +51,7 @@ from titanlite.datasets.build import (
     build_eval_dataset,
     build_tokenizer,
 )
-from titanlite.datasets.records import prompt_tokens
+from titanlite.datasets.records import prompt_format
 from titanlite.diagnostics.alerts import Alert
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.data_checks import content_fingerprint
@@ -159,7 +159,11 @@ class Trainer:
         if eval_data is not None:
             batch = cfg.eval.local_batch_size or t.local_batch_size
             self.evaluator = Evaluator(eval_data, self.dims, batch, loss_chunk(cfg, meta, batch))
-        self.prompts = [prompt_tokens(p, self._prompt_format(), self.tokenizer) for p in cfg.eval.prompts]
+            if self.rank == 0:
+                e = cfg.eval
+                where = f"'{e.path}'" if e.path else f"{e.fraction:g} of the data, held out"
+                when = f"every {e.interval} steps and " if e.interval else ""
+                logger.info(f"eval: {len(eval_data):,} sequences ({where}), {when}after the last step")
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.diagnostics, self.device, self.dims.dp_group)
@@ -309,36 +313,27 @@ class Trainer:
         rec = {"step": step, **self.evaluator.run(self.model), "seconds": time.perf_counter() - began}
         if self.rank == 0:
             self.metrics.write_eval(rec)
-        if not self.prompts:
+        if not self.cfg.eval.prompts:
             return
         e = self.cfg.eval
         generator = torch.Generator(device=self.device).manual_seed(self.cfg.training.seed * 1_000_003 + step)
         with self.dims.autocast():
-            outs = generate(
+            texts = sample_text(
                 self.model,
-                self.prompts,
+                self.tokenizer,
+                e.prompts,
                 e.sample_tokens,
-                eos_id=self.tokenizer.eos_id,
+                fmt=prompt_format(e.prompt_format, self.cfg.data.mode, self.tokenizer),
                 temperature=e.temperature,
                 top_p=e.top_p,
                 generator=generator,
                 group=self.dims.dp_group,
             )
-        texts = [self.tokenizer.decode([t for t in out if t != self.tokenizer.eos_id]) for out in outs]
         if self.rank == 0:
             self.metrics.write_samples(
                 step, [{"prompt": p, "text": x} for p, x in zip(e.prompts, texts, strict=True)]
             )
 
-    def _prompt_format(self) -> str:
-        fmt = self.cfg.eval.prompt_format
-        if fmt != "auto":
-            return fmt
-        if self.cfg.data.mode != "sft":
-            return "text"
-        return "chat" if getattr(self.tokenizer, "chat_template", None) else "alpaca"
-
-    # ---- the log step: the only place the host reads device values ------------------------------
     def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
         w = self.window.read(self.dims.dp_group)
         for s, bad in zip(w.steps, w.nonfinite_ranks, strict=True):

@@ -9,7 +9,8 @@ global batch. Also records a hash of the full initial weights per mode.
 every mode. "packed_cases": a global batch of packed sequences (2-3 records each, positions
 restarting per record) against the reference of every record run as a sequence of its own.
 "eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
-round), against the single-process token mean. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
+round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
+every rank's tokens gathered, against the unsharded model's greedy decoding. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
 and whether every reduced gradient value is a bfloat16 number, as only a bf16 reduction makes it.
 Writes JSON results (rank 0) to argv[1].
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanlite.components.evaluate import Evaluator
+from titanlite.components.generate import generate
 from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
@@ -148,6 +150,20 @@ def records_reference() -> tuple[dict[str, torch.Tensor], float]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, loss.item()
 
 
+def generate_case(world: int) -> dict:
+    """Greedy and top-p continuations of two prompts under FSDP: each rank's, and one process's."""
+    _, _, model = build(JobConfig(), world, "fsdp", 1)
+    prompts = [[1, 5, 9], [3, 3, 7, 2, 11, 4]]
+    greedy = generate(model, prompts, 8, eos_id=None)
+    sampled = generate(model, prompts, 8, eos_id=None, temperature=1.0, top_p=0.9,
+                       generator=torch.Generator().manual_seed(dist.get_rank()))  # fmt: skip
+    every = [None] * world
+    dist.all_gather_object(every, (greedy, sampled))
+    alone = Llama3(ARGS)
+    alone.init_weights(ParamInit(alone, SEED))
+    return {"every_rank": every, "unsharded": generate(alone, prompts, 8, eos_id=None)}
+
+
 def eval_case(world: int, batch_size: int) -> dict:
     """The Evaluator's loss of the packed sequences as an eval set, under FSDP at `world`."""
     cfg = JobConfig()
@@ -249,6 +265,7 @@ def main() -> None:
         for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
     ]
     evals = [eval_case(world, b) for b in (1, 3)]
+    decoded = generate_case(world)
     tied_model = Llama3(TIED)
     tied_model.init_weights(ParamInit(tied_model, SEED))
     if dist.get_rank() == 0:
@@ -264,6 +281,7 @@ def main() -> None:
                     "reduce_cases": reduce,
                     "packed_cases": packed,
                     "eval_cases": evals,
+                    "generate": decoded,
                 },
                 f,
             )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from titanlite.datasets.records import prompt_tokens
 from titanlite.distributed.parallelize import unwrap
 
 
@@ -128,17 +129,20 @@ def sample_text(
     texts: list[str],
     max_new_tokens: int,
     *,
+    fmt: str = "text",
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
     src: int = 0,
 ) -> list[str]:
-    """The completion of each text (without the text itself and without EOS). A prompt starts
-    with BOS, as every training document does. The completion is the decoded whole minus the
-    decoded prompt, so a token that joins onto the prompt's last word decodes as it would in
-    running text. Distributed: as `generate` (every rank of `group` calls it with the same texts)."""
-    prompts = [[tokenizer.bos_id, *tokenizer.encode(t)] for t in texts]
+    """The completion of each text (without the prompt and without EOS). `fmt` puts a text to
+    the model as training put prompts (titanlite.datasets.records.prompt_tokens: "text" is BOS
+    and the text; "alpaca", "chat" the SFT prompt of an instruction or a user turn). The
+    completion is the decoded whole minus the decoded prompt, so a token that joins onto the
+    prompt's last word decodes as it would in running text. Distributed: as `generate` (every
+    rank of `group` calls it with the same texts)."""
+    prompts = [prompt_tokens(t, fmt, tokenizer) for t in texts]
     outs = generate(
         model,
         prompts,

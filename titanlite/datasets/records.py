@@ -59,6 +59,16 @@ def record_tokens(record: dict, tok: Any) -> tuple[list[int], list[bool]]:
     return [t for ids, _ in segments for t in ids], [flag for ids, flag in segments for _ in ids]
 
 
+def prompt_format(fmt: str, data_mode: str, tok: Any) -> str:
+    """eval.prompt_format (and scripts/generate.py --format) resolved: "auto" is how the run's
+    data put prompts: SFT: chat with a chat template, else alpaca; pretraining: text."""
+    if fmt != "auto":
+        return fmt
+    if data_mode != "sft":
+        return "text"
+    return "chat" if getattr(tok, "chat_template", None) else "alpaca"
+
+
 def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
     """A prompt to decode from, as training saw prompts: "text": BOS and the text; "alpaca":
     the alpaca prompt of an instruction; "chat": a user turn and the assistant header (the chat
