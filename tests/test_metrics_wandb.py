@@ -236,14 +236,18 @@ def test_missing_wandb_is_refused_in_one_line_before_any_worker(monkeypatch, cap
     validate(wandb_cfg(), 1)  # installed: nothing to refuse
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_trainer_refuses_missing_wandb_in_one_line(tmp_path):
-    """`python -m titanlite.train` without the preflight: the trainer's validate refuses it too."""
+    """`python -m titanlite.train` without the preflight: the trainer's validate refuses it too.
+    wandb is hidden from the subprocess (a None in sys.modules makes find_spec say "absent"),
+    so the test holds whether or not it is installed."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text('import sys\nsys.modules["wandb"] = None\n')
     proc = subprocess.run(
         [sys.executable, "-m", "titanlite.train", "--metrics.enable_wandb", "true"]
         + ["--job.dump_folder", str(tmp_path / "out")],
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+        env={**os.environ, "PYTHONPATH": f"{hide}{os.pathsep}{REPO}"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -254,6 +258,8 @@ def test_trainer_refuses_missing_wandb_in_one_line(tmp_path):
 
 
 def test_real_wandb_offline_writes_into_the_run_folder(tmp_path, monkeypatch):
+    """The real package (a test-only dependency) in offline mode: no network, the run in the run
+    folder, its resume in the same W&B run."""
     pytest.importorskip("wandb")
     for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
