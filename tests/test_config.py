@@ -153,6 +153,30 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
         validate(cfg, 1)
 
 
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data.packing", "true"], "data.packing packs SFT records but data.mode is 'pretrain'"),
+        (["--data.mode", "sft", "--data.document_mask", "true"], "for SFT set data.packing = true"),
+        (["--eval.fraction", "0.7"], "eval.fraction is 0.7; hold out between 0 and 0.5"),
+        (["--eval.path", "/nonexistent/val.jsonl"], "eval.path '/nonexistent/val.jsonl' does not exist"),
+        (["--eval.path", "a:0.5,b:0.5"], "names several datasets; give one"),
+        (["--eval.prompts", '["hi, there"]'], "there is none: set eval.fraction or eval.path"),
+        (["--eval.fraction", "0.1", "--eval.top_p", "0"], "eval.top_p in (0, 1] (is 0.0)"),
+        (["--eval.fraction", "0.1", "--eval.sample_tokens", "0"], "eval.sample_tokens >= 1"),
+        (["--eval.prompts", "[not json"], "is not a valid JSON list"),
+    ],
+)
+def test_packing_and_eval_options_are_checked_before_any_worker(argv, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(parse_args(argv)[0], 1)
+
+
+def test_a_json_list_on_the_command_line_keeps_its_commas():
+    cfg, _ = parse_args(["--eval.prompts", '["a, b", "c"]', "--debug.ignore_all_labels_steps", "1,3"])
+    assert cfg.eval.prompts == ["a, b", "c"] and cfg.debug.ignore_all_labels_steps == [1, 3]
+
+
 def test_vocab_size_pads_the_tokenizers_and_may_not_cut_it():
     from titanlite.models.registry import build_meta_model
 

@@ -11,7 +11,9 @@ scripts alike. The contract for a registered model:
 
 - `model_cls(args)` builds it; `args` is a dataclass with the fields `vocab_size` and
   `max_seq_len`, which the trainer fills in from the tokenizer and `training.seq_len`;
-- `model(tokens[B, S]) -> logits[B, S, vocab]`;
+- `model(tokens[B, S]) -> logits[B, S, vocab]`; for data.packing and data.document_mask also
+  `model(tokens, positions=positions[B, S])`, each token's position within its document (0
+  starts one; see titanlite.models.attention), else those options are refused at start-up;
 - `model.init_weights(init: ParamInit)` fills every parameter through `init` (see
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
   depend on how the model is sharded;
