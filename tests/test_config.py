@@ -172,6 +172,17 @@ def test_packing_and_eval_options_are_checked_before_any_worker(argv, message):
         validate(parse_args(argv)[0], 1)
 
 
+def test_a_model_without_positions_is_refused_with_packing_in_one_line():
+    """A fork's model whose forward takes no positions cannot attend per document."""
+    from titanlite.models.registry import build_meta_model
+
+    toy = ["--model.name", "toy_mlp", "--model.import_module", "toy_model", "--model.flavor", "tiny"]
+    cfg, _ = parse_args([*toy, "--data.document_mask", "true"])
+    with pytest.raises(UserError, match=re.escape("model 'toy_mlp' has no per-document attention")):
+        build_meta_model(cfg, 2048)
+    build_meta_model(parse_args(toy)[0], 2048)  # without it: built
+
+
 def test_a_json_list_on_the_command_line_keeps_its_commas():
     cfg, _ = parse_args(["--eval.prompts", '["a, b", "c"]', "--debug.ignore_all_labels_steps", "1,3"])
     assert cfg.eval.prompts == ["a, b", "c"] and cfg.debug.ignore_all_labels_steps == [1, 3]

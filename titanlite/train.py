@@ -30,7 +30,6 @@ from titanlite.components.hf_export import export_hf
 from titanlite.components.loss import (
     IGNORE_INDEX,
     LossBalancer,
-    check_document_support,
     loss_chunk,
     sequence_losses,
 )
@@ -136,7 +135,6 @@ class Trainer:
                 "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
             )
         self.loss_chunk = loss_chunk(cfg, meta)
-        check_document_support(cfg, meta)
         check_memory(meta.model, meta.args, cfg, self.layout, self.device, self.dims.param_dtype)
         self.flops_per_token = meta.flops_per_token
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)

@@ -21,6 +21,7 @@ import torch.nn as nn
 from titanlite.components.loss import IGNORE_INDEX, sequence_losses
 from titanlite.datasets.build import Microbatch, collate
 from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.tools.readback import readback
 
 
 class Evaluator:
@@ -63,7 +64,7 @@ class Evaluator:
             model.train(was_training)
         if self.dims.dp_size > 1:
             dist.all_reduce(totals, group=self.dims.dp_group)
-        loss_sum, tokens = totals.tolist()  # the eval's one read on the host
+        ((loss_sum, tokens),) = readback([totals])  # the eval's one read on the host
         loss = loss_sum / tokens if tokens else float("nan")
         return {
             "loss": loss,

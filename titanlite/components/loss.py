@@ -107,19 +107,6 @@ def loss_chunk(cfg, meta, local_batch: int = 0) -> int:
     return chunk
 
 
-def check_document_support(cfg, meta) -> None:
-    """data.packing and data.document_mask hand the model each token's position in its document;
-    a model whose forward takes no `positions` is refused in one line."""
-    if (cfg.data.packing or cfg.data.document_mask) and "positions" not in inspect.signature(
-        meta.spec.model_cls.forward
-    ).parameters:
-        raise UserError(
-            f"model '{meta.spec.name}' has no per-document attention (its forward takes no positions), "
-            "which data.packing and data.document_mask need; turn them off, or give the model "
-            "forward(tokens, ..., positions) (see models/llama3/model.py)"
-        )
-
-
 def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch.Tensor:
     """Each sequence's summed cross entropy over its valid tokens, for a Microbatch
     (titanlite.datasets.build): training's and eval's maths. `loss_chunk`: sequence positions per

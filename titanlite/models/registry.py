@@ -13,7 +13,7 @@ scripts alike. The contract for a registered model:
   `max_seq_len`, which the trainer fills in from the tokenizer and `training.seq_len`;
 - `model(tokens[B, S]) -> logits[B, S, vocab]`; for data.packing and data.document_mask also
   `model(tokens, positions=positions[B, S])`, each token's position within its document (0
-  starts one; see titanlite.models.attention), else those options are refused at start-up;
+  starts one; see titanlite.models.attention), else build_meta_model refuses those options;
 - `model.init_weights(init: ParamInit)` fills every parameter through `init` (see
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
   depend on how the model is sharded;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -153,6 +154,14 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
         if not hasattr(args, "dropout"):
             raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")
         args = replace(args, dropout=m.dropout)
+    if (cfg.data.packing or cfg.data.document_mask) and "positions" not in inspect.signature(
+        spec.model_cls.forward
+    ).parameters:
+        raise UserError(
+            f"model '{spec.name}' has no per-document attention (its forward takes no positions), "
+            "which data.packing and data.document_mask need; turn them off, or give the model "
+            "forward(tokens, ..., positions) (see models/llama3/model.py)"
+        )
     with torch.device("meta"):
         model = spec.model_cls(args)
     flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
