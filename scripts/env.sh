@@ -1,6 +1,8 @@
 # Sourced by run_train.sh and scripts/test.sh: makes sure the virtualenv exists and holds what
 # titanlite needs, then sets PY to its python. Idempotent and quick once installed.
 #   TITANLITE_VENV   where the venv lives (default: <repo>/.venv)
+#   TITANLITE_PYTHON an interpreter that already holds the dependencies (a cluster's container,
+#                    a GPU image): used as it is, nothing installed, titanlite from this tree
 #   $1 = dev         also install the test/lint tools
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TITANLITE_VENV:-$ROOT/.venv}"
@@ -35,7 +37,14 @@ PYEOF
 
 _extra=""
 [ "${1:-}" = "dev" ] && _extra="[dev]"
-if ! { [ -x "$PY" ] && titanlite_check "$_extra"; }; then
+if [ -n "${TITANLITE_PYTHON:-}" ]; then
+    PY="$TITANLITE_PYTHON"
+    export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    if ! titanlite_check "$_extra"; then
+        echo "titanlite: error: TITANLITE_PYTHON=$PY lacks a dependency (see pyproject.toml); install it there or unset TITANLITE_PYTHON to use $VENV" >&2
+        exit 2
+    fi
+elif ! { [ -x "$PY" ] && titanlite_check "$_extra"; }; then
     titanlite_install "$_extra" || { echo "titanlite: error: could not install into $VENV; see pip's output above" >&2; exit 1; }
 fi
 unset _extra

@@ -39,3 +39,17 @@ def prepared_sft(tmp_path_factory, _shared_cache):
     proc = subprocess.run([*cmd, str(raw)], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def step_counts(tmp_path_factory):
+    """tests/workers/step_counts.py's results: one torchrun of 4 ranks for the step-count tests
+    and the golden curves (tests/test_golden.py), launched with the golden runs' pins."""
+    import json
+
+    from helpers import check, load_script, torchrun
+
+    tmp = tmp_path_factory.mktemp("step_counts")
+    pins = load_script("golden_losses").ENV
+    check(torchrun(4, "tests/workers/step_counts.py", str(tmp / "out.json"), str(tmp / "runs"), env=pins))
+    return json.loads((tmp / "out.json").read_text())

@@ -11,7 +11,7 @@ from helpers import load_script
 
 from titanlite.config import load_config
 from titanlite.config.manager import to_toml
-from titanlite.tools.compare import TOLERANCE, default_tolerance, load_run
+from titanlite.tools.compare import DEFAULT_TOLERANCE, Tolerance, compare, default_tolerance, load_run
 
 compare_runs = load_script("compare_runs")
 
@@ -111,5 +111,19 @@ def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
 def test_default_tolerance_follows_the_dtype(tmp_path):
     fp32 = load_run(make_run(tmp_path, "a"))
     bf16 = load_run(make_run(tmp_path, "b", dtype="bfloat16"))
-    assert default_tolerance([fp32, fp32]) == TOLERANCE["float32"] == 1e-5
-    assert default_tolerance([fp32, bf16]) == TOLERANCE["bfloat16"]
+    assert default_tolerance([fp32, fp32]) == DEFAULT_TOLERANCE["float32"] == Tolerance(1e-5)
+    assert default_tolerance([fp32, bf16]) == DEFAULT_TOLERANCE["bfloat16"]
+
+
+def test_bf16_tolerance_grows_with_the_horizon_and_stops_at_its_cap(tmp_path):
+    """bf16 rounding differences compound: a difference that fails at the first steps passes
+    later; the growth stops at a cap."""
+    tol = DEFAULT_TOLERANCE["bfloat16"]
+    assert tol.at(0) == 2.0**-12 and tol.at(29) == 30 * 2.0**-12 and tol.at(10_000) == 2e-2
+    assert str(tol) == "0.000244 + 0.000244 per step (at most 0.02)"
+    a = make_run(tmp_path, "a", dtype="bfloat16")
+    for name, step, rel in (("early", 3, 2e-3), ("late", 15, 2e-3), ("far", 20, 1e-2)):
+        losses = [v * (1 + rel) if i + 1 == step else v for i, v in enumerate(LOSSES)]
+        b = make_run(tmp_path, name, losses, dtype="bfloat16")
+        cmp = compare(load_run(a), load_run(b), default_tolerance([load_run(a)]))
+        assert cmp.passed == (name == "late"), (name, cmp.verdict())

@@ -124,6 +124,9 @@ class Trainer:
         self.faults = Faults(cfg.debug, t.seed, self.rank, self.dims.dp_size)
         torch.manual_seed(self.faults.seed)  # dropout; init has its own seeds
         if t.deterministic:
+            # cuBLAS picks reduction splits by workspace unless given a fixed one, which it reads
+            # when its handle is made, at the first matmul (PyTorch's "Reproducibility" notes).
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True)
 
         # The model is checked (name, flavor, memory) before the data is tokenized.
@@ -423,7 +426,9 @@ class Trainer:
                 self.faults.interrupt_at_step(step)
                 self.faults.hang_at_step(step)
                 self.faults.flip_bit(step, self.model)
-                if sync_debug:
+                # From the second step: the first compiles (training.compile, FlexAttention's
+                # kernels), and compiling and autotuning wait on the device by design.
+                if sync_debug and step > self.start_step:
                     torch.cuda.set_sync_debug_mode("error")
                 lr = self.scheduler.get_last_lr()[0]
                 self.train_step(step)

@@ -82,15 +82,27 @@ def reference(world: int) -> dict:
 
 
 def run_case(
-    world: int, mode: str, method: str, k: int, sketch_seed: int = 0, skip_sync: str = "auto"
+    world: int,
+    mode: str,
+    method: str,
+    k: int,
+    sketch_seed: int = 0,
+    skip_sync: str = "auto",
+    compiled: bool = False,
 ) -> dict:
     """One measured step with 2 microbatches. Under FSDP the layout reduces every microbatch
-    (skip_sync auto), so the sketch is summed per microbatch; skip_sync "on" sketches whole steps."""
+    (skip_sync auto), so the sketch is summed per microbatch; skip_sync "on" sketches whole steps.
+    `compiled`: the GPU default, the blocks compiled in bf16 with selective checkpointing (the
+    exactness worker's compiled case, so the second compile of the suite is a cache hit), the
+    probe's hooks around them."""
     cfg = JobConfig()
+    cfg.training.compile = compiled
+    if compiled:
+        cfg.training.activation_checkpoint = "selective"
     cfg.diagnostics.method = method
     cfg.diagnostics.sketch_dim = k
     cfg.parallelism.skip_grad_sync = skip_sync
-    layout, dims, model = build(cfg, world, mode, accum=2)
+    layout, dims, model = build(cfg, world, mode, accum=2, param="bfloat16" if compiled else "float32")
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED + sketch_seed)
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
@@ -112,6 +124,7 @@ def run_case(
         "k": k,
         "sketch_seed": sketch_seed,
         "skip_sync": skip_sync,
+        "compile": compiled,
         "record": rec,
     }
 
@@ -140,6 +153,8 @@ def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
     cases = [run_case(world, mode, "exact", 0) for mode in ("fsdp", "ddp")]
+    if world == 2:  # compiling costs ~20 s: one case
+        cases.append(run_case(world, "fsdp", "exact", 0, compiled=True))
     cases += [
         run_case(world, mode, "sketch", k, s)
         for mode in ("fsdp", "ddp")

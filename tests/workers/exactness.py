@@ -88,16 +88,16 @@ def packed_global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, labels, positions
 
 
-def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS):
+def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS, param: str = "float32"):
     """The tiny Llama through the production path, for `mode` at `world` ranks, `accum`
-    microbatches per rank. Returns (layout, dims, model)."""
+    microbatches per rank, parameters computed in `param`. Returns (layout, dims, model)."""
     cfg.parallelism.mode = mode
     cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
     cfg.parallelism.dp_shard = -1
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce)
+    dims = ParallelDims.build(layout, torch.device("cpu"), param, cfg.training.mixed_precision_reduce)
     with torch.device("meta"):
         model = Llama3(args)
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
@@ -186,13 +186,16 @@ def run_case(
     reduce: str = "float32",
     loss_chunk: int = 0,
     batch: tuple[torch.Tensor, ...] | None = None,
+    param: str = "float32",
+    compiled: bool = False,
 ) -> dict:
     cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
+    cfg.training.compile = compiled
     cfg.training.mixed_precision_reduce = reduce
     cfg.parallelism.skip_grad_sync = skip_sync
     cfg.loss.normalization = norm
-    layout, dims, model = build(cfg, world, mode, accum, args)
+    layout, dims, model = build(cfg, world, mode, accum, args, param)
     init_hash = full_weights_hash(model)
     micro = rank_microbatches(world, accum, batch)
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
@@ -220,6 +223,9 @@ def run_case(
         "loss_chunk": loss_chunk,
         "max_rel_err": rel,
         "reduce_dtype": reduce,
+        "param_dtype": param,
+        "compile": compiled,
+        "packed": batch is not None,
         "bf16_values": bf16,
         "tied": unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
         "logged_loss": share.item(),
@@ -264,6 +270,27 @@ def main() -> None:
         }
         for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
     ]
+    # The GPU's defaults on the CPU: bf16 parameters (FSDP's policy; DDP under autocast), fp32 or
+    # bf16 reduction, checkpointing, the chunked loss, packing; compiled blocks in one case at
+    # world 2 (compiling costs ~20 s here). Each against the fp32 reference, to a bound on bf16
+    # rounding (tests/test_distributed.py).
+    bf16 = dict(param="bfloat16")
+    low = [run_case(world, m, 2, "global", "auto", ref, **bf16) for m in ("fsdp", "ddp", "hsdp")]
+    low += [
+        run_case(world, m, 2, "global", "on", ref, reduce="bfloat16", **bf16) for m in ("fsdp", "ddp", "hsdp")
+    ]
+    low += [run_case(world, m, 2, "global", "auto", ref, ac=ac, **bf16) for m, ac in
+            (("fsdp", "selective"), ("ddp", "selective"), ("fsdp", "full"), ("hsdp", "full"))]  # fmt: skip
+    low += [
+        run_case(world, m, 2, "global", "auto", ref, loss_chunk=5, **bf16) for m in ("fsdp", "ddp", "hsdp")
+    ]
+    low += [
+        {**run_case(world, m, a, "global", "auto", packed_ref, batch=packed_global_batch(), **bf16),
+         "ref_loss": packed_loss}
+        for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
+    ]  # fmt: skip
+    if world == 2:  # the GPU default, compiled
+        low.append(run_case(world, "fsdp", 2, "global", "auto", ref, ac="selective", compiled=True, **bf16))
     evals = [eval_case(world, b) for b in (1, 3)]
     decoded = generate_case(world)
     tied_model = Llama3(TIED)
@@ -280,6 +307,7 @@ def main() -> None:
                     "tied_cases": tied,
                     "reduce_cases": reduce,
                     "packed_cases": packed,
+                    "bf16_cases": low,
                     "eval_cases": evals,
                     "generate": decoded,
                 },

@@ -12,9 +12,12 @@ collectives: per case, the collectives of one ordinary step (step 3: DDP rebuild
 
 metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 7; steps 2 and
     5 have no valid token, so their updates are skipped).
+golden: first, before anything is counted, the golden-curve cases of scripts/golden_losses.py
+    (this torchrun is launched with its pins) and the deliberately reordered case, with the
+    identity (torch, machine, data) a bitwise comparison needs.
 
-Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}, "metrics": [...]}
-(rank 0).
+Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}, "metrics": [...],
+"golden": {"identity", "curves", "reordered"}} (rank 0).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from helpers import load_script
 from torch.distributed.fsdp import FSDPModule
 
 from titanlite.config import parse_args
@@ -133,6 +137,15 @@ def collectives(out_dir: str, name: str, *overrides: str) -> dict:
 
 def main() -> None:
     out, out_dir = sys.argv[1], sys.argv[2]
+    golden = load_script("golden_losses")
+    reordered_case, change = golden.REORDERED
+    golden_runs = {
+        "identity": golden.identity(),
+        "curves": golden.run_cases(f"{out_dir}/golden", golden.CASES),
+        "reordered": golden.run_cases(
+            f"{out_dir}/reordered", {reordered_case: golden.CASES[reordered_case] + change}
+        ),
+    }
     HOST.install()
     sft = ["--data.mode", "sft", "--training.seq_len", "256"]
     results = {
@@ -165,6 +178,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         lines = (Path(out_dir) / "h-ddp" / "metrics.jsonl").read_text().splitlines()
         results["metrics"] = [json.loads(line) for line in lines]
+        results["golden"] = golden_runs
         with open(out, "w") as f:
             json.dump(results, f, indent=1)
     dist.destroy_process_group()

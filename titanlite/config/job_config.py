@@ -71,7 +71,9 @@ class Training:
     steps: int = opt(10, "optimizer steps to run")
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping")
     seed: int = opt(42, "seed of init, data order and everything random")
-    deterministic: bool = opt(False, "torch.use_deterministic_algorithms (slower on GPU)")
+    deterministic: bool = opt(
+        False, "bitwise repeatable GPU runs: deterministic algorithms, a fixed cuBLAS workspace (slower)"
+    )
     device: str = opt("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
     mixed_precision_param: str = opt(
         "auto",
@@ -227,7 +229,9 @@ class Debug:
         [], "steps whose labels are all set to IGNORE_INDEX (tests the zero-token skip)"
     )
     nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
-    sync_debug: bool = opt(False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps")
+    sync_debug: bool = opt(
+        False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps, from the second step"
+    )
     skip_memory_check: bool = opt(
         False, "start even if the memory estimate says the job does not fit (to find where it really stops)"
     )

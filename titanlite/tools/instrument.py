@@ -21,6 +21,10 @@ class HostSyncCounter:
 
     `install()` patches them once for the process; counts accrue only inside `phase(name)`, per
     phase name, so a test can tell log steps (where reading metrics is allowed) from the rest.
+
+    The patches are Python-level: code torch.compile traced runs as a graph that never calls
+    them, so a read inside a compiled region goes uncounted. Count eager steps; compiled ones
+    are checked on a GPU by torch.cuda.set_sync_debug_mode (scripts/gpu_check.py, sync).
     """
 
     def __init__(self) -> None:

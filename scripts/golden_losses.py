@@ -1,0 +1,187 @@
+#!/usr/bin/env python
+"""Golden loss curves: the per-step loss, grad norm and learning rate of a few reference CPU runs,
+committed in tests/golden/, so that a change which moves titanlite's numerics fails a test instead
+of landing silently inside the tolerances of the exactness tests.
+
+    .venv/bin/python scripts/golden_losses.py --check              fresh runs against the files
+    .venv/bin/python scripts/golden_losses.py --write --why TEXT   regenerate the files
+
+The cases (CASES) are fp32 runs of 20 steps on 4 CPU ranks (gloo), in one torchrun, each a
+Trainer in turn: the quick-start config (debug_model.toml, built-in data) under FSDP, DDP and
+HSDP 2x2, and debug_sft.toml with packing. Each file records the torch version, the CPU
+architecture and the built-in data's fingerprint it was made with, and the reason given to
+--write: a changed file in a diff is then a decision with its reason, not an accident.
+
+Pinned, because each can change the order of floating-point sums: OMP_NUM_THREADS=1 (threads
+split matmuls and reductions; run_train.sh sets it from cores / ranks), ATEN_CPU_CAPABILITY=avx2
+(PyTorch's vectorized kernels: AVX-512 ones add in another order) and MKL_CBWR=AVX2 (MKL's
+conditional numerical reproducibility: the same GEMM code path on any x86-64 CPU with AVX2).
+
+The comparison is bitwise where torch version, architecture and data match the files, and within
+OTHER_TORCH_RTOL otherwise (another torch may pick other kernels: a different order of the same
+sums). Data that differ (another Python's stdlib) cannot be compared: the check says so.
+Exit status: 0 equal, 1 a curve differs (the first step is named), 2 a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GOLDEN = REPO / "tests" / "golden"
+WORLD = 4
+STEPS = 20
+ENV = {"OMP_NUM_THREADS": "1", "ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
+BATCH = ["--training.global_batch_size", "8", "--training.local_batch_size", "2"]
+PRETRAIN = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "128", *BATCH]
+CASES: dict[str, list[str]] = {
+    "pretrain_fsdp": PRETRAIN,
+    "pretrain_ddp": [*PRETRAIN, "--parallelism.dp_replicate", "4", "--training.local_batch_size", "1"],
+    "pretrain_hsdp": [*PRETRAIN, "--parallelism.dp_replicate", "2"],
+    # seq 256, the config's own: shorter sequences leave most records without a target token
+    "sft_packed_fsdp": ["--config", "train_configs/debug_sft.toml", "--data.packing", "true", *BATCH],
+}
+# A deliberate change of numerics the test runs beside the cases: pretrain_fsdp's global batch
+# summed in another order (two microbatches of one sequence per rank instead of one of two).
+# Exact to float precision, never bitwise: the golden check must see it.
+REORDERED = ("pretrain_fsdp", ["--training.local_batch_size", "1"])
+# Another torch version may pick other kernels: the same sums in another order. Measured here,
+# 20 steps, fp32, each against the golden curves: PyTorch's AVX-512 kernels
+# (ATEN_CPU_CAPABILITY=avx512) 5.9e-8 in the loss, 1.2e-7 in the grad norm; its scalar ones
+# (default) 9.1e-8 and 1.6e-7; the REORDERED batch 5.9e-8 and 8.1e-8; OMP_NUM_THREADS=2 and
+# MKL_CBWR=AUTO bitwise equal (these shapes do not split across threads; larger ones may). 1e-5
+# leaves 60x room and is compare_runs' fp32 tolerance; a change of the loss path's maths is
+# orders larger (the exactness tests' local_mean control is 2.0 off in the gradient).
+OTHER_TORCH_RTOL = 1e-5
+FIELDS = ("loss", "grad_norm", "lr")
+
+
+def identity() -> dict:
+    """What a bitwise comparison needs to be equal."""
+    import torch
+
+    from titanlite.datasets.corpus import corpus_fingerprint
+
+    return {"torch": torch.__version__, "machine": platform.machine(), "data": corpus_fingerprint()}
+
+
+def run_cases(runs_dir: str, cases: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """Inside a torchrun of WORLD ranks: every case's per-step FIELDS (rank 0; {} elsewhere)."""
+    import torch.distributed as dist
+
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer
+
+    curves = {}
+    for name, overrides in cases.items():
+        argv = [*overrides, "--training.steps", str(STEPS), "--metrics.log_freq", "1"]
+        argv += [
+            "--job.dump_folder",
+            runs_dir,
+            "--job.run_name",
+            name,
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
+        trainer = Trainer(parse_args(argv)[0])
+        trainer.train()
+        trainer.close()
+        if dist.get_rank() == 0:
+            lines = (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()
+            curves[name] = [{k: json.loads(line)[k] for k in ("step", *FIELDS)} for line in lines]
+    return curves
+
+
+def compare(name: str, golden: dict, fresh: list[dict], here: dict) -> tuple[bool, str]:
+    """(equal enough, one line): bitwise where golden['identity'] matches `here`, the identity
+    the fresh curve was made with."""
+    if golden["identity"]["data"] != here["data"]:
+        return False, (
+            f"{name}: the built-in data differ from the golden run's (another Python stdlib: "
+            f"{golden['identity']['data']} vs {here['data']}); not comparable"
+        )
+    bitwise = golden["identity"] == here
+    rtol = 0.0 if bitwise else OTHER_TORCH_RTOL
+    how = "bitwise" if bitwise else f"within {rtol:g} (golden made on {golden['identity']}, here {here})"
+    if len(fresh) != len(golden["steps"]):
+        return False, f"{name}: {len(fresh)} steps, the golden curve has {len(golden['steps'])}"
+    for g, f in zip(golden["steps"], fresh, strict=True):
+        for key in FIELDS:
+            a, b = g[key], f[key]
+            if a is None or b is None:  # a step without a valid token has no loss
+                if a is b:
+                    continue
+                return False, f"{name}: step {g['step']} {key} {b!r} vs golden {a!r}"
+            if abs(a - b) > rtol * abs(a) or (rtol == 0 and a != b):
+                rel = abs(a - b) / max(abs(a), 1e-30)
+                return (
+                    False,
+                    f"{name}: step {g['step']} {key} {b!r} vs golden {a!r} (relative {rel:.2g}; {how})",
+                )
+    return True, f"{name}: {len(fresh)} steps equal, {how}"
+
+
+def load(name: str) -> dict:
+    return json.loads((GOLDEN / f"{name}.json").read_text())
+
+
+def launch(out: Path, runs: Path) -> subprocess.CompletedProcess:
+    """One torchrun of WORLD CPU ranks running every case, with the pins."""
+    env = {**os.environ, **ENV, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    cmd += [__file__, "--worker", str(out), str(runs)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--check", action="store_true", help="compare fresh runs with tests/golden/")
+    what.add_argument("--write", action="store_true", help="regenerate tests/golden/ (needs --why)")
+    what.add_argument("--worker", nargs=2, metavar=("OUT", "RUNS"), help=argparse.SUPPRESS)
+    p.add_argument("--why", help="the reason for new golden curves, kept in each file")
+    args = p.parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.worker:
+        import torch.distributed as dist
+
+        curves = run_cases(args.worker[1], CASES)
+        if dist.get_rank() == 0:
+            Path(args.worker[0]).write_text(json.dumps({"identity": identity(), "curves": curves}))
+        dist.destroy_process_group()
+        return 0
+    if args.write and not (args.why or "").strip():
+        p.error("--write needs --why 'what changed the numerics, and why that is right'")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "curves.json"
+        proc = launch(out, Path(tmp) / "runs")
+        if proc.returncode != 0:
+            print(proc.stdout[-3000:] + proc.stderr[-5000:], file=sys.stderr)
+            print(
+                f"golden_losses: error: the reference runs failed (exit {proc.returncode})", file=sys.stderr
+            )
+            return 2
+        fresh = json.loads(out.read_text())
+    if args.write:
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        for name, steps in fresh["curves"].items():
+            record = {"case": name, "overrides": CASES[name], "world": WORLD, "steps_run": STEPS, "env": ENV}
+            record.update(identity=fresh["identity"], why=args.why.strip(), steps=steps)
+            (GOLDEN / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+            print(f"wrote {GOLDEN / name}.json")
+        return 0
+    results = [compare(name, load(name), steps, fresh["identity"]) for name, steps in fresh["curves"].items()]
+    for _, line in results:
+        print(line)
+    return 0 if all(ok for ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
