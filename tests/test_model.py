@@ -59,6 +59,23 @@ def test_forward_is_causal_and_tied_embeddings_share_storage():
     assert not torch.allclose(out_x[:, 8:], out_y[:, 8:])
 
 
+def test_forward_with_labels_and_default_arguments_returns_each_sequences_loss():
+    """labels alone (loss_chunk left at 0): the whole sequence's loss at once, equal to cross
+    entropy of the logits; a chunk of 5 positions gives the same sums."""
+    from titanlite.components.loss import IGNORE_INDEX, cross_entropy_per_sample
+
+    args = Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=50, multiple_of=16, max_seq_len=12)
+    model = Llama3(args)
+    model.init_weights(ParamInit(model, 0))
+    x = torch.randint(0, 50, (2, 12))
+    y = torch.randint(0, 50, (2, 12))
+    y[1, :4] = IGNORE_INDEX
+    want = cross_entropy_per_sample(model(x), y)
+    assert want.shape == (2,)
+    torch.testing.assert_close(model(x, labels=y), want)
+    torch.testing.assert_close(model(x, labels=y, loss_chunk=5), want)
+
+
 def test_param_init_depends_on_seed_and_name_only():
     args = Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=50, multiple_of=16, max_seq_len=8)
     a, b, c = Llama3(args), Llama3(args), Llama3(args)

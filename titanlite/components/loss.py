@@ -66,7 +66,10 @@ def chunked_cross_entropy_per_sample(
     run under activation checkpointing, so backward recomputes that chunk's logits (one extra
     output matmul) instead of keeping [batch, seq, vocab] of them, and of their gradient.
     At vocab 128,256 a 2,048-token sequence's fp32 logits alone take 1 GB. The sums are the
-    same per chunk, added in another order (exact to float rounding)."""
+    same per chunk, added in another order (exact to float rounding). `chunk` <= 0: the whole
+    sequence at once, nothing recomputed."""
+    if chunk <= 0:
+        return _projected_ce(hidden, weight, labels)
     # split, not slices: backward gathers the chunks' gradients once, where each slice's would
     # be a zero-padded full-size tensor
     sums = [
@@ -157,10 +160,6 @@ class LossBalancer:
         self._work = None
         if self.dp_group is not None and self.dp_size > 1:
             self._work = dist.all_reduce(self._global_count, group=self.dp_group, async_op=True)
-
-    def local_tokens(self) -> torch.Tensor:
-        """This rank's valid tokens of the step (device int64)."""
-        return torch.stack(self._local_counts).sum()
 
     def global_tokens(self) -> torch.Tensor:
         """N: valid tokens of the whole step over all ranks (device int64). Never read on host."""

@@ -14,6 +14,11 @@ scripts alike. The contract for a registered model:
 - `model(tokens[B, S]) -> logits[B, S, vocab]`; for data.packing and data.document_mask also
   `model(tokens, positions=positions[B, S])`, each token's position within its document (0
   starts one; see titanlite.models.attention), else build_meta_model refuses those options;
+- for the loss in chunks (loss.chunk_logits_mib, which a large vocabulary needs):
+  `model(tokens, labels=labels[B, S], loss_chunk=n, positions=...)` -> each sequence's summed
+  cross entropy [B], the output projection run n positions at a time (0: all at once; see
+  titanlite.components.loss.chunked_cross_entropy_per_sample). A model without `labels` gets
+  logits only, and a config whose logits would be chunked is refused in one line;
 - `model.init_weights(init: ParamInit)` fills every parameter through `init` (see
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
   depend on how the model is sharded;

@@ -197,8 +197,8 @@ class Llama3(nn.Module):
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits; with `labels`, each sequence's summed cross entropy instead, the output
-        projection run `loss_chunk` positions at a time inside the loss (the trainer's path at
-        a large vocabulary: see titanlite.components.loss.chunked_cross_entropy_per_sample).
+        projection run `loss_chunk` positions at a time inside the loss (0: all at once; the
+        trainer's path at a large vocabulary: titanlite.components.loss.chunked_cross_entropy_per_sample).
         It happens here, in the root's forward, where FSDP has the output weight unsharded.
         `positions` [B, S]: each token's position in its document (0 starts one); None: one
         causal sequence."""
