@@ -12,7 +12,7 @@ difference) to --out (default: <RUN_A's folder>/../compare-<A>-vs-<B>).
 --rtol: the largest relative loss difference that still counts as the same curve, at every
 step. Default from the runs' dtype: 1e-5 for fp32; for bf16, whose rounding differences compound,
 2^-12 (u / 16) per step since the first compared one, at most 2e-2 (7.3e-3 at step 30). The
-measurements behind both: titanlite/tools/compare.py.
+measurements behind both: titanlite/tools/tolerance.py.
 Exit status: 0 the same curve, 1 the curves part (the first step is named), 2 the runs cannot be
 compared (different global batch, seed, data or model; a missing or cut-off metrics file).
 """
@@ -26,7 +26,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from titanlite.errors import UserError  # noqa: E402
-from titanlite.tools.compare import compare, default_tolerance, load_run, report  # noqa: E402
+from titanlite.tools.compare import compare, load_run, report  # noqa: E402
+from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -302,7 +302,8 @@ def check_determinism(shapes: Shapes, out: Path, steps: int) -> dict:
 
 def check_accum(shapes: Shapes, out: Path) -> dict:
     """Accumulation 1 vs 4 over the same global batch of 4 sequences, built-in data."""
-    from titanlite.tools.compare import compare, default_tolerance, load_run
+    from titanlite.tools.compare import compare, load_run
+    from titanlite.tools.tolerance import default_tolerance
 
     common = ["--training.global_batch_size", "4", "--training.steps", str(shapes.accum_steps)]
     common += ["--metrics.log_freq", "1", "--training.seq_len", str(shapes.seq)]

@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
-from titanlite.tools.compare import compare, default_tolerance, load_run, report  # noqa: E402
+from titanlite.tools.compare import compare, load_run, report  # noqa: E402
+from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
 
 def plan(cfg, dp: int, mode: str, replicas: int) -> dict[str, int | str]:

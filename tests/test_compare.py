@@ -11,7 +11,8 @@ from helpers import load_script
 
 from titanlite.config import load_config
 from titanlite.config.manager import to_toml
-from titanlite.tools.compare import DEFAULT_TOLERANCE, Tolerance, compare, default_tolerance, load_run
+from titanlite.tools.compare import compare, load_run
+from titanlite.tools.tolerance import DEFAULT_TOLERANCE, Tolerance, default_tolerance
 
 compare_runs = load_script("compare_runs")
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import run_per_world
+from helpers import BF16_GRAD_TOL, run_per_world
 
 from titanlite.diagnostics.sketch import CountSketch
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
@@ -64,10 +64,10 @@ def test_exact_matches_per_rank_reference(results, world):
 def test_the_probe_works_on_compiled_blocks(results):
     """The GPU default (bf16, selective checkpointing, compiled blocks) under FSDP at dp 2: the
     probe's hooks see the compiled blocks' gradients; every metric within the bf16 gradient
-    bound of tests/test_distributed.py (8u, u = 2^-8) of the fp32 per-rank reference."""
+    bound (helpers.BF16_GRAD_TOL) of the fp32 per-rank reference."""
     (c,) = [c for c in results[2]["cases"] if c["compile"]]
     assert (c["mode"], c["method"]) == ("fsdp", "exact")
-    _matches_reference(c["record"], results[2]["reference"], 2, rel=8 * 2.0**-8, abs_=8 * 2.0**-8)
+    _matches_reference(c["record"], results[2]["reference"], 2, rel=BF16_GRAD_TOL, abs_=BF16_GRAD_TOL)
 
 
 @pytest.mark.parametrize("world", WORLDS)

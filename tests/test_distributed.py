@@ -12,19 +12,10 @@ ranks whose valid-token counts differ by 10x or more.
 from __future__ import annotations
 
 import pytest
-from helpers import run_per_world
+from helpers import BF16_GRAD_TOL, BF16_U, run_per_world
 
 WORLDS = (1, 2, 4)
 TOL = 1e-5
-# bf16 keeps an 8-bit significand: each rounding is off by at most u = 2^-8 relative. Rounding
-# errors in a chain of n operations add up like a random walk, about sqrt(n) u (Higham and Mary,
-# "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019).
-# With bf16 parameters, the deepest gradient of the tiny Llama passes about 64 rounded ops (two
-# blocks of ~11 in forward, each rounded twice again in backward, plus embedding, head and loss):
-# 8u = 3.1e-2. Measured over every case at dp 1, 2 and 4: 2.0u to 2.8u. The logged loss, a mean
-# over all tokens, averages its errors away: within u (measured 0.03u).
-BF16_U = 2.0**-8
-BF16_GRAD_TOL = 8 * BF16_U
 
 
 @pytest.fixture(scope="module")

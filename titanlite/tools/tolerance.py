@@ -1,0 +1,53 @@
+"""How far apart two runs' losses may be and still be the same curve: compare_runs' default
+tolerance per dtype, as a function of the horizon k (updates since the first compared step).
+
+Layouts differ by rounding alone. Measured, dp 1 vs dp 4 of debug_model.toml on the CPU (FSDP,
+300 steps, scripts/invariance.py) and accumulation 1 vs 4 of llama_1b on an H100 (30 steps,
+scripts/gpu_check.sh --only accum), the largest relative loss difference by step k:
+- fp32: 8.6e-7 over 300 steps, reached at step 14 and not grown since (summation order alone;
+  the loss path is exact): flat 1e-5, 10x that.
+- bf16: the CPU 2.8e-5 by step 30, 9.7e-5 by 100, 1.9e-4 by 300; the H100 1.9e-4 by step 10,
+  8.5e-4 by 20, 1.4e-3 by 30 (its kernels tile each shape differently, so every op rounds
+  differently, where the CPU's per-row matmuls round the same in any layout). The tolerance
+  grows by u / 16 per update (bf16's unit roundoff u = 2^-8): 7.3e-3 at step 30, at least 4.5x
+  the H100's difference at every step (closest at step 25). It stops at 2e-2 (reached at step
+  81), 100x the CPU's 300-step difference: past that, two curves more than 2% apart on the same
+  batch differ by more than rounding. Confirm it on a GPU with scripts/gpu_check.sh --only accum.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """The largest relative loss difference that still counts as the same curve, k updates
+    after the first compared step: min(cap, first + per_step * k). Flat where per_step is 0."""
+
+    first: float  # at the first compared step (a forward pass on the same weights)
+    per_step: float = 0.0  # growth per update since then
+    cap: float = math.inf  # the most it grows to
+
+    def at(self, k: int) -> float:
+        return min(self.cap, self.first + self.per_step * k)
+
+    def __str__(self) -> str:
+        if not self.per_step:
+            return f"{self.first:g}"
+        return f"{self.first:.3g} + {self.per_step:.3g} per step (at most {self.cap:g})"
+
+
+BF16_PER_STEP = 2.0**-8 / 16
+DEFAULT_TOLERANCE = {
+    "float32": Tolerance(1e-5),
+    "bfloat16": Tolerance(BF16_PER_STEP, BF16_PER_STEP, 2e-2),
+}
+
+
+def default_tolerance(runs: list[Any]) -> Tolerance:
+    """The loosest tolerance of the runs' parameter dtypes (`param_dtype`; unknown counts as bf16)."""
+    bf16 = DEFAULT_TOLERANCE["bfloat16"]
+    return max((DEFAULT_TOLERANCE.get(r.param_dtype, bf16) for r in runs), key=lambda t: t.at(1_000_000))
