@@ -120,8 +120,8 @@ class PlainStep:
         import torch.nn.functional as F
         from torch.profiler import record_function
 
-        from titanlite.components.loss import IGNORE_INDEX
         from titanlite.distributed.parallelize import grad_sync
+        from titanlite.ops.cross_entropy import IGNORE_INDEX
 
         t = self.t
         with record_function("titanlite.data"):
@@ -303,7 +303,7 @@ def data_stats(obj, steps: range) -> dict:
     ranks."""
     import numpy as np
 
-    from titanlite.components.loss import IGNORE_INDEX
+    from titanlite.ops.cross_entropy import IGNORE_INDEX
 
     t = _trainer(obj)
     dataset, sampler = t.dataloader.dataset, t.dataloader.batch_sampler
@@ -382,7 +382,7 @@ def worker(args: argparse.Namespace) -> None:
             "counts": counts,
             "data": data,
             "world": dist.get_world_size(),
-            "flops_per_token": t0.flops_per_token,
+            "flops_per_token": t0.meta.flops_per_token,
             "peak_flops": peak,
             "peak_mem_gib": peak_mem if cuda else None,
             "device": torch.cuda.get_device_name() if cuda else f"{os.cpu_count()} CPU cores, gloo",

@@ -29,8 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from titanlite.components.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402
 from titanlite.datasets.corpus import stdlib_files  # noqa: E402
+from titanlite.datasets.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402
 
 
 def make_corpus(folder: Path, megabytes: float, file_mb: float = 64) -> Path:

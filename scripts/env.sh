@@ -30,7 +30,7 @@ titanlite_check() {
 import importlib.util, sys
 mods = ["torch", "torchdata", "tensorboard", "sentencepiece", "tokenizers", "safetensors", "jinja2", "numpy", "pyarrow", "matplotlib", "titanlite"]
 if sys.argv[1]:
-    mods += ["pytest", "ruff", "transformers"]
+    mods += ["pytest", "ruff", "transformers", "importlinter", "md_link_checker"]
 sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
 PYEOF
 }

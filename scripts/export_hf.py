@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.components.hf_export import DTYPES, export_checkpoint  # noqa: E402
+from titanlite.components.checkpoint.hf_export import DTYPES, export_checkpoint  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 
 

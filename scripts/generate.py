@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from titanlite.components.checkpoint_index import complete_steps, step_dir  # noqa: E402
+from titanlite.components.checkpoint.index import complete_steps, step_dir  # noqa: E402
 from titanlite.config.layout import initial_load_kind  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 
@@ -46,7 +46,7 @@ def find_step_folder(path: Path, step: int | None) -> Path:
         raise UserError(f"RUN_DIR '{path}' is not a folder; give a run folder or a checkpoint step folder")
     folder = path
     if not complete_steps(path) and (path / "config.toml").is_file():
-        from titanlite.components.run_plan import checkpoint_folder
+        from titanlite.components.run.plan import checkpoint_folder
         from titanlite.config.manager import load_config
 
         folder = checkpoint_folder(load_config(str(path / "config.toml")), path)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
             raise UserError("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
-        from titanlite.components.checkpoint_model import load_model
+        from titanlite.components.checkpoint.model import load_model
         from titanlite.components.generate import sample_text
         from titanlite.datasets.records import prompt_format
 

@@ -3,7 +3,7 @@
 
     scripts/gpu_check.sh [--smoke] [--out DIR] [--only SECTION ...] [--steps N]
 
-One GPU is enough (and one GPU cannot test NCCL between ranks: see the README's multi-GPU
+One GPU is enough (and one GPU cannot test NCCL between ranks: see scripts/README.md's multi-GPU
 checklist). Each training run is a fresh single-rank trainer process (`python -m
 titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. Sections:
   speed   llama_1b shapes at Llama 3's vocabulary (128,256) on random tokens (data.mode =
@@ -31,7 +31,7 @@ titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. S
           logged steps) of each
 --smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
 the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
-DIR/gpu_check.md (the README's table). Exit 1 if a check fails (sync, determinism, hf, accum, a
+DIR/gpu_check.md (the table in scripts/README.md). Exit 1 if a check fails (sync, determinism, hf, accum, a
 crashed run).
 """
 
@@ -420,7 +420,7 @@ def check_hf(shapes: Shapes, out: Path) -> dict:
     import torch
 
     transformers.utils.logging.disable_progress_bar()
-    from titanlite.components.hf_checkpoint import load_hf_weights
+    from titanlite.components.checkpoint.hf_load import load_hf_weights
     from titanlite.models.llama3 import Llama3
     from titanlite.models.llama3.hf import LLAMA3_HF
 

@@ -21,12 +21,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.components.loss import IGNORE_INDEX  # noqa: E402
 from titanlite.config import load_config  # noqa: E402
 from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402
 from titanlite.datasets.corpus import source_name  # noqa: E402
 from titanlite.datasets.trace import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
+from titanlite.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
 
 
 def reported(run_dir: Path, step: int) -> list[list[dict]] | None:

@@ -39,9 +39,9 @@ def one(args: argparse.Namespace, budget: float) -> dict:
     """One step at `budget` MiB per chunk of fp32 logits, in this process."""
     import torch
 
-    from titanlite.components.loss import IGNORE_INDEX, chunk_positions, cross_entropy_per_sample
     from titanlite.distributed.param_init import ParamInit
     from titanlite.models.llama3 import Llama3, Llama3Args
+    from titanlite.ops.cross_entropy import IGNORE_INDEX, chunk_positions, cross_entropy_per_sample
     from titanlite.tools.memory import estimate_memory
 
     device = torch.device(args.device)

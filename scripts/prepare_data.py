@@ -19,14 +19,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from titanlite.components.tokenizer import (  # noqa: E402
+from titanlite.datasets.prepare import prepare  # noqa: E402
+from titanlite.datasets.sources import discover  # noqa: E402
+from titanlite.datasets.tokenizer import (  # noqa: E402
     Tokenizer,
     builtin_tokenizer_path,
     load_tokenizer,
     train_builtin_tokenizer,
 )
-from titanlite.datasets.prepare import prepare  # noqa: E402
-from titanlite.datasets.sources import discover  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cache import cache_dir  # noqa: E402
 

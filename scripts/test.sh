@@ -6,5 +6,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh dev
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
+# the layer order in pyproject.toml ([tool.importlinter]): no module imports from a layer above
+"$PY" -c "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())" --no-cache
 # pytest exits 5 when it collects no test: that is a failure here, never hidden.
 exec "$PY" -m pytest "$@"

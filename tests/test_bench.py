@@ -1,6 +1,6 @@
 """scripts/bench.py end to end at a tiny size (2 ranks, 2 rounds): it runs, prints its table and
 writes every ratio and count. Speed itself is never asserted here (shared, noisy machines):
-the figures come from the benchmark, in the README."""
+the figures come from the benchmark, in scripts/README.md."""
 
 from __future__ import annotations
 

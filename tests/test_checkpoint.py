@@ -6,7 +6,8 @@ model's reshard is in tests/test_invariance.py).
 - a worker SIGKILLed at a random step, with one restart allowed (MAX_RESTARTS), is restarted by
   torchrun and the run resumes by itself: per-step losses bitwise equal to the run that never
   stopped; killed without restarts, the launcher names the rank and its log, and the same
-  command continues it bitwise (DDP with dropout: RNG states resume too);
+  command continues it bitwise (DDP with dropout: RNG states resume too), and its checkpoint
+  continues at dp=4 with one dropout stream on every rank (the seed rule);
 - a Ctrl-C (SIGINT to the launcher) finishes the step, writes a checkpoint and exits 130 with one
   line; the same command continues bitwise and says that its changed optimizer.lr is not applied;
 - a checkpoint written at dp=2 FSDP continues at dp=4 FSDP and at dp=2 DDP within 1e-5;
@@ -108,6 +109,19 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
     assert Path(summary.split("its full log: ")[1]).is_file()
     run(ref, "ddp-resumed", *DDP, *DROPOUT, *CKPT)
     assert losses(ref, "ddp-resumed") == losses(ref, "ddp")
+    # The seed rule (titanlite.tools.seeds) across a reshard: the dp=2 dropout checkpoint of step 3
+    # continues at dp=4 with every rank reading the same data, so the ranks' per-sequence losses
+    # are equal exactly when their dropout masks are, i.e. when every rank continues one stream.
+    shutil.copytree(
+        ref / "ddp-resumed/checkpoints/step-00000003", ref / "dp4-seeds/checkpoints/step-00000003"
+    )
+    same = ("--parallelism.dp_replicate", "4", "--debug.same_data", "true")
+    run(ref, "dp4-seeds", *DROPOUT, *same, nproc=4)
+    records = [json.loads(x) for x in (ref / "dp4-seeds/diagnostics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [4, 5, 6]
+    for r in records:
+        per_rank = [[x["loss"] for x in rank] for rank in r["rank_samples"]]
+        assert len(per_rank) == 4 and all(p == per_rank[0] for p in per_rank), (r["step"], per_rank)
 
 
 @pytest.mark.slow

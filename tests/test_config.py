@@ -7,6 +7,7 @@ import pytest
 from titanlite.config import load_config, parse_args
 from titanlite.config.layout import resolve_layout, validate
 from titanlite.config.manager import to_toml
+from titanlite.datasets.spec import check_data_files
 from titanlite.errors import UserError
 
 
@@ -130,7 +131,7 @@ def test_bad_layouts(world, kw, message):
 def test_missing_files_are_named(tmp_path):
     cfg, _ = parse_args(["--data.path", str(tmp_path / "none.jsonl")])
     with pytest.raises(UserError, match="none.jsonl' does not exist"):
-        validate(cfg, 1)
+        check_data_files(cfg)
     cfg, _ = parse_args(["--model.tokenizer_path", str(tmp_path / "tok.model")])
     with pytest.raises(UserError, match="tok.model' is not a file"):
         validate(cfg, 1)
@@ -169,7 +170,9 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
 )
 def test_packing_and_eval_options_are_checked_before_any_worker(argv, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        validate(parse_args(argv)[0], 1)
+        cfg = parse_args(argv)[0]
+        validate(cfg, 1)
+        check_data_files(cfg)
 
 
 def test_a_model_without_positions_is_refused_with_packing_in_one_line():

@@ -6,10 +6,10 @@ import re
 import numpy as np
 import pytest
 
-from titanlite.components.loss import IGNORE_INDEX
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 def _cfg(*args):
@@ -27,7 +27,7 @@ def _cfg(*args):
 
 
 def test_builtin_tokenizer_is_deterministic_and_cached(tmp_path):
-    from titanlite.components.tokenizer import train_builtin_tokenizer
+    from titanlite.datasets.tokenizer import train_builtin_tokenizer
 
     tok = build_tokenizer(_cfg())
     assert tok.vocab_size == 2048

@@ -60,7 +60,7 @@ def hf_folder(path, tied: bool, vocab: int = 96) -> LlamaForCausalLM:
 def load_titanlite(path) -> Llama3:
     """The folder into titanlite's Llama through load_hf_weights, which refuses a missing or an
     unexpected tensor."""
-    from titanlite.components.hf_checkpoint import load_hf_weights
+    from titanlite.components.checkpoint.hf_load import load_hf_weights
 
     args = LLAMA3_HF.args_from_config(json.loads((path / "config.json").read_text()))
     model = Llama3(dataclasses.replace(args, max_seq_len=32))
@@ -243,7 +243,7 @@ def test_trainer_loads_hf_weights_with_the_same_logits_and_gradient(loaded, worl
 def test_tokenizer_json_gives_autotokenizers_ids_and_the_folders_specials(assets):
     from transformers import AutoTokenizer
 
-    from titanlite.components.tokenizer import load_tokenizer
+    from titanlite.datasets.tokenizer import load_tokenizer
 
     ours, theirs = load_tokenizer(str(assets / "tied")), AutoTokenizer.from_pretrained(assets / "tied")
     text = Path(sysconfig.get_paths()["stdlib"], "json", "decoder.py").read_text()[:3000] + " héllo 数字 123"
@@ -262,7 +262,7 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     from safetensors.torch import save_file
 
     from titanlite import preflight
-    from titanlite.components.hf_checkpoint import load_hf_weights
+    from titanlite.components.checkpoint.hf_load import load_hf_weights
     from titanlite.models.registry import get_model_spec, hf_args
 
     spec = get_model_spec("llama3")
@@ -466,11 +466,11 @@ MESSAGES = [
 def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(assets, name):
     from transformers import AutoTokenizer
 
-    from titanlite.components.loss import IGNORE_INDEX
-    from titanlite.components.tokenizer import load_tokenizer
     from titanlite.datasets.chat import chat_segments, template_pieces
     from titanlite.datasets.records import record_tokens
     from titanlite.datasets.sft import to_example
+    from titanlite.datasets.tokenizer import load_tokenizer
+    from titanlite.ops.cross_entropy import IGNORE_INDEX
 
     ours, theirs = load_tokenizer(str(assets / name)), AutoTokenizer.from_pretrained(assets / name)
     date = {"date_string": "26 Jul 2024"}  # titanlite's fixed strftime_now date; transformers' is today
@@ -502,7 +502,7 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
     import shutil
 
     from titanlite import preflight
-    from titanlite.components.checkpoint import check_fits
+    from titanlite.components.checkpoint.checkpointer import check_fits
 
     ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
     incomplete = Path(shutil.copytree(ckpts / "step-00000002", tmp_path / "step-00000002"))

@@ -3,28 +3,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import REPO
-from toy_model import ToyMLP
 
-from titanlite.components.loss import (
+from titanlite.components.loss import LossBalancer, loss_chunk
+from titanlite.config import JobConfig
+from titanlite.distributed.param_init import ParamInit
+from titanlite.errors import UserError
+from titanlite.models.llama3 import Llama3, Llama3Args
+from titanlite.models.registry import build_meta_model
+from titanlite.ops.cross_entropy import (
     IGNORE_INDEX,
-    LossBalancer,
     chunk_positions,
     chunked_cross_entropy_per_sample,
     count_valid,
     cross_entropy_per_sample,
     cross_entropy_sum,
-    loss_chunk,
 )
-from titanlite.config import JobConfig
-from titanlite.distributed.param_init import ParamInit
-from titanlite.errors import UserError
-from titanlite.models.llama3 import Llama3, Llama3Args
 
 
 def test_cross_entropy_sum_is_fp32_sum_over_valid_tokens():
@@ -141,15 +139,20 @@ def test_chunk_size_follows_the_logits_budget_and_a_logits_only_model_is_refused
     assert chunk_positions(0.001, 4, 2048, 128256) == 1
     cfg = JobConfig()
     cfg.training.seq_len, cfg.training.local_batch_size = 2048, 4
-    meta = SimpleNamespace(
-        spec=SimpleNamespace(name="llama3", model_cls=Llama3), args=SimpleNamespace(vocab_size=128256)
-    )
-    assert loss_chunk(cfg, meta) == 130
-    meta.spec = SimpleNamespace(name="toy_mlp", model_cls=ToyMLP)
+    assert loss_chunk(cfg, 128256) == 130
+    assert build_meta_model(cfg, 128256).args.vocab_size == 128256  # llama3 takes chunks
+    cfg.model.name, cfg.model.import_module, cfg.model.flavor = "toy_mlp", "toy_model", "tiny"
     with pytest.raises(UserError, match=r"model 'toy_mlp' returns logits only .* set it to 0"):
-        loss_chunk(cfg, meta)
+        build_meta_model(cfg, 128256)
+    # the eval's batch is checked too: at 1 GiB, training's 1 sequence fits, eval's 8 need chunks
+    cfg.training.local_batch_size, cfg.eval.local_batch_size = 1, 8
+    cfg.loss.chunk_logits_mib = 1024
+    assert loss_chunk(cfg, 128256) == 0
+    with pytest.raises(UserError, match="returns logits only"):
+        build_meta_model(cfg, 128256)
     cfg.loss.chunk_logits_mib = 0
-    assert loss_chunk(cfg, meta) == 0
+    assert loss_chunk(cfg, 128256) == 0
+    build_meta_model(cfg, 128256)
 
 
 def test_loss_memory_benchmark_shows_the_saving(tmp_path):

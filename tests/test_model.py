@@ -62,7 +62,7 @@ def test_forward_is_causal_and_tied_embeddings_share_storage():
 def test_forward_with_labels_and_default_arguments_returns_each_sequences_loss():
     """labels alone (loss_chunk left at 0): the whole sequence's loss at once, equal to cross
     entropy of the logits; a chunk of 5 positions gives the same sums."""
-    from titanlite.components.loss import IGNORE_INDEX, cross_entropy_per_sample
+    from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_per_sample
 
     args = Llama3Args(dim=32, n_layers=2, n_heads=4, vocab_size=50, multiple_of=16, max_seq_len=12)
     model = Llama3(args)

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 from helpers import REPO, read_metrics
 
-from titanlite.components.run_lock import STALE_S, RunLock
-from titanlite.components.run_plan import check_checkpoint_space, run_name
+from titanlite.components.run.lock import STALE_S, RunLock
+from titanlite.components.run.plan import check_checkpoint_space, run_name
 from titanlite.config import load_config
 from titanlite.errors import UserError
 

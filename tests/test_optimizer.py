@@ -58,7 +58,7 @@ def test_resume_restores_hparams_unless_told_and_says_which():
     betas stay; without, this config's apply at the checkpoint's schedule position."""
     import torch
 
-    from titanlite.components.checkpoint_index import flat_config, resume_changes
+    from titanlite.components.checkpoint.index import flat_config, resume_changes
     from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule
 
     old = _cfg("cosine")
@@ -143,3 +143,14 @@ def test_weight_decay_spares_norms_biases_and_embeddings_unless_asked(tied):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(before[n])
+
+
+def test_the_seed_rule_gives_every_rank_one_stream_unless_a_fault_says_otherwise():
+    """titanlite.tools.seeds: training.seed on every rank; the S1-2/S1-3 faults differ per rank."""
+    from titanlite.tools.seeds import rank_seed, reshard_seed
+
+    assert {rank_seed(7, r) for r in range(16)} == {7}
+    assert len({rank_seed(7, r, "per_rank") for r in range(16)}) == 16
+    assert [rank_seed(7, r, "rank0_differs") != 7 for r in range(3)] == [True, False, False]
+    streams = {reshard_seed(7, step, r, s) for step in (3, 4) for r in range(8) for s in range(3)}
+    assert len(streams) == 2 * 8 * 3  # resharded per-rank streams never share a seed

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from titanlite.components.loss import IGNORE_INDEX, cross_entropy_per_sample
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_eval_dataset, build_tokenizer, collate
 from titanlite.datasets.packing import best_fit_decreasing, restart_positions
@@ -20,6 +19,7 @@ from titanlite.datasets.split import HeldOut
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import attend, block_document_mask, dense_document_mask
 from titanlite.models.llama3 import Llama3, Llama3Args
+from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_per_sample
 
 ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=32)
 

@@ -20,7 +20,6 @@ import pyarrow.parquet as pq
 import pytest
 from helpers import REPO, load_script
 
-from titanlite.components.loss import IGNORE_INDEX
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.prepare import prepare
@@ -28,6 +27,7 @@ from titanlite.datasets.prepared import Prepared
 from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler, permute, stream_keys
 from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 WORDS = [
     "alpha",

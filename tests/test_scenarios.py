@@ -5,7 +5,7 @@ raise no alert but one naming rank 2 (30 steps of this fault sit at the edge of
 single_rank_outlier's persistence rule); the healthy run stays silent. The data faults (ranks
 handed the same sequences, a stuck loader, per-rank shuffle seeds) are caught exactly, at the
 first step the data shows them. --replay over the same folders raises the same alerts. S1-1 and
-the long runs are the benchmark's (README)."""
+the long runs are the benchmark's (titanlite/diagnostics/README.md)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ import torch
 from helpers import load_script, read_metrics
 from test_cli import SMALL, single
 
-from titanlite.components.spike_guard import SpikeGuard
 from titanlite.config import JobConfig
+from titanlite.diagnostics.spike_guard import SpikeGuard
 
 
 def _guard(window: int = 4, min_history: int = 3, k: float = 2.0) -> SpikeGuard:

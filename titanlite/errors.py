@@ -1,4 +1,16 @@
-"""The exceptions that end a run with one line, never a traceback."""
+"""The exceptions that end a run with one line, never a traceback, and the exit code of each.
+
+exit 2    UserError      bad input: nothing ran, a restart cannot help
+exit 3    TrainingError  the run cannot go on: a restart cannot help
+exit 4    LostRank       a rank stopped responding: a restart (MAX_RESTARTS) may help
+128 + n   Stopped        signal n (SIGINT 130, SIGTERM 143): a checkpoint was written
+"""
+
+from __future__ import annotations
+
+import sys
+
+EXIT_USER, EXIT_TRAINING, EXIT_LOST_RANK = 2, 3, 4
 
 
 class UserError(Exception):
@@ -13,6 +25,27 @@ class TrainingError(Exception):
 class LostRank(Exception):
     """A collective waited longer than comm.timeout_s or lost a peer; the message names the
     ranks that did not arrive (titanlite.distributed.liveness). Exit 4: a restart may help."""
+
+
+class Stopped(Exception):
+    """The run stops for a signal (exit 128 + signum); the message is the one line to print."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
+ENDINGS = (UserError, TrainingError, LostRank, Stopped)
+
+
+def report(e: Exception) -> int:
+    """Print `e`'s one line to stderr; returns its exit code (see the module doc)."""
+    if isinstance(e, Stopped):
+        print(f"titanlite: {e}", file=sys.stderr, flush=True)
+        return 128 + e.signum
+    user = isinstance(e, UserError)
+    print(f"titanlite: {'error' if user else 'stopped'}: {e}", file=sys.stderr, flush=True)
+    return EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
 
 
 def first_line(e: BaseException) -> str:

@@ -33,17 +33,16 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
-from titanlite.components.run_lock import HELD_ENV, RunLock
-from titanlite.components.run_plan import existing_parent
-from titanlite.distributed.liveness import EXIT_LOST_RANK
-from titanlite.errors import UserError
+from titanlite.components.run.lock import HELD_ENV, RunLock
+from titanlite.components.run.plan import existing_parent
+from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
 from titanlite.tools.process import AGENT_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # Exits a restart cannot fix: bad input, a training error, a stop by signal.
-NO_RESTART = {2, 3, *(128 + s for s in STOP_SIGNALS)}
+NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}
 # After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
 # waiting on the dead peer in a collective, which no grace can finish).
 FAILURE_GRACE_S = 5

@@ -16,17 +16,17 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from titanlite.components.run_plan import (
+from titanlite.components.run.plan import (
     check_checkpoint_space,
     check_writable,
     checkpoint_folder,
     resume_step,
-    run_name,
+    run_folder,
 )
 from titanlite.config import JobConfig
 from titanlite.config.layout import validate
 from titanlite.config.manager import config_help, parse_args, wants_help
-from titanlite.datasets.spec import check_data_tokenizer
+from titanlite.datasets.spec import check_data_files, check_data_tokenizer
 from titanlite.errors import UserError
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
@@ -54,8 +54,9 @@ class RunPlan:
 def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: bool = True) -> RunPlan:
     cfg, path = parse_args(argv)
     validate(cfg, world_size)
+    check_data_files(cfg)
     check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
-    run_dir = Path(cfg.job.dump_folder).expanduser() / run_name(cfg, path, nnodes)
+    run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
     folder = checkpoint_folder(cfg, run_dir)
     if folder.exists() and not folder.is_dir():
@@ -81,7 +82,7 @@ def model_parameters(cfg: JobConfig) -> tuple[int, str]:
 
 
 def _vocab_size(cfg: JobConfig) -> int:
-    from titanlite.components.tokenizer import load_tokenizer
+    from titanlite.datasets.tokenizer import load_tokenizer
 
     m = cfg.model
     if cfg.data.mode == "synthetic":

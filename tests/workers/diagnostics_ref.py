@@ -17,7 +17,7 @@ import torch.distributed as dist
 from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microbatches
 
 from titanlite.components.faults import Faults
-from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
+from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.data_checks import content_fingerprint
@@ -26,7 +26,7 @@ from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_
 from titanlite.models.llama3 import Llama3
-from titanlite.train import forward_backward
+from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 
 
 def reference(world: int) -> dict:

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.components.evaluate import Evaluator
 from titanlite.components.generate import generate
-from titanlite.components.loss import IGNORE_INDEX, LossBalancer, cross_entropy_sum
+from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.build import Microbatch
@@ -37,7 +37,7 @@ from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
-from titanlite.train import forward_backward
+from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 
 ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
 TIED = dataclasses.replace(ARGS, tie_embeddings=True)
@@ -170,7 +170,7 @@ def eval_case(world: int, batch_size: int) -> dict:
     _, dims, model = build(cfg, world, "fsdp", 1)
     tokens, labels, positions = packed_global_batch()
     items = [(tokens[i].numpy(), labels[i].numpy(), positions[i].numpy()) for i in range(GLOBAL_BATCH - 3)]
-    result = Evaluator(items, dims, batch_size, loss_chunk=0).run(model)
+    result = Evaluator(items, dims, batch_size, loss_chunk=0).loss(model)
     return {"world": world, "batch": batch_size, **result, "training": model.training}
 
 

@@ -30,14 +30,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.distributed.tensor import DTensor
 from transformers import LlamaForCausalLM
 
-from titanlite.components.loss import IGNORE_INDEX
+from titanlite.components.loss import forward_backward
 from titanlite.components.optimizer import lr_factor
 from titanlite.config import parse_args
 from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.models.llama3.hf import LLAMA3_HF
-from titanlite.train import Trainer, forward_backward
+from titanlite.ops.cross_entropy import IGNORE_INDEX
+from titanlite.train import Trainer
 
 BATCH, SEQ = 4, 24
 

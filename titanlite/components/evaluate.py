@@ -5,33 +5,99 @@ tokens), summed in float64 and all-reduced with the valid-token count over the d
 ranks, so the result does not depend on dp or the eval batch. Rank r of dp reads the items
 r*B .. r*B + B-1 of every round of dp*B, a fixed order independent of the training data's;
 every rank runs the same number of forwards (FSDP gathers in each), the last round padded with
-label-less copies. Nothing here draws a random number (eval mode: no dropout), so training
-after an eval is bitwise what it would have been without it.
+label-less copies. Nothing here draws from torch's RNG (eval mode: no dropout; text samples
+have a generator of their own, seeded by step), so training after an eval is bitwise what it
+would have been without it.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite.components.loss import IGNORE_INDEX, sequence_losses
-from titanlite.datasets.build import Microbatch, collate
+from titanlite.components.generate import sample_text
+from titanlite.components.loss import loss_chunk, sequence_losses
+from titanlite.config import JobConfig
+from titanlite.datasets.build import Microbatch, build_eval_dataset, collate
+from titanlite.datasets.records import prompt_format
 from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.readback import readback
+from titanlite.tools.seeds import sample_seed
+
+logger = logging.getLogger("titanlite")
+
+
+def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, vocab_size: int) -> Evaluator | None:
+    """The run's evaluator ([eval]), None without an eval set; rank 0 says what it evaluates."""
+    data = build_eval_dataset(cfg, tokenizer)
+    if data is None:
+        return None
+    e = cfg.eval
+    batch = e.local_batch_size or cfg.training.local_batch_size
+    evaluator = Evaluator(data, dims, batch, loss_chunk(cfg, vocab_size, batch), cfg, tokenizer)
+    if dims.dp_rank == 0:
+        where = f"'{e.path}'" if e.path else f"{e.fraction:g} of the data, held out"
+        when = f"every {e.interval} steps and " if e.interval else ""
+        logger.info(f"eval: {len(data):,} sequences ({where}), {when}after the last step")
+    return evaluator
 
 
 class Evaluator:
-    """Evaluates a model on a dataset (an indexable of (inputs, labels[, positions]) items)."""
+    """Evaluates a model on a dataset (an indexable of (inputs, labels[, positions]) items) and,
+    given a config and a tokenizer, decodes eval.prompts at each eval."""
 
-    def __init__(self, dataset, dims: ParallelDims, batch_size: int, loss_chunk: int) -> None:
+    def __init__(
+        self,
+        dataset,
+        dims: ParallelDims,
+        batch_size: int,
+        loss_chunk: int,
+        cfg: JobConfig | None = None,
+        tokenizer=None,
+    ) -> None:
         self.dataset = dataset
         self.dims = dims
         self.batch_size = batch_size
         self.loss_chunk = loss_chunk  # see sequence_losses
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+
+    def due(self, step: int) -> bool:
+        """Every eval.interval steps and after the last."""
+        every, last = self.cfg.eval.interval, self.cfg.training.steps
+        return step == last or (every > 0 and step % every == 0)
+
+    def run(self, model: nn.Module, step: int) -> tuple[dict, list[dict[str, str]]]:
+        """The eval's record ({"step", "loss", "perplexity", "tokens", "sequences", "seconds"})
+        and the decoded eval.prompts ({"prompt", "text"}); every rank calls it in lockstep."""
+        began = time.perf_counter()
+        rec = {"step": step, **self.loss(model), "seconds": time.perf_counter() - began}
+        e = self.cfg.eval
+        if not e.prompts:
+            return rec, []
+        generator = torch.Generator(device=self.dims.device).manual_seed(
+            sample_seed(self.cfg.training.seed, step)
+        )
+        with self.dims.autocast():
+            texts = sample_text(
+                model,
+                self.tokenizer,
+                e.prompts,
+                e.sample_tokens,
+                fmt=prompt_format(e.prompt_format, self.cfg.data.mode, self.tokenizer),
+                temperature=e.temperature,
+                top_p=e.top_p,
+                generator=generator,
+                group=self.dims.dp_group,
+            )
+        return rec, [{"prompt": p, "text": x} for p, x in zip(e.prompts, texts, strict=True)]
 
     def _batch(self, round_: int) -> Microbatch:
         """This rank's microbatch of one round; past the end, copies of item 0 without labels."""
@@ -47,7 +113,7 @@ class Evaluator:
         return collate(items).to(self.dims.device)
 
     @torch.no_grad()
-    def run(self, model: nn.Module) -> dict[str, float]:
+    def loss(self, model: nn.Module) -> dict[str, float]:
         """{"loss", "perplexity", "tokens", "sequences"}; every rank calls it."""
         was_training = model.training
         model.eval()

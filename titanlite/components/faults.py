@@ -1,16 +1,17 @@
-"""Fault injection: the [debug] switches, in one object that the trainer, the data path, the
-gradient probe and the checkpointer ask. Every switch is off by default; nothing else in
-titanlite reads [debug] for a fault.
+"""Fault injection: the [debug] switches, in one object that the trainer and the checkpointer
+ask. Every switch is off by default; nothing else in titanlite reads [debug] for a fault, but
+the seed rule (titanlite.tools.seeds), which takes debug.seed_mode.
 
 Faults that the diagnostics must detect (arXiv 2602.14462, "Silent Inconsistency in
 Data-Parallel Full Fine-Tuning", studies the seed ones):
 - same_data: every rank reads rank 0's share (the "rank not passed to the loader" bug);
 - corrupt_labels_rank: that rank's labels are shuffled within each sequence (a bad batch);
 - grad_noise_rank: Gaussian noise is added to that rank's local gradient before the reduction
-  (a stand-in for a device with silent data corruption), applied by the gradient probe;
-- seed_mode: the settings of that study, S1-1 "shared" (all ranks share the seed of dropout and of
-  the data shuffle, titanlite's normal mode), S1-2 "rank0_differs", S1-3 "per_rank". Dropout
-  (model.dropout) makes seeds matter.
+  (a stand-in for a device with silent data corruption), applied by the diagnostics' gradient
+  probe, so it needs diagnostics on;
+- seed_mode: the settings of that study, S1-1 "shared" (titanlite's rule), S1-2 "rank0_differs",
+  S1-3 "per_rank"; applied where the rule is, titanlite.tools.seeds. Dropout (model.dropout)
+  makes seeds matter.
 - flip_bit_step: one bit of one parameter flips on one rank (silent data corruption in a
   replica's weights, which only the replica check sees).
 - stuck_loader_step: from that step on, one rank's loader hands out that step's batch again and
@@ -25,15 +26,16 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from titanlite.components.loss import IGNORE_INDEX
+from titanlite.components.run.plan import is_restart
 from titanlite.config.job_config import Debug
 from titanlite.diagnostics.replicas import as_bits
-
-_SEED_STRIDE = 1_000_003
+from titanlite.ops.cross_entropy import IGNORE_INDEX
+from titanlite.tools.seeds import fault_seed
 
 
 class Faults:
@@ -43,19 +45,14 @@ class Faults:
         self.debug = debug
         self.rank = rank
         self.world = world
-        mode = debug.seed_mode
-        differs = mode == "per_rank" or (mode == "rank0_differs" and rank == 0)
-        # Seed of this rank's dropout RNG and of the data order: training.seed unless injected.
-        self.seed = seed + _SEED_STRIDE * (rank + 1) if differs else seed
         # Whose share of the global batch this rank reads.
         self.data_rank = 0 if debug.same_data else rank
         # Draws corrupt_labels' shuffles; checkpointed with the other RNG states.
-        self.label_generator = torch.Generator().manual_seed(seed + rank)
-        # Some rank perturbs its gradient, so every rank routes its reduction through the probe.
-        self.grad_noise = debug.grad_noise_rank >= 0 and world > 1
+        self.label_generator = torch.Generator().manual_seed(fault_seed(seed, rank))
         # Std of this rank's gradient noise relative to the gradient's RMS (0: none).
         self.grad_noise_scale = debug.grad_noise_scale if debug.grad_noise_rank == rank else 0.0
         self._stuck: list | None = None  # the batch a stuck loader repeats
+        self._step = 0  # the step running (at_step)
 
     def labels(self, step: int, labels: torch.Tensor) -> torch.Tensor:
         """A microbatch's host labels as this step's faults leave them."""
@@ -91,25 +88,38 @@ class Faults:
                     bits ^= 1
                 return
 
-    def loss_factor(self, step: int) -> float:
-        """What rank 0's loss of this step is multiplied by: NaN (the non-finite stop),
-        spike_scale (the spike guard), else 1."""
-        if self.rank != 0:
-            return 1.0
-        if step == self.debug.nan_loss_step:
-            return float("nan")
-        return self.debug.spike_scale if step == self.debug.spike_step else 1.0
+    def at_step(self, step: int, model: torch.nn.Module) -> None:
+        """As a step starts, before its batch: the faults that fire at a step."""
+        self._step = step
+        self.kill_at_step(step)
+        self.interrupt_at_step(step)
+        self.hang_at_step(step)
+        self.flip_bit(step, model)
+
+    def losses(self, fn: Callable) -> Callable:
+        """The training loss function `fn` (titanlite.components.loss.sequence_losses), wrapped
+        when a loss fault is set: rank 0's per-sequence losses are multiplied at nan_loss_step by
+        NaN (the non-finite stop) and at spike_step by spike_scale (the spike guard)."""
+        d = self.debug
+        if self.rank != 0 or (d.nan_loss_step < 0 and d.spike_step < 0):
+            return fn
+        factors = {d.spike_step: d.spike_scale, d.nan_loss_step: float("nan")}
+
+        def faulty(*args, **kwargs) -> torch.Tensor:
+            return fn(*args, **kwargs) * factors.get(self._step, 1.0)
+
+        return faulty
 
     def kill_at_step(self, step: int) -> None:
         """Rank sigkill_rank dies (SIGKILL) as this step starts: a crash to recover from. Only in
         a run's first attempt, so a worker group that torchrun restarts gets past it."""
-        if step == self.debug.sigkill_step and self.rank == self.debug.sigkill_rank and _first_attempt():
+        if step == self.debug.sigkill_step and self.rank == self.debug.sigkill_rank and not is_restart():
             os.kill(os.getpid(), signal.SIGKILL)
 
     def interrupt_at_step(self, step: int) -> None:
         """Rank 0 sends SIGINT to its launcher as this step starts (to itself without torchrun):
         the stop path, at a known step."""
-        if step == self.debug.signal_step and self.rank == 0 and _first_attempt():
+        if step == self.debug.signal_step and self.rank == 0 and not is_restart():
             os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGINT)
 
     def hang_at_step(self, step: int) -> None:
@@ -127,8 +137,3 @@ class Faults:
     def save_fails(self, step: int) -> bool:
         """The last rank's checkpoint write of this step fails as on a full disk."""
         return step == self.debug.fail_save_step and self.rank == self.world - 1
-
-
-def _first_attempt() -> bool:
-    """Not a worker group that torchrun restarted (a fault fires once per run)."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")

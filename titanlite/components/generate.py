@@ -23,7 +23,7 @@ from titanlite.datasets.records import prompt_tokens
 from titanlite.distributed.parallelize import unwrap
 
 
-class TextTokenizer(Protocol):  # titanlite.components.tokenizer's Tokenizer and HFTokenizer
+class TextTokenizer(Protocol):  # titanlite.datasets.tokenizer's Tokenizer and HFTokenizer
     bos_id: int
     eos_id: int
 

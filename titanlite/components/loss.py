@@ -33,81 +33,25 @@ it finite (zero gradient) and the trainer skips its optimizer update on the devi
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+import torch.nn as nn
+from torch.profiler import record_function
 
-from titanlite.errors import UserError
-
-IGNORE_INDEX = -100
-"""Label value that marks a position without a target (prompt, padding)."""
-
-
-def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each sequence's summed token cross entropy over its valid positions ([batch], fp32 whatever
-    the logits' dtype): what the loss path sums, kept per sample for the diagnostics' alerts."""
-    per_token = F.cross_entropy(
-        logits.flatten(0, -2).float(),
-        labels.flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="none",
-    )
-    return per_token.view(labels.shape).sum(-1)
+from titanlite.datasets.build import Microbatch
+from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.distributed.parallelize import grad_sync
+from titanlite.ops.cross_entropy import chunk_positions, count_valid, cross_entropy_per_sample
 
 
-def chunked_cross_entropy_per_sample(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
-) -> torch.Tensor:
-    """cross_entropy_per_sample(hidden @ weight.T, labels) with the logits of `chunk` sequence
-    positions alive at a time, forward and backward: each chunk's projection and cross entropy
-    run under activation checkpointing, so backward recomputes that chunk's logits (one extra
-    output matmul) instead of keeping [batch, seq, vocab] of them, and of their gradient.
-    At vocab 128,256 a 2,048-token sequence's fp32 logits alone take 1 GB. The sums are the
-    same per chunk, added in another order (exact to float rounding). `chunk` <= 0: the whole
-    sequence at once, nothing recomputed."""
-    if chunk <= 0:
-        return _projected_ce(hidden, weight, labels)
-    # split, not slices: backward gathers the chunks' gradients once, where each slice's would
-    # be a zero-padded full-size tensor
-    sums = [
-        checkpoint(_projected_ce, h, weight, y, use_reentrant=False)
-        for h, y in zip(hidden.split(chunk, dim=1), labels.split(chunk, dim=1), strict=True)
-    ]
-    return torch.stack(sums).sum(0)
-
-
-def _projected_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_per_sample(F.linear(hidden, weight), labels)
-
-
-def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
-    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
-    (loss.chunk_logits_mib); seq_len (no chunking) when they all fit, or when the budget is 0."""
-    if budget_mib <= 0:
-        return seq_len
-    per_position = local_batch * vocab * 4
-    return max(1, min(seq_len, int(budget_mib * 2**20 // per_position)))
-
-
-def loss_chunk(cfg, meta, local_batch: int = 0) -> int:
-    """The trainer's loss chunk (positions; 0: logits then loss) for a config and its meta model
-    (titanlite.models.registry.MetaModel), at `local_batch` sequences (0: training's). A model
-    whose forward takes no `labels` computes logits only: chunking it is refused in one line."""
+def loss_chunk(cfg, vocab_size: int, local_batch: int = 0) -> int:
+    """The trainer's loss chunk (positions; 0: logits then loss) for a config at `vocab_size`
+    and `local_batch` sequences (0: training's). Whether the model can take chunks is checked
+    once, by titanlite.models.registry.build_meta_model."""
     t = cfg.training
     batch = local_batch or t.local_batch_size
-    chunk = chunk_positions(cfg.loss.chunk_logits_mib, batch, t.seq_len, meta.args.vocab_size)
-    if chunk >= t.seq_len:
-        return 0
-    if "labels" not in inspect.signature(meta.spec.model_cls.forward).parameters:
-        raise UserError(
-            f"model '{meta.spec.name}' returns logits only (its forward takes no labels), and "
-            f"loss.chunk_logits_mib = {cfg.loss.chunk_logits_mib:g} asks for the loss in chunks; set it to 0, or "
-            "give the model forward(tokens, labels, loss_chunk) (see models/llama3/model.py)"
-        )
-    return chunk
+    chunk = chunk_positions(cfg.loss.chunk_logits_mib, batch, t.seq_len, vocab_size)
+    return 0 if chunk >= t.seq_len else chunk
 
 
 def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch.Tensor:
@@ -119,16 +63,6 @@ def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch
     if 0 < loss_chunk < batch.labels.shape[1]:
         return model(batch.inputs, labels=batch.labels, loss_chunk=loss_chunk, **extra)
     return cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels)
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross entropy over valid positions (the per-sample sums, added)."""
-    return cross_entropy_per_sample(logits, labels).sum()
-
-
-def count_valid(labels: torch.Tensor) -> torch.Tensor:
-    """Number of positions that carry a target, as a device int64 scalar."""
-    return (labels != IGNORE_INDEX).sum()
 
 
 class LossBalancer:
@@ -176,3 +110,37 @@ class LossBalancer:
             return loss_sum / self.global_tokens().clamp(min=1)
         local = self._local_counts[micro].clamp(min=1)
         return loss_sum / (local * (self.grad_accum * self.dp_size))
+
+
+def forward_backward(
+    model: nn.Module,
+    micro: list[Microbatch] | list[tuple[torch.Tensor, torch.Tensor]],
+    balancer: LossBalancer,
+    dims: ParallelDims,
+    *,
+    skip_grad_sync: bool,
+    loss_chunk: int = 0,
+    losses=sequence_losses,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulate this rank's gradients for one step.
+
+    Returns (this rank's share of the step's loss, its summed cross entropy per sequence, in
+    microbatch order). The shares of all ranks sum to the logged loss (see
+    module doc); the per-sequence sums feed the diagnostics. `loss_chunk`: see
+    sequence_losses; `losses`: the per-sequence loss function (sequence_losses' signature).
+    """
+    micro = [Microbatch(*batch) for batch in micro]
+    balancer.begin_step([batch.labels for batch in micro])
+    loss_total = torch.zeros((), device=dims.device)
+    sample_sums = []
+    for m, batch in enumerate(micro):
+        sync = m == len(micro) - 1 or not skip_grad_sync
+        with grad_sync(model, sync):
+            with dims.autocast(), record_function("titanlite.forward"):
+                per_sample = losses(model, batch, loss_chunk)
+            loss = balancer.scale(per_sample.sum(), m)
+            with record_function("titanlite.backward"):
+                loss.backward()
+        loss_total += loss.detach()
+        sample_sums.append(per_sample.detach())
+    return loss_total, torch.cat(sample_sums)

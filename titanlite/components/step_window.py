@@ -10,12 +10,18 @@ all-reduce and reads everything with one host read.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from titanlite.distributed.utils import peak_flops
+from titanlite.errors import TrainingError
+from titanlite.tools.memory import peak_memory_gib
 from titanlite.tools.readback import readback
+
+logger = logging.getLogger("titanlite")
 
 
 @dataclass
@@ -42,6 +48,58 @@ class WindowRecord:
     def loss_mean(self) -> float | None:
         kept = self.trained_losses
         return sum(kept) / len(kept) if kept else None
+
+    def check_skips(self, spike_steps: set[int], dp_size: int) -> None:
+        """A non-finite loss stops the run; every other skipped step (but the spike guard's,
+        which are events of their own) gets a warning saying why."""
+        for s, bad in zip(self.steps, self.nonfinite_ranks, strict=True):
+            if bad:
+                raise TrainingError(
+                    f"non-finite loss at step {s} on {bad} of {dp_size} rank(s); its update was skipped "
+                    "and the run stops. Lower optimizer.lr, raise warmup, or check the data"
+                )
+        for s, empty, skipped in zip(self.steps, self.empty, self.skipped, strict=True):
+            if skipped and s not in spike_steps:
+                why = "no valid token in the whole global batch" if empty else "a non-finite gradient norm"
+                logger.warning(f"step {s}: {why}; its optimizer update was skipped")
+
+    def record(self, step: int, lr: float, window_s: float, elapsed_s: float, run: RunRates) -> dict:
+        """The log step's metrics record (metrics.jsonl, the console, TensorBoard)."""
+        n = len(self.steps)
+        tps = run.tokens_per_rank_step * n / max(window_s, 1e-9)
+        rec = {
+            "step": step,
+            "loss": None if self.skipped[-1] else self.losses[-1],
+            "loss_window_mean": self.loss_mean,  # over the steps since the last log that trained
+            "loss_window_steps": len(self.trained_losses),
+            "grad_norm": self.grad_norm,
+            "lr": lr,
+            "valid_tokens": self.tokens,
+            "tokens_per_s": tps,
+            "tokens_per_s_global": tps * run.dp_size,
+            "skipped_steps": sum(self.skipped),
+            "memory_gib": peak_memory_gib(run.device),
+            "elapsed_s": elapsed_s,
+            "eta_s": (run.total_steps - step) * window_s / n,
+        }
+        if run.flops_per_token:
+            rec["tflops"] = run.flops_per_token * tps / 1e12
+            peak = peak_flops(run.device, run.param_dtype)
+            if peak:
+                rec["mfu_pct"] = 100 * run.flops_per_token * tps / peak
+        return rec
+
+
+@dataclass(frozen=True)
+class RunRates:
+    """What turns a window's steps into throughput, MFU and ETA."""
+
+    tokens_per_rank_step: int  # seq_len x local batch x grad_accum
+    dp_size: int
+    total_steps: int
+    flops_per_token: int  # 0: unknown (no TFLOP/s, no MFU)
+    device: torch.device
+    param_dtype: torch.dtype
 
 
 class StepWindow:

@@ -100,11 +100,9 @@ def diagnostics_method(method: str, layout: Layout) -> str:
 
 def validate(cfg: JobConfig, world_size: int) -> Layout:
     """Every rule on a config that needs no torch (layout, batch sizes, value ranges, option
-    combinations, the data and tokenizer files): the preflight runs it before torchrun starts,
-    the trainer again in every worker."""
+    combinations, the tokenizer and model files): the preflight runs it before torchrun starts,
+    the trainer again in every worker; the data files are titanlite.datasets.spec's to check."""
     from pathlib import Path
-
-    from titanlite.datasets.spec import check_data
 
     layout = resolve_layout(cfg, world_size)
     ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
@@ -115,6 +113,11 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             raise UserError(
                 f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
             )
+    if cfg.debug.grad_noise_rank >= 0 and not (cfg.diagnostics.enable and world_size > 1):
+        raise UserError(
+            "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
+            "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
+        )
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise UserError(f"model.dropout is {cfg.model.dropout}; it must be in [0, 1)")
     d = cfg.diagnostics
@@ -157,7 +160,6 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
             "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
         )
-    check_data(cfg.data.mode, cfg.data.path)
     check_documents_and_eval(cfg)
     if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
         raise UserError(
@@ -179,10 +181,8 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def check_documents_and_eval(cfg: JobConfig) -> None:
-    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range and its
-    data exists."""
-    from titanlite.datasets.spec import check_data, parse_data_path
-
+    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range (its data:
+    titanlite.datasets.spec.check_data_files)."""
     d, e = cfg.data, cfg.eval
     if d.packing and d.mode != "sft":
         raise UserError(
@@ -208,17 +208,15 @@ def check_documents_and_eval(cfg: JobConfig) -> None:
         raise UserError(
             "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
         )
-    if e.path:
-        if len(parse_data_path(e.path)) != 1:
-            raise UserError(f"eval.path '{e.path}' names several datasets; give one (no mixture weights)")
-        check_data(d.mode, e.path, "eval.path")
     if e.prompts and not (e.path or e.fraction):
         raise UserError(
             "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
         )
 
 
-CHECKPOINT_MARKER = "complete"  # written last into a checkpoint step folder (components/checkpoint.py)
+CHECKPOINT_MARKER = (
+    "complete"  # written last into a checkpoint step folder (components/checkpoint/checkpointer.py)
+)
 
 
 def initial_load_kind(path, flag: str = "checkpoint.initial_load_path") -> str:

@@ -14,14 +14,6 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titanlite.components.faults import Faults
-from titanlite.components.tokenizer import (
-    HFTokenizer,
-    Tokenizer,
-    builtin_tokenizer_path,
-    load_tokenizer,
-    train_builtin_tokenizer,
-)
 from titanlite.config import JobConfig
 from titanlite.datasets import corpus
 from titanlite.datasets.mixture import MixtureDataset
@@ -34,6 +26,13 @@ from titanlite.datasets.sources import discover
 from titanlite.datasets.spec import parse_data_path
 from titanlite.datasets.split import HeldOut, Subset, spaced, split_part
 from titanlite.datasets.synthetic import SyntheticDataset
+from titanlite.datasets.tokenizer import (
+    HFTokenizer,
+    Tokenizer,
+    builtin_tokenizer_path,
+    load_tokenizer,
+    train_builtin_tokenizer,
+)
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir
@@ -192,19 +191,25 @@ def collate(items: list[tuple[np.ndarray, ...]]) -> Microbatch:
 
 
 def build_dataloader(
-    cfg: JobConfig, dataset, dp_rank: int, dp_size: int, pin_memory: bool, faults: Faults | None = None
+    cfg: JobConfig,
+    dataset,
+    dp_rank: int,
+    dp_size: int,
+    pin_memory: bool,
+    *,
+    seed: int | None = None,
+    read_rank: int | None = None,
 ) -> StatefulDataLoader:
-    """This rank's loader. `faults` (default: from cfg.debug) says whose share of each global
-    batch it reads and the seed of the data order: its own and training.seed, unless a fault
-    is injected."""
-    faults = faults or Faults(cfg.debug, cfg.training.seed, dp_rank, dp_size)
+    """This rank's loader. `seed`: of the data order (default training.seed; see
+    titanlite.tools.seeds); `read_rank`: whose share of each global batch it reads (default its
+    own; the same_data fault reads rank 0's)."""
     sampler = GlobalBatchSampler(
         dataset.sizes,
         cfg.training.global_batch_size,
         cfg.training.local_batch_size,
-        faults.data_rank,
+        dp_rank if read_rank is None else read_rank,
         dp_size,
-        faults.seed,
+        cfg.training.seed if seed is None else seed,
         dataset.weights,
     )
     return StatefulDataLoader(

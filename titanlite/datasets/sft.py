@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from titanlite.components.loss import IGNORE_INDEX
 from titanlite.datasets.packing import best_fit_decreasing, restart_positions
 from titanlite.datasets.prepared import Prepared
 from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 def to_example(

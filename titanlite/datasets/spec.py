@@ -61,11 +61,21 @@ def check_data(mode: str, path: str, key: str = "data.path") -> None:
             )
 
 
+def check_data_files(cfg) -> None:
+    """data.path and eval.path (a JobConfig's) name data that exists and fits data.mode."""
+    check_data(cfg.data.mode, cfg.data.path)
+    e = cfg.eval
+    if e.path:
+        if len(parse_data_path(e.path)) != 1:
+            raise UserError(f"eval.path '{e.path}' names several datasets; give one (no mixture weights)")
+        check_data(cfg.data.mode, e.path, "eval.path")
+
+
 def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
     """The preflight's check that prepared datasets were tokenized with the run's tokenizer (the
     built-in one is trained on first use, so the trainer checks that case itself)."""
-    from titanlite.components.tokenizer import load_tokenizer
     from titanlite.datasets.prepared import Prepared, is_prepared
+    from titanlite.datasets.tokenizer import load_tokenizer
 
     prepared = [Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())]
     if prepared and tokenizer_path:

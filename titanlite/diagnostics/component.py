@@ -20,17 +20,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from titanlite.components.faults import Faults
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.layout import Layout, diagnostics_method
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
+from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.readback import readback
 
 logger = logging.getLogger("titanlite")
@@ -72,8 +74,9 @@ class _Measured:
 
 
 class Diagnostics:
-    """Off (dp = 1 or diagnostics.enable = false) it measures nothing; `group`, `monitor` and
-    `probe` are None then (the probe exists without diagnostics only to inject gradient noise)."""
+    """Off (dp = 1 or diagnostics.enable = false) it measures nothing and builds nothing;
+    `group`, `monitor`, `probe` and `replicas` are None then. `grad_noise_scale`: the
+    grad_noise fault on this rank (titanlite.components.faults), injected by the probe."""
 
     def __init__(
         self,
@@ -82,7 +85,7 @@ class Diagnostics:
         dims: ParallelDims,
         layout: Layout,
         seed: int,
-        faults: Faults | None = None,
+        grad_noise_scale: float = 0.0,
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
     ) -> None:
@@ -111,14 +114,8 @@ class Diagnostics:
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
             self.monitor = AlertMonitor(cfg, hosts)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
-        if self.enabled or (faults is not None and faults.grad_noise):
             self.probe = GradProbe(
-                self.method,
-                self.world,
-                cfg.sketch_dim,
-                seed,
-                dims.device,
-                faults.grad_noise_scale if faults is not None else 0.0,
+                self.method, self.world, cfg.sketch_dim, seed, dims.device, grad_noise_scale
             )
             install(model, self.probe)
 
@@ -157,6 +154,21 @@ class Diagnostics:
         """Whether the step's earlier microbatches skip the reduction: as the layout says, and on
         measured `exact` steps, whose probe must see each rank's whole-step gradient at once."""
         return layout_skips or (measured and self.whole_step)
+
+    def end_training_step(
+        self, step: int, micro: list, sample_sums: torch.Tensor, sampler, grad_norm
+    ) -> None:
+        """end_step's inputs from the trainer's step: its microbatches (titanlite.datasets.build's
+        Microbatch), per-sequence loss sums, the data sampler (GlobalBatchSampler) and the pre-clip
+        gradient norm. Host values go to the device without a wait."""
+        if not self.measuring:
+            return
+        tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in micro])
+        content = content_fingerprint(torch.cat([batch.inputs for batch in micro]))
+        host = np.append(sampler.rank_share(step - 1), sampler.order_hash(step - 1))
+        # indices and the hash are integers below 2**53: exact in float64
+        host = torch.from_numpy(host.astype(np.float64)).to(content.device, non_blocking=True)
+        self.end_step(step, sample_sums, tokens, host[:-1], content, host[-1:], grad_norm)
 
     def end_step(
         self,
@@ -246,6 +258,17 @@ class Diagnostics:
             values = {"parameter": drift.parameter}
             alerts.append(Alert("replica_drift", step, drift.ranks, hosts, msg, values=values))
         return alerts
+
+    def step_samples(self, step: int, records: list[dict], sampler) -> list[dict]:
+        """The sequences of `step`, located (their losses too when `records`, the collected
+        diagnostics, measured it; else from the data order, on the host: no device read)."""
+        measured = {r["step"]: r for r in records}
+        if step in measured:
+            per_rank = measured[step]["rank_samples"]
+        else:
+            shares = sampler.shares(step - 1)
+            per_rank = [[{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares]
+        return [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
 
     def locate(self, rank: int, sample: dict) -> dict:
         """A sequence record of `rank` with its sources (file, row) added."""

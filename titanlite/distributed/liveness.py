@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 logger = logging.getLogger("titanlite")
 
-EXIT_LOST_RANK = 4  # a rank stopped responding; torchrun's restart (MAX_RESTARTS) may help
 _KEY = "titanlite/reached/"
 
 

@@ -3,6 +3,7 @@ FLOP/s of known accelerators."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -48,3 +49,11 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
         if key in name:
             return value
     return None
+
+
+def set_deterministic() -> None:
+    """training.deterministic: deterministic kernels only (an error where none exists). cuBLAS
+    picks reduction splits by workspace unless given a fixed one, which it reads when its handle
+    is made, at the first matmul (PyTorch's "Reproducibility" notes): set before any."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)

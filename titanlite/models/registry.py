@@ -17,7 +17,7 @@ scripts alike. The contract for a registered model:
 - for the loss in chunks (loss.chunk_logits_mib, which a large vocabulary needs):
   `model(tokens, labels=labels[B, S], loss_chunk=n, positions=...)` -> each sequence's summed
   cross entropy [B], the output projection run n positions at a time (0: all at once; see
-  titanlite.components.loss.chunked_cross_entropy_per_sample). A model without `labels` gets
+  titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample). A model without `labels` gets
   logits only, and a config whose logits would be chunked is refused in one line;
 - `model.init_weights(init: ParamInit)` fills every parameter through `init` (see
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
@@ -44,6 +44,7 @@ import torch.nn as nn
 
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import chunk_positions
 
 
 @dataclass(frozen=True)
@@ -159,15 +160,36 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
         if not hasattr(args, "dropout"):
             raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")
         args = replace(args, dropout=m.dropout)
-    if (cfg.data.packing or cfg.data.document_mask) and "positions" not in inspect.signature(
-        spec.model_cls.forward
-    ).parameters:
+    _check_capabilities(spec, cfg, args.vocab_size)
+    with torch.device("meta"):
+        model = spec.model_cls(args)
+    flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
+    return MetaModel(spec, args, model, flops)
+
+
+def _check_capabilities(spec: ModelSpec, cfg: JobConfig, vocab_size: int) -> None:
+    """What the config asks of the model's forward, against its signature (the contract above):
+    every refusal in one line, before any weight exists."""
+    takes = inspect.signature(spec.model_cls.forward).parameters
+    if (cfg.data.packing or cfg.data.document_mask) and "positions" not in takes:
         raise UserError(
             f"model '{spec.name}' has no per-document attention (its forward takes no positions), "
             "which data.packing and data.document_mask need; turn them off, or give the model "
             "forward(tokens, ..., positions) (see models/llama3/model.py)"
         )
-    with torch.device("meta"):
-        model = spec.model_cls(args)
-    flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
-    return MetaModel(spec, args, model, flops)
+    if cfg.checkpoint.export_hf and spec.hf is None:
+        raise UserError(
+            f"checkpoint.export_hf: model '{spec.name}' has no HFAdapter in its registry entry; "
+            "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
+        )
+    t = cfg.training
+    batches = {t.local_batch_size, cfg.eval.local_batch_size or t.local_batch_size}
+    chunked = any(
+        chunk_positions(cfg.loss.chunk_logits_mib, b, t.seq_len, vocab_size) < t.seq_len for b in batches
+    )
+    if chunked and not {"labels", "loss_chunk"} <= takes.keys():
+        raise UserError(
+            f"model '{spec.name}' returns logits only (its forward takes no labels and loss_chunk), and "
+            f"loss.chunk_logits_mib = {cfg.loss.chunk_logits_mib:g} asks for the loss in chunks; set it to 0, or "
+            "give the model forward(tokens, labels, loss_chunk) (see models/llama3/model.py)"
+        )

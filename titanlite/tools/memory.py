@@ -36,10 +36,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from titanlite.components.loss import chunk_positions
 from titanlite.config import JobConfig
 from titanlite.config.layout import Layout, diagnostics_method, holds_unsharded_grads
 from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import chunk_positions
 
 GiB = 1024**3
 logger = logging.getLogger("titanlite")

@@ -12,9 +12,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from titanlite.components.loss import chunked_cross_entropy_per_sample
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import DocumentMask, attend, document_mask
+from titanlite.ops.cross_entropy import chunked_cross_entropy_per_sample
 
 
 @dataclass(frozen=True)

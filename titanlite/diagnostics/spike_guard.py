@@ -14,14 +14,29 @@ The history is saved in checkpoints, so a resumed run decides as the uninterrupt
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.diagnostics.alerts import Alert
+from titanlite.errors import TrainingError
+
+
+class SpikeVerdict(NamedTuple):
+    """The guard's decision on one step, read on the host at the log step."""
+
+    spike: bool  # the step's update was skipped as a spike (the same on every rank)
+    value: float  # the guarded metric's value
+    threshold: float
+    in_a_row: int  # spikes skipped in a row, this one included
 
 
 class SpikeGuard:
     def __init__(self, cfg: DiagnosticsConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
+        self.cfg = cfg
         self.metric = cfg.skip_spikes  # "off", "grad_norm" or "loss"
         self.enabled = self.metric != "off"
         self.k = cfg.spike_k
@@ -55,6 +70,35 @@ class SpikeGuard:
         self.count += keep.long()
         self.consecutive.copy_(torch.where(spike, self.consecutive + 1, 0))
         return torch.stack([spike.double(), value, threshold, self.consecutive.double()])
+
+    @staticmethod
+    def spikes(steps: list[int], rows: list[list[float]] | None) -> list[tuple[int, SpikeVerdict]]:
+        """The spikes among a log window's steps, from check()'s rows read on the host."""
+        if rows is None:  # the guard is off
+            return []
+        verdicts = [SpikeVerdict(bool(r[0]), r[1], r[2], int(r[3])) for r in rows]
+        return [(s, v) for s, v in zip(steps, verdicts, strict=True) if v.spike]
+
+    def alert(self, step: int, verdict: SpikeVerdict, samples: list[dict], run_dir: Path) -> Alert:
+        """The spike_skipped event of a step, with its sequences (titanlite.diagnostics.component's
+        Diagnostics.step_samples)."""
+        msg = (
+            f"{self.metric} {verdict.value:.4g} above the spike guard's threshold {verdict.threshold:.4g} "
+            f"(mean + {self.k:g} std of the last applied steps); its optimizer update was skipped "
+            f"(scripts/inspect_step.py {run_dir} --step {step} lists its sequences)"
+        )
+        return Alert("spike_skipped", step, [], [], msg, values={"value": verdict.value}, samples=samples)
+
+    def check_stop(self, spikes: list[tuple[int, SpikeVerdict]]) -> None:
+        """Stop the run once more than spike_max_consecutive spikes were skipped in a row."""
+        limit = self.cfg.spike_max_consecutive
+        for step, verdict in spikes:
+            if verdict.in_a_row > limit:
+                raise TrainingError(
+                    f"the spike guard skipped {verdict.in_a_row} steps in a row, up to step {step} (more "
+                    f"than diagnostics.spike_max_consecutive = {limit}): the run diverges or its data went "
+                    "bad; resume from an earlier checkpoint with a lower optimizer.lr, or check the data"
+                )
 
     def state_dict(self) -> dict:
         """Host values (read at a checkpoint step, which is a log step)."""

@@ -19,15 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlite.errors import Stopped
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class Stopped(Exception):
-    """The run stops for a signal (exit 128 + signum); the message is the one line to print."""
-
-    def __init__(self, signum: int, message: str) -> None:
-        super().__init__(message)
-        self.signum = signum
 
 
 class StopSignals:

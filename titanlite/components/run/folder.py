@@ -1,10 +1,10 @@
 """The run folder: where a run writes (config.toml, run.json, metrics, checkpoints, logs) and
 whether it resumes.
 
-`<job.dump_folder>/<job.run_name>` (components/run_plan.py names it). A folder that holds a
+`<job.dump_folder>/<job.run_name>` (components/run/plan.py names it). A folder that holds a
 complete checkpoint (in checkpoint.folder) is resumed from it; one that holds a run without a
 checkpoint is refused, so two runs never mix in one metrics file; one that a live run holds
-(components/run_lock.py) is refused too. Everything is decided and checked before the first
+(components/run/lock.py) is refused too. Everything is decided and checked before the first
 file is written.
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from titanlite.components.metrics import truncate_after
-from titanlite.components.run_lock import HELD_ENV, RunLock
-from titanlite.components.run_plan import is_restart, resume_step, run_name
+from titanlite.components.run.lock import HELD_ENV, RunLock
+from titanlite.components.run.plan import is_restart, resume_step, run_folder
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -60,7 +60,7 @@ def open_run_folder(
     learns the folder and the step, or the error. Returns them and the lock rank 0 took."""
     found, error, lock = [None, None], None, None
     if dist.get_rank() == 0:
-        run_dir = Path(cfg.job.dump_folder).expanduser() / run_name(cfg, config_path)
+        run_dir = run_folder(cfg, config_path)
         try:
             resume = resume_step(cfg, run_dir, is_restart())
             run_dir.mkdir(parents=True, exist_ok=True)

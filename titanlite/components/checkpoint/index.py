@@ -2,7 +2,7 @@
 launcher's preflight asks it before any worker starts, the trainer again in rank 0.
 
 A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
-config, and the run folder that wrote it; see components/checkpoint.py for the layout.
+config, and the run folder that wrote it; see components/checkpoint/checkpointer.py for the layout.
 """
 
 from __future__ import annotations

@@ -5,61 +5,75 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
                              what it was trained on (titanlite.config.identity), the whole
-                             config and the run folder that wrote it (components/checkpoint_index)
-    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection)
+                             config and the run folder that wrote it (components/checkpoint/index.py)
+    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; the rule for a
+                             resume at another world size: titanlite.tools.seeds)
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
 killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
 half checkpoint that looks complete. With async_mode = "async" the step waits only while DCP
 copies the state to host memory; the write and the publish follow on a background thread.
 The dataloader state is the step itself: the data order is a function of (seed, global batch,
-step) only (datasets/sampler.py), which holds at any dp.
-`export_weights` writes the full weights as one file, for use outside titanlite.
+step) only (datasets/sampler.py), which holds at any dp. The host-side parts of the training
+state (the LR schedule, the diagnostics' history, the spike guard) are registered with track()
+and saved into state.json under their names: a new stateful part is one line there.
 """
 
 from __future__ import annotations
 
 import errno
-import io
 import json
 import logging
 import os
 import shutil
+import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
 
-from titanlite.components.checkpoint_index import (
+from titanlite.components.checkpoint.hf_load import load_hf_weights
+from titanlite.components.checkpoint.index import (
     OPTIMIZER_GROUPS,
     complete_steps,
     flat_config,
     optimizer_groups_error,
+    resume_changes,
     step_dir,
 )
 from titanlite.components.faults import Faults
+from titanlite.components.optimizer import continue_schedule
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
 from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
+from titanlite.config.layout import initial_load_kind
 from titanlite.distributed.utils import first_error
-from titanlite.errors import TrainingError, UserError
-from titanlite.tools.cache import atomic_write_bytes, fsync_dir
+from titanlite.errors import Stopped, TrainingError, UserError
+from titanlite.tools.cache import fsync_dir
+from titanlite.tools.seeds import reshard_seed
 
 logger = logging.getLogger("titanlite")
+
+
+class HostState(Protocol):
+    """A part of the training state that lives on the host (read at a log step)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _rng_states(extra_generators: dict[str, torch.Generator]) -> dict[str, torch.Tensor]:
@@ -112,6 +126,7 @@ class Checkpointer:
         folder: Path,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
         faults: Faults | None = None,
         run_dir: Path | None = None,
     ):
@@ -120,6 +135,9 @@ class Checkpointer:
         self.run_dir = run_dir
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.parts: dict[str, HostState] = {"scheduler": scheduler}  # saved in state.json
+        self.generators: dict[str, torch.Generator] = {}  # saved per rank with torch's RNG
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.faults = faults or Faults(cfg.debug, cfg.training.seed, self.rank, self.world)
@@ -132,13 +150,71 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
         self._pending: tuple[int, Path, Future] | None = None
 
+    def track(self, parts: dict[str, HostState], generators: dict[str, torch.Generator]) -> None:
+        """Register host-stateful parts (saved in state.json under their names) and RNG streams
+        (saved per rank) beside the model and the optimizer."""
+        self.parts.update(parts)
+        self.generators.update(generators)
+
+    def due(self, step: int) -> bool:
+        """Every checkpoint.interval steps and after the last (0: never)."""
+        every = self.cfg.checkpoint.interval
+        return every > 0 and (step % every == 0 or step == self.cfg.training.steps)
+
+    def restore(self, resume: int | None, meta) -> int:
+        """The run's first step. A resume (`resume`: the step to continue after) brings back
+        weights, optimizer, RNG and every tracked part, prints each config value that differs from
+        the checkpoint's run, and with checkpoint.restore_hparams = false continues the schedule
+        under this run's settings. A fresh run starts from checkpoint.initial_load_path, else
+        model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
+        if resume is not None:
+            state = self.load(resume)
+            if self.rank == 0:
+                for line in resume_changes(state, self.cfg):
+                    logger.info(line)
+            for name, part in self.parts.items():
+                part.load_state_dict(state.get(name, {}))
+            if not self.cfg.checkpoint.restore_hparams:
+                continue_schedule(self.optimizer, self.scheduler, self.cfg, resume)
+            return resume + 1
+        c = self.cfg.checkpoint
+        source = c.initial_load_path or self.cfg.model.hf_assets_path
+        if source and initial_load_kind(Path(source).expanduser()) == "hf":
+            load_hf_weights(self.model, Path(source).expanduser(), meta.spec.hf, meta.args)
+        elif source:
+            state = self.load_initial(Path(source).expanduser(), with_optimizer=not c.initial_load_model_only)
+            if not c.initial_load_model_only:
+                continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
+        return 1
+
+    def stop(self, step: int, signum: int) -> None:
+        """Every rank, after the step all agreed to stop after: a settled checkpoint (unless
+        checkpointing is off), then Stopped with the line that says how to continue and the grace
+        a stop needs."""
+        name = signal.Signals(signum).name
+        if self.cfg.checkpoint.interval <= 0:
+            raise Stopped(
+                signum,
+                f"stopped by {name} after step {step}; checkpointing is off (checkpoint.interval = 0), so nothing was saved",
+            )
+        began = time.perf_counter()
+        if not self.due(step):
+            self.save(step)
+        self.wait()
+        took = time.perf_counter() - began
+        raise Stopped(
+            signum,
+            f"stopped by {name} after step {step}; checkpoint step-{step} (saved in {took:.1f}s: a "
+            f"scheduler's grace period must cover a step plus that); rerun the same command to continue",
+        )
+
     def _dcp_state(self) -> dict[str, Any]:
         return {
             "model": get_model_state_dict(self.model),
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
-    def save(self, step: int, host_state: dict[str, Any], generators: dict[str, torch.Generator]) -> None:
+    def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
         partial folder, keep the older checkpoints, and raise on every rank."""
         self.wait()
@@ -155,7 +231,7 @@ class Checkpointer:
                 error = f"cannot create {tmp}: {e}"
         self._settle(step, tmp, error)
         try:
-            torch.save(_rng_states(generators), tmp / f"rng-rank{self.rank}.pt")
+            torch.save(_rng_states(self.generators), tmp / f"rng-rank{self.rank}.pt")
         except OSError as e:
             error = f"rank {self.rank}: {e}"
         self._settle(step, tmp, error)
@@ -168,7 +244,7 @@ class Checkpointer:
                 "config": flat_config(self.cfg),
                 "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
                 "optimizer_groups": OPTIMIZER_GROUPS,
-                **host_state,
+                **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
         writer = (_FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
@@ -249,21 +325,23 @@ class Checkpointer:
         for old in steps[:-keep] if keep > 0 else []:
             shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
 
-    def load(self, step: int, generators: dict[str, torch.Generator]) -> dict[str, Any]:
-        """Model and optimizer (resharded by DCP to this run's layout) and, at the same world
-        size, this rank's RNG states; at another world size the RNG streams cannot map onto
-        the new ranks, so they are re-seeded from (seed, step, rank). Returns state.json."""
+    def load(self, step: int) -> dict[str, Any]:
+        """Model and optimizer (resharded by DCP to this run's layout) and the RNG states: at the
+        same world size this rank's; at another, rank 0's torch state on every rank (the seed rule
+        of titanlite.tools.seeds), the per-rank streams reseeded from (seed, step, rank). Returns
+        state.json."""
         path = step_dir(self.folder, step)
         host = self._load_state(path, with_optimizer=True)
-        rng = path / f"rng-rank{self.rank}.pt"
         saved_world = host["world_size"]
-        if saved_world == self.world and rng.is_file():
-            _set_rng_states(torch.load(rng, weights_only=True), generators)
+        if saved_world == self.world:
+            _set_rng_states(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=True), self.generators)
         else:
-            base = self.cfg.training.seed * 1_000_003 + step * 1009 + self.rank
-            torch.manual_seed(base)
-            for i, g in enumerate(generators.values()):
-                g.manual_seed(base + 7919 * (i + 1))
+            _set_rng_states(torch.load(path / "rng-rank0.pt", weights_only=True), {})
+            seed = self.cfg.training.seed
+            if self.cfg.debug.seed_mode != "shared":  # a seed fault: per-rank streams by design
+                torch.manual_seed(reshard_seed(seed, step, self.rank, 0))
+            for i, g in enumerate(self.generators.values()):
+                g.manual_seed(reshard_seed(seed, step, self.rank, i + 1))
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
 
@@ -305,14 +383,3 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
-
-
-def export_weights(model: torch.nn.Module, path: Path) -> None:
-    """The full, unsharded model weights as one torch.save file at `path` (for evaluation or
-    conversion); every rank takes part in the gather, rank 0 writes atomically."""
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        atomic_write_bytes(path, buf.getvalue())
-        logger.info(f"exported full weights to {path}")

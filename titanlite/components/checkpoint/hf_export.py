@@ -218,10 +218,10 @@ def export_checkpoint(
 ) -> int:
     """A titanlite checkpoint step folder as a Hugging Face folder, in one process with no
     process group: the model is rebuilt from the checkpoint's identity (state.json: model,
-    tokenizer, sequence length; components/checkpoint_model.py), then every tensor is read from
+    tokenizer, sequence length; components/checkpoint/model.py), then every tensor is read from
     DCP on its own, so memory is bounded by one shard. Only reads `step_folder`. Returns the
     number of shards."""
-    from titanlite.components.checkpoint_model import read_tensors, rebuild
+    from titanlite.components.checkpoint.model import read_tensors, rebuild
     from titanlite.config.layout import initial_load_kind
     from titanlite.errors import UserError
 

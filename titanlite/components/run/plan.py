@@ -15,7 +15,7 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from titanlite.components.checkpoint_index import check_resumable, find
+from titanlite.components.checkpoint.index import check_resumable, find
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
 
@@ -32,6 +32,19 @@ def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
             "under SLURM the job id names it"
         )
     return f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_folder(cfg: JobConfig, config_path: str | None = None, nnodes: int = 1) -> Path:
+    """Where the run writes: `<job.dump_folder>/<run name>`."""
+    return Path(cfg.job.dump_folder).expanduser() / run_name(cfg, config_path, nnodes)
+
+
+def trace_folder(cfg: JobConfig) -> Path:
+    """Where NCCL's flight recorder dumps (set before the process group exists): the run
+    folder's comm_trace/ when the run is named (the launcher always names it), else the dump
+    folder's."""
+    base = run_folder(cfg) if cfg.job.run_name else Path(cfg.job.dump_folder).expanduser()
+    return base / "comm_trace"
 
 
 def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:

@@ -1,0 +1,1 @@
+"""Pure tensor functions below every other layer: no config, no process group."""

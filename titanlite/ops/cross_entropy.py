@@ -1,0 +1,68 @@
+"""Token cross entropy, summed per sequence: the loss path's pure maths (no config, no process
+group), shared by the trainer (titanlite.components.loss), the models' chunked loss and the memory
+estimate. Why sums and not means: see titanlite.components.loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+"""Label value that marks a position without a target (prompt, padding)."""
+
+
+def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Each sequence's summed token cross entropy over its valid positions ([batch], fp32 whatever
+    the logits' dtype): what the loss path sums, kept per sample for the diagnostics' alerts."""
+    per_token = F.cross_entropy(
+        logits.flatten(0, -2).float(),
+        labels.flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
+    return per_token.view(labels.shape).sum(-1)
+
+
+def chunked_cross_entropy_per_sample(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """cross_entropy_per_sample(hidden @ weight.T, labels) with the logits of `chunk` sequence
+    positions alive at a time, forward and backward: each chunk's projection and cross entropy
+    run under activation checkpointing, so backward recomputes that chunk's logits (one extra
+    output matmul) instead of keeping [batch, seq, vocab] of them, and of their gradient.
+    At vocab 128,256 a 2,048-token sequence's fp32 logits alone take 1 GB. The sums are the
+    same per chunk, added in another order (exact to float rounding). `chunk` <= 0: the whole
+    sequence at once, nothing recomputed."""
+    if chunk <= 0:
+        return _projected_ce(hidden, weight, labels)
+    # split, not slices: backward gathers the chunks' gradients once, where each slice's would
+    # be a zero-padded full-size tensor
+    sums = [
+        checkpoint(_projected_ce, h, weight, y, use_reentrant=False)
+        for h, y in zip(hidden.split(chunk, dim=1), labels.split(chunk, dim=1), strict=True)
+    ]
+    return torch.stack(sums).sum(0)
+
+
+def _projected_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_per_sample(F.linear(hidden, weight), labels)
+
+
+def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
+    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
+    (loss.chunk_logits_mib); seq_len (no chunking) when they all fit, or when the budget is 0."""
+    if budget_mib <= 0:
+        return seq_len
+    per_position = local_batch * vocab * 4
+    return max(1, min(seq_len, int(budget_mib * 2**20 // per_position)))
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross entropy over valid positions (the per-sample sums, added)."""
+    return cross_entropy_per_sample(logits, labels).sum()
+
+
+def count_valid(labels: torch.Tensor) -> torch.Tensor:
+    """Number of positions that carry a target, as a device int64 scalar."""
+    return (labels != IGNORE_INDEX).sum()
