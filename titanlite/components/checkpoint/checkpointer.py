@@ -135,7 +135,7 @@ class Checkpointer:
         self.run_dir = run_dir
         self.model = model
         self.optimizer = optimizer
-        self.scheduler = scheduler
+        self.scheduler = scheduler  # a tracked part; restore() also continues its schedule
         self.parts: dict[str, HostState] = {"scheduler": scheduler}  # saved in state.json
         self.generators: dict[str, torch.Generator] = {}  # saved per rank with torch's RNG
         self.rank = dist.get_rank()
@@ -179,10 +179,13 @@ class Checkpointer:
             return resume + 1
         c = self.cfg.checkpoint
         source = c.initial_load_path or self.cfg.model.hf_assets_path
-        if source and initial_load_kind(Path(source).expanduser()) == "hf":
-            load_hf_weights(self.model, Path(source).expanduser(), meta.spec.hf, meta.args)
-        elif source:
-            state = self.load_initial(Path(source).expanduser(), with_optimizer=not c.initial_load_model_only)
+        if not source:
+            return 1
+        path = Path(source).expanduser()
+        if initial_load_kind(path) == "hf":
+            load_hf_weights(self.model, path, meta.spec.hf, meta.args)
+        else:
+            state = self.load_initial(path, with_optimizer=not c.initial_load_model_only)
             if not c.initial_load_model_only:
                 continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
         return 1
