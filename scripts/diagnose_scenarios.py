@@ -3,7 +3,7 @@
 
     python scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
-    python scripts/diagnose_scenarios.py --replay DIR [--diagnostics.key value ...]
+    python scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
@@ -30,7 +30,7 @@ step it started, the step that alert first fired and the steps in between; every
 listed as other (in a healthy scenario, a false alarm).
 
 --replay DIR: no training; the tables again from DIR's run folders, with the alerts that today's
-rules (and the --diagnostics overrides given) raise on each run's recorded diagnostics.jsonl:
+rules (and the --alerts overrides given) raise on each run's recorded diagnostics.jsonl:
 how thresholds are tuned on a long run recorded once. replica_drift is kept from events.jsonl
 (the replica hashes are not recorded).
 """
@@ -159,7 +159,7 @@ def replay(run_dir: Path, overrides: list[str]) -> list[dict]:
     if not records:
         return []
     world = len(next(iter(records.values()))["rank_loss"])
-    monitor = AlertMonitor(cfg.diagnostics, ["-"] * world)
+    monitor = AlertMonitor(cfg.alerts, ["-"] * world)
     alerts = [a.to_dict() for step in sorted(records) for a in monitor.update(records[step])]
     drift = [e for e in _read(run_dir, "events.jsonl") if e["name"] == "replica_drift"]
     return sorted(alerts + drift, key=lambda a: a["step"])

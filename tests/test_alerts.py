@@ -9,7 +9,7 @@ import sysconfig
 
 import pytest
 
-from titanlite.config.job_config import Diagnostics
+from titanlite.config.job_config import Alerts
 from titanlite.diagnostics.alerts import CAUSES, Alert, AlertMonitor
 
 WORLD, STEPS = 4, 60
@@ -60,7 +60,7 @@ def healthy(seed=0, fault=None):
 
 
 def run(stream) -> list:
-    cfg = Diagnostics()
+    cfg = Alerts()
     cfg.trend_burn_in, cfg.trend_window = 20, 36  # the synthetic streams are short
     mon = AlertMonitor(cfg, [f"host{r}" for r in range(WORLD)])
     return [a for rec in stream for a in mon.update(rec)]
@@ -235,13 +235,13 @@ def test_each_alert_fires_when_provoked(fault, name, ranks):
     assert fired, [a.line() for a in alerts]
     assert fired[0].ranks == ranks and fired[0].hosts == [f"host{r}" for r in ranks]
     assert fired[0].cause == CAUSES[name] and name in fired[0].line()
-    assert len(fired) <= STEPS // Diagnostics().alert_window + 1  # cooldown: no flood
+    assert len(fired) <= STEPS // Alerts().window + 1  # cooldown: no flood
 
 
 def test_two_ranks_raise_no_dispersion_alerts():
     """With two ranks, one is always the higher and the std is one pairwise difference:
     persistence, spikes and trends there are chance, not a bad batch or a desync."""
-    mon = AlertMonitor(Diagnostics(), ["a", "b"])
+    mon = AlertMonitor(Alerts(), ["a", "b"])
     stream = [
         {
             "step": t,
@@ -256,7 +256,7 @@ def test_two_ranks_raise_no_dispersion_alerts():
 
 
 def test_nothing_fires_before_min_steps():
-    assert run(list(healthy(1, _same))[: Diagnostics().alert_min_steps]) == []
+    assert run(list(healthy(1, _same))[: Alerts().min_steps]) == []
 
 
 def test_alert_line_names_the_highest_loss_samples_by_source():

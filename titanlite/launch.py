@@ -35,6 +35,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import existing_parent
+from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
@@ -200,6 +201,7 @@ def main(argv: list[str]) -> int:
         args = get_args_parser().parse_args(argv)
         world, nnodes = _world_size(args)
         plan = plan_run(args.training_script_args, world, nnodes)
+        os.environ[NOTES_SHOWN_ENV] = "1"  # the workers load the same config: no second note
         run_dir = plan.run_dir
         if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]

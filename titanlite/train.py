@@ -88,7 +88,7 @@ class Trainer:
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
         noise, timeout = self.faults.grad_noise_scale, cfg.comm.timeout_s
         self.diagnostics = Diagnostics(
-            cfg.diagnostics, self.model, dims, self.layout, t.seed, noise, timeout, dataset.trace
+            cfg.diagnostics, self.model, dims, self.layout, t.seed, noise, timeout, dataset.trace, cfg.alerts
         )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)

@@ -286,8 +286,27 @@ class Diagnostics:
     sketch_dim: int = opt(1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)")
     noise_scale_ema: float = opt(0.9, "EMA decay of the gradient-noise-scale estimate")
     on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
-    alert_window: int = opt(20, "measured steps that persistence rules look back on; alert cooldown")
-    alert_min_steps: int = opt(10, "burn-in: measured steps ignored before alerts, then history they need")
+    skip_spikes: str = opt(
+        "off",
+        "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",
+        choices=("off", "grad_norm", "loss"),
+    )
+    spike_k: float = opt(6.0, "spike guard: standard deviations above the recent mean that make a spike")
+    spike_window: int = opt(100, "spike guard: applied steps whose values form the history")
+    spike_min_history: int = opt(20, "spike guard: values it needs before it judges a step")
+    spike_max_consecutive: int = opt(3, "spike guard: skips in a row allowed; one more stops the run")
+    replica_check_interval: int = opt(
+        100,
+        "replica_drift: every this many steps, compare the replicas' parameters bitwise (ddp, hsdp); 0: off",
+    )
+
+
+@dataclass
+class Alerts:
+    """The thresholds of the named alerts' rules (titanlite.diagnostics.rules)."""
+
+    window: int = opt(20, "measured steps that persistence rules look back on; alert cooldown")
+    min_steps: int = opt(10, "burn-in: measured steps ignored before alerts, then history they need")
     spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median")
     smooth_loss_tol: float = opt(
         0.05, "dispersion_spike: global loss within this fraction of its recent median"
@@ -311,19 +330,32 @@ class Diagnostics:
     cos_low: float = opt(0.05, "cosine_drop: fires when the mean cosine falls below this")
     faulty_margin: float = opt(0.1, "faulty_worker: rank's median cosine to others below theirs by this")
     norm_outlier_factor: float = opt(3.0, "faulty_worker: or its grad norm this many x the others' median")
-    skip_spikes: str = opt(
-        "off",
-        "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",
-        choices=("off", "grad_norm", "loss"),
-    )
-    spike_k: float = opt(6.0, "spike guard: standard deviations above the recent mean that make a spike")
-    spike_window: int = opt(100, "spike guard: applied steps whose values form the history")
-    spike_min_history: int = opt(20, "spike guard: values it needs before it judges a step")
-    spike_max_consecutive: int = opt(3, "spike guard: skips in a row allowed; one more stops the run")
-    replica_check_interval: int = opt(
-        100,
-        "replica_drift: every this many steps, compare the replicas' parameters bitwise (ddp, hsdp); 0: off",
-    )
+
+
+# Keys that moved to another section: an older config.toml naming them still loads (with one
+# deprecation line), so old run folders resume, compare and replay.
+MOVED_KEYS = {
+    "diagnostics.alert_window": "alerts.window",
+    "diagnostics.alert_min_steps": "alerts.min_steps",
+    **{
+        f"diagnostics.{k}": f"alerts.{k}"
+        for k in (
+            "spike_factor",
+            "smooth_loss_tol",
+            "trend_burn_in",
+            "trend_window",
+            "trend_rise",
+            "outlier_margin",
+            "persist_frac",
+            "identical_std",
+            "identical_cos",
+            "cos_high",
+            "cos_low",
+            "faulty_margin",
+            "norm_outlier_factor",
+        )
+    },
+}
 
 
 @dataclass
@@ -352,4 +384,5 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     comm: Comm = field(default_factory=Comm)
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
+    alerts: Alerts = field(default_factory=Alerts)
     debug: Debug = field(default_factory=Debug)

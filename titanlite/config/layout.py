@@ -121,10 +121,11 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     if not 0.0 <= cfg.model.dropout < 1.0:
         raise UserError(f"model.dropout is {cfg.model.dropout}; it must be in [0, 1)")
     d = cfg.diagnostics
-    if d.sketch_dim < 16 or d.interval < 1 or d.alert_window < 3 or d.replica_check_interval < 0:
-        raise UserError(
-            "diagnostics.sketch_dim must be >= 16, interval >= 1, alert_window >= 3 and replica_check_interval >= 0"
-        )
+    if d.sketch_dim < 16 or d.interval < 1 or d.replica_check_interval < 0:
+        raise UserError("diagnostics.sketch_dim must be >= 16, interval >= 1 and replica_check_interval >= 0")
+    a = cfg.alerts
+    if a.window < 3 or not a.min_steps >= 1 or a.trend_window < 3:
+        raise UserError("alerts.window must be >= 3, min_steps >= 1 and trend_window >= 3")
     if d.spike_k <= 0 or not 1 <= d.spike_min_history <= d.spike_window or d.spike_max_consecutive < 0:
         raise UserError(
             "diagnostics: spike_k must be > 0, 1 <= spike_min_history <= spike_window and "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 import typing
 from dataclasses import fields, is_dataclass
@@ -19,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
-from titanlite.config.job_config import JobConfig
+from titanlite.config.job_config import MOVED_KEYS, JobConfig
 from titanlite.errors import UserError
 
 
@@ -94,9 +95,40 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(section, key, value)
 
 
+# Set by the launcher once it has loaded the config and printed its notes, so that the workers,
+# which load it again, do not repeat them.
+NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
+
+
+def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
+    """A parsed config with the keys of MOVED_KEYS in their new sections, and the old names found."""
+    out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
+    found = []
+    for old, new in MOVED_KEYS.items():
+        (old_sec, old_key), (new_sec, new_key) = old.split("."), new.split(".")
+        table = out.get(old_sec)
+        if not isinstance(table, dict) or old_key not in table:
+            continue
+        value = table.pop(old_key)
+        target = out.setdefault(new_sec, {})
+        if isinstance(target, dict) and target.setdefault(new_key, value) != value:
+            raise UserError(f"{where} sets both '{old}' and '{new}' to different values; keep only '{new}'")
+        found.append(old)
+    return out, found
+
+
+def _deprecated(found: list[str]) -> None:
+    if found and not os.environ.get(NOTES_SHOWN_ENV):
+        moved = ", ".join(f"{old} -> {MOVED_KEYS[old]}" for old in dict.fromkeys(found))
+        print(
+            f"titanlite: note: config keys renamed (old names still load; use the new ones): {moved}",
+            file=sys.stderr,
+        )
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file (if any), then `--section.key value` overrides."""
-    cfg = JobConfig()
+    cfg, found = JobConfig(), []
     if path:
         p = Path(path)
         if not p.is_file():
@@ -105,6 +137,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
+        data, found = migrate(data, f"config file '{path}'")
         for section_name, table in data.items():
             if not isinstance(table, dict):
                 raise UserError(f"config entry '{section_name}' in '{path}' must be a [section] table")
@@ -113,7 +146,9 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
     for dotted, value in _pairs(overrides or []):
-        _set(cfg, dotted, value, True)
+        found += [dotted] if dotted in MOVED_KEYS else []
+        _set(cfg, MOVED_KEYS.get(dotted, dotted), value, True)
+    _deprecated(found)
     return cfg
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.layout import Layout, diagnostics_method
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
@@ -88,6 +89,7 @@ class Diagnostics:
         grad_noise_scale: float = 0.0,
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
+        alerts: AlertsConfig | None = None,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
@@ -112,7 +114,7 @@ class Diagnostics:
             self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
             hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            self.monitor = AlertMonitor(cfg, hosts)
+            self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
             self.probe = GradProbe(
                 self.method, self.world, cfg.sketch_dim, seed, dims.device, grad_noise_scale

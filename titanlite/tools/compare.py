@@ -25,7 +25,7 @@ from typing import Any
 
 from titanlite.config.identity import IDENTITY_KEYS
 from titanlite.config.job_config import JobConfig
-from titanlite.config.manager import to_toml, tomllib
+from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 from titanlite.tools.tolerance import Tolerance
@@ -123,6 +123,7 @@ def load_run(path: str | Path) -> Run:
         raw = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"{cfg_file}: not valid TOML ({e})") from None
+    raw, _ = migrate(raw, str(cfg_file))
     # A key added to titanlite after the run was written had its default value then.
     defaults = tomllib.loads(to_toml(JobConfig()))
     merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
