@@ -204,15 +204,30 @@ def test_nan_loss_on_one_rank_stops_the_run(tmp_path):
 
 
 def test_model_registered_from_outside_the_package_trains(tmp_path):
+    """The fork model (tests/fork_model.py, written only from the registry's contract) through
+    the trainer: SFT records packed, the loss in chunks (256 KiB of logits: 32 of 256 positions
+    at a time), eval, diagnostics; its exactness in every mode is tests/test_distributed.py's."""
     proc = train(
         2,
         *SMALL,
         "--model.name",
-        "toy_mlp",
+        "fork_lm",
         "--model.flavor",
         "tiny",
         "--model.import_module",
-        "toy_model",
+        "fork_model",
+        "--data.mode",
+        "sft",
+        "--data.packing",
+        "true",
+        "--training.seq_len",
+        "256",
+        "--loss.chunk_logits_mib",
+        "0.25",
+        "--eval.fraction",
+        "0.1",
+        "--eval.interval",
+        "8",
         "--training.steps",
         "8",
         "--optimizer.lr",
@@ -222,13 +237,16 @@ def test_model_registered_from_outside_the_package_trains(tmp_path):
         "--job.dump_folder",
         str(tmp_path),
         "--job.run_name",
-        "toy",
+        "fork",
     )
     check(proc)
-    losses = [r["loss"] for r in read_metrics(tmp_path / "toy")]
+    metrics = read_metrics(tmp_path / "fork")
+    losses = [r["loss"] for r in metrics if "loss" in r]
     assert len(losses) == 8 and losses[-1] < losses[0]
-    cfg = json.loads(json.dumps(load_config(str(tmp_path / "toy" / "config.toml")).model.__dict__))
-    assert cfg["name"] == "toy_mlp"
+    evals = [json.loads(x) for x in (tmp_path / "fork" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [8] and evals[0]["loss"] < losses[0]
+    cfg = load_config(str(tmp_path / "fork" / "config.toml"))
+    assert (cfg.model.name, cfg.data.packing, cfg.loss.chunk_logits_mib) == ("fork_lm", True, 0.25)
 
 
 @pytest.mark.parametrize(

@@ -184,3 +184,17 @@ def test_generation_keeps_every_rank_in_lockstep_under_fsdp(results, world):
     assert all(r == g["every_rank"][0] for r in g["every_rank"])
     greedy, sampled = g["every_rank"][0]
     assert greedy == g["unsharded"] and all(len(x) == 8 for x in greedy + sampled)
+
+
+def test_a_fork_model_written_from_the_contract_is_exact_packed_and_chunked_in_every_mode(results):
+    """tests/fork_model.py, written only from the registry's docstring and registered from
+    outside the package: its reduced gradient and logged loss on packed sequences, with the
+    loss in chunks, equal its single-process reference of every record run alone."""
+    for w in WORLDS:
+        cases = results[w]["fork_cases"]
+        assert {(c["mode"], c["model"], c["packed"], c["loss_chunk"]) for c in cases} == {
+            (m, "fork_lm", True, 5) for m in ("fsdp", "ddp", "hsdp")
+        }
+        for c in cases:
+            assert c["max_rel_err"] <= TOL, c
+            assert abs(c["logged_loss"] - c["ref_loss"]) <= TOL * c["ref_loss"], c

@@ -1,4 +1,6 @@
-"""A model registered from outside the titanlite package, as a fork would do it.
+"""The least a registered model can be: logits only, no positions, no loss inside. The tests
+check the one-line refusals of what it cannot do (packing, the loss in chunks); a model that
+offers all of the contract is tests/fork_model.py.
 
 Selected with `--model.name toy_mlp --model.import_module toy_model`.
 """

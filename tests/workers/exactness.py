@@ -10,8 +10,12 @@ every mode. "packed_cases": a global batch of packed sequences (2-3 records each
 restarting per record) against the reference of every record run as a sequence of its own.
 "eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
-every rank's tokens gathered, against the unsharded model's greedy decoding. Cases with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and DDP reducing in bfloat16 (training.mixed_precision_reduce),
-and whether every reduced gradient value is a bfloat16 number, as only a bf16 reduction makes it.
+every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_cases": the
+model of tests/fork_model.py, written only from the fork contract and built by build_meta_model
+as the trainer builds it, on the packed batch with the loss in chunks, in every mode. Cases
+with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and
+DDP reducing in bfloat16 (training.mixed_precision_reduce), and whether every reduced gradient
+value is a bfloat16 number, as only a bf16 reduction makes it.
 Writes JSON results (rank 0) to argv[1].
 """
 
@@ -24,6 +28,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from fork_model import ForkLM
 from torch.distributed.tensor import DTensor
 
 from titanlite.components.evaluate import Evaluator
@@ -37,6 +42,7 @@ from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
+from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 
 ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
@@ -88,9 +94,21 @@ def packed_global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, labels, positions
 
 
+def fork_config() -> JobConfig:
+    """The fork model of tests/fork_model.py (written only from the registry's contract), with
+    packing and the loss in chunks, so build_meta_model checks it offers both."""
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.import_module, cfg.model.flavor = "fork_lm", "fork_model", "tiny"
+    cfg.model.vocab_size, cfg.training.seq_len = ARGS.vocab_size, SEQ
+    cfg.data.packing, cfg.loss.chunk_logits_mib = True, 1e-3
+    return cfg
+
+
 def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS, param: str = "float32"):
-    """The tiny Llama through the production path, for `mode` at `world` ranks, `accum`
-    microbatches per rank, parameters computed in `param`. Returns (layout, dims, model)."""
+    """The tiny Llama (or, with model.import_module set, the model `cfg` names, through
+    build_meta_model as the trainer builds it) through the production path, for `mode` at
+    `world` ranks, `accum` microbatches per rank, parameters computed in `param`. Returns
+    (layout, dims, model)."""
     cfg.parallelism.mode = mode
     cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[mode]
     cfg.parallelism.dp_shard = -1
@@ -98,6 +116,9 @@ def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = 
     cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     layout = resolve_layout(cfg, world)
     dims = ParallelDims.build(layout, torch.device("cpu"), param, cfg.training.mixed_precision_reduce)
+    if cfg.model.import_module:
+        meta = build_meta_model(cfg, ARGS.vocab_size)
+        return layout, dims, materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
     with torch.device("meta"):
         model = Llama3(args)
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
@@ -139,9 +160,10 @@ def reference(args: Llama3Args = ARGS) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def records_reference() -> tuple[dict[str, torch.Tensor], float]:
-    """Gradient and token-mean loss of the records, each run as a sequence of its own."""
-    model = Llama3(ARGS)
+def records_reference(model: torch.nn.Module | None = None) -> tuple[dict[str, torch.Tensor], float]:
+    """Gradient and token-mean loss of the records, each run as a sequence of its own, by the
+    tiny Llama or `model`, unsharded."""
+    model = model or Llama3(ARGS)
     model.init_weights(ParamInit(model, SEED))
     recs = records()
     total = sum(int((y != IGNORE_INDEX).sum()) for _, y in recs)
@@ -188,8 +210,9 @@ def run_case(
     batch: tuple[torch.Tensor, ...] | None = None,
     param: str = "float32",
     compiled: bool = False,
+    fork: bool = False,
 ) -> dict:
-    cfg = JobConfig()
+    cfg = fork_config() if fork else JobConfig()
     cfg.training.activation_checkpoint = ac
     cfg.training.compile = compiled
     cfg.training.mixed_precision_reduce = reduce
@@ -227,7 +250,8 @@ def run_case(
         "compile": compiled,
         "packed": batch is not None,
         "bf16_values": bf16,
-        "tied": unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
+        "tied": not fork and unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
+        "model": cfg.model.name,
         "logged_loss": share.item(),
         "init_hash": init_hash,
         "rank_tokens": [int(c) for c in counts],
@@ -270,6 +294,17 @@ def main() -> None:
         }
         for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
     ]
+    # A fork's model, registered from outside the package, packed and chunked, in every mode
+    fork_ref, fork_loss = records_reference(ForkLM(build_meta_model(fork_config(), ARGS.vocab_size).args))
+    forked = [
+        {
+            **run_case(
+                world, m, 2, "global", "auto", fork_ref, batch=packed_global_batch(), loss_chunk=5, fork=True
+            ),
+            "ref_loss": fork_loss,
+        }
+        for m in ("fsdp", "ddp", "hsdp")
+    ]
     # The GPU's defaults on the CPU: bf16 parameters (FSDP's policy; DDP under autocast), fp32 or
     # bf16 reduction, checkpointing, the chunked loss, packing; compiled blocks in one case at
     # world 2 (compiling costs ~20 s here). Each against the fp32 reference, to a bound on bf16
@@ -307,6 +342,7 @@ def main() -> None:
                     "tied_cases": tied,
                     "reduce_cases": reduce,
                     "packed_cases": packed,
+                    "fork_cases": forked,
                     "bf16_cases": low,
                     "eval_cases": evals,
                     "generate": decoded,
