@@ -24,12 +24,14 @@ For each dp degree, one torchrun builds one trainer per configuration in the sam
     packed          10th-90th percentile): one SFT record per sequence, and records packed into
                     each sequence with per-document attention (data.packing); packing's gain is
                     in what a step holds: padding and target tokens
+    dropout-stream, dropout 0.1 with masks from torch's RNG (the default) and keyed by sample
+    dropout-sample  (model.dropout_masks = sample: dp-invariant dropout, titanlite.ops.dropout)
 and compares them in groups: loss (titanlite vs baseline), diagnostics (vs titanlite, i.e.
 off; with accumulation, `sketch` sums its sketch per microbatch and reduces as titanlite
 does), measuring (diag-exact-every vs skip-sync: an exact measured step reduces once, on its
 last microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), modes (ddp, hsdp vs
-fsdp), reduce-scatter (titanlite vs native-rs), fsdp-units (reshard and one-unit vs titanlite) and
-packing (packed vs unpacked).
+fsdp), reduce-scatter (titanlite vs native-rs), fsdp-units (reshard and one-unit vs titanlite),
+packing (packed vs unpacked) and dropout (dropout-sample vs dropout-stream).
 Each round runs one step of every configuration, in an order that rotates from round to round,
 so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
 is the median over rounds of the configuration's step time over its reference's in the same
@@ -79,6 +81,8 @@ CONFIGS = {
     "one-unit": OFF,  # built with the blocks in the root's unit: see build()
     "unpacked": ["--training.seq_len", "1024", *OFF],
     "packed": ["--training.seq_len", "1024", "--data.packing", "true", *OFF],
+    "dropout-stream": ["--model.dropout", "0.1", *OFF],
+    "dropout-sample": ["--model.dropout", "0.1", "--model.dropout_masks", "sample", *OFF],
 }
 # group: (reference, the configurations measured against it)
 GROUPS = {
@@ -93,6 +97,7 @@ GROUPS = {
     "reduce-scatter": ("native-rs", ["titanlite"]),
     "fsdp-units": ("titanlite", ["reshard", "one-unit"]),
     "packing": ("unpacked", ["packed"]),
+    "dropout": ("dropout-stream", ["dropout-sample"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
 DATA_STEPS = 64  # global batches whose padding and target tokens are counted, at least
@@ -126,7 +131,8 @@ class PlainStep:
         t = self.t
         with record_function("titanlite.data"):
             micro = t.next_microbatches(step)
-        for m, (inputs, labels, _) in enumerate(micro):  # the baseline runs unpacked data
+        for m, batch in enumerate(micro):  # the baseline runs unpacked data, without dropout
+            inputs, labels = batch.inputs, batch.labels
             with grad_sync(t.model, m == len(micro) - 1 or not t.layout.skip_grad_sync):
                 with t.dims.autocast(), record_function("titanlite.forward"):
                     logits = t.model(inputs)

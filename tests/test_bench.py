@@ -25,18 +25,29 @@ def test_bench_reports_ratios_and_counts(tmp_path):
         "diagnostics",
         "reduce-scatter",
         "packing",
+        "dropout",
     ]
     proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["dp"]["2"]
     diag = {"diag-default", "diag-sketch-every", "diag-exact-every"}
-    assert set(report["configs"]) == {"baseline", "titanlite", "native-rs", "unpacked", "packed", *diag}
+    dropout = {"dropout-stream", "dropout-sample"}
+    assert set(report["configs"]) == {
+        "baseline",
+        "titanlite",
+        "native-rs",
+        "unpacked",
+        "packed",
+        *diag,
+        *dropout,
+    }
     # Packed SFT (data.packing) holds less padding and more target tokens per step than one
     # record per sequence, on the same built-in SFT data at seq_len 1024.
     packed, unpacked = report["configs"]["packed"], report["configs"]["unpacked"]
     assert packed["padding_pct"] < 5 < unpacked["padding_pct"], (packed, unpacked)
     assert packed["targets_per_step"] > 2 * unpacked["targets_per_step"], (packed, unpacked)
     assert report["groups"]["packing"]["reference"] == "unpacked"
+    assert report["groups"]["dropout"]["reference"] == "dropout-stream"
     assert set(report["groups"]["diagnostics"]["ratios"]) == diag
     assert report["probe_hook"]["units"] == 7  # the debug model's 6 blocks + the root
     for name, row in report["configs"].items():

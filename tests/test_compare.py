@@ -63,6 +63,15 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
     assert json.loads((tmp_path / "cmp/compare.json").read_text())["comparisons"][1]["first_bad_step"] == 7
     # a looser tolerance accepts it
     assert run_cli(capsys, a, b, "--rtol", "1e-3", "--out", tmp_path / "cmp2")[0] == 0
+    # Dropout runs at two layouts: masks from the ranks' RNG streams are named as a difference.
+    drop = ("--model.dropout", "0.1")
+    d8 = make_run(tmp_path, "d8", overrides=drop)
+    d16 = make_run(tmp_path, "d16", overrides=(*drop, "--parallelism.dp_shard", "16"))
+    keyed = ("--model.dropout_masks", "sample")
+    k8 = make_run(tmp_path, "k8", overrides=(*drop, *keyed))
+    k16 = make_run(tmp_path, "k16", overrides=(*drop, *keyed, "--parallelism.dp_shard", "16"))
+    assert "model.dropout_masks = 'sample' keys them" in run_cli(capsys, d8, d16, "--out", tmp_path / "d")[1]
+    assert "dropout masks" not in run_cli(capsys, k8, k16, "--out", tmp_path / "k")[1]
 
 
 @pytest.mark.parametrize(

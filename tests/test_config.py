@@ -177,8 +177,9 @@ def test_packing_and_eval_options_are_checked_before_any_worker(argv, message):
         check_data_files(cfg)
 
 
-def test_a_model_without_positions_is_refused_with_packing_in_one_line():
-    """A fork's model whose forward takes no positions cannot attend per document."""
+def test_a_model_without_positions_or_keys_is_refused_with_packing_or_keyed_dropout_in_one_line():
+    """A fork's model whose forward takes no positions cannot attend per document; one that
+    takes no sample_keys cannot key its dropout masks by sample."""
     from titanlite.models.registry import build_meta_model
 
     toy = ["--model.name", "toy_mlp", "--model.import_module", "toy_model", "--model.flavor", "tiny"]
@@ -186,6 +187,9 @@ def test_a_model_without_positions_is_refused_with_packing_in_one_line():
     with pytest.raises(UserError, match=re.escape("model 'toy_mlp' has no per-document attention")):
         build_meta_model(cfg, 2048)
     build_meta_model(parse_args(toy)[0], 2048)  # without it: built
+    cfg, _ = parse_args([*toy, "--model.dropout", "0.1", "--model.dropout_masks", "sample"])
+    with pytest.raises(UserError, match=re.escape("model.dropout_masks 'sample': model 'toy_mlp' has no")):
+        build_meta_model(cfg, 2048)
 
 
 def test_a_json_list_on_the_command_line_keeps_its_commas():

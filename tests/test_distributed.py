@@ -198,3 +198,21 @@ def test_a_fork_model_written_from_the_contract_is_exact_packed_and_chunked_in_e
         for c in cases:
             assert c["max_rel_err"] <= TOL, c
             assert abs(c["logged_loss"] - c["ref_loss"]) <= TOL * c["ref_loss"], c
+
+
+def test_dropout_keyed_by_sample_is_exact_at_any_layout(results):
+    """With model.dropout_masks = "sample" a dropout run's gradient is one process's at every
+    dp, accumulation and mode, checkpointing included: dropout runs are dp-invariant. Masks from
+    torch's RNG, cut over 2 microbatches, are not (the control)."""
+    for w in WORLDS:
+        cases = results[w]["dropout_cases"]
+        keyed = [c for c in cases if c["keyed"]]
+        assert {(c["mode"], c["activation_checkpoint"]) for c in keyed} == {
+            ("fsdp", "none"),
+            ("ddp", "none"),
+            ("hsdp", "none"),
+            ("fsdp", "full"),
+        }
+        assert all(c["dropout"] == 0.3 and c["max_rel_err"] <= TOL for c in keyed), keyed
+        (stream,) = [c for c in cases if not c["keyed"]]
+        assert stream["max_rel_err"] > 1e3 * TOL, stream

@@ -2,8 +2,8 @@
 one run per layout and gives scripts/compare_runs.py's verdict).
 
 Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, global batch 16:
-dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps; FSDP, DDP and HSDP 2x4 at
-dp=8. The dp=8 run's checkpoint of step 20, copied into a new run folder, continues at dp=16 on the same
+dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps, with dropout masks keyed by
+sample; FSDP, DDP and HSDP 2x4 at dp=8. The dp=8 run's checkpoint of step 20, copied into a new run folder, continues at dp=16 on the same
 curve. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
 verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
 """
@@ -22,6 +22,8 @@ from helpers import REPO, check, read_metrics, train
 CONFIG = "train_configs/debug_sft.toml"
 TOOL = [sys.executable, "scripts/invariance.py", "--config", CONFIG]
 QUIET = ["--metrics.enable_tensorboard", "false"]
+# Dropout with masks keyed by sample (titanlite.ops.dropout): a dropout run is dp-invariant too.
+DROPOUT = ("--model.dropout", "0.1", "--model.dropout_masks", "sample")
 
 
 def batch(local: int) -> list[str]:
@@ -46,7 +48,7 @@ def _max_rel(summary: dict) -> dict[str, float]:
 def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, prepared_sft):
     """On data prepared by scripts/prepare_data.py (the built-in SFT set), read memory-mapped."""
     ckpt = ("--checkpoint.interval", "20", "--data.path", prepared_sft)
-    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt)
+    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt, *DROPOUT)
     assert proc.returncode == 0, proc.stderr
     (cmp,) = summary["comparisons"]
     assert cmp["steps"] == 30 and cmp["max_rel"] <= 1e-5, cmp["max_rel"]
@@ -75,6 +77,7 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, p
             *QUIET,
             *source,
             *where,
+            *DROPOUT,
             "--data.path",
             prepared_sft,
         )

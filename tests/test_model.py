@@ -8,6 +8,7 @@ import torch
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.llama3 import Llama3, Llama3Args, llama3_flavors
 from titanlite.models.llama3.model import ffn_hidden_dim, rope_frequencies
+from titanlite.ops.dropout import keyed_dropout, sample_keys
 
 
 @pytest.mark.parametrize(
@@ -149,3 +150,37 @@ def test_activation_checkpointing_recomputes_what_its_kind_says(kind):
     recomputed = n.get("silu", 0) + n.get("rsqrt", 0)
     assert (n["mm"] > gradient_mms, attention > 0) == (kind == "full",) * 2, n
     assert (recomputed > 0) == (kind != "none"), n
+
+
+def test_dropout_keyed_by_sample_draws_each_sequences_mask_from_its_key_alone():
+    keys = sample_keys(7, 100, 8, torch.device("cpu"))
+    x = torch.ones(8, 64, 32)
+    y = keyed_dropout(x, 0.25, keys, site=3)
+    dropped = (y == 0).float().mean(dim=(1, 2))
+    assert ((dropped - 0.25).abs() < 0.03).all(), dropped  # 2,048 elements a sequence
+    kept = torch.tensor(1 / 0.75).item()  # scaled, so the expectation is unchanged
+    assert set(y.unique().tolist()) == {0.0, kept}
+    # The same sequence (stream position 104) anywhere in any batch gets the same mask.
+    alone = keyed_dropout(torch.ones(1, 64, 32), 0.25, sample_keys(7, 104, 1, torch.device("cpu")), 3)
+    assert torch.equal(alone[0], y[4])
+    # Another site, seed or sequence draws another mask; p = 0 is the identity.
+    assert not torch.equal(keyed_dropout(x, 0.25, keys, 4), y)
+    assert not torch.equal(keyed_dropout(x, 0.25, sample_keys(8, 100, 8, torch.device("cpu")), 3), y)
+    assert not torch.equal(y[0], y[1])
+    assert keyed_dropout(x, 0.0, keys, 3) is x
+
+
+def test_llama_dropout_keyed_by_sample_in_training_only():
+    args = Llama3Args(
+        dim=32, n_layers=2, n_heads=4, vocab_size=64, multiple_of=16, max_seq_len=16, dropout=0.5
+    )
+    model = Llama3(args)
+    model.init_weights(ParamInit(model, 0))
+    tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(0))
+    keys = sample_keys(1, 0, 4, torch.device("cpu"))
+    a, b = model(tokens, sample_keys=keys), model(tokens, sample_keys=keys)
+    assert torch.equal(a, b)  # no RNG drawn: the keys decide
+    assert torch.equal(model(tokens[2:], sample_keys=keys[2:]), a[2:])
+    assert not torch.equal(model(tokens), a)
+    model.eval()
+    assert torch.equal(model(tokens, sample_keys=keys), model(tokens))

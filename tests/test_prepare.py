@@ -192,6 +192,13 @@ def test_sampler_is_a_computed_permutation_independent_of_dp_and_accumulation():
             samplers = [GlobalBatchSampler(sizes, 16, lb, r, dp, 3, weights) for r in range(dp)]
             got = [[i for s in samplers for _ in range(16 // (lb * dp)) for i in next(s)] for _ in range(20)]
             assert got == want, (sizes, lb, dp)
+            # A sequence's place in the data stream (its dropout key) is the same at every layout.
+            for t in (0, 7):
+                for s in samplers:
+                    for m in range(16 // (lb * dp)):
+                        first = s.stream_position(t, m)
+                        part = s.rank_share(t)[m * lb : (m + 1) * lb].tolist()
+                        assert want[t][first - 16 * t : first - 16 * t + lb] == part, (lb, dp, t, m)
     assert (
         mixed.global_batch(0).tolist()
         != GlobalBatchSampler([100, 40], 16, 16, 0, 1, 4, [0.5, 0.5]).global_batch(0).tolist()

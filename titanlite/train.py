@@ -69,6 +69,8 @@ class Trainer:
         )
         seed = rank_seed(t.seed, self.rank, cfg.debug.seed_mode)
         torch.manual_seed(seed)  # dropout (the rule: titanlite.tools.seeds); init has its own seeds
+        keyed = cfg.model.dropout > 0 and cfg.model.dropout_masks == "sample"
+        self.dropout_seed = seed if keyed else None
         if t.deterministic:
             set_deterministic()
         self.faults = Faults(cfg.debug, t.seed, self.rank, dims.dp_size)
@@ -121,9 +123,13 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, step: int) -> list[Microbatch]:
         micro = []
-        for _ in range(self.layout.grad_accum):
+        for m in range(self.layout.grad_accum):
             batch = next(self._batches)
             batch = batch._replace(labels=self.faults.labels(step, batch.labels))
+            if self.dropout_seed is not None:  # masks keyed by sample (titanlite.ops.dropout)
+                batch = self.dataloader.batch_sampler.keyed(
+                    batch, self.dropout_seed, step - 1, m, self.device
+                )
             micro.append(batch.to(self.device))
         return self.faults.stuck_batch(step, micro)
 

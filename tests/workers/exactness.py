@@ -12,7 +12,9 @@ restarting per record) against the reference of every record run as a sequence o
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_cases": the
 model of tests/fork_model.py, written only from the fork contract and built by build_meta_model
-as the trainer builds it, on the packed batch with the loss in chunks, in every mode. Cases
+as the trainer builds it, on the packed batch with the loss in chunks, in every mode.
+"dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
+keyed masks), and with torch's RNG cut over ranks and microbatches (the control). Cases
 with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and
 DDP reducing in bfloat16 (training.mixed_precision_reduce), and whether every reduced gradient
 value is a bfloat16 number, as only a bf16 reduction makes it.
@@ -44,6 +46,7 @@ from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
 from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from titanlite.ops.dropout import sample_keys
 
 ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
 TIED = dataclasses.replace(ARGS, tie_embeddings=True)
@@ -151,11 +154,15 @@ def full_weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def reference(args: Llama3Args = ARGS) -> dict[str, torch.Tensor]:
+def reference(args: Llama3Args = ARGS, keyed: bool = False) -> dict[str, torch.Tensor]:
+    """The gradient of the whole global batch in one process; with dropout (args.dropout),
+    masks keyed by sample (`keyed`) or drawn from torch's RNG seeded with SEED."""
     model = Llama3(args)
     model.init_weights(ParamInit(model, SEED))
     tokens, labels = global_batch()
-    loss = cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()
+    keys = sample_keys(SEED, 0, GLOBAL_BATCH, torch.device("cpu")) if keyed else None
+    torch.manual_seed(SEED)
+    loss = cross_entropy_sum(model(tokens, sample_keys=keys), labels) / (labels != IGNORE_INDEX).sum()
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -211,6 +218,7 @@ def run_case(
     param: str = "float32",
     compiled: bool = False,
     fork: bool = False,
+    keyed: bool = False,
 ) -> dict:
     cfg = fork_config() if fork else JobConfig()
     cfg.training.activation_checkpoint = ac
@@ -221,7 +229,14 @@ def run_case(
     layout, dims, model = build(cfg, world, mode, accum, args, param)
     init_hash = full_weights_hash(model)
     micro = rank_microbatches(world, accum, batch)
+    if keyed:  # each sequence's dropout key from its place in the global batch, as the sampler gives it
+        lb, first = GLOBAL_BATCH // (world * accum), dist.get_rank() * GLOBAL_BATCH // world
+        micro = [
+            (*b, None, sample_keys(SEED, first + m * lb, lb, torch.device("cpu")))
+            for m, b in enumerate(micro)
+        ]
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
+    torch.manual_seed(SEED)  # dropout from torch's RNG: every rank draws one stream (the seed rule)
     share, _ = forward_backward(
         model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=loss_chunk
     )
@@ -243,6 +258,8 @@ def run_case(
         "norm": norm,
         "skip_grad_sync": layout.skip_grad_sync,
         "activation_checkpoint": ac,
+        "dropout": getattr(args, "dropout", 0.0),
+        "keyed": keyed,
         "loss_chunk": loss_chunk,
         "max_rel_err": rel,
         "reduce_dtype": reduce,
@@ -305,6 +322,15 @@ def main() -> None:
         }
         for m in ("fsdp", "ddp", "hsdp")
     ]
+    # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
+    # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
+    drop = dataclasses.replace(ARGS, dropout=0.3)
+    keyed_ref, stream_ref = reference(drop, keyed=True), reference(drop)
+    dropout = [
+        run_case(world, m, a, "global", "auto", keyed_ref, args=drop, keyed=True, ac=ac)
+        for m, a, ac in (("fsdp", 2, "none"), ("ddp", 1, "none"), ("hsdp", 2, "none"), ("fsdp", 2, "full"))
+    ]
+    dropout += [run_case(world, "fsdp", 2, "global", "auto", stream_ref, args=drop)]
     # The GPU's defaults on the CPU: bf16 parameters (FSDP's policy; DDP under autocast), fp32 or
     # bf16 reduction, checkpointing, the chunked loss, packing; compiled blocks in one case at
     # world 2 (compiling costs ~20 s here). Each against the fp32 reference, to a bound on bf16
@@ -343,6 +369,7 @@ def main() -> None:
                     "reduce_cases": reduce,
                     "packed_cases": packed,
                     "fork_cases": forked,
+                    "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,
                     "generate": decoded,

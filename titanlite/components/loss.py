@@ -60,6 +60,8 @@ def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch
     chunk of the model's own loss path (0, or the whole sequence: the model returns logits and
     the loss follows)."""
     extra = {} if batch.positions is None else {"positions": batch.positions}
+    if batch.keys is not None:
+        extra["sample_keys"] = batch.keys
     if 0 < loss_chunk < batch.labels.shape[1]:
         return model(batch.inputs, labels=batch.labels, loss_chunk=loss_chunk, **extra)
     return cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels)

@@ -43,6 +43,12 @@ class Model:
     )
     import_module: str = opt("", "module imported first so it can register models (forks)")
     dropout: float = opt(0.0, "dropout on residual branches (models whose args have `dropout`)")
+    dropout_masks: str = opt(
+        "stream",
+        "stream: torch's RNG, one seed on every rank; sample: keyed by each sequence's place in the data, "
+        "the same at any dp (titanlite.ops.dropout)",
+        choices=("stream", "sample"),
+    )
 
 
 @dataclass

@@ -176,11 +176,13 @@ def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> M
 
 class Microbatch(NamedTuple):
     """One microbatch: tokens, next-token labels and, for document masking (packed SFT,
-    data.document_mask), each token's position within its document."""
+    data.document_mask), each token's position within its document; for dropout masks keyed by
+    sample (model.dropout_masks), each sequence's key (titanlite.ops.dropout.sample_keys)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor
     positions: torch.Tensor | None = None
+    keys: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Microbatch:
         return Microbatch(*(None if t is None else t.to(device, non_blocking=True) for t in self))

@@ -26,8 +26,10 @@ index, computed for the G indices of a step only.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from titanlite.errors import UserError
+from titanlite.ops.dropout import sample_keys
 
 MIX_BLOCK = 4096
 _MIX_STREAM = 0x6D6978  # the block permutations' key stream, apart from the datasets' (0, 1, ...)
@@ -181,6 +183,18 @@ class GlobalBatchSampler:
     def rank_share(self, step: int) -> np.ndarray:
         """This rank's sequences of 0-based step `step`, in microbatch order."""
         return self.shares(step)[self.dp_rank]
+
+    def stream_position(self, step: int, micro: int) -> int:
+        """Data-stream position of the first sequence of this rank's microbatch `micro` of 0-based
+        `step`: a sequence has the same position at any dp and accumulation."""
+        per_rank = self.global_batch_size // self.dp_size
+        return step * self.global_batch_size + self.dp_rank * per_rank + micro * self.local_batch_size
+
+    def keyed(self, batch, seed: int, step: int, micro: int, device: torch.device):
+        """`batch` (this rank's microbatch `micro` of 0-based `step`) with its sequences' dropout
+        keys (titanlite.ops.dropout.sample_keys), made on `device`."""
+        first = self.stream_position(step, micro)
+        return batch._replace(keys=sample_keys(seed, first, len(batch.inputs), device))
 
     def __next__(self) -> list[int]:
         step, micro = divmod(self.microbatches_yielded, self.grad_accum)

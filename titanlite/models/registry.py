@@ -19,6 +19,9 @@ scripts alike. The contract for a registered model:
   cross entropy [B], the output projection run n positions at a time (0: all at once; see
   titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample). A model without `labels` gets
   logits only, and a config whose logits would be chunked is refused in one line;
+- for model.dropout_masks = "sample": `model(tokens, ..., sample_keys=keys[B])`, each
+  sequence's int64 key, from which its dropout masks are drawn (titanlite.ops.dropout.keyed_dropout),
+  so that a sequence's masks do not depend on the rank or microbatch that runs it;
 - `model.init_weights(init: ParamInit)` fills every parameter through `init` (see
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
   depend on how the model is sharded;
@@ -181,6 +184,11 @@ def _check_capabilities(spec: ModelSpec, cfg: JobConfig, vocab_size: int) -> Non
         raise UserError(
             f"checkpoint.export_hf: model '{spec.name}' has no HFAdapter in its registry entry; "
             "add one (see models/llama3/hf.py) or use checkpoint.export_weights"
+        )
+    if cfg.model.dropout and cfg.model.dropout_masks == "sample" and "sample_keys" not in takes:
+        raise UserError(
+            f"model.dropout_masks 'sample': model '{spec.name}' has no dropout keyed by sample (its forward "
+            "takes no sample_keys); use 'stream', or give the model forward(tokens, ..., sample_keys)"
         )
     t = cfg.training
     batches = {t.local_batch_size, cfg.eval.local_batch_size or t.local_batch_size}

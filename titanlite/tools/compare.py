@@ -161,6 +161,13 @@ def config_diff(a: Run, b: Run) -> ConfigDiff:
         va, vb = a.resolved.get(key), b.resolved.get(key)
         if va and vb and va != vb:
             out.changed.append(f"resolved {key}: {va!r} vs {vb!r}")
+    streams = [
+        r.config.get("model.dropout") and r.config.get("model.dropout_masks") == "stream" for r in (a, b)
+    ]
+    if out.layout and any(streams):
+        out.changed.append(
+            "dropout masks from each rank's RNG stream differ between layouts (model.dropout_masks = 'sample' keys them by sequence)"
+        )
     return out
 
 

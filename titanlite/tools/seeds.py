@@ -6,9 +6,13 @@ sampler cuts one permutation. The stream is then a property of the run, not of a
 ranks' saved RNG states are equal (they make the same draws, on tensors of the same shape), so a
 resume at any world size gives every rank rank 0's saved state and continues the same stream,
 where per-rank streams would have no counterpart at another world size (rank 5 of 8 at dp=4).
-The price: within a step, rank r's microbatch m gets the same dropout mask as rank s's. Masks
-keyed by each sample's global index would make dropout runs dp-invariant, at the cost of one
-counter-based hash per dropped element instead of the fused kernel's RNG.
+The price: within a step, rank r's microbatch m gets the same dropout mask as rank s's, and a
+sequence's mask depends on where the layout puts it, so a dropout run at dp=8 is not the run at
+dp=16. model.dropout_masks = "sample" removes both: each sequence's masks are keyed by its place
+in the data stream (titanlite.ops.dropout), so dropout runs are dp-invariant, at the cost of an
+integer hash per element instead of the fused kernel's RNG (scripts/bench.py --only dropout
+measures it; scripts/README.md has the figures). The key is derived from the rank's seed below,
+so the seed faults perturb keyed masks too.
 
 debug.seed_mode injects the seed faults of "Silent Inconsistency in Data-Parallel Full
 Fine-Tuning" (arXiv 2602.14462): "shared" (S1-1) is the rule above; "rank0_differs" (S1-2) and

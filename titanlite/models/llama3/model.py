@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import DocumentMask, attend, document_mask
 from titanlite.ops.cross_entropy import chunked_cross_entropy_per_sample
+from titanlite.ops.dropout import keyed_dropout
 
 
 @dataclass(frozen=True)
@@ -138,11 +139,21 @@ class TransformerBlock(nn.Module):
         self.dropout = args.dropout
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: DocumentMask = None,
+        keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin, mask), keys, 0)
+        return h + self._dropout(self.feed_forward(self.ffn_norm(h)), keys, 1)
+
+    def _dropout(self, y: torch.Tensor, keys: torch.Tensor | None, branch: int) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
-        h = x + F.dropout(self.attention(self.attention_norm(x), cos, sin, mask), p)
-        return h + F.dropout(self.feed_forward(self.ffn_norm(h)), p)
+        if keys is None:
+            return F.dropout(y, p)
+        return keyed_dropout(y, p, keys, 2 * self.layer_id + branch)
 
     def init_weights(self, init: ParamInit) -> None:
         # Output projections get a depth-scaled std so the residual stream does not grow with depth.
@@ -195,13 +206,15 @@ class Llama3(nn.Module):
         labels: torch.Tensor | None = None,
         loss_chunk: int = 0,
         positions: torch.Tensor | None = None,
+        sample_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits; with `labels`, each sequence's summed cross entropy instead, the output
         projection run `loss_chunk` positions at a time inside the loss (0: all at once; the
-        trainer's path at a large vocabulary: titanlite.components.loss.chunked_cross_entropy_per_sample).
+        trainer's path at a large vocabulary: titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample).
         It happens here, in the root's forward, where FSDP has the output weight unsharded.
         `positions` [B, S]: each token's position in its document (0 starts one); None: one
-        causal sequence."""
+        causal sequence. `sample_keys` [B]: dropout masks keyed by sequence (titanlite.ops.dropout);
+        None: torch's RNG."""
         seqlen = tokens.shape[1]
         if seqlen > self.args.max_seq_len:
             raise ValueError(f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}")
@@ -212,7 +225,7 @@ class Llama3(nn.Module):
             mask = document_mask(positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, mask, sample_keys)
         if labels is not None:
             return chunked_cross_entropy_per_sample(self.norm(h), self.output.weight, labels, loss_chunk)
         return self.output(self.norm(h))
