@@ -29,6 +29,9 @@ from pathlib import Path
 import pytest
 from helpers import check, read_metrics, train
 
+from titanlite.components.checkpoint.index import damage, file_record, find, quarantine_damaged
+from titanlite.errors import UserError
+
 STEPS = 6
 BASE = [
     "--config",
@@ -233,3 +236,101 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     assert "the checkpoint of step 2 is intact" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "async-full" / "checkpoints").iterdir()) == ["step-00000002"]
     assert max(losses(tmp_path, "async-full")) == 6  # reported at the next save, step 6
+
+
+def _truncate(path: Path, size: int) -> None:
+    with path.open("r+b") as f:
+        f.truncate(size)
+
+
+def _overwrite(path: Path, at: int, data: bytes) -> None:
+    with path.open("r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def _edit_state(folder: Path, **changes) -> None:
+    state = json.loads((folder / "state.json").read_text())
+    (folder / "state.json").write_text(json.dumps({**state, **changes}))
+
+
+DAMAGE = {  # how a step folder gets damaged -> what the line names
+    "distcp cut": (lambda d: _truncate(d / "__0_0.distcp", 1000), "__0_0.distcp holds 1,000 bytes"),
+    "distcp deleted": (lambda d: (d / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+    "metadata deleted": (lambda d: (d / ".metadata").unlink(), ".metadata is missing"),
+    "rng cut": (lambda d: _truncate(d / "rng-rank1.pt", 100), "rng-rank1.pt holds 100 bytes"),
+    "rng flipped": (
+        lambda d: _overwrite(d / "rng-rank0.pt", 200, b"\xff\x00\xff"),
+        "rng-rank0.pt does not match",
+    ),
+    "state cut": (lambda d: _truncate(d / "state.json", 1000), "state.json is unreadable"),
+    "state step edited": (lambda d: _edit_state(d, step=40), "state.json says step 40, its folder step 6"),
+}
+
+
+@pytest.mark.slow
+def test_damaged_checkpoints_are_found_before_the_run_folder_opens(ref, tmp_path):
+    """Every kind of damage the catalogue tried, on the newest of two checkpoints: the resume
+    picks the older intact one, load_step naming the damaged one is refused in one line, and the
+    holder of the run lock sets the damaged one aside (never resumed, never pruned). Checkpoints
+    that record no file sizes are checked against their .metadata and RNG files instead."""
+    src = ref / "fsdp" / "checkpoints"
+    for name, (hurt, needle) in DAMAGE.items():
+        folder = Path(shutil.copytree(src, tmp_path / name.replace(" ", "-")))
+        hurt(folder / "step-00000006")
+        assert damage(folder / "step-00000006").startswith(needle.split(" holds")[0]), name
+        assert needle in damage(folder / "step-00000006"), name
+        assert find(folder, -1) == 3, name
+        with pytest.raises(UserError, match="checkpoint.load_step=6: .* is damaged"):
+            find(folder, 6)
+        quarantine_damaged(folder)
+        assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", "step-00000006.damaged"], name
+    # written before steps recorded their files: .metadata's extents, the RNG files' zips
+    old = Path(shutil.copytree(src, tmp_path / "old"))
+    for step in (3, 6):
+        _edit_state(old / f"step-0000000{step}", files=None)
+    assert damage(old / "step-00000006") is None
+    _truncate(old / "step-00000006" / "__0_0.distcp", 1000)
+    assert "__0_0.distcp holds 1,000 bytes, at least " in damage(old / "step-00000006")
+    _truncate(old / "step-00000003" / "rng-rank1.pt", 100)
+    assert damage(old / "step-00000003") == "rng-rank1.pt is cut short or damaged"
+    with pytest.raises(UserError, match="every checkpoint in .* is damaged .step 6: .*; step 3: "):
+        find(old, -1)
+
+
+def _unseen_damage(step: Path) -> None:
+    """The head of a shard overwritten, and its record rewritten to match: damage as a shard too
+    large for a checksum (over CHECKSUM_MAX_BYTES) would carry it past the verification."""
+    _overwrite(step / "__0_0.distcp", 0, b"\x00" * 64)
+    _edit_state(step, files=file_record(step))
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_falls_back_and_one_that_fails_to_load_is_set_aside(ref):
+    """Through the launcher: step 6 cut short is set aside with one line and the run resumes
+    from step 3, bitwise; step 6 damaged where no size or checksum looks (the head of a shard
+    overwritten) fails inside DCP: exit 3 in one line, set aside, and the same command falls back."""
+    for name, hurt in (
+        ("fallback", lambda d: _truncate(d / "__0_0.distcp", 1000)),
+        ("load-fails", _unseen_damage),
+    ):
+        shutil.copytree(ref / "fsdp", ref / name, ignore=shutil.ignore_patterns("run.lock", "logs"))
+        hurt(ref / name / "checkpoints" / "step-00000006")
+        proc = run(ref, name, *CKPT, ok=name == "fallback")
+        if name == "load-fails":
+            assert proc.returncode == 3, proc.stderr[-3000:]
+            assert "failed to load" in proc.stderr and "set aside as step-00000006.damaged" in proc.stderr
+            proc = run(ref, name, *CKPT)
+        else:
+            assert (
+                "__0_0.distcp holds 1,000 bytes" in proc.stderr
+                and "set aside as step-00000006.damaged" in (proc.stderr)
+            )
+        assert "resumed from step 3" in proc.stdout + proc.stderr, name
+        assert losses(ref, name) == losses(ref, "fsdp"), name
+        folder = ref / name / "checkpoints"
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "step-00000003",
+            "step-00000006",
+            "step-00000006.damaged",
+        ], name

@@ -12,6 +12,7 @@ import torch
 from helpers import REPO, check, read_metrics, train
 
 from titanlite.config import load_config
+from titanlite.errors import UserError
 
 SMALL = [
     "--config",
@@ -305,3 +306,93 @@ def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_a
     one_line_error(proc, "without titanlite's weight-decay groups")  # its optimizer state cannot come along
     proc = single(*start, "--job.run_name", "new")
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"NPROC": "0"}, "NPROC is 0; it must be >= 1"),
+        ({"NPROC": "abc"}, "NPROC is 'abc'; set it to a whole number (see the top of run_train.sh)"),
+        ({"NNODES": "2"}, "NNODES=2 needs NODE_RANK (this node's index, 0 to 1) and MASTER_ADDR"),
+        ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "x"}, "NODE_RANK is 2; it must be <= 1"),
+        ({"NPROC": "2", "LOG_RANK": "5"}, "LOG_RANK (a local rank; NPROC=2) is 5; it must be <= 1"),
+        ({"MASTER_PORT": "99999"}, "MASTER_PORT is 99999; it must be <= 65535"),
+        (
+            {"MAX_RESTARTS": "-1"},
+            "MAX_RESTARTS is '-1'; set it to a whole number (see the top of run_train.sh)",
+        ),
+    ],
+)
+def test_run_train_environment_values_are_one_line(tmp_path, env, message):
+    """run_train.sh checks its environment variables before its own arithmetic uses them."""
+    proc = subprocess.run(
+        ["./run_train.sh", "--job.dump_folder", str(tmp_path / "out")],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (2, f"titanlite: error: {message}")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_model_is_checked_by_the_preflight(tmp_path):
+    """An unknown flavor is one line from the launcher, before any worker or run folder."""
+    proc = subprocess.run(
+        ["./run_train.sh", "--model.flavor", "gigantic_999b", "--job.dump_folder", str(tmp_path / "out")],
+        cwd=REPO,
+        env={**os.environ, "NPROC": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("titanlite: error: model.flavor 'gigantic_999b' is not a flavor of llama3"), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_whose_start_failed_is_reused_by_the_same_command(tmp_path):
+    """A start that failed in the workers (a truncated weights file, a bad tokenizer) leaves a run
+    folder without a logged step: the same command, once fixed, reuses it; a folder whose run
+    logged a step is refused."""
+    from titanlite.components.run.plan import resume_step
+
+    cfg = load_config(None, ["--job.dump_folder", str(tmp_path), "--job.run_name", "r"])
+    run = tmp_path / "r"
+    run.mkdir()
+    for name in ("config.toml", "run.json", "metrics.jsonl"):
+        (run / name).write_text("")
+    assert resume_step(cfg, run, restarted=False) is None
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 7.0}\n')
+    with pytest.raises(UserError, match="already holds a run without a checkpoint to resume"):
+        resume_step(cfg, run, restarted=False)
+
+
+def test_an_error_the_workers_find_is_printed_once_and_adds_no_logs(tmp_path):
+    """Every rank finds an empty data file alike: the console shows rank 0's line only, and the
+    existing run folder it was launched into gains nothing (no logs/ of the refused launch)."""
+    data = tmp_path / "empty.jsonl"
+    data.write_text("")
+    (tmp_path / "out" / "r").mkdir(parents=True)
+    proc = subprocess.run(
+        [
+            "./run_train.sh",
+            *SMALL[2:],
+            "--data.path",
+            str(data),
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+            "--job.run_name",
+            "r",
+        ],  # fmt: skip
+        cwd=REPO,
+        env={**os.environ, "NPROC": "2"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    one_line_error(proc, str(data))
+    assert "[rank1]" not in proc.stderr, proc.stderr
+    assert list((tmp_path / "out" / "r").iterdir()) == []

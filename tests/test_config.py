@@ -165,8 +165,8 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
         (["--eval.path", "/nonexistent/val.jsonl"], "eval.path '/nonexistent/val.jsonl' does not exist"),
         (["--eval.path", "a:0.5,b:0.5"], "names several datasets; give one"),
         (["--eval.prompts", '["hi, there"]'], "there is none: set eval.fraction or eval.path"),
-        (["--eval.fraction", "0.1", "--eval.top_p", "0"], "eval.top_p in (0, 1] (is 0.0)"),
-        (["--eval.fraction", "0.1", "--eval.sample_tokens", "0"], "eval.sample_tokens >= 1"),
+        (["--eval.fraction", "0.1", "--eval.top_p", "0"], "eval.top_p is 0.0; it must be > 0.0 and <= 1.0"),
+        (["--eval.fraction", "0.1", "--eval.sample_tokens", "0"], "eval.sample_tokens is 0; it must be >= 1"),
         (["--eval.prompts", "[not json"], "is not a valid JSON list"),
     ],
 )
@@ -245,6 +245,7 @@ def test_help_lists_every_key_with_type_default_and_doc():
             assert f.metadata["help"] in text, f.name
     assert '  --training.device str = "auto"\n' in text and "(one of: auto, cpu, cuda)" in text
     assert "  --debug.ignore_all_labels_steps list[int] = []\n" in text
+    assert "linear warmup steps from lr/warmup_steps to lr (>= 0)\n" in text
 
 
 OLD_DIAGNOSTICS = """
@@ -279,3 +280,37 @@ def test_alert_thresholds_named_under_diagnostics_still_load_with_one_note(tmp_p
     old.write_text(OLD_DIAGNOSTICS + "\n[alerts]\nwindow = 9\n")
     with pytest.raises(UserError, match="sets both 'diagnostics.alert_window' and 'alerts.window'"):
         load_config(str(old))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--optimizer.lr", "nan"], "optimizer.lr is nan; it must be a finite number > 0.0"),
+        (["--optimizer.lr", "inf"], "optimizer.lr is inf; it must be a finite number > 0.0"),
+        (["--lr_scheduler.warmup_steps", "-3"], "lr_scheduler.warmup_steps is -3; it must be >= 0"),
+        (["--optimizer.beta2", "1"], "optimizer.beta2 is 1.0; it must be >= 0.0 and < 1.0"),
+        (["--training.max_norm", "-inf"], "training.max_norm is -inf; it must be a finite number >= 0.0"),
+        (["--alerts.persist_frac", "0"], "alerts.persist_frac is 0.0; it must be > 0.0 and <= 1.0"),
+        (["--diagnostics.spike_min_history", "200"], "spike_min_history is 200 but spike_window is 100"),
+        (["--job.run_name", ".."], "job.run_name '..' would write outside job.dump_folder"),
+        (["--job.run_name", "../escaped"], "job.run_name '../escaped' would write outside"),
+        (["--job.run_name", "/tmp/absrun"], "job.run_name '/tmp/absrun' would write outside"),
+        (["--job.run_name", "x" * 300], "is 300 bytes; file systems allow 255"),
+    ],
+)
+def test_every_value_is_checked_before_any_worker(argv, message):
+    """Numbers finite and within the bounds that live with each field (titanlite.config.fields.opt:
+    --help prints them), run names inside the dump folder: validate, which the preflight runs
+    before any worker, checks them all."""
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(parse_args(argv)[0], 1)
+    validate(parse_args(["--job.run_name", "sweep/lr-3e-4"])[0], 1)  # nesting groups runs
+
+
+def test_a_config_file_that_is_not_text_or_is_a_folder_is_one_line(tmp_path):
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe[training]\n")
+    with pytest.raises(UserError, match=re.escape("is not UTF-8 text (byte 0); pass a TOML file")):
+        load_config(str(binary))
+    with pytest.raises(UserError, match="is a folder; pass a .toml file"):
+        load_config(str(tmp_path))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sysconfig
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from helpers import check, load_script, read_metrics, torchrun
 from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from titanlite.config import load_config
 from titanlite.errors import UserError
 from titanlite.models.llama3 import Llama3
 from titanlite.models.llama3.hf import LLAMA3_HF
@@ -273,6 +275,20 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     no_tok = copy("no-tokenizer")
     (no_tok / "tokenizer.json").unlink()
     assert preflight.main(["--world-size", "1", "--model.hf_assets_path", str(no_tok)]) == 2
+    # Weights cut short or with a damaged header: one line from the preflight, before any worker.
+    size = (assets / "untied" / "model.safetensors").stat().st_size
+    for name, cut, needle in (
+        ("truncated", lambda f: f.truncate(size // 2), f"is cut short: {size // 2:,} of the {size:,} bytes"),
+        ("header", lambda f: (f.seek(8), f.write(b"{not json")), "has a damaged safetensors header"),
+        ("stub", lambda f: f.truncate(5), "is not a safetensors file or is cut short (5 bytes)"),
+    ):
+        broken = copy(name)
+        with (broken / "model.safetensors").open("r+b") as f:
+            cut(f)
+        with pytest.raises(UserError, match=re.escape(needle)):
+            preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(broken)]))
+        assert preflight.main(["--world-size", "1", "--model.hf_assets_path", str(broken)]) == 2
+    preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(assets / "untied")]))
     other = copy("other-arch")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
@@ -502,7 +518,7 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
     import shutil
 
     from titanlite import preflight
-    from titanlite.components.checkpoint.checkpointer import check_fits
+    from titanlite.components.checkpoint.index import check_fits
 
     ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
     incomplete = Path(shutil.copytree(ckpts / "step-00000002", tmp_path / "step-00000002"))

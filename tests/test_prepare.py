@@ -9,6 +9,7 @@ import fcntl
 import gzip
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -324,6 +325,16 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
         [*pre, "--model.tokenizer_path", str(other)], cwd=REPO, capture_output=True, text=True
     )
     _one_line_exit_2(proc, "was tokenized with builtin:")
+    # only the recorded vocabulary edited: the refusal names the field that differs
+    meta = json.loads((good / "meta.json").read_text())
+    edited = json.loads(json.dumps(meta))
+    edited["tokenizer"]["vocab_size"] = 50000
+    (good / "meta.json").write_text(json.dumps(edited))
+    with pytest.raises(
+        UserError, match=re.escape("they differ (vocab_size 50000 vs 2048: meta.json vs this run)")
+    ):
+        Prepared(good).check_tokenizer(tok)
+    (good / "meta.json").write_text(json.dumps(meta))
     proc = subprocess.run([*pre, "--data.mode", "sft"], cwd=REPO, capture_output=True, text=True)
     _one_line_exit_2(proc, "was prepared for pretrain but data.mode is sft")
     # an unreadable (truncated) shard: refused at start-up, by name

@@ -33,8 +33,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
+from titanlite.components.checkpoint.index import quarantine_damaged
 from titanlite.components.run.lock import HELD_ENV, RunLock
-from titanlite.components.run.plan import existing_parent
+from titanlite.components.run.plan import checkpoint_folder, existing_parent
 from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
 from titanlite.preflight import plan_run
@@ -147,6 +148,15 @@ def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
     return attempts[-1] / str(local_rank) / "stderr.log" if attempts else None
 
 
+def _printed_by(line: str, log_dir: Path, shown: set[int] | None) -> bool:
+    """Whether a rank on the console already printed `line` (an error every rank finds alike)."""
+    for r in shown or ():
+        log = _stderr_log(log_dir, r)
+        if log and log.is_file() and line in log.read_text(errors="replace").splitlines():
+            return True
+    return False
+
+
 def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     """The exit code for a failed launch, with what the console has not shown: the failed rank's
     one-line error, or a crashed rank's last lines and its log file."""
@@ -157,7 +167,7 @@ def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     on_console = shown is None or first.local_rank in shown
     if code in NO_RESTART or code == EXIT_LOST_RANK:
         own = [ln for ln in lines if ln.startswith("titanlite: ")]
-        if own and not on_console:
+        if own and not on_console and not _printed_by(own[-1], log_dir, shown):
             print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
         return code
     if not on_console:
@@ -196,7 +206,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _on_signal)
     mp_api._terminate_process_handler = _on_signal  # what torchrun's agent installs as it starts
     launcher_api.LocalElasticAgent = _Agent
-    lock, made, code = None, None, 1
+    lock, made, log_dir, code = None, None, None, 1
     try:
         args = get_args_parser().parse_args(argv)
         world, nnodes = _world_size(args)
@@ -213,6 +223,8 @@ def main(argv: list[str]) -> int:
             lock = RunLock(run_dir)
             lock.acquire()
             os.environ[HELD_ENV] = str(lock.path.resolve())
+            # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside
+            quarantine_damaged(checkpoint_folder(plan.cfg, run_dir), plan.cfg.metrics.enable_wandb)
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
@@ -247,6 +259,10 @@ def main(argv: list[str]) -> int:
             lock.release()
         if code == 2 and made is not None:  # bad input found by the workers: leave nothing behind
             shutil.rmtree(made, ignore_errors=True)
+        elif code == 2 and log_dir is not None:  # ... not even a log folder in an existing run folder
+            shutil.rmtree(log_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                log_dir.parent.rmdir()  # logs/, if this launch's were its only ones
     return code
 
 

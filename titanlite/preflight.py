@@ -62,10 +62,12 @@ def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: boo
     if folder.exists() and not folder.is_dir():
         raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")
     resume = resume_step(cfg, run_dir, restarted=False)
+    n, what = model_parameters(cfg)  # the name, flavor and capabilities, on the meta device
+    if resume is None:
+        check_initial_weights(cfg)
     if cfg.checkpoint.interval > 0:
         check_writable(folder, "checkpoint.folder")
         if check_space:
-            n, what = model_parameters(cfg)
             check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
     return RunPlan(cfg, run_dir, resume)
 
@@ -79,6 +81,17 @@ def model_parameters(cfg: JobConfig) -> tuple[int, str]:
     n = sum(p.numel() for p in meta.model.parameters())
     flavor = "the Hugging Face model" if cfg.model.hf_assets_path else cfg.model.flavor
     return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
+
+
+def check_initial_weights(cfg: JobConfig) -> None:
+    """A fresh run's Hugging Face weights (checkpoint.initial_load_path or model.hf_assets_path)
+    are whole: every safetensors file holds what its header describes (a resume never reads them)."""
+    from titanlite.components.checkpoint.hf_load import weight_files
+    from titanlite.config.layout import initial_load_kind
+
+    source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
+    if source and initial_load_kind(Path(source).expanduser()) == "hf":
+        weight_files(Path(source).expanduser())
 
 
 def _vocab_size(cfg: JobConfig) -> int:

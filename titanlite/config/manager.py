@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import operator
 import os
 import sys
 import typing
@@ -126,15 +128,46 @@ def _deprecated(found: list[str]) -> None:
         )
 
 
+_COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
+
+
+def _bounds_text(bounds: dict[str, float]) -> str:
+    return " and ".join(f"{op} {bound}" for op, bound in bounds.items())
+
+
+def check_values(cfg: JobConfig) -> None:
+    """Every number finite and within its field's bounds (titanlite.config.fields.opt): one
+    line naming the key, the value and the bounds."""
+    for sf in fields(cfg):
+        section = getattr(cfg, sf.name)
+        for f in fields(section):
+            value, bounds = getattr(section, f.name), f.metadata.get("bounds", {})
+            if isinstance(value, float) and not math.isfinite(value):
+                rule = f" {_bounds_text(bounds)}" if bounds else ""
+                raise UserError(f"{sf.name}.{f.name} is {value}; it must be a finite number{rule}")
+            if isinstance(value, (int, float)) and not all(
+                _COMPARE[op](value, b) for op, b in bounds.items()
+            ):
+                raise UserError(f"{sf.name}.{f.name} is {value}; it must be {_bounds_text(bounds)}")
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> JobConfig:
     """Defaults, then the TOML file (if any), then `--section.key value` overrides."""
     cfg, found = JobConfig(), []
     if path:
         p = Path(path)
+        if p.is_dir():
+            raise UserError(
+                f"config file '{path}' is a folder; pass a .toml file (e.g. train_configs/debug_model.toml)"
+            )
         if not p.is_file():
             raise UserError(f"config file '{path}' not found; pass an existing --config file")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise UserError(
+                f"config file '{path}' is not UTF-8 text (byte {e.start}); pass a TOML file"
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
         data, found = migrate(data, f"config file '{path}'")
@@ -243,8 +276,9 @@ def config_help(usage: str) -> str:
         lines += ["", f"[{sf.name}]"]
         for name, (typ, f) in _field_types(section).items():
             default = _toml_value(getattr(section, name))
-            choices = f.metadata.get("choices")
+            choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             doc = f.metadata["help"] + (f" (one of: {', '.join(choices)})" if choices else "")
+            doc += f" ({_bounds_text(bounds)})" if bounds else ""
             lines.append(f"  --{sf.name}.{name} {_type_name(typ)} = {default}")
             lines.append(f"        {doc}")
     return "\n".join(lines)

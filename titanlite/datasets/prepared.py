@@ -94,10 +94,15 @@ class Prepared:
     def check_tokenizer(self, tok: Any) -> None:
         """The run must tokenize as the preparation did (same model, same SFT format)."""
         ours, theirs = tokenizer_key(tok, self.mode), self.meta["tokenizer"]
-        if any(ours[k] != theirs.get(k) for k in ours if k != "source"):
+        differ = [
+            f"{k} {theirs.get(k)!r} vs {ours[k]!r}"
+            for k in ours
+            if k != "source" and ours[k] != theirs.get(k)
+        ]
+        if differ:
             raise UserError(
-                f"prepared data '{self.folder}' was tokenized with {theirs.get('source')} "
-                f"({theirs.get('fingerprint')}) but this run's tokenizer is {tok.source} ({tok.fingerprint}); "
+                f"prepared data '{self.folder}' was tokenized with {theirs.get('source')} and this run's "
+                f"tokenizer is {tok.source}, and they differ ({', '.join(differ)}: meta.json vs this run); "
                 "prepare the data again with this tokenizer, or train with that one"
             )
 

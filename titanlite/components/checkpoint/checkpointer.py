@@ -48,9 +48,12 @@ from torch.distributed.checkpoint.state_dict import (
 from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import (
     OPTIMIZER_GROUPS,
+    check_fits,
     complete_steps,
+    file_record,
     flat_config,
     optimizer_groups_error,
+    quarantine,
     resume_changes,
     step_dir,
 )
@@ -280,6 +283,8 @@ class Checkpointer:
         if self.rank == 0:
             self.faults.kill_in_save(step)
             try:
+                # what damage() checks: every file's size, the small ones' CRC32
+                state = json.dumps({**json.loads(state), "files": file_record(tmp)})
                 (tmp / "state.json").write_text(state)
                 (tmp / MARKER).write_text(f"{step}\n")
                 fsync_dir(tmp)
@@ -333,18 +338,32 @@ class Checkpointer:
         same world size this rank's; at another, rank 0's torch state on every rank (the seed rule
         of titanlite.tools.seeds), the per-rank streams reseeded from (seed, step, rank). Returns
         state.json."""
-        path = step_dir(self.folder, step)
-        host = self._load_state(path, with_optimizer=True)
-        saved_world = host["world_size"]
-        if saved_world == self.world:
-            _set_rng_states(torch.load(path / f"rng-rank{self.rank}.pt", weights_only=True), self.generators)
-        else:
-            _set_rng_states(torch.load(path / "rng-rank0.pt", weights_only=True), {})
-            seed = self.cfg.training.seed
-            if self.cfg.debug.seed_mode != "shared":  # a seed fault: per-rank streams by design
-                torch.manual_seed(reshard_seed(seed, step, self.rank, 0))
-            for i, g in enumerate(self.generators.values()):
-                g.manual_seed(reshard_seed(seed, step, self.rank, i + 1))
+        path, error = step_dir(self.folder, step), None
+        try:
+            host = self._load_state(path, with_optimizer=True)
+            saved_world = host["world_size"]
+            if saved_world == self.world:
+                rng = torch.load(path / f"rng-rank{self.rank}.pt", weights_only=True)
+                _set_rng_states(rng, self.generators)
+            else:
+                _set_rng_states(torch.load(path / "rng-rank0.pt", weights_only=True), {})
+                seed = self.cfg.training.seed
+                if self.cfg.debug.seed_mode != "shared":  # a seed fault: per-rank streams by design
+                    torch.manual_seed(reshard_seed(seed, step, self.rank, 0))
+                for i, g in enumerate(self.generators.values()):
+                    g.manual_seed(reshard_seed(seed, step, self.rank, i + 1))
+        except UserError:
+            raise
+        except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
+            error = f"rank {self.rank}: {_first_cause(e)}"
+        error = first_error(error, self.group)
+        if error:
+            if self.rank == 0:
+                quarantine(path, error, self.cfg.metrics.enable_wandb)
+            raise TrainingError(
+                f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
+                "the same command resumes from the newest intact checkpoint"
+            )
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
 
@@ -371,18 +390,3 @@ class Checkpointer:
         what = "model and optimizer" if with_optimizer else "model"
         logger.info(f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0")
         return host
-
-
-def check_fits(path: Path, model_state: dict[str, Any]) -> None:
-    """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
-    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for name, tensor in model_state.items():
-        have = saved.get(f"model.{name}")
-        if have is None:
-            raise UserError(f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model")
-        if tuple(have.size) != tuple(tensor.shape):
-            raise UserError(
-                f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
-                f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
-            )

@@ -29,19 +29,46 @@ from titanlite.models.registry import HFAdapter
 logger = logging.getLogger("titanlite")
 
 
+def safetensors_names(path: Path) -> list[str]:
+    """The tensor names of a safetensors file, from its header alone, after checking the file
+    holds every byte the header describes (an 8-byte little-endian header length, the JSON header,
+    then each tensor at its data_offsets): a truncated or damaged file is one UserError."""
+    again = "download it again"
+    if not path.is_file():
+        raise UserError(f"'{path}' is missing; {again}")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise UserError(f"'{path}' is not a safetensors file or is cut short ({size:,} bytes); {again}")
+        try:
+            header = json.loads(f.read(length))
+            ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
+        except (ValueError, KeyError, TypeError, IndexError):
+            raise UserError(f"'{path}' has a damaged safetensors header; {again}") from None
+    need = 8 + length + max(ends, default=0)
+    if size < need:
+        raise UserError(
+            f"'{path}' is cut short: {size:,} of the {need:,} bytes its header describes; {again}"
+        )
+    return [name for name in header if name != "__metadata__"]
+
+
 def weight_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it."""
+    """HF tensor name -> the safetensors file that holds it, every file checked whole
+    (safetensors_names): the preflight calls it before any worker starts."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (ValueError, KeyError) as e:
             raise UserError(f"'{index}' is not a safetensors index ({e}); download it again") from None
+        for file in sorted(set(weight_map.values())):
+            safetensors_names(folder / file)
         return {name: folder / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
-    with safe_open(folder / "model.safetensors", framework="pt") as f:
-        return dict.fromkeys(f.keys(), folder / "model.safetensors")
+    path = folder / "model.safetensors"
+    return dict.fromkeys(safetensors_names(path), path)
 
 
 def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, args: Any) -> None:

@@ -1,13 +1,24 @@
-"""Which checkpoints a folder holds, and whether this run may resume from them. Torch-free: the
-launcher's preflight asks it before any worker starts, the trainer again in rank 0.
+"""Which checkpoints a folder holds, whether they are intact, and whether this run may resume from
+them. Torch-free for checkpoints that record their files: the launcher's preflight asks it before
+any worker starts, the trainer again in rank 0.
 
 A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
-config, and the run folder that wrote it; see components/checkpoint/checkpointer.py for the layout.
+config, the run folder that wrote it, and every other file of the step with its size (and, for
+files up to CHECKSUM_MAX_BYTES, a CRC32); see components/checkpoint/checkpointer.py for the
+layout. Sizes catch a truncated or missing file; the checksum, on the small files only, a
+damaged one. The DCP shards get sizes alone: a CRC32 runs at about 3.5 GB/s on one core here, so
+checking an 8B model's 96 GB (bf16 weights would be less; fp32 weights and AdamW's two moments)
+would cost every launch about half a minute of CPU and a full read of the checkpoint.
+A damaged step is set aside as `step-N.damaged` (never resumed, never pruned) and the run falls
+back to the newest intact one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import zipfile
+import zlib
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -20,6 +31,10 @@ from titanlite.errors import UserError
 # Optimizer hyperparameters that a resume restores from the checkpoint (AdamW's param groups and
 # the scheduler's base lr) unless checkpoint.restore_hparams is false.
 RESTORED = ("optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay")
+CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
+DAMAGED = ".damaged"  # suffix of a step folder set aside
+
+logger = logging.getLogger("titanlite")
 
 
 def step_dir(folder: Path, step: int) -> Path:
@@ -38,18 +53,122 @@ def complete_steps(folder: Path) -> list[int]:
     return sorted(steps)
 
 
+def _crc32(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as f:
+        while chunk := f.read(2**20):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_record(path: Path) -> dict[str, list]:
+    """{name: [size, CRC32 or None]} of the files of the step folder being saved (all but
+    state.json and the marker, which are written after it): what damage() checks."""
+    out = {}
+    for f in sorted(path.iterdir()):
+        if f.is_file() and f.name not in ("state.json", MARKER):
+            size = f.stat().st_size
+            out[f.name] = [size, _crc32(f) if size <= CHECKSUM_MAX_BYTES else None]
+    return out
+
+
+def _dcp_extents(path: Path) -> dict[str, int]:
+    """Bytes each DCP shard file must hold, from .metadata (file, offset, length of every item):
+    how a checkpoint that records no file sizes is checked (imports torch)."""
+    import torch.distributed.checkpoint as dcp
+
+    ends: dict[str, int] = {}
+    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    return ends
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the complete step folder `path`, naming the file; None if it is intact."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"state.json is unreadable ({e})"
+    if path.name[5:].isdigit() and state.get("step") != int(path.name[5:]):
+        return f"state.json says step {state.get('step')}, its folder step {int(path.name[5:])}"
+    files, exact = state.get("files"), True
+    if files is None:  # written before steps recorded their files: what .metadata promises
+        if not (path / ".metadata").is_file():
+            return ".metadata is missing"
+        try:
+            files, exact = {name: [end, None] for name, end in _dcp_extents(path).items()}, False
+        except Exception as e:  # noqa: BLE001 - an unreadable .metadata is damage, whatever the error
+            return f".metadata is unreadable ({type(e).__name__})"
+        files.update({f"rng-rank{r}.pt": [None, None] for r in range(state.get("world_size", 1))})
+    for name, (size, crc) in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        have = f.stat().st_size
+        if size is not None and (have != size if exact else have < size):
+            return f"{name} holds {have:,} bytes, {'' if exact else 'at least '}{size:,} were written"
+        if size is None and not zipfile.is_zipfile(f):  # an older step's RNG states (torch.save: a zip)
+            return f"{name} is cut short or damaged"
+        if crc is not None and _crc32(f) != crc:
+            return f"{name} does not match the checksum it was written with"
+    return None
+
+
 def find(folder: Path, load_step: int) -> int | None:
-    """The step to resume from (None: start fresh); a named step must exist and be complete."""
+    """The step to resume from (None: start fresh): the newest complete step that is intact
+    (damage()), or the one checkpoint.load_step names, which must exist, be complete and intact."""
     steps = complete_steps(folder)
-    if load_step < 0:
-        return steps[-1] if steps else None
-    if load_step not in steps:
-        have = ", ".join(map(str, steps)) or "none"
+    if load_step >= 0:
+        if load_step not in steps:
+            have = ", ".join(map(str, steps)) or "none"
+            raise UserError(
+                f"checkpoint.load_step={load_step} but {folder} holds no complete checkpoint of that step "
+                f"(complete: {have}); pick one of them or -1 for the newest"
+            )
+        why = damage(step_dir(folder, load_step))
+        if why:
+            raise UserError(
+                f"checkpoint.load_step={load_step}: {step_dir(folder, load_step)} is damaged ({why}); "
+                "pick another step, or -1 for the newest intact one"
+            )
+        return load_step
+    damaged = []
+    for step in reversed(steps):
+        why = damage(step_dir(folder, step))
+        if why is None:
+            return step
+        damaged.append(f"step {step}: {why}")
+    if damaged:
         raise UserError(
-            f"checkpoint.load_step={load_step} but {folder} holds no complete checkpoint of that step "
-            f"(complete: {have}); pick one of them or -1 for the newest"
+            f"every checkpoint in {folder} is damaged ({'; '.join(damaged)}); start a new run (another "
+            "--job.run_name) or from weights of your own (checkpoint.initial_load_path)"
         )
-    return load_step
+    return None
+
+
+def quarantine(path: Path, why: str, wandb: bool = False) -> None:
+    """Set the damaged step folder `path` aside as `<name>.damaged` (never resumed nor pruned),
+    with one line naming what is wrong."""
+    target = path.with_name(path.name + DAMAGED)
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{DAMAGED}-{n}")
+    path.rename(target)
+    again = "; steps after it are logged again in the same W&B run, which cannot rewind" if wandb else ""
+    logger.warning(
+        f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back{again}"
+    )
+
+
+def quarantine_damaged(folder: Path, wandb: bool = False) -> None:
+    """Set aside every damaged complete step newer than the newest intact one: what the holder of
+    the run lock does before the run folder is opened, so a resume falls back to it."""
+    for step in reversed(complete_steps(folder)):
+        why = damage(step_dir(folder, step))
+        if why is None:
+            return
+        quarantine(step_dir(folder, step), why, wandb)
 
 
 def read_state(folder: Path, step: int) -> dict[str, Any]:
@@ -134,3 +253,20 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
             effect = "applied"
         lines.append(f"resume: {key} was {before[key]!r}, now {now!r}: {effect}")
     return lines
+
+
+def check_fits(path: Path, model_state: dict[str, Any]) -> None:
+    """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
+    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, tensor in model_state.items():
+        have = saved.get(f"model.{name}")
+        if have is None:
+            raise UserError(f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model")
+        if tuple(have.size) != tuple(tensor.shape):
+            raise UserError(
+                f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
+                f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
+            )

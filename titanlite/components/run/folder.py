@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from titanlite.components.checkpoint.index import quarantine_damaged
 from titanlite.components.metrics import truncate_after
 from titanlite.components.run.lock import HELD_ENV, RunLock
-from titanlite.components.run.plan import is_restart, resume_step, run_folder
+from titanlite.components.run.plan import checkpoint_folder, is_restart, resume_step, run_folder
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -67,6 +68,7 @@ def open_run_folder(
             if os.environ.get(HELD_ENV) != str(RunLock(run_dir).path.resolve()):
                 lock = RunLock(run_dir)
                 lock.acquire()
+            quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)
             found = [str(run_dir), resume]
             _write(cfg, run_dir, info, resume)
         except UserError as e:

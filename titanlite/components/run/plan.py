@@ -61,12 +61,14 @@ def is_restart() -> bool:
 def resume_step(cfg: JobConfig, run_dir: Path, restarted: bool) -> int | None:
     """The checkpoint step to resume from (None: a fresh run). Refuses, in one line, a checkpoint
     this run may not resume, and a folder that holds another run without a checkpoint (unless
-    this is torchrun restarting this very run, which then starts over)."""
+    this is torchrun restarting this very run, which then starts over). A folder whose run never
+    logged a step (a start that failed) holds nothing to lose: the same command reuses it."""
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
+    metrics = run_dir / "metrics.jsonl"
     if resume is not None:
         check_resumable(folder, resume, cfg, run_dir)
-    elif (run_dir / "metrics.jsonl").exists() and not restarted:
+    elif metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
             f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
             "pick another --job.run_name or move it"

@@ -1,0 +1,173 @@
+"""The config sections of the diagnostics, their alerts and the fault switches that test them.
+
+Imports nothing heavy, like titanlite.config.job_config, which assembles them into JobConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from titanlite.config.fields import opt
+
+
+@dataclass
+class Debug:
+    ignore_all_labels_steps: list[int] = opt(
+        [], "steps whose labels are all set to IGNORE_INDEX (tests the zero-token skip)"
+    )
+    nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
+    sync_debug: bool = opt(
+        False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps, from the second step"
+    )
+    skip_memory_check: bool = opt(
+        False, "start even if the memory estimate says the job does not fit (to find where it really stops)"
+    )
+    same_data: bool = opt(False, "fault: every rank reads rank 0's share of the batch")
+    corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
+    grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
+    grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS", at_least=0.0)
+    sigkill_step: int = opt(
+        -1, "fault: rank sigkill_rank is killed (SIGKILL) as this step starts, in a run's first attempt"
+    )
+    sigkill_rank: int = opt(0, "the rank that sigkill_step kills")
+    signal_step: int = opt(
+        -1, "fault: as this step starts, rank 0 sends SIGINT to its launcher, as a Ctrl-C would"
+    )
+    hang_step: int = opt(-1, "fault: rank hang_rank stops responding as this step starts (comm timeout)")
+    hang_rank: int = opt(0, "the rank that hang_step hangs")
+    fail_save_step: int = opt(
+        -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
+    )
+    sigkill_in_save: int = opt(
+        -1, "fault: rank 0 is killed inside this step's checkpoint save, before it is published"
+    )
+    spike_step: int = opt(-1, "fault: rank 0's loss is multiplied by spike_scale at this step (a spike)")
+    spike_scale: float = opt(1000.0, "the factor of spike_step", above=0.0)
+    flip_bit_step: int = opt(
+        -1, "fault: as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)"
+    )
+    flip_bit_rank: int = opt(1, "the rank whose parameter flip_bit_step flips")
+    stuck_loader_step: int = opt(
+        -1,
+        "fault: from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)",
+    )
+    stuck_loader_rank: int = opt(1, "the rank whose loader stuck_loader_step freezes")
+    seed_mode: str = opt(
+        "shared",
+        "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",
+        choices=("shared", "rank0_differs", "per_rank"),
+    )
+
+
+@dataclass
+class Diagnostics:
+    enable: bool = opt(True, "cross-rank consistency diagnostics (need dp >= 2)")
+    warmup_steps: int = opt(200, "measure every step for this many first steps", at_least=0)
+    interval: int = opt(500, "after the warmup, measure every this many steps", at_least=1)
+    method: str = opt(
+        "auto",
+        "gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold "
+        "unsharded grads across microbatches (fsdp with accumulation) or under hsdp",
+        choices=("auto", "exact", "sketch"),
+    )
+    sketch_dim: int = opt(
+        1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)", at_least=16
+    )
+    noise_scale_ema: float = opt(
+        0.9, "EMA decay of the gradient-noise-scale estimate", at_least=0.0, below=1.0
+    )
+    on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
+    skip_spikes: str = opt(
+        "off",
+        "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",
+        choices=("off", "grad_norm", "loss"),
+    )
+    spike_k: float = opt(
+        6.0, "spike guard: standard deviations above the recent mean that make a spike", above=0.0
+    )
+    spike_window: int = opt(100, "spike guard: applied steps whose values form the history", at_least=1)
+    spike_min_history: int = opt(20, "spike guard: values it needs before it judges a step", at_least=1)
+    spike_max_consecutive: int = opt(
+        3, "spike guard: skips in a row allowed; one more stops the run", at_least=0
+    )
+    replica_check_interval: int = opt(
+        100,
+        "replica_drift: every this many steps, compare the replicas' parameters bitwise (ddp, hsdp); 0: off",
+        at_least=0,
+    )
+
+
+@dataclass
+class Alerts:
+    """The thresholds of the named alerts' rules (titanlite.diagnostics.rules)."""
+
+    window: int = opt(20, "measured steps that persistence rules look back on; alert cooldown", at_least=3)
+    min_steps: int = opt(
+        10, "burn-in: measured steps ignored before alerts, then history they need", at_least=1
+    )
+    spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median", above=1.0)
+    smooth_loss_tol: float = opt(
+        0.05, "dispersion_spike: global loss within this fraction of its recent median", above=0.0
+    )
+    trend_burn_in: int = opt(
+        100, "dispersion_rising_loss_falling: measured steps before it is armed", at_least=0
+    )
+    trend_window: int = opt(
+        100, "dispersion_rising_loss_falling: measured steps it looks back on (medians of thirds)", at_least=3
+    )
+    trend_rise: float = opt(
+        1.0,
+        "dispersion_rising_loss_falling: rise of the median std, last vs first third of trend_window",
+        above=0.0,
+    )
+    outlier_margin: float = opt(
+        0.05, "single_rank_outlier: the rank's loss above the others' mean by this fraction", at_least=0.0
+    )
+    persist_frac: float = opt(
+        0.7,
+        "single_rank_outlier / faulty_worker: share of the window the same rank stands out",
+        above=0.0,
+        at_most=1.0,
+    )
+    identical_std: float = opt(1e-6, "identical_data: loss std below this fraction of the loss", at_least=0.0)
+    identical_cos: float = opt(
+        0.99, "identical_data: or mean gradient cosine above this", at_least=-1.0, at_most=1.0
+    )
+    cos_high: float = opt(
+        0.5, "cosine_drop: armed while the median mean cosine is above this", at_least=-1.0, at_most=1.0
+    )
+    cos_low: float = opt(
+        0.05, "cosine_drop: fires when the mean cosine falls below this", at_least=-1.0, at_most=1.0
+    )
+    faulty_margin: float = opt(
+        0.1, "faulty_worker: rank's median cosine to others below theirs by this", at_least=0.0
+    )
+    norm_outlier_factor: float = opt(
+        3.0, "faulty_worker: or its grad norm this many x the others' median", above=1.0
+    )
+
+
+# Keys that moved to another section: an older config.toml naming them still loads (with one
+# deprecation line), so old run folders resume, compare and replay.
+MOVED_KEYS = {
+    "diagnostics.alert_window": "alerts.window",
+    "diagnostics.alert_min_steps": "alerts.min_steps",
+    **{
+        f"diagnostics.{k}": f"alerts.{k}"
+        for k in (
+            "spike_factor",
+            "smooth_loss_tol",
+            "trend_burn_in",
+            "trend_window",
+            "trend_rise",
+            "outlier_margin",
+            "persist_frac",
+            "identical_std",
+            "identical_cos",
+            "cos_high",
+            "cos_low",
+            "faulty_margin",
+            "norm_outlier_factor",
+        )
+    },
+}
