@@ -7,7 +7,8 @@ are in tests/test_checkpoint.py):
   and resumes;
 - a second Ctrl-C stops at once, in one line, without orphans;
 - a rank that stops responding makes the other stop within comm.timeout_s plus a grace, exit 4,
-  with one line naming the rank (shown by the launcher although LOG_RANK hides that rank);
+  with one line naming the rank (shown by the launcher although LOG_RANK hides that rank); a
+  rank frozen inside a step (SIGSTOP) is named by its stopped heartbeat, with the phase;
 - scripts/train.slurm, its two node tasks on this machine (NNODES=2, one rank each), trains the
   losses of one node with two ranks;
 - the lock, the free-space estimate and the multi-node naming rule, in process.
@@ -21,6 +22,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -79,7 +81,8 @@ def workers_of(tmp: Path) -> list[int]:
             cmd = (d / "cmdline").read_bytes().split(b"\0")
         except (OSError, ValueError):
             continue
-        if b"titanlite.train" in cmd and str(tmp).encode() in cmd and d.name.isdigit():
+        launcher = b"titanlite.launch" in cmd
+        if b"titanlite.train" in cmd and not launcher and str(tmp).encode() in cmd and d.name.isdigit():
             state = (d / "stat").read_text().split(") ")[-1][:1]
             if state != "Z":
                 pids.append(int(d.name))
@@ -145,6 +148,79 @@ def test_hung_rank_is_named_and_the_others_stop(tmp_path):
     assert "rank(s) 0 did not arrive (last step reached: 0: 2)" in line
     assert took < 5 + 20, took  # the timeout, the launcher's 5 s grace for the hung rank, slack
     assert no_workers_within(tmp_path, 10) == []
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) as it enters the backward of step 3: it reached the step, so
+    no rank is behind; its heartbeat stops with it, which names it (catalogue: the other points
+    of the step, scripts/fault_catalogue.py)."""
+    freeze = ("--comm.timeout_s", "5", "--debug.freeze_step", "3", "--debug.freeze_phase", "backward")
+    proc = launch(tmp_path, "frozen", "--training.steps", "50", *freeze)
+    wait_for_step(tmp_path / "frozen", 2, proc)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 4, err[-3000:]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"), line
+    assert (
+        "rank(s) 1 stopped responding inside it (rank 1 last seen in backward; its heartbeat stopped)" in line
+    )
+    assert "raise comm.timeout_s" not in line
+    assert no_workers_within(tmp_path, 10) == []
+
+
+def launcher_of(proc: subprocess.Popen) -> bool:
+    """Whether run_train.sh has exec'd the launcher (and Python has run its first lines)."""
+    try:
+        return b"titanlite.launch" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, when", [(signal.SIGINT, "workers"), (signal.SIGTERM, "workers"), (signal.SIGTERM, "launcher")]
+)
+def test_a_signal_before_the_first_step_stops_in_one_line_and_writes_nothing(tmp_path, sig, when):
+    """The signal comes while the launcher imports torch, or as soon as the workers exist, while
+    they import torch (it waits, pending, until their stop handler is installed): either way the
+    stop is the promised one, with no traceback."""
+    proc = launch(tmp_path, "early", "--training.steps", "3")
+    end = time.monotonic() + 120
+    while not (workers_of(tmp_path) if when == "workers" else launcher_of(proc)) and time.monotonic() < end:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.01)
+    if when == "launcher":
+        time.sleep(0.3)  # past the interpreter's own start, into the launcher's imports
+    os.killpg(proc.pid, sig)
+    code, _, err = finish(proc, timeout=120)
+    name = signal.Signals(sig).name
+    assert code == 128 + sig, err[-3000:]
+    assert (
+        err.strip().splitlines()[-1]
+        == f"titanlite: stopped by {name} before the first step; nothing was written"
+    )
+    assert "Traceback" not in err and not (tmp_path / "early").exists()
+    assert no_workers_within(tmp_path, 10) == []
+
+
+def test_a_signal_after_the_last_step_changes_nothing():
+    """Once the loop has ended, a stop signal is ignored: without that, CPython's finalization
+    restores the default action and a run that printed done: is killed by it."""
+    code = (
+        "import os, signal, time\n"
+        "from titanlite.components.run.stop import StopSignals\n"
+        "stops = StopSignals()\n"
+        "stops.armed = True\n"
+        "stops.drain()\n"
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(0.2)\n"
+        "print(signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    # ignored, not handled: finalization restores the default action of handled signals only
+    assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
 
 
 def _free_port() -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 
 EXIT_USER, EXIT_TRAINING, EXIT_LOST_RANK = 2, 3, 4
+# how a stop by signal before the loop ends its line; the launcher then removes what the launch made
+BEFORE_FIRST_STEP = "before the first step; nothing was written"
 
 
 class UserError(Exception):

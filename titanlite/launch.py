@@ -17,12 +17,30 @@ responding, 128+N stopped by signal N), or 1 when a worker crashed.
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
-import shutil
 import signal
 import sys
+
+from titanlite.errors import BEFORE_FIRST_STEP
+
+
+def _stopped_while_importing(signum: int, frame) -> None:
+    """A stop while this module imports torch (seconds): nothing exists yet to clean up."""
+    print(
+        f"titanlite: stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
+for _sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(_sig, _stopped_while_importing)
+
+# the rest after the handler: importing torch takes seconds
+import contextlib
+import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -74,7 +92,13 @@ class _Agent(LocalElasticAgent):
         return result
 
     def _start_workers(self, worker_group):
-        pids = super()._start_workers(worker_group)
+        # Started with the stop signals blocked (inherited): one that comes while they import
+        # torch stays pending until their handler is installed (components/run/stop.py).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            pids = super()._start_workers(worker_group)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL (inside
         # its process context, whatever --shutdown-timeout says); they wait on the dead peer,
         # which no grace can finish. A user's stop never goes through this: the workers exit
@@ -148,13 +172,17 @@ def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
     return attempts[-1] / str(local_rank) / "stderr.log" if attempts else None
 
 
-def _printed_by(line: str, log_dir: Path, shown: set[int] | None) -> bool:
-    """Whether a rank on the console already printed `line` (an error every rank finds alike)."""
-    for r in shown or ():
-        log = _stderr_log(log_dir, r)
-        if log and log.is_file() and line in log.read_text(errors="replace").splitlines():
-            return True
-    return False
+def _printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
+    """Whether one of `ranks` (None: any) printed a line holding `text` in this attempt (e.g. an
+    error every rank finds alike, which a rank on the console has already shown)."""
+    attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    logs = list(attempts[-1].glob("*/stderr.log")) if attempts else []
+    return any(
+        text in line
+        for log in logs
+        if ranks is None or int(log.parent.name) in ranks
+        for line in log.read_text(errors="replace").splitlines()
+    )
 
 
 def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
@@ -167,7 +195,7 @@ def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     on_console = shown is None or first.local_rank in shown
     if code in NO_RESTART or code == EXIT_LOST_RANK:
         own = [ln for ln in lines if ln.startswith("titanlite: ")]
-        if own and not on_console and not _printed_by(own[-1], log_dir, shown):
+        if own and not on_console and not _printed_by(own[-1], log_dir, shown or set()):
             print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
         return code
     if not on_console:
@@ -206,7 +234,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _on_signal)
     mp_api._terminate_process_handler = _on_signal  # what torchrun's agent installs as it starts
     launcher_api.LocalElasticAgent = _Agent
-    lock, made, log_dir, code = None, None, None, 1
+    lock, made, log_dir, code, early = None, None, None, 1, False
     try:
         args = get_args_parser().parse_args(argv)
         world, nnodes = _world_size(args)
@@ -236,8 +264,11 @@ def main(argv: list[str]) -> int:
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
+            for sig in STOP_SIGNALS:  # the workers finished: a late signal changes nothing
+                signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
             code = _report(e, log_dir, shown)
+            early = code in {128 + s for s in STOP_SIGNALS} and _printed_by(BEFORE_FIRST_STEP, log_dir, None)
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         code = 2
@@ -250,16 +281,16 @@ def main(argv: list[str]) -> int:
                 file=sys.stderr,
             )
         else:
-            print(
-                f"titanlite: stopped by {name} before the workers started; nothing to save", file=sys.stderr
-            )
+            print(f"titanlite: stopped by {name} {BEFORE_FIRST_STEP}", file=sys.stderr)
+            early = True
         code = 128 + int(e.sigval)
     finally:
         if lock is not None:
             lock.release()
-        if code == 2 and made is not None:  # bad input found by the workers: leave nothing behind
+        early = early or code == 2  # bad input found by the workers, a stop before the first step
+        if early and made is not None:  # leave nothing behind
             shutil.rmtree(made, ignore_errors=True)
-        elif code == 2 and log_dir is not None:  # ... not even a log folder in an existing run folder
+        elif early and log_dir is not None:  # ... not even a log folder in an existing run folder
             shutil.rmtree(log_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 log_dir.parent.rmdir()  # logs/, if this launch's were its only ones

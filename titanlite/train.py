@@ -15,7 +15,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from titanlite.components.checkpoint.checkpointer import Checkpointer
 from titanlite.components.checkpoint.export import export_run
@@ -35,7 +34,7 @@ from titanlite.datasets.build import Microbatch, build_dataloader, build_dataset
 from titanlite.datasets.spec import check_data_files
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.spike_guard import SpikeGuard
-from titanlite.distributed.liveness import Heartbeat, flight_recorder_env, lost_peer
+from titanlite.distributed.liveness import Heartbeat, flight_recorder_env, lost_peer, phase
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import materialize
 from titanlite.distributed.utils import clip_grad_norm_, set_deterministic
@@ -136,7 +135,7 @@ class Trainer:
     def train_step(self, step: int) -> None:
         """One optimizer step. Its parts are named for torch.profiler (titanlite.data, .forward,
         .backward, .clip, .optimizer: scripts/bench.py's step-time breakdown)."""
-        with record_function("titanlite.data"):
+        with phase("data"):
             micro = self.next_microbatches(step)
         self.heartbeat.reached(step)
         measured = self.diagnostics.begin_step(step)
@@ -151,7 +150,7 @@ class Trainer:
             loss_chunk=self.loss_chunk,
             losses=self.losses,
         )
-        with record_function("titanlite.clip"):
+        with phase("clip"):
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
         sampler = self.dataloader.batch_sampler
         self.diagnostics.end_training_step(step, micro, sample_sums, sampler, grad_norm)
@@ -161,7 +160,7 @@ class Trainer:
         guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
         if guard is not None:
             skip = skip | guard[0].bool()
-        with record_function("titanlite.optimizer"):
+        with phase("optimizer"):
             set_skip(self.optimizer, skip)
             self.optimizer.step()
             self.scheduler.step()

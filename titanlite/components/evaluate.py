@@ -26,6 +26,7 @@ from titanlite.components.loss import loss_chunk, sequence_losses
 from titanlite.config import JobConfig
 from titanlite.datasets.build import Microbatch, build_eval_dataset, collate
 from titanlite.datasets.records import prompt_format
+from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.readback import readback
@@ -74,6 +75,7 @@ class Evaluator:
         every, last = self.cfg.eval.interval, self.cfg.training.steps
         return step == last or (every > 0 and step % every == 0)
 
+    @in_phase("eval")
     def run(self, model: nn.Module, step: int) -> tuple[dict, list[dict[str, str]]]:
         """The eval's record ({"step", "loss", "perplexity", "tokens", "sequences", "seconds"})
         and the decoded eval.prompts ({"prompt", "text"}); every rank calls it in lockstep."""

@@ -17,8 +17,8 @@ Data-Parallel Full Fine-Tuning", studies the seed ones):
 - stuck_loader_step: from that step on, one rank's loader hands out that step's batch again and
   again (a reader stuck on a stale buffer), while its sampler moves on.
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
-loss, a rank killed at a step or inside a save, a rank that hangs, a save failing as on a full
-disk.
+loss, a rank killed at a step or inside a save, a rank that hangs before a step, a rank frozen
+(SIGSTOP) inside a phase of a step, a save failing as on a full disk.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from titanlite.components.run.plan import is_restart
 from titanlite.config.job_config import Debug
 from titanlite.diagnostics.replicas import as_bits
+from titanlite.distributed.liveness import on_phase
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.seeds import fault_seed
 
@@ -53,6 +54,16 @@ class Faults:
         self.grad_noise_scale = debug.grad_noise_scale if debug.grad_noise_rank == rank else 0.0
         self._stuck: list | None = None  # the batch a stuck loader repeats
         self._step = 0  # the step running (at_step)
+        if debug.freeze_step >= 0 and rank == debug.freeze_rank:
+            on_phase(self.freeze)
+
+    def freeze(self, phase: str) -> None:
+        """Rank freeze_rank stops itself (SIGSTOP, as a debugger or an operator would) as it enters
+        freeze_phase of freeze_step: a frozen process whose heartbeat stops with it. It stops a
+        second into the phase, after its heartbeat (every 0.5 s) has published the phase."""
+        if self._step == self.debug.freeze_step and phase == self.debug.freeze_phase:
+            time.sleep(1.0)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
     def labels(self, step: int, labels: torch.Tensor) -> torch.Tensor:
         """A microbatch's host labels as this step's faults leave them."""

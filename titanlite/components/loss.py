@@ -36,9 +36,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.profiler import record_function
 
 from titanlite.datasets.build import Microbatch
+from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import grad_sync
 from titanlite.ops.cross_entropy import chunk_positions, count_valid, cross_entropy_per_sample
@@ -138,10 +138,10 @@ def forward_backward(
     for m, batch in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
-            with dims.autocast(), record_function("titanlite.forward"):
+            with dims.autocast(), phase("forward"):
                 per_sample = losses(model, batch, loss_chunk)
             loss = balancer.scale(per_sample.sum(), m)
-            with record_function("titanlite.backward"):
+            with phase("backward"):
                 loss.backward()
         loss_total += loss.detach()
         sample_sums.append(per_sample.detach())

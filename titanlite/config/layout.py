@@ -129,6 +129,7 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
     ranks += ["flip_bit_rank"] if cfg.debug.flip_bit_step >= 0 else []
     ranks += ["stuck_loader_rank"] if cfg.debug.stuck_loader_step >= 0 else []
+    ranks += ["freeze_rank"] if cfg.debug.freeze_step >= 0 else []
     for key in ranks:
         if getattr(cfg.debug, key) >= world_size:
             raise UserError(

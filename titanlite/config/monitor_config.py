@@ -35,6 +35,13 @@ class Debug:
     )
     hang_step: int = opt(-1, "fault: rank hang_rank stops responding as this step starts (comm timeout)")
     hang_rank: int = opt(0, "the rank that hang_step hangs")
+    freeze_step: int = opt(-1, "fault: rank freeze_rank stops itself (SIGSTOP) in freeze_phase of this step")
+    freeze_rank: int = opt(1, "the rank that freeze_step freezes")
+    freeze_phase: str = opt(
+        "forward",
+        "the part of the step where freeze_step freezes",
+        choices=("data", "forward", "backward", "clip", "optimizer", "checkpoint"),
+    )
     fail_save_step: int = opt(
         -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
     )

@@ -1,10 +1,16 @@
 """Hung and lost ranks: a collective that waits longer than comm.timeout_s stops the run with one
-line naming the ranks that did not arrive, instead of hanging forever.
+line naming the ranks at fault, instead of hanging forever.
 
 Gloo and NCCL timeouts say that a collective timed out, not which peer never came. So each rank
-publishes the step it has reached to the rendezvous store, from a background thread (the loop
-never waits on the store); the rank that times out reads them all, and the ranks behind the
-others are the ones that did not arrive.
+publishes to the rendezvous store, from a background thread (the loop never waits on the store),
+the step it has reached, the phase of the step it is in (`phase`: data, forward, backward, clip,
+optimizer, eval, checkpoint) and a beat counter that the thread advances every BEAT_S. The rank
+that times out reads them all, twice, BEAT_S * 2.5 apart, and names:
+- the ranks behind the others' step: they never reached it (a hung data read, a dead host);
+- else the ranks whose beat stopped: a frozen process (SIGSTOP, a debugger, a call stuck while
+  holding the interpreter), where a longer timeout would not help;
+- else the ranks in another phase than the rest: still computing (a stuck kernel, a data loader
+  that never returns) while the others wait in a collective.
 
 Gloo raises the timeout in the waiting rank, which the trainer turns into that line (exit 4).
 NCCL's own watchdog tears the process down at the timeout (after writing the flight recorder's
@@ -14,18 +20,59 @@ has run for comm.timeout_s prints the same line first.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import threading
 import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.profiler import record_function
 
 logger = logging.getLogger("titanlite")
 
 _KEY = "titanlite/reached/"
+BEAT_S = 2.0  # the heartbeat's beat: at 1,000 ranks, 500 small writes a second to the store
+_current = ["set-up"]  # the phase this rank is in
+_on_phase: list[Callable[[str], None]] = []  # fault injection (titanlite.components.faults)
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """This rank is in `name` (published by the heartbeat; a torch.profiler range
+    `titanlite.<name>`, which scripts/bench.py's step-time breakdown reads)."""
+    before, _current[0] = _current[0], name
+    for hook in _on_phase:
+        hook(name)
+    try:
+        with record_function(f"titanlite.{name}"):
+            yield
+    finally:
+        _current[0] = before
+
+
+def on_phase(hook: Callable[[str], None]) -> None:
+    """Call `hook(name)` as this rank enters each phase (fault injection)."""
+    _on_phase.append(hook)
+
+
+def in_phase(name: str) -> Callable[[Callable], Callable]:
+    """A method that runs inside phase(`name`)."""
+
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with phase(name):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return wrap
 
 
 _LOST = ("connection reset", "connection closed", "broken pipe", "communicator was aborted")
@@ -56,7 +103,7 @@ def flight_recorder_env(trace_dir: Path, entries: int) -> None:
 
 class Heartbeat:
     """This rank's progress, published to the rendezvous store every `period` seconds when it
-    changed; `watch_s` > 0 also prints the lost-rank line when one step runs that long."""
+    changed; with `watch` it also prints the lost-rank line when one step runs that long."""
 
     def __init__(self, timeout_s: float, watch: bool, period: float = 0.5) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -80,36 +127,45 @@ class Heartbeat:
         self.busy = False
 
     def _run(self) -> None:
-        published, warned = None, False
+        published, warned_step, beat, last_beat = None, None, 0, -BEAT_S
+        # on CUDA the line must come before NCCL's watchdog ends the process at the timeout, and
+        # explain() looks at the beats for 2.5 beats first
+        watch_s = max(self.timeout_s - 3 * BEAT_S, self.timeout_s / 2)
         while not self._stop.wait(self._period):
-            step = self.step
+            step, now = self.step, time.monotonic()
             try:
-                if step != published:
-                    self._store.set(f"{_KEY}{self.rank}", str(step))
-                    published, warned = step, False
-                if (
-                    self.watch
-                    and self.busy
-                    and not warned
-                    and time.monotonic() - self._since > self.timeout_s
-                ):
-                    warned = True
+                if now - last_beat >= BEAT_S:
+                    beat, last_beat = beat + 1, now
+                record = f"{step} {beat} {_current[0]}"
+                if record != published:
+                    self._store.set(f"{_KEY}{self.rank}", record)
+                    published = record
+                if self.watch and self.busy and warned_step != step and now - self._since > watch_s:
+                    warned_step = step
                     print(f"titanlite: stopped: {self.explain(step, 'timeout')}", file=sys.stderr, flush=True)
             except Exception:  # the store is gone (the job is ending): nothing left to publish
                 return
 
+    def _read(self) -> dict[int, tuple[int, int, str] | None]:
+        """Every rank's published (step, beat, phase); None where a rank published nothing."""
+        out: dict[int, tuple[int, int, str] | None] = {}
+        for r in range(self.world):
+            key, out[r] = f"{_KEY}{r}", None
+            try:
+                if self._store.check([key]):
+                    step, beat, where = self._store.get(key).decode().split(" ", 2)
+                    out[r] = (int(step), int(beat), where)
+            except Exception:  # the store is going away, or a record from another version
+                pass
+        return out
+
     def explain(self, step: int, how: str) -> str:
-        """The lost-rank line: which ranks did not reach the step this rank waits in; `how` is
-        lost_peer's answer."""
+        """The lost-rank line: which ranks keep this rank waiting at `step`, and why (see the
+        module doc); `how` is lost_peer's answer."""
         if how == "lost":  # the peers' heartbeats are up to a period old; let them catch up
             time.sleep(2 * self._period)
-        reached = {}
-        for r in range(self.world):
-            key = f"{_KEY}{r}"
-            try:
-                reached[r] = int(self._store.get(key)) if self._store.check([key]) else None
-            except Exception:
-                reached[r] = None
+        first = self._read()
+        reached = {r: v[0] if v else None for r, v in first.items()}
         reached[self.rank] = step  # its own, not the heartbeat's copy
         top = max([s for s in reached.values() if s is not None] + [step])
         behind = {r: s for r, s in reached.items() if s is None or s < top}
@@ -117,16 +173,39 @@ class Heartbeat:
             head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
         else:
             head = f"a collective lost its connection to a peer at step {top}"
-        if not behind:
+        if behind:
+            names = ", ".join(str(r) for r in sorted(behind))
+            last = ", ".join(f"{r}: {'none' if s is None else s}" for r, s in sorted(behind.items()))
             return (
-                f"{head}; every rank reached that step, so the wait is inside it (a collective or a "
-                "kernel); raise comm.timeout_s if the step is legitimately that slow"
+                f"{head}: rank(s) {names} did not arrive (last step reached: {last}); look at their logs "
+                "in the run folder's logs/ (a hung data read, a dead host)"
             )
-        names = ", ".join(str(r) for r in sorted(behind))
-        last = ", ".join(f"{r}: {'none' if s is None else s}" for r, s in sorted(behind.items()))
+        time.sleep(2.5 * BEAT_S)
+        second = self._read()
+        others = [r for r in range(self.world) if r != self.rank and first[r] and second[r]]
+        frozen = [r for r in others if first[r][1] == second[r][1]]
+        if frozen:
+            where = ", ".join(f"rank {r} last seen in {first[r][2]}" for r in frozen)
+            return (
+                f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding inside it ({where}; its "
+                "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
+                "interpreter), which a longer comm.timeout_s would not help; look at it on its host "
+                "(py-spy dump --pid <pid> shows where it is)"
+            )
+        mine = _current[0]
+        odd = {r: second[r][2] for r in others if second[r][2] != mine}
+        if odd:
+            where = ", ".join(f"rank {r} in {p}" for r, p in sorted(odd.items()))
+            return (
+                f"{head}: rank(s) {', '.join(map(str, sorted(odd)))} are still computing ({where}) while "
+                f"this rank waits in {mine}: a stuck kernel or a data loader that never returns; look at "
+                "their logs in the run folder's logs/"
+            )
+        common = Counter(v[2] for v in second.values() if v).most_common(1)
+        where = common[0][0] if common else mine
         return (
-            f"{head}: rank(s) {names} did not arrive (last step reached: {last}); look at their logs "
-            "in the run folder's logs/ (a hung data read, a dead host, a stuck kernel)"
+            f"{head}; every rank reached that step and is alive in {where}, so the wait is inside a "
+            "collective; raise comm.timeout_s if the step is legitimately that slow"
         )
 
     def close(self) -> None:

@@ -63,6 +63,7 @@ from titanlite.config import JobConfig
 from titanlite.config.identity import identity
 from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
 from titanlite.config.layout import initial_load_kind
+from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
 from titanlite.tools.cache import fsync_dir
@@ -220,6 +221,7 @@ class Checkpointer:
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
+    @in_phase("checkpoint")
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
         partial folder, keep the older checkpoints, and raise on every rank."""

@@ -8,6 +8,9 @@ trainer then finishes that step, writes a checkpoint, and exits with 128 + the s
 
 A signal before the loop starts stops at once (there is nothing to save yet). Once a stop is under
 way, further signals are ignored here: the launcher answers a second Ctrl-C by killing the workers.
+The launcher starts the workers with the stop signals blocked, so one that arrives while a worker
+imports torch waits, pending, until the handler is installed here; once the loop has ended they
+are ignored (CPython's finalization would otherwise restore the default action, which kills).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from titanlite.errors import Stopped
+from titanlite.errors import BEFORE_FIRST_STEP, Stopped
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -32,15 +35,14 @@ class StopSignals:
         self._pending: tuple[dist.Work, torch.Tensor, bytearray] | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is handled now
 
     def _handle(self, signum: int, frame) -> None:
         if self.received:
             return
         self.received = signum
         if not self.armed:
-            raise Stopped(
-                signum, f"stopped by {signal.Signals(signum).name} before the first step; nothing to save"
-            )
+            raise Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
 
     def arm(self, timeout_s: int) -> None:
         """Every rank, once, as the loop starts."""
@@ -66,7 +68,10 @@ class StopSignals:
         return agreed
 
     def drain(self) -> None:
-        """Every rank, when the loop ends normally: complete the last all-reduce."""
+        """Every rank, when the loop ends normally: complete the last all-reduce; from now on a
+        signal changes nothing (the run has finished its steps)."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
