@@ -211,7 +211,9 @@ def test_full_disk_fails_the_save_loudly_and_keeps_the_previous(tmp_path):
     """The last rank's shard write fails inside DCP (as on a full disk) at step 6."""
     proc = run(tmp_path, "full", "--checkpoint.interval", "3", "--debug.fail_save_step", "6", ok=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "checkpoint save at step 6 failed" in proc.stderr and "No space left on device" in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"checkpoint save at step 6 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]
+    assert "No space left on device" in line and "then rerun the same command" in line
     assert "the checkpoint of step 3 is intact" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step-00000003"]
 
@@ -232,7 +234,9 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
 
     proc = run(tmp_path, "async-full", *ckpt, "--debug.fail_save_step", "4", ok=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
-    assert "checkpoint save at step 4 failed" in proc.stderr and "No space left on device" in proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert f"checkpoint save at step 4 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]
+    assert "No space left on device" in line and "then rerun the same command" in line
     assert "the checkpoint of step 2 is intact" in proc.stderr
     assert sorted(p.name for p in (tmp_path / "async-full" / "checkpoints").iterdir()) == ["step-00000002"]
     assert max(losses(tmp_path, "async-full")) == 6  # reported at the next save, step 6

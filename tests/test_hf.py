@@ -551,6 +551,57 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
         check_fits(ckpts / "step-00000002", {"layers.9.attention.wq.weight": torch.empty(1)})
 
 
+def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_path, capsys):
+    """model.hf_assets_path's config.json is read anew by every launch: a resume compares the model
+    it builds with the args state.json recorded, or, for a checkpoint that recorded none, with the
+    shapes in DCP's .metadata; a folder left as it was resumes either way."""
+    import shutil
+
+    from titanlite import preflight
+
+    hf = Path(shutil.copytree(assets / "untied", tmp_path / "hf"))
+    run = Path(
+        shutil.copytree(loaded[2]["runs"] / "ft", tmp_path / "ft", ignore=shutil.ignore_patterns("logs"))
+    )
+    states = sorted((run / "checkpoints").glob("step-*/state.json"))
+    assert states
+
+    def edit_states(change) -> None:
+        for path in states:
+            state = json.loads(path.read_text())
+            change(state)
+            path.write_text(json.dumps(state))
+
+    def moved(state: dict) -> None:  # the run as if it had trained on the copy
+        state["identity"]["model.hf_assets_path"] = state["config"]["model.hf_assets_path"] = str(hf)
+
+    edit_states(moved)
+    argv = [
+        *("--world-size", "2", "--model.hf_assets_path", str(hf), "--data.mode", "sft"),
+        *("--data.path", str(assets / "chat.jsonl"), "--training.seq_len", "160", "--training.steps", "5"),
+        *("--training.global_batch_size", "4", "--training.local_batch_size", "1"),
+        *("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"),
+        *("--job.dump_folder", str(tmp_path), "--job.run_name", "ft"),
+    ]
+    assert preflight.main(argv) == 0
+    config = json.loads((hf / "config.json").read_text())
+    size = config["intermediate_size"]
+    (hf / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * size}))
+    capsys.readouterr()
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the model changed since checkpoint" in err, err
+    assert f"{hf}/config.json changed (intermediate_size {size}, now {2 * size})" in err, err
+    edit_states(lambda state: state.pop("model_args"))  # a checkpoint from before the record
+    assert preflight.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"has shape ({size}, " in err and f"this model's ({2 * size}, " in err, (
+        err
+    )
+    (hf / "config.json").write_text(json.dumps(config))
+    assert preflight.main(argv) == 0
+
+
 @pytest.mark.parametrize("config", ["llama3_2_1b_sft", "llama3_1_8b_sft"])
 def test_sft_configs_are_ready_for_a_downloaded_folder(assets, config, capsys):
     from titanlite import preflight

@@ -163,7 +163,7 @@ def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
     line = err.strip().splitlines()[-1]
     assert line.startswith("titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"), line
     assert (
-        "rank(s) 1 stopped responding inside it (rank 1 last seen in backward; its heartbeat stopped)" in line
+        "rank(s) 1 stopped responding (rank 1 last seen in backward of step 3; its heartbeat stopped)" in line
     )
     assert "raise comm.timeout_s" not in line
     assert no_workers_within(tmp_path, 10) == []

@@ -271,6 +271,48 @@ def test_killed_preparation_is_refused_then_resumes_to_the_same_folder(tmp_path,
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == listing
 
 
+def test_a_full_disk_stops_the_preparation_in_one_line_and_the_rerun_resumes(tmp_path, tok, monkeypatch):
+    """The third shard's write comes up short, as numpy reports it (no errno), with 1 MiB left:
+    one line that says the disk is full, no temporary file, the shards written kept."""
+    import errno
+    import types
+
+    from titanlite.datasets import prepare as prepare_module
+    from titanlite.tools import cache
+
+    raw = tmp_path / "raw.jsonl"
+    raw.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(3000, seed=5)))
+    ref = prepare([raw], tmp_path / "ref", tok, shard_bytes=20_000)
+    add = prepare_module._ShardWriter.add
+
+    def short_write(writer, *args) -> None:
+        if writer.name == "shard-00002":
+            raise OSError("38996 requested and 29726 written")
+        add(writer, *args)
+
+    out = tmp_path / "out"
+    with monkeypatch.context() as m:
+        m.setattr(prepare_module._ShardWriter, "add", short_write)
+        m.setattr(cache.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1 << 20))
+        with pytest.raises(UserError, match=r"^preparing the data: disk full under '.*' \(1\.0 MiB left\); "
+                           r".* then rerun: the 2 of \d+ shards written are kept$"):  # fmt: skip
+            prepare([raw], out, tok, shard_bytes=20_000)
+    assert sorted(p.name for p in out.glob("shard-*.json")) == ["shard-00000.json", "shard-00001.json"]
+    assert not list(out.glob(".shard-*"))
+    assert prepare([raw], out, tok, shard_bytes=20_000)["shards"] == ref["shards"]
+    # ... a short write with space left is not a full disk: the error as it came
+    with monkeypatch.context() as m:
+        m.setattr(prepare_module._ShardWriter, "add", short_write)
+        with pytest.raises(OSError, match="requested and"):
+            prepare([raw], tmp_path / "other", tok, shard_bytes=20_000)
+    # ENOSPC, however deep: a cause, or one rank's failure among those DCP gathers
+    enospc = OSError(errno.ENOSPC, "No space left on device")
+    gathered = RuntimeError("a rank failed")
+    gathered.failures = {1: (enospc, None)}
+    assert cache.disk_full(gathered, tmp_path).startswith(f"disk full under '{tmp_path}' (")
+    assert cache.disk_full(RuntimeError("unexpected pos 704 vs 598"), tmp_path) is None
+
+
 def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
     raw = tmp_path / "raw.jsonl"
     raw.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"body": "no text"}) + "\n")

@@ -2,8 +2,10 @@
 
 `plan_run` parses the config and checks: the layout for the world size, value ranges, the data
 and tokenizer files, the run folder (its name fixed here, writable, not held by a live run, not
-holding another run), the checkpoint folder (not a file, writable, its checkpoint resumable, free
-space for one more checkpoint, estimated from the model's shapes). A problem is one UserError.
+holding another run), the model (built on the meta device: name, flavor, capabilities; a resume's
+the same as its checkpoint's), a fresh run's Hugging Face weights (whole), the checkpoint folder
+(not a file, writable, its checkpoint intact and resumable, free space for one more checkpoint,
+estimated from the model's shapes). A problem is one UserError.
 
 `python -m titanlite.preflight --world-size N [--config FILE] [overrides]` runs the same checks
 and prints nothing (exit 0) or one line (exit 2); `--help` prints run_train.sh's usage and every
@@ -15,7 +17,9 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from titanlite.components.checkpoint.index import check_same_model
 from titanlite.components.run.plan import (
     check_checkpoint_space,
     check_writable,
@@ -62,9 +66,12 @@ def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: boo
     if folder.exists() and not folder.is_dir():
         raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")
     resume = resume_step(cfg, run_dir, restarted=False)
-    n, what = model_parameters(cfg)  # the name, flavor and capabilities, on the meta device
+    meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
+    n, what = model_size(cfg, meta)
     if resume is None:
         check_initial_weights(cfg)
+    else:
+        check_same_model(folder, resume, meta, cfg)
     if cfg.checkpoint.interval > 0:
         check_writable(folder, "checkpoint.folder")
         if check_space:
@@ -72,12 +79,15 @@ def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: boo
     return RunPlan(cfg, run_dir, resume)
 
 
-def model_parameters(cfg: JobConfig) -> tuple[int, str]:
-    """The model's parameter count, from its shapes on the meta device (imports torch), and its
-    name for messages."""
+def _meta_model(cfg: JobConfig) -> Any:
+    """cfg's model on the meta device (imports torch)."""
     from titanlite.models.registry import build_meta_model
 
-    meta = build_meta_model(cfg, _vocab_size(cfg))
+    return build_meta_model(cfg, _vocab_size(cfg))
+
+
+def model_size(cfg: JobConfig, meta: Any) -> tuple[int, str]:
+    """The model's parameter count, from its shapes on the meta device, and its name for messages."""
     n = sum(p.numel() for p in meta.model.parameters())
     flavor = "the Hugging Face model" if cfg.model.hf_assets_path else cfg.model.flavor
     return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"

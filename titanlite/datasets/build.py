@@ -35,7 +35,7 @@ from titanlite.datasets.tokenizer import (
 )
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
-from titanlite.tools.cache import atomic_write_bytes, cache_dir
+from titanlite.tools.cache import atomic_write_bytes, cache_dir, disk_full
 from titanlite.tools.logging import init_logging
 
 logger = init_logging()
@@ -53,6 +53,11 @@ def _built_once(path: Path, build, is_builder: bool) -> None:
             build()
         except UserError as e:
             error = str(e)
+        except OSError as e:
+            full = disk_full(e, path.parent)
+            if full is None:
+                raise
+            error = f"building {path.name}: {full}; free space or move the cache (data.cache_dir, TITANLITE_CACHE)"
     # The others wait for work here, not for a peer: on a group whose timeout is not
     # comm.timeout_s, which a user may set to seconds to catch hung ranks fast.
     waiting = dist.new_group(backend="gloo", timeout=BUILD_WAIT) if dist.is_initialized() else None

@@ -42,7 +42,7 @@ import numpy as np
 from titanlite.datasets.records import record_tokens, sft_format_key
 from titanlite.datasets.sources import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
 from titanlite.errors import UserError
-from titanlite.tools.cache import atomic_write_bytes, fsync_dir
+from titanlite.tools.cache import atomic_write_bytes, disk_full, fsync_dir
 
 FORMAT = 1
 META = "meta.json"
@@ -286,8 +286,16 @@ def prepare(
             for n, (i, info) in enumerate(_run(todo, tok, workers), 1):
                 infos[i] = info
                 progress.add(info, fresh=True, last=n == len(todo))
-        except BaseException:
+        except BaseException as e:
             _clean_tmp(out)
+            full = disk_full(e, out) if isinstance(e, (OSError, RuntimeError)) else None
+            if full is not None:
+                done = sum(info is not None for info in infos)
+                raise UserError(
+                    f"preparing the data: {full}; free space or use a larger disk (the cache: "
+                    f"data.cache_dir or TITANLITE_CACHE), then rerun: the {done} of {len(infos)} shards "
+                    "written are kept"
+                ) from None
             raise
         meta = _finish(out, key, infos, names, files, tok, mode, text_field)
         progress.say(

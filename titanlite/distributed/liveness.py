@@ -6,9 +6,9 @@ publishes to the rendezvous store, from a background thread (the loop never wait
 the step it has reached, the phase of the step it is in (`phase`: data, forward, backward, clip,
 optimizer, eval, checkpoint) and a beat counter that the thread advances every BEAT_S. The rank
 that times out reads them all, twice, BEAT_S * 2.5 apart, and names:
-- the ranks behind the others' step: they never reached it (a hung data read, a dead host);
-- else the ranks whose beat stopped: a frozen process (SIGSTOP, a debugger, a call stuck while
+- the ranks whose beat stopped: a frozen process (SIGSTOP, a debugger, a call stuck while
   holding the interpreter), where a longer timeout would not help;
+- else the ranks behind the others' step: they never reached it (a hung data read, a dead host);
 - else the ranks in another phase than the rest: still computing (a stuck kernel, a data loader
   that never returns) while the others wait in a collective.
 
@@ -173,24 +173,29 @@ class Heartbeat:
             head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
         else:
             head = f"a collective lost its connection to a peer at step {top}"
+        second = first
+        others = [r for r in range(self.world) if r != self.rank and first[r]]
+        if how == "timeout":  # a frozen rank comes first, whether or not it reached the step
+            time.sleep(2.5 * BEAT_S)
+            second = self._read()
+            others = [r for r in others if second[r]]
+            frozen = [r for r in others if first[r][1] == second[r][1]]
+            if frozen:
+                where = ", ".join(
+                    f"rank {r} last seen in {first[r][2]} of step {first[r][0]}" for r in frozen
+                )
+                return (
+                    f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding ({where}; its "
+                    "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
+                    "interpreter), which a longer comm.timeout_s would not help; look at it on its host "
+                    "(py-spy dump --pid <pid> shows where it is)"
+                )
         if behind:
             names = ", ".join(str(r) for r in sorted(behind))
             last = ", ".join(f"{r}: {'none' if s is None else s}" for r, s in sorted(behind.items()))
             return (
                 f"{head}: rank(s) {names} did not arrive (last step reached: {last}); look at their logs "
                 "in the run folder's logs/ (a hung data read, a dead host)"
-            )
-        time.sleep(2.5 * BEAT_S)
-        second = self._read()
-        others = [r for r in range(self.world) if r != self.rank and first[r] and second[r]]
-        frozen = [r for r in others if first[r][1] == second[r][1]]
-        if frozen:
-            where = ", ".join(f"rank {r} last seen in {first[r][2]}" for r in frozen)
-            return (
-                f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding inside it ({where}; its "
-                "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
-                "interpreter), which a longer comm.timeout_s would not help; look at it on its host "
-                "(py-spy dump --pid <pid> shows where it is)"
             )
         mine = _current[0]
         odd = {r: second[r][2] for r in others if second[r][2] != mine}

@@ -1,10 +1,17 @@
-"""The cache folder and atomic writes, so an interrupted build never leaves a half file."""
+"""The cache folder and atomic writes, so an interrupted build never leaves a half file; and
+telling a full disk from other write failures."""
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
+
+# Under this much left after a failed write, the disk is taken as full: numpy's tofile and
+# torch.save's zip writer report a short write with no errno ("unexpected pos 704 vs 598").
+LOW_SPACE = 64 << 20
 
 
 def cache_dir(configured: str) -> Path:
@@ -34,3 +41,32 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _no_space_errno(e: BaseException) -> bool:
+    """ENOSPC anywhere in `e`: its causes, or the per-rank failures DCP gathers."""
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, tuple):  # DCP's (exception, traceback)
+            x = x[0]
+        if not isinstance(x, BaseException) or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
+            return True
+        todo += [x.__cause__, x.__context__, *(getattr(x, "failures", None) or {}).values()]
+    return False
+
+
+def disk_full(e: BaseException, folder: Path) -> str | None:
+    """ "disk full under '<folder>' (<space> left)" when the write that raised `e` ran out of space
+    (ENOSPC, or under LOW_SPACE left after it), else None."""
+    try:
+        free: int | None = shutil.disk_usage(folder).free
+    except OSError:
+        free = None
+    if not _no_space_errno(e) and (free is None or free >= LOW_SPACE):
+        return None
+    left = "?" if free is None else f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+    return f"disk full under '{folder}' ({left} left)"

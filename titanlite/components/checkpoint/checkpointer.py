@@ -49,9 +49,12 @@ from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import (
     OPTIMIZER_GROUPS,
     check_fits,
+    check_same_model,
     complete_steps,
     file_record,
     flat_config,
+    hf_config,
+    model_record,
     optimizer_groups_error,
     quarantine,
     resume_changes,
@@ -66,7 +69,7 @@ from titanlite.config.layout import initial_load_kind
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
-from titanlite.tools.cache import fsync_dir
+from titanlite.tools.cache import disk_full, fsync_dir
 from titanlite.tools.seeds import reshard_seed
 
 logger = logging.getLogger("titanlite")
@@ -153,6 +156,8 @@ class Checkpointer:
         )
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
         self._pending: tuple[int, Path, Future] | None = None
+        self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
+        self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
 
     def track(self, parts: dict[str, HostState], generators: dict[str, torch.Generator]) -> None:
         """Register host-stateful parts (saved in state.json under their names) and RNG streams
@@ -171,7 +176,9 @@ class Checkpointer:
         the checkpoint's run, and with checkpoint.restore_hparams = false continues the schedule
         under this run's settings. A fresh run starts from checkpoint.initial_load_path, else
         model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
+        self.model_args = model_record(meta.args)
         if resume is not None:
+            check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
             if self.rank == 0:
                 for line in resume_changes(state, self.cfg):
@@ -240,8 +247,8 @@ class Checkpointer:
         self._settle(step, tmp, error)
         try:
             torch.save(_rng_states(self.generators), tmp / f"rng-rank{self.rank}.pt")
-        except OSError as e:
-            error = f"rank {self.rank}: {e}"
+        except (OSError, RuntimeError) as e:  # RuntimeError: the zip writer's short write
+            error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
         # Serialised now: the scheduler and diagnostics move on while an async write runs.
         state = json.dumps(
@@ -252,6 +259,8 @@ class Checkpointer:
                 "config": flat_config(self.cfg),
                 "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
                 "optimizer_groups": OPTIMIZER_GROUPS,
+                "model_args": self.model_args,
+                "hf_config": self.hf_config,
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
@@ -265,7 +274,7 @@ class Checkpointer:
         try:
             staged = dcp.async_save(self._dcp_state(), storage_writer=writer, process_group=self.group)
         except (Exception, CheckpointException) as e:
-            self._settle(step, tmp, _first_cause(e))
+            self._settle(step, tmp, self._save_error(e))
             return
         job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
         self._pending = (step, tmp, job)
@@ -278,7 +287,7 @@ class Checkpointer:
         try:
             write()  # DCP raises on every rank if any rank's write failed
         except (Exception, CheckpointException) as e:
-            error = _first_cause(e)
+            error = self._save_error(e)
             logger.error(f"checkpoint: the save of step {step} failed: {error}")
             return error
         final = step_dir(self.folder, step)
@@ -301,6 +310,17 @@ class Checkpointer:
         logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}")
         return None
 
+    def _save_error(self, e: BaseException, where: str = "") -> str:
+        """A failed save in one line, which says so when the disk is full."""
+        full = disk_full(e, self.folder)
+        cause = f"{where}{_first_cause(e)}"
+        if full is None:
+            return cause
+        return (
+            f"{full}: {cause}; free space, lower checkpoint.keep_latest_k or point checkpoint.folder at a "
+            "larger disk, then rerun the same command"
+        )
+
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
         """Every rank learns whether any rank failed; if one did, all raise the same error (the
         run stops: exit 3)."""
@@ -311,7 +331,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = complete_steps(self.folder)
         raise TrainingError(
-            f"checkpoint save at step {step} failed ({first}); "
+            f"checkpoint save at step {step} failed: {first}; "
             + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
         )
 

@@ -19,7 +19,7 @@ import json
 import logging
 import zipfile
 import zlib
-from dataclasses import fields
+from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -270,3 +270,62 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
+
+
+# Model args a resume may change: model.dropout is a training setting, like the optimizer's.
+_MAY_CHANGE = frozenset({"dropout"})
+
+
+def model_record(args: Any) -> dict[str, Any]:
+    """A model's args (MetaModel.args) as state.json records them, for the resume check below."""
+    raw = asdict(args) if is_dataclass(args) else dict(vars(args))
+    return json.loads(json.dumps(raw, default=str))
+
+
+def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
+    """model.hf_assets_path's config.json as the run read it (state.json keeps it, so a resume can
+    name the key that changed); None without one."""
+    if not cfg.model.hf_assets_path:
+        return None
+    return json.loads(
+        (Path(cfg.model.hf_assets_path).expanduser() / "config.json").read_text(encoding="utf-8")
+    )
+
+
+def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:
+    """The model this run builds (`meta`: a MetaModel) is the one checkpoint `step` trained: its
+    args against those state.json recorded, else (older checkpoints) its parameter shapes against
+    DCP's .metadata. A model.hf_assets_path's config.json is read anew by every launch, so an
+    edit to it would otherwise reach the load as a size-mismatch traceback, or go unseen."""
+    path = step_dir(folder, step)
+    state = read_state(folder, step)
+    saved = state.get("model_args")
+    if saved is None:
+        check_fits(path, dict(meta.model.named_parameters()))
+        return
+    ours = model_record(meta.args)
+    diff = [
+        f"{k} {saved[k]!r}, now {v!r}"
+        for k, v in ours.items()
+        if k in saved and k not in _MAY_CHANGE and saved[k] != v
+    ]
+    if not diff:
+        return
+    m = cfg.model
+    what = f"{m.name} flavor '{m.flavor}' gives another model ({'; '.join(diff)})"
+    if m.hf_assets_path:
+        before, now = state.get("hf_config") or {}, hf_config(cfg) or {}
+        keys = [
+            f"{k} {before.get(k)!r}, now {now.get(k)!r}"
+            for k in sorted({*before, *now})
+            if before.get(k) != now.get(k)
+        ]
+        what = (
+            f"{m.hf_assets_path}/config.json changed ({'; '.join(keys)})"
+            if before and keys
+            else f"model.hf_assets_path's config.json ({m.hf_assets_path}) gives another model ({'; '.join(diff)})"
+        )
+    raise UserError(
+        f"the model changed since checkpoint {path} was written: {what}; restore it as it was, or start a "
+        "new run under another job.run_name"
+    )
