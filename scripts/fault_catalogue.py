@@ -829,30 +829,15 @@ _hf_refused(
 )
 
 
-@case("tokenizer/HF", "a garbage tokenizer.json as model.tokenizer_path")
-def _(c: Catalogue) -> None:
-    bad = c.work / "tok" / "tokenizer.json"
-    bad.parent.mkdir(parents=True, exist_ok=True)
-    _garbage(bad)
-    refused(
-        c,
-        "garbage tokenizer.json",
-        ("--model.tokenizer_path", str(bad), "--data.path", str(data(c) / "good.jsonl")),
-        "tokenizer",
-    )
+for _file, _says in (("tokenizer.json", "tokenizer"), ("bad.model", "bad.model")):
 
-
-@case("tokenizer/HF", "a garbage .model as model.tokenizer_path")
-def _(c: Catalogue) -> None:
-    bad = c.work / "tok" / "bad.model"
-    bad.parent.mkdir(parents=True, exist_ok=True)
-    _garbage(bad)
-    refused(
-        c,
-        "garbage model",
-        ("--model.tokenizer_path", str(bad), "--data.path", str(data(c) / "good.jsonl")),
-        "bad.model",
-    )
+    @case("tokenizer/HF", f"a garbage {_file} as model.tokenizer_path")
+    def _(c: Catalogue, file=_file, says=_says) -> None:
+        bad = c.work / "tok" / file
+        bad.parent.mkdir(parents=True, exist_ok=True)
+        _garbage(bad)
+        args = ("--model.tokenizer_path", str(bad), "--data.path", str(data(c) / "good.jsonl"))
+        refused(c, f"garbage {file}", args, says)
 
 
 def _strip_vocab(folder: Path) -> tuple[str, ...]:
@@ -1008,16 +993,23 @@ def _(c: Catalogue) -> None:
     expect(ra if ra.code == 2 else rb, 2, "in use by a live run")
 
 
-@case("checkpoint", "a checkpoint folder on a 20 MiB tmpfs")
-def _(c: Catalogue) -> None:
-    with mounted(c.work / "mnt-20m", "20m") as small:
-        dump = c.dump("small-disk")
-        expect(
-            c.start(dump, ("--training.steps", "2", *CKPT, "--checkpoint.folder", str(small))).finish(),
-            2,
-            "free",
-        )
-        unchanged({}, small)
+def _checkpoint_folder_refused(
+    name: str, says: str, size: str | None = None, read_only: bool = False
+) -> None:
+    """checkpoint.folder on a mount the preflight refuses: one line, nothing written."""
+
+    @case("checkpoint", name)
+    def _(c: Catalogue) -> None:
+        dump = c.dump(name)
+        source = c.dump(f"{name}-source") if read_only else None
+        with mounted(c.work / f"mnt-{len(name)}", size, read_only_of=source) as folder:
+            args = ("--training.steps", "2", *CKPT, "--checkpoint.folder", str(folder))
+            expect(c.start(dump, args).finish(), 2, says)
+            unchanged({}, folder)
+        unchanged({}, dump)
+
+
+_checkpoint_folder_refused("a checkpoint folder on a 20 MiB tmpfs", "free", size="20m")
 
 
 @case("checkpoint", "the disk fills at the 2nd save (110 MiB tmpfs)")
@@ -1051,17 +1043,7 @@ _read_only_case(
 )
 
 
-@case("checkpoint", "a checkpoint.folder on a read-only mount")
-def _(c: Catalogue) -> None:
-    empty = c.dump("ro-source")
-    dump = c.dump("ro-ckpt")
-    with mounted(c.work / "mnt-ro-ckpt", read_only_of=empty) as ro:
-        expect(
-            c.start(dump, ("--training.steps", "2", *CKPT, "--checkpoint.folder", str(ro))).finish(),
-            2,
-            "writable",
-        )
-    unchanged({}, dump)
+_checkpoint_folder_refused("a checkpoint.folder on a read-only mount", "writable", read_only=True)
 
 
 @case("checkpoint", "a bad tokenizer found by the workers on a resume")
