@@ -23,12 +23,14 @@ loss, a rank killed at a step or inside a save, a rank that hangs before a step,
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from titanlite.components.run.plan import is_restart
@@ -148,3 +150,11 @@ class Faults:
     def save_fails(self, step: int) -> bool:
         """The last rank's checkpoint write of this step fails as on a full disk."""
         return step == self.debug.fail_save_step and self.rank == self.world - 1
+
+
+class FullDiskWriter(dcp.FileSystemWriter):
+    """Faults.save_fails: this rank's shard write fails as on a full disk, inside DCP, so
+    the failure travels the real path (DCP gathers it and raises on every rank)."""
+
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, "No space left on device (injected by debug.fail_save_step)")

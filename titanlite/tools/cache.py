@@ -70,3 +70,13 @@ def disk_full(e: BaseException, folder: Path) -> str | None:
         return None
     left = "?" if free is None else f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     return f"disk full under '{folder}' ({left} left)"
+
+
+def first_cause(e: BaseException) -> str:
+    """One line: DCP's CheckpointException wraps each failed rank's exception."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        rank, inner = next(iter(failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback)
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(e).__name__}: {e}".splitlines()[0]

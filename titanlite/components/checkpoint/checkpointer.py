@@ -21,7 +21,6 @@ and saved into state.json under their names: a new stateful part is one line the
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -60,7 +59,7 @@ from titanlite.components.checkpoint.index import (
     resume_changes,
     step_dir,
 )
-from titanlite.components.faults import Faults
+from titanlite.components.faults import Faults, FullDiskWriter
 from titanlite.components.optimizer import continue_schedule
 from titanlite.config import JobConfig
 from titanlite.config.identity import identity
@@ -69,7 +68,7 @@ from titanlite.config.layout import initial_load_kind
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
-from titanlite.tools.cache import disk_full, fsync_dir
+from titanlite.tools.cache import disk_full, first_cause, fsync_dir
 from titanlite.tools.seeds import reshard_seed
 
 logger = logging.getLogger("titanlite")
@@ -98,24 +97,6 @@ def _set_rng_states(states: dict[str, torch.Tensor], extra_generators: dict[str,
     for name, g in extra_generators.items():
         if name in states:
             g.set_state(states[name])
-
-
-def _first_cause(e: BaseException) -> str:
-    """One line: DCP's CheckpointException wraps each failed rank's exception."""
-    failures = getattr(e, "failures", None)
-    if failures:
-        rank, inner = next(iter(failures.items()))
-        inner = inner[0] if isinstance(inner, tuple) else inner  # (exception, traceback)
-        return f"rank {rank}: {type(inner).__name__}: {inner}"
-    return f"{type(e).__name__}: {e}".splitlines()[0]
-
-
-class _FullDiskWriter(dcp.FileSystemWriter):
-    """Faults.save_fails: this rank's shard write fails as on a full disk, inside DCP, so
-    the failure travels the real path (DCP gathers it and raises on every rank)."""
-
-    def write_data(self, plan, planner):
-        raise OSError(errno.ENOSPC, "No space left on device (injected by debug.fail_save_step)")
 
 
 class Checkpointer:
@@ -264,7 +245,7 @@ class Checkpointer:
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
-        writer = (_FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
+        writer = (FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
         if not self.is_async:
             error = self._write(
                 step, tmp, lambda: dcp.save(self._dcp_state(), storage_writer=writer), state, start
@@ -313,7 +294,7 @@ class Checkpointer:
     def _save_error(self, e: BaseException, where: str = "") -> str:
         """A failed save in one line, which says so when the disk is full."""
         full = disk_full(e, self.folder)
-        cause = f"{where}{_first_cause(e)}"
+        cause = f"{where}{first_cause(e)}"
         if full is None:
             return cause
         return (
@@ -377,7 +358,7 @@ class Checkpointer:
         except UserError:
             raise
         except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
-            error = f"rank {self.rank}: {_first_cause(e)}"
+            error = f"rank {self.rank}: {first_cause(e)}"
         error = first_error(error, self.group)
         if error:
             if self.rank == 0:
