@@ -960,16 +960,26 @@ _resume_refused(
 )
 
 
-@case("checkpoint", "an HF run resumed after its config.json's intermediate_size changed")
-def _(c: Catalogue) -> None:
-    folder = copy_hf(c, "resume-shape")
-    dump = c.dump("hf-resume-shape")
-    args = hf_args(folder, "--data.path", str(data(c) / "good.jsonl"), *CKPT)
-    expect(c.run(dump, ("--training.steps", "2", *args)), 0)
-    _config_edit(intermediate_size=256)(folder)
-    before = listing(dump)
-    expect(c.run(dump, ("--training.steps", "4", *args)), 2, "intermediate_size")  # hidden_dim
-    unchanged(before, dump)
+def _hf_resume_refused(name: str, edit: Callable[[Path], object], says: str) -> None:
+    """An HF run that saved step 2, its folder edited, then resumed: one line, its folder untouched."""
+
+    @case("checkpoint", name)
+    def _(c: Catalogue) -> None:
+        folder = copy_hf(c, re.sub(r"\W+", "_", name))
+        dump = c.dump(name)
+        args = hf_args(folder, "--data.path", str(data(c) / "good.jsonl"), *CKPT)
+        expect(c.run(dump, ("--training.steps", "2", *args)), 0)
+        edit(folder)
+        before = listing(dump)
+        expect(c.run(dump, ("--training.steps", "4", *args)), 2, says)
+        unchanged(before, dump)
+
+
+_hf_resume_refused(
+    "an HF run resumed after its config.json's intermediate_size changed",
+    _config_edit(intermediate_size=256),
+    "intermediate_size",
+)
 
 
 @case("checkpoint", "a dp=2 checkpoint resumed at NPROC=1")
@@ -1046,16 +1056,9 @@ _read_only_case(
 _checkpoint_folder_refused("a checkpoint.folder on a read-only mount", "writable", read_only=True)
 
 
-@case("checkpoint", "a bad tokenizer found by the workers on a resume")
-def _(c: Catalogue) -> None:
-    folder = copy_hf(c, "resume-bad-tok")
-    dump = c.dump("resume-bad-tok")
-    args = hf_args(folder, "--data.path", str(data(c) / "good.jsonl"), *CKPT)
-    expect(c.run(dump, ("--training.steps", "2", *args)), 0)
-    _garbage(folder / "tokenizer.json")
-    before = listing(dump)
-    expect(c.run(dump, ("--training.steps", "4", *args)), 2, "tokenizer")
-    unchanged(before, dump)
+_hf_resume_refused(
+    "a bad tokenizer found by the workers on a resume", lambda f: _garbage(f / "tokenizer.json"), "tokenizer"
+)
 
 
 @case("checkpoint", "the run_name of a finished run without checkpoints")
