@@ -32,6 +32,7 @@ from helpers import REPO, read_metrics
 from titanlite.components.run.lock import STALE_S, RunLock
 from titanlite.components.run.plan import check_checkpoint_space, run_name
 from titanlite.config import load_config
+from titanlite.config.layout import CHECKPOINT_MARKER
 from titanlite.errors import UserError
 
 FAST = [
@@ -302,6 +303,26 @@ def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, cap
     old = time.time() - STALE_S - 1
     os.utime(tmp_path / "run.lock", (old, old))
     RunLock(tmp_path).acquire()
+
+
+def test_a_live_run_is_refused_before_its_checkpoints_are_read(tmp_path):
+    """A live run writes and prunes its checkpoints: a second launch names the live run, not the
+    checkpoint it caught half written, whether it probes the lock (the preflight) or takes it."""
+    from titanlite.preflight import plan_run
+
+    step = tmp_path / "held" / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (step / CHECKPOINT_MARKER).write_text("")
+    (step / "state.json").write_text("{")
+    argv = ["--job.dump_folder", str(tmp_path), "--job.run_name", "held", "--checkpoint.load_step", "2"]
+    live = RunLock(tmp_path / "held")
+    live.acquire()
+    for hold in (None, lambda cfg, run_dir: RunLock(run_dir).acquire()):
+        with pytest.raises(UserError, match=f"in use by a live run .*pid {os.getpid()}"):
+            plan_run(argv, world_size=1, hold=hold)
+    live.release()
+    with pytest.raises(UserError, match="step-00000002 is damaged"):
+        plan_run(argv, world_size=1)
 
 
 def test_checkpoint_space_and_multi_node_names(tmp_path, monkeypatch):

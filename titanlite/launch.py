@@ -54,6 +54,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 from titanlite.components.checkpoint.index import quarantine_damaged
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder, existing_parent
+from titanlite.config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
 from titanlite.preflight import plan_run
@@ -238,19 +239,25 @@ def main(argv: list[str]) -> int:
     try:
         args = get_args_parser().parse_args(argv)
         world, nnodes = _world_size(args)
-        plan = plan_run(args.training_script_args, world, nnodes)
+
+        def hold(cfg: JobConfig, run_dir: Path) -> None:
+            """Make the run folder and, on node 0, take its lock (then the preflight reads its checkpoints)."""
+            nonlocal lock, made
+            base = existing_parent(run_dir)
+            if base != run_dir.absolute():  # the first folder this launch creates
+                made = base / run_dir.absolute().relative_to(base).parts[0]
+            run_dir.mkdir(parents=True, exist_ok=True)
+            if args.node_rank == 0:
+                lock = RunLock(run_dir)
+                lock.acquire()
+                os.environ[HELD_ENV] = str(lock.path.resolve())
+
+        plan = plan_run(args.training_script_args, world, nnodes, hold=hold)
         os.environ[NOTES_SHOWN_ENV] = "1"  # the workers load the same config: no second note
         run_dir = plan.run_dir
         if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
-        base = existing_parent(run_dir)
-        if base != run_dir.absolute():  # the first folder this launch creates
-            made = base / run_dir.absolute().relative_to(base).parts[0]
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if args.node_rank == 0:
-            lock = RunLock(run_dir)
-            lock.acquire()
-            os.environ[HELD_ENV] = str(lock.path.resolve())
+        if lock is not None:
             # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside
             quarantine_damaged(checkpoint_folder(plan.cfg, run_dir), plan.cfg.metrics.enable_wandb)
         os.environ[AGENT_PID_ENV] = str(os.getpid())

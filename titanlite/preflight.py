@@ -15,11 +15,13 @@ config key, without importing torch.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import check_same_model
+from titanlite.components.run.lock import RunLock
 from titanlite.components.run.plan import (
     check_checkpoint_space,
     check_writable,
@@ -55,13 +57,26 @@ class RunPlan:
     resume: int | None  # the checkpoint step the run continues from; None: a fresh run
 
 
-def plan_run(argv: list[str], world_size: int, nnodes: int = 1, check_space: bool = True) -> RunPlan:
+def plan_run(
+    argv: list[str],
+    world_size: int,
+    nnodes: int = 1,
+    check_space: bool = True,
+    hold: Callable[[JobConfig, Path], None] | None = None,
+) -> RunPlan:
+    """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock) once its name is fixed;
+    without it, a folder a live run holds is refused. Either way that comes before its
+    checkpoints are read, which a live run may be writing and pruning."""
     cfg, path = parse_args(argv)
     validate(cfg, world_size)
     check_data_files(cfg)
     check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
+    if hold is None:
+        RunLock(run_dir).refuse_if_held()
+    else:
+        hold(cfg, run_dir)
     folder = checkpoint_folder(cfg, run_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")

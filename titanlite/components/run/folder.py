@@ -62,10 +62,14 @@ def open_run_folder(
     found, error, lock = [None, None], None, None
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
+        take = os.environ.get(HELD_ENV) != str(RunLock(run_dir).path.resolve())  # no launcher holds it
         try:
+            if take and run_dir.is_dir():  # before its checkpoints are read: a live run may be pruning them
+                lock = RunLock(run_dir)
+                lock.acquire()
             resume = resume_step(cfg, run_dir, is_restart())
             run_dir.mkdir(parents=True, exist_ok=True)
-            if os.environ.get(HELD_ENV) != str(RunLock(run_dir).path.resolve()):
+            if take and lock is None:  # the folder is new
                 lock = RunLock(run_dir)
                 lock.acquire()
             quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)

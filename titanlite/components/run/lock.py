@@ -53,11 +53,9 @@ class RunLock:
                 break
             os.close(fd)  # its holder released (unlinked) it between our open and our flock
         holder = self._holder()
-        if holder and holder.get("host") != socket.gethostname():
-            age = time.time() - os.fstat(fd).st_mtime
-            if age < STALE_S:  # held from another host, whose flock this file system may not show
-                os.close(fd)
-                raise UserError(self._refusal(holder))
+        if _other_host_alive(holder, fd):
+            os.close(fd)
+            raise UserError(self._refusal(holder))
         if holder:
             logger.warning(
                 f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid "
@@ -72,6 +70,24 @@ class RunLock:
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         self._fd = fd
         threading.Thread(target=self._heartbeat, name="run-lock", daemon=True).start()
+
+    def refuse_if_held(self) -> None:
+        """Raise acquire's refusal if a live run holds the lock, taking nothing: a check that
+        looks at the folder without running in it (the standalone preflight)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise UserError(self._refusal(self._holder())) from None
+            holder = self._holder()
+            if _other_host_alive(holder, fd):
+                raise UserError(self._refusal(holder))
+        finally:
+            os.close(fd)  # drops the probe's shared flock
 
     def _holder(self) -> dict:
         try:
@@ -106,3 +122,10 @@ def _same_file(fd: int, path: Path) -> bool:
         return os.path.samestat(os.fstat(fd), os.stat(path))
     except FileNotFoundError:
         return False
+
+
+def _other_host_alive(holder: dict, fd: int) -> bool:
+    """The lock names another host and was touched within STALE_S: a live holder whose flock
+    this file system may not show."""
+    other = bool(holder) and holder.get("host") != socket.gethostname()
+    return other and time.time() - os.fstat(fd).st_mtime < STALE_S
