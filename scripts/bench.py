@@ -1,7 +1,7 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Training-step speed, titanlite's configurations side by side with a plain baseline.
 
-    .venv/bin/python scripts/bench.py [--quick] [--dp 4 8] [--reps 40] [--only GROUP ...]
+    ./scripts/bench.py [--quick] [--dp 4 8] [--reps 40] [--only GROUP ...]
                                       [--config FILE] [--out bench.json] [--section.key value ...]
 
 For each dp degree, one torchrun builds one trainer per configuration in the same process group
@@ -62,6 +62,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 OFF = ["--diagnostics.enable", "false"]
 EVERY = ["--diagnostics.warmup_steps", "1000000"]
 CONFIGS = {

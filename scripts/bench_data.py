@@ -1,7 +1,8 @@
+#!/usr/bin/env python3
 """Data at scale: preparation throughput and memory, and training memory at two data sizes.
 
-    python scripts/bench_data.py                       # 100 MB and 1 GB of jsonl (about 15 min on 2 cores)
-    python scripts/bench_data.py --sizes-mb 20 200     # quicker
+    ./scripts/bench_data.py                       # 100 MB and 1 GB of jsonl (about 15 min on 2 cores)
+    ./scripts/bench_data.py --sizes-mb 20 200     # quicker
 
 A synthetic jsonl corpus is made from the standard library's sources at each size (10x apart by
 default). Measured, side by side in one run:
@@ -28,6 +29,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.datasets.corpus import stdlib_files  # noqa: E402
 from titanlite.datasets.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402

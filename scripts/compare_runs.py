@@ -1,14 +1,19 @@
-#!/usr/bin/env python
-"""Compare titanlite runs step by step and give a verdict: the same loss curve, or where it parts.
+#!/usr/bin/env python3
+"""Compare titanlite runs: overlay any runs, or judge whether layouts give the same curve.
 
-    python scripts/compare_runs.py RUN_A RUN_B [RUN ...] [--rtol X] [--steps N] [--out DIR]
+    ./scripts/compare_runs.py RUN [RUN ...] [--out DIR]
+    ./scripts/compare_runs.py RUN_A RUN_B [RUN ...] --invariance [--rtol X] [--steps N] [--out DIR]
 
-Every run is compared with RUN_A over their logged steps (log every step for a full curve:
-metrics.log_freq = 1). Prints the runs' layouts and config differences, a per-step table (loss,
-absolute and relative difference, grad-norm difference, loss dispersion and gradient cosine)
-and the verdict; writes table.txt, compare.json and compare.png (curves and the log-scale
-difference) to --out (default: <RUN_A's folder>/../compare-<A>-vs-<B>).
+By default the runs are experiments, whatever their seed, data, batch or learning rate (one run
+gives its own figures): prints their layouts, every config key that differs and how each ended
+(final, lowest and eval loss), and writes runs.txt, runs.json and runs.png (loss, eval loss,
+learning rate and gradient norm against the step) to --out (default: next to RUN,
+compare-<A>[-vs-<B>]). Exit 0; 2 for a folder that is not a run.
 
+--invariance (implied by --rtol) judges instead: every run against RUN_A over their logged steps
+(log every step for a full curve: metrics.log_freq = 1). Prints a per-step table (loss, absolute
+and relative difference, grad-norm difference, loss dispersion, gradient cosine) and the
+verdict; writes table.txt, compare.json and compare.png (curves and the log-scale difference).
 --rtol: the largest relative loss difference that still counts as the same curve, at every
 step. Default from the runs' dtype: 1e-5 for fp32; for bf16, whose rounding differences compound,
 2^-12 (u / 16) per step since the first compared one, at most 2e-2 (7.3e-3 at step 30). The
@@ -25,8 +30,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.compare import compare, load_run, report  # noqa: E402
+from titanlite.tools.experiments import overview  # noqa: E402
 from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
 
@@ -34,21 +44,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", help="run folders; the first is the reference")
     p.add_argument(
+        "--invariance", action="store_true", help="judge: the same loss curve as RUN_A, or where it parts"
+    )
+    p.add_argument(
         "--rtol",
         type=float,
-        help="flat relative loss tolerance (default: 1e-5 fp32; bf16 grows with the step)",
+        help="(implies --invariance) flat relative loss tolerance (default: 1e-5 fp32; bf16 grows with the step)",
     )
-    p.add_argument("--steps", type=int, help="compare only the first N steps")
-    p.add_argument("--out", type=Path, help="folder for table.txt, compare.json, compare.png")
+    p.add_argument("--steps", type=int, help="--invariance: compare only the first N steps")
+    p.add_argument("--out", type=Path, help="folder for the table, the JSON and the plot")
     p.add_argument("--max-rows", type=int, default=60, help="rows printed per table (all go to table.txt)")
     args = p.parse_args(argv)
+    judge = args.invariance or args.rtol is not None
     try:
-        if len(args.runs) < 2:
-            raise UserError("give at least two run folders: the reference first")
+        if judge and len(args.runs) < 2:
+            raise UserError("--invariance needs at least two run folders: the reference first")
         runs = [load_run(r) for r in args.runs]
+        out = args.out or runs[0].path.parent / "-vs-".join(
+            ["compare-" + runs[0].name, *(r.name for r in runs[1:2])]
+        )
+        if not judge:
+            print(overview(runs, out))
+            return 0
         rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
         comparisons = [compare(runs[0], other, rtol, args.steps) for other in runs[1:]]
-        out = args.out or runs[0].path.parent / f"compare-{runs[0].name}-vs-{runs[1].name}"
         print(report(comparisons, out, args.max_rows))
     except UserError as e:
         print(f"compare_runs: error: {e}", file=sys.stderr)

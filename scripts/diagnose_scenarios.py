@@ -1,9 +1,9 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Run a healthy baseline and each fault-injection switch, and tabulate what the diagnostics saw.
 
-    python scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
+    ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
-    python scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...]
+    ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
@@ -49,6 +49,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 SKIP = 5  # the first measured steps: ranks agree strongly while the model learns anything
 

@@ -25,14 +25,8 @@ titanlite_install() {
     "$PY" -m pip install -q -e "$ROOT$1" || return 1
 }
 
-titanlite_check() {
-    "$PY" - "$1" <<'PYEOF' 2>/dev/null
-import importlib.util, sys
-mods = ["torch", "torchdata", "tensorboard", "sentencepiece", "tokenizers", "safetensors", "jinja2", "numpy", "pyarrow", "matplotlib", "titanlite"]
-if sys.argv[1]:
-    mods += ["pytest", "ruff", "transformers", "importlinter", "md_link_checker"]
-sys.exit(any(importlib.util.find_spec(m) is None for m in mods))
-PYEOF
+titanlite_check() {  # the dependencies' list lives in titanlite/tools/venv.py
+    "$PY" "$ROOT/titanlite/tools/venv.py" ${1:+dev} 2>/dev/null
 }
 
 _extra=""

@@ -1,8 +1,8 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Write a titanlite checkpoint as a Hugging Face folder (safetensors shards + index, config.json,
 tokenizer files) that transformers' AutoModelForCausalLM.from_pretrained loads.
 
-    python scripts/export_hf.py STEP_FOLDER OUT_FOLDER [--dtype bfloat16] [--max-shard-gb 5]
+    ./scripts/export_hf.py STEP_FOLDER OUT_FOLDER [--dtype bfloat16] [--max-shard-gb 5]
 
 STEP_FOLDER: a complete checkpoint, e.g. outputs/my-run/checkpoints/step-00001000; it is only
 read. The model is rebuilt from what the checkpoint says it trained (model, flavor or
@@ -18,6 +18,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.components.checkpoint.hf_export import DTYPES, export_checkpoint  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402

@@ -1,3 +1,4 @@
+#!/usr/bin/env python3
 """The fault catalogue: every mistake and fault a new user met trying titanlite (bad values, bad
 data, bad Hugging Face folders, damaged checkpoints, signals and kills at any moment), each run
 as that user ran it, with one verdict per case:
@@ -7,7 +8,7 @@ as that user ran it, with one verdict per case:
            and where a run was cut short, the same command continuing bitwise
     BROKE  it did not; the row says how
 
-    python scripts/fault_catalogue.py [--cheap] [-k TEXT] [--out DIR] [--nproc 2]
+    ./scripts/fault_catalogue.py [--cheap] [-k TEXT] [--out DIR] [--nproc 2]
 
 --cheap runs only the cases that must stop before any worker starts, through the launcher's own
 code in this process (a fraction of a second each; tests/test_catalogue.py runs them in CI); a
@@ -36,6 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv(dev=True)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 SMALL = ("--training.seq_len", "128", "--metrics.log_freq", "1")
 CKPT = ("--checkpoint.interval", "2")
 

@@ -1,7 +1,7 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Decode a few prompts with a titanlite checkpoint and print each prompt with its completion.
 
-    python scripts/generate.py RUN_DIR --prompt "def parse(" [--prompt ...] [--step N]
+    ./scripts/generate.py RUN_DIR --prompt "def parse(" [--prompt ...] [--step N]
         [--max-new-tokens 64] [--temperature 0] [--top-p 1.0] [--seed 0] [--device auto]
         [--format auto|text|alpaca|chat]
 
@@ -23,6 +23,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 import torch  # noqa: E402
 

@@ -1,10 +1,10 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Golden loss curves: the per-step loss, grad norm and learning rate of a few reference CPU runs,
 committed in tests/golden/, so that a change which moves titanlite's numerics fails a test instead
 of landing silently inside the tolerances of the exactness tests.
 
-    .venv/bin/python scripts/golden_losses.py --check              fresh runs against the files
-    .venv/bin/python scripts/golden_losses.py --write --why TEXT   regenerate the files
+    ./scripts/golden_losses.py --check              fresh runs against the files
+    ./scripts/golden_losses.py --write --why TEXT   regenerate the files
 
 The cases (CASES) are fp32 runs of 20 steps on 4 CPU ranks (gloo), in one torchrun, each a
 Trainer in turn: the quick-start config (debug_model.toml, built-in data) under FSDP, DDP and
@@ -35,6 +35,11 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 GOLDEN = REPO / "tests" / "golden"
 WORLD = 4
 STEPS = 20

@@ -1,4 +1,4 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """The GPU path in one command: speed, memory, the no-host-sync claim and bf16 accuracy.
 
     scripts/gpu_check.sh [--smoke] [--out DIR] [--only SECTION ...] [--steps N]
@@ -50,6 +50,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv(dev=True)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 GiB = 2**30
 SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing")
 

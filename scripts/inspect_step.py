@@ -1,6 +1,7 @@
+#!/usr/bin/env python3
 """Print the samples of one step of a run: what each rank trained on, with its sources and losses.
 
-    python scripts/inspect_step.py RUN_DIR --step 21 [--rank 2] [--chars 100] [--json]
+    ./scripts/inspect_step.py RUN_DIR --step 21 [--rank 2] [--chars 100] [--json]
 
 From the run folder alone (config.toml, run.json; no checkpoint, no GPU): every sequence of the
 step's global batch (or of one rank's share), with its dataset index, sources (file and row, or
@@ -17,9 +18,13 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+import numpy as np  # noqa: E402
 
 from titanlite.config import load_config  # noqa: E402
 from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402

@@ -1,7 +1,7 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Run one config at several data-parallel layouts with the same global batch, then compare.
 
-    python scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
+    ./scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
                                  [--rtol X] [--out DIR] [--dry-run] [--section.key value ...]
 
 One run per (dp degree, mode), launched one after another on this machine with
@@ -21,15 +21,22 @@ Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import shlex
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
@@ -57,6 +64,26 @@ def run_name(prefix: str, p: dict) -> str:
     return f"{prefix}{p['mode']}-{p['dp_replicate']}x{p['dp_shard']}-lb{p['local_batch_size']}"
 
 
+STEP_LINE = re.compile(r"step +(\d+)/(\d+) \|.*\| eta ([\d:]+)")
+PROGRESS_S = 10.0  # at most one progress line per this many seconds, and the last step's
+
+
+def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[int, list[str]]:
+    """Run one layout, printing its progress (step, elapsed, the run's own ETA) as it goes;
+    returns the exit code and the output's last lines (for a failure's report)."""
+    start, shown = time.monotonic(), -PROGRESS_S
+    tail: collections.deque[str] = collections.deque(maxlen=15)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        tail.append(line.rstrip())
+        m = STEP_LINE.search(line)
+        now = time.monotonic() - start
+        if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
+            print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
+            shown = now
+    return proc.wait(), list(tail)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -72,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the launch commands only")
     args, overrides = ap.parse_known_args(argv)
     try:
+        if args.steps < 1:
+            raise UserError(f"--steps is {args.steps}; it must be >= 1")
         cfg, _ = parse_args(["--config", args.config, *overrides, "--training.steps", str(args.steps)])
         out = (
             args.out
@@ -109,12 +138,9 @@ def main(argv: list[str] | None = None) -> int:
             )
             if args.dry_run:
                 continue
-            proc = subprocess.run(
-                cmd, env={**os.environ, "NPROC": str(world)}, capture_output=True, text=True
-            )
-            if proc.returncode != 0:
-                tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-                raise UserError(f"run {name} failed (exit {proc.returncode}):\n{tail}")
+            code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
+            if code != 0:
+                raise UserError(f"run {name} failed (exit {code}):\n" + "\n".join(tail))
         if args.dry_run:
             return 0
         runs = [load_run(out / n) for n in names]

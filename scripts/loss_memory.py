@@ -1,9 +1,9 @@
-#!/usr/bin/env python
+#!/usr/bin/env python3
 """Peak memory of one forward + backward at a large vocabulary: the loss on the whole sequence's
 logits against the loss in chunks (loss.chunk_logits_mib), measured, beside what the memory
 estimate counts for the logits.
 
-    .venv/bin/python scripts/loss_memory.py [--vocab 32768] [--seq 2048] [--batch 2] [--dim 256]
+    ./scripts/loss_memory.py [--vocab 32768] [--seq 2048] [--batch 2] [--dim 256]
                                             [--layers 2] [--budgets 0 64 16] [--device cpu]
 
 Each budget runs in a fresh process (a process's memory high-water mark only rises): the model
@@ -28,6 +28,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 MiB = 2**20
 
 

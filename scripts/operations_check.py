@@ -1,7 +1,8 @@
+#!/usr/bin/env python3
 """Re-run the moments around a run that operations meet, through ./run_train.sh as a user would,
 and print what each one did: exit code, the lines titanlite printed, tracebacks, what was left.
 
-    python scripts/operations_check.py [--out DIR] [--nproc 2] [-- extra overrides]
+    ./scripts/operations_check.py [--out DIR] [--nproc 2] [-- extra overrides]
 
 Cases: Ctrl-C at step 7; a second Ctrl-C; kill -9 of the launcher's process group, then the same
 command; a second launch on a live run folder; a checkpoint.folder of another run; a changed lr
@@ -23,6 +24,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
 SMALL += ["--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--diagnostics.enable", "false"]
 

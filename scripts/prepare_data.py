@@ -1,7 +1,8 @@
+#!/usr/bin/env python3
 """Prepare raw data once, with every core, for training from memory-mapped shards.
 
-    python scripts/prepare_data.py --tokenizer TOKENIZER --out /data/tok/fineweb /data/raw/*.parquet
-    python scripts/prepare_data.py --tokenizer assets/hf/Llama-3.2-1B --mode sft --out /data/tok/sft chat.jsonl
+    ./scripts/prepare_data.py --tokenizer TOKENIZER --out /data/tok/fineweb /data/raw/*.parquet
+    ./scripts/prepare_data.py --tokenizer assets/hf/Llama-3.2-1B --mode sft --out /data/tok/sft chat.jsonl
 
 TOKENIZER is a SentencePiece .model, a tokenizer.json or a Hugging Face model folder, or
 `builtin` (the built-in stdlib tokenizer, --builtin-vocab-size). Inputs are files or folders of
@@ -18,6 +19,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.datasets.prepare import prepare  # noqa: E402
 from titanlite.datasets.sources import discover  # noqa: E402

@@ -1,8 +1,9 @@
+#!/usr/bin/env python3
 """Which documents a training step read: every sequence of a step's global batch (or of one
 rank's share of it), traced to its source files, rows and token ranges.
 
-    python scripts/trace_batch.py --config train_configs/llama_1b.toml --data.path /data/tok/fineweb --step 1200
-    python scripts/trace_batch.py --step 1200 --dp 8 --rank 3 --json     # rank 3's share at dp=8
+    ./scripts/trace_batch.py --config train_configs/llama_1b.toml --data.path /data/tok/fineweb --step 1200
+    ./scripts/trace_batch.py --step 1200 --dp 8 --rank 3 --json     # rank 3's share at dp=8
 
 The batch of a step depends only on the seed, the global batch size, seq_len and the data (see
 titanlite/datasets/sampler.py), so this needs neither the run nor a GPU. Steps count from 1, as
@@ -17,6 +18,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.datasets.trace import trace_step  # noqa: E402

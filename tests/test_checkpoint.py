@@ -145,6 +145,9 @@ def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
     assert f"resumed from step {stop}" in out
     assert "resume: optimizer.lr was 0.0008, now 0.001: not applied" in out
     assert losses(ref, "stopped") == losses(ref, "fsdp")
+    # The summary counts the steps this invocation ran, and names the newest checkpoint.
+    assert f"done: {STEPS - stop} steps ({stop + 1}-{STEPS}, resumed after step {stop}) in " in out
+    assert f"checkpoint {folder / f'step-{STEPS:08d}'}" in out and "alerts: none" in out
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
-"""scripts/compare_runs.py on synthetic run folders: the verdict, the first diverging step, what
-it refuses to compare, and broken metrics files."""
+"""scripts/compare_runs.py on synthetic run folders: experiments overlaid without a verdict; with
+--invariance the verdict, the first diverging step, what it refuses to compare, and broken
+metrics files."""
 
 from __future__ import annotations
 
@@ -37,11 +38,37 @@ def run_cli(capsys, *args) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def judge(capsys, *args) -> tuple[int, str, str]:
+    return run_cli(capsys, *args, "--invariance")
+
+
+def test_experiments_are_overlaid_without_a_verdict(tmp_path, capsys):
+    """Runs that train different things (learning rate, seed) are compared on purpose: their
+    differences and endings are listed, the figures drawn, exit 0; one run draws its own."""
+    a = make_run(tmp_path, "a")
+    b = make_run(tmp_path, "b", [v * 0.9 for v in LOSSES], overrides=("--optimizer.lr", "4e-4"))
+    c = make_run(tmp_path, "c", overrides=("--training.seed", "7"))
+    (a / "eval.jsonl").write_text(json.dumps({"step": 10, "loss": 6.5, "perplexity": 665.1}) + "\n")
+    code, out, err = run_cli(capsys, a, b, c, "--out", tmp_path / "exp")
+    assert code == 0 and not err, err
+    assert "optimizer.lr: A 0.0008, B 0.0004, C 0.0008" in out and "training.seed: A 42, B 42, C 7" in out
+    assert "PASS" not in out and "FAIL" not in out
+    rows = {r["label"]: r for r in json.loads((tmp_path / "exp/runs.json").read_text())["runs"]}
+    assert rows["B"]["final_loss"] == pytest.approx(LOSSES[-1] * 0.9) and rows["A"]["eval_loss"] == 6.5
+    assert (tmp_path / "exp/runs.png").stat().st_size > 10_000
+    code, out, _ = run_cli(capsys, a)
+    assert code == 0 and "config differences" not in out
+    assert (tmp_path / "compare-a/runs.png").is_file()
+    # The verdict comes only on request: --rtol alone asks for it too.
+    assert judge(capsys, a, c, "--out", tmp_path / "j")[0] == 2
+    assert run_cli(capsys, a, b, "--rtol", "1e-5", "--out", tmp_path / "j")[0] == 1
+
+
 def test_same_curve_passes_and_writes_table_json_plot(tmp_path, capsys):
     a = make_run(tmp_path, "a")
     noisy = [v * (1 + 3e-7 * (-1) ** i) for i, v in enumerate(LOSSES)]
     b = make_run(tmp_path, "b", noisy, overrides=("--parallelism.dp_shard", "16"), mode="ddp")
-    code, out, _ = run_cli(capsys, a, b, "--out", tmp_path / "cmp")
+    code, out, _ = judge(capsys, a, b, "--out", tmp_path / "cmp")
     assert code == 0, out
     assert "PASS" in out and "layout differences: parallelism.dp_shard" in out
     summary = json.loads((tmp_path / "cmp/compare.json").read_text())
@@ -55,7 +82,7 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
     parted = [v * (1 + (2e-4 if i >= 6 else 0.0)) for i, v in enumerate(LOSSES)]
     b = make_run(tmp_path, "b", parted, overrides=("--loss.normalization", "local_mean"))
     c = make_run(tmp_path, "c")
-    code, out, _ = run_cli(capsys, a, c, b, "--out", tmp_path / "cmp")
+    code, out, _ = judge(capsys, a, c, b, "--out", tmp_path / "cmp")
     assert code == 1
     assert "PASS c vs a" in out
     assert "FAIL b vs a" in out and "first step beyond rtol 1e-05: 7 " in out
@@ -70,8 +97,8 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
     keyed = ("--model.dropout_masks", "sample")
     k8 = make_run(tmp_path, "k8", overrides=(*drop, *keyed))
     k16 = make_run(tmp_path, "k16", overrides=(*drop, *keyed, "--parallelism.dp_shard", "16"))
-    assert "model.dropout_masks = 'sample' keys them" in run_cli(capsys, d8, d16, "--out", tmp_path / "d")[1]
-    assert "dropout masks" not in run_cli(capsys, k8, k16, "--out", tmp_path / "k")[1]
+    assert "model.dropout_masks = 'sample' keys them" in judge(capsys, d8, d16, "--out", tmp_path / "d")[1]
+    assert "dropout masks" not in judge(capsys, k8, k16, "--out", tmp_path / "k")[1]
 
 
 @pytest.mark.parametrize(
@@ -86,7 +113,7 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
 def test_refuses_runs_that_train_different_things(tmp_path, capsys, override, key):
     a = make_run(tmp_path, "a")
     b = make_run(tmp_path, "b", overrides=override)
-    code, _, err = run_cli(capsys, a, b, "--out", tmp_path / "cmp")
+    code, _, err = judge(capsys, a, b, "--out", tmp_path / "cmp")
     assert code == 2 and "do not train the same thing" in err and key in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "cmp").exists()
@@ -112,10 +139,10 @@ def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
         tmp_path / "nowhere": "no such run folder",
     }
     for run, message in cases.items():
-        code, _, err = run_cli(capsys, a, run, "--out", tmp_path / "cmp")
+        code, _, err = judge(capsys, a, run, "--out", tmp_path / "cmp")
         assert code == 2 and message in err, (run, err)
-    assert run_cli(capsys, a, short, "--steps", "12", "--out", tmp_path / "cmp")[0] == 0
-    assert run_cli(capsys, a)[0] == 2
+    assert judge(capsys, a, short, "--steps", "12", "--out", tmp_path / "cmp")[0] == 0
+    assert judge(capsys, a)[0] == 2
 
 
 def test_default_tolerance_follows_the_dtype(tmp_path):

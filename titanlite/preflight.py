@@ -14,9 +14,11 @@ config key, without importing torch.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +33,10 @@ from titanlite.components.run.plan import (
 )
 from titanlite.config import JobConfig
 from titanlite.config.layout import validate
-from titanlite.config.manager import config_help, parse_args, wants_help
+from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
+from titanlite.config.monitor_config import Debug
 from titanlite.datasets.spec import check_data_files, check_data_tokenizer
+from titanlite.diagnostics.rules import silent_rules_note
 from titanlite.errors import UserError
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
@@ -68,7 +72,7 @@ def plan_run(
     without it, a folder a live run holds is refused. Either way that comes before its
     checkpoints are read, which a live run may be writing and pruning."""
     cfg, path = parse_args(argv)
-    validate(cfg, world_size)
+    layout = validate(cfg, world_size)
     check_data_files(cfg)
     check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)
@@ -91,7 +95,38 @@ def plan_run(
         check_writable(folder, "checkpoint.folder")
         if check_space:
             check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
+    if not os.environ.get(NOTES_SHOWN_ENV):  # once every check passed: a refusal stays one line
+        for note in startup_notes(cfg, layout.dp):
+            print(f"titanlite: note: {note}", file=sys.stderr)
     return RunPlan(cfg, run_dir, resume)
+
+
+def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
+    """What is on that a user may not know of: fault switches, rules this dp cannot run, a
+    sequence longer than the model's trained context."""
+    notes = []
+    default = Debug()
+    on = [
+        f"{f.name} = {v!r}"
+        for f in fields(Debug)
+        if (v := getattr(cfg.debug, f.name)) != getattr(default, f.name)
+    ]
+    if on:
+        notes.append(
+            f"[debug] is set ({', '.join(on)}): switches for tests and fault scenarios, not a real run"
+        )
+    if cfg.diagnostics.enable and (silent := silent_rules_note(dp)):
+        notes.append(f"diagnostics: {silent}")
+    if cfg.model.hf_assets_path:
+        config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
+        trained = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings") or 0
+        if 0 < trained < cfg.training.seq_len:
+            notes.append(
+                f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was "
+                f"trained on ({config}: max_position_embeddings); the positions beyond are untrained, so "
+                f"lower training.seq_len to {trained} unless you mean to extend its context"
+            )
+    return notes
 
 
 def _meta_model(cfg: JobConfig) -> Any:

@@ -245,8 +245,10 @@ class Trainer:
             if how:
                 raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
-        export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
-        logger.info(f"done: {steps} steps in {time.perf_counter() - start:.1f}s; run folder {self.run_dir}")
+        exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
+        self.metrics.finish(
+            self.start_step, steps, time.perf_counter() - start, self.checkpointer.folder, exports
+        )
 
     def close(self) -> None:
         self.heartbeat.close()

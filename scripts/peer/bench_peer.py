@@ -6,7 +6,7 @@ checkpointing, no compile, AdamW, clipping at 1.0.
 
     python3 -m venv .venv-torchtitan
     .venv-torchtitan/bin/pip install torch==2.13.0 torchtitan==0.3.0     # once
-    .venv/bin/python scripts/peer/bench_peer.py [--rounds 3] [--steps 40] [--only tt8,tl] [--out DIR]
+    ./scripts/peer/bench_peer.py [--rounds 3] [--steps 40] [--only tt8,tl] [--out DIR]
 
 Each round runs every variant once; the order alternates between rounds (forward, reversed,
 ...) so that a drift in machine load does not favour one side. Per run: the median of rank 0's
@@ -32,6 +32,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TL_ROOT = HERE.parents[1]
+sys.path.insert(0, str(TL_ROOT))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
 TL_TORCHRUN = TL_ROOT / ".venv" / "bin" / "torchrun"
 TT_TORCHRUN = Path(os.environ.get("TORCHTITAN_VENV", TL_ROOT / ".venv-torchtitan")) / "bin" / "torchrun"
 

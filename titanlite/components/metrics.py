@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from titanlite.components.summary import RunTally, summary_lines
 from titanlite.config.job_config import JobConfig
 from titanlite.config.job_config import Metrics as MetricsConfig
 from titanlite.errors import UserError, first_line
@@ -20,7 +21,8 @@ from titanlite.tools.formatting import fmt, format_duration
 logger = logging.getLogger("titanlite")
 
 
-def progress_line(rec: dict[str, Any], total_steps: int) -> str:
+def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") -> str:
+    """The step line; `diag` = "short" adds the measured step's spread across ranks in plain words."""
     width = len(str(total_steps))
     parts = [
         f"step {rec['step']:>{width}}/{total_steps}",
@@ -33,6 +35,11 @@ def progress_line(rec: dict[str, Any], total_steps: int) -> str:
     if "mfu_pct" in rec:
         parts.append(f"mfu {rec['mfu_pct']:.1f}%")
     parts.append(f"eta {format_duration(rec['eta_s'])}")
+    d = rec.get("diag")
+    if diag == "short" and d and rec["loss"]:
+        spread = [f"loss ±{100 * d['loss_std'] / rec['loss']:.1f}%"] if "loss_std" in d else []
+        spread += [f"grad norm ±{100 * d['grad_norm_cv']:.0f}%"] if "grad_norm_cv" in d else []
+        parts.append(f"ranks {', '.join(spread)}")
     return " | ".join(parts)
 
 
@@ -158,6 +165,9 @@ class MetricsWriter:
         cfg: JobConfig | None = None,
     ) -> None:
         self.total_steps = total_steps
+        self.run_dir, self.tensorboard = run_dir, tensorboard
+        self.diag_console = cfg.diagnostics.console if cfg is not None else "full"
+        self.tally = RunTally()
         self._jsonl = None
         self._diag = None
         self._events = None
@@ -189,7 +199,8 @@ class MetricsWriter:
             sink.text(tag, text, step)
 
     def write(self, rec: dict[str, Any]) -> None:
-        logger.info(progress_line(rec, self.total_steps))
+        logger.info(progress_line(rec, self.total_steps, self.diag_console))
+        self.tally.record(rec)
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(rec) + "\n")
             self._jsonl.flush()
@@ -197,7 +208,7 @@ class MetricsWriter:
 
     def write_diagnostics(self, records: list[dict[str, Any]]) -> None:
         """Every measured step in full (per-rank vectors too) to diagnostics.jsonl; scalars to
-        the sinks under diag/; a one-line summary of the latest to the console."""
+        the sinks under diag/; with diagnostics.console = "full", a line of the latest's figures."""
         if not records:
             return
         if self._diag is not None:
@@ -206,7 +217,8 @@ class MetricsWriter:
             self._diag.flush()
         for rec in records:
             self.write_scalars("diag", rec)
-        logger.info(diagnostics_line(records[-1]))
+        if self.diag_console == "full":
+            logger.info(diagnostics_line(records[-1]))
 
     def write_eval(self, rec: dict[str, Any]) -> None:
         """An eval's record: a console line, a line in eval.jsonl, scalars in the sinks under eval/."""
@@ -214,6 +226,7 @@ class MetricsWriter:
             f"eval step {rec['step']} | loss {rec['loss']:.4f} | perplexity {rec['perplexity']:.2f} | "
             f"{rec['tokens']:,} tokens of {rec['sequences']:,} sequences in {rec['seconds']:.1f}s"
         )
+        self.tally.last_eval = rec
         if self._eval is not None:
             self._eval.write(json.dumps(rec) + "\n")
             self._eval.flush()
@@ -224,8 +237,9 @@ class MetricsWriter:
         and the first one on the console."""
         if not samples:
             return
-        first = samples[0]["text"].strip().replace("\n", " ")
-        logger.info(f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {first[:80]!r}")
+        # repr: whitespace and control characters stay visible (a model that emits only
+        # newlines prints '\n\n...', not an empty string)
+        logger.info(f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}")
         if self._samples is not None:
             for i, sample in enumerate(samples):
                 self._samples.write(json.dumps({"step": step, "index": i, **sample}) + "\n")
@@ -237,10 +251,19 @@ class MetricsWriter:
         """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>)."""
         for alert in alerts:
             logger.warning(alert.line())
+            self.tally.alerts[alert.name] += 1
             if self._events is not None:
                 self._events.write(json.dumps(alert.to_dict()) + "\n")
                 self._events.flush()
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
+
+    def finish(self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]) -> None:
+        """The run's closing lines (components/summary.py), on rank 0."""
+        if self.run_dir is not None:
+            for line in summary_lines(
+                self.tally, first, last, seconds, self.run_dir, checkpoints, exports, self.tensorboard
+            ):
+                logger.info(line)
 
     def close(self) -> None:
         for f in (self._jsonl, self._diag, self._events, self._eval, self._samples):

@@ -84,6 +84,12 @@ class Diagnostics:
         0.9, "EMA decay of the gradient-noise-scale estimate", at_least=0.0, below=1.0
     )
     on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
+    console: str = opt(
+        "short",
+        "a measured step on the console: short (the ranks' loss and grad-norm spread on the step line), "
+        "full (a diag line of every figure), off; diagnostics.jsonl and TensorBoard hold them all",
+        choices=("short", "full", "off"),
+    )
     skip_spikes: str = opt(
         "off",
         "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",

@@ -1,7 +1,7 @@
 """Raw input files: which ones a path names, how they are cut into pieces that worker processes
 read independently, and how a piece's documents (pretraining text or SFT records) are read.
 
-Kinds: `.txt` (the whole file is one document), `.jsonl` (one JSON object per line),
+Kinds: `.txt` and `.md` (the whole file is one document), `.jsonl` (one JSON object per line),
 `.jsonl.gz`, `.parquet`, and `.arrow` (the Arrow IPC files that `datasets.save_to_disk` writes,
 read with pyarrow, so the `datasets` package is not needed). Every document keeps its locator:
 the source file and its row (0-based line of a jsonl, row of a parquet/arrow table).
@@ -26,6 +26,7 @@ from titanlite.errors import UserError, first_line
 
 SUFFIXES = {
     ".txt": "txt",
+    ".md": "txt",  # Markdown is plain text
     ".jsonl": "jsonl",
     ".jsonl.gz": "jsonl.gz",
     ".parquet": "parquet",

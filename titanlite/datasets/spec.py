@@ -56,7 +56,7 @@ def check_data(mode: str, path: str, key: str = "data.path") -> None:
         if size > RAW_LIMIT_BYTES:
             raise UserError(
                 f"{key} '{name}' holds {size / 2**30:.1f} GiB of raw data; prepare it once with every core "
-                f"(python scripts/prepare_data.py --tokenizer TOKENIZER --mode {mode} --out FOLDER {name}) "
+                f"(./scripts/prepare_data.py --tokenizer TOKENIZER --mode {mode} --out FOLDER {name}) "
                 f"and point {key} at FOLDER"
             )
 

@@ -33,6 +33,23 @@ class Point:
     big_ratio: float  # its norm / median of the others' norms
 
 
+# The rules that single a rank out, or judge the loss spread, need 3+ live ranks: of two, one is
+# always the higher, and the std is one heavy-tailed pairwise difference.
+SPREAD_RANKS = 3
+NEED_SPREAD = ("single_rank_outlier", "faulty_worker", "dispersion_spike", "dispersion_rising_loss_falling")
+
+
+def silent_rules_note(world: int) -> str | None:
+    """What a start-up note says when the data-parallel world is too small for some rules."""
+    if world < 2 or world >= SPREAD_RANKS:
+        return None
+    return (
+        f"at dp={world} the alerts {', '.join(NEED_SPREAD)} need {SPREAD_RANKS} or more ranks and stay "
+        "silent: a rank with bad labels or a noisy gradient is not named (identical_data, cosine_drop "
+        "and replica_drift still run)"
+    )
+
+
 def _median_excluding(values: list, r: int) -> float:
     return statistics.median(v for j, v in enumerate(values) if j != r and v is not None)
 
@@ -47,12 +64,12 @@ def point(rec: dict) -> Point | None:
     loss = sum(losses[r] * tokens[r] for r in live) / total
     # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
     # in 14 of 20 steps by chance about 6% of the time).
-    max_rank = max(live, key=losses.__getitem__) if len(live) >= 3 else None
+    max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
     others = [losses[r] for r in live if r != max_rank]
     gap = (losses[max_rank] - statistics.fmean(others)) / loss if max_rank is not None and loss > 0 else 0.0
     low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
     cos = rec.get("cos_matrix")
-    if cos and len(live) >= 3:
+    if cos and len(live) >= SPREAD_RANKS:
         # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
         med = {
             r: statistics.median(cos[r][j] for j in live if j != r and cos[r][j] is not None) for r in live
@@ -60,7 +77,7 @@ def point(rec: dict) -> Point | None:
         low_rank = min(med, key=med.get)
         low_margin = statistics.median(v for r, v in med.items() if r != low_rank) - med[low_rank]
     norms = rec.get("rank_grad_norm")
-    if norms and len(live) >= 3:
+    if norms and len(live) >= SPREAD_RANKS:
         big_rank = max(live, key=norms.__getitem__)
         rest = _median_excluding(norms, big_rank)
         big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
@@ -115,10 +132,6 @@ class Window:
             return None
         mean = statistics.fmean(getattr(q, value_attr) for q in pts if getattr(q, rank_attr) == top)
         return top, counts[top], mean
-
-
-# Dispersion rules need 3+ live ranks: with two, the std is one heavy-tailed pairwise difference.
-SPREAD_RANKS = 3
 
 
 def dispersion_spike(w: Window) -> Finding | None:

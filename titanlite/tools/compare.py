@@ -28,6 +28,7 @@ from titanlite.config.job_config import JobConfig
 from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
+from titanlite.tools.plots import plot_invariance
 from titanlite.tools.tolerance import Tolerance
 
 # Expected to differ between the runs of an invariance comparison.
@@ -80,6 +81,7 @@ class Run:
     resolved: dict[str, Any]  # run.json ({} if the run predates it)
     metrics: dict[int, dict]  # step -> metrics record
     diag: dict[int, dict]  # step -> diagnostics record
+    evals: dict[int, dict] = field(default_factory=dict)  # step -> held-out eval record
 
     @property
     def name(self) -> str:
@@ -134,7 +136,9 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
     diag_file = path / "diagnostics.jsonl"
     diag = {r["step"]: r for r in _read_jsonl(diag_file)} if diag_file.is_file() else {}
-    return Run(path, config, resolved, metrics, diag)
+    eval_file = path / "eval.jsonl"
+    evals = {r["step"]: r for r in _read_jsonl(eval_file)} if eval_file.is_file() else {}
+    return Run(path, config, resolved, metrics, diag, evals)
 
 
 @dataclass
@@ -310,50 +314,6 @@ def describe(cmp: Comparison) -> str:
     return "\n".join(lines)
 
 
-def plot(comparisons: list[Comparison], path: Path) -> None:
-    """Loss curves of every run (top) and |relative difference| to the first (bottom, log)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    ref = comparisons[0].ref
-    steps = sorted(s for s, r in ref.metrics.items() if r.get("loss") is not None)
-    top.plot(steps, [ref.metrics[s]["loss"] for s in steps], label=f"{ref.name} ({ref.layout})", lw=2.5)
-    floor = 1e-12  # a zero difference (bitwise equal) has no logarithm: drawn at this floor
-    for cmp in comparisons:
-        rows = [r for r in cmp.rows if r.loss[1] is not None]
-        (line,) = top.plot(
-            [r.step for r in rows],
-            [r.loss[1] for r in rows],
-            "--",
-            label=f"{cmp.other.name} ({cmp.other.layout})",
-        )
-        rel = [(r.step, r.rel) for r in cmp.rows if r.rel is not None]
-        bottom.plot(
-            [s for s, _ in rel],
-            [max(v, floor) for _, v in rel],
-            marker=".",
-            color=line.get_color(),
-            label=cmp.other.name,
-        )
-    first = comparisons[0]
-    bottom.plot([r.step for r in first.rows], [first.rtol_at(r) for r in first.rows], color="red", ls=":",
-                label=f"rtol {first.rtol}")  # fmt: skip
-    bottom.set_yscale("log")
-    bottom.set_ylabel(f"|loss - loss({ref.name})| / loss  (1e-12: equal)", fontsize=8)
-    bottom.set_xlabel("step")
-    top.set_ylabel("loss")
-    top.legend(fontsize=7)
-    bottom.legend(fontsize=7)
-    verdict = "PASS" if all(c.passed for c in comparisons) else "FAIL"
-    top.set_title(f"{verdict}: loss curves and their relative difference to {ref.name}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 60) -> str:
     """Write table.txt, compare.json and compare.png into out_dir; return the console text."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -385,6 +345,6 @@ def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 
         ],
     }
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
-    plot(comparisons, out_dir / "compare.png")
+    plot_invariance(comparisons, out_dir / "compare.png")
     console.append(f"table, JSON and plot: {out_dir}/{{table.txt,compare.json,compare.png}}")
     return "\n".join(console)

@@ -29,13 +29,15 @@ def export_weights(model: torch.nn.Module, path: Path) -> None:
         logger.info(f"exported full weights to {path}")
 
 
-def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path) -> None:
+def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path) -> list[Path]:
     """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
     MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF
-    folder when it is a Hugging Face one)."""
+    folder when it is a Hugging Face one). Returns what it wrote."""
     c = cfg.checkpoint
+    written = []
     if c.export_weights:
         export_weights(model, run_dir / "weights.pt")
+        written.append(run_dir / "weights.pt")
     if c.export_hf:
         source = cfg.model.hf_assets_path
         export_hf(
@@ -47,3 +49,5 @@ def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir:
             Path(source).expanduser() if source else None,
             tokenizer.folder if tokenizer else None,
         )
+        written.append(run_dir / "hf")
+    return written

@@ -1,0 +1,98 @@
+"""What a run tells its user as it starts (notes of what is on) and as it ends (the summary), and
+the step line's plain-words spread of the ranks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from titanlite.components.metrics import progress_line
+from titanlite.components.summary import RunTally, summary_lines
+from titanlite.config import load_config
+from titanlite.config.layout import CHECKPOINT_MARKER
+from titanlite.preflight import startup_notes
+
+
+class _Alert:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _record(step: int, loss: float | None, skipped: int = 0) -> dict:
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_window_mean": 2.5,
+        "loss_window_steps": 10,
+        "skipped_steps": skipped,
+    }
+
+
+def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
+    run = tmp_path / "run"
+    folder = run / "checkpoints"
+    for step in (20, 30):
+        (folder / f"step-{step:08d}").mkdir(parents=True)
+        (folder / f"step-{step:08d}" / CHECKPOINT_MARKER).write_text("")
+    (folder / "step-00000040.tmp").mkdir()  # not complete: not named
+    tally = RunTally()
+    tally.record(_record(20, 3.0, skipped=1))
+    tally.record(_record(30, 2.4567, skipped=2))
+    tally.last_eval = {"step": 30, "loss": 2.75, "perplexity": 15.64}
+    for name in ("single_rank_outlier", "identical_data", "single_rank_outlier"):
+        tally.alerts[name] += 1
+    lines = summary_lines(tally, 11, 30, 12.34, run, folder, [run / "hf"], tensorboard=True)
+    assert lines[0] == f"done: 20 steps (11-30, resumed after step 10) in 12.3s; run folder {run}"
+    assert lines[1] == "final loss 2.4567 at step 30 (mean over the last 10 steps 2.5000)"
+    assert lines[2] == "eval loss 2.7500, perplexity 15.64 at step 30"
+    assert lines[3] == f"alerts: 3 (identical_data x1, single_rank_outlier x2); each in {run}/events.jsonl"
+    assert lines[4].startswith("skipped steps: 3 ")
+    assert lines[5] == f"checkpoint {folder}/step-00000030; export {run}/hf"
+    assert lines[6].endswith(f"--logdir {run}/tb; metrics {run}/metrics.jsonl") and "tensorboard" in lines[6]
+    assert len(lines) <= 8
+    # A fresh run with nothing to report, and a resume with nothing left to run.
+    quiet = summary_lines(RunTally(), 1, 5, 1.0, run, tmp_path / "none", [], tensorboard=False)
+    assert quiet[0].startswith("done: 5 steps (1-5) in 1.0s") and "alerts: none" in quiet
+    assert quiet[-1] == f"see: metrics {run}/metrics.jsonl"
+    done = summary_lines(RunTally(), 31, 30, 0.1, run, folder, [], tensorboard=False)
+    assert done[0].startswith("done: the checkpoint is at step 30 already (training.steps); nothing ran")
+
+
+def test_step_line_shows_the_ranks_spread_in_plain_words():
+    rec = {
+        "step": 10,
+        "loss": 4.0,
+        "grad_norm": 1.0,
+        "lr": 1e-3,
+        "tokens_per_s": 100.0,
+        "memory_gib": 0.5,
+        "eta_s": 5,
+        "diag": {"loss_std": 0.02, "grad_norm_cv": 0.123},
+    }
+    assert progress_line(rec, 100).endswith("| eta 0:00:05 | ranks loss ±0.5%, grad norm ±12%")
+    assert progress_line(rec, 100, "full").endswith("| eta 0:00:05")
+    assert progress_line({**rec, "diag": None}, 100).endswith("| eta 0:00:05")
+
+
+def test_startup_notes_name_what_is_on(tmp_path: Path):
+    cfg = load_config(None)
+    assert startup_notes(cfg, 4) == []
+    notes = startup_notes(load_config(None, ["--debug.corrupt_labels_rank", "1"]), 2)
+    assert notes[0].startswith("[debug] is set (corrupt_labels_rank = 1): ")
+    assert notes[1].startswith("diagnostics: at dp=2 the alerts single_rank_outlier, faulty_worker")
+    assert startup_notes(load_config(None, ["--diagnostics.enable", "false"]), 2) == []
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
+    long = load_config(None, ["--model.hf_assets_path", str(folder), "--training.seq_len", "128"])
+    assert any("training.seq_len 128 is longer than the 64 positions" in n for n in startup_notes(long, 4))
+    fits = load_config(None, ["--model.hf_assets_path", str(folder), "--training.seq_len", "64"])
+    assert startup_notes(fits, 4) == []
+
+
+def test_a_sample_of_whitespace_is_visible_on_the_console(caplog):
+    from titanlite.components.metrics import MetricsWriter
+
+    caplog.set_level("INFO", logger="titanlite")
+    MetricsWriter(None, 10, tensorboard=False).write_samples(5, [{"prompt": "Hi", "text": "\n\n\t"}])
+    assert "sample step 5 | 'Hi' -> '\\n\\n\\t'" in caplog.text

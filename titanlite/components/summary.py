@@ -1,0 +1,93 @@
+"""The lines a run ends with (rank 0): what this invocation did, how it ended, where to look.
+
+One fact per line, at most eight: the steps this invocation ran (a resumed run names where it
+resumed), the final loss and its window mean, the last eval, the alerts it raised, the steps it
+skipped, the newest checkpoint and the exports, and the commands that open the figures.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from titanlite.components.checkpoint.index import complete_steps, step_dir
+from titanlite.tools.formatting import fmt
+
+
+@dataclass
+class RunTally:
+    """What the summary needs from the records rank 0 writes, kept as they are written."""
+
+    last: dict[str, Any] | None = None  # the newest metrics record
+    last_eval: dict[str, Any] | None = None
+    alerts: Counter = field(default_factory=Counter)  # alert name -> how many this invocation raised
+    skipped: int = 0  # steps skipped (no token, non-finite, a spike) by this invocation
+
+    def record(self, rec: dict[str, Any]) -> None:
+        self.last = rec
+        self.skipped += rec.get("skipped_steps", 0)
+
+
+def shown(path: Path) -> str:
+    """`path` as a command line takes it: relative to the working folder when inside it."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        text = str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        text = str(absolute)
+    return shlex.quote(text)
+
+
+def summary_lines(
+    tally: RunTally,
+    first: int,
+    last: int,
+    seconds: float,
+    run_dir: Path,
+    checkpoints: Path,
+    exports: list[Path],
+    tensorboard: bool,
+) -> list[str]:
+    """`first`..`last`: the steps this invocation ran; `checkpoints`: checkpoint.folder (its
+    newest complete step is named); `exports`: what export_run wrote."""
+    if first > last:
+        head = f"done: the checkpoint is at step {last} already (training.steps); nothing ran"
+    else:
+        resumed = f", resumed after step {first - 1}" if first > 1 else ""
+        head = f"done: {last - first + 1} steps ({first}-{last}{resumed}) in {seconds:.1f}s"
+    lines = [f"{head}; run folder {shown(run_dir)}"]
+    rec = tally.last
+    if rec is not None:
+        loss = "skipped" if rec["loss"] is None else f"{rec['loss']:.4f}"
+        mean = fmt(rec.get("loss_window_mean"), ".4f")
+        n = rec.get("loss_window_steps", 0)
+        lines.append(f"final loss {loss} at step {rec['step']} (mean over the last {n} steps {mean})")
+    if tally.last_eval is not None:
+        e = tally.last_eval
+        lines.append(f"eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f} at step {e['step']}")
+    if tally.alerts:
+        names = ", ".join(f"{name} x{k}" for name, k in sorted(tally.alerts.items()))
+        lines.append(
+            f"alerts: {sum(tally.alerts.values())} ({names}); each in {shown(run_dir / 'events.jsonl')}"
+        )
+    else:
+        lines.append("alerts: none")
+    if tally.skipped:
+        lines.append(f"skipped steps: {tally.skipped} (no valid token, a non-finite gradient or a spike)")
+    steps = complete_steps(checkpoints)
+    kept = [f"checkpoint {shown(step_dir(checkpoints, steps[-1]))}"] if steps else []
+    kept += [f"export {shown(p)}" for p in exports]
+    if kept:
+        lines.append("; ".join(kept))
+    look = [f"metrics {shown(run_dir / 'metrics.jsonl')}"]
+    if tensorboard:
+        tb = Path(sys.executable).parent / "tensorboard"
+        command = shown(tb) if tb.is_file() else "tensorboard"
+        look.insert(0, f"{command} --logdir {shown(run_dir / 'tb')}")
+    lines.append("see: " + "; ".join(look))
+    return lines

@@ -1,0 +1,64 @@
+"""Every script runs from a fresh clone with nothing activated, like `./run_train.sh`.
+
+A script calls `use_project_venv()` before its first import outside the standard library: when
+the interpreter that started it lacks titanlite's dependencies (a system `python3`), the script
+is executed again under the project's interpreter, which scripts/env.sh makes and fills on
+first use (`.venv/`, or `TITANLITE_PYTHON`). An interpreter that has them (the venv, an
+activated environment, a cluster's container) runs the script as it is.
+
+This module imports only the standard library; scripts/env.sh runs it as a script
+(`python titanlite/tools/venv.py [dev]`, exit 1 when something is missing) to check its venv.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# What running titanlite needs (pyproject.toml's dependencies, by import name), then the tests.
+CORE = (
+    "torch",
+    "torchdata",
+    "tensorboard",
+    "sentencepiece",
+    "tokenizers",
+    "safetensors",
+    "jinja2",
+    "numpy",
+    "pyarrow",
+    "matplotlib",
+)
+DEV = ("pytest", "ruff", "transformers", "importlinter", "md_link_checker")
+_AGAIN = "TITANLITE_VENV_EXEC"  # set on the second execution: never a third
+
+
+def missing(dev: bool = False) -> list[str]:
+    """The dependencies this interpreter cannot import (found without importing them)."""
+    return [m for m in CORE + (DEV if dev else ()) if importlib.util.find_spec(m) is None]
+
+
+def use_project_venv(dev: bool = False) -> None:
+    """Return if this interpreter has what the script needs; else execute the script again under
+    the project's interpreter (scripts/env.sh installs it once, printing that it does)."""
+    if not missing(dev) or os.environ.get(_AGAIN):
+        return
+    env_sh = ROOT / "scripts" / "env.sh"
+    found = subprocess.run(
+        ["bash", "-c", 'source "$1" "$2" >&2 && printf %s "$PY"', "env", str(env_sh), "dev" if dev else ""],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    if found.returncode != 0:
+        sys.exit(found.returncode)  # env.sh printed why
+    env = dict(os.environ, **{_AGAIN: "1"})
+    if os.environ.get("TITANLITE_PYTHON"):  # used as it is: titanlite from this tree
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    os.execve(found.stdout, [found.stdout, *sys.argv], env)
+
+
+if __name__ == "__main__":  # scripts/env.sh: does $PY hold everything, titanlite installed too?
+    sys.exit(1 if missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite") else 0)
