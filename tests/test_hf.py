@@ -479,6 +479,23 @@ MESSAGES = [
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])  # chat_template.jinja; tokenizer_config.json
+def test_generation_stops_at_eos_the_end_of_a_turn_and_generation_configs_list(assets, name, tmp_path):
+    from titanlite.datasets.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(assets / name))
+    eot, eos = tok.tok.token_to_id("<|eot_id|>"), tok.tok.token_to_id("<|end_of_text|>")
+    # the template closes a turn with <|eot_id|>; config.json names an EOS id too (as transformers reads it)
+    config_eos = json.loads((assets / name / "config.json").read_text())["eos_token_id"]
+    assert tok.eos_id == eos and tok.stop_ids == {eos, eot, config_eos}
+    folder = tmp_path / name
+    folder.mkdir()
+    for f in (assets / name).iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos, 7, 11]}))
+    assert load_tokenizer(str(folder)).stop_ids == {eos, eot, config_eos, 7, 11}
+
+
+@pytest.mark.parametrize("name", ["tied", "untied"])  # chat_template.jinja; tokenizer_config.json
 def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(assets, name):
     from transformers import AutoTokenizer
 

@@ -1,10 +1,12 @@
 """Text from the model: greedy or nucleus (top-p) decoding of a few prompts, for samples at eval
 time and for scripts/generate.py.
 
-There is no KV cache (the model has none): every new token is one full forward over each
-prompt's prefix, so n new tokens after a prompt of p cost about n forwards of length p + n/2.
-That is fine for what this is for, a few prompts of tens of tokens at eval time or from the
-script, and it needs nothing from the model beyond `model(tokens) -> logits`.
+The prompts run as one batch. A model with a KV cache (a `kv_cache(lengths)` method and
+`forward(tokens, cache=...)`, as Llama 3 has) runs the prompts once, then one position per
+prompt per new token. A model without one (a fork's) gets the cache-free path, which needs
+nothing beyond `model(tokens) -> logits`: every new token is a forward over each prefix, so n
+new tokens after a prompt of p cost about n forwards of length p + n/2. Both choose the same
+tokens (greedy; tests/test_generate.py).
 
 Under FSDP every forward is collective, so every rank of the group calls `generate` with the same
 prompts; each step's chosen tokens are then broadcast from one rank, so all ranks extend the
@@ -13,6 +15,7 @@ same sequences and stop together even where their logits differ in the last bit.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 import torch
@@ -26,6 +29,7 @@ from titanlite.distributed.parallelize import unwrap
 class TextTokenizer(Protocol):  # titanlite.datasets.tokenizer's Tokenizer and HFTokenizer
     bos_id: int
     eos_id: int
+    stop_ids: frozenset[int]  # the ids that end a completion: EOS, and a chat's end of turn
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -65,20 +69,19 @@ def generate(
     prompts: list[list[int]],
     max_new_tokens: int,
     *,
-    eos_id: int | None,
+    eos_id: int | Collection[int] | None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
     src: int = 0,
 ) -> list[list[int]]:
-    """The new tokens of each prompt: up to `max_new_tokens`, ending with `eos_id` where the
-    model chose it. Greedy at temperature 0, else nucleus sampling (see `choose`) with
-    `generator` (None: a fresh one seeded 0 on the model's device).
+    """The new tokens of each prompt: up to `max_new_tokens`, ending with a stop token where the
+    model chose one (`eos_id`: one id or several, e.g. generation_config.json's list and a chat's
+    end of turn). Greedy at temperature 0, else nucleus sampling (see `choose`) with `generator`
+    (None: a fresh one seeded 0 on the model's device).
 
-    Prompts run as one batch, left-aligned and padded on the right: under causal attention the
-    padding never reaches the positions whose logits are read; a finished prompt leaves the
-    batch. Input never exceeds the model's max_seq_len: at most max_seq_len - 1 new tokens, and a
+    Input never exceeds the model's max_seq_len: at most max_seq_len - 1 new tokens, and a
     prompt keeps only its last max_seq_len - (new tokens) tokens.
 
     With torch.distributed initialized and `group` (None: the world) of more than one rank,
@@ -93,34 +96,85 @@ def generate(
     limit = max_seq_len(model)
     n_new = max(0, min(max_new_tokens, limit - 1))
     seqs = [list(p[-(limit - n_new) :]) for p in prompts]
-    outs: list[list[int]] = [[] for _ in prompts]
     device = next(model.parameters()).device
     if generator is None and temperature > 0:
         generator = torch.Generator(device=device).manual_seed(0)
     lockstep = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-    active = list(range(len(prompts)))
+
+    def pick(logits: torch.Tensor) -> list[int]:
+        tokens = choose(logits, temperature, top_p, generator)
+        if lockstep:
+            dist.broadcast(tokens, group=group, group_src=src)
+        return tokens.tolist()
+
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    cached = callable(getattr(unwrap(model), "kv_cache", None))
     was_training = model.training
     model.eval()
     try:
-        for _ in range(n_new):
-            if not active:
-                break
-            lengths = torch.tensor([len(seqs[i]) for i in active])
-            batch = torch.zeros(len(active), int(lengths.max()), dtype=torch.long)
-            for row, i in enumerate(active):
-                batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
-            logits = model(batch.to(device))
-            last = logits[torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1]
-            tokens = choose(last, temperature, top_p, generator)
-            if lockstep:
-                dist.broadcast(tokens, group=group, group_src=src)
-            for i, token in zip(active, tokens.tolist(), strict=True):
-                seqs[i].append(token)
-                outs[i].append(token)
-            active = [i for i in active if outs[i][-1] != eos_id]
+        return (_cached if cached else _uncached)(model, seqs, n_new, stop, pick, device)
     finally:
         model.train(was_training)
+
+
+def _batch(seqs: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """These prompts as one batch, left-aligned and padded on the right, and their lengths: under
+    causal attention the padding never reaches a real position."""
+    lengths = torch.tensor([len(seqs[i]) for i in rows])
+    batch = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
+    for row, i in enumerate(rows):
+        batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
+    return batch, lengths
+
+
+def _cached(
+    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device
+) -> list[list[int]]:
+    """With the model's KV cache: one forward over the prompts, then one token per prompt per
+    step; a finished prompt leaves the batch (and the cache)."""
+    outs: list[list[int]] = [[] for _ in seqs]
+    active = list(range(len(seqs)))
+    batch, lengths = _batch(seqs, active)
+    cache = unwrap(model).kv_cache(lengths.to(device))
+    logits = model(batch.to(device), cache=cache)
+    last = logits[torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1]
+    for step in range(n_new):
+        for i, token in zip(active, pick(last), strict=True):
+            outs[i].append(token)
+        going = [row for row, i in enumerate(active) if outs[i][-1] not in stop]
+        if not going or step == n_new - 1:
+            break
+        if len(going) < len(active):
+            cache.keep(torch.tensor(going, device=device))
+            active = [active[row] for row in going]
+        tokens = torch.tensor([[outs[i][-1]] for i in active], device=device)
+        last = model(tokens, cache=cache)[:, -1]
     return outs
+
+
+def _uncached(
+    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device
+) -> list[list[int]]:
+    """Without a cache: every step is a full forward over each prompt's prefix; a finished prompt
+    leaves the batch."""
+    outs: list[list[int]] = [[] for _ in seqs]
+    active = list(range(len(seqs)))
+    for _ in range(n_new):
+        if not active:
+            break
+        batch, lengths = _batch(seqs, active)
+        logits = model(batch.to(device))
+        last = logits[torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1]
+        for i, token in zip(active, pick(last), strict=True):
+            seqs[i].append(token)
+            outs[i].append(token)
+        active = [i for i in active if outs[i][-1] not in stop]
+    return outs
+
+
+def stops(tokenizer: TextTokenizer) -> frozenset[int]:
+    """The ids that end a completion (a fork's tokenizer without `stop_ids`: its EOS)."""
+    return getattr(tokenizer, "stop_ids", None) or frozenset({tokenizer.eos_id})
 
 
 def sample_text(
@@ -147,7 +201,7 @@ def sample_text(
         model,
         prompts,
         max_new_tokens,
-        eos_id=tokenizer.eos_id,
+        eos_id=stops(tokenizer),
         temperature=temperature,
         top_p=top_p,
         generator=generator,
@@ -156,7 +210,7 @@ def sample_text(
     )
     completions = []
     for prompt, out in zip(prompts, outs, strict=True):
-        if out and out[-1] == tokenizer.eos_id:
+        if out and out[-1] in stops(tokenizer):
             out = out[:-1]
         head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + out)
         completions.append(whole[len(head) :] if whole.startswith(head) else tokenizer.decode(out))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
+from titanlite.datasets.chat import render
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
 from titanlite.errors import UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes
@@ -56,6 +57,11 @@ class Tokenizer:
         pad = self.sp.pad_id()
         return pad if pad >= 0 else self.eos_id
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """What ends a generated completion: EOS."""
+        return frozenset({self.eos_id})
+
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
 
@@ -93,6 +99,9 @@ class HFTokenizer:
             for kind in ("bos", "eos", *(("pad",) if has_pad else ()))
         }
         self.chat_template = _chat_template(path.parent)
+        # What ends a generated completion: EOS, every EOS generation_config.json and config.json
+        # name (a list, for chat models), and the chat template's end of a turn.
+        self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent), *self._turn_end()})
         self.max_id = max(self.tok.get_vocab(with_added_tokens=True).values())
         key = data + json.dumps(specials, sort_keys=True).encode()
         self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
@@ -108,6 +117,21 @@ class HFTokenizer:
                 f"folder's tokenizer_config.json or config.json must name one"
             )
         return found
+
+    def _turn_end(self) -> list[int]:
+        """The special token the chat template closes a message with (Llama 3's <|eot_id|>,
+        ChatML's <|im_end|>): the first token after a rendered message's text, if special."""
+        if not self.chat_template:
+            return []
+        mark = "\u2063titanlite\u2063"  # text no template adds by itself
+        try:
+            text = render(self.chat_template, [{"role": "user", "content": mark}], False, self.special_tokens)
+        except UserError:
+            return []  # a template that needs more than one user message: EOS and the lists stop
+        after = text.partition(mark)[2]
+        ids = self.encode(after)[:1] if after else []
+        specials = {int(i) for i in self.tok.get_added_tokens_decoder()}
+        return [i for i in ids if i in specials]
 
     @property
     def vocab_size(self) -> int:
@@ -145,6 +169,15 @@ def _special_tokens(folder: Path) -> dict:
         if kind not in out and isinstance(value, int):
             out[kind] = value
     return out
+
+
+def _eos_ids(folder: Path) -> list[int]:
+    """The eos_token_id of generation_config.json and config.json: an id or a list of them."""
+    ids = []
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(folder / name).get("eos_token_id")
+        ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
+    return ids
 
 
 def _chat_template(folder: Path) -> str | None:

@@ -26,6 +26,9 @@ scripts alike. The contract for a registered model:
   titanlite.distributed.param_init) and recomputes its buffers, so initial weights do not
   depend on how the model is sharded;
 - optional `model.num_flops_per_token(seq_len) -> int` for TFLOP/s and MFU;
+- optional KV cache for generation (titanlite.components.generate): `model.kv_cache(lengths[B])`
+  returns a cache, and `model(tokens, cache=cache)` gives the logits of right-padded prompts
+  first, then of one token per row at a time; without it generation runs full forwards;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
   checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
 - optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder.

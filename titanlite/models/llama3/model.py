@@ -1,7 +1,9 @@
 """Llama 3: RMSNorm, RoPE (with Llama 3.1 frequency scaling), GQA, SwiGLU, SDPA attention.
 
 Given `positions` (packed SFT, data.document_mask), each document attends only to itself and
-its RoPE positions restart at 0: titanlite.models.attention builds the mask from them."""
+its RoPE positions restart at 0: titanlite.models.attention builds the mask from them. Given a
+`KVCache` (generation), a forward extends the sequences the cache holds: the keys and values of
+earlier positions are kept, so decoding a token costs one position's forward."""
 
 from __future__ import annotations
 
@@ -66,6 +68,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.flatten(-2).type_as(x)
 
 
+class KVCache:
+    """Each layer's keys and values [B, S, kv_heads, head_dim] (after RoPE) of the positions a
+    generation has run. The first forward given it runs the prompts, right-padded (`lengths`:
+    each row's real tokens), under causal attention, so no real position reads a padded one;
+    each later forward adds one token per row at that row's own next position, attending only
+    to the row's real columns (`valid`)."""
+
+    def __init__(self, n_layers: int, lengths: torch.Tensor) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * n_layers
+        self.values: list[torch.Tensor | None] = [None] * n_layers
+        self.lengths = lengths  # [B] each row's positions so far: its next token's RoPE position
+        self.valid: torch.Tensor | None = None  # [B, columns] bool: the columns that hold real tokens
+
+    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=1)
+            v = torch.cat([self.values[layer], v], dim=1)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only these rows go on (the others finished)."""
+        self.keys = [t.index_select(0, rows) for t in self.keys]
+        self.values = [t.index_select(0, rows) for t in self.values]
+        self.lengths, self.valid = self.lengths.index_select(0, rows), self.valid.index_select(0, rows)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -92,13 +121,21 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask = None
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: DocumentMask = None,
+        cache: tuple[KVCache, int] | None = None,
     ) -> torch.Tensor:
+        """`cache`: the generation's KVCache and this layer's index in it."""
         bs, seqlen, _ = x.shape
         q = self.wq(x).view(bs, seqlen, self.n_heads, self.head_dim)
         k = self.wk(x).view(bs, seqlen, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bs, seqlen, self.n_kv_heads, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache[0].extend(cache[1], k, v)
         rep = self.n_heads // self.n_kv_heads
         if rep > 1:  # grouped-query attention: share each k/v head among `rep` query heads
             k = k.repeat_interleave(rep, dim=2)
@@ -145,8 +182,10 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor,
         mask: DocumentMask = None,
         keys: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
-        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin, mask), keys, 0)
+        at = None if cache is None else (cache, self.layer_id)
+        h = x + self._dropout(self.attention(self.attention_norm(x), cos, sin, mask, at), keys, 0)
         return h + self._dropout(self.feed_forward(self.ffn_norm(h)), keys, 1)
 
     def _dropout(self, y: torch.Tensor, keys: torch.Tensor | None, branch: int) -> torch.Tensor:
@@ -207,6 +246,7 @@ class Llama3(nn.Module):
         loss_chunk: int = 0,
         positions: torch.Tensor | None = None,
         sample_keys: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits; with `labels`, each sequence's summed cross entropy instead, the output
         projection run `loss_chunk` positions at a time inside the loss (0: all at once; the
@@ -214,21 +254,42 @@ class Llama3(nn.Module):
         It happens here, in the root's forward, where FSDP has the output weight unsharded.
         `positions` [B, S]: each token's position in its document (0 starts one); None: one
         causal sequence. `sample_keys` [B]: dropout masks keyed by sequence (titanlite.ops.dropout);
-        None: torch's RNG."""
+        None: torch's RNG. `cache` (from `kv_cache`): generation's logits, the prompts first,
+        then one token per row at a time (see KVCache)."""
         seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
-            raise ValueError(f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}")
-        if positions is None:
+        decoding = cache is not None and cache.valid is not None  # the prompts ran already
+        columns = cache.valid.shape[1] + seqlen if decoding else seqlen
+        if columns > self.args.max_seq_len:
+            raise ValueError(f"sequence of {columns} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        if cache is not None and (positions is not None or labels is not None):
+            raise ValueError("a KV cache is for generation: tokens only, no positions or labels")
+        if decoding:  # one more token per row, at the row's own position
+            if seqlen != 1:
+                raise ValueError("after the prompts, a KV cache takes one token per row at a time")
+            at = cache.lengths[:, None]
+            cos, sin = self.rope_cos[at][:, :, None], self.rope_sin[at][:, :, None]
+            cache.valid = torch.cat([cache.valid, torch.ones_like(cache.valid[:, :1])], dim=1)
+            mask = cache.valid[:, None, None, :]
+        elif positions is None:
             cos, sin, mask = self.rope_cos[None, :seqlen, None], self.rope_sin[None, :seqlen, None], None
+            if cache is not None:  # the prompts, right-padded
+                cache.valid = torch.arange(seqlen, device=tokens.device)[None] < cache.lengths[:, None]
         else:
             cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
             mask = document_mask(positions)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask, sample_keys)
+            h = layer(h, cos, sin, mask, sample_keys, cache=cache)
+        if decoding:
+            cache.lengths = cache.lengths + 1
         if labels is not None:
             return chunked_cross_entropy_per_sample(self.norm(h), self.output.weight, labels, loss_chunk)
         return self.output(self.norm(h))
+
+    def kv_cache(self, lengths: torch.Tensor) -> KVCache:
+        """An empty cache for one generation of prompts of these lengths [B] (titanlite.components.generate
+        uses it when the model has this method)."""
+        return KVCache(self.args.n_layers, lengths)
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per non-embedding parameter (2 forward, 4 backward) plus
