@@ -66,7 +66,8 @@ def summary_lines(
         loss = "skipped" if rec["loss"] is None else f"{rec['loss']:.4f}"
         mean = fmt(rec.get("loss_window_mean"), ".4f")
         n = rec.get("loss_window_steps", 0)
-        lines.append(f"final loss {loss} at step {rec['step']} (mean over the last {n} steps {mean})")
+        window = f" (mean over the last {n} steps {mean})" if n > 1 else ""
+        lines.append(f"final loss {loss} at step {rec['step']}{window}")
     if tally.last_eval is not None:
         e = tally.last_eval
         lines.append(f"eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f} at step {e['step']}")
