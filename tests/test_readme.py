@@ -37,6 +37,12 @@ COMMANDS = {
         "./run_train.sh --help": "run",
         "./scripts/prepare_data.py --tokenizer builtin --out outputs/data/docs titanlite": "run",
         "./run_train.sh --data.path outputs/data/docs --training.steps 20": f"short: {TRAIN}",
+        "./scripts/setup_smollm2.py": "skip: a download (tests/test_gguf.py converts a GGUF file as it does)",
+        "./run_train.sh --config train_configs/smollm2_sft.toml --job.run_name smollm2": "skip: the setup's "
+        "download",
+        ".venv/bin/python -c \"from transformers import pipeline; chat = pipeline('text-generation', "
+        "'outputs/smollm2/hf'); print(chat([{'role': 'user', 'content': 'Write a Python function that reverses "
+        "a string.'}], max_new_tokens=64)[0]['generated_text'][-1]['content'])\"": "skip: the fine-tune's export",
         "hf download meta-llama/Llama-3.2-1B --local-dir assets/hf/Llama-3.2-1B": NET,
         "NGPU=8 ./run_train.sh --config train_configs/llama3_2_1b_sft.toml --model.hf_assets_path "
         "assets/hf/Llama-3.2-1B --data.path /data/alpaca.jsonl": GPU,

@@ -56,9 +56,8 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     assert quiet[-1] == f"see: metrics {run}/metrics.jsonl"
     one = RunTally()
     one.record({**_record(1, 8.0), "loss_window_steps": 1})
-    assert (
-        summary_lines(one, 1, 1, 1.0, run, folder, [], tensorboard=False)[1] == "final loss 8.0000 at step 1"
-    )
+    lines = summary_lines(one, 1, 1, 1.0, run, folder, [], tensorboard=False)
+    assert lines[0].startswith("done: 1 step (1-1) in ") and lines[1] == "final loss 8.0000 at step 1"
     done = summary_lines(RunTally(), 31, 30, 0.1, run, folder, [], tensorboard=False)
     assert done[0].startswith("done: the checkpoint is at step 30 already (training.steps); nothing ran")
 

@@ -59,7 +59,8 @@ def summary_lines(
         head = f"done: the checkpoint is at step {last} already (training.steps); nothing ran"
     else:
         resumed = f", resumed after step {first - 1}" if first > 1 else ""
-        head = f"done: {last - first + 1} steps ({first}-{last}{resumed}) in {seconds:.1f}s"
+        n = last - first + 1
+        head = f"done: {n} step{'s' if n != 1 else ''} ({first}-{last}{resumed}) in {seconds:.1f}s"
     lines = [f"{head}; run folder {shown(run_dir)}"]
     rec = tally.last
     if rec is not None:

@@ -32,7 +32,7 @@ CORE = (
     "pyarrow",
     "matplotlib",
 )
-DEV = ("pytest", "ruff", "transformers", "importlinter", "md_link_checker")
+DEV = ("pytest", "ruff", "transformers", "importlinter", "md_link_checker", "gguf", "accelerate")
 _AGAIN = "TITANLITE_VENV_EXEC"  # set on the second execution: never a third
 
 

