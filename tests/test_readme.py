@@ -52,12 +52,12 @@ COMMANDS = {
         "./scripts/inspect_step.py outputs/same-data --step 1 --rank 1": "run",
         "./scripts/diagnose_scenarios.py": "help",
         "./run_train.sh --job.run_name my-run --checkpoint.interval 50": f"short: {TRAIN}",
-        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 50": "skip: 4 CPU ranks "
-        "(tests/test_checkpoint.py resumes at another dp)",
+        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 50 --training.local_batch_size 2": (
+            f"short: {TRAIN}"
+        ),
         "NGPU=8 ./run_train.sh --config train_configs/llama_1b.toml --training.steps 20 "
         "--parallelism.dp_shard 8": GPU,
-        "NPROC=4 ./run_train.sh --parallelism.dp_replicate 2": "skip: 4 CPU ranks (tests/test_distributed.py "
-        "runs HSDP 2x2)",
+        "NPROC=4 ./run_train.sh --parallelism.dp_replicate 2 --training.local_batch_size 2": f"short: {TRAIN}",
         "sbatch --nodes 4 scripts/train.slurm --config train_configs/llama_1b.toml": "skip: a SLURM cluster "
         "(tests/test_operations.py runs scripts/train.slurm's two tasks here)",
     },
@@ -82,8 +82,9 @@ COMMANDS = {
     },
     "titanlite/components/checkpoint/README.md": {
         "./run_train.sh --job.run_name my-run --checkpoint.interval 500": f"short: {TRAIN}",
-        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 500": "skip: 4 CPU ranks "
-        "(tests/test_checkpoint.py resumes at another dp)",
+        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 500 --training.local_batch_size 2": (
+            "skip: README.md's resume at dp=4 runs the same command"
+        ),
         "./run_train.sh --checkpoint.interval 500 --checkpoint.async_mode async": "skip: tests/test_checkpoint.py "
         "runs async saves",
         "./run_train.sh --checkpoint.export_weights true": "skip: tests/test_hf.py exports",
