@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Run a healthy baseline and each fault-injection switch, and tabulate what the diagnostics saw.
 
-    ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--config C] [--out DIR]
+    ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--onset S] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
     ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...]
 
@@ -11,14 +11,18 @@ whose packed sequences give every rank the same token count, so a rank's loss is
     healthy          no fault
     healthy_sft      no fault, built-in SFT data (unequal token counts), 2 microbatches per rank
     same_data        every rank reads rank 0's share
-    corrupt_labels   rank dp/2's labels shuffled within each sequence
-    grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction
+    corrupt_labels   rank dp/2's labels shuffled within each sequence, from step --onset
+    grad_noise       rank 1's local gradient gets noise of 10x its RMS before the reduction, from --onset
+    slow_rank        rank dp-1's data loading takes twice its step time more, from --onset (a straggler)
     replica_flip     DDP, replicas compared every step; one bit of rank dp-1's weights flips at step 5
     stuck_loader     from step 5, rank dp-1's loader hands out step 5's batch again and again
     S1-1/S1-2/S1-3   dropout 0.1 with the seed settings of "Silent Inconsistency in Data-Parallel
                      Full Fine-Tuning" (arXiv 2602.14462): shared / rank 0 differs / per rank
 One torchrun at --dp ranks runs them one after another in one process group (a run folder each
-under --out), every step measured. Then a table, scenario x (global loss and its step-to-step
+under --out), every step measured, at least 2 sequences per rank per step (the global batch is
+raised to 2 x dp where the config's is smaller: the per-sample rank test needs 2 at dp=8).
+--onset (default: half the steps) is when the ongoing faults start, after a healthy stretch
+that the rules comparing a rank with its own history need. Then a table, scenario x (global loss and its step-to-step
 jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise cosine, lowest per-rank
 cosine to the other ranks' sum and which rank, the rank with the highest loss, alerts), averaged over the
 measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png).
@@ -57,14 +61,16 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 SKIP = 5  # the first measured steps: ranks agree strongly while the model learns anything
 
 
-def scenarios(dp: int) -> dict[str, list[str]]:
+def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
     dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
+    start = ["--debug.fault_from_step", str(onset)]
     return {
         "healthy": [],
         "healthy_sft": ["--data.mode", "sft", "--training.local_batch_size", "1"],  # 2 microbatches
         "same_data": ["--debug.same_data", "true"],
-        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2)],
-        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10"],
+        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2), *start],
+        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10", *start],
+        "slow_rank": ["--debug.slow_rank", str(dp - 1), "--debug.slow_factor", "3", *start],
         "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
             *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
             *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
@@ -76,19 +82,20 @@ def scenarios(dp: int) -> dict[str, list[str]]:
     }
 
 
-def expected(dp: int) -> dict[str, tuple[str, list[int], int] | None]:
+def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None]:
     """Per scenario: (the alert that names its fault, the rank(s) at fault, the step the fault
     starts), or None where no alert is right."""
     return {
         "healthy": None,
         "healthy_sft": None,
         "same_data": ("identical_data", list(range(1, dp)), 1),
-        "corrupt_labels": ("single_rank_outlier", [dp // 2], 1),
-        "grad_noise": ("faulty_worker", [1], 1),
+        "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
+        "grad_noise": ("faulty_worker", [1], onset),
+        "slow_rank": ("slow_rank", [dp - 1], onset),
         "replica_flip": ("replica_drift", [dp - 1], 5),
         "stuck_loader": ("stale_batch", [dp - 1], 5),
         "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
-        "S1-2": ("data_order_mismatch", [0], 1),
+        "S1-2": ("data_order_mismatch", [0] if dp > 2 else [0, 1], 1),  # of two, neither is the majority
         "S1-3": ("data_order_mismatch", list(range(dp)), 1),
     }
 
@@ -99,8 +106,11 @@ def scenario_argv(args: argparse.Namespace, name: str, overrides: list[str]) -> 
     from titanlite.config.layout import fitting_local_batch
 
     argv = ["--config", args.config, "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
-    argv += ["--diagnostics.warmup_steps", str(args.steps), *overrides, *scenarios(args.dp)[name]]
+    argv += ["--diagnostics.warmup_steps", str(args.steps), *overrides, *scenarios(args.dp, args.onset)[name]]
     cfg, _ = parse_args(argv)
+    if cfg.training.global_batch_size < 2 * args.dp:
+        argv += ["--training.global_batch_size", str(2 * args.dp)]
+        cfg, _ = parse_args(argv)
     argv += ["--training.local_batch_size", str(fitting_local_batch(cfg, args.dp))]
     return [*argv, "--job.dump_folder", str(args.out), "--job.run_name", name]
 
@@ -163,7 +173,7 @@ def replay(run_dir: Path, overrides: list[str]) -> list[dict]:
     if not records:
         return []
     world = len(next(iter(records.values()))["rank_loss"])
-    monitor = AlertMonitor(cfg.alerts, ["-"] * world)
+    monitor = AlertMonitor(cfg.alerts, ["-"] * world, world * cfg.training.local_batch_size)
     alerts = [a.to_dict() for step in sorted(records) for a in monitor.update(records[step])]
     drift = [e for e in _read(run_dir, "events.jsonl") if e["name"] == "replica_drift"]
     return sorted(alerts + drift, key=lambda a: a["step"])
@@ -211,7 +221,17 @@ def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] 
         "cos_min_rank_share": low_share,
         "loss_max_rank": max_rank,
         "loss_max_rank_share": max_share,
-        "alerts": (alerts := [{"name": e["name"], "step": e["step"], "ranks": e["ranks"]} for e in events]),
+        "alerts": (
+            alerts := [
+                {"name": e["name"], "step": e["step"], "ranks": e["ranks"]}
+                for e in events
+                if e.get("level", "alert") == "alert"
+            ]
+        ),
+        # notes (batch_size_advice): information, not alerts
+        "notes": [
+            {"name": e["name"], "step": e["step"], **e["values"]} for e in events if e.get("level") == "info"
+        ],
         **detection(alerts, want),
     }
 
@@ -265,6 +285,17 @@ def detection_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def notes_table(rows: dict[str, dict]) -> str:
+    """The batch-size advice each run was given (titanlite/diagnostics/advisor.py)."""
+    lines = [
+        f"{name:<16}step {n['step']}: noise scale {n['noise_scale_tokens']:,.0f} tokens, batch {n['batch_tokens']:,} "
+        f"tokens -> --training.global_batch_size {n['suggested_global_batch']}"
+        for name, r in rows.items()
+        for n in r["notes"]
+    ]
+    return "\n\nbatch_size_advice\n" + "\n".join(lines) if lines else ""
+
+
 def plot(rows: dict[str, dict], path: Path) -> None:
     import matplotlib
 
@@ -296,6 +327,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--onset", type=int, help="the step ongoing faults start (default: half the steps)")
     p.add_argument("--config", default=str(REPO / "train_configs/debug_model.toml"))
     p.add_argument("--out", type=Path)
     p.add_argument("--scenarios", nargs="+", help="a subset, in this order (default: all)")
@@ -304,12 +336,13 @@ def main() -> int:
     args, overrides = p.parse_known_args()
     if args.replay:
         return replay_main(args, overrides)
+    args.onset = args.onset or max(1, args.steps // 2)
     known = scenarios(args.dp)
     args.scenarios = args.scenarios or list(known)
     unknown = [s for s in args.scenarios if s not in known]
-    if unknown or args.dp < 3:
+    if unknown or args.dp < 2:
         why = f"unknown scenario {unknown[0]!r}; choose from {', '.join(known)}" if unknown else ""
-        why = why or "--dp must be >= 3 (the rank-comparing rules need three ranks)"
+        why = why or "--dp must be >= 2 (the diagnostics compare ranks)"
         print(f"diagnose_scenarios: error: {why}", file=sys.stderr)
         return 2
     args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
@@ -334,7 +367,17 @@ def main() -> int:
         return 2
     # torchrun itself: titanlite.launch is for titanlite.train (its preflight reads train flags)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp)]
-    cmd += [__file__, "--worker", "--dp", str(args.dp), "--steps", str(args.steps), "--config", args.config]
+    cmd += [
+        __file__,
+        "--worker",
+        "--dp",
+        str(args.dp),
+        "--steps",
+        str(args.steps),
+        "--onset",
+        str(args.onset),
+    ]
+    cmd += ["--config", args.config]
     cmd += ["--out", str(args.out), "--scenarios", *args.scenarios, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -347,12 +390,15 @@ def main() -> int:
         )
         return 2
     status = json.loads((args.out / "status.json").read_text())
-    want = expected(args.dp)
+    status["onset"] = args.onset
+    (args.out / "status.json").write_text(json.dumps(status))
+    want = expected(args.dp, args.onset)
     rows = {name: summarize(args.out / name, status[name]["stopped"], want[name]) for name in args.scenarios}
     (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "scenarios.png")
-    print(f"dp={args.dp}, {args.steps} steps, averages over measured steps > {SKIP}\n{table(rows)}")
-    print(f"\ndetection\n{detection_table(rows)}")
+    head = f"dp={args.dp}, {args.steps} steps (faults from step {args.onset}), averages over measured steps > {SKIP}"
+    print(f"{head}\n{table(rows)}")
+    print(f"\ndetection\n{detection_table(rows)}{notes_table(rows)}")
     print(f"\nwritten: {args.out}/{{scenarios.json,scenarios.png}} and a run folder per scenario")
     return 0
 
@@ -368,8 +414,9 @@ def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
         )
         return 2
     status = json.loads(status_file.read_text())
+    onset = status.pop("onset", 1)  # recordings made before faults had an onset started at step 1
     dp = json.loads((args.replay / next(iter(status)) / "run.json").read_text())["world_size"]
-    want = expected(dp)
+    want = expected(dp, onset)
     try:
         rows = {
             name: summarize(
@@ -381,7 +428,9 @@ def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
         return 2
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
-    print(f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}")
+    print(
+        f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}{notes_table(rows)}"
+    )
     return 0
 
 

@@ -55,7 +55,10 @@ def test_bench_reports_ratios_and_counts(tmp_path):
     # The exact loss path adds one collective, the token-count all-reduce; gloo's reduce-scatter
     # and titanlite's all-to-all are one call each.
     ops = {n: report["configs"][n]["collective_ops"]["main"] for n in report["configs"]}
-    assert report["configs"]["diag-exact-every"]["collectives"]["diagnostics"] == 2
+    # A measured step: the gather, the Gram's all-reduce and the start barrier (stragglers.py) on
+    # the diagnostics' group; an unmeasured one: nothing there.
+    assert report["configs"]["diag-exact-every"]["collectives"]["diagnostics"] == 3
+    assert report["configs"]["diag-default"]["collectives"].get("diagnostics", 0) == 0
     assert ops["titanlite"]["allreduce"] == ops["baseline"].get("allreduce", 0) + 1
     assert ops["titanlite"]["alltoall_base"] == ops["native-rs"]["_reduce_scatter_base"]
     for group, ref, other in (

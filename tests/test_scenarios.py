@@ -31,12 +31,15 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
         "4",
         "--steps",
         "30",
+        "--onset",  # the ongoing faults from the first step: the rules that compare ranks name them
+        "1",
         "--out",
         str(tmp_path),
     ]
     cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise", "replica_flip"]
-    cmd += ["stuck_loader", "S1-2", "S1-3"]
+    cmd += ["stuck_loader", "slow_rank", "S1-2", "S1-3"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
+    cmd += ["--debug.slow_factor", "1.5"]  # slow_rank's steps take 1.5x: a third of them the others wait
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout, proc.stderr[-3000:])
@@ -74,6 +77,18 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     flip = rows["replica_flip"]  # a bit of rank 3's weights flips as step 5 starts: seen after it
     assert flip["steps"] == 5 and _alerts(flip) == [("replica_drift", [3])], flip
     assert flip["steps_to_detection"] == 1 and "replica_drift" in flip["stopped"]
+
+    # Rank 3's data loading takes half its step time more: the others wait for it at the step's
+    # start, which every measured step records; named at the first step the rules run.
+    slow = rows["slow_rank"]
+    assert _alerts(slow) == [("slow_rank", [3])] and slow["detected_step"] == 21 == slow["steps"], slow
+    (alert,) = [json.loads(x) for x in (tmp_path / "slow_rank" / "events.jsonl").read_text().splitlines()]
+    late = alert["values"]
+    assert late["share"] > 0.2 and late["load_s"] > 10 * late["others_load_s"], late
+    healthy = [json.loads(x) for x in (tmp_path / "healthy" / "diagnostics.jsonl").read_text().splitlines()]
+    assert all(min(r["rank_wait_s"]) >= 0 and r["rank_load_s"][0] > 0 for r in healthy), healthy[-1]
+    assert healthy[0]["step_s"] is None  # no step before the first
+    assert all(r["step_s"] > 0 for r in healthy[1:])
 
     stuck = rows["stuck_loader"]  # rank 3 repeats step 5's batch: its tokens repeat at step 6
     assert _alerts(stuck) == [("stale_batch", [3])] and stuck["detected_step"] == 6 == stuck["steps"]

@@ -41,15 +41,26 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     tally.last_eval = {"step": 30, "loss": 2.75, "perplexity": 15.64}
     for name in ("single_rank_outlier", "identical_data", "single_rank_outlier"):
         tally.alerts[name] += 1
+    tally.notes["batch_size_advice"] += 1  # a note, not an alert: not counted with them
+    tally.last_diag = {
+        "step": 30,
+        "batch_tokens": 2048,
+        "noise_scale_tokens": 81920.4,
+        "noise_to_batch": 40.0002,
+    }
     lines = summary_lines(tally, 11, 30, 12.34, run, folder, [run / "hf"], tensorboard=True)
     assert lines[0] == f"done: 20 steps (11-30, resumed after step 10) in 12.3s; run folder {run}"
     assert lines[1] == "final loss 2.4567 at step 30 (mean over the last 10 steps 2.5000)"
     assert lines[2] == "eval loss 2.7500, perplexity 15.64 at step 30"
     assert lines[3] == f"alerts: 3 (identical_data x1, single_rank_outlier x2); each in {run}/events.jsonl"
     assert lines[4].startswith("skipped steps: 3 ")
-    assert lines[5] == f"checkpoint {folder}/step-00000030; export {run}/hf"
-    assert lines[6].endswith(f"--logdir {run}/tb; metrics {run}/metrics.jsonl") and "tensorboard" in lines[6]
-    assert len(lines) <= 8
+    assert lines[5] == (
+        "batch 2,048 tokens; gradient noise scale 81,920 tokens (40x the batch) at step 30; "
+        f"batch_size_advice in {run}/events.jsonl"
+    )
+    assert lines[6] == f"checkpoint {folder}/step-00000030; export {run}/hf"
+    assert lines[7].endswith(f"--logdir {run}/tb; metrics {run}/metrics.jsonl") and "tensorboard" in lines[7]
+    assert len(lines) == 8
     # A fresh run with nothing to report, and a resume with nothing left to run.
     quiet = summary_lines(RunTally(), 1, 5, 1.0, run, tmp_path / "none", [], tensorboard=False)
     assert quiet[0].startswith("done: 5 steps (1-5) in 1.0s") and "alerts: none" in quiet
@@ -83,7 +94,13 @@ def test_startup_notes_name_what_is_on(tmp_path: Path):
     assert startup_notes(cfg, 4) == []
     notes = startup_notes(load_config(None, ["--debug.corrupt_labels_rank", "1"]), 2)
     assert notes[0].startswith("[debug] is set (corrupt_labels_rank = 1): ")
-    assert notes[1].startswith("diagnostics: at dp=2 the alerts single_rank_outlier, faulty_worker")
+    assert notes[1].startswith(
+        "diagnostics: at dp=2 the alerts dispersion_spike, dispersion_rising_loss_falling"
+    )
+    assert "a rank whose loss or gradient norm leaves its own history is still named" in notes[1]
+    # one sequence per rank per step (the debug config's batch of 8 at dp=8): the rank test cannot fire
+    (few,) = startup_notes(cfg, 8)
+    assert "per-sample test cannot fire with 1 sequence(s) per rank per step at dp=8" in few, few
     assert startup_notes(load_config(None, ["--diagnostics.enable", "false"]), 2) == []
     folder = tmp_path / "hf"
     folder.mkdir()

@@ -115,7 +115,8 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         notes.append(
             f"[debug] is set ({', '.join(on)}): switches for tests and fault scenarios, not a real run"
         )
-    if cfg.diagnostics.enable and (silent := silent_rules_note(dp)):
+    per_rank = cfg.training.global_batch_size // max(dp, 1)  # sequences each rank scores per step
+    if cfg.diagnostics.enable and (silent := silent_rules_note(dp, per_rank, cfg.alerts)):
         notes.append(f"diagnostics: {silent}")
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"

@@ -87,10 +87,8 @@ class Trainer:
             cfg, dataset, dims.dp_rank, dims.dp_size, cuda, seed=seed, read_rank=data_rank
         )
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
-        noise, timeout = self.faults.grad_noise_scale, cfg.comm.timeout_s
-        self.diagnostics = Diagnostics(
-            cfg.diagnostics, self.model, dims, self.layout, t.seed, noise, timeout, dataset.trace, cfg.alerts
-        )
+        noise = self.faults.grad_noise_scale
+        self.diagnostics = Diagnostics.for_job(cfg, self.model, dims, self.layout, noise, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.diagnostics, self.device, dims.dp_group)
@@ -121,6 +119,7 @@ class Trainer:
 
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, step: int) -> list[Microbatch]:
+        self.faults.slow_loader(step)
         micro = []
         for m in range(self.layout.grad_accum):
             batch = next(self._batches)
@@ -135,10 +134,11 @@ class Trainer:
     def train_step(self, step: int) -> None:
         """One optimizer step. Its parts are named for torch.profiler (titanlite.data, .forward,
         .backward, .clip, .optimizer: scripts/bench.py's step-time breakdown)."""
+        measured = self.diagnostics.begin_step(step)
         with phase("data"):
             micro = self.next_microbatches(step)
         self.heartbeat.reached(step)
-        measured = self.diagnostics.begin_step(step)
+        self.diagnostics.arrive()
         # Decided before the forward: a measured `exact` step reduces its whole gradient at once.
         skip_sync = self.diagnostics.skip_grad_sync(self.layout.skip_grad_sync, measured)
         loss_total, sample_sums = forward_backward(
@@ -201,8 +201,9 @@ class Trainer:
             self.metrics.write_diagnostics(diag)
             self.metrics.write_alerts(events + alerts)
         self.guard.check_stop(spikes)
-        if alerts and self.cfg.diagnostics.on_alert == "stop":
-            raise TrainingError(f"diagnostics.on_alert = 'stop': {alerts[0].line()}")
+        stops = [a for a in alerts if a.is_alert]  # notes (batch_size_advice) never stop a run
+        if stops and self.cfg.diagnostics.on_alert == "stop":
+            raise TrainingError(f"diagnostics.on_alert = 'stop': {stops[0].line()}")
 
     # ---- the loop -------------------------------------------------------------------------------
     def train(self) -> None:

@@ -16,6 +16,10 @@ Data-Parallel Full Fine-Tuning", studies the seed ones):
   replica's weights, which only the replica check sees).
 - stuck_loader_step: from that step on, one rank's loader hands out that step's batch again and
   again (a reader stuck on a stale buffer), while its sampler moves on.
+- slow_rank: that rank's data loading takes extra host time, slow_factor - 1 times its own step
+  time (a straggler: a slow loader or a busy host), which every other rank then waits for.
+corrupt_labels, grad_noise and slow_rank act from fault_from_step: a fault that starts in a run
+that was healthy, so rules that compare a rank with its own history have one.
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
 loss, a rank killed at a step or inside a save, a rank that hangs before a step, a rank frozen
 (SIGSTOP) inside a phase of a step, a save failing as on a full disk.
@@ -56,6 +60,9 @@ class Faults:
         self.grad_noise_scale = debug.grad_noise_scale if debug.grad_noise_rank == rank else 0.0
         self._stuck: list | None = None  # the batch a stuck loader repeats
         self._step = 0  # the step running (at_step)
+        self._started: float | None = None  # host time the step started (slow_rank)
+        self._own_s: float | None = None  # slow_rank: this rank's step time without its delay (EMA)
+        self._slept = 0.0  # the delay slow_rank added to the step before
         if debug.freeze_step >= 0 and rank == debug.freeze_rank:
             on_phase(self.freeze)
 
@@ -71,7 +78,7 @@ class Faults:
         """A microbatch's host labels as this step's faults leave them."""
         if step in self.debug.ignore_all_labels_steps:
             labels = torch.full_like(labels, IGNORE_INDEX)
-        if self.rank == self.debug.corrupt_labels_rank:
+        if self.rank == self.debug.corrupt_labels_rank and step >= self.debug.fault_from_step:
             labels = labels.clone()
             for row in labels:  # shuffle each sequence's valid labels among its valid positions
                 valid = (row != IGNORE_INDEX).nonzero().flatten()
@@ -100,6 +107,22 @@ class Faults:
                     bits = as_bits(local.detach().view(-1)[:1])
                     bits ^= 1
                 return
+
+    def slow_loader(self, step: int) -> None:
+        """Rank slow_rank, in its data loading, from fault_from_step: a host delay of
+        (slow_factor - 1) x its own step time (an EMA of its step times less the delays added, so
+        the delay does not feed on itself): its steps take about slow_factor times as long."""
+        d = self.debug
+        if self.rank != d.slow_rank:
+            return
+        now = time.perf_counter()
+        if self._started is not None:
+            own = now - self._started - self._slept
+            self._own_s = own if self._own_s is None else 0.8 * self._own_s + 0.2 * own
+        self._started, self._slept = now, 0.0
+        if step >= d.fault_from_step and self._own_s is not None:
+            self._slept = (d.slow_factor - 1) * self._own_s
+            time.sleep(self._slept)
 
     def at_step(self, step: int, model: torch.nn.Module) -> None:
         """As a step starts, before its batch: the faults that fire at a step."""

@@ -211,6 +211,7 @@ class MetricsWriter:
         the sinks under diag/; with diagnostics.console = "full", a line of the latest's figures."""
         if not records:
             return
+        self.tally.last_diag = records[-1]
         if self._diag is not None:
             for rec in records:
                 self._diag.write(json.dumps(rec) + "\n")
@@ -248,10 +249,15 @@ class MetricsWriter:
             self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
 
     def write_alerts(self, alerts: list) -> None:
-        """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>)."""
+        """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>);
+        notes (level "info") the same, on the console as information."""
         for alert in alerts:
-            logger.warning(alert.line())
-            self.tally.alerts[alert.name] += 1
+            if alert.is_alert:
+                logger.warning(alert.line())
+                self.tally.alerts[alert.name] += 1
+            else:
+                logger.info(alert.line())
+                self.tally.notes[alert.name] += 1
             if self._events is not None:
                 self._events.write(json.dumps(alert.to_dict()) + "\n")
                 self._events.flush()

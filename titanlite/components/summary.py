@@ -2,7 +2,8 @@
 
 One fact per line, at most eight: the steps this invocation ran (a resumed run names where it
 resumed), the final loss and its window mean, the last eval, the alerts it raised, the steps it
-skipped, the newest checkpoint and the exports, and the commands that open the figures.
+skipped, the batch against the gradient noise scale (diagnostics), the newest checkpoint and the
+exports, and the commands that open the figures.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class RunTally:
     last: dict[str, Any] | None = None  # the newest metrics record
     last_eval: dict[str, Any] | None = None
     alerts: Counter = field(default_factory=Counter)  # alert name -> how many this invocation raised
+    notes: Counter = field(default_factory=Counter)  # the same for notes (batch_size_advice)
+    last_diag: dict[str, Any] | None = None  # the newest measured step's diagnostics record
     skipped: int = 0  # steps skipped (no token, non-finite, a spike) by this invocation
 
     def record(self, rec: dict[str, Any]) -> None:
@@ -81,6 +84,15 @@ def summary_lines(
         lines.append("alerts: none")
     if tally.skipped:
         lines.append(f"skipped steps: {tally.skipped} (no valid token, a non-finite gradient or a spike)")
+    diag = tally.last_diag or {}
+    if diag.get("noise_to_batch"):
+        line = (
+            f"batch {diag['batch_tokens']:,} tokens; gradient noise scale {diag['noise_scale_tokens']:,.0f} tokens "
+            f"({diag['noise_to_batch']:.2g}x the batch) at step {diag['step']}"
+        )
+        if tally.notes["batch_size_advice"]:
+            line += f"; batch_size_advice in {shown(run_dir / 'events.jsonl')}"
+        lines.append(line)
     steps = complete_steps(checkpoints)
     kept = [f"checkpoint {shown(step_dir(checkpoints, steps[-1]))}"] if steps else []
     kept += [f"export {shown(p)}" for p in exports]

@@ -26,6 +26,13 @@ class Debug:
     corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
     grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
     grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS", at_least=0.0)
+    slow_rank: int = opt(-1, "fault: this rank's data loading is slowed (a straggler)")
+    slow_factor: float = opt(
+        3.0, "slow_rank's steps take this many times their own time (extra host work)", above=1.0
+    )
+    fault_from_step: int = opt(
+        1, "the step from which corrupt_labels_rank, grad_noise_rank and slow_rank act", at_least=1
+    )
     sigkill_step: int = opt(
         -1, "fault: rank sigkill_rank is killed (SIGKILL) as this step starts, in a run's first attempt"
     )
@@ -156,7 +163,35 @@ class Alerts:
         0.1, "faulty_worker: rank's median cosine to others below theirs by this", at_least=0.0
     )
     norm_outlier_factor: float = opt(
-        3.0, "faulty_worker: or its grad norm this many x the others' median", above=1.0
+        3.0,
+        "faulty_worker: or its grad norm this many x the others' median, or x its own recent history",
+        above=1.0,
+    )
+    own_recent: int = opt(
+        3, "faulty_worker: measured steps whose median norm is compared with the rank's history", at_least=1
+    )
+    rank_test_alpha: float = opt(
+        1e-5,
+        "single_rank_outlier's per-sample rank test: false alarms per measured step at most (union bound)",
+        above=0.0,
+        below=1.0,
+    )
+    rank_test_window: int = opt(
+        10, "single_rank_outlier's per-sample rank test: measured steps it combines", at_least=1
+    )
+    slow_window: int = opt(
+        10, "slow_rank: measured steps it looks back on (persist_frac of them the same rank)", at_least=2
+    )
+    slow_margin: float = opt(
+        0.05, "slow_rank: the rank's lateness at the step start, as a share of the step time", above=0.0
+    )
+    advice_ratio: float = opt(
+        4.0,
+        "batch_size_advice: gradient noise scale over the batch (tokens) beyond this, or below 1/this",
+        above=1.0,
+    )
+    advice_steps: int = opt(
+        50, "batch_size_advice: measured steps the ratio must stay beyond advice_ratio", at_least=1
     )
 
 

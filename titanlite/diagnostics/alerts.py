@@ -17,8 +17,11 @@ from dataclasses import asdict, dataclass, field
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.datasets.corpus import source_name
+from titanlite.diagnostics.advisor import BatchAdvisor
 from titanlite.diagnostics.data_checks import DataChecks
-from titanlite.diagnostics.rules import RULES, Point, Window, point
+from titanlite.diagnostics.rank_test import rank_outlier, rank_scores
+from titanlite.diagnostics.rules import RULES
+from titanlite.diagnostics.window import Point, Window, point
 
 CAUSES = {
     "dispersion_spike": "seed mismatch (dropout/augmentation) or shuffle desync: align the seeds, check the sampler's epoch",
@@ -32,6 +35,9 @@ CAUSES = {
     "cosine_drop": "desynchronised seeds or data loader across ranks",
     "faulty_worker": "a faulty worker: possible silent data corruption or a failing device on that host",
     "spike_skipped": "a loss or gradient-norm spike: a bad batch (inspect the step's samples) or a learning rate too high",
+    "slow_rank": "a straggler, which the whole job waits for: if its data loading takes the extra time, its loader "
+    "or storage; otherwise its host or device (a busy neighbour process, throttling: nvidia-smi -q -d PERFORMANCE)",
+    "batch_size_advice": "information, not an alert: the run is healthy",
     "replica_drift": "silent data corruption or a failing device on that host (check its ECC errors: nvidia-smi -q -d ECC), "
     "or an op that is not deterministic across replicas; resume from the last checkpoint without that host",
 }
@@ -48,6 +54,7 @@ class Alert:
     values: dict = field(default_factory=dict)
     # The sequences the named ranks trained on at `step`: rank, index, tokens, loss, sources.
     samples: list[dict] = field(default_factory=list)
+    level: str = "alert"  # or "info": a note (batch_size_advice) that neither counts nor stops a run
 
     def __post_init__(self) -> None:
         self.cause = self.cause or CAUSES[self.name]
@@ -55,7 +62,13 @@ class Alert:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def is_alert(self) -> bool:
+        return self.level == "alert"
+
     def line(self) -> str:
+        if not self.is_alert:
+            return f"NOTE {self.name} at step {self.step}: {self.message}"
         where = f" rank(s) {self.ranks} on {sorted(set(self.hosts))}" if self.ranks else ""
         line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
         if not self.samples:
@@ -82,9 +95,17 @@ def _sample(s: dict) -> str:
 
 
 class AlertMonitor:
-    def __init__(self, cfg: AlertsConfig, hosts: list[str]) -> None:
+    """`batch_unit`: sequences the global batch moves by with the layout kept (dp x local batch),
+    for the batch-size advice's flag."""
+
+    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0) -> None:
         self.cfg = cfg
         self.hosts = hosts
+        # (step, per-rank z) of the per-sample rank test's window: from the first measured step,
+        # since its null needs no baseline (rank_test.py)
+        self.scores: deque[tuple[int, list]] = deque(maxlen=cfg.rank_test_window)
+        self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
+        self.advisor = BatchAdvisor(cfg, batch_unit or len(hosts))
         self.history: deque[Point] = deque(maxlen=cfg.window)
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
         self.seen = 0
@@ -101,6 +122,9 @@ class AlertMonitor:
             "last": [[name, rank, seen] for (name, rank), seen in self._last.items()],
             "data": self.data.state_dict(),
             "data_failed": [[name, rank, seen] for (name, rank), seen in self._data_failed.items()],
+            "scores": [[step, z] for step, z in self.scores],
+            "named": {name: sorted(ranks) for name, ranks in self.named.items()},
+            "advisor": self.advisor.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -110,6 +134,9 @@ class AlertMonitor:
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
         self.data.load_state_dict(state.get("data", {}))
         self._data_failed = {(name, rank): seen for name, rank, seen in state.get("data_failed", [])}
+        self.scores.extend((step, z) for step, z in state.get("scores", []))
+        self.named = {name: set(ranks) for name, ranks in state.get("named", {}).items()}
+        self.advisor.load_state_dict(state.get("advisor", {}))
 
     def _explained(self, name: str | None, rank: int | None) -> bool:
         """Whether a data check (`name`, any if None) failed for `rank` (any if None) within the
@@ -119,26 +146,40 @@ class AlertMonitor:
             for (n, r), seen in self._data_failed.items()
         )
 
-    def _fire(self, name: str, p: Point, ranks: list[int], message: str, **values) -> list[Alert]:
-        key = (name, ranks[0] if ranks else -1)
+    def _fire(
+        self, name: str, p: Point, ranks: list[int], message: str, key: int | None = None, **values
+    ) -> list[Alert]:
+        key = (name, key if key is not None else ranks[0] if ranks else -1)
         if self.seen - self._last.get(key, -(10**9)) < self.cfg.window:
             return []
         self._last[key] = self.seen
+        self.named.setdefault(name, set()).update(ranks)
         return [Alert(name, p.step, ranks, [self.hosts[r] for r in ranks], message, values=values)]
 
     def update(self, rec: dict) -> list[Alert]:
-        """The alerts this measured-step record raises: the exact data checks, then, after the
-        burn-in, every rule of the table (titanlite.diagnostics.rules.RULES) in order."""
+        """The alerts this measured-step record raises: the exact data checks and the per-sample
+        rank test, the batch-size advice, then, after the burn-in, every rule of the table
+        (titanlite.diagnostics.rules.RULES) in order."""
         p = point(rec)
         if p is None:
             return []
         c = self.cfg
         self.seen += 1
-        # Exact checks of what the ranks read: no history needed, so no burn-in.
+        # Exact checks of what the ranks read, and a test whose null holds at every step: no
+        # history needed, so no burn-in.
         out = []
         for name, ranks, msg in self.data.update(rec):
             out += self._fire(name, p, ranks, msg)
             self._data_failed.update({(name, r): self.seen for r in ranks})
+        if rec.get("rank_samples") and len(self.hosts) > 1:
+            losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in rec["rank_samples"]]
+            self.scores.append((p.step, rank_scores(losses)))
+            found = rank_outlier(list(self.scores), [*self.history, p], c, self._explained)
+            if found:
+                out += self._fire(found.name, p, found.ranks, found.message, found.key, **found.values)
+        advice = self.advisor.update(rec)
+        if advice:
+            out.append(Alert(advice.name, p.step, [], [], advice.message, values=advice.values, level="info"))
         if self.seen <= c.min_steps:
             return out  # burn-in: not even a baseline
         past = list(self.history)
@@ -146,9 +187,9 @@ class AlertMonitor:
         if len(past) < c.min_steps:
             return out
         self.trend.append((p.loss, p.loss_std))
-        window = Window(c, p, past, list(self.trend), self.seen, len(self.hosts), self._explained)
+        window = Window(c, p, past, list(self.trend), self.seen, len(self.hosts), self._explained, self.named)
         for rule in RULES:
             found = rule(window)
             if found:
-                out += self._fire(found.name, p, found.ranks, found.message, **found.values)
+                out += self._fire(found.name, p, found.ranks, found.message, found.key, **found.values)
         return out

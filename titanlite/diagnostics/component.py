@@ -15,7 +15,9 @@ collect(), which reads them all at once.
 from __future__ import annotations
 
 import logging
+import math
 import socket
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -26,12 +28,14 @@ import torch.distributed as dist
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout, diagnostics_method
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
+from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.readback import readback
@@ -44,8 +48,9 @@ class _Pending:
     """A measured step whose gathers are in flight: device tensors, read at the next log step."""
 
     step: int
-    # [world, 4 + 4n]: loss sum, valid tokens, local grad norm^2, data order hash; its n
-    # sequences' loss sums, valid tokens, dataset indices, content fingerprints
+    # [world, 7 + 4n]: loss sum, valid tokens, local grad norm^2, data order hash, data loading
+    # time, wait at the start barrier, step time (stragglers.Arrival); its n sequences' loss
+    # sums, valid tokens, dataset indices, content fingerprints
     per_rank: torch.Tensor
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
     global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
@@ -71,13 +76,15 @@ class _Measured:
     gram: list[list[float]]
     global_norm: float
     orders: list[int]  # per rank: hash of the global batch as its sampler orders it
+    times: list[list[float | None]]  # per rank: data loading, wait at the start barrier, step time (s)
     samples: list[list[dict]]  # per rank, per sequence: index, valid tokens, token-mean loss, content
 
 
 class Diagnostics:
     """Off (dp = 1 or diagnostics.enable = false) it measures nothing and builds nothing;
-    `group`, `monitor`, `probe` and `replicas` are None then. `grad_noise_scale`: the
-    grad_noise fault on this rank (titanlite.components.faults), injected by the probe."""
+    `group`, `monitor`, `probe`, `replicas` and `arrival` are None then. `grad_noise_scale`: the
+    grad_noise fault on this rank (titanlite.components.faults), injected by the probe from step
+    `grad_noise_from`; `batch_unit`: dp x the local batch (the batch-size advice's flag)."""
 
     def __init__(
         self,
@@ -90,6 +97,8 @@ class Diagnostics:
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
         alerts: AlertsConfig | None = None,
+        grad_noise_from: int = 1,
+        batch_unit: int = 0,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
@@ -102,6 +111,9 @@ class Diagnostics:
         self.monitor: AlertMonitor | None = None
         self.probe: GradProbe | None = None
         self.replicas: ReplicaCheck | None = None
+        self.arrival: Arrival | None = None
+        self._times = [float("nan")] * 3  # this measured step's Arrival times
+        self.noise_scale, self.noise_from = grad_noise_scale, grad_noise_from
         self._drifted: set[int] = set()  # ranks replica_drift has named since replicas last agreed
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
@@ -114,12 +126,39 @@ class Diagnostics:
             self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
             hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts)
+            self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, batch_unit)
+            self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
             self.probe = GradProbe(
                 self.method, self.world, cfg.sketch_dim, seed, dims.device, grad_noise_scale
             )
             install(model, self.probe)
+
+    @classmethod
+    def for_job(
+        cls,
+        cfg: JobConfig,
+        model: torch.nn.Module,
+        dims: ParallelDims,
+        layout: Layout,
+        grad_noise_scale: float,
+        trace: Callable[[int], list[dict]] | None,
+    ) -> Diagnostics:
+        """The trainer's diagnostics, from the job's config."""
+        t = cfg.training
+        return cls(
+            cfg.diagnostics,
+            model,
+            dims,
+            layout,
+            t.seed,
+            grad_noise_scale,
+            cfg.comm.timeout_s,
+            trace,
+            cfg.alerts,
+            cfg.debug.fault_from_step,
+            dims.dp_size * t.local_batch_size,
+        )
 
     @property
     def method_used(self) -> str:
@@ -146,11 +185,20 @@ class Diagnostics:
         return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
 
     def begin_step(self, step: int) -> bool:
-        """Arm the probe for this step; True if the step is measured."""
+        """As the step starts, before its data: arm the probe and start the step's clock; True if
+        the step is measured."""
         self.measuring = self.enabled and self.is_measured(step)
         if self.enabled:
             self.probe.start(self.measuring, self.per_microbatch)
+            self.probe.noise_scale = self.noise_scale if step >= self.noise_from else 0.0
+            self.arrival.start()
         return self.measuring
+
+    def arrive(self) -> None:
+        """Measured steps, once the data is loaded: time it and wait for the other ranks at a
+        one-value barrier (stragglers.py); the times go out with the step's gather."""
+        if self.measuring:
+            self._times = self.arrival.arrive()
 
     def skip_grad_sync(self, layout_skips: bool, measured: bool) -> bool:
         """Whether the step's earlier microbatches skip the reduction: as the layout says, and on
@@ -167,10 +215,10 @@ class Diagnostics:
             return
         tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in micro])
         content = content_fingerprint(torch.cat([batch.inputs for batch in micro]))
-        host = np.append(sampler.rank_share(step - 1), sampler.order_hash(step - 1))
+        host = np.append(sampler.rank_share(step - 1), [sampler.order_hash(step - 1), *self._times])
         # indices and the hash are integers below 2**53: exact in float64
         host = torch.from_numpy(host.astype(np.float64)).to(content.device, non_blocking=True)
-        self.end_step(step, sample_sums, tokens, host[:-1], content, host[-1:], grad_norm)
+        self.end_step(step, sample_sums, tokens, host[:-4], content, host[-4:-3], grad_norm, host[-3:])
 
     def end_step(
         self,
@@ -181,18 +229,24 @@ class Diagnostics:
         content: torch.Tensor,
         order: torch.Tensor,
         grad_norm: torch.Tensor,
+        times: torch.Tensor | None = None,
     ) -> None:
         """Start the async gathers of this measured step: per sequence of this rank (microbatch
         order) its summed loss, valid tokens, dataset index and content fingerprint
         (data_checks.content_fingerprint); `order`: [1] float64, the sampler's hash of the global
-        batch (GlobalBatchSampler.order_hash). Reads nothing on the host."""
+        batch (GlobalBatchSampler.order_hash); `times`: [3] the Arrival times (NaN: none). Reads
+        nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
         sums, tokens = sample_sums.double(), sample_tokens.double()
         totals = torch.stack([sums.sum(), tokens.sum(), self.probe.local_norm_sq()])
         # ids and the order hash: integers below 2**53, exact in float64
-        mine = torch.cat([totals, order.double(), sums, tokens, sample_ids.double(), content.double()])
+        if times is None:
+            times = torch.full((3,), float("nan"), dtype=torch.float64, device=sums.device)
+        mine = torch.cat(
+            [totals, order.double(), times.double(), sums, tokens, sample_ids.double(), content.double()]
+        )
         per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
@@ -233,10 +287,11 @@ class Diagnostics:
             loss_sums, tokens, norms_sq, orders = (
                 list(col) for col in zip(*(row[:4] for row in per_rank), strict=True)
             )
-            samples = [_samples(row[4:]) for row in per_rank]
+            times = [[None if math.isnan(v) else v for v in row[4:7]] for row in per_rank]
+            samples = [_samples(row[7:]) for row in per_rank]
             orders = [int(h) for h in orders]
             measured.append(
-                _Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, orders, samples)
+                _Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, orders, times, samples)
             )
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
@@ -297,6 +352,12 @@ class Diagnostics:
                 g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(m.norms_sq, m.tokens, strict=True)
             ]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
+            rec["batch_tokens"], rec["batch_sequences"] = total, sum(len(s) for s in m.samples)
+            noise = rec["noise_scale_tokens"]
+            rec["noise_to_batch"] = noise / total if noise is not None and total > 0 else None
+            rec["rank_load_s"], rec["rank_wait_s"], steps = (list(col) for col in zip(*m.times, strict=True))
+            known = [s for s in steps if s is not None]
+            rec["step_s"] = statistics.median(known) if known else None
             rec["rank_samples"] = m.samples
             rec["data_order"] = m.orders
             raised = self.monitor.update(rec)

@@ -9,129 +9,34 @@ thresholds fields of titanlite.config.job_config.Alerts.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics import rank_test
+from titanlite.diagnostics.stragglers import slow_rank
+from titanlite.diagnostics.window import SPREAD_RANKS, Finding, Window
+
+NEED_SPREAD = ("dispersion_spike", "dispersion_rising_loss_falling", "faulty_worker (by direction)")
 
 
-@dataclass
-class Point:
-    """One measured step, reduced to what the rules compare."""
-
-    step: int
-    loss: float  # global token mean
-    loss_std: float
-    ranks: int  # live ranks (with valid tokens)
-    cos: float | None
-    max_rank: int | None
-    gap: float  # (max rank loss - mean of the others) / global loss
-    low_rank: int | None  # lowest median cosine to the other ranks
-    low_margin: float  # median of the others' median cosines minus the lowest one
-    big_rank: int | None  # largest own gradient norm
-    big_ratio: float  # its norm / median of the others' norms
-
-
-# The rules that single a rank out, or judge the loss spread, need 3+ live ranks: of two, one is
-# always the higher, and the std is one heavy-tailed pairwise difference.
-SPREAD_RANKS = 3
-NEED_SPREAD = ("single_rank_outlier", "faulty_worker", "dispersion_spike", "dispersion_rising_loss_falling")
-
-
-def silent_rules_note(world: int) -> str | None:
-    """What a start-up note says when the data-parallel world is too small for some rules."""
-    if world < 2 or world >= SPREAD_RANKS:
-        return None
-    return (
-        f"at dp={world} the alerts {', '.join(NEED_SPREAD)} need {SPREAD_RANKS} or more ranks and stay "
-        "silent: a rank with bad labels or a noisy gradient is not named (identical_data, cosine_drop "
-        "and replica_drift still run)"
-    )
-
-
-def _median_excluding(values: list, r: int) -> float:
-    return statistics.median(v for j, v in enumerate(values) if j != r and v is not None)
-
-
-def point(rec: dict) -> Point | None:
-    """A measured-step record (stats.step_metrics) as a Point; None if no rank had tokens."""
-    losses, tokens = rec["rank_loss"], rec["rank_tokens"]
-    live = [r for r, v in enumerate(losses) if v is not None]
-    if not live:
-        return None
-    total = sum(tokens[r] for r in live)
-    loss = sum(losses[r] * tokens[r] for r in live) / total
-    # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
-    # in 14 of 20 steps by chance about 6% of the time).
-    max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
-    others = [losses[r] for r in live if r != max_rank]
-    gap = (losses[max_rank] - statistics.fmean(others)) / loss if max_rank is not None and loss > 0 else 0.0
-    low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
-    cos = rec.get("cos_matrix")
-    if cos and len(live) >= SPREAD_RANKS:
-        # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
-        med = {
-            r: statistics.median(cos[r][j] for j in live if j != r and cos[r][j] is not None) for r in live
-        }
-        low_rank = min(med, key=med.get)
-        low_margin = statistics.median(v for r, v in med.items() if r != low_rank) - med[low_rank]
-    norms = rec.get("rank_grad_norm")
-    if norms and len(live) >= SPREAD_RANKS:
-        big_rank = max(live, key=norms.__getitem__)
-        rest = _median_excluding(norms, big_rank)
-        big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
-    return Point(
-        rec["step"],
-        loss,
-        rec.get("loss_std", 0.0),
-        len(live),
-        rec.get("cos_mean_pairwise"),
-        max_rank,
-        gap,
-        low_rank,
-        low_margin,
-        big_rank,
-        big_ratio,
-    )
-
-
-@dataclass
-class Finding:
-    name: str  # a key of alerts.CAUSES
-    ranks: list[int]  # the ranks it names; [] for the whole job
-    message: str
-    values: dict = field(default_factory=dict)
-
-
-@dataclass
-class Window:
-    """What a rule may read at one measured step."""
-
-    cfg: AlertsConfig
-    p: Point  # this step
-    past: list[Point]  # the alert window before it
-    trend: list[tuple[float, float]]  # (loss, loss_std) of the last trend_window steps, this one included
-    seen: int  # measured steps so far, this one included
-    world: int
-    # Whether a data check failed for (check name or any, rank or any) within the window: it
-    # names the cause, so statistical rules about the same ranks stay quiet.
-    explained: Callable[[str | None, int | None], bool]
-
-    @property
-    def pts(self) -> list[Point]:
-        return [*self.past, self.p][-self.cfg.window :]
-
-    def persistent(self, rank_attr: str, value_attr: str) -> tuple[int, int, float] | None:
-        """The rank named by `rank_attr` most often in the window, if in at least persist_frac of
-        it and not explained by a data check: (rank, how often, mean `value_attr` over those steps)."""
-        pts = self.pts
-        counts = [sum(getattr(q, rank_attr) == r for q in pts) for r in range(self.world)]
-        top = max(range(self.world), key=counts.__getitem__)
-        if counts[top] < self.cfg.persist_frac * len(pts) or self.explained(None, top):
-            return None
-        mean = statistics.fmean(getattr(q, value_attr) for q in pts if getattr(q, rank_attr) == top)
-        return top, counts[top], mean
+def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | None:
+    """What a start-up note says when the data-parallel world, or the sequences each rank scores
+    per step (`per_rank`), are too few for some rules."""
+    notes = []
+    if world == 2:
+        notes.append(
+            f"at dp=2 the alerts {', '.join(NEED_SPREAD)} need {SPREAD_RANKS} or more ranks and stay silent; "
+            "a rank whose loss or gradient norm leaves its own history is still named"
+        )
+    if world >= 2 and not rank_test.reachable(per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha):
+        notes.append(
+            f"single_rank_outlier's per-sample test cannot fire with {per_rank} sequence(s) per rank per step "
+            f"at dp={world} (it needs more within alerts.rank_test_window = {cfg.rank_test_window} measured "
+            "steps): a bad batch on one rank is named later, by persistence, if at all"
+        )
+    return "; ".join(notes) or None
 
 
 def dispersion_spike(w: Window) -> Finding | None:
@@ -231,6 +136,64 @@ def faulty_worker_norm(w: Window) -> Finding | None:
     return Finding("faulty_worker", [big], msg, {"share": n / len(w.pts)})
 
 
+def _norm_rises(w: Window) -> list[float | None]:
+    """Per rank: log of its gradient norm's median over the last own_recent measured steps over
+    its median over the window's steps before them (None without both)."""
+    pts, k = w.pts, w.cfg.own_recent
+    if len(pts) <= k or any(q.rank_norm is None for q in pts):
+        return [None] * w.world
+    rises = []
+    for r in range(w.world):
+        now = [q.rank_norm[r] for q in pts[-k:] if q.rank_norm[r]]
+        before = [q.rank_norm[r] for q in pts[:-k] if q.rank_norm[r]]
+        rises.append(math.log(statistics.median(now) / statistics.median(before)) if now and before else None)
+    return rises
+
+
+def faulty_worker_norm_rise(w: Window) -> Finding | None:
+    """One rank's gradient norm rises to a multiple of its own history while the others' do not
+    (what moves every rank, a learning-rate change say, is the trend). Needs no third rank: at
+    dp = 2 a comparison across ranks cannot say which of two is off, a rank's own history can."""
+    rises, limit = _norm_rises(w), math.log(w.cfg.norm_outlier_factor)
+    for r in sorted((r for r, x in enumerate(rises) if x is not None), key=lambda r: -rises[r]):
+        others = [x for j, x in enumerate(rises) if j != r and x is not None]
+        if rises[r] < limit or not others or w.explained(None, r):
+            continue
+        trend = statistics.median(others)
+        if rises[r] - trend >= limit:
+            msg = (
+                f"rank {r}'s gradient norm rose to {math.exp(rises[r]):.1f}x its own median of the "
+                f"{len(w.pts) - w.cfg.own_recent} measured steps before, the other ranks' {math.exp(trend):.2f}x"
+            )
+            return Finding("faulty_worker", [r], msg, {"rise": math.exp(rises[r]), "trend": math.exp(trend)})
+    return None
+
+
+def faulty_worker_norm_pair(w: Window) -> Finding | None:
+    """dp = 2, the norms a multiple apart throughout the window and no rank named for it yet (a
+    fault there from the start: no history in which they agreed). Which of two is off cannot be
+    told from their norms (noise adds to a gradient; a gradient that vanished lowers one), so both
+    are named."""
+    if w.world != 2 or w.named.get("faulty_worker") or w.explained(None, None):
+        return None
+    pairs = [q.rank_norm for q in w.pts if q.rank_norm and None not in q.rank_norm and min(q.rank_norm) > 0]
+    if len(pairs) < len(w.pts):
+        return None
+    big = [max((0, 1), key=n.__getitem__) for n in pairs]
+    top = max((0, 1), key=big.count)
+    apart = [n[top] / n[1 - top] for n, b in zip(pairs, big, strict=True) if b == top]
+    hits = sum(x >= w.cfg.norm_outlier_factor for x in apart)
+    if hits < w.cfg.persist_frac * len(pairs):
+        return None
+    ratio = statistics.median(apart)
+    msg = (
+        f"rank {top}'s gradient norm was {ratio:.1f}x rank {1 - top}'s in {hits} of the last {len(pairs)} measured "
+        "steps, with no earlier steps where they agreed: with two ranks titanlite cannot tell which one is off "
+        "(the larger usually is: noise adds to a gradient); a run with a third rank would say"
+    )
+    return Finding("faulty_worker", [0, 1], msg, {"ratio": ratio})
+
+
 RULES: tuple[Callable[[Window], Finding | None], ...] = (
     dispersion_spike,
     dispersion_rising_loss_falling,
@@ -239,4 +202,7 @@ RULES: tuple[Callable[[Window], Finding | None], ...] = (
     cosine_drop,
     faulty_worker_direction,
     faulty_worker_norm,
+    faulty_worker_norm_rise,
+    faulty_worker_norm_pair,
+    slow_rank,
 )

@@ -1,0 +1,214 @@
+"""Detection at any world size, on synthetic streams of measured-step records: the per-sample
+rank test (its null calibration, its power, which rank at dp=2), the gradient norm against a
+rank's own history, stragglers, and the batch-size advice. Real runs: tests/test_scenarios.py."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+
+import pytest
+
+from titanlite.config.job_config import Alerts
+from titanlite.diagnostics.alerts import AlertMonitor
+from titanlite.diagnostics.rank_test import max_step_score, rank_scores, reachable, threshold, window_score
+
+ONSET, STEPS = 40, 80
+
+
+def stream(world, per_rank, seed=0, fault=None):
+    """Healthy measured steps at `world` ranks: the loss falls 7 -> 4 while each step's level
+    jumps at random (a different batch), and the step's sequences are dealt to the ranks at random
+    (what the sampler does); `fault(t, rec)` edits a step."""
+    rng = random.Random(seed)
+    for t in range(1, STEPS + 1):
+        level = 7 - 3 * t / STEPS + rng.gauss(0, 0.3)
+        values = [level + rng.gauss(0, 0.5) for _ in range(world * per_rank)]
+        rng.shuffle(values)
+        samples = [
+            [{"index": 1000 * t + r * per_rank + i, "content": rng.random(), "tokens": 256, "loss": values[r * per_rank + i]}
+             for i in range(per_rank)]
+            for r in range(world)
+        ]  # fmt: skip
+        step_s = 0.5 + rng.gauss(0, 0.02)
+        rec = {
+            "step": t,
+            "rank_tokens": [256 * per_rank] * world,
+            "rank_samples": samples,
+            "data_order": [7 + t] * world,
+            "rank_grad_norm": [1.0 / (1 + t / 20) * (1 + rng.gauss(0, 0.1)) for _ in range(world)],
+            "rank_wait_s": [abs(rng.gauss(0.01, 0.01)) for _ in range(world)],
+            "rank_load_s": [0.002] * world,
+            "step_s": step_s,
+        }
+        _losses(rec)
+        yield fault(t, rec) if fault else rec
+
+
+def _losses(rec):
+    """The per-rank loss fields from the samples (what stats.step_metrics computes)."""
+    rec["rank_loss"] = [sum(s["loss"] for s in rank) / len(rank) for rank in rec["rank_samples"]]
+    mean = sum(rec["rank_loss"]) / len(rec["rank_loss"])
+    rec["loss_std"] = math.sqrt(sum((x - mean) ** 2 for x in rec["rank_loss"]) / len(rec["rank_loss"]))
+
+
+def run(records, world, cfg=None):
+    mon = AlertMonitor(cfg or Alerts(), [f"host{r}" for r in range(world)], batch_unit=world)
+    return [a for rec in records for a in mon.update(rec)]
+
+
+def named(alerts, name):
+    return [(a.step, a.ranks) for a in alerts if a.name == name]
+
+
+def test_rank_scores_are_the_mann_whitney_statistic():
+    samples = [[3.0, 1.0, 2.0], [2.0, 5.0], [0.5, 4.0, 2.0, 6.0]]
+    for r, z in enumerate(rank_scores(samples)):
+        mine = samples[r]
+        rest = [x for j, xs in enumerate(samples) if j != r for x in xs]
+        u = sum((x > y) + 0.5 * (x == y) for x in mine for y in rest)  # ties count one half
+        n, m = len(mine), len(rest)
+        assert z == pytest.approx((u - n * m / 2) / math.sqrt(n * m * (n + m + 1) / 12))
+    assert rank_scores([[1.0], []]) == [None, None]
+
+
+@pytest.mark.parametrize("world,per_rank", [(2, 4), (4, 2), (8, 2)])
+def test_the_null_is_calibrated(world, per_rank):
+    """Exchangeable data at a loose alpha: |Z| > z* in about alpha of the (step, rank) tests,
+    summed over ranks as the union bound counts them (one test at dp=2)."""
+    alpha, window, steps = 0.02, 10, 6000
+    rng = random.Random(world)
+    z_star = threshold(alpha, world)
+    scores, hits, tests = [], 0, 0
+    for _ in range(steps):
+        values = [rng.expovariate(1.0) for _ in range(world * per_rank)]  # skewed: rank-based is exact
+        scores.append(rank_scores([values[r * per_rank : (r + 1) * per_rank] for r in range(world)]))
+        if len(scores) >= window:
+            ranks = 1 if world == 2 else world
+            hits += sum(abs(window_score([s[r] for s in scores[-window:]])) > z_star for r in range(ranks))
+            tests += 1
+    rate = hits / tests
+    assert 0.5 * alpha < rate < 1.5 * alpha, rate
+
+
+def test_a_layout_that_cannot_reach_the_threshold_is_known():
+    # one sequence per rank at dp=8: a perfect outlier reaches z = 1.53 per step, 4.83 over 10 < 4.85
+    assert max_step_score(1, 8) * math.sqrt(10) < threshold(1e-5, 8)
+    assert not reachable(1, 8, 10, 1e-5) and reachable(2, 8, 10, 1e-5) and reachable(4, 2, 10, 1e-5)
+    # brute force: the largest U of one rank among 8 single values over all cuts is 7 = n(N-n)
+    assert max(sum(a[0] > b for b in a[1:]) for a in itertools.permutations(range(8))) == 7
+
+
+def _shift(rank, by, start=ONSET):
+    def fault(t, rec):
+        if t >= start:
+            for s in rec["rank_samples"][rank]:
+                s["loss"] += by
+            _losses(rec)
+        return rec
+
+    return fault
+
+
+@pytest.mark.parametrize("world,per_rank", [(2, 4), (4, 2), (8, 2)])
+def test_healthy_streams_raise_nothing(world, per_rank):
+    for seed in range(3):
+        assert run(stream(world, per_rank, seed), world) == []
+
+
+@pytest.mark.parametrize("world,per_rank,rank", [(2, 4, 1), (4, 4, 2), (8, 2, 5)])
+def test_a_rank_with_bad_labels_is_named_within_10_steps(world, per_rank, rank):
+    alerts = run(stream(world, per_rank, fault=_shift(rank, 2.0)), world)
+    hits = named(alerts, "single_rank_outlier")
+    assert hits and hits[0][1] == [rank] and ONSET <= hits[0][0] < ONSET + 10, alerts
+    first = next(a for a in alerts if a.name == "single_rank_outlier")
+    assert "per-sample rank test z = +" in first.message
+    assert all(a.step >= ONSET for a in alerts), alerts  # other alerts too may see it; none before
+
+
+def test_at_dp2_a_fault_without_a_shared_history_names_both_ranks():
+    alerts = run(stream(2, 4, fault=_shift(1, 2.0, start=1)), 2)
+    first = next(a for a in alerts if a.name == "single_rank_outlier")
+    assert first.ranks == [0, 1] and "both named" in first.message and first.step <= 10, first.message
+    # from a shared history, a rank that moved the other way (its loss fell) is named as well
+    low = run(stream(2, 4, fault=_shift(0, -2.0)), 2)
+    assert named(low, "single_rank_outlier")[0][1] == [0] and "lower losses" in low[0].message, low
+
+
+def _noisy(rank, start=ONSET, factor=10.0):
+    def fault(t, rec):
+        if t >= start:
+            rec["rank_grad_norm"][rank] *= factor
+        return rec
+
+    return fault
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_noisy_gradient_is_named_against_the_ranks_own_history(world):
+    alerts = run(stream(world, 2, fault=_noisy(1)), world)
+    hits = named(alerts, "faulty_worker")
+    assert hits and hits[0][1] == [1] and ONSET <= hits[0][0] < ONSET + 10, alerts
+    assert all(a.ranks == [1] for a in alerts), alerts
+    # all ranks' norms rising together (a learning-rate change) is the trend, not a fault
+    together = run(stream(world, 2, fault=lambda t, rec: {**rec, "rank_grad_norm": [10 * x for x in rec["rank_grad_norm"]]} if t >= ONSET else rec), world)  # fmt: skip
+    assert together == []
+
+
+def test_at_dp2_norms_apart_from_the_start_name_both_ranks():
+    alerts = run(stream(2, 2, fault=_noisy(1, start=1)), 2)
+    assert named(alerts, "faulty_worker") == [(alerts[0].step, [0, 1])], alerts
+    assert "cannot tell which one is off" in alerts[0].message
+
+
+def _late(rank, by, start=ONSET):
+    def fault(t, rec):
+        if t >= start:  # the others wait for it; it waits for no one
+            rec["rank_wait_s"] = [0.001 if r == rank else w + by for r, w in enumerate(rec["rank_wait_s"])]
+            rec["rank_load_s"][rank] += by
+            rec["step_s"] += by
+        return rec
+
+    return fault
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_straggler_is_named_with_how_late_it_is(world):
+    alerts = run(stream(world, 2, fault=_late(world - 1, 0.5)), world)
+    hits = named(alerts, "slow_rank")
+    assert hits and hits[0][1] == [world - 1] and ONSET <= hits[0][0] < ONSET + 10, alerts
+    msg = next(a.message for a in alerts if a.name == "slow_rank")
+    assert re.search(
+        r", 5\d\d ms \(5\d% of a step\) after the others' median; there its data loading took 502 ms, the others' 2 ms$",
+        msg,
+    ), msg
+    # late by less than slow_margin (5%) of a step: not a straggler worth an alert
+    assert named(run(stream(world, 2, fault=_late(world - 1, 0.01)), world), "slow_rank") == []
+
+
+def _noise_scale(ratio):
+    def fault(t, rec):
+        tokens = sum(rec["rank_tokens"])
+        rec.update(noise_scale_tokens=ratio * tokens, batch_tokens=tokens, batch_sequences=8)
+        return rec
+
+    return fault
+
+
+def test_the_batch_size_advice_is_a_note_for_the_next_run():
+    cfg = Alerts()
+    notes = run(stream(4, 2, fault=_noise_scale(40.0)), 4, cfg)
+    (note,) = notes
+    assert note.name == "batch_size_advice" and not note.is_alert and note.step == cfg.advice_steps
+    assert note.line().startswith("NOTE batch_size_advice at step 50: the gradient noise scale B_simple")
+    # 40x a batch of 8 sequences, in steps of dp x local batch = 4: 320 sequences
+    assert "a larger batch" in note.message and "--training.global_batch_size 320" in note.message
+    small = run(stream(4, 2, fault=_noise_scale(0.05)), 4)
+    assert (
+        len(small) == 1
+        and "a smaller batch" in small[0].message
+        and "global_batch_size 4 " in small[0].message
+    )
+    assert run(stream(4, 2, fault=_noise_scale(2.0)), 4) == []  # within advice_ratio: nothing to say

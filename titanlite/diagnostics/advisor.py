@@ -1,0 +1,86 @@
+"""The batch-size advisor: what the measured gradient noise scale says about the run's batch.
+
+"An Empirical Model of Large-Batch Training" (McCandlish et al., arXiv 1812.06162) finds that
+the critical batch, past which a larger batch stops buying fewer steps, is about the gradient
+noise scale B_noise, estimated by B_simple (stats.NoiseScale, in tokens, EMA-smoothed). Well
+below it a step's gradient is mostly noise: doubling the batch nearly halves the steps to a
+given loss, for about the same tokens. Well above it the extra batch buys little: the same loss
+costs more tokens. B_simple moves as training goes (it grows as the loss falls), so the advice
+is given only when the ratio stays past `advice_ratio` either way for `advice_steps` measured
+steps, once per excursion. The batch is part of the run's identity (a resumed run keeps it),
+so the advice is for the next run, with the flag that would set it.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics.window import Finding
+
+
+class BatchAdvisor:
+    """`unit`: the sequences the global batch moves by with everything else kept (dp x the local
+    batch: only the accumulation changes), for the suggested flag."""
+
+    def __init__(self, cfg: AlertsConfig, unit: int) -> None:
+        self.cfg = cfg
+        self.unit = max(1, unit)
+        self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)  # B_simple / batch tokens
+        self.advised = 0  # the side last advised on: +1 batch below B_simple, -1 above, 0 none
+
+    def state_dict(self) -> dict:
+        return {"ratios": list(self.ratios), "advised": self.advised}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ratios.extend(state.get("ratios", []))
+        self.advised = state.get("advised", 0)
+
+    def update(self, rec: dict) -> Finding | None:
+        """A measured-step record (component.Diagnostics.collect: noise_scale_tokens,
+        batch_tokens, batch_sequences): the advice, when it is due."""
+        noise, tokens, sequences = (
+            rec.get("noise_scale_tokens"),
+            rec.get("batch_tokens"),
+            rec.get("batch_sequences"),
+        )
+        if not noise or not tokens or not sequences:
+            return None
+        self.ratios.append(noise / tokens)
+        r = self.cfg.advice_ratio
+        side = 1 if self.ratios[-1] >= r else -1 if self.ratios[-1] <= 1 / r else 0
+        if side == 0:
+            self.advised = 0  # back in the band: a later excursion is advised again
+            return None
+        past = all(x >= r for x in self.ratios) if side > 0 else all(x <= 1 / r for x in self.ratios)
+        if side == self.advised or len(self.ratios) < self.cfg.advice_steps or not past:
+            return None
+        self.advised = side
+        ratio = statistics.median(self.ratios)
+        per_seq = tokens / sequences
+        suggest = max(self.unit, round(ratio * sequences / self.unit) * self.unit)
+        flag = f"--training.global_batch_size {suggest}"
+        head = (
+            f"the gradient noise scale B_simple (McCandlish et al., arXiv 1812.06162) has been about "
+            f"{ratio * tokens:,.0f} tokens for the last {len(self.ratios)} measured steps, "
+        )
+        if side > 0:
+            msg = head + (
+                f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens: its steps are dominated by gradient noise, "
+                "so a larger batch would reach a given loss in nearly proportionally fewer steps for about the "
+                f"same tokens, up to about that size ({suggest} sequences of ~{per_seq:,.0f} tokens)"
+            )
+        else:
+            msg = head + (
+                f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens: past the noise scale extra batch "
+                "buys little, so each step spends more tokens than its gradient needs, and a smaller batch would "
+                f"reach a given loss with fewer tokens (in more steps): about {suggest} sequences"
+            )
+        msg += f"; the batch is part of the run's identity, so this is for the next run: {flag} (re-tune the learning rate)"
+        values = {
+            "noise_scale_tokens": ratio * tokens,
+            "batch_tokens": tokens,
+            "suggested_global_batch": suggest,
+        }
+        return Finding("batch_size_advice", [], msg, values)

@@ -1,0 +1,157 @@
+r"""The per-sample rank test: is one rank's data worse (or better) than the rest of its step?
+
+Why it is exact under health. Within one step the sampler cuts one permuted global batch into
+contiguous per-rank slices (titanlite.datasets.sampler), and with the exact loss path the model
+that scores step t does not depend on how earlier steps were cut into ranks. So, given the
+step's sequences, every assignment of them to ranks is equally likely: the per-sequence losses
+(token means) of the ranks are exchangeable within a step, whatever the loss level, the data
+mixture or the learning rate do across steps. A rank test needs no baseline and no burn-in.
+
+Per step t and rank r with n of the step's N scored sequences, the Mann-Whitney statistic
+U_rt = #{(x, y): x of rank r, y of another rank, x > y} (+1/2 per tie) has, under that null,
+mean n (N - n) / 2 and variance n (N - n) (N + 1) / 12 (the variance without ties; ties only
+shrink it, so z is conservative). Its standard score z_rt has mean 0 and variance 1, and the
+z_rt of different steps are independent (each step's cut is its own permutation). Over the last
+W measured steps, Z_r = \sum_t z_rt / sqrt(W) (Stouffer) has mean 0 and variance 1 again, and is
+close to normal (a sum of W bounded terms; its exact tail is lighter than the normal one).
+
+False alarms. The rule fires when |Z_r| > z*, with z* = Phi^-1(1 - alpha / (2 m)) and m the
+ranks tested (m = 1 at dp = 2, where Z_0 = -Z_1). By the union bound over ranks and steps (valid
+for the overlapping windows too), a healthy run raises it at most alpha times per measured step
+in expectation: alpha = 1e-5 is at most 0.01 false alarms per 1,000 measured steps.
+
+Power. A rank whose every sequence scores above every other rank's reaches
+z_max = sqrt(3 n (N - n) / (N + 1)) per step, so the rule can fire only if
+z_max sqrt(W) > z*: one sequence per rank at dp = 8 gives z_max = 1.53, below what W = 10
+needs (4.85 / sqrt(10) = 1.53); two give 2.22. The start-up note says when a layout cannot
+reach z* (reachable()).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from statistics import NormalDist
+
+from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics.window import Finding, Point
+
+
+def rank_scores(samples: list[list[float]]) -> list[float | None]:
+    """z_rt of each rank (module doc) from its sequences' token-mean losses; None for a rank
+    with no scored sequence or when no other rank has one."""
+    pooled = sorted((x, r) for r, xs in enumerate(samples) for x in xs)
+    total = len(pooled)
+    rank_sums = [0.0] * len(samples)
+    i = 0
+    while i < total:  # midranks: tied values share the mean of their positions (1-based)
+        j = i
+        while j + 1 < total and pooled[j + 1][0] == pooled[i][0]:
+            j += 1
+        mid = (i + j) / 2 + 1
+        for k in range(i, j + 1):
+            rank_sums[pooled[k][1]] += mid
+        i = j + 1
+    scores: list[float | None] = []
+    for r, xs in enumerate(samples):
+        n = len(xs)
+        rest = total - n
+        if n == 0 or rest == 0:
+            scores.append(None)
+            continue
+        u = rank_sums[r] - n * (n + 1) / 2
+        sd = math.sqrt(n * rest * (total + 1) / 12)
+        scores.append((u - n * rest / 2) / sd)
+    return scores
+
+
+def threshold(alpha: float, world: int) -> float:
+    """z*: |Z_r| above it raises the alert (module doc)."""
+    tested = 1 if world == 2 else world
+    return NormalDist().inv_cdf(1 - alpha / (2 * tested))
+
+
+def window_score(scores: list[float | None]) -> float | None:
+    """Z_r over a window: the Stouffer sum of one rank's z_rt (steps it had none are left out)."""
+    seen = [z for z in scores if z is not None]
+    return sum(seen) / math.sqrt(len(seen)) if seen else None
+
+
+def max_step_score(per_rank: int, world: int) -> float:
+    """z_max: a rank's z when all its `per_rank` sequences score above all others' (module doc)."""
+    n, total = per_rank, per_rank * world
+    return math.sqrt(3 * n * (total - n) / (total + 1))
+
+
+def reachable(per_rank: int, world: int, window: int, alpha: float) -> bool:
+    """Whether a rank whose sequences all score above the others' can raise the alert within
+    `window` measured steps, at `per_rank` sequences per rank per step."""
+    return world >= 2 and max_step_score(per_rank, world) * math.sqrt(window) > threshold(alpha, world)
+
+
+# At dp = 2 the rank whose loss moved is the one that left the global trend of the steps before
+# the test window by at least this many times the other's departure.
+DOMINANCE = 2.0
+TREND_MIN_STEPS = 5  # points before the window needed to fit that trend
+SETTLED_STEPS = 3  # the window's last points, whose median departure is compared
+
+
+def rank_outlier(
+    scores: list[tuple[int, list[float | None]]],
+    history: list[Point],
+    cfg: AlertsConfig,
+    explained: Callable[[str | None, int | None], bool],
+) -> Finding | None:
+    """single_rank_outlier from the per-sample rank test (module doc). `scores`: (step, z_rt per
+    rank) of the last rank_test_window measured steps; `history`: the points before and during
+    them (this step's last), for telling at dp = 2 which rank moved."""
+    world = len(scores[-1][1])
+    z_star = threshold(cfg.rank_test_alpha, world)
+    totals = [window_score([s[r] for _, s in scores]) for r in range(world)]
+    quiet = (lambda r: explained(None, None)) if world == 2 else (lambda r: explained(None, r))
+    hits = [(abs(z), r) for r, z in enumerate(totals) if z is not None and abs(z) > z_star and not quiet(r)]
+    if not hits:
+        return None
+    rank = max(hits)[1]
+    ranks = [rank]
+    why = ""
+    if world == 2:  # the test says the two differ; which one moved needs their history
+        ranks, why = _which_of_two(history, scores[0][0])
+        rank = ranks[0] if len(ranks) == 1 else rank
+    z = totals[rank]
+    msg = (
+        f"rank {rank}'s sequences had {'higher' if z > 0 else 'lower'} losses than the other ranks' of the same "
+        f"steps over the last {len(scores)} measured steps (per-sample rank test z = {z:+.1f}, beyond "
+        f"{z_star:.1f}: at most {cfg.rank_test_alpha:g} false alarms per measured step)"
+    )
+    msg += f"; {why}" if why else ""
+    # at dp = 2 one test whichever rank it names: one cooldown
+    key = -1 if world == 2 else None
+    return Finding("single_rank_outlier", ranks, msg, {"z": z, "threshold": z_star}, key)
+
+
+def _which_of_two(history: list[Point], first_step: int) -> tuple[list[int], str]:
+    """At dp = 2 the test says that the two ranks differ, not which one is off: the rank whose
+    loss left the trend of the global loss (a least-squares line over the points before the
+    window) while the other's stayed on it; both when neither or both did."""
+    base = [q for q in history if q.step < first_step and q.rank_loss]
+    # the window's last points where both ranks scored tokens
+    recent = [q for q in history if q.step >= first_step and q.rank_loss and None not in q.rank_loss]
+    recent = recent[-SETTLED_STEPS:]
+    if len(base) < TREND_MIN_STEPS or not recent:
+        why = f"only {len(base)} measured step(s) before the window to tell which rank moved from"
+        return [0, 1], f"both named: with two ranks, {why}"
+    xs = [q.step for q in base]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(q.loss for q in base)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((q.step - mean_x) * (q.loss - mean_y) for q in base) / var if var > 0 else 0.0
+    off = [
+        statistics.median(q.rank_loss[r] - (mean_y + slope * (q.step - mean_x)) for q in recent)
+        for r in (0, 1)
+    ]
+    moved = max((0, 1), key=lambda r: abs(off[r]))
+    left = f"against the global loss's trend before the window, rank 0 moved {off[0]:+.3f} and rank 1 {off[1]:+.3f}"
+    if abs(off[moved]) >= DOMINANCE * abs(off[1 - moved]):
+        return [moved], f"rank {moved} is the one that moved ({left})"
+    return [0, 1], f"both named: with two ranks, {left}, so neither is clearly the one that moved"
