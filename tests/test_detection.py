@@ -212,3 +212,40 @@ def test_the_batch_size_advice_is_a_note_for_the_next_run():
         and "global_batch_size 4 " in small[0].message
     )
     assert run(stream(4, 2, fault=_noise_scale(2.0)), 4) == []  # within advice_ratio: nothing to say
+
+
+def test_ongoing_faults_start_at_fault_from_step():
+    import time
+
+    import torch
+
+    from titanlite.components.faults import Faults
+    from titanlite.config.job_config import Debug
+
+    labels = torch.arange(64).reshape(2, 32)
+    faults = Faults(Debug(corrupt_labels_rank=1, fault_from_step=3), seed=0, rank=1, world=2)
+    assert torch.equal(faults.labels(2, labels), labels)
+    shuffled = faults.labels(3, labels)
+    assert not torch.equal(shuffled, labels) and torch.equal(shuffled.sort(-1).values, labels)
+    slow = Faults(Debug(slow_rank=0, slow_factor=3.0, fault_from_step=3), seed=0, rank=0, world=2)
+    added = []
+    for step in (1, 2, 3):
+        slow.slow_loader(step)
+        added.append(slow._slept)
+        time.sleep(0.05)  # the rank's own work of the step
+    # before fault_from_step nothing; then (slow_factor - 1) x its own step time, which is >= 0.05 s
+    assert added[:2] == [0.0, 0.0] and added[2] >= 2 * 0.05, added
+
+
+def test_a_run_resumed_at_another_dp_keeps_its_history_without_the_old_ranks():
+    first = AlertMonitor(Alerts(), ["host0", "host1"])
+    for rec in itertools.islice(stream(2, 4), 30):
+        first.update(rec)
+    resumed = AlertMonitor(Alerts(), [f"host{r}" for r in range(4)])
+    resumed.load_state_dict(first.state_dict())
+    assert resumed.seen == 30 and len(resumed.history) == len(first.history)
+    assert all(p.rank_loss is None for p in resumed.history) and not resumed.scores
+    # at dp=4 from step 31: the rules read the new ranks only, and a noisy gradient is still named
+    later = [rec for rec in stream(4, 2, fault=_noisy(3)) if rec["step"] > 30]
+    alerts = [a for rec in later for a in resumed.update(rec)]
+    assert named(alerts, "faulty_worker")[0][1] == [3], alerts

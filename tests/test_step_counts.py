@@ -51,8 +51,10 @@ def expected(case: str, c: dict) -> dict:
     tokens_and_clip = {"allreduce": 1, "all_reduce": 1}  # token count; FSDP's norm
     fsdp = {"_allgather_base": gathers, RS: m * u, **tokens_and_clip}
     skipped = {**fsdp, RS: u}
-    exact_probe = {"allgather": 1, "allreduce": 1}
-    sketch_probe = {"allgather": 2}
+    # a measured step on the diagnostics' group: the gather, the Gram's all-reduce or the sketches'
+    # gather, and the straggler barrier as the step starts (an all-reduce of one value)
+    exact_probe = {"allgather": 1, "allreduce": 2}
+    sketch_probe = {"allgather": 2, "allreduce": 1}
     return {
         "fsdp": {"main": fsdp},
         "fsdp_unmeasured": {"main": fsdp},

@@ -21,6 +21,7 @@ from titanlite.diagnostics.advisor import BatchAdvisor
 from titanlite.diagnostics.data_checks import DataChecks
 from titanlite.diagnostics.rank_test import rank_outlier, rank_scores
 from titanlite.diagnostics.rules import RULES
+from titanlite.diagnostics.stragglers import slow_rank
 from titanlite.diagnostics.window import Point, Window, point
 
 CAUSES = {
@@ -104,6 +105,7 @@ class AlertMonitor:
         # (step, per-rank z) of the per-sample rank test's window: from the first measured step,
         # since its null needs no baseline (rank_test.py)
         self.scores: deque[tuple[int, list]] = deque(maxlen=cfg.rank_test_window)
+        self.recent: deque[Point] = deque(maxlen=cfg.slow_window)  # slow_rank's, also from the first
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.advisor = BatchAdvisor(cfg, batch_unit or len(hosts))
         self.history: deque[Point] = deque(maxlen=cfg.window)
@@ -123,18 +125,28 @@ class AlertMonitor:
             "data": self.data.state_dict(),
             "data_failed": [[name, rank, seen] for (name, rank), seen in self._data_failed.items()],
             "scores": [[step, z] for step, z in self.scores],
+            "recent": [asdict(p) for p in self.recent],
             "named": {name: sorted(ranks) for name, ranks in self.named.items()},
             "advisor": self.advisor.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.history = deque((Point(**p) for p in state["history"]), maxlen=self.cfg.window)
+        # A run resumed at another dp keeps the rules' history but not its per-rank vectors,
+        # which stand for other ranks.
+        world = len(self.hosts)
+        points = [Point(**p) for p in state["history"]]
+        for p in points:
+            if p.rank_loss is not None and len(p.rank_loss) != world:
+                p.rank_loss = p.rank_norm = p.rank_wait = p.rank_load = None
+        self.history = deque(points, maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state.get("trend", [])), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
         self.data.load_state_dict(state.get("data", {}))
         self._data_failed = {(name, rank): seen for name, rank, seen in state.get("data_failed", [])}
-        self.scores.extend((step, z) for step, z in state.get("scores", []))
+        self.scores.extend((step, z) for step, z in state.get("scores", []) if len(z) == world)
+        recent = (Point(**p) for p in state.get("recent", []))
+        self.recent.extend(p for p in recent if p.rank_wait is not None and len(p.rank_wait) == world)
         self.named = {name: set(ranks) for name, ranks in state.get("named", {}).items()}
         self.advisor.load_state_dict(state.get("advisor", {}))
 
@@ -157,16 +169,16 @@ class AlertMonitor:
         return [Alert(name, p.step, ranks, [self.hosts[r] for r in ranks], message, values=values)]
 
     def update(self, rec: dict) -> list[Alert]:
-        """The alerts this measured-step record raises: the exact data checks and the per-sample
-        rank test, the batch-size advice, then, after the burn-in, every rule of the table
-        (titanlite.diagnostics.rules.RULES) in order."""
+        """The alerts this measured-step record raises: the exact data checks, the per-sample rank
+        test and the straggler rule, the batch-size advice, then, after the burn-in, every rule of
+        the table (titanlite.diagnostics.rules.RULES) in order."""
         p = point(rec)
         if p is None:
             return []
         c = self.cfg
         self.seen += 1
-        # Exact checks of what the ranks read, and a test whose null holds at every step: no
-        # history needed, so no burn-in.
+        # Exact checks of what the ranks read, a test whose null holds at every step, and timing:
+        # no training history needed, so no burn-in.
         out = []
         for name, ranks, msg in self.data.update(rec):
             out += self._fire(name, p, ranks, msg)
@@ -177,6 +189,10 @@ class AlertMonitor:
             found = rank_outlier(list(self.scores), [*self.history, p], c, self._explained)
             if found:
                 out += self._fire(found.name, p, found.ranks, found.message, found.key, **found.values)
+        self.recent.append(p)
+        late = slow_rank(list(self.recent), c, self._explained) if len(self.hosts) > 1 else None
+        if late:
+            out += self._fire(late.name, p, late.ranks, late.message, **late.values)
         advice = self.advisor.update(rec)
         if advice:
             out.append(Alert(advice.name, p.step, [], [], advice.message, values=advice.values, level="info"))

@@ -15,7 +15,6 @@ from collections.abc import Callable
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics import rank_test
-from titanlite.diagnostics.stragglers import slow_rank
 from titanlite.diagnostics.window import SPREAD_RANKS, Finding, Window
 
 NEED_SPREAD = ("dispersion_spike", "dispersion_rising_loss_falling", "faulty_worker (by direction)")
@@ -204,5 +203,4 @@ RULES: tuple[Callable[[Window], Finding | None], ...] = (
     faulty_worker_norm,
     faulty_worker_norm_rise,
     faulty_worker_norm_pair,
-    slow_rank,
 )

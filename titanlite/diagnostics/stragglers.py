@@ -5,7 +5,8 @@ job is slow but not who is late. On a measured step each rank times its data loa
 waits at a one-value all-reduce on the diagnostics' own group, as the step starts: the last rank
 to arrive waits least, and the others wait about as long as it is late. The times travel in the
 measured step's gather (component.py); the `slow_rank` rule names a rank that waits least in
-most of the last `slow_window` measured steps, by at least `slow_margin` of a step.
+most of the last `slow_window` measured steps, by at least `slow_margin` of a step, from the
+first measured step on.
 
 What it sees: lateness built up since the previous step's last collective (the optimizer step,
 data loading, anything the host does between steps). A device slow throughout also makes the
@@ -23,11 +24,13 @@ import math
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from titanlite.diagnostics.window import Finding, Window
+from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics.window import Finding, Point
 
 
 class Arrival:
@@ -84,16 +87,20 @@ def _late(q) -> tuple[int, float, float, float, float] | None:
     return rank, later, later / q.step_s, own, statistics.median(others) if others else math.nan
 
 
-def slow_rank(w: Window) -> Finding | None:
-    """One rank reaches the step's start last, persistently and by a margin (module doc). The
-    figures are the medians over the steps it was last."""
-    c = w.cfg
-    lates = [x for x in (_late(q) for q in w.pts[-c.slow_window :]) if x is not None]
+def slow_rank(
+    recent: list[Point], cfg: AlertsConfig, explained: Callable[[str | None, int | None], bool]
+) -> Finding | None:
+    """One rank reaches the step's start last, persistently and by a margin (module doc), in
+    `recent`, the last slow_window measured steps from the first (timing needs no burn-in: a slow
+    host is slow from its first step). The figures are the medians over the steps it was last."""
+    c = cfg
+    world = len(recent[-1].rank_wait or [])
+    lates = [x for x in (_late(q) for q in recent[-c.slow_window :]) if x is not None]
     if len(lates) < c.slow_window:
         return None
-    counts = [sum(x[0] == r for x in lates) for r in range(w.world)]
-    top = max(range(w.world), key=counts.__getitem__)
-    if counts[top] < c.persist_frac * len(lates) or w.explained(None, top):
+    counts = [sum(x[0] == r for x in lates) for r in range(world)]
+    top = max(range(world), key=counts.__getitem__)
+    if counts[top] < c.persist_frac * len(lates) or explained(None, top):
         return None
     later, share, own, rest = (
         statistics.median(col) for col in list(zip(*(x for x in lates if x[0] == top), strict=True))[1:]
