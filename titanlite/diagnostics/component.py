@@ -1,11 +1,13 @@
-"""The diagnostics component: the trainer calls begin_step / end_step around each step and
-collect() on log steps.
+"""The diagnostics component: the trainer calls begin_step (before the data), arrive (after it)
+and end_step around each step, and collect() on log steps.
 
 Measured steps are every step for the first `warmup_steps`, then every `interval` steps. On a
-measured step the probe (see probe.py) watches the gradient reduction; at the end of the step
-each rank contributes (summed loss, valid tokens, local gradient norm^2, its sampler's hash of the
-global batch; per sequence: its index, summed loss, valid tokens and a fingerprint of its tokens,
-so an alert can name the data behind it and data_checks.py can compare what ranks read) plus its
+measured step each rank times its data loading and its wait at a one-value barrier as the step
+starts (stragglers.py), and the probe (see probe.py) watches the gradient reduction; at the end
+of the step each rank contributes (summed loss, valid tokens, local gradient norm^2, its
+sampler's hash of the global batch, those times; per sequence: its index, summed loss, valid
+tokens and a fingerprint of its tokens, so an alert can name the data behind it, data_checks.py
+can compare what ranks read and rank_test.py can compare their losses) plus its
 partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
