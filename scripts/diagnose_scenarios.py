@@ -92,7 +92,7 @@ def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None
         "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
         "grad_noise": ("faulty_worker", [1], onset),
         "slow_rank": ("slow_rank", [dp - 1], onset),
-        "replica_flip": ("replica_drift", [dp - 1], 5),
+        "replica_flip": ("replica_drift", [dp - 1] if dp > 2 else [0, 1], 5),  # of two replicas, both
         "stuck_loader": ("stale_batch", [dp - 1], 5),
         "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
         "S1-2": ("data_order_mismatch", [0] if dp > 2 else [0, 1], 1),  # of two, neither is the majority
@@ -288,7 +288,7 @@ def detection_table(rows: dict[str, dict]) -> str:
 def notes_table(rows: dict[str, dict]) -> str:
     """The batch-size advice each run was given (titanlite/diagnostics/advisor.py)."""
     lines = [
-        f"{name:<16}step {n['step']}: noise scale {n['noise_scale_tokens']:,.0f} tokens, batch {n['batch_tokens']:,} "
+        f"{name:<16}step {n['step']}: noise scale {n['noise_scale_tokens']:,.0f} tokens, batch {n['batch_tokens']:,.0f} "
         f"tokens -> --training.global_batch_size {n['suggested_global_batch']}"
         for name, r in rows.items()
         for n in r["notes"]

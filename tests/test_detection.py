@@ -125,6 +125,8 @@ def test_a_rank_with_bad_labels_is_named_within_10_steps(world, per_rank, rank):
     assert hits and hits[0][1] == [rank] and ONSET <= hits[0][0] < ONSET + 10, alerts
     first = next(a for a in alerts if a.name == "single_rank_outlier")
     assert "per-sample rank test z = +" in first.message
+    # the repeats name the same rank, at dp=2 too, once the fault fills the history
+    assert {tuple(r) for _, r in hits} == {(rank,)} and len(hits) >= 2, hits
     assert all(a.step >= ONSET for a in alerts), alerts  # other alerts too may see it; none before
 
 
@@ -249,3 +251,19 @@ def test_a_run_resumed_at_another_dp_keeps_its_history_without_the_old_ranks():
     later = [rec for rec in stream(4, 2, fault=_noisy(3)) if rec["step"] > 30]
     alerts = [a for rec in later for a in resumed.update(rec)]
     assert named(alerts, "faulty_worker")[0][1] == [3], alerts
+
+
+def test_no_advice_from_a_noise_scale_that_is_not_positive():
+    # the same data on every rank: the ranks' gradients agree and B_simple comes out <= 0
+    assert run(stream(4, 2, fault=_noise_scale(-0.001)), 4) == []
+
+
+def test_at_dp2_a_lasting_fault_keeps_the_rank_named_when_the_ranks_parted():
+    from titanlite.diagnostics.rank_test import rank_outlier
+
+    scores = [(t, [-2.3, 2.3]) for t in range(91, 101)]  # rank 1 above rank 0 in every step
+    quiet = lambda *_: False  # noqa: E731
+    both = rank_outlier(scores, [], Alerts(), quiet)
+    assert both.ranks == [0, 1] and "both named" in both.message
+    kept = rank_outlier(scores, [], Alerts(), quiet, named={1})
+    assert kept.ranks == [1] and "rank 1 is the one named when the ranks parted" in kept.message

@@ -45,7 +45,9 @@ class BatchAdvisor:
             rec.get("batch_tokens"),
             rec.get("batch_sequences"),
         )
-        if not noise or not tokens or not sequences:
+        # B_simple <= 0: the ranks' gradients agree beyond their noise (the same data, say), and
+        # the estimate says nothing about the batch
+        if noise is None or noise <= 0 or not tokens or not sequences:
             return None
         self.ratios.append(noise / tokens)
         r = self.cfg.advice_ratio

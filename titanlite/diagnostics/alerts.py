@@ -186,7 +186,8 @@ class AlertMonitor:
         if rec.get("rank_samples") and len(self.hosts) > 1:
             losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in rec["rank_samples"]]
             self.scores.append((p.step, rank_scores(losses)))
-            found = rank_outlier(list(self.scores), [*self.history, p], c, self._explained)
+            named = self.named.get("single_rank_outlier", set())
+            found = rank_outlier(list(self.scores), [*self.history, p], c, self._explained, named)
             if found:
                 out += self._fire(found.name, p, found.ranks, found.message, found.key, **found.values)
         self.recent.append(p)

@@ -354,7 +354,7 @@ class Diagnostics:
                 g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(m.norms_sq, m.tokens, strict=True)
             ]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
-            rec["batch_tokens"], rec["batch_sequences"] = total, sum(len(s) for s in m.samples)
+            rec["batch_tokens"], rec["batch_sequences"] = int(total), sum(len(s) for s in m.samples)
             noise = rec["noise_scale_tokens"]
             rec["noise_to_batch"] = noise / total if noise is not None and total > 0 else None
             rec["rank_load_s"], rec["rank_wait_s"], steps = (list(col) for col in zip(*m.times, strict=True))

@@ -102,10 +102,12 @@ def rank_outlier(
     history: list[Point],
     cfg: AlertsConfig,
     explained: Callable[[str | None, int | None], bool],
+    named: set[int] | frozenset[int] = frozenset(),
 ) -> Finding | None:
     """single_rank_outlier from the per-sample rank test (module doc). `scores`: (step, z_rt per
     rank) of the last rank_test_window measured steps; `history`: the points before and during
-    them (this step's last), for telling at dp = 2 which rank moved."""
+    them (this step's last), for telling at dp = 2 which rank moved; `named`: the ranks this
+    alert has named so far in the run."""
     world = len(scores[-1][1])
     z_star = threshold(cfg.rank_test_alpha, world)
     totals = [window_score([s[r] for _, s in scores]) for r in range(world)]
@@ -118,6 +120,9 @@ def rank_outlier(
     why = ""
     if world == 2:  # the test says the two differ; which one moved needs their history
         ranks, why = _which_of_two(history, scores[0][0])
+        if len(ranks) == 2 and len(named) == 1:  # a fault that lasts: its history is the fault's
+            ranks = sorted(named)
+            why = f"rank {ranks[0]} is the one named when the ranks parted"
         rank = ranks[0] if len(ranks) == 1 else rank
     z = totals[rank]
     msg = (
