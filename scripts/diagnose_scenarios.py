@@ -33,8 +33,9 @@ A second table, detection: per fault, the alert that names it (and the rank(s) a
 step it started, the step that alert first fired and the steps in between; every other alert is
 listed as other (in a healthy scenario, a false alarm).
 
---replay DIR: no training; the tables again from DIR's run folders, with the alerts that today's
-rules (and the --alerts overrides given) raise on each run's recorded diagnostics.jsonl:
+--replay DIR: no training; the tables again (and replayed.json, replayed.png) from DIR's run
+folders, with the alerts that today's rules (and the --alerts overrides given) raise on each
+run's recorded diagnostics.jsonl:
 how thresholds are tuned on a long run recorded once. replica_drift is kept from events.jsonl
 (the replica hashes are not recorded).
 """
@@ -192,6 +193,33 @@ def detection(alerts: list[dict], want: tuple[str, list[int], int] | None) -> di
     }
 
 
+def _late_share(rec: dict) -> float | None:
+    """How much later than the others' median the latest rank reached the step's start, as a share
+    of the step (titanlite/diagnostics/stragglers.py), or None without the times."""
+    from titanlite.diagnostics.stragglers import lateness
+    from titanlite.diagnostics.window import point
+
+    late = lateness(point(rec))
+    return late[2] if late else None
+
+
+def _rank_test_max(records: list[dict]) -> float | None:
+    """The largest |Z| of the per-sample rank test over the run (titanlite/diagnostics/rank_test.py)."""
+    from titanlite.config.job_config import Alerts
+    from titanlite.diagnostics.rank_test import rank_scores, window_score
+
+    window, scores, best = Alerts().rank_test_window, [], None
+    for rec in records:
+        losses = [
+            [x["loss"] for x in rank if x.get("loss") is not None] for rank in rec.get("rank_samples") or []
+        ]
+        scores = [*scores, rank_scores(losses)][-window:] if losses else scores
+        for r in range(len(scores[-1]) if scores else 0):
+            z = window_score([s[r] for s in scores])
+            best = abs(z) if z is not None and (best is None or abs(z) > best) else best
+    return best
+
+
 def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] | None = None) -> dict:
     """One scenario's row from its run folder; `alerts`: replayed ones instead of events.jsonl's."""
     metrics = _read(run_dir, "metrics.jsonl")
@@ -206,6 +234,8 @@ def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] 
     low_rank, low_share = _most([r for r, _ in lows])
     max_rank, max_share = _most([d.get("loss_max_rank") for d in diag])
     return {
+        "late_share": _mean([_late_share(d) for d in diag]),
+        "rank_test_max": _rank_test_max(_read(run_dir, "diagnostics.jsonl")),
         "steps": metrics[-1]["step"],
         "stopped": stopped,
         "loss_final": losses[-1],
@@ -244,6 +274,8 @@ COLUMNS = [
     ("grad_norm_cv", "gnorm CV", ".3f"),
     ("cos_mean", "cos mean", ".3f"),
     ("cos_to_others_min", "min cos→rest", ".3f"),
+    ("rank_test_max", "max rank |Z|", ".1f"),
+    ("late_share", "late %", ".1%"),
 ]
 
 
@@ -309,8 +341,10 @@ def plot(rows: dict[str, dict], path: Path) -> None:
         ("grad_norm_cv", "gradient-norm CV over ranks"),
         ("cos_mean", "mean pairwise gradient cosine"),
         ("cos_to_others_min", "lowest rank's cosine to the others"),
+        ("rank_test_max", "per-sample rank test: largest |Z|"),
+        ("late_share", "latest rank at the step's start: share of a step"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(11, 6.5))
+    fig, axes = plt.subplots(2, 4, figsize=(14, 6.5))
     names = list(rows)
     colors = ["tab:green" if not rows[n]["alerts"] else "tab:red" for n in names]
     for ax, (key, title) in zip(axes.flat, panels, strict=True):
@@ -428,6 +462,7 @@ def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
         return 2
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
+    plot(rows, args.replay / "replayed.png")
     print(
         f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}{notes_table(rows)}"
     )

@@ -183,7 +183,7 @@ class Alerts:
         10, "slow_rank: measured steps it looks back on (persist_frac of them the same rank)", at_least=2
     )
     slow_margin: float = opt(
-        0.05, "slow_rank: the rank's lateness at the step start, as a share of the step time", above=0.0
+        0.1, "slow_rank: the rank's lateness at the step start, as a share of the step time", above=0.0
     )
     advice_ratio: float = opt(
         4.0,

@@ -73,7 +73,7 @@ class Arrival:
         return [load, wait, self._step_s]
 
 
-def _late(q) -> tuple[int, float, float, float, float] | None:
+def lateness(q: Point) -> tuple[int, float, float, float, float] | None:
     """A point's latest rank: (rank, how much later than the others' median wait, that as a share
     of the step time, its data loading time, the others' median one), or None without the times."""
     waits = [(w, r) for r, w in enumerate(q.rank_wait or []) if w is not None]
@@ -93,19 +93,18 @@ def slow_rank(
     """One rank reaches the step's start last, persistently and by a margin (module doc), in
     `recent`, the last slow_window measured steps from the first (timing needs no burn-in: a slow
     host is slow from its first step). The figures are the medians over the steps it was last."""
-    c = cfg
     world = len(recent[-1].rank_wait or [])
-    lates = [x for x in (_late(q) for q in recent[-c.slow_window :]) if x is not None]
-    if len(lates) < c.slow_window:
+    lates = [x for x in (lateness(q) for q in recent[-cfg.slow_window :]) if x is not None]
+    if len(lates) < cfg.slow_window:
         return None
     counts = [sum(x[0] == r for x in lates) for r in range(world)]
     top = max(range(world), key=counts.__getitem__)
-    if counts[top] < c.persist_frac * len(lates) or explained(None, top):
+    if counts[top] < cfg.persist_frac * len(lates) or explained(None, top):
         return None
     later, share, own, rest = (
         statistics.median(col) for col in list(zip(*(x for x in lates if x[0] == top), strict=True))[1:]
     )
-    if share < c.slow_margin:
+    if share < cfg.slow_margin:
         return None
     msg = (
         f"rank {top} reached the start of the step last in {counts[top]} of the last {len(lates)} measured "

@@ -118,13 +118,10 @@ class Window:
     def pts(self) -> list[Point]:
         return [*self.past, self.p][-self.cfg.window :]
 
-    def persistent(
-        self, rank_attr: str, value_attr: str, pts: list[Point] | None = None
-    ) -> tuple[int, int, float] | None:
-        """The rank named by `rank_attr` most often in `pts` (the window), if in at least
-        persist_frac of it and not explained by a data check: (rank, how often, mean `value_attr`
-        over those steps)."""
-        pts = self.pts if pts is None else pts
+    def persistent(self, rank_attr: str, value_attr: str) -> tuple[int, int, float] | None:
+        """The rank named by `rank_attr` most often in the window, if in at least persist_frac of
+        it and not explained by a data check: (rank, how often, mean `value_attr` over those steps)."""
+        pts = self.pts
         counts = [sum(getattr(q, rank_attr) == r for q in pts) for r in range(self.world)]
         top = max(range(self.world), key=counts.__getitem__)
         if counts[top] < self.cfg.persist_frac * len(pts) or self.explained(None, top):
