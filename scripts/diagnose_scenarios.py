@@ -25,7 +25,9 @@ raised to 2 x dp where the config's is smaller: the per-sample rank test needs 2
 that the rules comparing a rank with its own history need. Then a table, scenario x (global loss and its step-to-step
 jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise cosine, lowest per-rank
 cosine to the other ranks' sum and which rank, the rank with the highest loss, alerts), averaged over the
-measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png).
+measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png),
+and each run's gradient noise scale over its batch, step by step, with the batch-size advice
+(noise_scale.png).
 Overrides apply to every scenario (e.g. --diagnostics.on_alert stop: a run ends at its first
 alert, which the table shows).
 
@@ -33,7 +35,7 @@ A second table, detection: per fault, the alert that names it (and the rank(s) a
 step it started, the step that alert first fired and the steps in between; every other alert is
 listed as other (in a healthy scenario, a false alarm).
 
---replay DIR: no training; the tables again (and replayed.json, replayed.png) from DIR's run
+--replay DIR: no training; the tables again (and replayed.json, replayed.png, noise_scale.png) from DIR's run
 folders, with the alerts that today's rules (and the --alerts overrides given) raise on each
 run's recorded diagnostics.jsonl:
 how thresholds are tuned on a long run recorded once. replica_drift is kept from events.jsonl
@@ -357,6 +359,34 @@ def plot(rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_noise_scale(out: Path, rows: dict[str, dict], path: Path) -> None:
+    """Each run's gradient noise scale over its batch, measured step by measured step, with the
+    band the batch-size advisor leaves alone and the steps it advised at."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from titanlite.config.job_config import Alerts
+
+    r = Alerts().advice_ratio
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in rows:
+        recs = [d for d in _read(out / name, "diagnostics.jsonl") if (d.get("noise_to_batch") or 0) > 0]
+        line = ax.plot([d["step"] for d in recs], [d["noise_to_batch"] for d in recs], lw=0.8, label=name)
+        for n in rows[name]["notes"]:
+            ax.plot(n["step"], n["noise_scale_tokens"] / n["batch_tokens"], "o", color=line[0].get_color())
+    ax.axhspan(1 / r, r, color="tab:gray", alpha=0.15, label=f"no advice (1/{r:g} to {r:g})")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("B_simple / global batch, in tokens")
+    ax.set_title("gradient noise scale over the batch (dots: batch_size_advice)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=4)
@@ -430,10 +460,13 @@ def main() -> int:
     rows = {name: summarize(args.out / name, status[name]["stopped"], want[name]) for name in args.scenarios}
     (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.out / "scenarios.png")
+    plot_noise_scale(args.out, rows, args.out / "noise_scale.png")
     head = f"dp={args.dp}, {args.steps} steps (faults from step {args.onset}), averages over measured steps > {SKIP}"
     print(f"{head}\n{table(rows)}")
     print(f"\ndetection\n{detection_table(rows)}{notes_table(rows)}")
-    print(f"\nwritten: {args.out}/{{scenarios.json,scenarios.png}} and a run folder per scenario")
+    print(
+        f"\nwritten: {args.out}/{{scenarios.json,scenarios.png,noise_scale.png}} and a run folder per scenario"
+    )
     return 0
 
 
@@ -463,6 +496,7 @@ def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
         return 2
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.replay / "replayed.png")
+    plot_noise_scale(args.replay, rows, args.replay / "noise_scale.png")
     print(
         f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}{notes_table(rows)}"
     )

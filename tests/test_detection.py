@@ -93,6 +93,38 @@ def test_the_null_is_calibrated(world, per_rank):
     assert 0.5 * alpha < rate < 1.5 * alpha, rate
 
 
+def _u_null(n, m):
+    """The exact null distribution of the Mann-Whitney U of n values against m (no ties): the
+    number of orderings with each U, by the recursion on the largest value, over C(n + m, n)."""
+    counts = {(0, j): [1] for j in range(m + 1)} | {(i, 0): [1] for i in range(n + 1)}
+    for i in range(1, n + 1):
+        for j in range(1, m + 1):
+            top = [0] * j + counts[(i - 1, j)]  # the largest value is one of the i: it beats all j
+            rest = counts[(i, j - 1)]  # or one of the j: it beats none
+            counts[(i, j)] = [a + (rest[u] if u < len(rest) else 0) for u, a in enumerate(top)]
+    return [c / math.comb(n + m, n) for c in counts[(n, m)]]
+
+
+@pytest.mark.parametrize("world,per_rank", [(2, 4), (4, 2), (8, 2), (2, 8)])
+def test_the_default_threshold_keeps_its_false_alarm_rate_exactly(world, per_rank):
+    """At the default alpha the rate is far too small to measure by sampling, so compute it: the
+    exact tail of the window's Stouffer sum (the per-step null of U convolved over the window),
+    per rank tested, summed over ranks, is at most alpha and not needlessly below it (the layouts
+    of the healthy recordings: 4.3e-6 at dp=2, 2.0e-6 at dp=4, 1.7e-6 at dp=8)."""
+    cfg = Alerts()
+    n, rest = per_rank, per_rank * (world - 1)
+    step = _u_null(n, rest)
+    window = [1.0]
+    for _ in range(cfg.rank_test_window):
+        window = [sum(window[k] * step[u - k] for k in range(len(window)) if 0 <= u - k < len(step))
+                  for u in range(len(window) + len(step) - 1)]  # fmt: skip
+    mean, sd = n * rest / 2, math.sqrt(n * rest * (n + rest + 1) / 12)
+    z_star, k = threshold(cfg.rank_test_alpha, world), cfg.rank_test_window
+    tail = sum(p for u, p in enumerate(window) if abs(u - k * mean) / (sd * math.sqrt(k)) > z_star)
+    rate = tail * (1 if world == 2 else world)
+    assert cfg.rank_test_alpha / 10 < rate <= cfg.rank_test_alpha, rate
+
+
 def test_a_layout_that_cannot_reach_the_threshold_is_known():
     # one sequence per rank at dp=8: a perfect outlier reaches z = 1.53 per step, 4.83 over 10 < 4.85
     assert max_step_score(1, 8) * math.sqrt(10) < threshold(1e-5, 8)
@@ -215,6 +247,23 @@ def test_the_batch_size_advice_is_a_note_for_the_next_run():
         and "global_batch_size 4 " in small[0].message
     )
     assert run(stream(4, 2, fault=_noise_scale(2.0)), 4) == []  # within advice_ratio: nothing to say
+
+
+def test_the_advice_is_renewed_when_the_noise_scale_moves_a_further_fold():
+    """B_simple grows over a long run: a ratio 4x beyond the one last advised on is advised again
+    (with the earlier figure); one within that fold is not."""
+    cfg = Alerts(advice_steps=10)
+
+    def growing(by):
+        def fault(t, rec):
+            return _noise_scale(10.0 if t < 30 else 10.0 * by)(t, rec)
+
+        return fault
+
+    notes = run(stream(4, 2, fault=growing(5)), 4, cfg)
+    assert [n.step for n in notes] == [10, 39], notes
+    assert "(advised at 10x before)" in notes[1].message and "global_batch_size 400" in notes[1].message
+    assert [n.step for n in run(stream(4, 2, fault=growing(2)), 4, cfg)] == [10]
 
 
 def test_ongoing_faults_start_at_fault_from_step():

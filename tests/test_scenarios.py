@@ -101,6 +101,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
         assert _alerts(rows[name]) == [("data_order_mismatch", ranks)] and rows[name]["steps"] == 1, name
     assert all(r["other_alerts"] == [] for n, r in rows.items() if n != "corrupt_labels"), rows
     assert "detection" in proc.stdout and (tmp_path / "scenarios.png").stat().st_size > 10_000
+    assert (tmp_path / "noise_scale.png").stat().st_size > 10_000
 
     # The rules replayed over the recorded steps raise what the runs raised.
     replayed = subprocess.run(

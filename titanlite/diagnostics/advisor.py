@@ -7,7 +7,8 @@ below it a step's gradient is mostly noise: doubling the batch nearly halves the
 given loss, for about the same tokens. Well above it the extra batch buys little: the same loss
 costs more tokens. B_simple moves as training goes (it grows as the loss falls), so the advice
 is given only when the ratio stays past `advice_ratio` either way for `advice_steps` measured
-steps, once per excursion. The batch is part of the run's identity (a resumed run keeps it),
+steps, and again only when it has moved a further `advice_ratio`-fold the same way (the noise
+scale keeps growing over a long run, and the batch it asks for with it). The batch is part of the run's identity (a resumed run keeps it),
 so the advice is for the next run, with the flag that would set it.
 """
 
@@ -28,14 +29,14 @@ class BatchAdvisor:
         self.cfg = cfg
         self.unit = max(1, unit)
         self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)  # B_simple / batch tokens
-        self.advised = 0  # the side last advised on: +1 batch below B_simple, -1 above, 0 none
+        self.advised = 0.0  # the ratio last advised on (0: none since the ratio was in the band)
 
     def state_dict(self) -> dict:
-        return {"ratios": list(self.ratios), "advised": self.advised}
+        return {"ratios": list(self.ratios), "advised_ratio": self.advised}
 
     def load_state_dict(self, state: dict) -> None:
         self.ratios.extend(state.get("ratios", []))
-        self.advised = state.get("advised", 0)
+        self.advised = state.get("advised_ratio", 0.0)
 
     def update(self, rec: dict) -> Finding | None:
         """A measured-step record (component.Diagnostics.collect: noise_scale_tokens,
@@ -53,13 +54,16 @@ class BatchAdvisor:
         r = self.cfg.advice_ratio
         side = 1 if self.ratios[-1] >= r else -1 if self.ratios[-1] <= 1 / r else 0
         if side == 0:
-            self.advised = 0  # back in the band: a later excursion is advised again
+            self.advised = 0.0  # back in the band: a later excursion is advised again
             return None
-        past = all(x >= r for x in self.ratios) if side > 0 else all(x <= 1 / r for x in self.ratios)
-        if side == self.advised or len(self.ratios) < self.cfg.advice_steps or not past:
+        edge = r if side > 0 else 1 / r
+        if self.advised and (self.advised > 1) == (side > 0):  # advised on this side: a further fold
+            edge = self.advised * r if side > 0 else self.advised / r
+        past = all(x >= edge for x in self.ratios) if side > 0 else all(x <= edge for x in self.ratios)
+        if len(self.ratios) < self.cfg.advice_steps or not past:
             return None
-        self.advised = side
-        ratio = statistics.median(self.ratios)
+        before, ratio = self.advised, statistics.median(self.ratios)
+        self.advised = ratio
         per_seq = tokens / sequences
         suggest = max(self.unit, round(ratio * sequences / self.unit) * self.unit)
         flag = f"--training.global_batch_size {suggest}"
@@ -69,13 +73,13 @@ class BatchAdvisor:
         )
         if side > 0:
             msg = head + (
-                f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens: its steps are dominated by gradient noise, "
+                f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens{_since(before)}: its steps are dominated by gradient noise, "
                 "so a larger batch would reach a given loss in nearly proportionally fewer steps for about the "
                 f"same tokens, up to about that size ({suggest} sequences of ~{per_seq:,.0f} tokens)"
             )
         else:
             msg = head + (
-                f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens: past the noise scale extra batch "
+                f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens{_since(before)}: past the noise scale extra batch "
                 "buys little, so each step spends more tokens than its gradient needs, and a smaller batch would "
                 f"reach a given loss with fewer tokens (in more steps): about {suggest} sequences"
             )
@@ -86,3 +90,12 @@ class BatchAdvisor:
             "suggested_global_batch": suggest,
         }
         return Finding("batch_size_advice", [], msg, values)
+
+
+def _since(before: float) -> str:
+    """The ratio of an earlier advice in this excursion, as the message says it."""
+    if not before:
+        return ""
+    return (
+        f" (advised at {before:.0f}x before)" if before >= 1 else f" (advised at 1/{1 / before:.0f} before)"
+    )
