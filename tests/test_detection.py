@@ -8,6 +8,7 @@ import itertools
 import math
 import random
 import re
+import statistics
 
 import pytest
 
@@ -39,6 +40,7 @@ def stream(world, per_rank, seed=0, fault=None):
             "rank_samples": samples,
             "data_order": [7 + t] * world,
             "rank_grad_norm": [1.0 / (1 + t / 20) * (1 + rng.gauss(0, 0.1)) for _ in range(world)],
+            "cos_matrix": [[1.0 if i == j else 0.1 for j in range(world)] for i in range(world)],
             "rank_wait_s": [abs(rng.gauss(0.01, 0.01)) for _ in range(world)],
             "rank_load_s": [0.002] * world,
             "step_s": step_s,
@@ -189,6 +191,36 @@ def test_a_noisy_gradient_is_named_against_the_ranks_own_history(world):
     # all ranks' norms rising together (a learning-rate change) is the trend, not a fault
     together = run(stream(world, 2, fault=lambda t, rec: {**rec, "rank_grad_norm": [10 * x for x in rec["rank_grad_norm"]]} if t >= ONSET else rec), world)  # fmt: skip
     assert together == []
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_rank_handed_few_tokens_is_not_called_noisy(world):
+    """SFT: a rank whose steps hold few valid tokens has a larger token-mean gradient by chance
+    alone (the noise scales as 1/sqrt(tokens)); its noise per token is what it always was. Two
+    such steps in a row put the median of a rank's last 3 norms at 4x its history."""
+    rng = random.Random(world)
+    signal, trace = 0.05, 100.0  # |G|^2 and tr(Sigma) per token: noise-dominated, as in the recordings
+    short = {ONSET, ONSET + 1, ONSET + 20, ONSET + 21}
+
+    def records():
+        for t in range(1, STEPS + 1):
+            tokens = [rng.randint(150, 350) for _ in range(world)]
+            if t in short:
+                tokens[1] = rng.randint(8, 20)  # short answers
+            norms = [math.sqrt(signal + trace / n) * (1 + rng.gauss(0, 0.05)) for n in tokens]
+            cos = [
+                [1.0 if i == j else signal / (norms[i] * norms[j]) for j in range(world)]
+                for i in range(world)
+            ]
+            losses = [5.0 + rng.gauss(0, 0.3) for _ in range(world)]
+            yield {"step": t, "rank_tokens": tokens, "rank_loss": losses, "loss_std": statistics.pstdev(losses),
+                   "rank_grad_norm": norms, "cos_matrix": cos}  # fmt: skip
+
+    recs = list(records())
+    assert recs[ONSET]["rank_grad_norm"][1] > 3 * recs[ONSET - 2]["rank_grad_norm"][1]  # the raw norm
+    assert [a for a in run(recs, world) if a.name == "faulty_worker"] == []
+    noisy = _noisy(1)  # the same steps with real noise on rank 1 are named
+    assert named(run([noisy(r["step"], r) for r in records()], world), "faulty_worker")[0][1] == [1]
 
 
 def test_at_dp2_norms_apart_from_the_start_name_both_ranks():

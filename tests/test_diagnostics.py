@@ -10,7 +10,7 @@ import torch
 from helpers import BF16_GRAD_TOL, run_per_world
 
 from titanlite.diagnostics.sketch import CountSketch
-from titanlite.diagnostics.stats import NoiseScale, step_metrics
+from titanlite.diagnostics.stats import NoiseScale, rank_noise, step_metrics
 
 WORLDS = (2, 4)
 
@@ -171,6 +171,32 @@ def test_noise_scale_recovers_a_known_value():
         glob = sum(g * n for g, n in zip(grads, tokens, strict=True)) / total
         est.update([g.square().sum().item() for g in grads], tokens, glob.square().sum().item())
     assert abs(est.value - true_b) / true_b < 0.10, (est.value, true_b)
+
+
+def test_rank_noise_takes_the_token_count_out():
+    """Each rank's estimate from the step's record (norms, tokens, cosines, as step_metrics gives
+    them) recovers sqrt(tr(Sigma)) on average whatever its token count, where its norm does not."""
+    gen = torch.Generator().manual_seed(1)
+    dim, sigma, world = 4000, 0.5, 4
+    true_g = torch.randn(dim, generator=gen, dtype=torch.float64) * 0.01
+    tokens = [20.0, 200.0, 500.0, 2000.0]  # rank 0: short SFT answers
+    sums, norms_0, norms_3 = [0.0] * world, 0.0, 0.0
+    for _ in range(200):
+        grads = [
+            true_g + torch.randn(dim, generator=gen, dtype=torch.float64) * sigma / math.sqrt(n)
+            for n in tokens
+        ]
+        total = sum(tokens)
+        h = [g * n / total for g, n in zip(grads, tokens, strict=True)]  # what each rank contributes
+        gram = [[float(a @ b) for b in h] for a in h]
+        m = step_metrics([1.0] * world, tokens, [gram[r][r] for r in range(world)], gram)
+        est = rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"])
+        sums = [s + e**2 / 200 for s, e in zip(sums, est, strict=True)]
+        norms_0, norms_3 = norms_0 + m["rank_grad_norm"][0] / 200, norms_3 + m["rank_grad_norm"][3] / 200
+    trace = dim * sigma**2
+    assert all(abs(s - trace) / trace < 0.05 for s in sums), (sums, trace)
+    assert norms_0 > 5 * norms_3  # the norms alone: 10x apart
+    assert rank_noise([1.0, None], [10, 0], [[1.0, None], [None, None]]) == [None, None]  # one live rank
 
 
 def test_step_metrics_leave_out_empty_ranks():

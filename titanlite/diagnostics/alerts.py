@@ -137,7 +137,7 @@ class AlertMonitor:
         points = [Point(**p) for p in state["history"]]
         for p in points:
             if p.rank_loss is not None and len(p.rank_loss) != world:
-                p.rank_loss = p.rank_norm = p.rank_wait = p.rank_load = None
+                p.rank_loss = p.rank_norm = p.rank_noise = p.rank_wait = p.rank_load = None
         self.history = deque(points, maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state.get("trend", [])), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]

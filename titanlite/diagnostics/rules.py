@@ -135,34 +135,47 @@ def faulty_worker_norm(w: Window) -> Finding | None:
     return Finding("faulty_worker", [big], msg, {"share": n / len(w.pts)})
 
 
-def _norm_rises(w: Window) -> list[float | None]:
-    """Per rank: log of its gradient norm's median over the last own_recent measured steps over
-    its median over the window's steps before them (None without both)."""
+def _noise_rises(w: Window) -> list[float | None]:
+    """Per rank: log of its gradient noise per token (stats.rank_noise: its norm with its token
+    count taken out) over the last own_recent measured steps, over its median over the window's
+    steps before them (None without both; an estimate of 0 counts as a fall far below any limit)."""
     pts, k = w.pts, w.cfg.own_recent
-    if len(pts) <= k or any(q.rank_norm is None for q in pts):
+    if len(pts) <= k or any(q.rank_noise is None for q in pts):
         return [None] * w.world
     rises = []
     for r in range(w.world):
-        now = [q.rank_norm[r] for q in pts[-k:] if q.rank_norm[r]]
-        before = [q.rank_norm[r] for q in pts[:-k] if q.rank_norm[r]]
-        rises.append(math.log(statistics.median(now) / statistics.median(before)) if now and before else None)
+        now = [q.rank_noise[r] for q in pts[-k:] if q.rank_noise[r] is not None]
+        before = [q.rank_noise[r] for q in pts[:-k] if q.rank_noise[r] is not None]
+        if not now or not before or statistics.median(before) <= 0:
+            rises.append(None)
+            continue
+        ratio = statistics.median(now) / statistics.median(before)
+        rises.append(math.log(ratio) if ratio > 0 else -math.inf)
     return rises
 
 
 def faulty_worker_norm_rise(w: Window) -> Finding | None:
-    """One rank's gradient norm rises to a multiple of its own history while the others' do not
-    (what moves every rank, a learning-rate change say, is the trend). Needs no third rank: at
-    dp = 2 a comparison across ranks cannot say which of two is off, a rank's own history can."""
-    rises, limit = _norm_rises(w), math.log(w.cfg.norm_outlier_factor)
+    """One rank's gradient noise rises to a multiple of its own history while the others' does
+    not (what moves every rank, a learning-rate change say, is the trend). Needs no third rank:
+    at dp = 2 a comparison across ranks cannot say which of two is off, a rank's own history can.
+    The noise per token, not the norm: a rank's token-mean gradient from few valid tokens (an SFT
+    step that handed it short answers) is larger by chance alone, by sqrt(tokens) in the noise."""
+    rises, limit = _noise_rises(w), math.log(w.cfg.norm_outlier_factor)
     for r in sorted((r for r, x in enumerate(rises) if x is not None), key=lambda r: -rises[r]):
         others = [x for j, x in enumerate(rises) if j != r and x is not None]
         if rises[r] < limit or not others or w.explained(None, r):
             continue
         trend = statistics.median(others)
         if rises[r] - trend >= limit:
+            # the others' estimate subtracts the step's gradient, which this rank's noise now fills
+            theirs = (
+                f"{math.exp(trend):.2f}x" if trend > -math.inf else "~0 (its noise fills the step's gradient)"
+            )
+            others_are = "the other rank's" if w.world == 2 else "the other ranks'"
             msg = (
-                f"rank {r}'s gradient norm rose to {math.exp(rises[r]):.1f}x its own median of the "
-                f"{len(w.pts) - w.cfg.own_recent} measured steps before, the other ranks' {math.exp(trend):.2f}x"
+                f"rank {r}'s gradient noise per token (its gradient norm with its token count taken out) rose to "
+                f"{math.exp(rises[r]):.1f}x its own median of the {len(w.pts) - w.cfg.own_recent} measured steps "
+                f"before, {others_are} {theirs}"
             )
             return Finding("faulty_worker", [r], msg, {"rise": math.exp(rises[r]), "trend": math.exp(trend)})
     return None

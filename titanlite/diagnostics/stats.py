@@ -116,6 +116,26 @@ def step_metrics(
     return m
 
 
+def rank_noise(norms: list, tokens: list, cos: list) -> list[float | None]:
+    r"""Each rank's gradient noise per token, sqrt(tr(\Sigma)) estimated from its own gradient:
+    its norm with its token count taken out, so that a rank handed few valid tokens (SFT) does not
+    look noisy. With E||g_r||^2 = |G|^2 + tr(\Sigma)/n_r and E||G_N||^2 = |G|^2 + tr(\Sigma)/N
+    (NoiseScale's model), tr(\Sigma) = (||g_r||^2 - ||G_N||^2) / (1/n_r - 1/N), where
+    ||G_N||^2 = ||\sum_r h_r||^2 = \sum_ij cos_ij ||g_i|| ||g_j|| n_i n_j / N^2. An estimate below
+    0 (chance, or another rank's noise filling G_N) reads 0; None for a rank without tokens, and
+    for all when fewer than 2 ranks have them or a cosine is missing."""
+    live = [r for r, n in enumerate(tokens) if n > 0 and norms[r] is not None]
+    total = sum(tokens[r] for r in live)
+    if len(live) < 2 or any(cos[i][j] is None for i in live for j in live):
+        return [None] * len(tokens)
+    weighted = {r: norms[r] * tokens[r] / total for r in live}  # ||h_r||
+    global_sq = sum(cos[i][j] * weighted[i] * weighted[j] for i in live for j in live)
+    out: list[float | None] = [None] * len(tokens)
+    for r in live:
+        out[r] = math.sqrt(max(norms[r] ** 2 - global_sq, 0.0) / (1 / tokens[r] - 1 / total))
+    return out
+
+
 @dataclass
 class NoiseScale:
     r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 ("An Empirical Model of

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics.stats import rank_noise
 
 # The rules that single a rank out by comparing it with the others at one step, or judge the
 # loss spread, need 3+ live ranks: of two, one is always the higher, and the std is one
@@ -33,6 +34,7 @@ class Point:
     # Per rank (None where a rank had no valid token, or a run recorded before they were kept):
     rank_loss: list | None = None  # token-mean loss
     rank_norm: list | None = None  # norm of its own token-mean gradient
+    rank_noise: list | None = None  # its gradient noise per token (stats.rank_noise)
     rank_wait: list | None = None  # seconds waited at the step's start barrier (stragglers.py)
     rank_load: list | None = None  # seconds its data loading took
     step_s: float | None = None  # the ranks' median step time (host clock), seconds
@@ -83,6 +85,7 @@ def point(rec: dict) -> Point | None:
         big_ratio,
         rank_loss=list(losses),
         rank_norm=list(norms) if norms else None,
+        rank_noise=rank_noise(norms, tokens, cos) if norms and cos else None,
         rank_wait=rec.get("rank_wait_s"),
         rank_load=rec.get("rank_load_s"),
         step_s=rec.get("step_s"),
