@@ -298,6 +298,19 @@ def test_the_advice_is_renewed_when_the_noise_scale_moves_a_further_fold():
     assert [n.step for n in run(stream(4, 2, fault=growing(2)), 4, cfg)] == [10]
 
 
+def test_an_sft_batch_is_judged_by_its_mean_tokens():
+    """SFT batches hold 250 or 2,500 valid tokens by turns: B_simple of 6,000 tokens is 2.4x or
+    24x a step's batch, 4.4x their mean. One note, about the mean batch."""
+
+    def varying(t, rec):
+        tokens = 250 if t % 2 else 2500
+        rec.update(noise_scale_tokens=6000.0, batch_tokens=tokens, batch_sequences=8)
+        return rec
+
+    (note,) = run(stream(4, 2, fault=varying), 4)
+    assert "batch of 1,375 tokens" in note.message, note.message
+
+
 def test_ongoing_faults_start_at_fault_from_step():
     import time
 

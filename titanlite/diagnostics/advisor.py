@@ -6,10 +6,11 @@ noise scale B_noise, estimated by B_simple (stats.NoiseScale, in tokens, EMA-smo
 below it a step's gradient is mostly noise: doubling the batch nearly halves the steps to a
 given loss, for about the same tokens. Well above it the extra batch buys little: the same loss
 costs more tokens. B_simple moves as training goes (it grows as the loss falls), so the advice
-is given only when the ratio stays past `advice_ratio` either way for `advice_steps` measured
-steps, and again only when it has moved a further `advice_ratio`-fold the same way (the noise
-scale keeps growing over a long run, and the batch it asks for with it). The batch is part of the run's identity (a resumed run keeps it),
-so the advice is for the next run, with the flag that would set it.
+is given only when the ratio (to the batch's mean tokens over those steps: an SFT batch's vary
+by step) stays past `advice_ratio` either way for `advice_steps` measured steps, and again only
+when it has moved a further `advice_ratio`-fold the same way (the noise scale keeps growing over
+a long run, and the batch it asks for with it). The batch is part of the run's identity (a
+resumed run keeps it), so the advice is for the next run, with the flag that would set it.
 """
 
 from __future__ import annotations
@@ -28,14 +29,17 @@ class BatchAdvisor:
     def __init__(self, cfg: AlertsConfig, unit: int) -> None:
         self.cfg = cfg
         self.unit = max(1, unit)
-        self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)  # B_simple / batch tokens
+        # B_simple over the batch's mean tokens in the window: an SFT batch's tokens vary by step
+        self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)
+        self.tokens: deque[float] = deque(maxlen=cfg.advice_steps)  # the batch's tokens per step
         self.advised = 0.0  # the ratio last advised on (0: none since the ratio was in the band)
 
     def state_dict(self) -> dict:
-        return {"ratios": list(self.ratios), "advised_ratio": self.advised}
+        return {"ratios": list(self.ratios), "tokens": list(self.tokens), "advised_ratio": self.advised}
 
     def load_state_dict(self, state: dict) -> None:
         self.ratios.extend(state.get("ratios", []))
+        self.tokens.extend(state.get("tokens", []))
         self.advised = state.get("advised_ratio", 0.0)
 
     def update(self, rec: dict) -> Finding | None:
@@ -50,9 +54,11 @@ class BatchAdvisor:
         # the estimate says nothing about the batch
         if noise is None or noise <= 0 or not tokens or not sequences:
             return None
+        self.tokens.append(tokens)
+        tokens = statistics.fmean(self.tokens)
         self.ratios.append(noise / tokens)
-        r = self.cfg.advice_ratio
-        side = 1 if self.ratios[-1] >= r else -1 if self.ratios[-1] <= 1 / r else 0
+        r, typical = self.cfg.advice_ratio, statistics.median(self.ratios)
+        side = 1 if typical >= r else -1 if typical <= 1 / r else 0
         if side == 0:
             self.advised = 0.0  # back in the band: a later excursion is advised again
             return None
