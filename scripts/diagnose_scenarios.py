@@ -22,12 +22,14 @@ One torchrun at --dp ranks runs them one after another in one process group (a r
 under --out), every step measured, at least 2 sequences per rank per step (the global batch is
 raised to 2 x dp where the config's is smaller: the per-sample rank test needs 2 at dp=8).
 --onset (default: half the steps) is when the ongoing faults start, after a healthy stretch
-that the rules comparing a rank with its own history need. Then a table, scenario x (global loss and its step-to-step
-jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise cosine, lowest per-rank
-cosine to the other ranks' sum and which rank, the rank with the highest loss, alerts), averaged over the
-measured steps after the first 5; written with a plot to --out (scenarios.json, scenarios.png),
-and each run's gradient noise scale over its batch, step by step, with the batch-size advice
-(noise_scale.png).
+that the rules comparing a rank with its own history need. Then a table, scenario x (global loss
+and its step-to-step jitter, loss dispersion, token dispersion, grad-norm CV, mean pairwise
+cosine, lowest per-rank cosine to the other ranks' sum and which rank, the per-sample rank test's
+largest |Z|, the latest rank's lateness, the rank with the highest loss, alerts), averaged over
+the measured steps after the first 5; written with a plot to --out (scenarios.json, which also
+holds the largest rise of a rank's gradient noise over its own history and the others',
+noise_rise_max; scenarios.png), and each run's gradient noise scale over its batch, step by step,
+with the batch-size advice (noise_scale.png).
 Overrides apply to every scenario (e.g. --diagnostics.on_alert stop: a run ends at its first
 alert, which the table shows).
 
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -222,6 +225,28 @@ def _rank_test_max(records: list[dict]) -> float | None:
     return best
 
 
+def _noise_rise_max(records: list[dict]) -> float | None:
+    """The largest rise of a rank's gradient noise per token over its own history and over the
+    other ranks' (faulty_worker's own-history rule, titanlite/diagnostics/rules.py), as a factor."""
+    from titanlite.config.job_config import Alerts
+    from titanlite.diagnostics.rules import noise_rises
+    from titanlite.diagnostics.window import Window, point
+
+    cfg, pts, best = Alerts(), [], None
+    for rec in records:
+        p = point(rec)
+        pts = [*pts, p][-cfg.window :] if p else pts
+        if len(pts) < cfg.window:
+            continue
+        rises = noise_rises(Window(cfg, pts[-1], pts[:-1], [], 0, len(rec["rank_loss"]), lambda *_: False))
+        for r, x in enumerate(rises):
+            others = [y for j, y in enumerate(rises) if j != r and y is not None]
+            if x is not None and others:
+                rise = min(x, x - statistics.median(others))
+                best = rise if best is None or rise > best else best
+    return math.exp(best) if best is not None else None
+
+
 def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] | None = None) -> dict:
     """One scenario's row from its run folder; `alerts`: replayed ones instead of events.jsonl's."""
     metrics = _read(run_dir, "metrics.jsonl")
@@ -237,7 +262,8 @@ def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] 
     max_rank, max_share = _most([d.get("loss_max_rank") for d in diag])
     return {
         "late_share": _mean([_late_share(d) for d in diag]),
-        "rank_test_max": _rank_test_max(_read(run_dir, "diagnostics.jsonl")),
+        "rank_test_max": _rank_test_max(records := _read(run_dir, "diagnostics.jsonl")),
+        "noise_rise_max": _noise_rise_max(records),
         "steps": metrics[-1]["step"],
         "stopped": stopped,
         "loss_final": losses[-1],

@@ -135,7 +135,7 @@ def faulty_worker_norm(w: Window) -> Finding | None:
     return Finding("faulty_worker", [big], msg, {"share": n / len(w.pts)})
 
 
-def _noise_rises(w: Window) -> list[float | None]:
+def noise_rises(w: Window) -> list[float | None]:
     """Per rank: log of its gradient noise per token (stats.rank_noise: its norm with its token
     count taken out) over the last own_recent measured steps, over its median over the window's
     steps before them (None without both; an estimate of 0 counts as a fall far below any limit)."""
@@ -160,7 +160,7 @@ def faulty_worker_norm_rise(w: Window) -> Finding | None:
     at dp = 2 a comparison across ranks cannot say which of two is off, a rank's own history can.
     The noise per token, not the norm: a rank's token-mean gradient from few valid tokens (an SFT
     step that handed it short answers) is larger by chance alone, by sqrt(tokens) in the noise."""
-    rises, limit = _noise_rises(w), math.log(w.cfg.norm_outlier_factor)
+    rises, limit = noise_rises(w), math.log(w.cfg.norm_outlier_factor)
     for r in sorted((r for r, x in enumerate(rises) if x is not None), key=lambda r: -rises[r]):
         others = [x for j, x in enumerate(rises) if j != r and x is not None]
         if rises[r] < limit or not others or w.explained(None, r):
