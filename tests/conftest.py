@@ -3,6 +3,24 @@ import os
 import pytest
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--catalogue",
+        action="store_true",
+        help="also run the fault catalogue's long cases (tests/test_catalogue.py; minutes each)",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The catalogue's long cases are deselected (not skipped) unless --catalogue asks for them."""
+    if config.getoption("--catalogue"):
+        return
+    kept = [item for item in items if item.get_closest_marker("catalogue") is None]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shared_cache(tmp_path_factory):
     """One tokenizer/data cache for the whole session (subprocesses inherit it)."""
