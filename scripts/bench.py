@@ -50,7 +50,6 @@ Also the probe hook's own cost, timed directly: all the default diagnostics sche
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -67,6 +66,12 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.config import parse_args  # noqa: E402
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
 OFF = ["--diagnostics.enable", "false"]
 EVERY = ["--diagnostics.warmup_steps", "1000000"]
 CONFIGS = {
@@ -154,7 +159,7 @@ class PlainStep:
             t.optimizer.zero_grad(set_to_none=True)
 
 
-def build(name: str, args: argparse.Namespace, dump: str):
+def build(name: str, args, dump: str):
     """A trainer (or the baseline's step) for one configuration."""
     from unittest import mock
 
@@ -166,7 +171,7 @@ def build(name: str, args: argparse.Namespace, dump: str):
     cfg, _ = parse_args(
         [
             "--config",
-            str(REPO / args.config),
+            str(args.config),
             "--training.global_batch_size",
             str(2 * args.world),
             "--training.local_batch_size",
@@ -330,7 +335,7 @@ def data_stats(obj, steps: range) -> dict:
     }
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
@@ -499,27 +504,40 @@ def _ci(r: dict) -> str:
     return f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    p.add_argument("--quick", action="store_true", help="dp=4, 20 rounds: under 5 minutes on 2 cores")
-    p.add_argument("--dp", type=int, nargs="+", help="dp degrees, one torchrun each (default 4 8)")
-    p.add_argument("--reps", type=int, help="timed rounds (default 30; --quick 20)")
-    p.add_argument("--only", nargs="+", choices=list(GROUPS), help="measure only these groups")
-    p.add_argument("--config", default="train_configs/debug_sft.toml")
-    p.add_argument("--out", default="bench.json")
-    p.add_argument("--worker-out", help=argparse.SUPPRESS)
-    p.add_argument("--world", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--names", nargs="+", help=argparse.SUPPRESS)
-    args, overrides = p.parse_known_args()
-    args.overrides = overrides
+SCRIPT = Script("bench", __doc__, overrides="every configuration's trainer")
+SCRIPT.arg("--quick", kind="switch", help="dp=4, 20 rounds: under 5 minutes on 2 cores")
+SCRIPT.arg(
+    "--dp",
+    kind="int",
+    nargs="+",
+    at_least=1,
+    at_most=MAX_RANKS,
+    help="dp degrees, one torchrun each (default 4 8)",
+)
+SCRIPT.arg("--reps", kind="int", at_least=1, at_most=10**6, help="timed rounds (default 30; --quick 20)")
+SCRIPT.arg("--only", kind="choice", nargs="+", choices=tuple(GROUPS), help="measure only these groups")
+SCRIPT.arg(
+    "--config", kind="file", default="train_configs/debug_sft.toml", help="the config of every configuration"
+)
+SCRIPT.arg("--out", kind="out_file", default="bench.json", help="the report")
+SCRIPT.arg("--worker-out", kind="out_file", internal=True, help="one rank's measurements")
+SCRIPT.arg(
+    "--world", kind="int", at_least=1, at_most=MAX_RANKS, internal=True, help="the worker's world size"
+)
+SCRIPT.arg("--names", kind="text", nargs="+", internal=True, help="the configurations the worker builds")
+
+
+def run(args) -> int:
+    overrides = args.overrides
+    args.config = Path(args.config).absolute()  # the workers run in the repository
     if args.worker_out:
         return worker(args)
     dps = args.dp or ([4] if args.quick else [4, 8])
     reps = args.reps or (20 if args.quick else 30)
     groups = args.only or list(GROUPS)
     names = [n for n in CONFIGS if any(n == GROUPS[g][0] or n in GROUPS[g][1] for g in groups)]
-    _check_config(args.config, overrides)
-    report = {"reps": reps, "config": args.config, "overrides": overrides, "dp": {}}
+    parse_args(["--config", str(args.config), *overrides])  # the config file and overrides, in one line
+    report = {"reps": reps, "config": str(args.config), "overrides": overrides, "dp": {}}
     for dp in dps:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             cmd = [
@@ -536,7 +554,7 @@ def main() -> None:
                 "--reps",
                 str(reps),
                 "--config",
-                args.config,
+                str(args.config),
                 "--names",
                 *names,
                 *overrides,
@@ -544,7 +562,8 @@ def main() -> None:
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
-                sys.exit(f"bench: dp={dp} failed:\n{proc.stderr[-4000:]}")
+                print(proc.stderr[-4000:], file=sys.stderr)
+                raise UserError(f"dp={dp} failed (exit {proc.returncode}); its output is above")
             summary = summarize(json.loads(Path(tmp.name).read_text()))
         report["dp"][str(dp)] = summary
         print(table(dp, summary), flush=True)
@@ -552,17 +571,9 @@ def main() -> None:
     print(f"\nwritten to {args.out}")
 
 
-def _check_config(config: str, overrides: list[str]) -> None:
-    """Bad input fails here in one line, before any worker starts."""
-    sys.path.insert(0, str(REPO))
-    from titanlite.config import parse_args
-    from titanlite.errors import UserError
-
-    try:
-        parse_args(["--config", str(REPO / config), *overrides])
-    except UserError as e:
-        sys.exit(f"bench: error: {e}")
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -18,7 +18,6 @@ It fails (exit 1) if the largest size raises peak training anonymous memory by m
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -36,6 +35,7 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 
 from titanlite.datasets.corpus import stdlib_files  # noqa: E402
 from titanlite.datasets.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
 
 def make_corpus(folder: Path, megabytes: float, file_mb: float = 64) -> Path:
@@ -153,19 +153,38 @@ def train(prepared: Path, runs: Path, name: str, steps: int, env: dict) -> dict:
     return row
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--sizes-mb", type=float, nargs="+", default=[100, 1000], help="corpus sizes (MB of jsonl)"
-    )
-    p.add_argument("--steps", type=int, default=5, help="training steps per size")
-    p.add_argument("--shard-mb", type=float, default=16, help="preparation shard size (MB of input)")
-    p.add_argument(
-        "--max-growth", type=float, default=0.10, help="allowed training memory growth, largest vs smallest"
-    )
-    p.add_argument("--work", help="working folder (default: a temporary one, removed)")
-    p.add_argument("--out", default="bench_data.json")
-    args = p.parse_args()
+SCRIPT = Script("bench_data", __doc__)
+SCRIPT.arg(
+    "--sizes-mb",
+    kind="float",
+    nargs="+",
+    default=[100, 1000],
+    above=0.0,
+    at_most=1 << 20,
+    help="corpus sizes (MB of jsonl)",
+)
+SCRIPT.arg("--steps", kind="int", default=5, at_least=1, at_most=10**6, help="training steps per size")
+SCRIPT.arg(
+    "--shard-mb",
+    kind="float",
+    default=16.0,
+    above=0.0,
+    at_most=1 << 20,
+    help="preparation shard size (MB of input)",
+)
+SCRIPT.arg(
+    "--max-growth",
+    kind="float",
+    default=0.10,
+    at_least=0.0,
+    at_most=100.0,
+    help="allowed training memory growth, largest vs smallest",
+)
+SCRIPT.arg("--work", kind="folder", help="working folder (default: a temporary one, removed)")
+SCRIPT.arg("--out", kind="out_file", default="bench_data.json", help="the report")
+
+
+def run(args) -> int:
     sizes = sorted(args.sizes_mb)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
@@ -223,6 +242,10 @@ def main() -> int:
         print("bench_data: FAIL: training memory grows with the data's size", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

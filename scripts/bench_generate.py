@@ -10,7 +10,6 @@ ratio, and whether the tokens agree (they must). Exit 1 if they do not.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 import sys
@@ -29,6 +28,7 @@ import torch.nn as nn  # noqa: E402
 from titanlite.components.generate import generate  # noqa: E402
 from titanlite.distributed.param_init import ParamInit  # noqa: E402
 from titanlite.models.llama3 import Llama3, llama3_flavors  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
 
 class CacheFree(nn.Module):
@@ -43,15 +43,22 @@ class CacheFree(nn.Module):
         return self.model(tokens)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--flavor", default="debugmodel", choices=sorted(llama3_flavors))
-    p.add_argument("--vocab", type=int, default=2048)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=3)
-    args = p.parse_args(argv)
+SCRIPT = Script("bench_generate", __doc__)
+SCRIPT.arg(
+    "--flavor",
+    kind="choice",
+    choices=tuple(sorted(llama3_flavors)),
+    default="debugmodel",
+    help="llama3 flavor",
+)
+SCRIPT.arg("--vocab", kind="int", default=2048, at_least=2, at_most=1 << 20, help="vocabulary")
+SCRIPT.arg("--prompt-len", kind="int", default=32, at_least=1, at_most=1 << 16, help="tokens per prompt")
+SCRIPT.arg("--new", kind="int", default=64, at_least=1, at_most=1 << 16, help="tokens generated per prompt")
+SCRIPT.arg("--prompts", kind="int", default=2, at_least=1, at_most=1024, help="prompts decoded together")
+SCRIPT.arg("--rounds", kind="int", default=3, at_least=1, at_most=1000, help="alternating rounds timed")
+
+
+def run(args) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     shape = dataclasses.replace(
@@ -79,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{free / cached:.1f}x faster; tokens {'equal' if same else 'DIFFER'}"
     )
     return 0 if same else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ compared (different global batch, seed, data or model; a missing or cut-off metr
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -35,44 +34,54 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.compare import compare, load_run, report  # noqa: E402
 from titanlite.tools.experiments import overview  # noqa: E402
 from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
+SCRIPT = Script("compare_runs", __doc__)
+SCRIPT.arg("runs", kind="folder", nargs="+", help="run folders; the first is the reference")
+SCRIPT.arg("--invariance", kind="switch", help="judge: the same loss curve as RUN_A, or where it parts")
+SCRIPT.arg(
+    "--rtol",
+    kind="float",
+    above=0.0,
+    at_most=1.0,
+    help="(implies --invariance) flat relative loss tolerance (default: 1e-5 fp32; bf16 grows with the step)",
+)
+SCRIPT.arg(
+    "--steps", kind="int", at_least=1, at_most=10**9, help="--invariance: compare only the first N steps"
+)
+SCRIPT.arg("--out", kind="out_folder", help="folder for the table, the JSON and the plot")
+SCRIPT.arg(
+    "--max-rows",
+    kind="int",
+    default=60,
+    at_least=1,
+    at_most=10**6,
+    help="rows printed per table (all go to table.txt)",
+)
+
+
+def run(args) -> int:
+    judge = args.invariance or args.rtol is not None
+    if judge and len(args.runs) < 2:
+        raise UserError("--invariance needs at least two run folders: the reference first")
+    runs = [load_run(r) for r in args.runs]
+    out = args.out or runs[0].path.parent / "-vs-".join(
+        ["compare-" + runs[0].name, *(r.name for r in runs[1:2])]
+    )
+    if not judge:
+        print(overview(runs, out))
+        return 0
+    rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
+    comparisons = [compare(runs[0], other, rtol, args.steps) for other in runs[1:]]
+    print(report(comparisons, out, args.max_rows))
+    return 0 if all(c.passed for c in comparisons) else 1
+
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="run folders; the first is the reference")
-    p.add_argument(
-        "--invariance", action="store_true", help="judge: the same loss curve as RUN_A, or where it parts"
-    )
-    p.add_argument(
-        "--rtol",
-        type=float,
-        help="(implies --invariance) flat relative loss tolerance (default: 1e-5 fp32; bf16 grows with the step)",
-    )
-    p.add_argument("--steps", type=int, help="--invariance: compare only the first N steps")
-    p.add_argument("--out", type=Path, help="folder for the table, the JSON and the plot")
-    p.add_argument("--max-rows", type=int, default=60, help="rows printed per table (all go to table.txt)")
-    args = p.parse_args(argv)
-    judge = args.invariance or args.rtol is not None
-    try:
-        if judge and len(args.runs) < 2:
-            raise UserError("--invariance needs at least two run folders: the reference first")
-        runs = [load_run(r) for r in args.runs]
-        out = args.out or runs[0].path.parent / "-vs-".join(
-            ["compare-" + runs[0].name, *(r.name for r in runs[1:2])]
-        )
-        if not judge:
-            print(overview(runs, out))
-            return 0
-        rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
-        comparisons = [compare(runs[0], other, rtol, args.steps) for other in runs[1:]]
-        print(report(comparisons, out, args.max_rows))
-    except UserError as e:
-        print(f"compare_runs: error: {e}", file=sys.stderr)
-        return 2
-    return 0 if all(c.passed for c in comparisons) else 1
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

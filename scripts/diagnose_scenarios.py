@@ -46,7 +46,6 @@ how thresholds are tuned on a long run recorded once. replica_drift is kept from
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -63,6 +62,11 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.records import read_json, read_records  # noqa: E402
 
 SKIP = 5  # the first measured steps: ranks agree strongly while the model learns anything
 
@@ -106,12 +110,12 @@ def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None
     }
 
 
-def scenario_argv(args: argparse.Namespace, name: str, overrides: list[str]) -> list[str]:
+def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
     """The trainer's arguments for one scenario (the global batch held, the local batch fitted)."""
     from titanlite.config import parse_args
     from titanlite.config.layout import fitting_local_batch
 
-    argv = ["--config", args.config, "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+    argv = ["--config", str(args.config), "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
     argv += ["--diagnostics.warmup_steps", str(args.steps), *overrides, *scenarios(args.dp, args.onset)[name]]
     cfg, _ = parse_args(argv)
     if cfg.training.global_batch_size < 2 * args.dp:
@@ -121,7 +125,7 @@ def scenario_argv(args: argparse.Namespace, name: str, overrides: list[str]) -> 
     return [*argv, "--job.dump_folder", str(args.out), "--job.run_name", name]
 
 
-def worker(args: argparse.Namespace, overrides: list[str]) -> None:
+def worker(args, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from titanlite.config import parse_args
@@ -164,8 +168,7 @@ def _argmin_live(values: list) -> tuple[int | None, float | None]:
 
 
 def _read(run_dir: Path, name: str) -> list[dict]:
-    path = run_dir / name
-    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.exists() else []
+    return read_records(run_dir / name)
 
 
 def replay(run_dir: Path, overrides: list[str]) -> list[dict]:
@@ -413,48 +416,60 @@ def plot_noise_scale(out: Path, rows: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dp", type=int, default=4)
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--onset", type=int, help="the step ongoing faults start (default: half the steps)")
-    p.add_argument("--config", default=str(REPO / "train_configs/debug_model.toml"))
-    p.add_argument("--out", type=Path)
-    p.add_argument("--scenarios", nargs="+", help="a subset, in this order (default: all)")
-    p.add_argument("--replay", type=Path, metavar="DIR", help="tables from DIR's runs, alerts replayed")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args, overrides = p.parse_known_args()
+SCENARIOS = tuple(scenarios(2))
+SCRIPT = Script(
+    "diagnose_scenarios", __doc__, overrides="every scenario's run (or, with --replay, the [alerts] rules)"
+)
+SCRIPT.arg(
+    "--dp", kind="int", default=4, at_least=2, at_most=MAX_RANKS, help="ranks (the diagnostics compare ranks)"
+)
+SCRIPT.arg("--steps", kind="int", default=30, at_least=1, at_most=10**6, help="steps of every scenario")
+SCRIPT.arg(
+    "--onset",
+    kind="int",
+    at_least=1,
+    at_most=10**6,
+    help="the step ongoing faults start (default: half the steps)",
+)
+SCRIPT.arg(
+    "--config",
+    kind="file",
+    default=str(REPO / "train_configs/debug_model.toml"),
+    help="the config every scenario runs",
+)
+SCRIPT.arg(
+    "--out",
+    kind="out_folder",
+    help="where the run folders, tables and plots go (default: outputs/scenarios-<time>)",
+)
+SCRIPT.arg(
+    "--scenarios", kind="choice", nargs="+", choices=SCENARIOS, help="a subset, in this order (default: all)"
+)
+SCRIPT.arg("--replay", kind="folder", help="tables from this folder's runs, alerts replayed")
+SCRIPT.arg("--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)")
+
+
+def run(args) -> int:
+    overrides = args.overrides
     if args.replay:
         return replay_main(args, overrides)
+    if args.onset is not None and args.onset > args.steps:
+        raise UserError(
+            f"--onset is {args.onset} but the scenarios run {args.steps} steps; start the faults within them"
+        )
     args.onset = args.onset or max(1, args.steps // 2)
-    known = scenarios(args.dp)
-    args.scenarios = args.scenarios or list(known)
-    unknown = [s for s in args.scenarios if s not in known]
-    if unknown or args.dp < 2:
-        why = f"unknown scenario {unknown[0]!r}; choose from {', '.join(known)}" if unknown else ""
-        why = why or "--dp must be >= 2 (the diagnostics compare ranks)"
-        print(f"diagnose_scenarios: error: {why}", file=sys.stderr)
-        return 2
+    args.scenarios = args.scenarios or list(SCENARIOS)
     args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
     if args.worker:
         worker(args, overrides)
         return 0
     from titanlite.config import parse_args
     from titanlite.config.layout import validate
-    from titanlite.errors import UserError
 
-    try:  # every scenario's config, before any worker starts
-        for name in args.scenarios:
-            validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)
-    except UserError as e:
-        print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
-        return 2
+    for name in args.scenarios:  # every scenario's config, before any worker starts
+        validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)
     if (args.out / "status.json").exists():
-        print(
-            f"diagnose_scenarios: error: {args.out} already holds scenarios; pass another --out",
-            file=sys.stderr,
-        )
-        return 2
+        raise UserError(f"{args.out} already holds scenarios; pass another --out")
     # torchrun itself: titanlite.launch is for titanlite.train (its preflight reads train flags)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp)]
     cmd += [
@@ -467,19 +482,16 @@ def main() -> int:
         "--onset",
         str(args.onset),
     ]
-    cmd += ["--config", args.config]
+    cmd += ["--config", str(args.config)]
     cmd += ["--out", str(args.out), "--scenarios", *args.scenarios, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         lines = (proc.stdout + proc.stderr).strip().splitlines()
         errors = [line for line in lines if line.startswith("titanlite: error")]  # a worker's own line
-        tail = "\n".join(errors[:1] or lines[-15:])
-        print(
-            f"diagnose_scenarios: error: the runs failed (exit {proc.returncode}):\n{tail}", file=sys.stderr
-        )
-        return 2
-    status = json.loads((args.out / "status.json").read_text())
+        last = (errors or lines or ["it printed nothing"])[-1]
+        raise UserError(f"the runs failed (exit {proc.returncode}): {last}; their logs: {args.out}")
+    status = read_json(args.out / "status.json")
     status["onset"] = args.onset
     (args.out / "status.json").write_text(json.dumps(status))
     want = expected(args.dp, args.onset)
@@ -496,30 +508,23 @@ def main() -> int:
     return 0
 
 
-def replay_main(args: argparse.Namespace, overrides: list[str]) -> int:
-    """--replay: the tables from recorded runs, alerts from today's rules."""
-    from titanlite.errors import UserError
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
+
+def replay_main(args, overrides: list[str]) -> int:
+    """--replay: the tables from recorded runs, alerts from today's rules."""
     status_file = args.replay / "status.json"
     if not status_file.is_file():
-        print(
-            f"diagnose_scenarios: error: {args.replay} holds no scenarios (no status.json)", file=sys.stderr
-        )
-        return 2
-    status = json.loads(status_file.read_text())
+        raise UserError(f"{args.replay} holds no scenarios (no status.json)")
+    status = read_json(status_file)
     onset = status.pop("onset", 1)  # recordings made before faults had an onset started at step 1
-    dp = json.loads((args.replay / next(iter(status)) / "run.json").read_text())["world_size"]
+    dp = read_json(args.replay / next(iter(status)) / "run.json").get("world_size", 2)
     want = expected(dp, onset)
-    try:
-        rows = {
-            name: summarize(
-                args.replay / name, s["stopped"], want[name], replay(args.replay / name, overrides)
-            )
-            for name, s in status.items()
-        }
-    except UserError as e:
-        print(f"diagnose_scenarios: error: {e}", file=sys.stderr)
-        return 2
+    rows = {
+        name: summarize(args.replay / name, s["stopped"], want[name], replay(args.replay / name, overrides))
+        for name, s in status.items()
+    }
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
     plot(rows, args.replay / "replayed.png")
     plot_noise_scale(args.replay, rows, args.replay / "noise_scale.png")

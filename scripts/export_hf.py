@@ -13,7 +13,6 @@ Exit status: 0 written, 2 bad input (one line says what; nothing is written).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -24,30 +23,44 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.components.checkpoint.hf_export import DTYPES, export_checkpoint  # noqa: E402
-from titanlite.errors import UserError  # noqa: E402
+from titanlite.components.checkpoint.index import read_checkpoint  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
+SCRIPT = Script("export_hf", __doc__)
+SCRIPT.arg(
+    "step_folder",
+    kind="folder",
+    help="a titanlite checkpoint step folder, or a run folder (its newest intact step); read only",
+)
+SCRIPT.arg("out", kind="new_folder", help="the Hugging Face folder to write")
+SCRIPT.arg(
+    "--dtype", kind="choice", choices=tuple(sorted(DTYPES)), default="float32", help="dtype of the weights"
+)
+SCRIPT.arg(
+    "--max-shard-gb",
+    kind="float",
+    default=5.0,
+    above=0.0,
+    at_most=10_000.0,
+    help="largest safetensors file, in GB",
+)
+SCRIPT.arg("--import-module", kind="text", default="", help="module that registers a fork's model")
+
+
+def export(args) -> int:
+    def write(step_folder):
+        shards = export_checkpoint(
+            step_folder, args.out, args.dtype, int(args.max_shard_gb * 1e9), args.import_module
+        )
+        return step_folder, shards
+
+    step_folder, n = read_checkpoint(args.step_folder, write, flag="STEP_FOLDER")
+    print(f"wrote {args.out} from {step_folder} ({n} safetensors file(s), {args.dtype})")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("step_folder", type=Path, help="a titanlite checkpoint step folder (read only)")
-    p.add_argument("out", type=Path, help="the Hugging Face folder to write (new or empty)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the weights")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="largest safetensors file, in GB")
-    p.add_argument("--import-module", default="", help="module that registers a fork's model")
-    args = p.parse_args(argv)
-    try:
-        n = export_checkpoint(
-            args.step_folder.expanduser(),
-            args.out.expanduser(),
-            args.dtype,
-            int(args.max_shard_gb * 1e9),
-            args.import_module,
-        )
-    except UserError as e:
-        print(f"export_hf: error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out} ({n} safetensors file(s), {args.dtype})")
-    return 0
+    return SCRIPT.run(export, argv)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ tests/test_catalogue.py --catalogue` runs them all). Exit 0 when every case HELD
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -35,26 +34,24 @@ use_project_venv(dev=True)  # any python3 will do: without titanlite's dependenc
 
 from faults import CASES, Catalogue, verdict  # noqa: E402
 
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
-def main() -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument(
-        "--cheap", action="store_true", help="only the cases stopped before any worker, in this process"
-    )
-    ap.add_argument("-k", default="", help="only the cases whose family or name holds this text")
-    ap.add_argument("--out", type=Path, help="work folder (default: a temporary one, removed after)")
-    ap.add_argument("--nproc", type=int, default=2)
-    args = ap.parse_args()
+SCRIPT = Script("fault_catalogue", __doc__)
+SCRIPT.arg("--cheap", kind="switch", help="only the cases stopped before any worker, in this process")
+SCRIPT.arg("-k", kind="text", default="", help="only the cases whose family or name holds this text")
+SCRIPT.arg("--out", kind="out_folder", help="work folder (default: a temporary one, removed after)")
+SCRIPT.arg("--nproc", kind="int", default=2, at_least=2, at_most=64, help="ranks of every run")
+
+
+def run(args) -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="titanlite-catalogue-"))
     c = Catalogue(work.resolve(), args.nproc, args.cheap)
     chosen = [
         k for k in CASES if (k.cheap or not args.cheap) and args.k.lower() in f"{k.family} {k.name}".lower()
     ]
     if not chosen:
-        print(f"no case matches -k {args.k!r}", file=sys.stderr)
-        return 2
+        raise UserError(f"no case matches -k {args.k!r}; see the families and names with --cheap, or drop -k")
     counts = {"HELD": 0, "BENT": 0, "BROKE": 0, "SKIPPED": 0}
     began = time.monotonic()
     for k in chosen:
@@ -70,6 +67,10 @@ def main() -> int:
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if counts["BROKE"] or counts["BENT"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ Exit status: 0 equal, 1 a curve differs (the first step is named), 2 a run faile
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,6 +39,10 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
 GOLDEN = REPO / "tests" / "golden"
 WORLD = 4
 STEPS = 20
@@ -145,15 +148,16 @@ def launch(out: Path, runs: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--check", action="store_true", help="compare fresh runs with tests/golden/")
-    what.add_argument("--write", action="store_true", help="regenerate tests/golden/ (needs --why)")
-    what.add_argument("--worker", nargs=2, metavar=("OUT", "RUNS"), help=argparse.SUPPRESS)
-    p.add_argument("--why", help="the reason for new golden curves, kept in each file")
-    args = p.parse_args(argv)
-    sys.path.insert(0, str(REPO))
+SCRIPT = Script("golden_losses", __doc__)
+SCRIPT.arg("--check", kind="switch", help="compare fresh runs with tests/golden/")
+SCRIPT.arg("--write", kind="switch", help="regenerate tests/golden/ (needs --why)")
+SCRIPT.arg("--why", kind="text", help="the reason for new golden curves, kept in each file")
+SCRIPT.arg("--worker", kind="text", nargs=2, internal=True, help="OUT RUNS: one rank of the reference runs")
+
+
+def run(args) -> int:
+    if sum(bool(x) for x in (args.check, args.write, args.worker)) != 1:
+        raise UserError("give one of --check or --write (with --why)")
     if args.worker:
         import torch.distributed as dist
 
@@ -163,16 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         dist.destroy_process_group()
         return 0
     if args.write and not (args.why or "").strip():
-        p.error("--write needs --why 'what changed the numerics, and why that is right'")
+        raise UserError("--write needs --why 'what changed the numerics, and why that is right'")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "curves.json"
         proc = launch(out, Path(tmp) / "runs")
         if proc.returncode != 0:
             print(proc.stdout[-3000:] + proc.stderr[-5000:], file=sys.stderr)
-            print(
-                f"golden_losses: error: the reference runs failed (exit {proc.returncode})", file=sys.stderr
-            )
-            return 2
+            raise UserError(f"the reference runs failed (exit {proc.returncode}); their output is above")
         fresh = json.loads(out.read_text())
     if args.write:
         GOLDEN.mkdir(parents=True, exist_ok=True)
@@ -186,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     for _, line in results:
         print(line)
     return 0 if all(ok for ok, _ in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

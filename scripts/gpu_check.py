@@ -37,7 +37,6 @@ crashed run).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -54,6 +53,10 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv(dev=True)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
 GiB = 2**30
 SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing")
 
@@ -573,26 +576,28 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="the CPU version with tiny shapes (CI)")
-    p.add_argument("--out", help="results folder (default: outputs/gpu_check-<time>)")
-    p.add_argument("--only", nargs="+", choices=SECTIONS, help="these sections only")
-    p.add_argument("--steps", type=int, help="steps of the speed and sync runs (default 30; smoke 6)")
-    args = p.parse_args(argv)
+SCRIPT = Script("gpu_check", __doc__)
+SCRIPT.arg("--smoke", kind="switch", help="the CPU version with tiny shapes (CI)")
+SCRIPT.arg("--out", kind="new_folder", help="results folder (default: outputs/gpu_check-<time>)")
+SCRIPT.arg("--only", kind="choice", nargs="+", choices=SECTIONS, help="these sections only")
+SCRIPT.arg(
+    "--steps",
+    kind="int",
+    at_least=1,
+    at_most=10**6,
+    help="steps of the speed and sync runs (default 30; smoke 6)",
+)
+
+
+def run(args) -> int:
     shapes = SMOKE if args.smoke else FULL
     if not args.smoke and not has_gpu():
-        print("gpu_check: error: no GPU here (nvidia-smi lists none); run it on a GPU machine, or --smoke on a CPU",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        raise UserError("no GPU here (nvidia-smi lists none); run it on a GPU machine, or --smoke on a CPU")
     out = Path(args.out or REPO / "outputs" / time.strftime("gpu_check-%Y%m%d-%H%M%S")).resolve()
-    if out.exists() and any(out.iterdir()):
-        print(f"gpu_check: error: '{out}' is not empty; pick another --out", file=sys.stderr)
-        return 2
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     sections = args.only or SECTIONS
-    steps = args.steps or shapes.steps
+    steps = shapes.steps if args.steps is None else args.steps
     result: dict = {"device": device_name(), "smoke": args.smoke}
     result["shapes"] = f"{Path(shapes.config).stem} shapes, vocab {shapes.vocab:,}, seq {shapes.seq}"
     began = time.perf_counter()
@@ -634,6 +639,10 @@ def device_name() -> str:
         )
         return out.stdout.strip().splitlines()[0]
     return f"CPU ({os.cpu_count()} cores)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ assigns it (a data-loading fault) is flagged. Alerts in events.jsonl name the sa
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -32,15 +31,13 @@ from titanlite.datasets.corpus import source_name  # noqa: E402
 from titanlite.datasets.trace import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.records import read_json, read_records  # noqa: E402
 
 
 def reported(run_dir: Path, step: int) -> list[list[dict]] | None:
     """Each rank's samples of `step` as its diagnostics recorded them, if the step was measured."""
-    path = run_dir / "diagnostics.jsonl"
-    if not path.exists():
-        return None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line) if line else {}
+    for rec in read_records(run_dir / "diagnostics.jsonl"):
         if rec.get("step") == step and "rank_samples" in rec:
             return rec["rank_samples"]
     return None
@@ -51,7 +48,11 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} has no {name}; pass a run folder (outputs/<run>)")
     cfg = load_config(str(run_dir / "config.toml"))
-    dp = json.loads((run_dir / "run.json").read_text())["world_size"]
+    dp = read_json(run_dir / "run.json").get("world_size")
+    if not isinstance(dp, int) or dp < 1:
+        raise UserError(f"{run_dir / 'run.json'} names no world size; pass a run folder (outputs/<run>)")
+    if rank is not None and rank >= dp:
+        raise UserError(f"--rank is {rank} but the run had {dp} ranks; give a rank from 0 to {dp - 1}")
     tok = build_tokenizer(cfg)
     dataset = build_dataset(cfg, tok)
     rows = trace_step(cfg, step, dp, rank, dataset)
@@ -81,20 +82,18 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("run_dir", type=Path, help="the run folder")
-    ap.add_argument("--step", type=int, required=True, help="training step, from 1")
-    ap.add_argument("--rank", type=int, help="only this dp rank's share")
-    ap.add_argument("--chars", type=int, default=100, help="characters of decoded text to show")
-    ap.add_argument("--json", action="store_true", help="one JSON object per sequence")
-    args = ap.parse_args(argv)
-    try:
-        rows = inspect_step(args.run_dir, args.step, args.rank, args.chars)
-    except UserError as e:
-        print(f"inspect_step: error: {e}", file=sys.stderr)
-        return 2
-    for row in rows:
+SCRIPT = Script("inspect_step", __doc__)
+SCRIPT.arg("run_dir", kind="folder", help="the run folder")
+SCRIPT.arg("--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1")
+SCRIPT.arg("--rank", kind="int", at_least=0, at_most=1 << 20, help="only this dp rank's share")
+SCRIPT.arg(
+    "--chars", kind="int", default=100, at_least=1, at_most=10**6, help="characters of decoded text to show"
+)
+SCRIPT.arg("--json", kind="switch", help="one JSON object per sequence")
+
+
+def show(args) -> int:
+    for row in inspect_step(args.run_dir, args.step, args.rank, args.chars):
         if args.json:
             print(json.dumps(row))
             continue
@@ -110,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['targets']} targets{loss} | {where}\n    {row['text']!r}"
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(show, argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import re
@@ -38,9 +37,11 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.compare import compare, load_run, report  # noqa: E402
 from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
@@ -74,85 +75,109 @@ def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[i
     start, shown = time.monotonic(), -PROGRESS_S
     tail: collections.deque[str] = collections.deque(maxlen=15)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        tail.append(line.rstrip())
-        m = STEP_LINE.search(line)
-        now = time.monotonic() - start
-        if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
-            print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
-            shown = now
+    try:
+        for line in proc.stdout:
+            tail.append(line.rstrip())
+            m = STEP_LINE.search(line)
+            now = time.monotonic() - start
+            if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
+                print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
+                shown = now
+    except BaseException:  # a Ctrl-C reached the run too: let it checkpoint and stop, then go
+        proc.communicate()
+        raise
     return proc.wait(), list(tail)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--dp", type=int, nargs="+", required=True, help="data-parallel degrees, e.g. 8 16")
-    ap.add_argument("--modes", nargs="+", default=["fsdp"], choices=("fsdp", "ddp", "hsdp"))
-    ap.add_argument("--replicas", type=int, default=2, help="dp_replicate of the hsdp runs")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument(
-        "--rtol", type=float, help="flat verdict tolerance (default: 1e-5 fp32; bf16 grows with the step)"
-    )
-    ap.add_argument("--out", type=Path, help="folder for the runs and the comparison")
-    ap.add_argument("--prefix", default="", help="run-name prefix")
-    ap.add_argument("--dry-run", action="store_true", help="print the launch commands only")
-    args, overrides = ap.parse_known_args(argv)
-    try:
-        if args.steps < 1:
-            raise UserError(f"--steps is {args.steps}; it must be >= 1")
-        cfg, _ = parse_args(["--config", args.config, *overrides, "--training.steps", str(args.steps)])
-        out = (
-            args.out
-            or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
-        )
-        plans = [plan(cfg, dp, mode, args.replicas) for dp in args.dp for mode in args.modes]
-        if len(plans) < 2:
-            raise UserError(
-                "one layout has nothing to compare with; give two or more --dp degrees or --modes"
-            )
-        names = [run_name(args.prefix, p) for p in plans]
-        if len(set(names)) < len(names):
-            raise UserError("two of the requested layouts are the same run; list each dp and mode once")
-        if not args.dry_run and any((out / n / "metrics.jsonl").exists() for n in names):
-            raise UserError(f"{out} already holds these runs; pass another --out")
-        for p, name in zip(plans, names, strict=True):
-            cmd = [str(REPO / "run_train.sh"), "--config", args.config, *overrides]
-            cmd += ["--training.steps", str(args.steps), "--metrics.log_freq", "1"]
-            cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
-            cmd += [
-                "--parallelism.dp_shard",
-                str(p["dp_shard"]),
-                "--training.local_batch_size",
-                str(p["local_batch_size"]),
-            ]
-            cmd += ["--job.dump_folder", str(out), "--job.run_name", name]
-            world = p["dp_replicate"] * p["dp_shard"]
-            line = f"NPROC={world} " + shlex.join(cmd)
-            print(
-                line
-                if args.dry_run
-                else f"[{name}] {p['mode']} {p['dp_replicate']}x{p['dp_shard']}, "
-                f"local batch {p['local_batch_size']} x accum {p['accum']}",
-                flush=True,
-            )
-            if args.dry_run:
-                continue
-            code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
-            if code != 0:
-                raise UserError(f"run {name} failed (exit {code}):\n" + "\n".join(tail))
+SCRIPT = Script(
+    "invariance",
+    __doc__,
+    overrides="every run",
+    stop_hint="the runs already finished are kept in --out; the one stopped checkpointed as its run_train.sh says",
+)
+SCRIPT.arg("--config", kind="file", required=True, help="the config every layout runs")
+SCRIPT.arg(
+    "--dp",
+    kind="int",
+    nargs="+",
+    required=True,
+    at_least=1,
+    at_most=MAX_RANKS,
+    help="data-parallel degrees, e.g. 8 16",
+)
+SCRIPT.arg(
+    "--modes",
+    kind="choice",
+    nargs="+",
+    choices=("fsdp", "ddp", "hsdp"),
+    default=["fsdp"],
+    help="data-parallel modes",
+)
+SCRIPT.arg(
+    "--replicas", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="dp_replicate of the hsdp runs"
+)
+SCRIPT.arg("--steps", kind="int", default=30, at_least=1, at_most=10**9, help="steps of every run")
+SCRIPT.arg(
+    "--rtol",
+    kind="float",
+    above=0.0,
+    at_most=1.0,
+    help="flat verdict tolerance (default: 1e-5 fp32; bf16 grows with the step)",
+)
+SCRIPT.arg("--out", kind="out_folder", help="folder for the runs and the comparison")
+SCRIPT.arg("--prefix", kind="name", default="", help="run-name prefix")
+SCRIPT.arg("--dry-run", kind="switch", help="print the launch commands only")
+
+
+def run(args) -> int:
+    overrides = args.overrides
+    cfg, _ = parse_args(["--config", str(args.config), *overrides, "--training.steps", str(args.steps)])
+    out = args.out or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
+    plans = [plan(cfg, dp, mode, args.replicas) for dp in args.dp for mode in args.modes]
+    if len(plans) < 2:
+        raise UserError("one layout has nothing to compare with; give two or more --dp degrees or --modes")
+    names = [run_name(args.prefix, p) for p in plans]
+    if len(set(names)) < len(names):
+        raise UserError("two of the requested layouts are the same run; list each dp and mode once")
+    if not args.dry_run and any((out / n / "metrics.jsonl").exists() for n in names):
+        raise UserError(f"{out} already holds these runs; pass another --out")
+    for p, name in zip(plans, names, strict=True):
+        cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *overrides]
+        cmd += ["--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+        cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
+        cmd += [
+            "--parallelism.dp_shard",
+            str(p["dp_shard"]),
+            "--training.local_batch_size",
+            str(p["local_batch_size"]),
+        ]
+        cmd += ["--job.dump_folder", str(out), "--job.run_name", name]
+        world = p["dp_replicate"] * p["dp_shard"]
         if args.dry_run:
-            return 0
-        runs = [load_run(out / n) for n in names]
-        rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
-        comparisons = [compare(runs[0], other, rtol) for other in runs[1:]]
-        print(report(comparisons, out / "compare"))
-    except UserError as e:
-        print(f"invariance: error: {e}", file=sys.stderr)
-        return 2
+            print(f"NPROC={world} " + shlex.join(cmd), flush=True)
+            continue
+        print(
+            f"[{name}] {p['mode']} {p['dp_replicate']}x{p['dp_shard']}, local batch {p['local_batch_size']} x accum {p['accum']}",
+            flush=True,
+        )
+        code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
+        if code != 0:
+            raise UserError(
+                f"run {name} failed (exit {code}): {tail[-1] if tail else 'it printed nothing'}; its log: {out / name / 'logs'}"
+            )
+    if args.dry_run:
+        return 0
+    runs = [load_run(out / n) for n in names]
+    rtol = args.rtol if args.rtol is not None else default_tolerance(runs)
+    comparisons = [compare(runs[0], other, rtol) for other in runs[1:]]
+    print(report(comparisons, out / "compare"))
     passed = all(c.passed for c in comparisons)
     print(("PASS: " if passed else "FAIL: ") + f"{len(runs)} layouts, rtol {comparisons[0].rtol}")
     return 0 if passed else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Budget 0 is the whole sequence at once. Written as JSON with --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -32,6 +31,9 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.tools.cli import Script  # noqa: E402
+
 MiB = 2**20
 
 
@@ -39,7 +41,7 @@ def _rss() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def one(args: argparse.Namespace, budget: float) -> dict:
+def one(args, budget: float) -> dict:
     """One step at `budget` MiB per chunk of fp32 logits, in this process."""
     import torch
 
@@ -102,18 +104,29 @@ def one(args: argparse.Namespace, budget: float) -> dict:
     }
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vocab", type=int, default=32768)
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--dim", type=int, default=256)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--budgets", type=float, nargs="+", default=[0, 64, 16])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--one", type=float, help=argparse.SUPPRESS)
-    args = p.parse_args()
+SCRIPT = Script("loss_memory", __doc__)
+SCRIPT.arg("--vocab", kind="int", default=32768, at_least=2, at_most=1 << 22, help="vocabulary")
+SCRIPT.arg("--seq", kind="int", default=2048, at_least=1, at_most=1 << 20, help="tokens per sequence")
+SCRIPT.arg("--batch", kind="int", default=2, at_least=1, at_most=4096, help="sequences")
+SCRIPT.arg("--dim", kind="int", default=256, at_least=1, at_most=1 << 16, help="model width")
+SCRIPT.arg("--layers", kind="int", default=2, at_least=1, at_most=1024, help="blocks")
+SCRIPT.arg(
+    "--budgets",
+    kind="float",
+    nargs="+",
+    default=[0, 64, 16],
+    at_least=0.0,
+    at_most=1 << 20,
+    help="loss.chunk_logits_mib values; 0: the whole sequence",
+)
+SCRIPT.arg("--device", kind="choice", choices=("cpu", "cuda"), default="cpu", help="where it runs")
+SCRIPT.arg("--out", kind="out_file", help="the rows as JSON")
+SCRIPT.arg(
+    "--one", kind="float", at_least=0.0, at_most=1 << 20, internal=True, help="one budget, in a fresh process"
+)
+
+
+def run(args) -> int:
     if args.one is not None:
         print(json.dumps(one(args, args.one)))
         return 0
@@ -141,6 +154,10 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

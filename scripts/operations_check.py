@@ -13,7 +13,6 @@ script shows them side by side, with timings, on any machine (CPU or GPUs).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -29,6 +28,10 @@ sys.path.insert(0, str(REPO))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
 SMALL += ["--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--diagnostics.enable", "false"]
 
@@ -97,12 +100,13 @@ def orphans(out: Path) -> int:
     return n
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="dump folder (default: a temporary one)")
-    ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("extra", nargs="*", help="overrides for every run (after --)")
-    a = ap.parse_args()
+SCRIPT = Script("operations_check", __doc__)
+SCRIPT.arg("--out", kind="out_folder", help="dump folder (default: a temporary one)")
+SCRIPT.arg("--nproc", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="ranks of every run")
+SCRIPT.arg("extra", kind="text", nargs="*", help="overrides for every run (after --)")
+
+
+def check(a) -> int:
     out = a.out or Path(tempfile.mkdtemp(prefix="titanlite-ops-"))
     r = Runner(out, a.nproc, a.extra)
     long = ("--training.steps", "500", "--checkpoint.interval", "5")
@@ -171,6 +175,10 @@ def main() -> int:
     (out / "operations_check.json").write_text(json.dumps(r.rows, indent=1))
     print(f"details (every run's output): {out / 'operations_check.json'}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(check, argv)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ are kept. Exit 2 with one line on bad input; the output folder is only complete 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ from titanlite.datasets.tokenizer import (  # noqa: E402
 )
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cache import cache_dir  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
 
 def tokenizer(spec: str, vocab_size: int, cache: str):
@@ -49,39 +49,64 @@ def tokenizer(spec: str, vocab_size: int, cache: str):
     return load_tokenizer(spec)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("inputs", nargs="+", help="files or folders of .txt/.jsonl/.jsonl.gz/.parquet/.arrow")
-    ap.add_argument("--out", required=True, help="the prepared folder (created; resumed if unfinished)")
-    ap.add_argument(
-        "--tokenizer", required=True, help=".model, tokenizer.json, HF model folder, or 'builtin'"
-    )
-    ap.add_argument("--mode", choices=("pretrain", "sft"), default="pretrain")
-    ap.add_argument("--text-field", default="text", help="jsonl field / parquet, arrow column of the text")
-    ap.add_argument(
-        "--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every core)"
-    )
-    ap.add_argument("--shard-mb", type=float, default=64, help="input megabytes per shard (default 64)")
-    ap.add_argument("--builtin-vocab-size", type=int, default=2048, help="vocabulary of --tokenizer builtin")
-    ap.add_argument("--cache-dir", default="", help="where --tokenizer builtin is cached")
-    args = ap.parse_args(argv)
-    try:
-        if args.workers < 1 or args.shard_mb <= 0:
-            raise UserError("--workers must be >= 1 and --shard-mb > 0")
-        files = [f for path in args.inputs for f in discover(path)]
-        if len(set(files)) != len(files):
-            raise UserError("an input file is named twice (a file and a folder that holds it?); name it once")
-        tok = tokenizer(args.tokenizer, args.builtin_vocab_size, args.cache_dir)
-        out = Path(args.out).expanduser()
-        prepare(files, out, tok, args.mode, args.text_field, args.workers, int(args.shard_mb * 2**20))
-    except UserError as e:
-        print(f"prepare_data: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("prepare_data: interrupted; run the same command again to resume", file=sys.stderr)
-        return 130
-    print(f"train with: --data.path {out} --data.mode {args.mode}")
+SCRIPT = Script(
+    "prepare_data", __doc__, stop_hint="run the same command again to resume: finished shards are kept"
+)
+SCRIPT.arg("inputs", kind="path", nargs="+", help="files or folders of .txt/.jsonl/.jsonl.gz/.parquet/.arrow")
+SCRIPT.arg(
+    "--out", kind="out_folder", required=True, help="the prepared folder (created; resumed if unfinished)"
+)
+SCRIPT.arg(
+    "--tokenizer", kind="text", required=True, help=".model, tokenizer.json, HF model folder, or 'builtin'"
+)
+SCRIPT.arg(
+    "--mode",
+    kind="choice",
+    choices=("pretrain", "sft"),
+    default="pretrain",
+    help="pretraining text or SFT records",
+)
+SCRIPT.arg(
+    "--text-field", kind="text", default="text", help="jsonl field / parquet, arrow column of the text"
+)
+SCRIPT.arg(
+    "--workers",
+    kind="int",
+    default=os.cpu_count() or 1,
+    at_least=1,
+    at_most=1024,
+    help="processes (default: every core)",
+)
+SCRIPT.arg(
+    "--shard-mb", kind="float", default=64.0, above=0.0, at_most=1 << 20, help="input megabytes per shard"
+)
+SCRIPT.arg(
+    "--builtin-vocab-size",
+    kind="int",
+    default=2048,
+    at_least=256,
+    at_most=1 << 20,
+    help="vocabulary of --tokenizer builtin",
+)
+SCRIPT.arg(
+    "--cache-dir",
+    kind="out_folder",
+    help="where --tokenizer builtin is cached (default: TITANLITE_CACHE or ~/.cache/titanlite)",
+)
+
+
+def run(args) -> int:
+    files = [f for path in args.inputs for f in discover(str(path))]
+    if len(set(files)) != len(files):
+        raise UserError("an input file is named twice (a file and a folder that holds it?); name it once")
+    tok = tokenizer(args.tokenizer, args.builtin_vocab_size, str(args.cache_dir or ""))
+    prepare(files, args.out, tok, args.mode, args.text_field, args.workers, int(args.shard_mb * 2**20))
+    print(f"train with: --data.path {args.out} --data.mode {args.mode}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

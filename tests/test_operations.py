@@ -213,7 +213,7 @@ def test_a_signal_after_the_last_step_changes_nothing():
         "from titanlite.components.run.stop import StopSignals\n"
         "stops = StopSignals()\n"
         "stops.armed = True\n"
-        "stops.drain()\n"
+        "stops.finish()\n"
         "os.kill(os.getpid(), signal.SIGINT)\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "time.sleep(0.2)\n"
@@ -360,3 +360,44 @@ def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkey
     ):
         plan_run(argv, world_size=8)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase, step", [("eval", 2), ("save", 3), ("start", 3), ("export", 3)])
+def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, step):
+    """A Ctrl-C raised deterministically (debug.signal_phase) in an eval, a save, the last step
+    or the exports that end the run: exit 130 with the stop line, at most one step late (here
+    none: the host waits in these phases anyway, so the ranks settle there)."""
+    proc = launch(
+        tmp_path, f"stop-{phase}", "--training.steps", "3", "--checkpoint.interval", "1",
+        "--eval.fraction", "0.002", "--eval.interval", "1", "--checkpoint.export_hf", "true",
+        "--debug.signal_step", str(step), "--debug.signal_phase", phase,
+    )  # fmt: skip
+    code, out, err = finish(proc)
+    last = err.strip().splitlines()[-1]
+    assert code == 130, (code, err[-2000:])
+    ending = (
+        "as the run ended: its steps up to 3" if step == 3 else f"after step {step}; checkpoint step-{step}"
+    )
+    assert last.startswith("titanlite: stopped by SIGINT ") and ending in last, last
+    assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record_whole(tmp_path):
+    """The run folder's writes fail as on a full disk from step 3 (debug.write_error, injected at
+    the writer: half a record lands, then ENOSPC): exit 3, one line naming the disk and what was
+    kept, no half record in any file."""
+    proc = launch(tmp_path, "full", "--training.steps", "5", "--checkpoint.interval", "2",
+                  "--debug.write_error", "full", "--debug.write_error_step", "3")  # fmt: skip
+    code, out, err = finish(proc)
+    last = err.strip().splitlines()[-1]
+    assert code == 3 and last.startswith("titanlite: stopped: writing ") and "disk full under" in last, err[
+        -2000:
+    ]
+    assert "records up to step 2 are whole" in last and "newest checkpoint is step 2" in last, last
+    assert [r["step"] for r in read_metrics(tmp_path / "full")] == [1, 2]
+    for name in ("diagnostics.jsonl", "events.jsonl"):
+        text = (tmp_path / "full" / name).read_text() if (tmp_path / "full" / name).exists() else ""
+        assert all(json.loads(line) for line in text.splitlines()), name
+    assert "Traceback" not in err

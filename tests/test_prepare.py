@@ -27,7 +27,7 @@ from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
 from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler, permute, stream_keys
-from titanlite.errors import UserError
+from titanlite.errors import TrainingError, UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 WORDS = [
@@ -294,7 +294,7 @@ def test_a_full_disk_stops_the_preparation_in_one_line_and_the_rerun_resumes(tmp
     with monkeypatch.context() as m:
         m.setattr(prepare_module._ShardWriter, "add", short_write)
         m.setattr(cache.shutil, "disk_usage", lambda path: types.SimpleNamespace(free=1 << 20))
-        with pytest.raises(UserError, match=r"^preparing the data: disk full under '.*' \(1\.0 MiB left\); "
+        with pytest.raises(TrainingError, match=r"^preparing the data: disk full under '.*' \(1\.0 MiB left\); "
                            r".* then rerun: the 2 of \d+ shards written are kept$"):  # fmt: skip
             prepare([raw], out, tok, shard_bytes=20_000)
     assert sorted(p.name for p in out.glob("shard-*.json")) == ["shard-00000.json", "shard-00001.json"]
@@ -447,4 +447,4 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
     for r in rows:
         assert r["sources"] == ds.trace(r["sequence"]) and r["sources"][0]["file"] == str(raw.resolve())
     assert tool.main(["--step", "0", *args]) == 2
-    assert "--step must be >= 1" in capsys.readouterr().err
+    assert "--step is '0'; it must be a whole number >= 1" in capsys.readouterr().err

@@ -1,5 +1,6 @@
-"""torchrun, the titanlite way (run_train.sh calls it):
-`python -m titanlite.launch [torchrun args] -m titanlite.train [train args]`
+"""torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
+[train args]`, or (run_train.sh) `python -m titanlite.launch --from-env [train args]`, torchrun's
+arguments then read from NPROC, NNODES, ... (titanlite.components.run.environment).
 
 Before any worker starts: every check that needs no worker (titanlite.preflight), the run
 folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
@@ -52,13 +53,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.checkpoint.index import quarantine_damaged
+from titanlite.components.run.environment import torchrun_args
 from titanlite.components.run.lock import HELD_ENV, RunLock
-from titanlite.components.run.plan import checkpoint_folder, existing_parent
+from titanlite.components.run.plan import checkpoint_folder
 from titanlite.config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
+from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -188,8 +191,13 @@ def _printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
 
 def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     """The exit code for a failed launch, with what the console has not shown: the failed rank's
-    one-line error, or a crashed rank's last lines and its log file."""
-    rank, first = e.get_first_failure()
+    one-line error, or a crashed rank's last lines and its log file. The failure reported is the
+    cause: a rank that stopped the run itself (bad input, a training error, a signal) before the
+    ranks that then lost it (exit 4), and before crashes; the earliest among equals."""
+    rank, first = min(
+        e.failures.items(),
+        key=lambda kv: (kv[1].exitcode not in NO_RESTART, kv[1].exitcode != EXIT_LOST_RANK, kv[1].timestamp),
+    )
     code = first.exitcode
     log = _stderr_log(log_dir, first.local_rank)
     lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []
@@ -237,6 +245,10 @@ def main(argv: list[str]) -> int:
     launcher_api.LocalElasticAgent = _Agent
     lock, made, log_dir, code, early = None, None, None, 1, False
     try:
+        if argv[:1] == ["--from-env"]:  # run_train.sh: torchrun's arguments from the environment
+            rdzv, env = torchrun_args(os.environ)
+            os.environ.update(env)
+            argv = [*rdzv, "-m", "titanlite.train", *argv[1:]]
         args = get_args_parser().parse_args(argv)
         world, nnodes = _world_size(args)
 
@@ -294,7 +306,10 @@ def main(argv: list[str]) -> int:
     finally:
         if lock is not None:
             lock.release()
-        early = early or code == 2  # bad input found by the workers, a stop before the first step
+        # bad input found by the workers, a stop before the first step, a failure before the run
+        # folder was opened (a full disk while the data is prepared): nothing of it to keep
+        unopened = log_dir is not None and not (log_dir.parents[1] / "config.toml").exists()
+        early = early or code == 2 or (code == EXIT_TRAINING and unopened)
         if early and made is not None:  # leave nothing behind
             shutil.rmtree(made, ignore_errors=True)
         elif early and log_dir is not None:  # ... not even a log folder in an existing run folder

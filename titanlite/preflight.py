@@ -14,7 +14,6 @@ config key, without importing torch.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -22,11 +21,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from titanlite.components.checkpoint.index import check_same_model
+from titanlite.components.checkpoint.index import check_same_model, step_to_read
 from titanlite.components.run.lock import RunLock
 from titanlite.components.run.plan import (
     check_checkpoint_space,
-    check_writable,
     checkpoint_folder,
     resume_step,
     run_folder,
@@ -35,9 +33,11 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import validate
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
 from titanlite.config.monitor_config import Debug
-from titanlite.datasets.spec import check_data_files, check_data_tokenizer
+from titanlite.datasets.spec import check_data_files, check_data_tokenizer, data_identity
 from titanlite.diagnostics.rules import silent_rules_note
 from titanlite.errors import UserError
+from titanlite.tools.paths import check_writable
+from titanlite.tools.records import read_json
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 Trains with torchrun on this node (default config: train_configs/debug_model.toml).
@@ -84,7 +84,7 @@ def plan_run(
     folder = checkpoint_folder(cfg, run_dir)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")
-    resume = resume_step(cfg, run_dir, restarted=False)
+    resume = resume_step(cfg, run_dir, restarted=False, data=data_identity(cfg))  # raw inputs: the worker's
     meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
     n, what = model_size(cfg, meta)
     if resume is None:
@@ -120,7 +120,7 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         notes.append(f"diagnostics: {silent}")
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
-        trained = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings") or 0
+        trained = read_json(config).get("max_position_embeddings") or 0
         if 0 < trained < cfg.training.seq_len:
             notes.append(
                 f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was "
@@ -145,14 +145,20 @@ def model_size(cfg: JobConfig, meta: Any) -> tuple[int, str]:
 
 
 def check_initial_weights(cfg: JobConfig) -> None:
-    """A fresh run's Hugging Face weights (checkpoint.initial_load_path or model.hf_assets_path)
-    are whole: every safetensors file holds what its header describes (a resume never reads them)."""
+    """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
+    whole: every safetensors file holds what its header describes; a titanlite step folder is
+    intact (a resume never reads them)."""
     from titanlite.components.checkpoint.hf_load import weight_files
     from titanlite.config.layout import initial_load_kind
 
     source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
-    if source and initial_load_kind(Path(source).expanduser()) == "hf":
-        weight_files(Path(source).expanduser())
+    if not source:
+        return
+    path = Path(source).expanduser()
+    if initial_load_kind(path) == "hf":
+        weight_files(path)
+    else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
+        step_to_read(path, flag="checkpoint.initial_load_path")
 
 
 def _vocab_size(cfg: JobConfig) -> int:

@@ -24,7 +24,7 @@ from titanlite.components.loss import LossBalancer, forward_backward, loss_chunk
 from titanlite.components.metrics import MetricsWriter
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
 from titanlite.components.run.folder import open_run_folder, run_info
-from titanlite.components.run.plan import checkpoint_folder, is_restart, trace_folder
+from titanlite.components.run.plan import checkpoint_folder, trace_folder
 from titanlite.components.run.stop import StopSignals
 from titanlite.components.step_window import RunRates, StepWindow
 from titanlite.config import JobConfig, parse_args
@@ -97,12 +97,11 @@ class Trainer:
         )
 
         info = run_info(cfg, dims, self.diagnostics.method_used)
-        self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info)
-        purge = resume + 1 if resume is not None else 1 if is_restart() else None
-        rank0_dir = self.run_dir if self.rank == 0 else None
-        self.metrics = MetricsWriter(rank0_dir, t.steps, cfg.metrics.enable_tensorboard, purge, cfg)
+        self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info, dataset.identity)
+        folder = checkpoint_folder(cfg, self.run_dir)  # a failed write of rank 0's stops every rank:
+        self.metrics = MetricsWriter.for_run(cfg, self.run_dir, resume, folder, self.faults, self.stops.fail)
         parts = (self.model, self.optimizer, self.scheduler, self.faults)
-        self.checkpointer = Checkpointer(cfg, checkpoint_folder(cfg, self.run_dir), *parts, self.run_dir)
+        self.checkpointer = Checkpointer(cfg, folder, *parts, self.run_dir, data=dataset.identity)
         self.checkpointer.track(
             {"diagnostics": self.diagnostics, "spike_guard": self.guard},
             {"labels": self.faults.label_generator, **self.diagnostics.generators()},
@@ -197,6 +196,7 @@ class Trainer:
             for s, v in spikes
         ]
         if self.rank == 0:
+            self.metrics.check()
             self.metrics.write(rec)
             self.metrics.write_diagnostics(diag)
             self.metrics.write_alerts(events + alerts)
@@ -211,7 +211,7 @@ class Trainer:
         sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
         start = window_start = time.perf_counter()
         self.stops.arm(self.cfg.comm.timeout_s)
-        step = self.start_step
+        step, stop = self.start_step, 0
         try:
             for step in range(self.start_step, steps + 1):
                 self.faults.at_step(step, self.model)
@@ -221,7 +221,7 @@ class Trainer:
                     torch.cuda.set_sync_debug_mode("error")
                 lr = self.scheduler.get_last_lr()[0]
                 self.train_step(step)
-                stop = self.stops.poll() if step < steps else 0
+                stop = self.stops.poll()
                 if self.is_log_step(step) or stop:
                     self.heartbeat.idle()
                     if sync_debug:
@@ -229,27 +229,31 @@ class Trainer:
                     now = time.perf_counter()
                     self._log(step, lr, now - window_start, now - start)
                     if self.is_eval_step(step):
+                        self.faults.interrupt("eval")
                         rec, samples = self.evaluator.run(self.model, step)
                         if self.rank == 0:
                             self.metrics.write_eval(rec)
                             self.metrics.write_samples(step, samples)
                     if self.checkpointer.due(step):
                         self.checkpointer.save(step)
-                    if stop:
+                    stop = self.stops.settle() or stop  # a signal in the eval or save, a failed write
+                    if stop and step < steps:  # at the last step: after the exports, below
                         self.checkpointer.stop(step, stop)
                     window_start = time.perf_counter()
             self.heartbeat.idle()
-            self.stops.drain()
             self.checkpointer.wait()  # the last async save is settled before the run reports success
         except RuntimeError as e:
             how = lost_peer(e) if dist.get_world_size() > 1 else None
             if how:
                 raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
+        self.faults.interrupt("export")
         exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
         self.metrics.finish(
             self.start_step, steps, time.perf_counter() - start, self.checkpointer.folder, exports
         )
+        if stop := self.stops.finish() or stop:  # in the last step or after: the run did all, but says so
+            self.checkpointer.stop(steps, stop, finished=True)
 
     def close(self) -> None:
         self.heartbeat.close()

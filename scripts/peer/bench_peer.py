@@ -6,7 +6,7 @@ checkpointing, no compile, AdamW, clipping at 1.0.
 
     python3 -m venv .venv-torchtitan
     .venv-torchtitan/bin/pip install torch==2.13.0 torchtitan==0.3.0     # once
-    ./scripts/peer/bench_peer.py [--rounds 3] [--steps 40] [--only tt8,tl] [--out DIR]
+    ./scripts/peer/bench_peer.py [--rounds 3] [--steps 40] [--only tt8 tl] [--out DIR]
 
 Each round runs every variant once; the order alternates between rounds (forward, reversed,
 ...) so that a drift in machine load does not favour one side. Per run: the median of rank 0's
@@ -19,7 +19,6 @@ cores) and log every step. Every run's output is kept under --out.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -37,6 +36,9 @@ sys.path.insert(0, str(TL_ROOT))
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
 
 TL_TORCHRUN = TL_ROOT / ".venv" / "bin" / "torchrun"
 TT_TORCHRUN = Path(os.environ.get("TORCHTITAN_VENV", TL_ROOT / ".venv-torchtitan")) / "bin" / "torchrun"
@@ -192,21 +194,33 @@ def run_one(variant: str, rnd: int, steps: int, out_dir: Path, runs_dir: Path) -
     return rec
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--only", default=",".join(ORDER), help="comma list of variants, in round order")
-    ap.add_argument("--out", default=str(TL_ROOT / "outputs" / f"peer-{datetime.now():%Y%m%d-%H%M%S}"))
-    args = ap.parse_args()
-    order = [v for v in args.only.split(",") if v]
-    for v in order:
-        if v not in VARIANTS:
-            ap.error(f"unknown variant {v}; known: {', '.join(VARIANTS)}")
+SCRIPT = Script("bench_peer", __doc__)
+SCRIPT.arg("--rounds", kind="int", default=3, at_least=1, at_most=1000, help="alternating rounds")
+SCRIPT.arg(
+    "--steps", kind="int", default=40, at_least=FIRST_STEP + 1, at_most=10**6, help="steps of every run"
+)
+SCRIPT.arg(
+    "--only",
+    kind="choice",
+    nargs="+",
+    choices=tuple(VARIANTS),
+    default=ORDER,
+    help="variants, in round order",
+)
+SCRIPT.arg(
+    "--out",
+    kind="out_folder",
+    default=TL_ROOT / "outputs" / f"peer-{datetime.now():%Y%m%d-%H%M%S}",
+    help="logs and results",
+)
+
+
+def run(args) -> int:
+    order = list(args.only)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not TT_TORCHRUN.exists():
-        ap.error(
+        raise UserError(
             f"no torchtitan venv at {TT_TORCHRUN.parents[1]}; create it as the docstring says, or set TORCHTITAN_VENV"
         )
     runs_dir = out_dir / "runs"
@@ -263,6 +277,10 @@ def main() -> int:
                     print(f"  {v:11s} / tt8 = {meds[v] / meds['tt8']:.3f}")
     print(f"\nresults: {out_dir / 'results.json'}")
     return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return SCRIPT.run(run, argv)
 
 
 if __name__ == "__main__":

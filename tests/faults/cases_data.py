@@ -158,7 +158,7 @@ def _(c: Catalogue) -> None:
     with mounted(c.work / "mnt-cache", "128k") as cache:
         env = own_cache(c, cache)
         dump = c.dump("cache-full")
-        expect(c.start(dump, ("--training.steps", "1"), env=env).finish(), 2, "disk full")
+        expect(c.start(dump, ("--training.steps", "1"), env=env).finish(), 3, "disk full")
         if list(cache.rglob(".shard-*")):
             raise Broke("a partial shard was left")
         unchanged({}, dump)
@@ -212,10 +212,12 @@ def _moved(c: Catalogue, work: Path, path: Path) -> Path:
 
 
 def _replaced(c: Catalogue, work: Path, path: Path) -> Path:
-    """Another preparation (the same records, shards of another size) at the same path."""
+    """Another preparation (the same records in reverse order) at the same path."""
     shutil.rmtree(path)
+    rows = (data(c) / "good.jsonl").read_text().splitlines()
+    (work / "reversed.jsonl").write_text("\n".join(reversed(rows)) + "\n")
     proc = subprocess.run(
-        [sys.executable, "scripts/prepare_data.py", "--tokenizer", "builtin", "--out", str(path), "--shard-mb", "0.02", str(data(c) / "sft.jsonl")],
+        [sys.executable, "scripts/prepare_data.py", "--tokenizer", "builtin", "--out", str(path), "--shard-mb", "0.05", str(work / "reversed.jsonl")],
         cwd=REPO, env=c.env, capture_output=True, text=True,
     )  # fmt: skip
     if proc.returncode:

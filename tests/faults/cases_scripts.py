@@ -65,8 +65,8 @@ for _name, _args, _says in (
     ("inspect_step.py --chars -5", lambda c, w: [_run(c), "--step", "1", "--chars", "-5"], "--chars"),
     ("trace_batch.py --dp 0", lambda c, w: ["--step", "1", "--dp", "0", "--rank", "0"], "--dp"),
     ("trace_batch.py --step 0", lambda c, w: ["--step", "0"], "--step"),
-    ("prepare_data.py --shard-mb nan", lambda c, w: ["--tokenizer", "builtin", "--out", str(w / "p"), "--shard-mb", "nan", str(_run(c) + "/config.toml")], "--shard-mb"),
-    ("prepare_data.py --builtin-vocab-size 0", lambda c, w: ["--tokenizer", "builtin", "--builtin-vocab-size", "0", "--out", str(w / "p"), str(_run(c) + "/config.toml")], "--builtin-vocab-size"),
+    ("prepare_data.py --shard-mb nan", lambda c, w: ["--tokenizer", "builtin", "--out", str(w / "p"), "--shard-mb", "nan", str(data(c) / "good.jsonl")], "--shard-mb"),
+    ("prepare_data.py --builtin-vocab-size 0", lambda c, w: ["--tokenizer", "builtin", "--builtin-vocab-size", "0", "--out", str(w / "p"), str(data(c) / "good.jsonl")], "--builtin-vocab-size"),
     ("diagnose_scenarios.py --dp 0", lambda c, w: ["--dp", "0", "--out", str(w / "o")], "--dp"),
     ("diagnose_scenarios.py --onset -5", lambda c, w: ["--dp", "2", "--onset", "-5", "--out", str(w / "o")], "--onset"),
     ("bench_generate.py --rounds 0", lambda c, w: ["--rounds", "0"], "--rounds"),
@@ -87,7 +87,7 @@ def _file(w: Path) -> str:
 
 for _name, _args, _says in (
     ("export_hf.py to a path that is a file", lambda c, w: [_step(c), _file(w)], "a-file"),
-    ("prepare_data.py --out a file", lambda c, w: ["--tokenizer", "builtin", "--out", _file(w), str(_run(c) + "/config.toml")], "--out"),
+    ("prepare_data.py --out a file", lambda c, w: ["--tokenizer", "builtin", "--out", _file(w), str(data(c) / "good.jsonl")], "--out"),
     ("inspect_step.py on a file", lambda c, w: [_file(w), "--step", "1"], "a-file"),
 ):  # fmt: skip
     script_refused(S, _name, _name.split(".py")[0].split(" ")[0], _args, _says)

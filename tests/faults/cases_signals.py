@@ -225,7 +225,7 @@ def _late_stop(name: str, wait: Callable[[Path, Live], bool], sig: int, args: tu
         no_orphans(dump)
 
 
-_EVAL = ("--training.steps", "6", *CKPT, "--eval.fraction", "0.2")
+_EVAL = ("--training.steps", "6", *CKPT, "--eval.fraction", "0.002")
 _late_stop("Ctrl-C in the last step", lambda d, live: metrics_step(d, 5)(), signal.SIGINT, RESUME6)
 _late_stop("Ctrl-C during the final eval", lambda d, live: metrics_step(d, 6)(), signal.SIGINT, _EVAL)
 _late_stop(
@@ -238,8 +238,13 @@ _late_stop(
 
 @case("signals/faults", "Ctrl-C to generate.py while it generates")
 def _(c: Catalogue) -> None:
-    live = c.start_script("generate", str(shared_run(c)), "--prompt", "def", "--max-new-tokens", "100000")
-    live.wait_for(lambda: live.saw("#") or bool(time.sleep(8)), timeout=120)
+    prompts = [a for i in range(64) for a in ("--prompt", f"def f{i}(")]
+    live = c.start_script("generate", str(shared_run(c)), *prompts, "--max-new-tokens", "1000")
+    time.sleep(4)  # loading, or generating: either way a Ctrl-C is one line
+    if live.proc.poll() is not None:
+        raise Broke(
+            f"it ended (exit {live.proc.poll()}) before the Ctrl-C; the case needs a longer generation"
+        )
     live.signal(signal.SIGINT)
     expect(live.finish(), 130, "generate")
 

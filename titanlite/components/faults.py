@@ -22,7 +22,8 @@ corrupt_labels, grad_noise and slow_rank act from fault_from_step: a fault that 
 that was healthy, so rules that compare a rank with its own history have one.
 Faults that the loop and the checkpointer must survive: a step without valid tokens, a NaN
 loss, a rank killed at a step or inside a save, a rank that hangs before a step, a rank frozen
-(SIGSTOP) inside a phase of a step, a save failing as on a full disk.
+(SIGSTOP) inside a phase of a step, a save failing as on a full disk, the run folder's writes
+failing as on a full or read-only disk.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Faults:
         """As a step starts, before its batch: the faults that fire at a step."""
         self._step = step
         self.kill_at_step(step)
-        self.interrupt_at_step(step)
+        self.interrupt("start")
         self.hang_at_step(step)
         self.flip_bit(step, model)
 
@@ -152,10 +153,11 @@ class Faults:
         if step == self.debug.sigkill_step and self.rank == self.debug.sigkill_rank and not is_restart():
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def interrupt_at_step(self, step: int) -> None:
-        """Rank 0 sends SIGINT to its launcher as this step starts (to itself without torchrun):
-        the stop path, at a known step."""
-        if step == self.debug.signal_step and self.rank == 0 and not is_restart():
+    def interrupt(self, phase: str) -> None:
+        """Rank 0 sends SIGINT to its launcher (to itself without torchrun) in `phase` of
+        signal_step (debug.signal_phase): the stop path, at a known moment."""
+        d = self.debug
+        if self._step == d.signal_step and phase == d.signal_phase and self.rank == 0 and not is_restart():
             os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGINT)
 
     def hang_at_step(self, step: int) -> None:
@@ -169,6 +171,15 @@ class Faults:
         """Rank 0 dies inside this step's save, after DCP wrote, before the publish."""
         if step == self.debug.sigkill_in_save and self.rank == 0:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def write_error(self, name: str) -> OSError | None:
+        """Rank 0's write of the run folder's file `name` fails, from write_error_step on, as on
+        a full or a read-only disk (components/run/files.py cuts the half record back)."""
+        kind = self.debug.write_error
+        if kind == "none" or self.rank != 0 or self._step < self.debug.write_error_step:
+            return None
+        code = errno.ENOSPC if kind == "full" else errno.EROFS
+        return OSError(code, f"{os.strerror(code)} (injected by debug.write_error)", name)
 
     def save_fails(self, step: int) -> bool:
         """The last rank's checkpoint write of this step fails as on a full disk."""

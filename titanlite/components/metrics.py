@@ -3,19 +3,25 @@ if enabled, Weights & Biases."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
+from titanlite.components.run.files import RECORD_FILES, RunFiles
+from titanlite.components.run.plan import is_restart
 from titanlite.components.summary import RunTally, summary_lines
 from titanlite.config.job_config import JobConfig
 from titanlite.config.job_config import Metrics as MetricsConfig
-from titanlite.errors import UserError, first_line
-from titanlite.tools.cache import atomic_write_bytes
+from titanlite.errors import TrainingError, UserError, first_line
+from titanlite.tools.cache import atomic_write_bytes, disk_full
 from titanlite.tools.formatting import fmt, format_duration
 
 logger = logging.getLogger("titanlite")
@@ -59,22 +65,60 @@ def diagnostics_line(d: dict[str, Any]) -> str:
 
 class _TensorBoard:
     """A sink: TensorBoard events in <run folder>/tb (`purge_step`: a resumed run drops the
-    events of the steps it repeats)."""
+    events of the steps it repeats). Its writer appends from a thread of its own; each log step
+    flushes it, so a failure shows there: tb/ removed under the run is made again (with one
+    line), a full disk stops the run (exit 3)."""
 
-    def __init__(self, log_dir: Path, purge_step: int | None) -> None:
+    def __init__(
+        self, log_dir: Path, purge_step: int | None, inject: Callable[[str], OSError | None] | None
+    ) -> None:
+        self.log_dir, self.inject = log_dir, inject
+        self._writer = self._open(purge_step)
+
+    def _open(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def _events(self) -> Path:
+        return Path(self._writer._get_file_writer().event_writer._file_name)
+
+    def _call(self, write: Callable[[Any], None]) -> None:
+        try:
+            error = self.inject("tb") if self.inject else None
+            if error is not None:
+                raise error
+            if not self._events().is_file():  # tb/ or its event file removed under the run
+                raise FileNotFoundError(errno.ENOENT, "removed", str(self._events()))
+            write(self._writer)
+            self._writer.flush()
+        except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
+            if not isinstance(e, FileNotFoundError) or not self.log_dir.parent.is_dir():
+                raise TrainingError(
+                    f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; stopped"
+                ) from None
+            with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
+                self._writer.close()
+            logger.warning(
+                f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
+            )
+            self._writer = self._open()
+            write(self._writer)
+            self._writer.flush()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        for tag, value in values.items():
-            self._writer.add_scalar(tag, value, step)
+        self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])
 
     def text(self, tag: str, text: str, step: int) -> None:
-        self._writer.add_text(tag, text, step)
+        self._call(lambda w: w.add_text(tag, text, step))
 
     def close(self) -> None:
-        self._writer.close()
+        with contextlib.suppress(Exception):  # a failure was reported where it happened
+            self._writer.close()
+
+
+def _cause(e: BaseException, folder: Path) -> str:
+    return (disk_full(e, folder) if isinstance(e, OSError) else None) or first_line(e)
 
 
 WANDB_ID_FILE = "wandb_id"  # in the run folder: a resumed run continues the same W&B run
@@ -152,9 +196,12 @@ def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Writes on rank 0 only. The JSONL file is flushed after every record so scripts can tail it.
+    """Writes on rank 0 only, every record through the run folder's one writer
+    (components/run/files.py: whole records, written as they come so scripts can tail them).
     TensorBoard and W&B are sinks fed through write_scalars and _text only, so they hold the same
-    keys at the same steps."""
+    keys at the same steps. A write that fails (a full disk, a file replaced by a folder) is one
+    line: `on_failure(line)` hears it (the trainer stops every rank there), or it is raised;
+    either way nothing more is written. `inject`: debug.write_error's failure, or None."""
 
     def __init__(
         self,
@@ -163,47 +210,72 @@ class MetricsWriter:
         tensorboard: bool,
         purge_step: int | None = None,
         cfg: JobConfig | None = None,
+        inject: Callable[[str], OSError | None] | None = None,
+        checkpoints: Path | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.total_steps = total_steps
+        self.on_failure, self.failure = on_failure, ""
         self.run_dir, self.tensorboard = run_dir, tensorboard
         self.diag_console = cfg.diagnostics.console if cfg is not None else "full"
         self.tally = RunTally()
-        self._jsonl = None
-        self._diag = None
-        self._events = None
-        self._eval = None
-        self._samples = None
+        self.files = RunFiles(run_dir, inject, checkpoints) if run_dir is not None else None
         self._sinks: list[_TensorBoard | _WandB] = []
         if run_dir is None:
             return
-        self._jsonl = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
-        self._diag = (run_dir / "diagnostics.jsonl").open("a", encoding="utf-8")
-        self._events = (run_dir / "events.jsonl").open("a", encoding="utf-8")
-        self._eval = (run_dir / "eval.jsonl").open("a", encoding="utf-8")
-        self._samples = (run_dir / "samples.jsonl").open("a", encoding="utf-8")
+        self.files.open()
         if tensorboard:
-            self._sinks.append(_TensorBoard(run_dir / "tb", purge_step))
+            self._sinks.append(_TensorBoard(run_dir / "tb", purge_step, inject))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(_WandB(run_dir, cfg.metrics, asdict(cfg)))
+
+    @classmethod
+    def for_run(
+        cls, cfg: JobConfig, run_dir: Path, resume: int | None, checkpoints: Path, faults, on_failure
+    ) -> MetricsWriter:
+        """The trainer's writer: rank 0's writes into `run_dir` (the other ranks' write nothing);
+        a resumed or restarted run has TensorBoard drop the events of the steps it repeats."""
+        purge = resume + 1 if resume is not None else 1 if is_restart() else None
+        rank0 = run_dir if dist.get_rank() == 0 else None
+        tb = cfg.metrics.enable_tensorboard
+        return cls(rank0, cfg.training.steps, tb, purge, cfg, faults.write_error, checkpoints, on_failure)
 
     def write_scalars(self, prefix: str, rec: dict[str, Any]) -> None:
         """A record's numbers to every sink as `<prefix>/<key>` at its step: the one path of
         scalars (train/, diag/, and any later group such as eval/)."""
         values = scalar_tags(prefix, rec)
-        if values:
-            for sink in self._sinks:
-                sink.scalars(rec["step"], values)
+        for sink in self._sinks if values else ():
+            self._guard(lambda s=sink: s.scalars(rec["step"], values))
 
     def _text(self, tag: str, text: str, step: int) -> None:
         for sink in self._sinks:
-            sink.text(tag, text, step)
+            self._guard(lambda s=sink: s.text(tag, text, step))
+
+    def _append(self, name: str, records: list[dict[str, Any]]) -> None:
+        if self.files is not None:
+            self._guard(lambda: self.files.append(name, records))
+
+    def check(self) -> None:
+        """Every log step: the run folder's files still where the run writes them."""
+        if self.files is not None:
+            self._guard(self.files.check)
+
+    def _guard(self, write: Callable[[], None]) -> None:
+        """One write into the run folder; after a failure, none (see the class doc)."""
+        if self.failure:
+            return
+        try:
+            write()
+        except TrainingError as e:
+            self.failure = str(e)
+            if self.on_failure is None:
+                raise
+            self.on_failure(self.failure)
 
     def write(self, rec: dict[str, Any]) -> None:
         logger.info(progress_line(rec, self.total_steps, self.diag_console))
         self.tally.record(rec)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(rec) + "\n")
-            self._jsonl.flush()
+        self._append("metrics.jsonl", [rec])
         self.write_scalars("train", rec)
 
     def write_diagnostics(self, records: list[dict[str, Any]]) -> None:
@@ -212,10 +284,7 @@ class MetricsWriter:
         if not records:
             return
         self.tally.last_diag = records[-1]
-        if self._diag is not None:
-            for rec in records:
-                self._diag.write(json.dumps(rec) + "\n")
-            self._diag.flush()
+        self._append("diagnostics.jsonl", records)
         for rec in records:
             self.write_scalars("diag", rec)
         if self.diag_console == "full":
@@ -228,9 +297,7 @@ class MetricsWriter:
             f"{rec['tokens']:,} tokens of {rec['sequences']:,} sequences in {rec['seconds']:.1f}s"
         )
         self.tally.last_eval = rec
-        if self._eval is not None:
-            self._eval.write(json.dumps(rec) + "\n")
-            self._eval.flush()
+        self._append("eval.jsonl", [rec])
         self.write_scalars("eval", rec)
 
     def write_samples(self, step: int, samples: list[dict[str, str]]) -> None:
@@ -241,10 +308,9 @@ class MetricsWriter:
         # repr: whitespace and control characters stay visible (a model that emits only
         # newlines prints '\n\n...', not an empty string)
         logger.info(f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}")
-        if self._samples is not None:
-            for i, sample in enumerate(samples):
-                self._samples.write(json.dumps({"step": step, "index": i, **sample}) + "\n")
-            self._samples.flush()
+        self._append(
+            "samples.jsonl", [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)]
+        )
         for i, sample in enumerate(samples):
             self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
 
@@ -258,9 +324,7 @@ class MetricsWriter:
             else:
                 logger.info(alert.line())
                 self.tally.notes[alert.name] += 1
-            if self._events is not None:
-                self._events.write(json.dumps(alert.to_dict()) + "\n")
-                self._events.flush()
+            self._append("events.jsonl", [alert.to_dict()])
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
     def finish(self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]) -> None:
@@ -272,9 +336,8 @@ class MetricsWriter:
                 logger.info(line)
 
     def close(self) -> None:
-        for f in (self._jsonl, self._diag, self._events, self._eval, self._samples):
-            if f is not None:
-                f.close()
+        if self.files is not None:
+            self.files.close()
         for sink in self._sinks:
             sink.close()
         self._sinks = []
@@ -283,7 +346,7 @@ class MetricsWriter:
 def truncate_after(run_dir: Path, step: int) -> None:
     """A resumed run continues from `step`: drop the records of later steps (written before the
     crash) from the JSONL files, and a line cut off by the crash; each file rewritten atomically."""
-    for name in ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl"):
+    for name in RECORD_FILES:
         path = run_dir / name
         if not path.is_file():
             continue

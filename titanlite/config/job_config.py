@@ -82,7 +82,7 @@ class Training:
     seq_len: int = opt(2048, "tokens per sequence", at_least=1)
     steps: int = opt(10, "optimizer steps to run", at_least=1)
     max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0.0)
-    seed: int = opt(42, "seed of init, data order and everything random", at_least=0)
+    seed: int = opt(42, "seed of init, data order and everything random", at_least=0, at_most=2**63 - 1)
     deterministic: bool = opt(
         False, "bitwise repeatable GPU runs: deterministic algorithms, a fixed cuBLAS workspace (slower)"
     )
@@ -146,6 +146,10 @@ class Data:
     )
     document_mask: bool = opt(
         False, "pretrain: attention stays within each document and RoPE positions restart at each"
+    )
+    accept_change: bool = opt(
+        False,
+        "resume although the data's content changed since the checkpoint (recorded in run.json and events.jsonl)",
     )
 
 

@@ -151,6 +151,10 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
             "one replica); use diagnostics.method = 'sketch' or 'auto'"
         )
+    if not cfg.job.dump_folder.strip():
+        raise UserError(
+            "job.dump_folder is empty; name the folder that holds the run folders (default ./outputs)"
+        )
     c = cfg.checkpoint
     if not c.folder:
         raise UserError(
@@ -265,8 +269,10 @@ def check_hf_folder(folder, need_tokenizer: bool) -> None:
         raise UserError(
             f"'{folder}' has no model.safetensors or model.safetensors.index.json; download the weights too"
         )
-    if need_tokenizer and not (folder / "tokenizer.json").is_file():
-        raise UserError(f"'{folder}' has no tokenizer.json; download it, or set model.tokenizer_path")
+    if need_tokenizer and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(
+            f"'{folder}' has no tokenizer.json (nor tokenizer.model); download it, or set model.tokenizer_path"
+        )
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:

@@ -135,13 +135,21 @@ def _bounds_text(bounds: dict[str, float]) -> str:
     return " and ".join(f"{op} {bound}" for op, bound in bounds.items())
 
 
+# A whole number past this is a typo, not a wish (and overflows the C ints it reaches); a field
+# that may go further says so with its own at_most (training.seed).
+INT_LIMIT = 2**31 - 1
+
+
 def check_values(cfg: JobConfig) -> None:
-    """Every number finite and within its field's bounds (titanlite.config.fields.opt): one
-    line naming the key, the value and the bounds."""
+    """Every number finite and within its field's bounds (titanlite.config.fields.opt; a whole
+    number at most INT_LIMIT unless its field allows more): one line naming the key, the value
+    and the bounds."""
     for sf in fields(cfg):
         section = getattr(cfg, sf.name)
         for f in fields(section):
-            value, bounds = getattr(section, f.name), f.metadata.get("bounds", {})
+            value, bounds = getattr(section, f.name), dict(f.metadata.get("bounds", {}))
+            if isinstance(value, int) and not isinstance(value, bool) and "<=" not in bounds:
+                bounds["<="] = INT_LIMIT
             if isinstance(value, float) and not math.isfinite(value):
                 rule = f" {_bounds_text(bounds)}" if bounds else ""
                 raise UserError(f"{sf.name}.{f.name} is {value}; it must be a finite number{rule}")

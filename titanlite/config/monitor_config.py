@@ -38,7 +38,13 @@ class Debug:
     )
     sigkill_rank: int = opt(0, "the rank that sigkill_step kills")
     signal_step: int = opt(
-        -1, "fault: as this step starts, rank 0 sends SIGINT to its launcher, as a Ctrl-C would"
+        -1, "fault: in signal_phase of this step, rank 0 sends SIGINT to its launcher, as a Ctrl-C would"
+    )
+    signal_phase: str = opt(
+        "start",
+        "the moment of signal_step: as it starts, in its eval, in its checkpoint save, or in the exports "
+        "that end the run",
+        choices=("start", "eval", "save", "export"),
     )
     hang_step: int = opt(-1, "fault: rank hang_rank stops responding as this step starts (comm timeout)")
     hang_rank: int = opt(0, "the rank that hang_step hangs")
@@ -52,6 +58,12 @@ class Debug:
     fail_save_step: int = opt(
         -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
     )
+    write_error: str = opt(
+        "none",
+        "fault: from write_error_step on, rank 0's writes into the run folder fail as on a full or read-only disk",
+        choices=("none", "full", "read_only"),
+    )
+    write_error_step: int = opt(1, "the step whose log step write_error starts at", at_least=1)
     sigkill_in_save: int = opt(
         -1, "fault: rank 0 is killed inside this step's checkpoint save, before it is published"
     )

@@ -153,8 +153,14 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_siz
         return MixtureDataset([synthetic], [1.0])
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
     part = "train" if cfg.eval.fraction > 0 else None
-    datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, part) for name, _ in parts]
-    return MixtureDataset(datasets, [w for _, w in parts])
+    prepared = [_open_prepared(cfg, tok, name) for name, _ in parts]
+    mixture = MixtureDataset([_sequences(cfg, data, tok, part) for data in prepared], [w for _, w in parts])
+    # what it trains on, by content (titanlite.datasets.spec.data_identity): a resume compares it
+    mixture.identity = [
+        {"content": data.content, "weight": w, "path": name}
+        for data, (name, w) in zip(prepared, parts, strict=True)
+    ]
+    return mixture
 
 
 def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> MixtureDataset | None:

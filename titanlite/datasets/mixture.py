@@ -9,9 +9,12 @@ import numpy as np
 class MixtureDataset:
     """Datasets as one index space, with their weights (the sampler decides how often each is read)."""
 
-    def __init__(self, parts: list, weights: list[float]) -> None:
+    def __init__(self, parts: list, weights: list[float], identity: list[dict] | None = None) -> None:
         self.parts = parts
         self.weights = weights
+        # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
+        # says all of it (synthetic data, an eval set)
+        self.identity = identity
         self.sizes = [len(p) for p in parts]
         self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from titanlite.datasets.records import record_tokens, sft_format_key
 from titanlite.datasets.sources import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
-from titanlite.errors import UserError
+from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes, disk_full, fsync_dir
 
 FORMAT = 1
@@ -72,6 +72,18 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
         "sources": files_fingerprint(files),
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def content_key(mode: str, tok: Any, shards: list[str | None]) -> str | None:
+    """What a prepared folder trains on, computed once as it is prepared: every document's
+    tokens (and SFT mask) in order, shard by shard, and the tokenizer's fingerprint; not where
+    the inputs were, nor when. A run's identity holds it (titanlite.config.identity), so a
+    resume on other data is refused and the same data moved or copied elsewhere still resumes.
+    None where a shard was prepared before shards recorded theirs."""
+    if any(c is None for c in shards):
+        return None
+    what = {"mode": mode, "tokenizer": tok.fingerprint, "shards": shards}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def group_pieces(pieces: list[Piece], shard_bytes: int) -> list[list[Piece]]:
@@ -133,13 +145,19 @@ class _ShardWriter:
         self.tokens = open(out / f".{name}.tokens{self.suffix}", "wb")  # noqa: SIM115 - closed in publish()
         self.mask = open(out / f".{name}.mask{self.suffix}", "wb") if mode == "sft" else None  # noqa: SIM115
         self.offsets, self.rows, self.first = [0], [], []
+        self.content = hashlib.blake2b(digest_size=16)  # what the shard trains on: see content_key
 
     def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
-        ids.astype(self.dtype, copy=False).tofile(self.tokens)
+        ids = ids.astype(self.dtype, copy=False)
+        ids.tofile(self.tokens)
+        self.content.update(np.int64(len(ids)).tobytes())  # the documents' bounds, then their tokens
+        self.content.update(np.ascontiguousarray(ids))
         self.offsets.append(self.offsets[-1] + len(ids))
         self.rows.append(row)
         if mask is not None:
-            mask.astype(np.uint8).tofile(self.mask)
+            mask = mask.astype(np.uint8)
+            mask.tofile(self.mask)
+            self.content.update(np.ascontiguousarray(mask))
             hits = np.flatnonzero(mask)
             self.first.append(int(hits[0]) if len(hits) else -1)
 
@@ -162,7 +180,12 @@ class _ShardWriter:
         for fh in files:
             tmp = Path(fh.name)
             os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(self.suffix)))
-        info = {**info, "tokens": self.offsets[-1], "docs": len(self.rows)}
+        info = {
+            **info,
+            "tokens": self.offsets[-1],
+            "docs": len(self.rows),
+            "content": self.content.hexdigest(),
+        }
         atomic_write_bytes(self.out / f"{self.name}.json", json.dumps(info).encode())
         return info
 
@@ -291,7 +314,7 @@ def prepare(
             full = disk_full(e, out) if isinstance(e, (OSError, RuntimeError)) else None
             if full is not None:
                 done = sum(info is not None for info in infos)
-                raise UserError(
+                raise TrainingError(
                     f"preparing the data: {full}; free space or use a larger disk (the cache: "
                     f"data.cache_dir or TITANLITE_CACHE), then rerun: the {done} of {len(infos)} shards "
                     "written are kept"
@@ -355,6 +378,7 @@ def _finish(
     meta = {
         "format": FORMAT,
         "key": key,
+        "content": content_key(mode, tok, [info.get("content") for info in infos]),
         "mode": mode,
         "text_field": text_field,
         "dtype": token_dtype(tok.vocab_size).name,

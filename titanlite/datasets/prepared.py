@@ -25,6 +25,29 @@ def is_prepared(path: Path) -> bool:
     return path.is_dir() and ((path / META).is_file() or any(path.glob("shard-*.json")))
 
 
+def _npy_problem(path: Path, dtype: np.dtype, count: int) -> str | None:
+    """What is wrong with the .npy file `path`, which must hold `count` values of `dtype`."""
+    try:
+        with path.open("rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            shape, _, stored = read(f)
+            start, size = f.tell(), os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return "is missing"
+    except (OSError, ValueError) as e:
+        return f"is not a readable .npy file ({e})"
+    if stored != dtype or shape != (count,):
+        return f"holds {shape} {stored}, its index says ({count},) {dtype}"
+    if size != start + count * dtype.itemsize:
+        return f"is {size} bytes, its header says {start + count * dtype.itemsize}"
+    return None
+
+
 def load_meta(folder: Path) -> dict:
     """meta.json of a complete prepared folder, or one UserError that says what to do."""
     meta = read_json(folder / META)
@@ -63,8 +86,10 @@ class Prepared:
         return {**self.__dict__, "_open": OrderedDict()}
 
     def _check_files(self) -> None:
-        """Every shard file present, readable and of the size its index says: a damaged folder
-        stops the run at start-up, not hours in."""
+        """Every shard file present, readable and of the size its index says (the token and mask
+        files from its token count, the .npy indexes from its document count and their headers):
+        a damaged folder stops the run at start-up, in one line naming the file, not hours in
+        on the rank whose batch first reaches it."""
         for s in self.shards:
             expect = {"tokens": s["tokens"] * self.dtype.itemsize}
             if self.mode == "sft":
@@ -79,10 +104,27 @@ class Prepared:
                     what = (
                         "missing" if actual is None else "unreadable" if actual == size else f"{actual} bytes"
                     )
-                    raise UserError(
-                        f"prepared data '{self.folder}': shard file {path.name} is {what}, its index says "
-                        f"{size} bytes; the folder is damaged: delete it and prepare it again"
-                    )
+                    self._damaged(path, f"is {what}, its index says {size} bytes")
+            indexes = {"offsets.npy": (np.int64, s["docs"] + 1), "rows.npy": (np.int64, s["docs"])}
+            if self.mode == "sft":
+                indexes["first.npy"] = (np.int32, s["docs"])
+            for suffix, (dtype, count) in indexes.items():
+                path = self.folder / f"{s['name']}.{suffix}"
+                why = _npy_problem(path, np.dtype(dtype), count)
+                if why:
+                    self._damaged(path, why)
+
+    def _damaged(self, path: Path, why: str) -> None:
+        raise UserError(
+            f"prepared data '{self.folder}': shard file {path.name} {why}; the folder is damaged: delete it "
+            "and prepare it again (scripts/prepare_data.py with the same inputs and --out)"
+        )
+
+    @property
+    def content(self) -> str | None:
+        """What it trains on (titanlite.datasets.prepare.content_key); None if prepared before
+        folders recorded it."""
+        return self.meta.get("content")
 
     def check_mode(self, mode: str) -> None:
         if self.mode != mode:

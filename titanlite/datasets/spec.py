@@ -82,3 +82,29 @@ def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
         tok = load_tokenizer(tokenizer_path)
         for p in prepared:
             Prepared(p).check_tokenizer(tok)
+
+
+def data_identity(cfg, tok=None) -> list[dict] | None:
+    """What data.path trains on, by content: [{"content", "weight"}] of each dataset (a prepared
+    folder's content key; raw inputs and the built-in data through the folder they are prepared
+    into in the cache). None where that cannot be told before the data is prepared (raw inputs
+    not in the cache yet, no tokenizer `tok` given) or for synthetic data."""
+    from titanlite.datasets.prepare import data_key
+    from titanlite.datasets.prepared import Prepared, is_prepared
+    from titanlite.datasets.sources import discover
+    from titanlite.tools.cache import cache_dir
+
+    if cfg.data.mode == "synthetic":
+        return None
+    out = []
+    for name, weight in parse_data_path(cfg.data.path) or [("", 1.0)]:
+        folder = Path(name).expanduser() if name else None
+        if folder is None or not is_prepared(folder):
+            if tok is None or folder is None:  # the built-in data's files: found by the worker
+                return None
+            key = data_key(discover(name), tok, cfg.data.mode, cfg.data.text_field)
+            folder = cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
+            if not (folder / "meta.json").is_file():
+                return None
+        out.append({"content": Prepared(folder).content, "weight": weight, "path": name})
+    return out

@@ -20,7 +20,9 @@ import sentencepiece as spm
 from titanlite.datasets.chat import render
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
 from titanlite.errors import UserError, first_line
+from titanlite.models.hf_files import read_generation_config, read_special_tokens_map, read_tokenizer_config
 from titanlite.tools.cache import atomic_write_bytes
+from titanlite.tools.records import read_json
 
 TRAINER_VERSION = 1  # bump when the training recipe below changes
 
@@ -155,8 +157,7 @@ def _special_tokens(folder: Path) -> dict:
     """bos/eos/pad as token strings (tokenizer_config.json, special_tokens_map.json) or, failing
     those, ids (config.json; a list of EOS ids gives its first)."""
     out: dict = {}
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        data = _read_json(folder / name)
+    for data in (read_tokenizer_config(folder), read_special_tokens_map(folder)):
         for kind in ("bos", "eos", "pad"):
             token = data.get(f"{kind}_token")
             token = token.get("content") if isinstance(token, dict) else token
@@ -174,8 +175,8 @@ def _special_tokens(folder: Path) -> dict:
 def _eos_ids(folder: Path) -> list[int]:
     """The eos_token_id of generation_config.json and config.json: an id or a list of them."""
     ids = []
-    for name in ("generation_config.json", "config.json"):
-        value = _read_json(folder / name).get("eos_token_id")
+    for data in (read_generation_config(folder), _read_json(folder / "config.json")):
+        value = data.get("eos_token_id")
         ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
     return ids
 
@@ -185,7 +186,7 @@ def _chat_template(folder: Path) -> str | None:
     tokenizer_config.json's "chat_template" (a string, or a list of named ones: "default")."""
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    template = _read_json(folder / "tokenizer_config.json").get("chat_template")
+    template = read_tokenizer_config(folder).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
@@ -193,23 +194,24 @@ def _chat_template(folder: Path) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"'{path}' is not valid JSON ({first_line(e)}); fix or remove it") from None
-    return data if isinstance(data, dict) else {}
+    """A JSON object file beside the tokenizer ({} without one): its config.json, whose keys the
+    model's adapter reads whole (models/hf_files.py)."""
+    return read_json(path) if path.is_file() else {}
 
 
 def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
     """A tokenizer file by its kind: tokenizer.json (or a folder holding one) is Hugging Face's,
-    anything else must be a SentencePiece model."""
+    anything else must be a SentencePiece model (a folder's tokenizer.model: what titanlite
+    exports for a run on the built-in tokenizer)."""
     p = Path(path).expanduser()
     if p.is_dir():
-        if not (p / "tokenizer.json").is_file():
-            raise UserError(f"'{path}' holds no tokenizer.json; point at a Hugging Face model folder")
-        return HFTokenizer(p / "tokenizer.json")
+        if (p / "tokenizer.json").is_file():
+            return HFTokenizer(p / "tokenizer.json")
+        if (p / "tokenizer.model").is_file():
+            return load_tokenizer(str(p / "tokenizer.model"))
+        raise UserError(
+            f"'{path}' holds no tokenizer.json or tokenizer.model; point at a Hugging Face model folder"
+        )
     if p.suffix == ".json":
         return HFTokenizer(p)
     try:

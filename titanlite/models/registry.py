@@ -31,7 +31,9 @@ scripts alike. The contract for a registered model:
   first, then of one token per row at a time; without it generation runs full forwards;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
   checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
-- optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder.
+- optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder; its
+  `reads` names every config.json key its `args_from_config` uses, since a folder's configs are
+  read whole (titanlite.models.hf_files: a key neither used nor known to be harmless is refused).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,7 +51,9 @@ import torch.nn as nn
 
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
+from titanlite.models.hf_files import read_config
 from titanlite.ops.cross_entropy import chunk_positions
+from titanlite.tools.records import read_json
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,9 @@ class HFAdapter:
     # (HF name, tensor, args) -> titanlite's name and tensor; None: no place of its own (a tied copy)
     from_hf: Callable[[str, Any, Any], tuple[str, Any] | None]
     to_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (titanlite name, tensor, args) -> HF's
+    # the config.json keys args_from_config reads; with titanlite's own and the harmless ones
+    # (models/hf_files.py), every key of a folder's config.json must be one of them
+    reads: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -118,7 +124,7 @@ class MetaModel:
 def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
     """The model's args from a Hugging Face folder's config.json, through the spec's adapter; the
     tokenizer's ids must fit the embedding."""
-    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    config = read_json(folder / "config.json", "a Hugging Face model folder's config.json is a JSON object")
     archs = config.get("architectures") or [config.get("model_type", "?")]
     if spec.hf is None or not set(archs) & set(spec.hf.architectures):
         reads = ", ".join(spec.hf.architectures) if spec.hf else "nothing: it has no HFAdapter"
@@ -126,7 +132,7 @@ def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
             f"'{folder}' holds a {', '.join(archs)} but model '{spec.name}' reads {reads}; "
             "use a folder of that architecture, or a model.name whose adapter reads it"
         )
-    args = spec.hf.args_from_config(config)
+    args = spec.hf.args_from_config(read_config(folder, spec.hf.reads))
     if tokenizer_vocab > args.vocab_size:
         raise UserError(
             f"the tokenizer's ids reach {tokenizer_vocab - 1} but config.json's vocab_size is "

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
-import tempfile
 from pathlib import Path
 
 # Under this much left after a failed write, the disk is taken as full: numpy's tofile and
@@ -31,15 +31,17 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`."""
+    """Write to a temporary file in the same folder, then rename over `path`. The file gets the
+    mode the user's umask gives (created 0666 & ~umask, as open() would), not mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -29,6 +29,7 @@ from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 from titanlite.tools.plots import plot_invariance
+from titanlite.tools.records import read_json, read_records
 from titanlite.tools.tolerance import Tolerance
 
 # Expected to differ between the runs of an invariance comparison.
@@ -53,25 +54,6 @@ DIAG_KEYS = ("loss_std", "cos_mean_pairwise")
 
 def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
-    lines = text.splitlines()
-    out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if i == len(lines) and not text.endswith("\n"):
-                raise UserError(
-                    f"{path}: its last line ({i}) is cut off (was the run killed while writing?); "
-                    "delete that line to compare the steps before it"
-                ) from None
-            raise UserError(f"{path}: line {i} is not JSON; the file is corrupt") from None
-    return out
 
 
 @dataclass
@@ -130,14 +112,16 @@ def load_run(path: str | Path) -> Run:
     defaults = tomllib.loads(to_toml(JobConfig()))
     merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
     config = {f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()}
-    resolved = json.loads((path / "run.json").read_text()) if (path / "run.json").is_file() else {}
-    metrics = {r["step"]: r for r in _read_jsonl(metrics_file) if "step" in r}
+    resolved = (
+        read_json(path / "run.json", "it is written as a run starts") if (path / "run.json").is_file() else {}
+    )
+    metrics = {r["step"]: r for r in read_records(metrics_file, cut_off="refuse") if "step" in r}
     if not metrics:
         raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
     diag_file = path / "diagnostics.jsonl"
-    diag = {r["step"]: r for r in _read_jsonl(diag_file)} if diag_file.is_file() else {}
+    diag = {r["step"]: r for r in read_records(diag_file) if "step" in r}
     eval_file = path / "eval.jsonl"
-    evals = {r["step"]: r for r in _read_jsonl(eval_file)} if eval_file.is_file() else {}
+    evals = {r["step"]: r for r in read_records(eval_file) if "step" in r}
     return Run(path, config, resolved, metrics, diag, evals)
 
 

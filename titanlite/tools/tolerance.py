@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from titanlite.errors import UserError
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -30,6 +32,16 @@ class Tolerance:
     first: float  # at the first compared step (a forward pass on the same weights)
     per_step: float = 0.0  # growth per update since then
     cap: float = math.inf  # the most it grows to
+
+    def __post_init__(self) -> None:
+        """A tolerance under which every comparison passes (inf, nan) or none can (<= 0) is no
+        verdict: refused, whoever builds it (a script's --rtol is checked at its front door too)."""
+        if not (math.isfinite(self.first) and self.first > 0):
+            raise UserError(f"rtol is {self.first!r}; it must be a finite number > 0")
+        if not (math.isfinite(self.per_step) and self.per_step >= 0) or not self.cap > 0:
+            raise UserError(
+                f"a tolerance growing by {self.per_step!r} per step up to {self.cap!r} is no verdict"
+            )
 
     def at(self, k: int) -> float:
         return min(self.cap, self.first + self.per_step * k)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -32,7 +33,16 @@ CORE = (
     "pyarrow",
     "matplotlib",
 )
-DEV = ("pytest", "ruff", "transformers", "importlinter", "md_link_checker", "gguf", "accelerate")
+DEV = (
+    "pytest",
+    "ruff",
+    "transformers",
+    "importlinter",
+    "md_link_checker",
+    "gguf",
+    "accelerate",
+    "hypothesis",
+)
 _AGAIN = "TITANLITE_VENV_EXEC"  # set on the second execution: never a third
 
 
@@ -41,9 +51,24 @@ def missing(dev: bool = False) -> list[str]:
     return [m for m in CORE + (DEV if dev else ()) if importlib.util.find_spec(m) is None]
 
 
+def _stopped_while_starting(signum: int, frame) -> None:
+    """A Ctrl-C or SIGTERM while the script imports (seconds, before its front door is up):
+    one line, nothing written yet (titanlite.tools.cli takes over from there)."""
+    name = signal.Signals(signum).name
+    print(
+        f"{Path(sys.argv[0]).stem}: stopped by {name} as it started; nothing was written",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + signum)
+
+
 def use_project_venv(dev: bool = False) -> None:
     """Return if this interpreter has what the script needs; else execute the script again under
     the project's interpreter (scripts/env.sh installs it once, printing that it does)."""
+    if sys._getframe(1).f_globals.get("__name__") == "__main__":  # a script run, not one imported
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, _stopped_while_starting)
     if not missing(dev) or os.environ.get(_AGAIN):
         return
     env_sh = ROOT / "scripts" / "env.sh"

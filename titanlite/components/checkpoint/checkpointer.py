@@ -117,6 +117,7 @@ class Checkpointer:
         scheduler: torch.optim.lr_scheduler.LRScheduler,
         faults: Faults | None = None,
         run_dir: Path | None = None,
+        data: list[dict] | None = None,
     ):
         self.cfg = cfg
         self.folder = folder
@@ -139,6 +140,7 @@ class Checkpointer:
         self._pending: tuple[int, Path, Future] | None = None
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
         self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
+        self.data = data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
 
     def track(self, parts: dict[str, HostState], generators: dict[str, torch.Generator]) -> None:
         """Register host-stateful parts (saved in state.json under their names) and RNG streams
@@ -182,11 +184,21 @@ class Checkpointer:
                 continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
         return 1
 
-    def stop(self, step: int, signum: int) -> None:
+    def stop(self, step: int, signum: int, finished: bool = False) -> None:
         """Every rank, after the step all agreed to stop after: a settled checkpoint (unless
         checkpointing is off), then Stopped with the line that says how to continue and the grace
-        a stop needs."""
+        a stop needs. `finished`: the stop came as the run ended, every step and export done."""
         name = signal.Signals(signum).name
+        if finished:
+            kept = (
+                f"checkpoint step-{step} holds it"
+                if self.cfg.checkpoint.interval > 0
+                else "checkpointing is off"
+            )
+            raise Stopped(
+                signum,
+                f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
+            )
         if self.cfg.checkpoint.interval <= 0:
             raise Stopped(
                 signum,
@@ -213,6 +225,7 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
         partial folder, keep the older checkpoints, and raise on every rank."""
+        self.faults.interrupt("save")
         self.wait()
         start = time.perf_counter()
         final = step_dir(self.folder, step)
@@ -242,6 +255,7 @@ class Checkpointer:
                 "optimizer_groups": OPTIMIZER_GROUPS,
                 "model_args": self.model_args,
                 "hf_config": self.hf_config,
+                "data": self.data,
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
@@ -389,7 +403,16 @@ class Checkpointer:
         """Another run's step folder as the start of this one: the model (resharded to this
         layout) and, `with_optimizer`, the optimizer state. Only reads `path`. Returns its
         state.json."""
-        host = self._load_state(path, with_optimizer, check=True)
+        host, error = None, None
+        try:
+            host = self._load_state(path, with_optimizer, check=True)
+        except UserError as e:
+            error = str(e)
+        except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
+            error = f"checkpoint '{path}' failed to load (rank {self.rank}: {first_cause(e)}); it is damaged: point checkpoint.initial_load_path at an intact step"
+        error = first_error(error, self.group)
+        if error:
+            raise UserError(error)
         what = "model and optimizer" if with_optimizer else "model"
         logger.info(f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0")
         return host

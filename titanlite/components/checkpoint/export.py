@@ -47,7 +47,7 @@ def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir:
             meta.args,
             c.export_dtype,
             Path(source).expanduser() if source else None,
-            tokenizer.folder if tokenizer else None,
+            tokenizer,
         )
         written.append(run_dir / "hf")
     return written

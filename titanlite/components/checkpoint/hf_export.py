@@ -35,6 +35,7 @@ from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError
 from titanlite.models.registry import HFAdapter
 from titanlite.tools.cache import fsync_dir
+from titanlite.tools.records import read_json
 
 logger = logging.getLogger("titanlite")
 
@@ -78,15 +79,33 @@ def shard_file(i: int, n: int) -> str:
     return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
 
 
-def companion_files(source: Path | None, tokenizer_dir: Path | None) -> dict[str, Path]:
-    """Files copied beside the weights: the source folder's generation_config.json (sampling
-    defaults, end-of-turn ids) and the tokenizer's files, when it is a Hugging Face one."""
-    files = {}
+def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | bytes]:
+    """Files written beside the weights (a path: copied; bytes: written): the source folder's
+    generation_config.json (sampling defaults, end-of-turn ids) and the tokenizer the run trained
+    with: a Hugging Face one's files as they are, the built-in (or any) SentencePiece model as
+    tokenizer.model with the tokenizer_config.json that has transformers encode as it does
+    (tests/test_hf.py holds AutoTokenizer to its ids). A run on synthetic tokens has none, and
+    the export says so."""
+    files: dict[str, Path | bytes] = {}
     if source is not None and (source / "generation_config.json").is_file():
         files["generation_config.json"] = source / "generation_config.json"
-    for name in TOKENIZER_FILES if tokenizer_dir is not None else ():
-        if (tokenizer_dir / name).is_file():
-            files[name] = tokenizer_dir / name
+    if tokenizer is None:
+        logger.info("the export holds no tokenizer: the run trained on synthetic tokens, which have none")
+    elif tokenizer.folder is not None:
+        files.update({n: tokenizer.folder / n for n in TOKENIZER_FILES if (tokenizer.folder / n).is_file()})
+    else:
+        piece = tokenizer.sp.id_to_piece
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",  # transformers converts tokenizer.model
+            "bos_token": piece(tokenizer.bos_id),
+            "eos_token": piece(tokenizer.eos_id),
+            "pad_token": piece(tokenizer.pad_id),
+            "unk_token": piece(tokenizer.sp.unk_id()),
+            "add_bos_token": False,  # titanlite adds its specials itself, as a prompt format says
+            "add_eos_token": False,
+        }
+        files["tokenizer.model"] = tokenizer.model_proto
+        files["tokenizer_config.json"] = (json.dumps(config, indent=2) + "\n").encode()
     return files
 
 
@@ -95,7 +114,7 @@ def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | 
     config = adapter.config_from_args(args)
     max_position = config.get("max_position_embeddings", 0)
     if source is not None and (source / "config.json").is_file():
-        theirs = json.loads((source / "config.json").read_text(encoding="utf-8"))
+        theirs = read_json(source / "config.json")
         config.update({key: theirs[key] for key in _CARRIED_KEYS if key in theirs})
         config["max_position_embeddings"] = max(config["max_position_embeddings"], max_position)
     name = str(dtype).removeprefix("torch.")
@@ -111,7 +130,7 @@ def write_hf_folder(
     args: Any,
     dtype: torch.dtype,
     config: dict,
-    files: dict[str, Path],
+    files: dict[str, Path | bytes],
     writes: bool = True,
 ) -> str | None:
     """Write the folder if `writes` (one rank does). `fetch(name)` gives titanlite's full tensor;
@@ -128,23 +147,28 @@ def write_hf_folder(
         except OSError as e:
             error = f"cannot create {tmp}: {e}"
     weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        tensors = {}
-        for name, hf_name in shard:
-            full = fetch(name)
+    try:
+        for i, shard in enumerate(shards):
+            tensors = {}
+            for name, hf_name in shard:
+                full = fetch(name)
+                if not writes or error:
+                    continue
+                _, converted = adapter.to_hf(name, full, args)
+                tensors[hf_name] = converted.detach().to(device="cpu", dtype=dtype).contiguous()
             if not writes or error:
                 continue
-            _, converted = adapter.to_hf(name, full, args)
-            tensors[hf_name] = converted.detach().to(device="cpu", dtype=dtype).contiguous()
-        if not writes or error:
-            continue
-        file = shard_file(i, len(shards))
-        try:
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
-        except OSError as e:
-            error = f"writing {tmp / file}: {e}"
-        weight_map.update(dict.fromkeys(tensors, file))
-        total += sum(t.numel() * t.itemsize for t in tensors.values())
+            file = shard_file(i, len(shards))
+            try:
+                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            except OSError as e:
+                error = f"writing {tmp / file}: {e}"
+            weight_map.update(dict.fromkeys(tensors, file))
+            total += sum(t.numel() * t.itemsize for t in tensors.values())
+    except BaseException:  # a tensor that cannot be read, a stop: nothing half-written stays
+        if writes:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if writes and not error:
         try:
             _finish(folder, tmp, config, weight_map, total, len(shards), files)
@@ -156,14 +180,23 @@ def write_hf_folder(
 
 
 def _finish(
-    folder: Path, tmp: Path, config: dict, weight_map: dict, total: int, n: int, files: dict[str, Path]
+    folder: Path,
+    tmp: Path,
+    config: dict,
+    weight_map: dict,
+    total: int,
+    n: int,
+    files: dict[str, Path | bytes],
 ) -> None:
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name, path in files.items():
-        shutil.copy2(path, tmp / name)
+    for name, what in files.items():
+        if isinstance(what, bytes):
+            (tmp / name).write_bytes(what)
+        else:
+            shutil.copy2(what, tmp / name)
     fsync_dir(tmp)
     if folder.exists():  # an export of this run from an earlier attempt
         shutil.rmtree(folder)
@@ -177,12 +210,12 @@ def export_hf(
     args: Any,
     dtype_name: str,
     source: Path | None,
-    tokenizer_dir: Path | None,
+    tokenizer: Any,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """The trained (possibly sharded) model as a Hugging Face folder; every rank calls it.
     `source`: the folder the model came from (its token ids and context length are kept);
-    `tokenizer_dir`: where tokenizer.json and its companions are (None: no tokenizer files)."""
+    `tokenizer`: the run's (None: synthetic tokens; see companion_files)."""
     start = time.perf_counter()
     dtype = DTYPES[dtype_name]
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
@@ -196,7 +229,7 @@ def export_hf(
         return p.full_tensor() if isinstance(p, DTensor) else p
 
     config = hf_config(adapter, args, dtype, source) if rank == 0 else {}
-    files = companion_files(source, tokenizer_dir)
+    files = companion_files(source, tokenizer) if rank == 0 else {}
     error = first_error(
         write_hf_folder(folder, shards, fetch, adapter, args, dtype, config, files, writes=rank == 0)
     )
@@ -248,8 +281,8 @@ def export_checkpoint(
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
     config = hf_config(meta.spec.hf, meta.args, dtype, source)
-    files = companion_files(source, tok.folder if tok else None)
+    files = companion_files(source, tok)
     error = write_hf_folder(folder, shards, fetch, meta.spec.hf, meta.args, dtype, config, files)
     if error:
-        raise UserError(f"the export failed ({error}); nothing was published at '{folder}'")
+        raise TrainingError(f"the export failed ({error}); nothing was published at '{folder}'")
     return len(shards)

@@ -19,14 +19,17 @@ import json
 import logging
 import zipfile
 import zlib
+from collections.abc import Callable, Collection
 from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from titanlite.config import JobConfig
 from titanlite.config.identity import IDENTITY_KEYS, identity
 from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
 from titanlite.errors import UserError
+from titanlite.tools.cache import first_cause
+from titanlite.tools.records import read_json
 
 # Optimizer hyperparameters that a resume restores from the checkpoint (AdamW's param groups and
 # the scheduler's base lr) unless checkpoint.restore_hparams is false.
@@ -114,22 +117,30 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def find(folder: Path, load_step: int) -> int | None:
-    """The step to resume from (None: start fresh): the newest complete step that is intact
-    (damage()), or the one checkpoint.load_step names, which must exist, be complete and intact."""
-    steps = complete_steps(folder)
+def find(
+    folder: Path,
+    load_step: int,
+    on_damaged: Callable[[Path, str], None] | None = None,
+    exclude: Collection[int] = (),
+    step_flag: str = "checkpoint.load_step",
+) -> int | None:
+    """The step to read (None: there is none): the newest complete step that is intact
+    (damage()), or the one `load_step` names (>= 0), which must exist, be complete and intact.
+    `on_damaged(step folder, why)` hears of each damaged newer step passed over; `exclude`: steps
+    to pass over (ones that failed to load)."""
+    steps = [s for s in complete_steps(folder) if s not in exclude]
     if load_step >= 0:
         if load_step not in steps:
             have = ", ".join(map(str, steps)) or "none"
             raise UserError(
-                f"checkpoint.load_step={load_step} but {folder} holds no complete checkpoint of that step "
-                f"(complete: {have}); pick one of them or -1 for the newest"
+                f"{step_flag} {load_step}: {folder} holds no complete checkpoint of that step "
+                f"(complete: {have}); pick one of them{' or -1 for the newest' if step_flag.startswith('checkpoint') else ''}"
             )
         why = damage(step_dir(folder, load_step))
         if why:
             raise UserError(
-                f"checkpoint.load_step={load_step}: {step_dir(folder, load_step)} is damaged ({why}); "
-                "pick another step, or -1 for the newest intact one"
+                f"{step_flag} {load_step}: {step_dir(folder, load_step)} is damaged ({why}); "
+                f"pick another step{', or -1 for the newest intact one' if step_flag.startswith('checkpoint') else ''}"
             )
         return load_step
     damaged = []
@@ -138,12 +149,101 @@ def find(folder: Path, load_step: int) -> int | None:
         if why is None:
             return step
         damaged.append(f"step {step}: {why}")
+        if on_damaged is not None:
+            on_damaged(step_dir(folder, step), why)
     if damaged:
         raise UserError(
             f"every checkpoint in {folder} is damaged ({'; '.join(damaged)}); start a new run (another "
             "--job.run_name) or from weights of your own (checkpoint.initial_load_path)"
         )
     return None
+
+
+def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
+    """checkpoint.folder; a relative one lives inside the run folder."""
+    folder = Path(cfg.checkpoint.folder).expanduser()
+    return folder if folder.is_absolute() else run_dir / folder
+
+
+def is_step_folder(path: Path) -> bool:
+    """A checkpoint's step folder (complete or not), as opposed to a run or checkpoint folder."""
+    return (path / ".metadata").is_file() or (path / "state.json").is_file() or (path / MARKER).is_file()
+
+
+def step_to_read(
+    path: Path, step: int | None = None, flag: str = "RUN_DIR", exclude: Collection[int] = ()
+) -> Path:
+    """The complete, intact step folder a reader (export, generation, a new run's initial
+    weights, any script) reads from `path`: a step folder itself, refused in one line naming
+    what is wrong and the intact steps beside it if it is damaged; or a run folder (its
+    checkpoint.folder, from its config.toml) or checkpoint folder: its newest intact step, or
+    `step`, with one line for each damaged newer one passed over. Only reads."""
+    if is_step_folder(path):
+        if step is not None:
+            raise UserError(
+                f"--step picks a checkpoint of a run folder, but {flag} '{path}' is a step folder already"
+            )
+        if not (path / MARKER).is_file() or not (path / "state.json").is_file():
+            raise UserError(
+                f"{flag} '{path}' is incomplete (its save never finished); {_intact_beside(path)}"
+            )
+        why = damage(path)
+        if why:
+            raise UserError(f"{flag} '{path}' is damaged ({why}); {_intact_beside(path)}")
+        return path
+    if not path.is_dir():
+        raise UserError(f"{flag} '{path}' is not a folder; give a run folder or a checkpoint step folder")
+    folder = path
+    if not complete_steps(path) and (path / "config.toml").is_file():
+        from titanlite.config.manager import load_config
+
+        folder = checkpoint_folder(load_config(str(path / "config.toml")), path)
+    found = find(folder, -1 if step is None else step, _passed_over, exclude, "--step")
+    if found is None:
+        raise UserError(
+            f"{flag} '{path}' holds no complete checkpoint (looked in '{folder}'); give a run folder that "
+            "trained with checkpoint.interval > 0, or a step folder"
+        )
+    return step_dir(folder, found)
+
+
+def _passed_over(path: Path, why: str) -> None:
+    logger.warning(f"checkpoint {path} is damaged ({why}); reading the newest intact one before it")
+
+
+def _intact_beside(path: Path) -> str:
+    intact = [s for s in reversed(complete_steps(path.parent)) if damage(step_dir(path.parent, s)) is None]
+    if not intact:
+        return f"'{path.parent}' holds no intact checkpoint beside it"
+    return "the intact ones beside it: " + ", ".join(str(step_dir(path.parent, s)) for s in intact[:3])
+
+
+T = TypeVar("T")
+
+
+def read_checkpoint(
+    path: Path, read: Callable[[Path], T], step: int | None = None, flag: str = "RUN_DIR"
+) -> T:
+    """`read(step folder)` on the step step_to_read picks. A read that fails all the same
+    (damage the sizes and checksums cannot see) counts as damage: from a run folder the next
+    intact step is read instead, with one line; a step folder is refused in one line."""
+    failed: list[int] = []
+    while True:
+        chosen = step_to_read(path, step, flag, failed)
+        try:
+            return read(chosen)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever DCP or torch.load raise on a damaged file
+            why = first_cause(e)
+            if chosen == path or step is not None:
+                raise UserError(
+                    f"checkpoint '{chosen}' failed to load ({why}); it is damaged: {_intact_beside(chosen)}"
+                ) from None
+            logger.warning(
+                f"checkpoint {chosen} failed to load ({why}); reading the newest intact one before it"
+            )
+            failed.append(int(chosen.name[5:]))
 
 
 def quarantine(path: Path, why: str, wandb: bool = False) -> None:
@@ -194,11 +294,17 @@ def optimizer_groups_error(path: Path) -> str:
     )
 
 
-def check_resumable(folder: Path, step: int, cfg: JobConfig, run_dir: Path) -> dict[str, Any]:
+def check_resumable(
+    folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
+) -> dict[str, Any]:
     """Refuse, in one line, a checkpoint trained on something else, or one in a folder outside
     this run folder that another run folder wrote (resuming would write this run's checkpoints
     into that run's folder and prune its older ones). A checkpoint inside the run folder is the
-    run's own, even if the folder was moved or copied. Returns its state.json."""
+    run's own, even if the folder was moved or copied. `data`: what this run's data holds
+    (titanlite.datasets.spec.data_identity; None: not known yet), compared by content where the
+    checkpoint recorded it, so the same data at another path resumes and other data at the
+    same path does not (unless data.accept_change; then state["data_changed"] says what).
+    Returns its state.json."""
     state = read_state(folder, step)
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
@@ -210,15 +316,46 @@ def check_resumable(folder: Path, step: int, cfg: JobConfig, run_dir: Path) -> d
         )
     if state.get("optimizer_groups") != OPTIMIZER_GROUPS:
         raise UserError(optimizer_groups_error(step_dir(folder, step)))
+    saved = state.get("data")
+    by_content = bool(saved) and all(d.get("content") for d in saved)
     # A key that joined the identity after the checkpoint was written had its default then.
     theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
-    diff = [f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}" for k, v in ours.items() if theirs.get(k) != v]
+    diff = [
+        f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
+        for k, v in ours.items()
+        if theirs.get(k) != v and not (k == "data.path" and by_content)
+    ]
     if diff:
         raise UserError(
             f"checkpoint {step_dir(folder, step)} was trained on something else ({'; '.join(diff)}); "
             "use a matching config, another checkpoint.folder, or start a new run"
         )
+    changed = data_change(saved, data) if by_content and data is not None else None
+    if changed and not cfg.data.accept_change:
+        raise UserError(
+            f"the data changed since checkpoint {step_dir(folder, step)} was written: {changed}; resume on the "
+            "data it trained on, or add --data.accept_change true to go on with this data knowingly "
+            "(recorded in run.json and events.jsonl)"
+        )
+    state["data_changed"] = changed
     return state
+
+
+def data_change(saved: list[dict], now: list[dict]) -> str | None:
+    """How the data a run trains on now differs, by content, from what a checkpoint recorded;
+    None: the same (wherever it lives now)."""
+    if len(saved) != len(now):
+        return f"data.path names {len(now)} dataset(s), the checkpoint's run {len(saved)}"
+    for old, new in zip(saved, now, strict=True):
+        where = f"'{new['path']}'" if new["path"] else "the built-in data"
+        if old["content"] != new["content"]:
+            return (
+                f"{where} holds other data than the run trained on (content {str(old['content'])[:12]} then, "
+                f"{str(new['content'])[:12]} now: a file added, removed or edited, or another preparation)"
+            )
+        if abs(old["weight"] - new["weight"]) > 1e-9:
+            return f"{where} weighs {new['weight']:g} in the mixture, {old['weight']:g} then"
+    return None
 
 
 def flat_config(cfg: JobConfig) -> dict[str, Any]:
@@ -238,6 +375,8 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
         return []
     lines = []
     for key, now in flat_config(cfg).items():
+        if key == "data.path" and key in before and before[key] != now and state.get("data"):
+            lines.append(f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content")
         if key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before or before[key] == now:
             continue
         if key in RESTORED and cfg.checkpoint.restore_hparams:
@@ -287,9 +426,7 @@ def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
     name the key that changed); None without one."""
     if not cfg.model.hf_assets_path:
         return None
-    return json.loads(
-        (Path(cfg.model.hf_assets_path).expanduser() / "config.json").read_text(encoding="utf-8")
-    )
+    return read_json(Path(cfg.model.hf_assets_path).expanduser() / "config.json")
 
 
 def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:

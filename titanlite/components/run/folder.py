@@ -21,8 +21,9 @@ import torch.distributed as dist
 
 from titanlite.components.checkpoint.index import quarantine_damaged
 from titanlite.components.metrics import truncate_after
+from titanlite.components.run.files import RunFiles
 from titanlite.components.run.lock import HELD_ENV, RunLock
-from titanlite.components.run.plan import checkpoint_folder, is_restart, resume_step, run_folder
+from titanlite.components.run.plan import checkpoint_folder, is_restart, resume_plan, run_folder
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -53,13 +54,15 @@ def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dic
 
 
 def open_run_folder(
-    cfg: JobConfig, config_path: str | None, info: dict
+    cfg: JobConfig, config_path: str | None, info: dict, data: list[dict] | None = None
 ) -> tuple[Path, int | None, RunLock | None]:
     """Every rank calls it. Rank 0 picks the run folder and the step to resume from (None: a
-    fresh run), refuses a checkpoint trained on something else before anything is written, takes
-    the run lock unless the launcher holds it, then writes config.toml and run.json; every rank
-    learns the folder and the step, or the error. Returns them and the lock rank 0 took."""
-    found, error, lock = [None, None], None, None
+    fresh run), refuses a checkpoint trained on something else (`data`: what the run's data
+    holds, titanlite.datasets.spec.data_identity) before anything is written, takes the run lock
+    unless the launcher holds it, then writes config.toml and run.json; every rank learns the
+    folder and the step, or the error. Returns them and the lock rank 0 took. A resume on changed
+    data that data.accept_change lets go on is recorded in run.json and events.jsonl."""
+    found, error, lock, changed = [None, None], None, None, None
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
         take = os.environ.get(HELD_ENV) != str(RunLock(run_dir).path.resolve())  # no launcher holds it
@@ -67,7 +70,8 @@ def open_run_folder(
             if take and run_dir.is_dir():  # before its checkpoints are read: a live run may be pruning them
                 lock = RunLock(run_dir)
                 lock.acquire()
-            resume = resume_step(cfg, run_dir, is_restart())
+            resume, changed = resume_plan(cfg, run_dir, is_restart(), data)
+            info = {**info, "data": data, **({"data_change_accepted": changed} if changed else {})}
             run_dir.mkdir(parents=True, exist_ok=True)
             if take and lock is None:  # the folder is new
                 lock = RunLock(run_dir)
@@ -75,6 +79,8 @@ def open_run_folder(
             quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)
             found = [str(run_dir), resume]
             _write(cfg, run_dir, info, resume)
+            if changed:
+                _data_changed(run_dir, resume, changed)
         except UserError as e:
             error = str(e)
         except OSError as e:
@@ -88,6 +94,16 @@ def open_run_folder(
     if dist.get_rank() == 0:
         logger.info(f"run folder: {found[0]}")
     return Path(found[0]), found[1], lock
+
+
+def _data_changed(run_dir: Path, step: int, change: str) -> None:
+    """The note of a resume on changed data: the console and events.jsonl (as an alert's record)."""
+    message = f"resumed on changed data (data.accept_change): {change}"
+    logger.warning(f"NOTE data_changed at step {step}: {message}")
+    note = {"name": "data_changed", "step": step, "ranks": [], "hosts": [], "message": message}
+    files = RunFiles(run_dir)
+    files.append("events.jsonl", [{**note, "cause": "", "values": {}, "samples": [], "level": "info"}])
+    files.close()
 
 
 def _write(cfg: JobConfig, run_dir: Path, info: dict, resume: int | None) -> None:

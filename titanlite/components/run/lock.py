@@ -2,7 +2,8 @@
 
 The holder keeps an exclusive flock on the file for its whole life, which the kernel drops when
 the process dies however it dies, so on one host a lock whose process is gone is stale by
-construction. A file system whose flock does not reach across hosts is covered by a heartbeat:
+construction. A lock file removed under the live run (by hand, by a cleanup script) is made
+again within a second, so a second launch still finds the folder in use. A file system whose flock does not reach across hosts is covered by a heartbeat:
 the holder touches the file every REFRESH_S, and another host's lock untouched for STALE_S is
 taken to be dead. A stale lock is taken over with a warning.
 
@@ -30,6 +31,7 @@ logger = logging.getLogger("titanlite")
 LOCK_NAME = "run.lock"
 REFRESH_S = 30.0
 STALE_S = 120.0
+WATCH_S = 1.0  # how often the holder checks that its lock file is still there
 HELD_ENV = "TITANLITE_RUN_LOCK"  # set by the launcher for its workers: the lock it holds
 
 
@@ -39,6 +41,7 @@ class RunLock:
         self.path = run_dir / LOCK_NAME
         self._fd: int | None = None
         self._stop = threading.Event()
+        self._mutex = threading.Lock()  # the heartbeat's remake against release
 
     def acquire(self) -> None:
         """Take the lock, or raise a UserError naming the live holder. The run folder must exist."""
@@ -66,8 +69,9 @@ class RunLock:
             "pid": os.getpid(),
             "started": datetime.now().isoformat(timespec="seconds"),
         }
+        self._me = (json.dumps(me) + "\n").encode()
         os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.pwrite(fd, self._me, 0)
         self._fd = fd
         threading.Thread(target=self._heartbeat, name="run-lock", daemon=True).start()
 
@@ -103,18 +107,40 @@ class RunLock:
         )
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(REFRESH_S):
-            with contextlib.suppress(OSError):
-                os.utime(self.path)
+        last = time.monotonic()
+        while not self._stop.wait(WATCH_S):
+            with contextlib.suppress(OSError), self._mutex:
+                if self._fd is not None and not self._stop.is_set() and not _same_file(self._fd, self.path):
+                    self._remake()
+                if time.monotonic() - last >= REFRESH_S:
+                    os.utime(self.path)
+                    last = time.monotonic()
+
+    def _remake(self) -> None:
+        """The lock file was removed under the live run: make it again, held."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            logger.warning(
+                f"run folder {self.run_dir}: its run.lock was removed and another launch took it; two runs now "
+                "write this folder: stop one of them"
+            )
+            return
+        os.pwrite(fd, self._me, 0)
+        os.close(self._fd)
+        self._fd = fd
 
     def release(self) -> None:
-        if self._fd is None:
-            return
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
-        os.close(self._fd)  # drops the flock
-        self._fd = None
+        with self._mutex:
+            if self._fd is None:
+                return
+            self._stop.set()
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            os.close(self._fd)  # drops the flock
+            self._fd = None
 
 
 def _same_file(fd: int, path: Path) -> bool:

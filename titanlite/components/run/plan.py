@@ -15,9 +15,10 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from titanlite.components.checkpoint.index import check_resumable, find
+from titanlite.components.checkpoint.index import check_resumable, checkpoint_folder, find
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
+from titanlite.tools.paths import existing_parent
 
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
@@ -47,52 +48,36 @@ def trace_folder(cfg: JobConfig) -> Path:
     return base / "comm_trace"
 
 
-def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
-    """checkpoint.folder; a relative one lives inside the run folder."""
-    folder = Path(cfg.checkpoint.folder).expanduser()
-    return folder if folder.is_absolute() else run_dir / folder
-
-
 def is_restart() -> bool:
     """This worker group was restarted by torchrun (--max-restarts) after a failure."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def resume_step(cfg: JobConfig, run_dir: Path, restarted: bool) -> int | None:
-    """The checkpoint step to resume from (None: a fresh run). Refuses, in one line, a checkpoint
-    this run may not resume, and a folder that holds another run without a checkpoint (unless
-    this is torchrun restarting this very run, which then starts over). A folder whose run never
-    logged a step (a start that failed) holds nothing to lose: the same command reuses it."""
+def resume_step(cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None) -> int | None:
+    """The checkpoint step to resume from (None: a fresh run); see resume_plan."""
+    return resume_plan(cfg, run_dir, restarted, data)[0]
+
+
+def resume_plan(
+    cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
+) -> tuple[int | None, str | None]:
+    """The checkpoint step to resume from (None: a fresh run), and how the data changed since
+    it if data.accept_change lets the run go on (None: it did not). Refuses, in one line, a
+    checkpoint this run may not resume, and a folder that holds another run without a checkpoint
+    (unless this is torchrun restarting this very run, which then starts over). A folder whose
+    run never logged a step (a start that failed) holds nothing to lose: the same command reuses
+    it. `data`: what the run's data holds (check_resumable), if known."""
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
     metrics = run_dir / "metrics.jsonl"
     if resume is not None:
-        check_resumable(folder, resume, cfg, run_dir)
-    elif metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
+        return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
+    if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
             f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
             "pick another --job.run_name or move it"
         )
-    return resume
-
-
-def existing_parent(path: Path) -> Path:
-    """`path` or its nearest ancestor that exists."""
-    path = path.absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """`path` is a folder that exists or can be created: no file in its way, write permission."""
-    base = existing_parent(path)
-    if not base.is_dir():
-        raise UserError(f"{flag} '{path}' cannot be a folder: '{base}' is a file; point {flag} elsewhere")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise UserError(
-            f"{flag} '{path}' is not writable ('{base}' denies it); point {flag} at a writable folder"
-        )
+    return None, None
 
 
 def check_checkpoint_space(folder: Path, need_bytes: int, what: str) -> None:

@@ -177,4 +177,23 @@ LLAMA3_HF = HFAdapter(
     config_from_args=config_from_args,
     from_hf=from_hf,
     to_hf=to_hf,
+    reads=frozenset(
+        {
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "vocab_size",
+            "intermediate_size",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+            "hidden_act",
+            "attention_bias",
+            "mlp_bias",
+            "rope_theta",
+            "rope_scaling",
+            "rope_parameters",
+        }
+    ),  # fmt: skip
 )

@@ -1,0 +1,103 @@
+"""A run knows its data by content (titanlite.datasets.prepare.content_key, computed once as a
+folder is prepared), so a resume compares what it trains on, not where it lives: the same inputs
+prepared anywhere have one key; a file added, or one record edited, gives another; a checkpoint
+resumes on its data moved elsewhere and refuses other data at the same path in one line, unless
+data.accept_change (then it says what changed). Whole runs: the catalogue's data cases
+(tests/faults/cases_data.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from titanlite.components.checkpoint.index import OPTIMIZER_GROUPS, check_resumable, file_record, step_dir
+from titanlite.config import load_config
+from titanlite.config.identity import identity
+from titanlite.datasets.prepare import prepare
+from titanlite.datasets.prepared import Prepared
+from titanlite.datasets.sources import discover
+from titanlite.datasets.spec import data_identity
+from titanlite.datasets.tokenizer import Tokenizer, builtin_tokenizer_path, train_builtin_tokenizer
+from titanlite.errors import UserError
+from titanlite.tools.cache import cache_dir
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    path = builtin_tokenizer_path(cache_dir(""), 2048)
+    if not path.exists():
+        train_builtin_tokenizer(path, 2048)
+    return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
+
+
+def _raw(folder: Path, *names: str) -> Path:
+    folder.mkdir(parents=True)
+    src = Path(__file__).resolve().parents[1] / "titanlite"
+    for name in names:
+        shutil.copy(src / name, folder / Path(name).name)
+    return folder
+
+
+def _prepared(tmp: Path, raw: Path, tok, name: str) -> Prepared:
+    prepare([f for f in discover(str(raw))], tmp / name, tok, say=lambda _: None)
+    return Prepared(tmp / name)
+
+
+def test_the_content_key_is_what_the_data_holds_not_where_it_is(tmp_path, tok):
+    a = _raw(tmp_path / "a", "datasets/README.md", "components/README.md")
+    b = Path(shutil.copytree(a, tmp_path / "elsewhere" / "b"))  # the same files, another path and time
+    keys = {name: _prepared(tmp_path, raw, tok, name).content for name, raw in (("pa", a), ("pb", b))}
+    assert keys["pa"] and keys["pa"] == keys["pb"]
+    (b / "more.md").write_text("another document\n" * 40)
+    assert _prepared(tmp_path, b, tok, "pb-more").content != keys["pa"]
+    (b / "more.md").unlink()
+    text = (b / "README.md").read_text()
+    (b / "README.md").write_text(text.replace("the", "teh", 1))  # one word of one record
+    assert _prepared(tmp_path, b, tok, "pb-edited").content != keys["pa"]
+
+
+def _checkpoint(run: Path, cfg, data: list[dict]) -> Path:
+    """A checkpoint's step folder with the state.json a save writes, recording `data`."""
+    step = step_dir(run / "checkpoints", 2)
+    step.mkdir(parents=True)
+    state = {"step": 2, "identity": identity(cfg), "optimizer_groups": OPTIMIZER_GROUPS, "data": data}
+    (step / "state.json").write_text(json.dumps({**state, "files": file_record(step)}))
+    (step / "complete").write_text("2\n")
+    return run / "checkpoints"
+
+
+def test_a_resume_compares_data_by_content(tmp_path, tok):
+    a = _prepared(tmp_path, _raw(tmp_path / "a", "datasets/README.md"), tok, "pa")
+    cfg = load_config(None, ["--data.path", str(a.folder)])
+    saved = data_identity(cfg)
+    assert saved == [{"content": a.content, "weight": 1.0, "path": str(a.folder)}]
+    run = tmp_path / "run"
+    folder = _checkpoint(run, cfg, saved)
+    moved = Path(shutil.move(str(a.folder), tmp_path / "moved"))
+    cfg = load_config(None, ["--data.path", str(moved)])
+    assert check_resumable(folder, 2, cfg, run, data_identity(cfg))["data_changed"] is None
+    other = _prepared(tmp_path, _raw(tmp_path / "b", "components/README.md"), tok, "pb")
+    shutil.rmtree(moved)
+    shutil.copytree(other.folder, moved)  # another preparation at the same path
+    with pytest.raises(UserError) as e:
+        check_resumable(folder, 2, cfg, run, data_identity(cfg))
+    line = str(e.value)
+    assert (
+        f"'{moved}' holds other data than the run trained on" in line and "--data.accept_change true" in line
+    )
+    cfg = load_config(None, ["--data.path", str(moved), "--data.accept_change", "true"])
+    assert "holds other data" in check_resumable(folder, 2, cfg, run, data_identity(cfg))["data_changed"]
+
+
+def test_a_checkpoint_without_contents_is_compared_by_path_as_before(tmp_path, tok):
+    a = _prepared(tmp_path, _raw(tmp_path / "a", "datasets/README.md"), tok, "pa")
+    cfg = load_config(None, ["--data.path", str(a.folder)])
+    run = tmp_path / "run"
+    folder = _checkpoint(run, cfg, None)
+    moved = Path(shutil.move(str(a.folder), tmp_path / "moved"))
+    cfg = load_config(None, ["--data.path", str(moved)])
+    with pytest.raises(UserError, match="data.path: checkpoint .* config"):
+        check_resumable(folder, 2, cfg, run, data_identity(cfg))

@@ -1,0 +1,127 @@
+"""The launcher's environment (NGPU, NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+LOG_RANK, MAX_RESTARTS, OMP_NUM_THREADS, TITANLITE_CACHE), read through the scripts' front door
+(titanlite.tools.cli.Arg: a kind and bounds for each) and turned into torchrun's arguments.
+run_train.sh passes `--from-env`; every problem is one line, exit 2, before any worker starts.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import subprocess
+from collections.abc import Mapping
+
+from titanlite.errors import UserError
+from titanlite.tools.cli import Arg
+
+MAX_RANKS = 1024  # ranks on one node; more is a typo, not a machine
+VARS = {
+    a.flags[0]: a
+    for a in (
+        Arg(("NGPU",), "int", "GPUs on this node (default: nvidia-smi's count)", at_least=0, at_most=MAX_RANKS),
+        Arg(("NPROC",), "int", "ranks on this node (default: NGPU, else 2 CPU ranks)", at_least=1, at_most=MAX_RANKS),
+        Arg(("NNODES",), "int", "nodes of the job", at_least=1, at_most=65536),
+        Arg(("NODE_RANK",), "int", "this node's index (with NNODES > 1)", at_least=0, at_most=65535),
+        Arg(("MASTER_ADDR",), "text", "node 0's address (with NNODES > 1)"),
+        Arg(("MASTER_PORT",), "int", "node 0's rendezvous port", at_least=1, at_most=65535),
+        Arg(("LOG_RANK",), "text", "local ranks that print, comma-separated (default 0)"),
+        Arg(("MAX_RESTARTS",), "int", "restarts of a failed worker group (one node)", at_least=0, at_most=100),
+        Arg(("OMP_NUM_THREADS",), "int", "threads per rank (default: the cores / NPROC)", at_least=1, at_most=4096),
+        Arg(("TITANLITE_CACHE",), "out_folder", "the tokenizer and data cache (default ~/.cache/titanlite)"),
+    )
+}  # fmt: skip
+# torchrun's own warnings the workers need not repeat (pytorch's FutureWarnings, torchdata's)
+WARNINGS = "ignore::FutureWarning,ignore::UserWarning:torchdata.stateful_dataloader.stateful_dataloader"
+
+
+def read(environ: Mapping[str, str]) -> dict:
+    """The variables that are set, each checked (one UserError on the first problem)."""
+    out = {}
+    for name, a in VARS.items():
+        value = environ.get(name, "").strip()
+        if value:  # set and empty is unset, as in a shell's ${NAME:-default}
+            out[name] = a.check(value)
+    return out
+
+
+def gpu_count() -> int:
+    """GPUs nvidia-smi lists on this node (0 without it)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    return sum(line.startswith("GPU") for line in listed.splitlines())
+
+
+def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """torchrun's arguments from the environment, and the variables the workers get."""
+    v = read(environ)
+    ngpu = v.get("NGPU", gpu_count() if "NPROC" not in v else 0)
+    nproc = v.get("NPROC", ngpu or 2)
+    nnodes = v.get("NNODES", 1)
+    restarts = v.get("MAX_RESTARTS", 0)
+    shown = _log_ranks(environ.get("LOG_RANK", "0"), nproc)
+    if nnodes > 1:
+        if restarts:
+            raise UserError(
+                "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job "
+                "(scripts/train.slurm does)"
+            )
+        if "NODE_RANK" not in v or v["NODE_RANK"] >= nnodes:
+            raise UserError(
+                f"NNODES={nnodes} needs NODE_RANK, this node's index from 0 to {nnodes - 1}"
+                + (f" (it is {v['NODE_RANK']})" if "NODE_RANK" in v else "")
+            )
+        if not v.get("MASTER_ADDR"):
+            raise UserError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address)")
+        port = v.get("MASTER_PORT", 29500)
+        if v["NODE_RANK"] == 0:
+            _check_port_free(port)
+        rdzv = ["--nnodes", str(nnodes), "--node_rank", str(v["NODE_RANK"])]
+        rdzv += ["--master_addr", v["MASTER_ADDR"], "--master_port", str(port)]
+    else:
+        if v.get("NODE_RANK"):
+            raise UserError(
+                f"NODE_RANK={v['NODE_RANK']} but NNODES is 1; set NNODES to the job's nodes, or unset NODE_RANK"
+            )
+        if "MASTER_PORT" in v:
+            _check_port_free(v["MASTER_PORT"])
+            rdzv = ["--nnodes", "1", "--master_addr", v.get("MASTER_ADDR") or "127.0.0.1"]
+            rdzv += ["--master_port", str(v["MASTER_PORT"])]
+        else:
+            rdzv = ["--standalone"]  # a free port, so several runs can share a machine
+    args = [*rdzv, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts)]
+    args += ["--local-ranks-filter", ",".join(map(str, shown))]
+    # CPU ranks share the cores; saying so also silences torchrun's OMP banner
+    threads = v.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // nproc))
+    env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": environ.get("PYTHONWARNINGS", WARNINGS)}
+    return args, env
+
+
+def _log_ranks(text: str, nproc: int) -> list[int]:
+    rank = Arg(("LOG_RANK",), "int", "", at_least=0, at_most=nproc - 1)
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise UserError("LOG_RANK is empty; name the local ranks that print, e.g. 0 or 0,1")
+    try:
+        return sorted({rank.check(p) for p in parts})
+    except UserError:
+        raise UserError(
+            f"LOG_RANK is {text!r}; it must name local ranks from 0 to {nproc - 1} (NPROC={nproc}), e.g. 0 or 0,1"
+        ) from None
+
+
+def _check_port_free(port: int) -> None:
+    """MASTER_PORT must be free on node 0, where the rendezvous listens."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port in TIME_WAIT is free
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise
+            raise UserError(
+                f"MASTER_PORT {port} is in use on this machine (another run or service listens there); "
+                "pick a free port, or unset MASTER_PORT on a single node for a free one"
+            ) from None

@@ -1,0 +1,146 @@
+"""The one writer of a run folder's records (rank 0): metrics.jsonl, diagnostics.jsonl,
+events.jsonl, eval.jsonl, samples.jsonl, and the TensorBoard folder's health.
+
+- A record is written whole or not at all: each append is one write of whole lines to a file
+  opened for appending; a write that fails (a full disk, a disk gone read-only) is cut back to
+  where the file ended before it, so no half line is left, and the run stops with exit 3 in one
+  line that names the disk and what was kept.
+- A file removed under the live run (appends to an unlinked file are silently lost) is found at
+  the next append or check (every log step) and written again from there, with one line saying
+  so; one replaced by a folder, or a run folder that is gone, stops the run (exit 3).
+- Files get the modes the user's umask gives (created 0666 & ~umask), as every other file.
+titanlite.tools.records reads what this writes.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from titanlite.components.checkpoint.index import complete_steps
+from titanlite.errors import TrainingError
+from titanlite.tools.cache import disk_full
+
+logger = logging.getLogger("titanlite")
+
+RECORD_FILES = ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl")
+# errors a write meets on a disk that cannot take it: full, over quota, read-only
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+
+
+class RunFiles:
+    """Rank 0's appends to the run folder's record files. `inject(name)`: an OSError to raise
+    instead of writing (debug.write_error), or None."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        inject: Callable[[str], OSError | None] | None = None,
+        checkpoints: Path | None = None,
+    ) -> None:
+        self.run_dir, self.inject, self.checkpoints = run_dir, inject, checkpoints
+        self._fds: dict[str, int] = {}
+        self.kept: dict[str, int] = {}  # file -> the last step whose records it holds
+
+    def append(self, name: str, records: Iterable[dict[str, Any]]) -> None:
+        """Whole records, one line each, or none of them (a TrainingError says why)."""
+        records = list(records)
+        if not records:
+            return
+        data = "".join(json.dumps(r) + "\n" for r in records).encode()
+        fd = self._fd(name)
+        end = os.fstat(fd).st_size
+        try:
+            error = self.inject(name) if self.inject else None
+            if error is not None:  # as a disk that fills mid-record would: half of it lands
+                os.write(fd, data[: len(data) // 2])
+                raise error
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError as e:
+            os.ftruncate(fd, end)  # no half record; shrinking a file needs no room
+            raise TrainingError(self._failed(name, e)) from None
+        self.kept[name] = max((r.get("step", 0) for r in records), default=0)
+
+    def open(self, names: Iterable[str] = RECORD_FILES) -> None:
+        """Create the files (empty) as the run starts, so a reader finds each from the start."""
+        for name in names:
+            self._fd(name)
+
+    def check(self) -> None:
+        """Every log step: each file still where it was written (one removed is written again)."""
+        for name in list(self._fds):
+            self._fd(name)
+
+    def _fd(self, name: str) -> int:
+        """The open file of `name`, opened anew if it was removed; a folder in its place, or no
+        run folder, stops the run."""
+        path = self.run_dir / name
+        fd = self._fds.get(name)
+        try:
+            here = os.stat(path)
+        except FileNotFoundError:
+            here = None
+        except OSError as e:
+            raise TrainingError(self._failed(name, e)) from None
+        if fd is not None and here is not None and os.path.samestat(here, os.fstat(fd)):
+            return fd
+        if here is not None and stat.S_ISDIR(here.st_mode):
+            raise TrainingError(
+                f"{path} is a folder now (something replaced the run's file while it ran); "
+                + self._what_was_kept(f"move that folder away from {path}")
+            )
+        if not self.run_dir.is_dir():
+            raise TrainingError(
+                f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
+                "records and checkpoints went with it"
+            )
+        if fd is not None:
+            os.close(fd)
+            logger.warning(
+                f"{path} was removed or replaced while the run wrote to it; writing it again from here"
+            )
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        except OSError as e:
+            raise TrainingError(self._failed(name, e)) from None
+        self._fds[name] = fd
+        return fd
+
+    def _failed(self, name: str, e: OSError) -> str:
+        """The one line of a write that failed: the disk, the file, what was kept."""
+        path, where = self.run_dir / name, f"'{self.run_dir}'"
+        why = {
+            errno.ENOSPC: disk_full(e, self.run_dir) or f"disk full under {where}",
+            errno.EDQUOT: f"the disk quota under {where} is used up",
+            errno.EROFS: f"the disk under {where} is read-only",
+            errno.EFBIG: f"{path.name} is larger than its file system allows",
+        }.get(e.errno) or (disk_full(e, self.run_dir) or f"{type(e).__name__}: {e.strerror or e}")
+        fix = (
+            "make it writable"
+            if e.errno == errno.EROFS
+            else "make room"
+            if e.errno in NO_ROOM
+            else "mend that"
+        )
+        return f"writing {path} failed: {why}; {self._what_was_kept(fix)}"
+
+    def _what_was_kept(self, fix: str = "mend that") -> str:
+        """The rest of the stop line: what the run leaves, and how to go on."""
+        step = self.kept.get("metrics.jsonl")
+        records = f"its records up to step {step} are whole" if step else "the records written are whole"
+        steps = complete_steps(self.checkpoints) if self.checkpoints is not None else []
+        saved = f", its newest checkpoint is step {steps[-1]}" if steps else ", and it has no checkpoint"
+        return f"the run stopped: {records}{saved}; {fix}, then rerun the same command to resume"
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()

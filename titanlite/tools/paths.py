@@ -1,0 +1,71 @@
+"""What a path must be before anything uses it: an existing file or folder, or a folder (or
+file) to write, which must not be in the way of a file (or folder) and whose nearest existing
+folder is writable. Each check is one UserError naming the flag, the path and the fix; the
+config's paths (titanlite.preflight), every script's (titanlite.tools.cli) and the launcher's
+environment go through here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from titanlite.errors import UserError
+
+# kind -> what the user should give, for messages
+KINDS = {
+    "file": "an existing file",
+    "folder": "an existing folder",
+    "path": "an existing file or folder",
+    "out_folder": "a folder to write (new, or an existing one)",
+    "new_folder": "a folder to write that does not exist yet, or an empty one",
+    "out_file": "a file to write (its folder must be writable)",
+}
+
+
+def existing_parent(path: Path) -> Path:
+    """`path` or its nearest ancestor that exists."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def writable(folder: Path) -> bool:
+    """Whether this process may create files in the existing folder `folder` (one place, so a
+    test can make a folder read-only for a process that ignores permissions: root)."""
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """`path` is a folder that exists or can be created: no file in its way, write permission."""
+    base = existing_parent(path)
+    if not base.is_dir():
+        raise UserError(f"{flag} '{path}' cannot be a folder: '{base}' is a file; point {flag} elsewhere")
+    if not writable(base):
+        raise UserError(
+            f"{flag} '{path}' is not writable ('{base}' denies it); point {flag} at a writable folder"
+        )
+
+
+def check_path(path: Path, kind: str, flag: str) -> Path:
+    """`path` as `kind` (one of KINDS) wants it, or one UserError naming `flag` and the fix."""
+    want = KINDS[kind]
+    if kind in ("file", "folder", "path"):
+        if not path.exists():
+            raise UserError(f"{flag} '{path}' does not exist; give {want}")
+        if kind == "file" and not path.is_file():
+            raise UserError(f"{flag} '{path}' is a folder; give {want}")
+        if kind == "folder" and not path.is_dir():
+            raise UserError(f"{flag} '{path}' is a file; give {want}")
+        return path
+    if kind == "out_file":
+        if path.is_dir():
+            raise UserError(f"{flag} '{path}' is a folder; give {want}")
+        check_writable(path.parent, flag)
+        return path
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{flag} '{path}' is a file; give {want}")
+    if kind == "new_folder" and path.is_dir() and any(path.iterdir()):
+        raise UserError(f"{flag} '{path}' is a folder that is not empty; give {want}")
+    check_writable(path, flag)
+    return path

@@ -1,0 +1,61 @@
+"""Reading what a run folder holds: JSONL files of records (metrics, diagnostics, events, eval,
+samples) and JSON files (run.json, a checkpoint's state.json). The one reader of them: a file
+that cannot be read is one UserError naming it, never a traceback. A JSONL line can only be cut
+off at the end of a file, by a run killed while writing (components/run/files.py writes whole
+records): readers skip it, or, when a verdict depends on every record, refuse it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from titanlite.errors import UserError
+
+
+def read_records(path: Path, cut_off: str = "skip") -> list[dict]:
+    """The records of a JSONL file (none if it does not exist). A last line cut off is skipped
+    (`cut_off = "skip"`) or one UserError ("refuse"); a bad line elsewhere is one UserError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is unreadable ({e})") from None
+    lines = text.splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            rec = None
+        if isinstance(rec, dict):
+            out.append(rec)
+            continue
+        if i == len(lines) and not text.endswith("\n"):
+            if cut_off == "skip":
+                break
+            raise UserError(
+                f"{path}: its last line ({i}) is cut off (was the run killed while writing?); "
+                "delete that line to use the records before it"
+            )
+        raise UserError(f"{path}: line {i} is not a JSON record; the file is damaged")
+    return out
+
+
+def read_json(path: Path, what: str = "") -> dict[str, Any]:
+    """A JSON object file (run.json, state.json, config.json), or one UserError naming it and
+    `what` it should be."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing{f'; {what}' if what else ''}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}){f'; {what}' if what else ''}") from None
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(data).__name__}, not an object{f'; {what}' if what else ''}"
+        )
+    return data
