@@ -192,11 +192,11 @@ def _printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
 def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     """The exit code for a failed launch, with what the console has not shown: the failed rank's
     one-line error, or a crashed rank's last lines and its log file. The failure reported is the
-    cause: a rank that stopped the run itself (bad input, a training error, a signal) before the
-    ranks that then lost it (exit 4), and before crashes; the earliest among equals."""
+    cause: a rank that stopped the run itself (bad input, a training error, a signal), else one
+    that crashed, before the ranks that then lost it (exit 4); the earliest among equals."""
     rank, first = min(
         e.failures.items(),
-        key=lambda kv: (kv[1].exitcode not in NO_RESTART, kv[1].exitcode != EXIT_LOST_RANK, kv[1].timestamp),
+        key=lambda kv: (kv[1].exitcode not in NO_RESTART, kv[1].exitcode == EXIT_LOST_RANK, kv[1].timestamp),
     )
     code = first.exitcode
     log = _stderr_log(log_dir, first.local_rank)

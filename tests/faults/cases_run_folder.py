@@ -99,13 +99,13 @@ def _(c: Catalogue) -> None:
 
 @case("run folder", "the run folder on a full disk (checkpoints elsewhere)")
 def _(c: Catalogue) -> None:
-    with mounted(c.work / "mnt-run-full", "600k") as disk:
+    with mounted(c.work / "mnt-run-full", "256k") as disk:  # full about step 45 (log_freq 1)
         elsewhere = c.dump("full-run-ckpt")
         args = (
             "--training.steps",
-            "60",
+            "100",
             "--checkpoint.interval",
-            "30",
+            "50",
             "--checkpoint.folder",
             str(elsewhere),
         )

@@ -106,7 +106,7 @@ script_refused(
     S,
     "compare_runs --out an existing file",
     "compare_runs",
-    lambda c, w: [_run(c), _run(c), "--out", _file(w)],
+    lambda c, w: [str(w), str(w), "--out", _file(w)],  # refused before any run folder is read
     "--out",
     ci=True,
 )
