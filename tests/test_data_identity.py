@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.components.checkpoint.index import OPTIMIZER_GROUPS, check_resumable, file_record, step_dir
+from titanlite.components.checkpoint.index import file_record, step_dir
+from titanlite.components.checkpoint.resume import OPTIMIZER_GROUPS, check_resumable
 from titanlite.config import load_config
 from titanlite.config.identity import identity
 from titanlite.datasets.prepare import prepare

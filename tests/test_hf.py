@@ -537,7 +537,7 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
     import shutil
 
     from titanlite import preflight
-    from titanlite.components.checkpoint.index import check_fits
+    from titanlite.components.checkpoint.resume import check_fits
 
     ckpts = loaded[2]["runs"] / "ft" / "checkpoints"
     incomplete = Path(shutil.copytree(ckpts / "step-00000002", tmp_path / "step-00000002"))

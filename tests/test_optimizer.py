@@ -58,7 +58,7 @@ def test_resume_restores_hparams_unless_told_and_says_which():
     betas stay; without, this config's apply at the checkpoint's schedule position."""
     import torch
 
-    from titanlite.components.checkpoint.index import flat_config, resume_changes
+    from titanlite.components.checkpoint.resume import flat_config, resume_changes
     from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule
 
     old = _cfg("cosine")

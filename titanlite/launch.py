@@ -84,6 +84,7 @@ class _Agent(LocalElasticAgent):
         super().__init__(*args, **kwargs)
         _Agent.current = self
         self.last_failure = ""
+        self.stopped: set[int] = set()  # local ranks torchrun itself stopped after another failed
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -107,10 +108,17 @@ class _Agent(LocalElasticAgent):
         # its process context, whatever --shutdown-timeout says); they wait on the dead peer,
         # which no grace can finish. A user's stop never goes through this: the workers exit
         # by themselves first.
-        close = self._pcontext.close
-        self._pcontext.close = lambda death_sig=None, timeout=30: close(
-            death_sig, min(timeout, FAILURE_GRACE_S)
-        )
+        ctx, self.stopped = self._pcontext, set()
+        close = ctx.close
+
+        def close_quickly(death_sig=None, timeout=30) -> None:
+            # the ranks still alive here are stopped by torchrun: their SIGTERM or SIGKILL is an
+            # effect of the failure, never its cause (a hung rank is killed after its peer's exit 4)
+            handlers = getattr(ctx, "subprocess_handlers", {})
+            self.stopped |= {lr for lr, h in handlers.items() if h.proc.poll() is None}
+            close(death_sig, min(timeout, FAILURE_GRACE_S))
+
+        ctx.close = close_quickly
         return pids
 
     def _restart_workers(self, worker_group) -> None:
@@ -193,10 +201,17 @@ def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
     """The exit code for a failed launch, with what the console has not shown: the failed rank's
     one-line error, or a crashed rank's last lines and its log file. The failure reported is the
     cause: a rank that stopped the run itself (bad input, a training error, a signal), else one
-    that crashed, before the ranks that then lost it (exit 4); the earliest among equals."""
+    that crashed, before the ranks that then lost it (exit 4), and before all of them the ranks
+    torchrun stopped after the first failure; the earliest among equals."""
+    stopped = _Agent.current.stopped if _Agent.current else set()
     rank, first = min(
         e.failures.items(),
-        key=lambda kv: (kv[1].exitcode not in NO_RESTART, kv[1].exitcode == EXIT_LOST_RANK, kv[1].timestamp),
+        key=lambda kv: (
+            kv[1].local_rank in stopped,
+            kv[1].exitcode not in NO_RESTART,
+            kv[1].exitcode == EXIT_LOST_RANK,
+            kv[1].timestamp,
+        ),
     )
     code = first.exitcode
     log = _stderr_log(log_dir, first.local_rank)

@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from titanlite.components.checkpoint.index import check_same_model, step_to_read
+from titanlite.components.checkpoint.index import step_to_read
+from titanlite.components.checkpoint.resume import check_same_model
 from titanlite.components.run.lock import RunLock
 from titanlite.components.run.plan import (
     check_checkpoint_space,

@@ -7,7 +7,7 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
                              what it was trained on (titanlite.config.identity), the whole
                              config and the run folder that wrote it (components/checkpoint/index.py)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; the rule for a
-                             resume at another world size: titanlite.tools.seeds)
+                             resume at another world size: components/checkpoint/rng.py)
     complete                 the marker, written last
 Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
 killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
@@ -45,20 +45,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titanlite.components.checkpoint.hf_load import load_hf_weights
-from titanlite.components.checkpoint.index import (
+from titanlite.components.checkpoint.index import complete_steps, file_record, quarantine, step_dir
+from titanlite.components.checkpoint.resume import (
     OPTIMIZER_GROUPS,
     check_fits,
     check_same_model,
-    complete_steps,
-    file_record,
     flat_config,
     hf_config,
     model_record,
     optimizer_groups_error,
-    quarantine,
     resume_changes,
-    step_dir,
 )
+from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.faults import Faults, FullDiskWriter
 from titanlite.components.optimizer import continue_schedule
 from titanlite.config import JobConfig
@@ -69,7 +67,6 @@ from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
 from titanlite.tools.cache import disk_full, first_cause, fsync_dir
-from titanlite.tools.seeds import reshard_seed
 
 logger = logging.getLogger("titanlite")
 
@@ -80,23 +77,6 @@ class HostState(Protocol):
     def state_dict(self) -> dict: ...
 
     def load_state_dict(self, state: dict) -> None: ...
-
-
-def _rng_states(extra_generators: dict[str, torch.Generator]) -> dict[str, torch.Tensor]:
-    states = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state()
-    states.update({name: g.get_state() for name, g in extra_generators.items()})
-    return states
-
-
-def _set_rng_states(states: dict[str, torch.Tensor], extra_generators: dict[str, torch.Generator]) -> None:
-    torch.set_rng_state(states["torch"])
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state(states["cuda"])
-    for name, g in extra_generators.items():
-        if name in states:
-            g.set_state(states[name])
 
 
 class Checkpointer:
@@ -240,7 +220,7 @@ class Checkpointer:
                 error = f"cannot create {tmp}: {e}"
         self._settle(step, tmp, error)
         try:
-            torch.save(_rng_states(self.generators), tmp / f"rng-rank{self.rank}.pt")
+            save_rng(tmp, self.rank, self.generators)
         except (OSError, RuntimeError) as e:  # RuntimeError: the zip writer's short write
             error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
@@ -359,16 +339,9 @@ class Checkpointer:
         try:
             host = self._load_state(path, with_optimizer=True)
             saved_world = host["world_size"]
-            if saved_world == self.world:
-                rng = torch.load(path / f"rng-rank{self.rank}.pt", weights_only=True)
-                _set_rng_states(rng, self.generators)
-            else:
-                _set_rng_states(torch.load(path / "rng-rank0.pt", weights_only=True), {})
-                seed = self.cfg.training.seed
-                if self.cfg.debug.seed_mode != "shared":  # a seed fault: per-rank streams by design
-                    torch.manual_seed(reshard_seed(seed, step, self.rank, 0))
-                for i, g in enumerate(self.generators.values()):
-                    g.manual_seed(reshard_seed(seed, step, self.rank, i + 1))
+            per_rank = self.cfg.debug.seed_mode != "shared"
+            resharded = saved_world != self.world
+            load_rng(path, self.rank, self.generators, resharded, self.cfg.training.seed, step, per_rank)
         except UserError:
             raise
         except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed

@@ -1,5 +1,5 @@
-"""Which checkpoints a folder holds, whether they are intact, and whether this run may resume from
-them. Torch-free for checkpoints that record their files: the launcher's preflight asks it before
+"""Which checkpoints a folder holds and whether they are intact (components/checkpoint/resume.py:
+whether this run may resume from one). Torch-free for checkpoints that record their files: the launcher's preflight asks it before
 any worker starts, the trainer again in rank 0.
 
 A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
@@ -20,20 +20,14 @@ import logging
 import zipfile
 import zlib
 from collections.abc import Callable, Collection
-from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from titanlite.config import JobConfig
-from titanlite.config.identity import IDENTITY_KEYS, identity
 from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
 from titanlite.errors import UserError
 from titanlite.tools.cache import first_cause
-from titanlite.tools.records import read_json
 
-# Optimizer hyperparameters that a resume restores from the checkpoint (AdamW's param groups and
-# the scheduler's base lr) unless checkpoint.restore_hparams is false.
-RESTORED = ("optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay")
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
 DAMAGED = ".damaged"  # suffix of a step folder set aside
 
@@ -279,190 +273,3 @@ def read_state(folder: Path, step: int) -> dict[str, Any]:
         raise UserError(
             f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
         ) from None
-
-
-# The optimizer state's layout in a checkpoint: AdamW's weight-decay groups, each marked with
-# whether it decays (components/optimizer.py: param_groups). Checkpoints before them had none.
-OPTIMIZER_GROUPS = "decay_groups"
-
-
-def optimizer_groups_error(path: Path) -> str:
-    return (
-        f"checkpoint '{path}' holds its optimizer state without titanlite's weight-decay groups (it was "
-        "written before them), so it cannot resume; start a new run from its weights with "
-        f"checkpoint.initial_load_path = '{path}' (initial_load_model_only = true)"
-    )
-
-
-def check_resumable(
-    folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
-) -> dict[str, Any]:
-    """Refuse, in one line, a checkpoint trained on something else, or one in a folder outside
-    this run folder that another run folder wrote (resuming would write this run's checkpoints
-    into that run's folder and prune its older ones). A checkpoint inside the run folder is the
-    run's own, even if the folder was moved or copied. `data`: what this run's data holds
-    (titanlite.datasets.spec.data_identity; None: not known yet), compared by content where the
-    checkpoint recorded it, so the same data at another path resumes and other data at the
-    same path does not (unless data.accept_change; then state["data_changed"] says what).
-    Returns its state.json."""
-    state = read_state(folder, step)
-    owner, mine = state.get("run_folder"), run_dir.resolve()
-    if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
-        raise UserError(
-            f"checkpoint.folder '{folder}' holds the checkpoints of run '{owner}'; to start a new run "
-            f"from one, set checkpoint.initial_load_path = '{step_dir(folder, step)}' (add "
-            "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
-            "with its own --job.run_name"
-        )
-    if state.get("optimizer_groups") != OPTIMIZER_GROUPS:
-        raise UserError(optimizer_groups_error(step_dir(folder, step)))
-    saved = state.get("data")
-    by_content = bool(saved) and all(d.get("content") for d in saved)
-    # A key that joined the identity after the checkpoint was written had its default then.
-    theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
-    diff = [
-        f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
-        for k, v in ours.items()
-        if theirs.get(k) != v and not (k == "data.path" and by_content)
-    ]
-    if diff:
-        raise UserError(
-            f"checkpoint {step_dir(folder, step)} was trained on something else ({'; '.join(diff)}); "
-            "use a matching config, another checkpoint.folder, or start a new run"
-        )
-    changed = data_change(saved, data) if by_content and data is not None else None
-    if changed and not cfg.data.accept_change:
-        raise UserError(
-            f"the data changed since checkpoint {step_dir(folder, step)} was written: {changed}; resume on the "
-            "data it trained on, or add --data.accept_change true to go on with this data knowingly "
-            "(recorded in run.json and events.jsonl)"
-        )
-    state["data_changed"] = changed
-    return state
-
-
-def data_change(saved: list[dict], now: list[dict]) -> str | None:
-    """How the data a run trains on now differs, by content, from what a checkpoint recorded;
-    None: the same (wherever it lives now)."""
-    if len(saved) != len(now):
-        return f"data.path names {len(now)} dataset(s), the checkpoint's run {len(saved)}"
-    for old, new in zip(saved, now, strict=True):
-        where = f"'{new['path']}'" if new["path"] else "the built-in data"
-        if old["content"] != new["content"]:
-            return (
-                f"{where} holds other data than the run trained on (content {str(old['content'])[:12]} then, "
-                f"{str(new['content'])[:12]} now: a file added, removed or edited, or another preparation)"
-            )
-        if abs(old["weight"] - new["weight"]) > 1e-9:
-            return f"{where} weighs {new['weight']:g} in the mixture, {old['weight']:g} then"
-    return None
-
-
-def flat_config(cfg: JobConfig) -> dict[str, Any]:
-    """{"section.key": value} of every field: what state.json keeps of the config."""
-    out = {}
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
-        for f in fields(section):
-            out[f"{sf.name}.{f.name}"] = getattr(section, f.name)
-    return out
-
-
-def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
-    """One line per config value that differs from the checkpoint's run, with what takes effect."""
-    before, step = state.get("config"), state["step"]
-    if not before:  # written before state.json kept the config
-        return []
-    lines = []
-    for key, now in flat_config(cfg).items():
-        if key == "data.path" and key in before and before[key] != now and state.get("data"):
-            lines.append(f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content")
-        if key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before or before[key] == now:
-            continue
-        if key in RESTORED and cfg.checkpoint.restore_hparams:
-            effect = (
-                "not applied: the checkpoint's value is restored "
-                "(--checkpoint.restore_hparams false applies this config's)"
-            )
-        elif key in RESTORED:
-            effect = f"applied from step {step + 1} (checkpoint.restore_hparams = false)"
-        elif key.startswith("lr_scheduler.") or key == "training.steps":
-            effect = f"applied: the schedule continues at step {step + 1} under the new setting"
-        else:
-            effect = "applied"
-        lines.append(f"resume: {key} was {before[key]!r}, now {now!r}: {effect}")
-    return lines
-
-
-def check_fits(path: Path, model_state: dict[str, Any]) -> None:
-    """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
-    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
-    import torch.distributed.checkpoint as dcp
-
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for name, tensor in model_state.items():
-        have = saved.get(f"model.{name}")
-        if have is None:
-            raise UserError(f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model")
-        if tuple(have.size) != tuple(tensor.shape):
-            raise UserError(
-                f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
-                f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
-            )
-
-
-# Model args a resume may change: model.dropout is a training setting, like the optimizer's.
-_MAY_CHANGE = frozenset({"dropout"})
-
-
-def model_record(args: Any) -> dict[str, Any]:
-    """A model's args (MetaModel.args) as state.json records them, for the resume check below."""
-    raw = asdict(args) if is_dataclass(args) else dict(vars(args))
-    return json.loads(json.dumps(raw, default=str))
-
-
-def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
-    """model.hf_assets_path's config.json as the run read it (state.json keeps it, so a resume can
-    name the key that changed); None without one."""
-    if not cfg.model.hf_assets_path:
-        return None
-    return read_json(Path(cfg.model.hf_assets_path).expanduser() / "config.json")
-
-
-def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:
-    """The model this run builds (`meta`: a MetaModel) is the one checkpoint `step` trained: its
-    args against those state.json recorded, else (older checkpoints) its parameter shapes against
-    DCP's .metadata. A model.hf_assets_path's config.json is read anew by every launch, so an
-    edit to it would otherwise reach the load as a size-mismatch traceback, or go unseen."""
-    path = step_dir(folder, step)
-    state = read_state(folder, step)
-    saved = state.get("model_args")
-    if saved is None:
-        check_fits(path, dict(meta.model.named_parameters()))
-        return
-    ours = model_record(meta.args)
-    diff = [
-        f"{k} {saved[k]!r}, now {v!r}"
-        for k, v in ours.items()
-        if k in saved and k not in _MAY_CHANGE and saved[k] != v
-    ]
-    if not diff:
-        return
-    m = cfg.model
-    what = f"{m.name} flavor '{m.flavor}' gives another model ({'; '.join(diff)})"
-    if m.hf_assets_path:
-        before, now = state.get("hf_config") or {}, hf_config(cfg) or {}
-        keys = [
-            f"{k} {before.get(k)!r}, now {now.get(k)!r}"
-            for k in sorted({*before, *now})
-            if before.get(k) != now.get(k)
-        ]
-        what = (
-            f"{m.hf_assets_path}/config.json changed ({'; '.join(keys)})"
-            if before and keys
-            else f"model.hf_assets_path's config.json ({m.hf_assets_path}) gives another model ({'; '.join(diff)})"
-        )
-    raise UserError(
-        f"the model changed since checkpoint {path} was written: {what}; restore it as it was, or start a "
-        "new run under another job.run_name"
-    )

@@ -15,7 +15,8 @@ import shutil
 from datetime import datetime
 from pathlib import Path
 
-from titanlite.components.checkpoint.index import check_resumable, checkpoint_folder, find
+from titanlite.components.checkpoint.index import checkpoint_folder, find
+from titanlite.components.checkpoint.resume import check_resumable
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
