@@ -5,7 +5,7 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
                              what it was trained on (titanlite.config.identity), the whole
-                             config and the run folder that wrote it (components/checkpoint/index.py)
+                             config and the run folder that wrote it (components/checkpoint/resume.py)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; the rule for a
                              resume at another world size: components/checkpoint/rng.py)
     complete                 the marker, written last
