@@ -390,3 +390,34 @@ def test_an_error_the_workers_find_is_printed_once_and_adds_no_logs(tmp_path):
     one_line_error(proc, str(data))
     assert "[rank1]" not in proc.stderr, proc.stderr
     assert list((tmp_path / "out" / "r").iterdir()) == []
+
+
+def test_the_launcher_blames_the_cause_in_every_combination_of_failures():
+    """Every combination of three ranks' exit codes (a stop of their own, a crash, a lost peer),
+    each rank alive or not when torchrun stopped the rest: the rank blamed is never one torchrun
+    stopped while another failed by itself, never a lost peer while a rank stopped or crashed, and
+    never a crash while a rank stopped the run itself."""
+    import itertools
+
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from titanlite.errors import EXIT_LOST_RANK
+    from titanlite.launch import NO_RESTART, _cause
+
+    codes = (2, 3, 130, 143, 1, -9, -15, EXIT_LOST_RANK)
+
+    def kind(code: int) -> int:
+        return 0 if code in NO_RESTART else 2 if code == EXIT_LOST_RANK else 1
+
+    for exits in itertools.product(codes, repeat=3):
+        for alive in itertools.product((False, True), repeat=3):
+            stopped = {r for r in range(3) if alive[r]}
+            failures = {
+                r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="")
+                for r, c in enumerate(exits)
+            }
+            rank, first = _cause(failures, stopped)
+            assert first is failures[rank]
+            own = [r for r in range(3) if r not in stopped] or list(range(3))
+            assert rank in own, (exits, stopped)
+            assert kind(exits[rank]) == min(kind(exits[r]) for r in own), (exits, stopped)

@@ -315,6 +315,22 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
         save_file(broken, folder / "model.safetensors")
         with pytest.raises(UserError, match=needle):
             load_hf_weights(Llama3(args), folder, LLAMA3_HF, args)
+    # Rotary inv_freq buffers (older transformers saved one per layer) are skipped for any model:
+    # its adapter never sees them, and the weights load as they do without them.
+    layers = sorted({k.split(".")[2] for k in weights if k.startswith("model.layers.")})
+    buffers = {f"model.layers.{i}.self_attn.rotary_emb.inv_freq": torch.ones(4) for i in layers}
+    folder = copy("inv-freq")
+    save_file({**weights, **buffers}, folder / "model.safetensors")
+    seen: list[str] = []
+    spy = dataclasses.replace(LLAMA3_HF, from_hf=lambda n, t, a: seen.append(n) or LLAMA3_HF.from_hf(n, t, a))
+    with_buffers, without = Llama3(args), Llama3(args)
+    load_hf_weights(with_buffers, folder, spy, args)
+    load_hf_weights(without, assets / "untied", LLAMA3_HF, args)
+    assert seen and not set(seen) & set(buffers)
+    for (name, a), (_, b) in zip(
+        with_buffers.state_dict().items(), without.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name
 
 
 def _int_keys(d: dict) -> dict[int, float]:

@@ -49,7 +49,7 @@ import torch.distributed.elastic.multiprocessing.api as mp_api
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.checkpoint.index import quarantine_damaged
@@ -92,7 +92,7 @@ class _Agent(LocalElasticAgent):
             codes = {f.exitcode for f in result.failures.values()}
             if _stop["signal"] or codes & NO_RESTART:
                 self._remaining_restarts = 0
-            rank, first = min(result.failures.items(), key=lambda kv: kv[1].timestamp)
+            rank, first = _cause(result.failures, self.stopped)
             self.last_failure = f"rank {rank} {_how(first.exitcode)}"
         return result
 
@@ -197,15 +197,13 @@ def _printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
     )
 
 
-def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
-    """The exit code for a failed launch, with what the console has not shown: the failed rank's
-    one-line error, or a crashed rank's last lines and its log file. The failure reported is the
-    cause: a rank that stopped the run itself (bad input, a training error, a signal), else one
-    that crashed, before the ranks that then lost it (exit 4), and before all of them the ranks
-    torchrun stopped after the first failure; the earliest among equals."""
-    stopped = _Agent.current.stopped if _Agent.current else set()
-    rank, first = min(
-        e.failures.items(),
+def _cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
+    """The failure that caused the others: a rank that stopped the run itself (bad input, a
+    training error, a signal), else one that crashed, before the ranks that then lost it (exit 4),
+    and before all of them the ranks torchrun stopped after the first failure (`stopped`, local
+    ranks); the earliest among equals."""
+    return min(
+        failures.items(),
         key=lambda kv: (
             kv[1].local_rank in stopped,
             kv[1].exitcode not in NO_RESTART,
@@ -213,6 +211,12 @@ def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
             kv[1].timestamp,
         ),
     )
+
+
+def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
+    """The exit code for a failed launch, with what the console has not shown: the failed rank's
+    one-line error, or a crashed rank's last lines and its log file, for the cause (_cause)."""
+    rank, first = _cause(e.failures, _Agent.current.stopped if _Agent.current else set())
     code = first.exitcode
     log = _stderr_log(log_dir, first.local_rank)
     lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []

@@ -28,6 +28,10 @@ from titanlite.models.registry import HFAdapter
 
 logger = logging.getLogger("titanlite")
 
+# Buffers older transformers saved with the weights and every version recomputes from config.json
+# on load (as titanlite's models do): skipped for every model, before its adapter sees a name.
+DERIVED_BUFFERS = (".rotary_emb.inv_freq",)
+
 
 def safetensors_names(path: Path) -> list[str]:
     """The tensor names of a safetensors file, from its header alone, after checking the file
@@ -89,6 +93,8 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
             handles[path] = stack.enter_context(safe_open(path, framework="pt"))
         plan = []  # (HF name, titanlite name) in file order
         for hf_name, path in files.items():
+            if hf_name.endswith(DERIVED_BUFFERS):
+                continue
             shape = handles[path].get_slice(hf_name).get_shape()
             mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
             if mapped is None:

@@ -1,6 +1,6 @@
-"""Which checkpoints a folder holds and whether they are intact (components/checkpoint/resume.py:
-whether this run may resume from one). Torch-free for checkpoints that record their files: the launcher's preflight asks it before
-any worker starts, the trainer again in rank 0.
+"""Which checkpoints a folder holds and whether they are intact (whether this run may resume from
+one: components/checkpoint/resume.py). Torch-free for checkpoints that record their files: the
+launcher's preflight asks it before any worker starts, the trainer again in rank 0.
 
 A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
 config, the run folder that wrote it, and every other file of the step with its size (and, for

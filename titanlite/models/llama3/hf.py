@@ -71,9 +71,8 @@ def _heads(name: str, args: Llama3Args) -> int | None:
 
 def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor] | None:
     """One transformers tensor -> (titanlite name, tensor); None for a tied head's copy, which
-    titanlite holds once, as the embedding, and for the rotary inv_freq buffers older transformers
-    saved with the weights (it recomputes them from config.json on load, as titanlite does)."""
-    if (name == "lm_head.weight" and args.tie_embeddings) or name.endswith(".rotary_emb.inv_freq"):
+    titanlite holds once, as the embedding."""
+    if name == "lm_head.weight" and args.tie_embeddings:
         return None
     ours = _rename(name, _TOP_BACK, _LAYER_BACK, src="model.", dst="")
     if ours is None:
