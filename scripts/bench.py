@@ -54,7 +54,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -67,9 +66,9 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis import harness  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402
-from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 OFF = ["--diagnostics.enable", "false"]
@@ -407,7 +406,7 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps(result))
     for obj in objs.values():
         _trainer(obj).close()
-    dist.destroy_process_group()
+    harness.finish()
 
 
 def summarize(raw: dict) -> dict:
@@ -540,30 +539,9 @@ def run(args) -> int:
     report = {"reps": reps, "config": str(args.config), "overrides": overrides, "dp": {}}
     for dp in dps:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={dp}",
-                __file__,
-                "--worker-out",
-                tmp.name,
-                "--world",
-                str(dp),
-                "--reps",
-                str(reps),
-                "--config",
-                str(args.config),
-                "--names",
-                *names,
-                *overrides,
-            ]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                print(proc.stderr[-4000:], file=sys.stderr)
-                raise UserError(f"dp={dp} failed (exit {proc.returncode}); its output is above")
+            flags = ["--worker-out", tmp.name, "--world", str(dp), "--reps", str(reps)]
+            flags += ["--config", str(args.config), "--names", *names, *overrides]
+            harness.check(harness.launch(__file__, dp, flags), f"dp={dp}")
             summary = summarize(json.loads(Path(tmp.name).read_text()))
         report["dp"][str(dp)] = summary
         print(table(dp, summary), flush=True)

@@ -17,7 +17,7 @@ verdict; writes table.txt, compare.json and compare.png (curves and the log-scal
 --rtol: the largest relative loss difference that still counts as the same curve, at every
 step. Default from the runs' dtype: 1e-5 for fp32; for bf16, whose rounding differences compound,
 2^-12 (u / 16) per step since the first compared one, at most 2e-2 (7.3e-3 at step 30). The
-measurements behind both: titanlite/tools/tolerance.py.
+measurements behind both: titanlite/analysis/tolerance.py.
 Exit status: 0 the same curve, 1 the curves part (the first step is named), 2 the runs cannot be
 compared (different global batch, seed, data or model; a missing or cut-off metrics file).
 """
@@ -33,11 +33,11 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis.compare import compare, load_run, report  # noqa: E402
+from titanlite.analysis.experiments import overview  # noqa: E402
+from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.compare import compare, load_run, report  # noqa: E402
-from titanlite.tools.experiments import overview  # noqa: E402
-from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
 SCRIPT = Script("compare_runs", __doc__)
 SCRIPT.arg("runs", kind="folder", nargs="+", help="run folders; the first is the reference")

@@ -3,7 +3,7 @@
 
     ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--onset S] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
-    ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...]
+    ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...] [--keep FILE.json.xz]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
@@ -48,9 +48,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
-import subprocess
 import sys
 from collections import Counter
 from datetime import datetime
@@ -64,50 +62,12 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.diagnostics.scenarios import detection, expected, scenarios  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.records import read_json, read_records  # noqa: E402
 
 SKIP = 5  # the first measured steps: ranks agree strongly while the model learns anything
-
-
-def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
-    dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
-    start = ["--debug.fault_from_step", str(onset)]
-    return {
-        "healthy": [],
-        "healthy_sft": ["--data.mode", "sft", "--training.local_batch_size", "1"],  # 2 microbatches
-        "same_data": ["--debug.same_data", "true"],
-        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2), *start],
-        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10", *start],
-        "slow_rank": ["--debug.slow_rank", str(dp - 1), "--debug.slow_factor", "3", *start],
-        "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
-            *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
-            *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
-        ],
-        "stuck_loader": ["--debug.stuck_loader_step", "5", "--debug.stuck_loader_rank", str(dp - 1)],
-        "S1-1": [*dropout, "shared"],
-        "S1-2": [*dropout, "rank0_differs"],
-        "S1-3": [*dropout, "per_rank"],
-    }
-
-
-def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None]:
-    """Per scenario: (the alert that names its fault, the rank(s) at fault, the step the fault
-    starts), or None where no alert is right."""
-    return {
-        "healthy": None,
-        "healthy_sft": None,
-        "same_data": ("identical_data", list(range(1, dp)), 1),
-        "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
-        "grad_noise": ("faulty_worker", [1], onset),
-        "slow_rank": ("slow_rank", [dp - 1], onset),
-        "replica_flip": ("replica_drift", [dp - 1] if dp > 2 else [0, 1], 5),  # of two replicas, both
-        "stuck_loader": ("stale_batch", [dp - 1], 5),
-        "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
-        "S1-2": ("data_order_mismatch", [0] if dp > 2 else [0, 1], 1),  # of two, neither is the majority
-        "S1-3": ("data_order_mismatch", list(range(dp)), 1),
-    }
 
 
 def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
@@ -126,26 +86,20 @@ def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
 
 
 def worker(args, overrides: list[str]) -> None:
-    import torch.distributed as dist
-
-    from titanlite.config import parse_args
+    from titanlite.analysis import harness
     from titanlite.errors import TrainingError
-    from titanlite.train import Trainer
 
-    status = {}
-    for name in args.scenarios:
-        cfg, _ = parse_args(scenario_argv(args, name, overrides))
-        trainer = Trainer(cfg)
-        stopped = None
+    def train(name: str, trainer) -> dict:
         try:
             trainer.train()
         except TrainingError as e:
-            stopped = str(e)
-        trainer.close()
-        status[name] = {"stopped": stopped}
-    if dist.get_rank() == 0:
+            return {"stopped": str(e)}
+        return {"stopped": None}
+
+    status = harness.trainers(((n, scenario_argv(args, n, overrides)) for n in args.scenarios), train)
+    if harness.is_first_rank():
         (args.out / "status.json").write_text(json.dumps(status))
-    dist.destroy_process_group()
+    harness.finish()
 
 
 def _mean(values: list) -> float | None:
@@ -171,36 +125,6 @@ def _read(run_dir: Path, name: str) -> list[dict]:
     return read_records(run_dir / name)
 
 
-def replay(run_dir: Path, overrides: list[str]) -> list[dict]:
-    """The alerts today's rules, with `overrides`, raise on the run's recorded measured steps (the
-    last record of a step, as a resumed run rewrites some), plus its recorded replica_drift."""
-    from titanlite.config import parse_args
-    from titanlite.diagnostics.alerts import AlertMonitor
-
-    cfg, _ = parse_args(["--config", str(run_dir / "config.toml"), *overrides])
-    records = {r["step"]: r for r in _read(run_dir, "diagnostics.jsonl")}
-    if not records:
-        return []
-    world = len(next(iter(records.values()))["rank_loss"])
-    monitor = AlertMonitor(cfg.alerts, ["-"] * world, world * cfg.training.local_batch_size)
-    alerts = [a.to_dict() for step in sorted(records) for a in monitor.update(records[step])]
-    drift = [e for e in _read(run_dir, "events.jsonl") if e["name"] == "replica_drift"]
-    return sorted(alerts + drift, key=lambda a: a["step"])
-
-
-def detection(alerts: list[dict], want: tuple[str, list[int], int] | None) -> dict:
-    """When the alert that names the fault first fired, and every other alert."""
-    hit = [a for a in alerts if want and a["name"] == want[0] and sorted(a["ranks"]) == want[1]]
-    first = hit[0]["step"] if hit else None
-    return {
-        "expected": f"{want[0]} {want[1]}" if want else "none",
-        "onset": want[2] if want else None,
-        "detected_step": first,
-        "steps_to_detection": first - want[2] + 1 if first is not None else None,
-        "other_alerts": [a for a in alerts if a not in hit],
-    }
-
-
 def _late_share(rec: dict) -> float | None:
     """How much later than the others' median the latest rank reached the step's start, as a share
     of the step (titanlite/diagnostics/stragglers.py), or None without the times."""
@@ -212,9 +136,9 @@ def _late_share(rec: dict) -> float | None:
 
 
 def _rank_test_max(records: list[dict]) -> float | None:
-    """The largest |Z| of the per-sample rank test over the run (titanlite/diagnostics/rank_test.py)."""
+    """The largest |Z| of the per-sample rank test over the run (titanlite/diagnostics/rank_sum.py)."""
     from titanlite.config.job_config import Alerts
-    from titanlite.diagnostics.rank_test import rank_scores, window_score
+    from titanlite.diagnostics.rank_sum import rank_scores, window_score
 
     window, scores, best = Alerts().rank_test_window, [], None
     for rec in records:
@@ -446,6 +370,11 @@ SCRIPT.arg(
     "--scenarios", kind="choice", nargs="+", choices=SCENARIOS, help="a subset, in this order (default: all)"
 )
 SCRIPT.arg("--replay", kind="folder", help="tables from this folder's runs, alerts replayed")
+SCRIPT.arg(
+    "--keep",
+    kind="out_file",
+    help="also write the runs as one replayable recording (.json.xz: measured steps and alerts; tests/recordings/)",
+)
 SCRIPT.arg("--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)")
 
 
@@ -470,27 +399,19 @@ def run(args) -> int:
         validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)
     if (args.out / "status.json").exists():
         raise UserError(f"{args.out} already holds scenarios; pass another --out")
-    # torchrun itself: titanlite.launch is for titanlite.train (its preflight reads train flags)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp)]
-    cmd += [
-        __file__,
-        "--worker",
-        "--dp",
-        str(args.dp),
-        "--steps",
-        str(args.steps),
-        "--onset",
-        str(args.onset),
+    from titanlite.analysis import harness
+
+    flags = ["--worker", "--dp", str(args.dp), "--steps", str(args.steps), "--onset", str(args.onset)]
+    flags += [
+        "--config",
+        str(args.config),
+        "--out",
+        str(args.out),
+        "--scenarios",
+        *args.scenarios,
+        *overrides,
     ]
-    cmd += ["--config", str(args.config)]
-    cmd += ["--out", str(args.out), "--scenarios", *args.scenarios, *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stdout + proc.stderr).strip().splitlines()
-        errors = [line for line in lines if line.startswith("titanlite: error")]  # a worker's own line
-        last = (errors or lines or ["it printed nothing"])[-1]
-        raise UserError(f"the runs failed (exit {proc.returncode}): {last}; their logs: {args.out}")
+    harness.check(harness.launch(__file__, args.dp, flags), "the runs", str(args.out))
     status = read_json(args.out / "status.json")
     status["onset"] = args.onset
     (args.out / "status.json").write_text(json.dumps(status))
@@ -505,7 +426,17 @@ def run(args) -> int:
     print(
         f"\nwritten: {args.out}/{{scenarios.json,scenarios.png,noise_scale.png}} and a run folder per scenario"
     )
+    keep(args, args.out, args.scenarios)
     return 0
+
+
+def keep(args, folder: Path, names) -> None:
+    """--keep: the runs as one recording that replays to the alerts they raised."""
+    if args.keep:
+        from titanlite.diagnostics.replay import save_recording
+
+        save_recording(args.keep, {name: folder / name for name in names})
+        print(f"recording: {args.keep}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -514,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay_main(args, overrides: list[str]) -> int:
     """--replay: the tables from recorded runs, alerts from today's rules."""
+    from titanlite.diagnostics.replay import replay_run
+
     status_file = args.replay / "status.json"
     if not status_file.is_file():
         raise UserError(f"{args.replay} holds no scenarios (no status.json)")
@@ -522,7 +455,9 @@ def replay_main(args, overrides: list[str]) -> int:
     dp = read_json(args.replay / next(iter(status)) / "run.json").get("world_size", 2)
     want = expected(dp, onset)
     rows = {
-        name: summarize(args.replay / name, s["stopped"], want[name], replay(args.replay / name, overrides))
+        name: summarize(
+            args.replay / name, s["stopped"], want[name], replay_run(args.replay / name, overrides)
+        )
         for name, s in status.items()
     }
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
@@ -531,6 +466,7 @@ def replay_main(args, overrides: list[str]) -> int:
     print(
         f"replayed over {args.replay} (dp={dp})\n{table(rows)}\n\ndetection\n{detection_table(rows)}{notes_table(rows)}"
     )
+    keep(args, args.replay, status)
     return 0
 
 

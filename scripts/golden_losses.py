@@ -26,7 +26,6 @@ Exit status: 0 equal, 1 a curve differs (the first step is named), 2 a run faile
 from __future__ import annotations
 
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -82,29 +81,29 @@ def identity() -> dict:
 
 def run_cases(runs_dir: str, cases: dict[str, list[str]]) -> dict[str, list[dict]]:
     """Inside a torchrun of WORLD ranks: every case's per-step FIELDS (rank 0; {} elsewhere)."""
-    import torch.distributed as dist
+    from titanlite.analysis import harness
 
-    from titanlite.config import parse_args
-    from titanlite.train import Trainer
-
-    curves = {}
-    for name, overrides in cases.items():
-        argv = [*overrides, "--training.steps", str(STEPS), "--metrics.log_freq", "1"]
-        argv += [
-            "--job.dump_folder",
-            runs_dir,
-            "--job.run_name",
-            name,
-            "--metrics.enable_tensorboard",
-            "false",
-        ]
-        trainer = Trainer(parse_args(argv)[0])
+    def train(name: str, trainer) -> list[dict] | None:
         trainer.train()
-        trainer.close()
-        if dist.get_rank() == 0:
-            lines = (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()
-            curves[name] = [{k: json.loads(line)[k] for k in ("step", *FIELDS)} for line in lines]
-    return curves
+        if not harness.is_first_rank():
+            return None
+        lines = (Path(runs_dir) / name / "metrics.jsonl").read_text().splitlines()
+        return [{k: json.loads(line)[k] for k in ("step", *FIELDS)} for line in lines]
+
+    quiet = [
+        "--training.steps",
+        str(STEPS),
+        "--metrics.log_freq",
+        "1",
+        "--metrics.enable_tensorboard",
+        "false",
+    ]
+    argvs = (
+        (name, [*o, *quiet, "--job.dump_folder", runs_dir, "--job.run_name", name])
+        for name, o in cases.items()
+    )
+    curves = harness.trainers(argvs, train)
+    return curves if harness.is_first_rank() else {}
 
 
 def compare(name: str, golden: dict, fresh: list[dict], here: dict) -> tuple[bool, str]:
@@ -142,10 +141,11 @@ def load(name: str) -> dict:
 
 def launch(out: Path, runs: Path) -> subprocess.CompletedProcess:
     """One torchrun of WORLD CPU ranks running every case, with the pins."""
-    env = {**os.environ, **ENV, "PYTHONPATH": str(REPO), "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    cmd += [__file__, "--worker", str(out), str(runs)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    from titanlite.analysis import harness
+
+    return harness.launch(
+        __file__, WORLD, ["--worker", str(out), str(runs)], {**ENV, "PYTHONPATH": str(REPO)}
+    )
 
 
 SCRIPT = Script("golden_losses", __doc__)
@@ -159,12 +159,12 @@ def run(args) -> int:
     if sum(bool(x) for x in (args.check, args.write, args.worker)) != 1:
         raise UserError("give one of --check or --write (with --why)")
     if args.worker:
-        import torch.distributed as dist
+        from titanlite.analysis import harness
 
         curves = run_cases(args.worker[1], CASES)
-        if dist.get_rank() == 0:
+        if harness.is_first_rank():
             Path(args.worker[0]).write_text(json.dumps({"identity": identity(), "curves": curves}))
-        dist.destroy_process_group()
+        harness.finish()
         return 0
     if args.write and not (args.why or "").strip():
         raise UserError("--write needs --why 'what changed the numerics, and why that is right'")

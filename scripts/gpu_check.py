@@ -309,8 +309,8 @@ def check_determinism(shapes: Shapes, out: Path, steps: int) -> dict:
 
 def check_accum(shapes: Shapes, out: Path) -> dict:
     """Accumulation 1 vs 4 over the same global batch of 4 sequences, built-in data."""
-    from titanlite.tools.compare import compare, load_run
-    from titanlite.tools.tolerance import default_tolerance
+    from titanlite.analysis.compare import compare, load_run
+    from titanlite.analysis.tolerance import default_tolerance
 
     common = ["--training.global_batch_size", "4", "--training.steps", str(shapes.accum_steps)]
     common += ["--metrics.log_freq", "1", "--training.seq_len", str(shapes.seq)]
@@ -499,7 +499,8 @@ def brief(row: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Device: {result['device']}; {result['shapes']}.", ""]
+    made = f" (torch {result['torch']}, {result['date']})" if "torch" in result else ""
+    lines = [f"Device: {result['device']}{made}; {result['shapes']}.", ""]
     if "speed" in result:
         lines += [
             "| AC | compile | tokens/s | TFLOP/s | MFU | peak memory | estimate |",
@@ -598,7 +599,10 @@ def run(args) -> int:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     sections = args.only or SECTIONS
     steps = shapes.steps if args.steps is None else args.steps
-    result: dict = {"device": device_name(), "smoke": args.smoke}
+    import torch
+
+    result: dict = {"device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    result["smoke"] = args.smoke
     result["shapes"] = f"{Path(shapes.config).stem} shapes, vocab {shapes.vocab:,}, seq {shapes.seq}"
     began = time.perf_counter()
     checks = {

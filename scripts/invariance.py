@@ -37,13 +37,13 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis.compare import compare, load_run, report  # noqa: E402
+from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.compare import compare, load_run, report  # noqa: E402
-from titanlite.tools.tolerance import default_tolerance  # noqa: E402
 
 
 def plan(cfg, dp: int, mode: str, replicas: int) -> dict[str, int | str]:

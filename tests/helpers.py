@@ -64,6 +64,7 @@ def load_script(name: str):
     """scripts/<name>.py as a module, to call its functions in the test's process."""
     spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass of the script looks its module up there
     spec.loader.exec_module(module)
     return module
 

@@ -1,16 +1,28 @@
 """Each alert fires on a stream of measured steps that provokes it and stays silent on a healthy
 one. Streams are synthetic records with the fields stats.step_metrics produces. Real runs with
-injected faults: tests/test_scenarios.py."""
+injected faults: tests/test_scenarios.py; recorded ones (tests/recordings/) replay to the alerts
+they raised. An alert registered from outside the package: tests/test_checkpoint.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sysconfig
+from pathlib import Path
 
 import pytest
 
 from titanlite.config.job_config import Alerts
-from titanlite.diagnostics.alerts import CAUSES, Alert, AlertMonitor
+from titanlite.diagnostics.alerts import Alert, AlertMonitor
+from titanlite.diagnostics.catalogue import BUILT_IN
+from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Check, cause, register
+from titanlite.diagnostics.replay import compared, load_recording, replay
+from titanlite.diagnostics.scenarios import detection, expected, scenarios
+from titanlite.diagnostics.step_record import RECORD_VERSION
+from titanlite.diagnostics.window import Finding
+from titanlite.errors import UserError
+
+RECORDINGS = sorted((Path(__file__).parent / "recordings").glob("*.json.xz"))
 
 WORLD, STEPS = 4, 60
 
@@ -168,7 +180,7 @@ def test_data_checks_fire_at_once_and_name_the_ranks(fault, name, ranks, step):
     assert [(a.name, a.ranks, a.step) for a in alerts][:1] == [(name, ranks, step)], [
         a.line() for a in alerts
     ]
-    assert all(a.name == name for a in alerts) and alerts[0].cause == CAUSES[name]
+    assert all(a.name == name for a in alerts) and alerts[0].cause == cause(name)
 
 
 def test_the_exact_identical_data_check_speaks_for_the_statistical_one():
@@ -234,7 +246,7 @@ def test_each_alert_fires_when_provoked(fault, name, ranks):
     fired = [a for a in alerts if a.name == name]
     assert fired, [a.line() for a in alerts]
     assert fired[0].ranks == ranks and fired[0].hosts == [f"host{r}" for r in ranks]
-    assert fired[0].cause == CAUSES[name] and name in fired[0].line()
+    assert fired[0].cause == cause(name) and name in fired[0].line()
     assert len(fired) <= STEPS // Alerts().window + 1  # cooldown: no flood
 
 
@@ -280,4 +292,99 @@ def test_alert_line_names_the_highest_loss_samples_by_source():
         "(100 tok, loss 4.000), r2 #7 /data/a.jsonl row 3 +1 doc(s) (100 tok, loss 2.000); 1 more in "
         "events.jsonl (scripts/inspect_step.py shows them)"
     ), line
-    assert Alert("cosine_drop", 3, [], [], "m").line().endswith(CAUSES["cosine_drop"])
+    assert Alert("cosine_drop", 3, [], [], "m").line().endswith(cause("cosine_drop"))
+
+
+def test_there_are_recordings():
+    assert len(RECORDINGS) >= 2, RECORDINGS
+
+
+@pytest.mark.parametrize("path", RECORDINGS, ids=lambda p: p.name.split(".")[0])
+def test_the_recordings_replay_to_the_alerts_they_raised(path):
+    """Healthy and fault runs of scripts/diagnose_scenarios.py at dp 2 and 4, kept with `--keep`:
+    a replay raises the alerts the runs raised, at the same steps, word for word; and each fault
+    is named by the alert and rank(s) the scenario table says, nothing else fires (repeats of that
+    alert aside), and the healthy runs raise nothing."""
+    runs = load_recording(path)
+    assert set(runs) == set(scenarios(2)), sorted(runs)
+    for name, run in runs.items():
+        got = [a.to_dict() for a in replay(run["records"], Alerts(**run["alerts"]), run["batch_unit"])]
+        assert compared(got) == compared(run["raised"]), name
+        world = len(run["records"][0]["rank_loss"])
+        want = expected(world, run["debug"]["fault_from_step"])[name]
+        found = detection([a for a in got + run["kept"] if a["level"] == "alert"], want)
+        assert found["expected"] == "none" or found["detected_step"] is not None, (name, found)
+        assert all(a["name"] == (want or ("-",))[0] for a in found["other_alerts"]), (name, found)
+        assert want is not None or not [a for a in got if a["level"] == "alert"], (name, got)
+
+
+def test_a_state_saved_before_the_registry_resumes_the_same():
+    """A checkpoint's version-1 runner state (each built-in alert's state under a key of its own)
+    continues exactly as today's."""
+    stream = list(
+        healthy(
+            3,
+            fault=lambda t, rec: {
+                **rec,
+                "rank_loss": [x + (0.6 if r == 2 and t > 25 else 0) for r, x in enumerate(rec["rank_loss"])],
+            },
+        )
+    )
+    first = AlertMonitor(Alerts(), [f"host{r}" for r in range(WORLD)])
+    for rec in stream[:30]:
+        first.update(rec)
+    now = first.state_dict()
+    own = now.pop("alerts")
+    del now["version"]
+    old = {**now, "data": own["stale_batch"], "scores": own["single_rank_outlier"]["scores"]}
+    old.update(recent=own["slow_rank"]["recent"], advisor=own["batch_size_advice"])
+    a, b = (AlertMonitor(Alerts(), [f"host{r}" for r in range(WORLD)]) for _ in range(2))
+    a.load_state_dict(first.state_dict())
+    b.load_state_dict(old)
+    assert a.state_dict() == b.state_dict()
+    rest = [[x.to_dict() for rec in stream[30:] for x in m.update(rec)] for m in (a, b)]
+    assert rest[0] == rest[1] and rest[0], rest
+
+
+def _spec(**change) -> AlertSpec:
+    base = {"name": "mine", "cause": "why", "checks": (Check(lambda ctx: None),)}
+    return AlertSpec(**{**base, **change})
+
+
+@pytest.mark.parametrize(
+    "change, said",
+    [
+        ({"name": "my alert"}, "not an identifier"),
+        ({"cause": " "}, "no cause"),
+        ({"level": "warning"}, "level 'warning'"),
+        ({"source": "eval"}, "source 'eval'"),
+        ({"checks": ()}, "no check"),
+        ({"thresholds": ("my_limit",)}, "not [alerts] fields"),
+        ({"defaults": {"window": 3}}, "are [alerts] fields"),
+    ],
+)
+def test_a_registration_mistake_is_one_line_at_import(change, said):
+    before = dict(REGISTRY)
+    with pytest.raises(UserError, match="alert .* cannot be registered") as e:
+        register(_spec(**change))
+    assert said in str(e.value) and "\n" not in str(e.value) and before == REGISTRY
+
+
+def test_every_threshold_belongs_to_an_alert_and_every_alert_has_a_cause():
+    claimed = {t for spec in BUILT_IN for t in spec.thresholds}
+    assert claimed == {f.name for f in dataclasses.fields(Alerts)}
+    assert all(spec.cause and REGISTRY[spec.name] is spec for spec in BUILT_IN)
+
+
+def test_an_alert_is_named_by_its_record_whatever_its_finding_says():
+    """A check whose finding names no registered alert (a typo) raises its record's alert, with
+    the record's cause: no KeyError at run time."""
+    mon = AlertMonitor(Alerts(), ["h0", "h1"])
+    alerts = mon._raise(REGISTRY["slow_rank"], 7, Finding("typo_name", [1], "late"))
+    assert [(a.name, a.cause, a.hosts) for a in alerts] == [("slow_rank", cause("slow_rank"), ["h1"])]
+
+
+def test_a_record_from_a_newer_titanlite_is_refused_in_one_line():
+    rec = {**next(healthy()), "version": RECORD_VERSION + 1}
+    with pytest.raises(UserError, match="newer than this titanlite"):
+        replay([rec], Alerts())

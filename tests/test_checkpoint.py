@@ -31,6 +31,7 @@ from helpers import check, read_metrics, train
 
 from titanlite.components.checkpoint.index import damage, file_record, find, quarantine_damaged
 from titanlite.errors import UserError
+from titanlite.tools.records import read_records
 
 STEPS = 6
 BASE = [
@@ -48,6 +49,9 @@ BASE = [
 DATA: list[str] = []  # --data.path: the built-in SFT set prepared by the script (set by `ref`)
 DDP = ("--parallelism.dp_replicate", "2")
 DROPOUT = ("--model.dropout", "0.1")  # the DDP runs: the dropout RNG must resume exactly too
+# the DDP runs: an alert registered from outside the package (tests/toy_alert.py), whose own state
+# must resume too: it fires at the 5th measured step of the run
+TOY = ("--model.import_module", "toy_alert")
 
 
 CKPT = ("--checkpoint.interval", "3")
@@ -79,7 +83,7 @@ def ref(tmp_path_factory, prepared_sft):
     DATA[:] = ["--data.path", prepared_sft]
     tmp = tmp_path_factory.mktemp("ckpt")
     run(tmp, "fsdp", *CKPT)
-    run(tmp, "ddp", *DDP, *DROPOUT)
+    run(tmp, "ddp", *DDP, *DROPOUT, *TOY)
     return tmp
 
 
@@ -105,13 +109,21 @@ def test_worker_killed_mid_run_is_restarted_and_resumes_bitwise(ref):
 @pytest.mark.slow
 def test_killed_rank_is_named_and_the_same_command_continues(ref):
     kill = ("--debug.sigkill_step", "5", "--debug.sigkill_rank", "1")
-    proc = run(ref, "ddp-resumed", *DDP, *DROPOUT, *CKPT, *kill, ok=False)
+    proc = run(ref, "ddp-resumed", *DDP, *DROPOUT, *TOY, *CKPT, *kill, ok=False)
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("titanlite: rank 1 was killed by SIGKILL;") and "its full log: " in summary
     assert Path(summary.split("its full log: ")[1]).is_file()
-    run(ref, "ddp-resumed", *DDP, *DROPOUT, *CKPT)
+    run(ref, "ddp-resumed", *DDP, *DROPOUT, *TOY, *CKPT)
     assert losses(ref, "ddp-resumed") == losses(ref, "ddp")
+    # the toy alert, resumed from step 3 with its count, fires at step 5 as in the run never stopped
+    for name in ("ddp", "ddp-resumed"):
+        toy = [
+            (e["step"], e["ranks"], e["cause"])
+            for e in read_records(ref / name / "events.jsonl")
+            if e["name"] == "toy_alert"
+        ]
+        assert toy == [(5, [1], "a test's alert: nothing is wrong")], (name, toy)
     # The seed rule (titanlite.tools.seeds) across a reshard: the dp=2 dropout checkpoint of step 3
     # continues at dp=4 with every rank reading the same data, so the ranks' per-sequence losses
     # are equal exactly when their dropout masks are, i.e. when every rank continues one stream.
@@ -119,7 +131,7 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
         ref / "ddp-resumed/checkpoints/step-00000003", ref / "dp4-seeds/checkpoints/step-00000003"
     )
     same = ("--parallelism.dp_replicate", "4", "--debug.same_data", "true")
-    run(ref, "dp4-seeds", *DROPOUT, *same, nproc=4)
+    run(ref, "dp4-seeds", *DROPOUT, *TOY, *same, nproc=4)
     records = [json.loads(x) for x in (ref / "dp4-seeds/diagnostics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 5, 6]
     for r in records:

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
+from titanlite.analysis.compare import compare, load_run
+from titanlite.analysis.tolerance import DEFAULT_TOLERANCE, Tolerance, default_tolerance
 from titanlite.config import load_config
 from titanlite.config.manager import to_toml
-from titanlite.tools.compare import compare, load_run
-from titanlite.tools.tolerance import DEFAULT_TOLERANCE, Tolerance, default_tolerance
 
 compare_runs = load_script("compare_runs")
 

@@ -4,13 +4,13 @@ import re
 
 import pytest
 
+from titanlite.analysis.compare import load_run
 from titanlite.config import load_config, parse_args
 from titanlite.config.job_config import Alerts
 from titanlite.config.layout import resolve_layout, validate
 from titanlite.config.manager import NOTES_SHOWN_ENV, to_toml
 from titanlite.datasets.spec import check_data_files
 from titanlite.errors import UserError
-from titanlite.tools.compare import load_run
 
 
 def test_overrides_types_and_lists():

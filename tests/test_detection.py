@@ -14,7 +14,7 @@ import pytest
 
 from titanlite.config.job_config import Alerts
 from titanlite.diagnostics.alerts import AlertMonitor
-from titanlite.diagnostics.rank_test import max_step_score, rank_scores, reachable, threshold, window_score
+from titanlite.diagnostics.rank_sum import max_step_score, rank_scores, reachable, threshold, window_score
 
 ONSET, STEPS = 40, 80
 
@@ -341,7 +341,9 @@ def test_a_run_resumed_at_another_dp_keeps_its_history_without_the_old_ranks():
     resumed = AlertMonitor(Alerts(), [f"host{r}" for r in range(4)])
     resumed.load_state_dict(first.state_dict())
     assert resumed.seen == 30 and len(resumed.history) == len(first.history)
-    assert all(p.rank_loss is None for p in resumed.history) and not resumed.scores
+    assert (
+        all(p.rank_loss is None for p in resumed.history) and not resumed.states["single_rank_outlier"].scores
+    )
     # at dp=4 from step 31: the rules read the new ranks only, and a noisy gradient is still named
     later = [rec for rec in stream(4, 2, fault=_noisy(3)) if rec["step"] > 30]
     alerts = [a for rec in later for a in resumed.update(rec)]
@@ -354,7 +356,7 @@ def test_no_advice_from_a_noise_scale_that_is_not_positive():
 
 
 def test_at_dp2_a_lasting_fault_keeps_the_rank_named_when_the_ranks_parted():
-    from titanlite.diagnostics.rank_test import rank_outlier
+    from titanlite.diagnostics.rank_sum import rank_outlier
 
     scores = [(t, [-2.3, 2.3]) for t in range(91, 101)]  # rank 1 above rank 0 in every step
     quiet = lambda *_: False  # noqa: E731

@@ -11,6 +11,7 @@ from helpers import BF16_GRAD_TOL, run_per_world
 
 from titanlite.diagnostics.sketch import CountSketch
 from titanlite.diagnostics.stats import NoiseScale, rank_noise, step_metrics
+from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep
 
 WORLDS = (2, 4)
 
@@ -222,3 +223,28 @@ def test_a_flipped_bit_in_one_replica_is_named(results, world):
         group = [r for r in range(world) if r % shards == flipped % shards]  # its shard's replicas
         named = [flipped] if len(group) > 2 else group
         assert c["alerts"] == [[], [["replica_drift", 2, named, c["first"]]], []], (mode, c)
+
+
+def test_a_measured_step_row_unpacks_by_name_what_was_packed():
+    """Every field of step_record.RankStep comes back under its own name, integers exact."""
+    n = 3
+    step = RankStep(
+        loss_sum=torch.tensor(7.5),
+        tokens=torch.tensor(30),
+        norm_sq=torch.tensor(2.25),
+        order=torch.tensor([2.0**52 + 1], dtype=torch.float64),
+        times=torch.tensor([0.5, float("nan"), 1.25]),
+        sequence_loss_sums=torch.tensor([3.0, 4.5, 0.0]),
+        sequence_tokens=torch.tensor([10, 20, 0]),
+        sequence_index=torch.tensor([2.0**53 - 1, 5, 6], dtype=torch.float64),
+        sequence_content=torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64),
+    )
+    row = RankRow.unpack(step.pack().tolist())
+    assert (row.loss_sum, row.tokens, row.norm_sq, row.order) == (7.5, 30, 2.25, 2**52 + 1)
+    assert (row.load_s, row.wait_s, row.step_s) == (0.5, None, 1.25)
+    assert row.sequences == [
+        {"index": 2**53 - 1, "tokens": 10, "loss": 0.3, "content": 0.25},
+        {"index": 5, "tokens": 20, "loss": 0.225, "content": 0.5},
+        {"index": 6, "tokens": 0, "loss": None, "content": 0.75},
+    ]
+    assert len(step.pack()) == len(SCALARS) + n * len(PER_SEQUENCE)

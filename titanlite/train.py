@@ -21,7 +21,7 @@ from titanlite.components.checkpoint.export import export_run
 from titanlite.components.evaluate import build_evaluator
 from titanlite.components.faults import Faults
 from titanlite.components.loss import LossBalancer, forward_backward, loss_chunk, sequence_losses
-from titanlite.components.metrics import MetricsWriter
+from titanlite.components.metrics import MetricsWriter, scalar_tags
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
 from titanlite.components.run.folder import open_run_folder, run_info
 from titanlite.components.run.plan import checkpoint_folder, trace_folder
@@ -30,7 +30,8 @@ from titanlite.components.step_window import RunRates, StepWindow
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import validate
 from titanlite.config.manager import config_help, wants_help
-from titanlite.datasets.build import Microbatch, build_dataloader, build_dataset, build_tokenizer
+from titanlite.datasets.batch import Microbatch
+from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.datasets.spec import check_data_files
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.spike_guard import SpikeGuard
@@ -189,12 +190,11 @@ class Trainer:
         rec = w.record(step, lr, window_s, elapsed_s, self.rates)
         diag, alerts = self.diagnostics.collect()
         if diag:
-            rec["diag"] = {k: v for k, v in diag[-1].items() if isinstance(v, (int, float)) and k != "step"}
+            rec["diag"] = {k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()}
         sampler = self.dataloader.batch_sampler
-        events = [
-            self.guard.alert(s, v, self.diagnostics.step_samples(s, diag, sampler), self.run_dir)
-            for s, v in spikes
-        ]
+        events = self.diagnostics.spike_alerts(
+            [(s, self.guard.event(v, self.run_dir)) for s, v in spikes], diag, sampler
+        )
         if self.rank == 0:
             self.metrics.check()
             self.metrics.write(rec)

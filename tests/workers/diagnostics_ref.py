@@ -114,7 +114,15 @@ def run_case(
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
     content = content_fingerprint(torch.cat([x for x, _ in micro]))
     order = torch.tensor([12345.0 + (dist.get_rank() == 0)], dtype=torch.float64)  # rank 0's differs
-    diag.end_step(1, sums, tokens, ids, content, order, grad_norm)
+    diag.end_step(
+        1,
+        grad_norm,
+        sequence_loss_sums=sums,
+        sequence_tokens=tokens,
+        sequence_index=ids,
+        sequence_content=content,
+        order=order,
+    )
     (rec,), _ = diag.collect()
     k = diag.probe.sketch.numel() if method == "sketch" else 0  # the prime actually used
     return {

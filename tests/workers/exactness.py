@@ -38,7 +38,7 @@ from titanlite.components.generate import generate
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
-from titanlite.datasets.build import Microbatch
+from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.packing import restart_positions
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap

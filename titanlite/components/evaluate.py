@@ -24,7 +24,8 @@ import torch.nn as nn
 from titanlite.components.generate import sample_text
 from titanlite.components.loss import loss_chunk, sequence_losses
 from titanlite.config import JobConfig
-from titanlite.datasets.build import Microbatch, build_eval_dataset, collate
+from titanlite.datasets.batch import Microbatch, collate
+from titanlite.datasets.build import build_eval_dataset
 from titanlite.datasets.records import prompt_format
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallel_dims import ParallelDims

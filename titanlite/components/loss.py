@@ -29,6 +29,21 @@ when every n_{r,m} is the same.
 
 A step with N = 0 (every label ignored) has S_{r,m} = 0 everywhere; dividing by max(N, 1) keeps
 it finite (zero gradient) and the trainer skips its optimizer update on the device.
+
+The loss path, in the order a step runs it
+------------------------------------------
+1. titanlite.datasets.batch: the step's microbatches (tokens, labels with IGNORE_INDEX).
+2. here, LossBalancer.begin_step: n_{r,m} counted (titanlite.ops.cross_entropy.count_valid) and
+   N all-reduced, asynchronously, before the first forward ends.
+3. the model's forward (titanlite.models, e.g. llama3/model.py): the head and the loss in the
+   root module's forward, S_{r,m} per sequence (titanlite.ops.cross_entropy, in chunks of
+   loss_chunk positions at a large vocabulary).
+4. here, forward_backward: S_{r,m} / N backpropagated per microbatch.
+5. titanlite.distributed.parallelize: the gradients reduced with a plain SUM (FSDP's and DDP's
+   division switched off); on a measured step the diagnostics' probe sees each rank's local
+   gradient there first (titanlite.diagnostics.probe).
+6. titanlite.train: the optimizer step (components/optimizer.py), skipped on the device when N = 0,
+   the norm is not finite or the spike guard judges it a spike.
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from titanlite.datasets.build import Microbatch
+from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import grad_sync

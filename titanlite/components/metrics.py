@@ -186,12 +186,13 @@ class _WandB:
 
 
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
-    """`<prefix>/<key>` -> value for every number of a record but its step (None, a bool, a
-    nested dict or list are not scalars): what every sink gets, so their keys are equal."""
+    """`<prefix>/<key>` -> value for every number of a record but its step and format version
+    (None, a bool, a nested dict or list are not scalars): what every sink gets, so their keys
+    are equal."""
     return {
         f"{prefix}/{key}": value
         for key, value in rec.items()
-        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key not in ("step", "version") and isinstance(value, (int, float)) and not isinstance(value, bool)
     }
 
 

@@ -7,7 +7,6 @@ import json
 import os
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
 from titanlite.datasets import corpus
+from titanlite.datasets.batch import collate
 from titanlite.datasets.mixture import MixtureDataset
 from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
@@ -183,24 +183,6 @@ def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> M
         picked = Subset(dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences))
         dataset = MixtureDataset([picked], [1.0])
     return dataset
-
-
-class Microbatch(NamedTuple):
-    """One microbatch: tokens, next-token labels and, for document masking (packed SFT,
-    data.document_mask), each token's position within its document; for dropout masks keyed by
-    sample (model.dropout_masks), each sequence's key (titanlite.ops.dropout.sample_keys)."""
-
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor | None = None
-    keys: torch.Tensor | None = None
-
-    def to(self, device: torch.device) -> Microbatch:
-        return Microbatch(*(None if t is None else t.to(device, non_blocking=True) for t in self))
-
-
-def collate(items: list[tuple[np.ndarray, ...]]) -> Microbatch:
-    return Microbatch(*(torch.from_numpy(np.stack(column)) for column in zip(*items, strict=True)))
 
 
 def build_dataloader(

@@ -7,7 +7,7 @@ starts (stragglers.py), and the probe (see probe.py) watches the gradient reduct
 of the step each rank contributes (summed loss, valid tokens, local gradient norm^2, its
 sampler's hash of the global batch, those times; per sequence: its index, summed loss, valid
 tokens and a fingerprint of its tokens, so an alert can name the data behind it, data_checks.py
-can compare what ranks read and rank_test.py can compare their losses) plus its
+can compare what ranks read and rank_sum.py can compare their losses) plus its
 partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
@@ -17,7 +17,6 @@ collect(), which reads them all at once.
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import statistics
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
+from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -50,10 +50,7 @@ class _Pending:
     """A measured step whose gathers are in flight: device tensors, read at the next log step."""
 
     step: int
-    # [world, 7 + 4n]: loss sum, valid tokens, local grad norm^2, data order hash, data loading
-    # time, wait at the start barrier, step time (stragglers.Arrival); its n sequences' loss
-    # sums, valid tokens, dataset indices, content fingerprints
-    per_rank: torch.Tensor
+    per_rank: torch.Tensor  # [world, row]: each rank's step_record.RankStep, packed
     directions: torch.Tensor  # exact: [world, world] Gram; sketch: [world, k] sketches
     global_norm: torch.Tensor  # the step's reduced (pre-clip) gradient norm
     works: list
@@ -69,24 +66,20 @@ class _Pending:
 
 @dataclass
 class _Measured:
-    """A measured step on the host, per rank."""
+    """A measured step on the host: every rank's row, the Gram and the reduced norm."""
 
     step: int
-    loss_sums: list[float]
-    tokens: list[float]
-    norms_sq: list[float]  # squared norm of what each rank contributes to the reduction
+    ranks: list[RankRow]
     gram: list[list[float]]
     global_norm: float
-    orders: list[int]  # per rank: hash of the global batch as its sampler orders it
-    times: list[list[float | None]]  # per rank: data loading, wait at the start barrier, step time (s)
-    samples: list[list[dict]]  # per rank, per sequence: index, valid tokens, token-mean loss, content
 
 
 class Diagnostics:
-    """Off (dp = 1 or diagnostics.enable = false) it measures nothing and builds nothing;
-    `group`, `monitor`, `probe`, `replicas` and `arrival` are None then. `grad_noise_scale`: the
-    grad_noise fault on this rank (titanlite.components.faults), injected by the probe from step
-    `grad_noise_from`; `batch_unit`: dp x the local batch (the batch-size advice's flag)."""
+    """Off (dp = 1 or diagnostics.enable = false) it measures nothing and builds nothing but the
+    alert runner (the spike guard's alerts go through it); `group`, `probe`, `replicas` and
+    `arrival` are None then. `grad_noise_scale`: the grad_noise fault on this rank
+    (titanlite.components.faults), injected by the probe from debug.fault_from_step
+    (`fault_from_step`); `batch_unit`: dp x the local batch (the batch-size advice's flag)."""
 
     def __init__(
         self,
@@ -94,12 +87,13 @@ class Diagnostics:
         model: torch.nn.Module,
         dims: ParallelDims,
         layout: Layout,
+        *,
         seed: int,
         grad_noise_scale: float = 0.0,
+        fault_from_step: int = 1,
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
         alerts: AlertsConfig | None = None,
-        grad_noise_from: int = 1,
         batch_unit: int = 0,
     ) -> None:
         self.cfg = cfg
@@ -110,13 +104,11 @@ class Diagnostics:
         self._pending: list[_Pending] = []
         self.noise = NoiseScale(cfg.noise_scale_ema)
         self.group: dist.ProcessGroup | None = None
-        self.monitor: AlertMonitor | None = None
         self.probe: GradProbe | None = None
         self.replicas: ReplicaCheck | None = None
         self.arrival: Arrival | None = None
         self._times = [float("nan")] * 3  # this measured step's Arrival times
-        self.noise_scale, self.noise_from = grad_noise_scale, grad_noise_from
-        self._drifted: set[int] = set()  # ranks replica_drift has named since replicas last agreed
+        self.noise_scale, self.fault_from_step = grad_noise_scale, fault_from_step
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
         self.method = diagnostics_method(cfg.method, layout)
@@ -124,11 +116,14 @@ class Diagnostics:
         # last microbatch. The sketch adds up per microbatch when the layout reduces each one.
         self.whole_step = self.method == "exact"
         self.per_microbatch = self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
+        # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
+        hosts: list = [socket.gethostname()] * self.world
         if self.enabled:
             self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
-            hosts: list = [None] * self.world
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-            self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, batch_unit)
+        # every alert goes through it: also the spike guard's, which works at dp = 1
+        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, batch_unit)
+        if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
             self.probe = GradProbe(
@@ -153,13 +148,13 @@ class Diagnostics:
             model,
             dims,
             layout,
-            t.seed,
-            grad_noise_scale,
-            cfg.comm.timeout_s,
-            trace,
-            cfg.alerts,
-            cfg.debug.fault_from_step,
-            dims.dp_size * t.local_batch_size,
+            seed=t.seed,
+            grad_noise_scale=grad_noise_scale,
+            fault_from_step=cfg.debug.fault_from_step,
+            timeout_s=cfg.comm.timeout_s,
+            trace=trace,
+            alerts=cfg.alerts,
+            batch_unit=dims.dp_size * t.local_batch_size,
         )
 
     @property
@@ -169,13 +164,13 @@ class Diagnostics:
 
     def state_dict(self) -> dict:
         """Host state that a resumed run must continue from (the same on every rank)."""
-        if self.monitor is None:
+        if not self.enabled:
             return {}
         noise = {"trace_ema": self.noise.trace_ema, "gsq_ema": self.noise.gsq_ema}
         return {"noise": noise, "monitor": self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.monitor is not None and state:
+        if self.enabled and state:
             self.noise.trace_ema, self.noise.gsq_ema = state["noise"]["trace_ema"], state["noise"]["gsq_ema"]
             self.monitor.load_state_dict(state["monitor"])
 
@@ -192,7 +187,7 @@ class Diagnostics:
         self.measuring = self.enabled and self.is_measured(step)
         if self.enabled:
             self.probe.start(self.measuring, self.per_microbatch)
-            self.probe.noise_scale = self.noise_scale if step >= self.noise_from else 0.0
+            self.probe.noise_scale = self.noise_scale if step >= self.fault_from_step else 0.0
             self.arrival.start()
         return self.measuring
 
@@ -220,35 +215,48 @@ class Diagnostics:
         host = np.append(sampler.rank_share(step - 1), [sampler.order_hash(step - 1), *self._times])
         # indices and the hash are integers below 2**53: exact in float64
         host = torch.from_numpy(host.astype(np.float64)).to(content.device, non_blocking=True)
-        self.end_step(step, sample_sums, tokens, host[:-4], content, host[-4:-3], grad_norm, host[-3:])
+        self.end_step(
+            step,
+            grad_norm,
+            sequence_loss_sums=sample_sums,
+            sequence_tokens=tokens,
+            sequence_index=host[:-4],
+            sequence_content=content,
+            order=host[-4:-3],
+            times=host[-3:],
+        )
 
     def end_step(
         self,
         step: int,
-        sample_sums: torch.Tensor,
-        sample_tokens: torch.Tensor,
-        sample_ids: torch.Tensor,
-        content: torch.Tensor,
-        order: torch.Tensor,
         grad_norm: torch.Tensor,
+        *,
+        sequence_loss_sums: torch.Tensor,
+        sequence_tokens: torch.Tensor,
+        sequence_index: torch.Tensor,
+        sequence_content: torch.Tensor,
+        order: torch.Tensor,
         times: torch.Tensor | None = None,
     ) -> None:
-        """Start the async gathers of this measured step: per sequence of this rank (microbatch
-        order) its summed loss, valid tokens, dataset index and content fingerprint
-        (data_checks.content_fingerprint); `order`: [1] float64, the sampler's hash of the global
-        batch (GlobalBatchSampler.order_hash); `times`: [3] the Arrival times (NaN: none). Reads
-        nothing on the host."""
+        """Start the async gathers of this measured step (step_record.RankStep's fields, per
+        sequence in microbatch order; `times`: NaN, none, unless given). Reads nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
-        sums, tokens = sample_sums.double(), sample_tokens.double()
-        totals = torch.stack([sums.sum(), tokens.sum(), self.probe.local_norm_sq()])
-        # ids and the order hash: integers below 2**53, exact in float64
+        sums, tokens = sequence_loss_sums.double(), sequence_tokens.double()
         if times is None:
             times = torch.full((3,), float("nan"), dtype=torch.float64, device=sums.device)
-        mine = torch.cat(
-            [totals, order.double(), times.double(), sums, tokens, sample_ids.double(), content.double()]
-        )
+        mine = RankStep(
+            loss_sum=sums.sum(),
+            tokens=tokens.sum(),
+            norm_sq=self.probe.local_norm_sq(),
+            order=order,
+            times=times,
+            sequence_loss_sums=sums,
+            sequence_tokens=tokens,
+            sequence_index=sequence_index,
+            sequence_content=sequence_content,
+        ).pack()
         per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
@@ -258,15 +266,9 @@ class Diagnostics:
             sketch = self.probe.sketch.clone()
             directions = torch.empty(self.world, sketch.numel(), dtype=sketch.dtype, device=sketch.device)
             works.append(dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True))
+        exact = self.method == "exact"
         self._pending.append(
-            _Pending(
-                step,
-                per_rank,
-                directions,
-                grad_norm.detach().double().clone(),
-                works,
-                self.method == "exact",
-            )
+            _Pending(step, per_rank, directions, grad_norm.detach().double().clone(), works, exact)
         )
 
     def after_update(self, step: int) -> None:
@@ -286,36 +288,28 @@ class Diagnostics:
         measured = []
         for i, p in enumerate(self._pending):
             per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
-            loss_sums, tokens, norms_sq, orders = (
-                list(col) for col in zip(*(row[:4] for row in per_rank), strict=True)
-            )
-            times = [[None if math.isnan(v) else v for v in row[4:7]] for row in per_rank]
-            samples = [_samples(row[7:]) for row in per_rank]
-            orders = [int(h) for h in orders]
-            measured.append(
-                _Measured(p.step, loss_sums, tokens, norms_sq, gram, global_norm, orders, times, samples)
-            )
+            measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, global_norm))
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
 
     def _replica_alerts(self, checks: list[tuple[int, list]]) -> list[Alert]:
-        """replica_drift once per rank that starts to differ (a drifted replica stays so)."""
-        alerts = []
-        for step, hashes in checks:
-            drift = self.replicas.compare(step, hashes)
-            if drift is None:
-                self._drifted.clear()
-                continue
-            if set(drift.ranks) <= self._drifted:
-                continue
-            self._drifted |= set(drift.ranks)
-            hosts = [self.monitor.hosts[r] for r in drift.ranks]
-            msg = (
-                f"after step {step} the parameters of rank(s) {drift.ranks} differ bitwise from the other "
-                f"replicas of their shard, first in {drift.parameter}"
+        """replica_drift (catalogue.py): each replica check, compared."""
+        return [
+            alert
+            for step, hashes in checks
+            for alert in self.monitor.observe(
+                "replicas", step, {"drift": self.replicas.compare(step, hashes)}
             )
-            values = {"parameter": drift.parameter}
-            alerts.append(Alert("replica_drift", step, drift.ranks, hosts, msg, values=values))
+        ]
+
+    def spike_alerts(self, spikes: list[tuple[int, dict]], records: list[dict], sampler) -> list[Alert]:
+        """spike_skipped (catalogue.py) of each (step, spike_guard.SpikeGuard.event), with the
+        step's sequences; `records`: this log step's collected diagnostics."""
+        alerts = []
+        for step, event in spikes:
+            for alert in self.monitor.observe("spikes", step, event):
+                alert.samples = self.step_samples(step, records, sampler)
+                alerts.append(alert)
         return alerts
 
     def step_samples(self, step: int, records: list[dict], sampler) -> list[dict]:
@@ -345,38 +339,29 @@ class Diagnostics:
         for m in measured:
             rec = {
                 "step": m.step,
+                "version": RECORD_VERSION,
                 "method": self.method,
                 "norms": "sketch" if self.per_microbatch else "exact",
             }
-            rec.update(step_metrics(m.loss_sums, m.tokens, m.norms_sq, m.gram))
-            total = sum(m.tokens)
-            rank_sq = [
-                g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(m.norms_sq, m.tokens, strict=True)
-            ]
-            rec["noise_scale_tokens"] = self.noise.update(rank_sq, m.tokens, m.global_norm**2)
-            rec["batch_tokens"], rec["batch_sequences"] = int(total), sum(len(s) for s in m.samples)
+            loss_sums, tokens = [r.loss_sum for r in m.ranks], [r.tokens for r in m.ranks]
+            norms_sq = [r.norm_sq for r in m.ranks]
+            rec.update(step_metrics(loss_sums, tokens, norms_sq, m.gram))
+            total = sum(tokens)
+            rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]
+            rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, m.global_norm**2)
+            rec["batch_tokens"], rec["batch_sequences"] = int(total), sum(len(r.sequences) for r in m.ranks)
             noise = rec["noise_scale_tokens"]
             rec["noise_to_batch"] = noise / total if noise is not None and total > 0 else None
-            rec["rank_load_s"], rec["rank_wait_s"], steps = (list(col) for col in zip(*m.times, strict=True))
-            known = [s for s in steps if s is not None]
+            rec["rank_load_s"], rec["rank_wait_s"] = [r.load_s for r in m.ranks], [r.wait_s for r in m.ranks]
+            known = [r.step_s for r in m.ranks if r.step_s is not None]
             rec["step_s"] = statistics.median(known) if known else None
-            rec["rank_samples"] = m.samples
-            rec["data_order"] = m.orders
+            samples = [r.sequences for r in m.ranks]
+            rec["rank_samples"] = samples
+            rec["data_order"] = [r.order for r in m.ranks]
             raised = self.monitor.update(rec)
             for alert in raised:  # the data behind each rank an alert names
-                alert.samples = [self.locate(r, s) for r in alert.ranks for s in m.samples[r]]
+                alert.samples = [self.locate(r, s) for r in alert.ranks for s in samples[r]]
             rec["alerts"] = [a.name for a in raised]
             records.append(rec)
             alerts += raised
         return records, alerts
-
-
-def _samples(values: list[float]) -> list[dict]:
-    """One rank's gathered per-sequence values (n sums, token counts, indices, fingerprints) as
-    records."""
-    n = len(values) // 4
-    sums, tokens, ids, content = (values[i * n : (i + 1) * n] for i in range(4))
-    return [
-        {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None, "content": c}
-        for s, t, i, c in zip(sums, tokens, ids, content, strict=True)
-    ]

@@ -32,69 +32,55 @@ def content_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
     return (tokens.double() * _WEIGHTS[key]).sum(-1)
 
 
-class DataChecks:
-    """Compares each measured step with the ranks' records of their previous measured step."""
+def read(rec: dict) -> list[list[list[float]]] | None:
+    """Per rank: [dataset indices, content fingerprints] of a measured step's sequences (None for a
+    record without them)."""
+    samples = rec.get("rank_samples")
+    if not samples or rec.get("data_order") is None:
+        return None
+    return [[[s["index"] for s in rank], [s["content"] for s in rank]] for rank in samples]
 
-    def __init__(self) -> None:
-        self.prev: list[list[list[float]]] | None = None  # per rank: [indices, fingerprints]
 
-    def state_dict(self) -> dict:
-        return {"prev": self.prev}
+def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
+    """identical_data: ranks handed the same sequences as a lower rank."""
+    copies = [r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))]
+    if not copies:
+        return None
+    first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
+    return copies, (
+        f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
+    )
 
-    def load_state_dict(self, state: dict) -> None:
-        self.prev = state.get("prev")
 
-    def update(self, rec: dict) -> list[tuple[str, list[int], str]]:
-        """(alert name, ranks, message) for every check this step fails."""
-        samples, orders = rec.get("rank_samples"), rec.get("data_order")
-        if not samples or orders is None:
-            return []
-        now = [[[s["index"] for s in rank], [s["content"] for s in rank]] for rank in samples]
-        out = []
-        copies = [r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))]
-        if copies:
-            first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
-            out.append(
-                (
-                    "identical_data",
-                    copies,
-                    f"rank(s) {copies} were handed the same sequences as rank {first} "
-                    f"(indices {now[copies[0]][0][:4]}...)",
-                )
-            )
-        if self.prev is not None and len(self.prev) == len(now):
-            stale = [
-                r
-                for r, ((ids, content), (old_ids, old_content)) in enumerate(zip(now, self.prev, strict=True))
-                if content and content == old_content and ids != old_ids
-            ]
-            if stale:
-                out.append(
-                    (
-                        "stale_batch",
-                        stale,
-                        f"rank(s) {stale} trained on the same tokens as at their previous measured step "
-                        "although their sampler assigned other sequences",
-                    )
-                )
-        counts: dict[float, int] = {}
-        for h in orders:
-            counts[h] = counts.get(h, 0) + 1
-        if len(counts) > 1:
-            common, n = max(counts.items(), key=lambda kv: kv[1])
-            odd = (
-                [r for r, h in enumerate(orders) if h != common]
-                if n > len(orders) / 2
-                else list(range(len(orders)))
-            )
-            out.append(
-                (
-                    "data_order_mismatch",
-                    odd,
-                    f"the samplers of rank(s) {odd} order the global batch differently from "
-                    f"{'the other ranks' if n > len(orders) / 2 else 'each other'} "
-                    f"({len(counts)} different orders among {len(orders)} ranks)",
-                )
-            )
-        self.prev = now
-        return out
+def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) -> tuple[list[int], str] | None:
+    """stale_batch: ranks whose tokens are their previous measured step's under new indices."""
+    if prev is None or len(prev) != len(now):
+        return None
+    ranks = [
+        r
+        for r, ((ids, content), (old_ids, old_content)) in enumerate(zip(now, prev, strict=True))
+        if content and content == old_content and ids != old_ids
+    ]
+    if not ranks:
+        return None
+    return ranks, (
+        f"rank(s) {ranks} trained on the same tokens as at their previous measured step "
+        "although their sampler assigned other sequences"
+    )
+
+
+def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
+    """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
+    (every rank when there is none)."""
+    counts: dict[float, int] = {}
+    for h in orders:
+        counts[h] = counts.get(h, 0) + 1
+    if len(counts) < 2:
+        return None
+    common, n = max(counts.items(), key=lambda kv: kv[1])
+    majority = n > len(orders) / 2
+    odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
+    return odd, (
+        f"the samplers of rank(s) {odd} order the global batch differently from "
+        f"{'the other ranks' if majority else 'each other'} ({len(counts)} different orders among {len(orders)} ranks)"
+    )

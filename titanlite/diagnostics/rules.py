@@ -1,20 +1,18 @@
-"""The statistical rules behind the named alerts: one small function per rule and the table
-the monitor (titanlite.diagnostics.alerts) runs in order.
+"""The statistical rules behind the named alerts: one small function per rule, each a check past
+the burn-in in one alert's record (titanlite.diagnostics.catalogue).
 
 A rule reads a `Window` (the measured step reduced to a `Point`, the points before it, the
-thresholds of the [alerts] section) and returns a `Finding` or None; the monitor adds the
-cooldown, the hosts and the cause. A new rule is a function and one entry in RULES, its
-thresholds fields of titanlite.config.job_config.Alerts.
+thresholds of the [alerts] section) and returns a `Finding` or None; the runner
+(titanlite.diagnostics.alerts) adds the cooldown, the hosts and the cause.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics import rank_test
+from titanlite.diagnostics import rank_sum
 from titanlite.diagnostics.window import SPREAD_RANKS, Finding, Window
 
 NEED_SPREAD = ("dispersion_spike", "dispersion_rising_loss_falling", "faulty_worker (by direction)")
@@ -29,7 +27,7 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
             f"at dp=2 the alerts {', '.join(NEED_SPREAD)} need {SPREAD_RANKS} or more ranks and stay silent; "
             "a rank whose loss or gradient norm leaves its own history is still named"
         )
-    if world >= 2 and not rank_test.reachable(per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha):
+    if world >= 2 and not rank_sum.reachable(per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha):
         notes.append(
             f"single_rank_outlier's per-sample test cannot fire with {per_rank} sequence(s) per rank per step "
             f"at dp={world} (it needs more within alerts.rank_test_window = {cfg.rank_test_window} measured "
@@ -204,16 +202,3 @@ def faulty_worker_norm_pair(w: Window) -> Finding | None:
         "(the larger usually is: noise adds to a gradient); a run with a third rank would say"
     )
     return Finding("faulty_worker", [0, 1], msg, {"ratio": ratio})
-
-
-RULES: tuple[Callable[[Window], Finding | None], ...] = (
-    dispersion_spike,
-    dispersion_rising_loss_falling,
-    single_rank_outlier,
-    identical_data,
-    cosine_drop,
-    faulty_worker_direction,
-    faulty_worker_norm,
-    faulty_worker_norm_rise,
-    faulty_worker_norm_pair,
-)

@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
-from titanlite.diagnostics.alerts import Alert
 from titanlite.errors import TrainingError
 
 
@@ -79,15 +78,15 @@ class SpikeGuard:
         verdicts = [SpikeVerdict(bool(r[0]), r[1], r[2], int(r[3])) for r in rows]
         return [(s, v) for s, v in zip(steps, verdicts, strict=True) if v.spike]
 
-    def alert(self, step: int, verdict: SpikeVerdict, samples: list[dict], run_dir: Path) -> Alert:
-        """The spike_skipped event of a step, with its sequences (titanlite.diagnostics.component's
-        Diagnostics.step_samples)."""
-        msg = (
-            f"{self.metric} {verdict.value:.4g} above the spike guard's threshold {verdict.threshold:.4g} "
-            f"(mean + {self.k:g} std of the last applied steps); its optimizer update was skipped "
-            f"(scripts/inspect_step.py {run_dir} --step {step} lists its sequences)"
-        )
-        return Alert("spike_skipped", step, [], [], msg, values={"value": verdict.value}, samples=samples)
+    def event(self, verdict: SpikeVerdict, run_dir: Path) -> dict:
+        """What the spike_skipped alert (titanlite.diagnostics.catalogue) reports of a skipped step."""
+        return {
+            "metric": self.metric,
+            "value": verdict.value,
+            "threshold": verdict.threshold,
+            "k": self.k,
+            "run_dir": str(run_dir),
+        }
 
     def check_stop(self, spikes: list[tuple[int, SpikeVerdict]]) -> None:
         """Stop the run once more than spike_max_consecutive spikes were skipped in a row."""

@@ -94,7 +94,7 @@ def point(rec: dict) -> Point | None:
 
 @dataclass
 class Finding:
-    name: str  # a key of alerts.CAUSES
+    name: str  # a registered alert's (titanlite.diagnostics.registry)
     ranks: list[int]  # the ranks it names; [] for the whole job
     message: str
     values: dict = field(default_factory=dict)

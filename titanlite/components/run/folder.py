@@ -35,7 +35,7 @@ logger = logging.getLogger("titanlite")
 
 def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dict:
     """run.json: what the config left to the machine ("auto" and derived values), for run
-    comparison (titanlite.tools.compare)."""
+    comparison (titanlite.analysis.compare)."""
     lay = dims.layout
     return {
         "world_size": dims.dp_size,

@@ -12,7 +12,7 @@ whether it mattered.
 The verdict: every step's relative loss difference against the tolerance at that step.
 Layouts differ by rounding alone, and rounding differences compound as training goes on, so the
 default tolerance is a function of the horizon k, the updates since the first compared step
-(titanlite.tools.tolerance, with the measurements behind it). --rtol X sets a flat tolerance.
+(titanlite.analysis.tolerance, with the measurements behind it). --rtol X sets a flat tolerance.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titanlite.analysis.plots import plot_invariance
+from titanlite.analysis.tolerance import Tolerance
 from titanlite.config.identity import IDENTITY_KEYS
 from titanlite.config.job_config import JobConfig
 from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
-from titanlite.tools.plots import plot_invariance
 from titanlite.tools.records import read_json, read_records
-from titanlite.tools.tolerance import Tolerance
 
 # Expected to differ between the runs of an invariance comparison.
 LAYOUT = (

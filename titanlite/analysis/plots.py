@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from titanlite.tools.compare import Comparison, Run
+    from titanlite.analysis.compare import Comparison, Run
 
 
 def _pyplot() -> Any:

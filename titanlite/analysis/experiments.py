@@ -2,7 +2,7 @@
 and their curves overlaid (scripts/compare_runs.py without --invariance).
 
 Nothing here judges: runs that differ in learning rate, data or seed are experiments, and the
-user compares them on purpose. The invariance verdict is titanlite.tools.compare's.
+user compares them on purpose. The invariance verdict is titanlite.analysis.compare's.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import json
 import string
 from pathlib import Path
 
-from titanlite.tools.compare import Run
+from titanlite.analysis.compare import Run
+from titanlite.analysis.plots import plot_runs
 from titanlite.tools.formatting import fmt
-from titanlite.tools.plots import plot_runs
 
 # Keys that name or place a run rather than change what it computes.
 NAMING = ("job.run_name", "job.dump_folder", "job.description")

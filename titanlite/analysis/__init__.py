@@ -1,0 +1,3 @@
+"""Run comparison, outside the trainer: load finished runs, compare their curves (the invariance
+verdict and its tolerance), tell their configs apart, plot them. scripts/compare_runs.py,
+scripts/invariance.py and gpu_check's accumulation check use it; nothing in training imports it."""

@@ -1,0 +1,72 @@
+"""Many Trainers in one torchrun: one process group per world size, the cases looped inside it.
+
+Starting torchrun and a process group costs seconds; a study of many short runs (the benchmark,
+the fault scenarios, the golden curves) pays it once per world size. The script launches itself
+under torchrun (`launch`, its worker flag among `args`); each rank then builds its Trainers one
+case at a time (`trainers`), or several side by side (the benchmark), and `finish` ends the group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from titanlite.errors import UserError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(
+    script: str | Path, nproc: int, args: list[str], env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node nproc script ARGS` from the repository, one thread
+    per rank, output captured. torchrun itself: titanlite.launch is for titanlite.train (its
+    preflight reads train flags)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    return subprocess.run([*cmd, str(script), *args], cwd=REPO, env=full_env, capture_output=True, text=True)
+
+
+def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:
+    """A failed launch as one UserError: the workers' own error line (or their last line)."""
+    if proc.returncode == 0:
+        return
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    errors = [line for line in lines if line.startswith("titanlite: error")]
+    last = (errors or lines or ["it printed nothing"])[-1]
+    raise UserError(
+        f"{what} failed (exit {proc.returncode}): {last}" + (f"; their logs: {logs}" if logs else "")
+    )
+
+
+def trainers(cases: Iterable[tuple[str, list[str]]], each: Callable[[str, Any], Any]) -> dict[str, Any]:
+    """Inside the torchrun: per (name, trainer argv) a Trainer, `each(name, trainer)`'s result,
+    the Trainer closed before the next one is built."""
+    from titanlite.config import parse_args
+    from titanlite.train import Trainer
+
+    out = {}
+    for name, argv in cases:
+        trainer = Trainer(parse_args(argv)[0])
+        try:
+            out[name] = each(name, trainer)
+        finally:
+            trainer.close()
+    return out
+
+
+def is_first_rank() -> bool:
+    import torch.distributed as dist
+
+    return dist.get_rank() == 0
+
+
+def finish() -> None:
+    """The end of a worker: the process group destroyed (torchrun's ranks exit cleanly)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()

@@ -1,0 +1,254 @@
+"""The built-in alerts, one record each, in the order the runner checks them (the checks from the
+first measured step in this order, then those past the burn-in in this order). Their sources:
+the anomaly tables of the Loss Dispersion and the Gradient Direction Consistency Reference
+Manuals (titanlite's source documents), which describe the metrics of "Silent Inconsistency in
+Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in data_checks.py,
+rank_sum.py, stragglers.py, advisor.py, rules.py, spike_guard.py and replicas.py."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict
+
+from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.diagnostics import data_checks, rules
+from titanlite.diagnostics.advisor import BatchAdvisor
+from titanlite.diagnostics.rank_sum import rank_outlier, rank_scores
+from titanlite.diagnostics.registry import AlertSpec, Check, Context, register
+from titanlite.diagnostics.stragglers import slow_rank
+from titanlite.diagnostics.window import Finding, Point
+
+# the [alerts] fields every rule past the burn-in reads (the window and its persistence)
+_WINDOW = ("window", "min_steps", "persist_frac")
+
+
+def _rule(fn) -> Check:
+    """A statistical rule of rules.py: it reads the window, past the burn-in."""
+
+    def check(ctx: Context) -> Finding | None:
+        return fn(ctx.window)
+
+    check.__name__ = fn.__name__
+    return Check(check, burn_in=True)
+
+
+def _data_check(name: str, fn) -> Check:
+    """An exact data check of data_checks.py (no threshold, no burn-in)."""
+
+    def check(ctx: Context) -> Finding | None:
+        now = data_checks.read(ctx.record)
+        found = fn(ctx, now) if now is not None else None
+        return Finding(name, *found) if found else None
+
+    return Check(check)
+
+
+class PreviousData:
+    """stale_batch's state: the ranks' data at their previous measured step."""
+
+    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
+        self.prev: list | None = None
+
+    def state_dict(self) -> dict:
+        return {"prev": self.prev}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prev = state.get("prev")
+
+
+def _stale(ctx: Context, now: list) -> tuple | None:
+    found = data_checks.stale(now, ctx.state.prev)
+    ctx.state.prev = now
+    return found
+
+
+class RankScores:
+    """The per-sample rank test's window: (step, z per rank), from the first measured step (its
+    null needs no baseline; rank_sum.py). A resume at another world size starts it afresh."""
+
+    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
+        self.world = world
+        self.scores: deque[tuple[int, list]] = deque(maxlen=cfg.rank_test_window)
+
+    def state_dict(self) -> dict:
+        return {"scores": [[step, z] for step, z in self.scores]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scores.extend((step, z) for step, z in state.get("scores", []) if len(z) == self.world)
+
+
+def _rank_test(ctx: Context) -> Finding | None:
+    samples = ctx.record.get("rank_samples")
+    if not samples or ctx.world < 2:
+        return None
+    losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in samples]
+    ctx.state.scores.append((ctx.step, rank_scores(losses)))
+    named = ctx.named.get("single_rank_outlier", set())
+    return rank_outlier(list(ctx.state.scores), [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named)
+
+
+class RecentSteps:
+    """slow_rank's window of measured steps, from the first (timing needs no burn-in)."""
+
+    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
+        self.world = world
+        self.recent: deque[Point] = deque(maxlen=cfg.slow_window)
+
+    def state_dict(self) -> dict:
+        return {"recent": [asdict(p) for p in self.recent]}
+
+    def load_state_dict(self, state: dict) -> None:
+        points = (Point(**p) for p in state.get("recent", []))
+        self.recent.extend(p for p in points if p.rank_wait is not None and len(p.rank_wait) == self.world)
+
+
+def _slow(ctx: Context) -> Finding | None:
+    ctx.state.recent.append(ctx.point)
+    return slow_rank(list(ctx.state.recent), ctx.cfg, ctx.explained) if ctx.world > 1 else None
+
+
+class Drifted:
+    """replica_drift's state: the ranks it has named since the replicas last agreed (a drifted
+    replica stays so: named once)."""
+
+    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
+        self.ranks: set[int] = set()
+
+    def state_dict(self) -> dict:
+        return {"ranks": sorted(self.ranks)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ranks = set(state.get("ranks", []))
+
+
+def _replica_drift(ctx: Context) -> Finding | None:
+    drift = ctx.event["drift"]  # replicas.ReplicaCheck.compare's: None when every replica agrees
+    if drift is None:
+        ctx.state.ranks.clear()
+        return None
+    if set(drift.ranks) <= ctx.state.ranks:
+        return None
+    ctx.state.ranks |= set(drift.ranks)
+    msg = (
+        f"after step {ctx.step} the parameters of rank(s) {drift.ranks} differ bitwise from the other "
+        f"replicas of their shard, first in {drift.parameter}"
+    )
+    return Finding("replica_drift", drift.ranks, msg, {"parameter": drift.parameter})
+
+
+def _spike(ctx: Context) -> Finding:
+    e = ctx.event  # spike_guard.SpikeGuard.event's
+    msg = (
+        f"{e['metric']} {e['value']:.4g} above the spike guard's threshold {e['threshold']:.4g} "
+        f"(mean + {e['k']:g} std of the last applied steps); its optimizer update was skipped "
+        f"(scripts/inspect_step.py {e['run_dir']} --step {ctx.step} lists its sequences)"
+    )
+    return Finding("spike_skipped", [], msg, {"value": e["value"]})
+
+
+BUILT_IN = (
+    AlertSpec(
+        "identical_data",
+        "ranks read the same data (rank not passed to the loader?): audit the sharding",
+        (
+            _data_check("identical_data", lambda ctx, now: data_checks.identical(now)),
+            _rule(rules.identical_data),
+        ),
+        thresholds=(*_WINDOW, "identical_std", "identical_cos"),
+        explains=True,
+    ),
+    AlertSpec(
+        "stale_batch",
+        "that rank's data loader repeats a batch (a reader stuck on a stale buffer or cache): "
+        "check its loader workers and storage, then resume from a checkpoint before the repeats",
+        (_data_check("stale_batch", _stale),),
+        state=PreviousData,
+        explains=True,
+    ),
+    AlertSpec(
+        "data_order_mismatch",
+        "the ranks shuffle the data with different seeds or epochs (per-rank sampler seeds), so "
+        "some sequences are read twice and others never: give every rank's sampler the same seed",
+        (
+            _data_check(
+                "data_order_mismatch", lambda ctx, now: data_checks.order_mismatch(ctx.record["data_order"])
+            ),
+        ),
+        explains=True,
+    ),
+    AlertSpec(
+        "single_rank_outlier",
+        "a bad batch on that rank (corrupted, extreme or noisy samples): inspect its data",
+        (Check(_rank_test), _rule(rules.single_rank_outlier)),
+        thresholds=(*_WINDOW, "rank_test_alpha", "rank_test_window", "outlier_margin"),
+        state=RankScores,
+    ),
+    AlertSpec(
+        "slow_rank",
+        "a straggler, which the whole job waits for: if its data loading takes the extra time, its loader "
+        "or storage; otherwise its host or device (a busy neighbour process, throttling: nvidia-smi -q -d PERFORMANCE)",
+        (Check(_slow),),
+        thresholds=("window", "persist_frac", "slow_window", "slow_margin"),
+        state=RecentSteps,
+    ),
+    AlertSpec(
+        "batch_size_advice",
+        "information, not an alert: the run is healthy",
+        (Check(lambda ctx: ctx.state.update(ctx.record)),),
+        level="info",
+        thresholds=("advice_ratio", "advice_steps"),
+        state=lambda cfg, world, unit: BatchAdvisor(cfg, unit or world),
+        cooldown=False,  # the advisor says it again only when the ratio moves a further fold
+    ),
+    AlertSpec(
+        "dispersion_spike",
+        "seed mismatch (dropout/augmentation) or shuffle desync: align the seeds, check the sampler's epoch",
+        (_rule(rules.dispersion_spike),),
+        thresholds=(*_WINDOW, "spike_factor", "smooth_loss_tol"),
+    ),
+    AlertSpec(
+        "dispersion_rising_loss_falling",
+        "ranks drifting apart while the average looks healthy: audit seeds, sharding and precision now",
+        (_rule(rules.dispersion_rising_loss_falling),),
+        thresholds=(*_WINDOW, "trend_burn_in", "trend_window", "trend_rise"),
+    ),
+    AlertSpec(
+        "cosine_drop",
+        "desynchronised seeds or data loader across ranks",
+        (_rule(rules.cosine_drop),),
+        thresholds=(*_WINDOW, "cos_high", "cos_low"),
+    ),
+    AlertSpec(
+        "faulty_worker",
+        "a faulty worker: possible silent data corruption or a failing device on that host",
+        tuple(
+            _rule(fn)
+            for fn in (
+                rules.faulty_worker_direction,
+                rules.faulty_worker_norm,
+                rules.faulty_worker_norm_rise,
+                rules.faulty_worker_norm_pair,
+            )
+        ),
+        thresholds=(*_WINDOW, "faulty_margin", "norm_outlier_factor", "own_recent"),
+    ),
+    AlertSpec(
+        "spike_skipped",
+        "a loss or gradient-norm spike: a bad batch (inspect the step's samples) or a learning rate too high",
+        (Check(_spike),),
+        source="spikes",
+        cooldown=False,  # every skipped update is reported
+    ),
+    AlertSpec(
+        "replica_drift",
+        "silent data corruption or a failing device on that host (check its ECC errors: nvidia-smi -q -d ECC), "
+        "or an op that is not deterministic across replicas; resume from the last checkpoint without that host",
+        (Check(_replica_drift),),
+        source="replicas",
+        state=Drifted,
+        cooldown=False,  # named once per rank until the replicas agree again
+    ),
+)
+
+for _spec in BUILT_IN:
+    register(_spec)

@@ -1,0 +1,60 @@
+"""The fault scenarios and the alert that must name each: the table scripts/diagnose_scenarios.py
+runs, tests/test_scenarios.py and tests/test_alerts.py (the recordings) check, and the
+diagnostics README's detection table states. Each scenario is a set of trainer overrides: the
+[debug] fault switches of titanlite/components/faults.py (and the seed settings of "Silent
+Inconsistency in Data-Parallel Full Fine-Tuning", arXiv 2602.14462, for S1-1 to S1-3)."""
+
+from __future__ import annotations
+
+
+def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
+    """Per scenario, its trainer overrides at `dp` ranks; the ongoing faults start at `onset`."""
+    dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
+    start = ["--debug.fault_from_step", str(onset)]
+    return {
+        "healthy": [],
+        "healthy_sft": ["--data.mode", "sft", "--training.local_batch_size", "1"],  # 2 microbatches
+        "same_data": ["--debug.same_data", "true"],
+        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2), *start],
+        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10", *start],
+        "slow_rank": ["--debug.slow_rank", str(dp - 1), "--debug.slow_factor", "3", *start],
+        "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
+            *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
+            *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
+        ],
+        "stuck_loader": ["--debug.stuck_loader_step", "5", "--debug.stuck_loader_rank", str(dp - 1)],
+        "S1-1": [*dropout, "shared"],
+        "S1-2": [*dropout, "rank0_differs"],
+        "S1-3": [*dropout, "per_rank"],
+    }
+
+
+def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None]:
+    """Per scenario: (the alert that names its fault, the rank(s) at fault, the step the fault
+    starts), or None where no alert is right."""
+    return {
+        "healthy": None,
+        "healthy_sft": None,
+        "same_data": ("identical_data", list(range(1, dp)), 1),
+        "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
+        "grad_noise": ("faulty_worker", [1], onset),
+        "slow_rank": ("slow_rank", [dp - 1], onset),
+        "replica_flip": ("replica_drift", [dp - 1] if dp > 2 else [0, 1], 5),  # of two replicas, both
+        "stuck_loader": ("stale_batch", [dp - 1], 5),
+        "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
+        "S1-2": ("data_order_mismatch", [0] if dp > 2 else [0, 1], 1),  # of two, neither is the majority
+        "S1-3": ("data_order_mismatch", list(range(dp)), 1),
+    }
+
+
+def detection(alerts: list[dict], want: tuple[str, list[int], int] | None) -> dict:
+    """When the alert that names the fault first fired, and every other alert."""
+    hit = [a for a in alerts if want and a["name"] == want[0] and sorted(a["ranks"]) == want[1]]
+    first = hit[0]["step"] if hit else None
+    return {
+        "expected": f"{want[0]} {want[1]}" if want else "none",
+        "onset": want[2] if want else None,
+        "detected_step": first,
+        "steps_to_detection": first - want[2] + 1 if first is not None else None,
+        "other_alerts": [a for a in alerts if a not in hit],
+    }

@@ -1,0 +1,70 @@
+"""What each rank contributes to a measured step, packed into one float64 row for one all-gather
+and unpacked by name on the host (component.py). Float64 keeps the integers in it exact: dataset
+indices and the sampler's order hash are below 2**53.
+
+A row is the fields of SCALARS, then, per sequence of the rank's step (microbatch order), the
+fields of PER_SEQUENCE, field by field: [loss_sum x n, tokens x n, index x n, content x n].
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+# The format of a diagnostics.jsonl record (component.Diagnostics.collect builds it from the rows);
+# replay.upgrade reads every earlier one.
+RECORD_VERSION = 1
+SCALARS = ("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s")
+PER_SEQUENCE = ("loss_sum", "tokens", "index", "content")
+
+
+@dataclass(kw_only=True)
+class RankStep:
+    """One rank's measured step, on the device until packed."""
+
+    loss_sum: torch.Tensor  # [] its summed token loss
+    tokens: torch.Tensor  # [] its valid (target) tokens
+    norm_sq: torch.Tensor  # [] squared norm of what it contributes to the gradient reduction
+    order: torch.Tensor  # [1] its sampler's hash of the global batch (GlobalBatchSampler.order_hash)
+    times: torch.Tensor  # [3] data loading, wait at the start barrier, step time (s; NaN: unknown)
+    sequence_loss_sums: torch.Tensor  # [n] per sequence
+    sequence_tokens: torch.Tensor  # [n]
+    sequence_index: torch.Tensor  # [n] dataset indices
+    sequence_content: torch.Tensor  # [n] content fingerprints (data_checks.content_fingerprint)
+
+    def pack(self) -> torch.Tensor:
+        """The row (module doc), float64, on the tensors' device; reads nothing on the host."""
+        parts = [self.loss_sum, self.tokens, self.norm_sq, self.order, self.times]
+        parts += [self.sequence_loss_sums, self.sequence_tokens, self.sequence_index, self.sequence_content]
+        return torch.cat([p.double().reshape(-1) for p in parts])
+
+
+@dataclass(kw_only=True)
+class RankRow:
+    """A packed row read on the host, by name."""
+
+    loss_sum: float
+    tokens: float
+    norm_sq: float
+    order: int
+    load_s: float | None
+    wait_s: float | None
+    step_s: float | None
+    sequences: list[dict]  # index, tokens, token-mean loss (None without tokens), content
+
+    @classmethod
+    def unpack(cls, row: list[float]) -> RankRow:
+        head = dict(zip(SCALARS, row[: len(SCALARS)], strict=True))
+        for key in ("load_s", "wait_s", "step_s"):
+            head[key] = None if math.isnan(head[key]) else head[key]
+        head["order"] = int(head["order"])
+        rest = row[len(SCALARS) :]
+        n = len(rest) // len(PER_SEQUENCE)
+        sums, tokens, ids, content = (rest[i * n : (i + 1) * n] for i in range(len(PER_SEQUENCE)))
+        sequences = [
+            {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None, "content": c}
+            for s, t, i, c in zip(sums, tokens, ids, content, strict=True)
+        ]
+        return cls(**head, sequences=sequences)
