@@ -79,6 +79,9 @@ COMMANDS = {
         "./scripts/golden_losses.py --check": "skip: tests/test_golden.py runs it",
         './scripts/golden_losses.py --write --why "torch 2.14: new GEMM kernels"': "skip: it rewrites the "
         "golden files",
+        "./scripts/diagnose_scenarios.py --dp 4 --steps 60 --out outputs/rec-dp4 --keep "
+        "tests/recordings/scenarios_dp4.json.xz": "skip: it rewrites a recording (tests/test_scenarios.py runs "
+        "the scenarios and their replay)",
     },
     "titanlite/components/checkpoint/README.md": {
         "./run_train.sh --job.run_name my-run --checkpoint.interval 500": f"short: {TRAIN}",
