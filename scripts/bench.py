@@ -45,7 +45,8 @@ breakdown: forward and backward compute, FSDP's all-gathers and gradient reducti
 optimizer, data and the rest (host time; the trainer names its parts with record_function).
 On CUDA: TFLOP/s, MFU and peak memory too. --quick: dp=4, 20 rounds (under 5 min on 2 cores).
 Also the probe hook's own cost, timed directly: all the default diagnostics schedule adds to
-499 steps of 500, which no step-time ratio resolves. Results go to --out as JSON.
+499 steps of 500, which no step-time ratio resolves. Results go to --out as JSON; the tables of
+scripts/README.md render such reports kept in scripts/figures/ (markdown, profile_markdown).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ from titanlite.config import parse_args  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 OFF = ["--diagnostics.enable", "false"]
-EVERY = ["--diagnostics.warmup_steps", "1000000"]
+EVERY = ["--diagnostics.measure_first", "1000000"]
 CONFIGS = {
     "baseline": ["--loss.normalization", "local_mean", *OFF],  # its own step: see PlainStep
     "titanlite": OFF,
-    "diag-default": ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+    "diag-default": ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
     "diag-sketch-every": ["--diagnostics.method", "sketch", *EVERY],
     "diag-exact-every": ["--diagnostics.method", "exact", *EVERY],
     "skip-sync": ["--parallelism.skip_grad_sync", "on", *OFF],
@@ -326,7 +327,7 @@ def data_stats(obj, steps: range) -> dict:
     slots = len(seqs) * t.cfg.training.seq_len
     content = sum(dataset.content_slots(i) for i in seqs) if hasattr(dataset, "content_slots") else slots
     targets = sum(int((np.asarray(dataset[i][1]) != IGNORE_INDEX).sum()) for i in seqs)
-    tokens = t.cfg.training.local_batch_size * t.cfg.training.seq_len * t.layout.grad_accum
+    tokens = t.layout.tokens_per_rank_step
     return {
         "padding": 1 - content / slots,
         "targets_per_step": targets / len(steps),
@@ -501,6 +502,65 @@ def table(dp: int, s: dict) -> str:
 
 def _ci(r: dict) -> str:
     return f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]"
+
+
+# scripts/README.md's table of ratios: (group, configuration) -> its row.
+README_ROWS = {
+    ("loss", "titanlite"): "exact loss balancing (titanlite) / plain baseline",
+    ("diagnostics", "diag-default"): "diagnostics, default schedule past warmup / off",
+    ("diagnostics", "diag-sketch-every"): "diagnostics `sketch` (per microbatch), every step measured / off",
+    ("diagnostics", "diag-exact-every"): "diagnostics `exact`, every step measured / off",
+    ("measuring", "diag-exact-every"): "`exact` measured / the same step unmeasured (skip-sync)",
+    ("sync", "skip-sync"): "sync skipping on non-final microbatches / syncing each",
+    ("modes", "ddp"): "DDP / FSDP",
+    ("modes", "hsdp"): "HSDP 2 x dp/2 / FSDP",
+    ("reduce-scatter", "titanlite"): "all-to-all reduce-scatter on gloo / gloo's own",
+}
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = [head, ["---"] * len(head), *rows]
+    return "".join("| " + " | ".join(cells) + " |\n" for cells in lines) + "\n"
+
+
+def markdown(report: dict) -> str:
+    """scripts/README.md's table of a report (what --out writes; scripts/figures/bench-*.json):
+    README_ROWS' ratios with their 95% intervals, wall and CPU time per dp degree. A row no dp
+    degree measured is left out; a cell one did not measure is '-'."""
+    dps = sorted(report["dp"], key=int)
+    head = ["ratio (step time / reference)"] + [f"dp={dp} {c}" for dp in dps for c in ("wall", "CPU")]
+    rows = []
+    for (group, name), label in README_ROWS.items():
+        cells = []
+        for dp in dps:
+            r = report["dp"][dp]["groups"].get(group, {}).get("ratios", {}).get(name)
+            cells += [f"{r[c]['ratio']:.3f} {_ci(r[c])}" if r else "-" for c in ("wall", "cpu")]
+        if any(c != "-" for c in cells):
+            rows.append([label, *cells])
+    return _table(head, rows)
+
+
+def _ms(v: float) -> str:
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
+def profile_markdown(report: dict) -> str:
+    """scripts/README.md's table of where titanlite's step goes, from a report's breakdown
+    (scripts/figures/bench_profile-*.json): host ms per step of each part, and its share."""
+    out = []
+    for dp in sorted(report["dp"], key=int):
+        parts = report["dp"][dp]["breakdown"].get("titanlite")
+        if not parts:
+            continue
+        total = sum(parts.values())
+        at = f" at dp={dp}" if len(report["dp"]) > 1 else ""
+        head = [f"titanlite's step{at}, {total:.0f} ms profiled", *(p.replace("_", "-") for p in BREAKDOWN)]
+        rows = [
+            ["ms", *(_ms(parts[p]) for p in BREAKDOWN)],
+            ["share", *(f"{100 * parts[p] / total:.1f}%" for p in BREAKDOWN)],
+        ]
+        out.append(_table(head, rows))
+    return "".join(out)
 
 
 SCRIPT = Script("bench", __doc__, overrides="every configuration's trainer")

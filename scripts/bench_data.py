@@ -141,7 +141,7 @@ def train(prepared: Path, runs: Path, name: str, steps: int, env: dict) -> dict:
     cmd += [
         "--training.steps",
         str(steps),
-        "--metrics.log_freq",
+        "--metrics.log_every",
         "1",
         "--metrics.enable_tensorboard",
         "false",

@@ -11,7 +11,7 @@ learning rate and gradient norm against the step) to --out (default: next to RUN
 compare-<A>[-vs-<B>]). Exit 0; 2 for a folder that is not a run.
 
 --invariance (implied by --rtol) judges instead: every run against RUN_A over their logged steps
-(log every step for a full curve: metrics.log_freq = 1). Prints a per-step table (loss, absolute
+(log every step for a full curve: metrics.log_every = 1). Prints a per-step table (loss, absolute
 and relative difference, grad-norm difference, loss dispersion, gradient cosine) and the
 verdict; writes table.txt, compare.json and compare.png (curves and the log-scale difference).
 --rtol: the largest relative loss difference that still counts as the same curve, at every

@@ -75,8 +75,13 @@ def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
     from titanlite.config import parse_args
     from titanlite.config.layout import fitting_local_batch
 
-    argv = ["--config", str(args.config), "--training.steps", str(args.steps), "--metrics.log_freq", "1"]
-    argv += ["--diagnostics.warmup_steps", str(args.steps), *overrides, *scenarios(args.dp, args.onset)[name]]
+    argv = ["--config", str(args.config), "--training.steps", str(args.steps), "--metrics.log_every", "1"]
+    argv += [
+        "--diagnostics.measure_first",
+        str(args.steps),
+        *overrides,
+        *scenarios(args.dp, args.onset)[name],
+    ]
     cfg, _ = parse_args(argv)
     if cfg.training.global_batch_size < 2 * args.dp:
         argv += ["--training.global_batch_size", str(2 * args.dp)]
@@ -393,7 +398,7 @@ def run(args) -> int:
         worker(args, overrides)
         return 0
     from titanlite.config import parse_args
-    from titanlite.config.layout import validate
+    from titanlite.validation import validate
 
     for name in args.scenarios:  # every scenario's config, before any worker starts
         validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)

@@ -93,7 +93,7 @@ def run_cases(runs_dir: str, cases: dict[str, list[str]]) -> dict[str, list[dict
     quiet = [
         "--training.steps",
         str(STEPS),
-        "--metrics.log_freq",
+        "--metrics.log_every",
         "1",
         "--metrics.enable_tensorboard",
         "false",

@@ -70,7 +70,7 @@ class Shapes:
     seq: int
     batch: int  # the speed section's local batch
     steps: int
-    log_freq: int
+    log_every: int
     max_batch: int  # the batch search stops here
     compile_kinds: tuple[str, ...]  # AC kinds also timed with compile on
     accum_steps: int
@@ -85,7 +85,7 @@ FULL = Shapes(
     seq=2048,
     batch=4,
     steps=30,
-    log_freq=10,
+    log_every=10,
     max_batch=64,
     compile_kinds=("none", "selective", "full"),
     accum_steps=30,
@@ -99,7 +99,7 @@ SMOKE = Shapes(
     seq=128,
     batch=2,
     steps=6,
-    log_freq=2,
+    log_every=2,
     max_batch=2,
     compile_kinds=("selective",),  # one compiled run: compile on a CPU costs ~20 s a run
     accum_steps=6,
@@ -131,7 +131,7 @@ def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float 
         name,
         "--metrics.enable_tensorboard",
         "false",
-        "--checkpoint.interval",
+        "--checkpoint.every",
         "0",
         *overrides,
     ]
@@ -161,8 +161,8 @@ def synthetic(shapes: Shapes, batch: int, steps: int, *overrides: str) -> list[s
         str(batch),
         "--training.steps",
         str(steps),
-        "--metrics.log_freq",
-        str(shapes.log_freq),
+        "--metrics.log_every",
+        str(shapes.log_every),
         *overrides,
     ]
 
@@ -172,16 +172,16 @@ def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
     import torch
 
     from titanlite.config import parse_args
-    from titanlite.config.layout import validate
     from titanlite.models.registry import build_meta_model
     from titanlite.tools.memory import job_estimate
+    from titanlite.validation import validate
 
     cfg, _ = parse_args(["--config", shapes.config, *overrides])
     layout = validate(cfg, 1)
     meta = build_meta_model(cfg, 0)
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and has_gpu())
     dtype = torch.bfloat16 if cuda and cfg.training.mixed_precision_param != "float32" else torch.float32
-    return job_estimate(meta.model, meta.args, cfg, layout, dtype, device_bytes()).total_bytes / GiB
+    return job_estimate(meta, cfg, layout, dtype, device_bytes()).total_bytes / GiB
 
 
 def has_gpu() -> bool:
@@ -208,9 +208,9 @@ def device_bytes() -> float:
     return available_bytes(torch.device("cpu"))[0]
 
 
-def window_figures(records: list[dict], log_freq: int) -> dict:
+def window_figures(records: list[dict], log_every: int) -> dict:
     """Medians over the log windows after the first (which holds start-up and compilation)."""
-    later = [r for r in records if r["step"] > log_freq] or records[-1:]
+    later = [r for r in records if r["step"] > log_every] or records[-1:]
     out = {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in later)}
     for key in ("tflops", "mfu_pct"):
         if all(key in r for r in later):
@@ -230,7 +230,7 @@ def check_speed(shapes: Shapes, out: Path, steps: int) -> dict:
             run = train(shapes, out, f"speed-{ac}-{'compile' if compiled else 'eager'}", *overrides)
             row = {"ac": ac, "compile": compiled, "rc": run["rc"], "est_gib": estimate_gib(shapes, overrides)}
             if run["rc"] == 0 and run["records"]:
-                row.update(window_figures(run["records"], shapes.log_freq))
+                row.update(window_figures(run["records"], shapes.log_every))
             else:
                 row["error"] = run["error"]
             rows.append(row)
@@ -290,7 +290,7 @@ def check_sync(shapes: Shapes, out: Path, steps: int) -> dict:
 def check_determinism(shapes: Shapes, out: Path, steps: int) -> dict:
     """Two runs of the same steps with training.deterministic: bitwise equal losses and grad norms."""
     overrides = synthetic(shapes, shapes.batch, steps, "--training.deterministic", "true")
-    overrides += ["--metrics.log_freq", "1"]
+    overrides += ["--metrics.log_every", "1"]
     curves = []
     for i in (1, 2):
         run = train(shapes, out, f"determinism-{i}", *overrides)
@@ -313,7 +313,7 @@ def check_accum(shapes: Shapes, out: Path) -> dict:
     from titanlite.analysis.tolerance import default_tolerance
 
     common = ["--training.global_batch_size", "4", "--training.steps", str(shapes.accum_steps)]
-    common += ["--metrics.log_freq", "1", "--training.seq_len", str(shapes.seq)]
+    common += ["--metrics.log_every", "1", "--training.seq_len", str(shapes.seq)]
     runs = {}
     for accum, local in ((1, 4), (4, 1)):
         run = train(shapes, out, f"accum-{accum}", *common, "--training.local_batch_size", str(local))
@@ -344,14 +344,14 @@ def check_packing(shapes: Shapes, out: Path, steps: int) -> dict:
         "--training.global_batch_size",
         str(shapes.batch),
     ]
-    common += ["--metrics.log_freq", str(shapes.log_freq)]
+    common += ["--metrics.log_every", str(shapes.log_every)]
     rows = []
     for packed in (False, True):
         extra = ["--data.packing", "true", "--debug.sync_debug", "true"] if packed else []
         run = train(shapes, out, f"packing-{'on' if packed else 'off'}", *common, *extra)
         row = {"packed": packed, "rc": run["rc"]}
         if run["rc"] == 0 and run["records"]:
-            row.update(window_figures(run["records"], shapes.log_freq))
+            row.update(window_figures(run["records"], shapes.log_every))
             row["targets_per_step"] = statistics.fmean(r["valid_tokens"] for r in run["records"])
             row["targets_per_s"] = (
                 row["tokens_per_s"] * row["targets_per_step"] / (shapes.batch * shapes.sft_seq)

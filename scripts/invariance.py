@@ -143,7 +143,7 @@ def run(args) -> int:
         raise UserError(f"{out} already holds these runs; pass another --out")
     for p, name in zip(plans, names, strict=True):
         cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *overrides]
-        cmd += ["--training.steps", str(args.steps), "--metrics.log_freq", "1"]
+        cmd += ["--training.steps", str(args.steps), "--metrics.log_every", "1"]
         cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
         cmd += [
             "--parallelism.dp_shard",

@@ -45,9 +45,10 @@ def one(args, budget: float) -> dict:
     """One step at `budget` MiB per chunk of fp32 logits, in this process."""
     import torch
 
+    from titanlite.config.layout import loss_chunk
     from titanlite.distributed.param_init import ParamInit
     from titanlite.models.llama3 import Llama3, Llama3Args
-    from titanlite.ops.cross_entropy import IGNORE_INDEX, chunk_positions, cross_entropy_per_sample
+    from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_per_sample
     from titanlite.tools.memory import estimate_memory
 
     device = torch.device(args.device)
@@ -61,7 +62,7 @@ def one(args, budget: float) -> dict:
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq), generator=g).to(device)
     labels = tokens.roll(-1, dims=1)
     labels[:, -1] = IGNORE_INDEX
-    chunk = chunk_positions(budget, args.batch, args.seq, args.vocab)
+    chunk = loss_chunk(budget, args.batch, args.seq, args.vocab) or args.seq
     est = estimate_memory(
         model,
         0,

@@ -33,7 +33,14 @@ from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
-SMALL += ["--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false", "--diagnostics.enable", "false"]
+SMALL += [
+    "--metrics.log_every",
+    "1",
+    "--metrics.enable_tensorboard",
+    "false",
+    "--diagnostics.enable",
+    "false",
+]
 
 
 class Runner:
@@ -109,7 +116,7 @@ SCRIPT.arg("extra", kind="text", nargs="*", help="overrides for every run (after
 def check(a) -> int:
     out = a.out or Path(tempfile.mkdtemp(prefix="titanlite-ops-"))
     r = Runner(out, a.nproc, a.extra)
-    long = ("--training.steps", "500", "--checkpoint.interval", "5")
+    long = ("--training.steps", "500", "--checkpoint.every", "5", "--checkpoint.at_end", "true")
 
     p = r.start("ctrl-c", *long)
     r.wait_step("ctrl-c", p, 7)
@@ -143,7 +150,9 @@ def check(a) -> int:
     r.record("dump folder under a file", r.start("x", "--job.dump_folder", str(blocker / "runs")))
     r.record(
         "checkpoint.folder is a file",
-        r.start("y", "--checkpoint.interval", "5", "--checkpoint.folder", str(blocker)),
+        r.start(
+            "y", "--checkpoint.every", "5", "--checkpoint.at_end", "true", "--checkpoint.folder", str(blocker)
+        ),
     )
     crash = ("--training.steps", "50", "--debug.sigkill_step", "3", "--debug.sigkill_rank", str(a.nproc - 1))
     r.record("worker SIGKILLed, LOG_RANK=0", r.start("crash", *crash))

@@ -41,7 +41,7 @@ BASE = [
     "debugmodel_tied",
     "--training.steps",
     str(STEPS),
-    "--metrics.log_freq",
+    "--metrics.log_every",
     "1",
     "--metrics.enable_tensorboard",
     "false",
@@ -54,7 +54,7 @@ DROPOUT = ("--model.dropout", "0.1")  # the DDP runs: the dropout RNG must resum
 TOY = ("--model.import_module", "toy_alert")
 
 
-CKPT = ("--checkpoint.interval", "3")
+CKPT = ("--checkpoint.every", "3", "--checkpoint.at_end", "true")
 
 
 def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True, restarts: int = 0):
@@ -178,7 +178,7 @@ def test_reshard_dp2_to_dp4_and_fsdp_to_ddp(ref):
 
 @pytest.mark.slow
 def test_kill_inside_save_keeps_the_previous_checkpoint(ref):
-    ckpt = ("--checkpoint.interval", "3")
+    ckpt = ("--checkpoint.every", "3", "--checkpoint.at_end", "true")
     proc = run(ref, "save-killed", *ckpt, "--debug.sigkill_in_save", "6", ok=False)
     assert proc.returncode != 0
     folder = ref / "save-killed" / "checkpoints"
@@ -225,7 +225,17 @@ def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
 @pytest.mark.slow
 def test_full_disk_fails_the_save_loudly_and_keeps_the_previous(tmp_path):
     """The last rank's shard write fails inside DCP (as on a full disk) at step 6."""
-    proc = run(tmp_path, "full", "--checkpoint.interval", "3", "--debug.fail_save_step", "6", ok=False)
+    proc = run(
+        tmp_path,
+        "full",
+        "--checkpoint.every",
+        "3",
+        "--checkpoint.at_end",
+        "true",
+        "--debug.fail_save_step",
+        "6",
+        ok=False,
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"checkpoint save at step 6 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]
@@ -239,7 +249,7 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     """Killed inside the background write of step 4 (DCP's files written, not yet published), the
     restart resumes from step 2, itself written in the background, and ends bitwise equal; a
     full disk in the background write of step 4 fails the run at the next save, exit 3."""
-    ckpt = ("--checkpoint.interval", "2", "--checkpoint.async_mode", "async")
+    ckpt = ("--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.async_mode", "async")
     assert run(ref, "async", *ckpt, "--debug.sigkill_in_save", "4", ok=False).returncode != 0
     folder = ref / "async" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.tmp"]

@@ -23,7 +23,7 @@ SMALL = [
     "4",
     "--training.local_batch_size",
     "1",
-    "--metrics.log_freq",
+    "--metrics.log_every",
     "1",
 ]
 
@@ -188,7 +188,7 @@ def test_nan_loss_on_one_rank_stops_the_run(tmp_path):
         *SMALL,
         "--training.steps",
         "6",
-        "--metrics.log_freq",
+        "--metrics.log_every",
         "2",
         "--debug.nan_loss_step",
         "3",
@@ -227,7 +227,7 @@ def test_model_registered_from_outside_the_package_trains(tmp_path):
         "0.25",
         "--eval.fraction",
         "0.1",
-        "--eval.interval",
+        "--eval.every",
         "8",
         "--training.steps",
         "8",
@@ -282,8 +282,10 @@ sys.exit(titanlite.train.main(sys.argv[1:]))
 def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_and_its_weights_load(tmp_path):
     args = [
         *SMALL,
-        "--checkpoint.interval",
+        "--checkpoint.every",
         "2",
+        "--checkpoint.at_end",
+        "true",
         "--job.dump_folder",
         str(tmp_path),
         "--metrics.enable_tensorboard",

@@ -3,14 +3,18 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from titanlite.analysis.compare import load_run
 from titanlite.config import load_config, parse_args
-from titanlite.config.job_config import Alerts
-from titanlite.config.layout import resolve_layout, validate
+from titanlite.config.job_config import Alerts, JobConfig
+from titanlite.config.layout import resolve_layout
 from titanlite.config.manager import NOTES_SHOWN_ENV, to_toml
+from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.spec import check_data_files
 from titanlite.errors import UserError
+from titanlite.validation import validate
 
 
 def test_overrides_types_and_lists():
@@ -291,7 +295,10 @@ def test_alert_thresholds_named_under_diagnostics_still_load_with_one_note(tmp_p
         (["--optimizer.beta2", "1"], "optimizer.beta2 is 1.0; it must be >= 0.0 and < 1.0"),
         (["--training.max_norm", "-inf"], "training.max_norm is -inf; it must be a finite number >= 0.0"),
         (["--alerts.persist_frac", "0"], "alerts.persist_frac is 0.0; it must be > 0.0 and <= 1.0"),
-        (["--diagnostics.spike_min_history", "200"], "spike_min_history is 200 but spike_window is 100"),
+        (
+            ["--spike_guard.min_history", "200"],
+            "spike_guard.min_history is 200 but spike_guard.window is 100",
+        ),
         (["--job.run_name", ".."], "job.run_name '..' would write outside job.dump_folder"),
         (["--job.run_name", "../escaped"], "job.run_name '../escaped' would write outside"),
         (["--job.run_name", "/tmp/absrun"], "job.run_name '/tmp/absrun' would write outside"),
@@ -314,3 +321,47 @@ def test_a_config_file_that_is_not_text_or_is_a_folder_is_one_line(tmp_path):
         load_config(str(binary))
     with pytest.raises(UserError, match="is a folder; pass a .toml file"):
         load_config(str(tmp_path))
+
+
+@settings(derandomize=True, database=None, max_examples=400, deadline=None)
+@given(
+    world=st.integers(1, 16),
+    replicate=st.integers(-1, 8),
+    shard=st.integers(-2, 16),
+    global_batch=st.integers(-2, 96),
+    local=st.integers(-1, 16),
+    seq=st.integers(-1, 8),
+    mode=st.sampled_from(["auto", "fsdp", "ddp", "hsdp"]),
+    skip=st.sampled_from(["auto", "on", "off"]),
+    method=st.sampled_from(["auto", "exact", "sketch"]),
+    diagnostics=st.booleans(),
+)
+def test_the_plan_is_resolved_once_or_refused_in_one_line(
+    world, replicate, shard, global_batch, local, seq, mode, skip, method, diagnostics
+):
+    """Any layout, batch and method at any world size: the plan either holds together (the
+    global batch is dp x local x accumulation, tokens per step and the batch unit follow, the
+    method is resolved, and the sampler built from the same numbers cuts the same accumulation)
+    or is refused as one UserError line, from the plan and from the sampler alike: never
+    ValueError or ZeroDivisionError."""
+    cfg = JobConfig()
+    p, t = cfg.parallelism, cfg.training
+    p.dp_replicate, p.dp_shard, p.mode, p.skip_grad_sync = replicate, shard, mode, skip
+    t.global_batch_size, t.local_batch_size, t.seq_len = global_batch, local, seq
+    cfg.diagnostics.method, cfg.diagnostics.enable = method, diagnostics
+    try:
+        sampler = GlobalBatchSampler([max(global_batch, 1)], global_batch, local, 0, world, 0)
+    except UserError as e:
+        assert "\n" not in str(e)
+        sampler = None
+    try:
+        plan = resolve_layout(cfg, world)
+    except UserError as e:
+        assert "\n" not in str(e) and str(e)
+        return
+    assert plan.dp == world and plan.global_batch == plan.local_batch * plan.dp * plan.grad_accum
+    assert plan.tokens_per_step == plan.tokens_per_rank_step * plan.dp == global_batch * seq
+    assert plan.batch_unit * plan.grad_accum == plan.global_batch
+    assert plan.diagnostics_method in ("exact", "sketch")
+    assert plan.diagnostics_method == method or method == "auto"
+    assert sampler is not None and sampler.grad_accum == plan.grad_accum

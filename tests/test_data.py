@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from titanlite.config import parse_args
+from titanlite.config.layout import resolve_layout
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.errors import UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -60,13 +61,13 @@ def test_pretrain_packing_and_loader_state(tmp_path):
     ds = build_dataset(cfg, build_tokenizer(cfg))
     x, y = ds[5]
     assert (x[1:] == y[:-1]).all() and (y != IGNORE_INDEX).all()
-    loader = build_dataloader(cfg, ds, 0, 1, pin_memory=False)
+    loader = build_dataloader(cfg, ds, resolve_layout(cfg, 1), 0, pin_memory=False)
     it = iter(loader)
     for _ in range(3):
         next(it)
     state = loader.state_dict()
     want = [next(it)[0] for _ in range(3)]
-    loader2 = build_dataloader(cfg, ds, 0, 1, pin_memory=False)
+    loader2 = build_dataloader(cfg, ds, resolve_layout(cfg, 1), 0, pin_memory=False)
     loader2.load_state_dict(state)
     it2 = iter(loader2)
     got = [next(it2)[0] for _ in range(3)]
@@ -89,7 +90,7 @@ def test_synthetic_data_covers_the_vocabulary_and_depends_on_the_index_alone():
     cfg.training.seed += 1
     assert not (build_dataset(cfg, None, 128256)[7][0] == x).all()
     cfg.training.local_batch_size = 2
-    batch = next(iter(build_dataloader(cfg, ds, 1, 2, pin_memory=False)))
+    batch = next(iter(build_dataloader(cfg, ds, resolve_layout(cfg, 2), 1, pin_memory=False)))
     assert batch[0].shape == (2, 4096)
 
 

@@ -55,7 +55,7 @@ def test_eval_never_changes_training_and_writes_loss_and_samples(tmp_path):
     and grad norms of one that evaluates only after its last step, whose eval it repeats exactly:
     eval touches neither the data order nor any RNG, and leaves the model as it found it."""
     decode = ("--eval.prompts", json.dumps([PROMPT]), "--eval.temperature", "0.8")
-    often = _run(tmp_path, "often", "--eval.interval", "2", *decode)
+    often = _run(tmp_path, "often", "--eval.every", "2", *decode)
     once = _run(tmp_path, "once")
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in often] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in once

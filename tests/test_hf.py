@@ -615,7 +615,7 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
         *("--world-size", "2", "--model.hf_assets_path", str(hf), "--data.mode", "sft"),
         *("--data.path", str(assets / "chat.jsonl"), "--training.seq_len", "160", "--training.steps", "5"),
         *("--training.global_batch_size", "4", "--training.local_batch_size", "1"),
-        *("--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0"),
+        *("--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.keep_latest_k", "0"),
         *("--job.dump_folder", str(tmp_path), "--job.run_name", "ft"),
     ]
     assert preflight.main(argv) == 0

@@ -47,7 +47,7 @@ def _max_rel(summary: dict) -> dict[str, float]:
 @pytest.mark.slow
 def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, prepared_sft):
     """On data prepared by scripts/prepare_data.py (the built-in SFT set), read memory-mapped."""
-    ckpt = ("--checkpoint.interval", "20", "--data.path", prepared_sft)
+    ckpt = ("--checkpoint.every", "20", "--checkpoint.at_end", "true", "--data.path", prepared_sft)
     proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt, *DROPOUT)
     assert proc.returncode == 0, proc.stderr
     (cmp,) = summary["comparisons"]
@@ -71,7 +71,7 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, p
             CONFIG,
             "--training.steps",
             "30",
-            "--metrics.log_freq",
+            "--metrics.log_every",
             "1",
             *batch(1),
             *QUIET,

@@ -9,15 +9,15 @@ import torch
 import torch.nn.functional as F
 from helpers import REPO
 
-from titanlite.components.loss import LossBalancer, loss_chunk
+from titanlite.components.loss import LossBalancer
 from titanlite.config import JobConfig
+from titanlite.config.layout import loss_chunk, loss_chunks
 from titanlite.distributed.param_init import ParamInit
 from titanlite.errors import UserError
 from titanlite.models.llama3 import Llama3, Llama3Args
 from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import (
     IGNORE_INDEX,
-    chunk_positions,
     chunked_cross_entropy_per_sample,
     count_valid,
     cross_entropy_per_sample,
@@ -133,25 +133,26 @@ def _check_llama_loss_path(tied: bool) -> None:
 
 def test_chunk_size_follows_the_logits_budget_and_a_logits_only_model_is_refused():
     # 4 sequences x 128,256 vocab x 4 bytes = 2 MB of fp32 logits per position
-    assert chunk_positions(256, 4, 2048, 128256) == 130
-    assert chunk_positions(256, 4, 512, 2048) == 512  # the debug model: all fit, no chunks
-    assert chunk_positions(0, 4, 2048, 128256) == 2048
-    assert chunk_positions(0.001, 4, 2048, 128256) == 1
+    assert loss_chunk(256, 4, 2048, 128256) == 130
+    assert loss_chunk(256, 4, 512, 2048) == 0  # the debug model: all fit, no chunks
+    assert loss_chunk(0, 4, 2048, 128256) == 0
+    assert loss_chunk(0.001, 4, 2048, 128256) == 1
     cfg = JobConfig()
     cfg.training.seq_len, cfg.training.local_batch_size = 2048, 4
-    assert loss_chunk(cfg, 128256) == 130
-    assert build_meta_model(cfg, 128256).args.vocab_size == 128256  # llama3 takes chunks
+    assert loss_chunks(cfg, 128256) == (130, 130)
+    meta = build_meta_model(cfg, 128256)  # llama3 takes chunks; the plan's chunks ride on the model
+    assert (meta.args.vocab_size, meta.loss_chunk, meta.eval_loss_chunk) == (128256, 130, 130)
     cfg.model.name, cfg.model.import_module, cfg.model.flavor = "toy_mlp", "toy_model", "tiny"
     with pytest.raises(UserError, match=r"model 'toy_mlp' returns logits only .* set it to 0"):
         build_meta_model(cfg, 128256)
     # the eval's batch is checked too: at 1 GiB, training's 1 sequence fits, eval's 8 need chunks
     cfg.training.local_batch_size, cfg.eval.local_batch_size = 1, 8
     cfg.loss.chunk_logits_mib = 1024
-    assert loss_chunk(cfg, 128256) == 0
+    assert loss_chunks(cfg, 128256) == (0, 261)
     with pytest.raises(UserError, match="returns logits only"):
         build_meta_model(cfg, 128256)
     cfg.loss.chunk_logits_mib = 0
-    assert loss_chunk(cfg, 128256) == 0
+    assert loss_chunks(cfg, 128256) == (0, 0)
     build_meta_model(cfg, 128256)
 
 

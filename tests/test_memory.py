@@ -9,7 +9,7 @@ import torch
 
 import titanlite.tools.memory as memory
 from titanlite.config import parse_args
-from titanlite.config.layout import diagnostics_method, resolve_layout
+from titanlite.config.layout import resolve_layout
 from titanlite.errors import UserError
 from titanlite.models.registry import build_meta_model
 
@@ -38,7 +38,7 @@ def config(*argv: str):
 )
 def test_measured_step_bytes(argv, method, held, diag):
     cfg, layout = config(*argv)
-    assert diagnostics_method(cfg.diagnostics.method, layout) == method
+    assert layout.diagnostics_method == method
     assert memory.measured_step_bytes(cfg, layout, P, BLOCK) == (held, diag)
 
 
@@ -68,9 +68,9 @@ def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
     with pytest.raises(
         UserError, match=r"diagnostics.method = 'exact' keeps \d+\.\d\d GiB of unsharded .* 'auto'"
     ):
-        check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
-    cfg.diagnostics.method = "auto"
-    check(meta.model, meta.args, cfg, layout, torch.device("cpu"), torch.float32)
+        check(meta, cfg, layout, torch.device("cpu"), torch.float32)
+    cfg, layout = config()  # auto
+    check(meta, cfg, layout, torch.device("cpu"), torch.float32)
 
 
 def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_them():
@@ -88,13 +88,11 @@ def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_the
     params = sum(p.numel() for p in meta.model.parameters())
     block = sum(p.numel() for p in meta.model.layers[0].parameters())
     small, large = (
-        memory.job_estimate(meta.model, meta.args, cfg, layout, torch.bfloat16, available)
-        for available in (1e6, 1e12)
+        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available) for available in (1e6, 1e12)
     )
     assert small.gathered_bytes == 2 * block * 2  # one block's params and gradient, bf16
     cfg.parallelism.reshard_after_forward = "auto"
     small, large = (
-        memory.job_estimate(meta.model, meta.args, cfg, layout, torch.bfloat16, available)
-        for available in (1e6, 1e12)
+        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available) for available in (1e6, 1e12)
     )
     assert small.gathered_bytes == 2 * block * 2 and large.gathered_bytes == (params + block) * 2

@@ -17,9 +17,9 @@ from helpers import REPO
 
 from titanlite.components.metrics import WANDB_ID_FILE, WANDB_STEP, MetricsWriter
 from titanlite.config import JobConfig, parse_args
-from titanlite.config.layout import validate
 from titanlite.diagnostics.alerts import Alert
 from titanlite.errors import UserError
+from titanlite.validation import validate
 
 MISSING = (
     "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "

@@ -29,10 +29,10 @@ from pathlib import Path
 import pytest
 from helpers import REPO, read_metrics
 
+from titanlite.components.checkpoint.format import MARKER as CHECKPOINT_MARKER
 from titanlite.components.run.lock import STALE_S, RunLock
 from titanlite.components.run.plan import check_checkpoint_space, run_name
 from titanlite.config import load_config
-from titanlite.config.layout import CHECKPOINT_MARKER
 from titanlite.errors import UserError
 
 FAST = [
@@ -42,7 +42,7 @@ FAST = [
     "2",
     "--training.global_batch_size",
     "4",
-    "--metrics.log_freq",
+    "--metrics.log_every",
     "1",
     "--metrics.enable_tensorboard",
     "false",
@@ -99,7 +99,7 @@ def no_workers_within(tmp: Path, seconds: float) -> list[int]:
 
 @pytest.mark.slow
 def test_one_live_run_per_folder_and_no_orphans(tmp_path):
-    ckpt = ("--training.steps", "300", "--checkpoint.interval", "2")
+    ckpt = ("--training.steps", "300", "--checkpoint.every", "2", "--checkpoint.at_end", "true")
     first = launch(tmp_path, "held", *ckpt)
     wait_for_step(tmp_path / "held", 2, first)
     code, _, err = finish(launch(tmp_path, "held", *ckpt), timeout=120)
@@ -109,7 +109,18 @@ def test_one_live_run_per_folder_and_no_orphans(tmp_path):
     os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group, as a scheduler would
     first.wait()
     assert no_workers_within(tmp_path, 10) == []
-    code, out, err = finish(launch(tmp_path, "held", "--training.steps", "3", "--checkpoint.interval", "2"))
+    code, out, err = finish(
+        launch(
+            tmp_path,
+            "held",
+            "--training.steps",
+            "3",
+            "--checkpoint.every",
+            "2",
+            "--checkpoint.at_end",
+            "true",
+        )
+    )
     assert code == 0, err[-3000:]
     assert f"taking over the stale lock of host {socket.gethostname()} pid {first.pid}" in out + err
     assert "resumed from step" in out + err and not (tmp_path / "held" / "run.lock").exists()
@@ -117,7 +128,16 @@ def test_one_live_run_per_folder_and_no_orphans(tmp_path):
 
 @pytest.mark.slow
 def test_second_ctrl_c_stops_at_once(tmp_path):
-    proc = launch(tmp_path, "twice", "--training.steps", "300", "--checkpoint.interval", "100")
+    proc = launch(
+        tmp_path,
+        "twice",
+        "--training.steps",
+        "300",
+        "--checkpoint.every",
+        "100",
+        "--checkpoint.at_end",
+        "true",
+    )
     wait_for_step(tmp_path / "twice", 2, proc)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(0.05)
@@ -352,8 +372,10 @@ def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkey
         "train_configs/llama_1b.toml",
         "--job.dump_folder",
         str(tmp_path),
-        "--checkpoint.interval",
+        "--checkpoint.every",
         "10",
+        "--checkpoint.at_end",
+        "true",
     ]
     with pytest.raises(
         UserError, match=r"llama3 1B \(1.04B parameters, weights and AdamW state\) needs about 11.6 GiB"
@@ -369,8 +391,8 @@ def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, s
     exit 130 with the stop line, at most one step late (here none: the host waits in these
     phases anyway, so the ranks settle there). In the exports that end a run: the catalogue."""
     proc = launch(
-        tmp_path, f"stop-{phase}", "--training.steps", "3", "--checkpoint.interval", "1",
-        "--eval.fraction", "0.002", "--eval.interval", "1",
+        tmp_path, f"stop-{phase}", "--training.steps", "3", "--checkpoint.every", "1", "--checkpoint.at_end", "true",
+        "--eval.fraction", "0.002", "--eval.every", "1",
         "--debug.signal_step", str(step), "--debug.signal_phase", phase,
     )  # fmt: skip
     code, out, err = finish(proc)
@@ -388,7 +410,7 @@ def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record
     """The run folder's writes fail as on a full disk from step 3 (debug.write_error, injected at
     the writer: half a record lands, then ENOSPC): exit 3, one line naming the disk and what was
     kept, no half record in any file."""
-    proc = launch(tmp_path, "full", "--training.steps", "5", "--checkpoint.interval", "2",
+    proc = launch(tmp_path, "full", "--training.steps", "5", "--checkpoint.every", "2", "--checkpoint.at_end", "true",
                   "--debug.write_error", "full", "--debug.write_error_step", "3")  # fmt: skip
     code, out, err = finish(proc)
     last = err.strip().splitlines()[-1]

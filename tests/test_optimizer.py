@@ -70,14 +70,14 @@ def test_resume_restores_hparams_unless_told_and_says_which():
         optimizer.step()
         scheduler.step()
     state = {"step": 6, "config": flat_config(old)}
-    changed = ["--optimizer.lr", "1e-3", "--optimizer.beta2", "0.99", "--metrics.log_freq", "3"]
+    changed = ["--optimizer.lr", "1e-3", "--optimizer.beta2", "0.99", "--metrics.log_every", "3"]
 
     kept = parse_args([*changed, *_args(old)])[0]
     lines = resume_changes(state, kept)
     assert [ln.split(" was")[0] for ln in lines] == [
         "resume: optimizer.lr",
         "resume: optimizer.beta2",
-        "resume: metrics.log_freq",
+        "resume: metrics.log_every",
     ]
     assert "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied")
     opt, sched = _resumed(kept, optimizer.state_dict(), scheduler.state_dict())

@@ -51,8 +51,8 @@ COMMANDS = {
         "./run_train.sh --job.run_name same-data --debug.same_data true --training.steps 3": "run",
         "./scripts/inspect_step.py outputs/same-data --step 1 --rank 1": "run",
         "./scripts/diagnose_scenarios.py": "help",
-        "./run_train.sh --job.run_name my-run --checkpoint.interval 50": f"short: {TRAIN}",
-        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 50 --training.local_batch_size 2": (
+        "./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true": f"short: {TRAIN}",
+        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true --training.local_batch_size 2": (
             f"short: {TRAIN}"
         ),
         "NGPU=8 ./run_train.sh --config train_configs/llama_1b.toml --training.steps 20 "
@@ -84,11 +84,11 @@ COMMANDS = {
         "the scenarios and their replay)",
     },
     "titanlite/components/checkpoint/README.md": {
-        "./run_train.sh --job.run_name my-run --checkpoint.interval 500": f"short: {TRAIN}",
-        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.interval 500 --training.local_batch_size 2": (
+        "./run_train.sh --job.run_name my-run --checkpoint.every 500 --checkpoint.at_end true": f"short: {TRAIN}",
+        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 500 --checkpoint.at_end true --training.local_batch_size 2": (
             "skip: README.md's resume at dp=4 runs the same command"
         ),
-        "./run_train.sh --checkpoint.interval 500 --checkpoint.async_mode async": "skip: tests/test_checkpoint.py "
+        "./run_train.sh --checkpoint.every 500 --checkpoint.at_end true --checkpoint.async_mode async": "skip: tests/test_checkpoint.py "
         "runs async saves",
         "./run_train.sh --checkpoint.export_weights true": "skip: tests/test_hf.py exports",
         './scripts/generate.py outputs/my-run --prompt "def parse(" --prompt "import json"': "run",

@@ -1,4 +1,4 @@
-"""The spike guard (diagnostics.skip_spikes): its decisions against a host reference, and in a
+"""The spike guard (spike_guard.skip): its decisions against a host reference, and in a
 one-rank run, where a spike's step must leave the model exactly as a skipped empty step does."""
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ import torch
 from helpers import load_script, read_metrics
 from test_cli import SMALL, single
 
+from titanlite.components.spike_guard import SpikeGuard
 from titanlite.config import JobConfig
-from titanlite.diagnostics.spike_guard import SpikeGuard
 
 
 def _guard(window: int = 4, min_history: int = 3, k: float = 2.0) -> SpikeGuard:
-    cfg = JobConfig().diagnostics
-    cfg.skip_spikes, cfg.spike_window, cfg.spike_min_history, cfg.spike_k = (
+    cfg = JobConfig().spike_guard
+    cfg.skip, cfg.window, cfg.min_history, cfg.k = (
         "grad_norm",
         window,
         min_history,
@@ -72,8 +72,8 @@ def test_state_round_trip_decides_the_same_even_with_another_window():
     assert int(wider.count) == 4 and wider.history[:4].tolist() == values[2:6]
 
 
-STEPS = ["--training.steps", "10", "--checkpoint.interval", "5"]
-GUARD = ["--diagnostics.skip_spikes", "grad_norm", "--diagnostics.spike_min_history", "4"]
+STEPS = ["--training.steps", "10", "--checkpoint.every", "5", "--checkpoint.at_end", "true"]
+GUARD = ["--spike_guard.skip", "grad_norm", "--spike_guard.min_history", "4"]
 SPIKE = ["--debug.spike_step", "7"]
 
 
@@ -114,6 +114,6 @@ def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides
 
 
 def test_more_spikes_in_a_row_than_allowed_stop_the_run(tmp_path):
-    proc, _ = _run(tmp_path, "stop", *GUARD, *SPIKE, "--diagnostics.spike_max_consecutive", "0")
+    proc, _ = _run(tmp_path, "stop", *GUARD, *SPIKE, "--spike_guard.max_consecutive", "0")
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "titanlite: stopped: the spike guard skipped 1 steps in a row, up to step 7" in proc.stderr

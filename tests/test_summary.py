@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from titanlite.components.checkpoint.format import MARKER as CHECKPOINT_MARKER
 from titanlite.components.metrics import progress_line
 from titanlite.components.summary import RunTally, summary_lines
 from titanlite.config import load_config
-from titanlite.config.layout import CHECKPOINT_MARKER
 from titanlite.preflight import startup_notes
 
 

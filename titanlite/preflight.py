@@ -31,7 +31,6 @@ from titanlite.components.run.plan import (
     run_folder,
 )
 from titanlite.config import JobConfig
-from titanlite.config.layout import validate
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
 from titanlite.config.monitor_config import Debug
 from titanlite.datasets.spec import check_data_files, check_data_tokenizer, data_identity
@@ -39,6 +38,7 @@ from titanlite.diagnostics.rules import silent_rules_note
 from titanlite.errors import UserError
 from titanlite.tools.paths import check_writable
 from titanlite.tools.records import read_json
+from titanlite.validation import validate
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
 Trains with torchrun on this node (default config: train_configs/debug_model.toml).
@@ -92,7 +92,7 @@ def plan_run(
         check_initial_weights(cfg)
     else:
         check_same_model(folder, resume, meta, cfg)
-    if cfg.checkpoint.interval > 0:
+    if cfg.checkpoint.saves:
         check_writable(folder, "checkpoint.folder")
         if check_space:
             check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
@@ -149,8 +149,8 @@ def check_initial_weights(cfg: JobConfig) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
     whole: every safetensors file holds what its header describes; a titanlite step folder is
     intact (a resume never reads them)."""
+    from titanlite.components.checkpoint.format import initial_load_kind
     from titanlite.components.checkpoint.hf_load import weight_files
-    from titanlite.config.layout import initial_load_kind
 
     source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
     if not source:

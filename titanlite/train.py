@@ -20,21 +20,21 @@ from titanlite.components.checkpoint.checkpointer import Checkpointer
 from titanlite.components.checkpoint.export import export_run
 from titanlite.components.evaluate import build_evaluator
 from titanlite.components.faults import Faults
-from titanlite.components.loss import LossBalancer, forward_backward, loss_chunk, sequence_losses
+from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses
 from titanlite.components.metrics import MetricsWriter, scalar_tags
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
 from titanlite.components.run.folder import open_run_folder, run_info
 from titanlite.components.run.plan import checkpoint_folder, trace_folder
 from titanlite.components.run.stop import StopSignals
+from titanlite.components.spike_guard import SpikeGuard
 from titanlite.components.step_window import RunRates, StepWindow
 from titanlite.config import JobConfig, parse_args
-from titanlite.config.layout import validate
+from titanlite.config.fields import due
 from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.datasets.spec import check_data_files
 from titanlite.diagnostics.component import Diagnostics
-from titanlite.diagnostics.spike_guard import SpikeGuard
 from titanlite.distributed.liveness import Heartbeat, flight_recorder_env, lost_peer, phase
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed, resolve_device
 from titanlite.distributed.parallelize import materialize
@@ -45,6 +45,7 @@ from titanlite.tools.logging import init_logging
 from titanlite.tools.memory import check_memory
 from titanlite.tools.process import die_with_parent
 from titanlite.tools.seeds import rank_seed
+from titanlite.validation import validate
 
 logger = init_logging()
 
@@ -78,21 +79,20 @@ class Trainer:
         # The model is checked (name, flavor, capabilities, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
-        self.loss_chunk = loss_chunk(cfg, meta.args.vocab_size)
         self.losses = self.faults.losses(sequence_losses)
-        check_memory(meta.model, meta.args, cfg, self.layout, self.device, dims.param_dtype)
+        check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
-        self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.args.vocab_size)
+        self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.eval_loss_chunk)
         cuda, data_rank = self.device.type == "cuda", self.faults.data_rank
         self.dataloader = build_dataloader(
-            cfg, dataset, dims.dp_rank, dims.dp_size, cuda, seed=seed, read_rank=data_rank
+            cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed, read_rank=data_rank
         )
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
         noise = self.faults.grad_noise_scale
         self.diagnostics = Diagnostics.for_job(cfg, self.model, dims, self.layout, noise, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.guard = SpikeGuard(cfg.diagnostics, self.device, dims.dp_group)
+        self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
         self.balancer = LossBalancer(
             cfg.loss.normalization, dims.dp_group, dims.dp_size, self.layout.grad_accum
         )
@@ -111,10 +111,8 @@ class Trainer:
         done = (self.start_step - 1) * self.layout.grad_accum  # the data position is the step's
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": done})
         self._batches = iter(self.dataloader)
-        per_step = t.seq_len * t.local_batch_size * self.layout.grad_accum
-        self.rates = RunRates(
-            per_step, dims.dp_size, t.steps, meta.flops_per_token, self.device, dims.param_dtype
-        )
+        speed = (meta.flops_per_token, self.device, dims.param_dtype)
+        self.rates = RunRates(self.layout.tokens_per_rank_step, dims.dp_size, t.steps, *speed)
         self.window = StepWindow()
 
     # ---- the step -------------------------------------------------------------------------------
@@ -147,7 +145,7 @@ class Trainer:
             self.balancer,
             self.dims,
             skip_grad_sync=skip_sync,
-            loss_chunk=self.loss_chunk,
+            loss_chunk=self.meta.loss_chunk,
             losses=self.losses,
         )
         with phase("clip"):
@@ -171,10 +169,9 @@ class Trainer:
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is
         lost, and an eval reads the host there."""
-        freq, last = self.cfg.metrics.log_freq, self.cfg.training.steps
         return (
-            step in (self.start_step, last)
-            or step % freq == 0
+            step in (self.start_step, self.cfg.training.steps)
+            or due(step, self.cfg.metrics.log_every)
             or self.checkpointer.due(step)
             or self.is_eval_step(step)
         )

@@ -178,7 +178,9 @@ _checkpoint_folder_refused("a checkpoint folder on a 20 MiB tmpfs", "free", size
 def _(c: Catalogue) -> None:
     with mounted(c.work / "mnt-110m", "110m") as disk:
         dump = disk / "dump"
-        r = c.start(dump, ("--training.steps", "4", "--checkpoint.interval", "1")).finish()
+        r = c.start(
+            dump, ("--training.steps", "4", "--checkpoint.every", "1", "--checkpoint.at_end", "true")
+        ).finish()
         expect(r, 3, "disk full")
         kept = sorted(p.name for p in (dump / "run" / "checkpoints").iterdir())
         if kept != ["step-00000001"]:

@@ -65,7 +65,7 @@ for _name, _args, _says in (
     ),
     ("mode ddp + dp_shard 2", ("--parallelism.mode", "ddp", "--parallelism.dp_shard", "2"), "dp_shard"),
     ("dp_shard 4 on 2 ranks", ("--parallelism.dp_shard", "4"), "dp_shard"),
-    ("--metrics.log_freq 0", ("--metrics.log_freq", "0"), "log_freq"),
+    ("--metrics.log_every -1", ("--metrics.log_every", "-1"), "log_every"),
     ("--comm.timeout_s 0", ("--comm.timeout_s", "0"), "timeout_s"),
     ("--eval.fraction 1.5", ("--eval.fraction", "1.5"), "eval.fraction"),
     ("--checkpoint.keep_latest_k -1", ("--checkpoint.keep_latest_k", "-1"), "keep_latest_k"),

@@ -23,7 +23,7 @@ from faults.harness import (
     records,
 )
 
-LONG = ("--training.steps", "12", "--checkpoint.interval", "0")
+LONG = ("--training.steps", "12", "--checkpoint.every", "0")
 
 
 def _under_a_live_run(name: str, act: Callable[[Path], None], code: int, says: str, then=None) -> None:
@@ -99,13 +99,15 @@ def _(c: Catalogue) -> None:
 
 @case("run folder", "the run folder on a full disk (checkpoints elsewhere)")
 def _(c: Catalogue) -> None:
-    with mounted(c.work / "mnt-run-full", "256k") as disk:  # full about step 45 (log_freq 1)
+    with mounted(c.work / "mnt-run-full", "256k") as disk:  # full about step 45 (log_every 1)
         elsewhere = c.dump("full-run-ckpt")
         args = (
             "--training.steps",
             "100",
-            "--checkpoint.interval",
+            "--checkpoint.every",
             "50",
+            "--checkpoint.at_end",
+            "true",
             "--checkpoint.folder",
             str(elsewhere),
         )
@@ -135,8 +137,18 @@ def _(c: Catalogue) -> None:
 def _(c: Catalogue) -> None:
     dump = c.dump("modes-resume")
     env = own_cache(c, c.work / "cache-modes")
-    expect(c.start(dump, ("--training.steps", "2", "--checkpoint.interval", "2"), env=env).finish(), 0)
-    expect(c.start(dump, ("--training.steps", "4", "--checkpoint.interval", "2"), env=env).finish(), 0)
+    expect(
+        c.start(
+            dump, ("--training.steps", "2", "--checkpoint.every", "2", "--checkpoint.at_end", "true"), env=env
+        ).finish(),
+        0,
+    )
+    expect(
+        c.start(
+            dump, ("--training.steps", "4", "--checkpoint.every", "2", "--checkpoint.at_end", "true"), env=env
+        ).finish(),
+        0,
+    )
     bad = _modes(dump / "run") + _modes(Path(env["TITANLITE_CACHE"]))
     if bad:
         raise Broke(f"not readable by others under umask 022: {', '.join(bad[:4])}")

@@ -45,14 +45,14 @@ stop_case(
     in_save(signal.SIGTERM),
     143,
     "SIGTERM",
-    ("--training.steps", "6", "--checkpoint.interval", "1"),
+    ("--training.steps", "6", "--checkpoint.every", "1", "--checkpoint.at_end", "true"),
 )
 stop_case(
     "SIGTERM twice during a save",
     in_save(signal.SIGTERM, signal.SIGTERM),
     143,
     "SIGTERM",
-    ("--training.steps", "6", "--checkpoint.interval", "1"),
+    ("--training.steps", "6", "--checkpoint.every", "1", "--checkpoint.at_end", "true"),
 )
 stop_case("SIGKILL of worker rank 1", at_step(3, signal.SIGKILL, who="1"), 1, "rank 1")
 stop_case("kill -9 of the launcher's process group", at_step(3, signal.SIGKILL), -9, "")
@@ -61,7 +61,16 @@ stop_case(
     in_save(signal.SIGKILL),
     -9,
     "",
-    ("--training.steps", "6", "--checkpoint.interval", "1", "--checkpoint.async_mode", "async"),
+    (
+        "--training.steps",
+        "6",
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.at_end",
+        "true",
+        "--checkpoint.async_mode",
+        "async",
+    ),
 )
 stop_case("SIGTERM to worker rank 1 alone", at_step(3, signal.SIGTERM, who="1"), 143, "SIGTERM")
 stop_case(

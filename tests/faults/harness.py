@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SMALL = ("--training.seq_len", "128", "--metrics.log_freq", "1")
-CKPT = ("--checkpoint.interval", "2")
+SMALL = ("--training.seq_len", "128", "--metrics.log_every", "1")
+CKPT = ("--checkpoint.every", "2", "--checkpoint.at_end", "true")
 RESUME6 = ("--training.steps", "6", *CKPT)
 
 

@@ -142,7 +142,7 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     `flip_rank`'s first parameter flipped before step 2; still differing at step 3. Returns the
     alerts collected after each step."""
     cfg = JobConfig()
-    cfg.diagnostics.replica_check_interval = 1
+    cfg.diagnostics.replica_check_every = 1
     cfg.debug.flip_bit_step, cfg.debug.flip_bit_rank = 2, flip_rank
     layout, dims, model = build(cfg, world, mode, accum=1)
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)

@@ -56,7 +56,7 @@ def case(assets: str, runs: str, name: str, mode: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     overrides = [
         *("--model.hf_assets_path", f"{assets}/{name}", "--data.mode", "pretrain"),
-        *("--training.seq_len", "32", "--training.steps", "2", "--metrics.log_freq", "1"),
+        *("--training.seq_len", "32", "--training.steps", "2", "--metrics.log_every", "1"),
         *("--training.global_batch_size", str(BATCH), "--training.local_batch_size", str(BATCH // world)),
         *("--diagnostics.enable", "false", "--metrics.enable_tensorboard", "false"),
         *("--job.dump_folder", runs, "--job.run_name", f"{name}-{mode}-{world}"),
@@ -113,7 +113,7 @@ def sft_trainer(assets: str, runs: str, name: str, *extra: str) -> Trainer:
             "--data.path",
             f"{assets}/chat.jsonl",
         ),
-        *("--training.seq_len", "160", "--training.steps", "5", "--metrics.log_freq", "1"),
+        *("--training.seq_len", "160", "--training.steps", "5", "--metrics.log_every", "1"),
         *("--training.global_batch_size", "4", "--training.local_batch_size", "1"),
         *(
             "--optimizer.lr",
@@ -171,7 +171,7 @@ def run_to_end(t: Trainer) -> None:
 def finetune(assets: str, runs: str) -> dict:
     """World 2: the fine-tune, its resume and reshard, and new runs started from it."""
     ft = sft_trainer(
-        assets, runs, "ft", "--checkpoint.interval", "2", "--checkpoint.keep_latest_k", "0",
+        assets, runs, "ft", "--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.keep_latest_k", "0",
         "--checkpoint.export_hf", "true",
     )  # fmt: skip
     run_to_end(ft)
@@ -186,7 +186,7 @@ def finetune(assets: str, runs: str) -> dict:
 
     def resumed(name: str, *extra: str) -> Trainer:
         copy_checkpoint(step2, Path(runs, name))
-        return sft_trainer(assets, runs, name, "--checkpoint.interval", "0", *extra)
+        return sft_trainer(assets, runs, name, "--checkpoint.every", "0", *extra)
 
     fsdp = resumed("ft-resumed")
     start = full_params(fsdp), full_optimizer_state(fsdp), fsdp.start_step
@@ -195,7 +195,14 @@ def finetune(assets: str, runs: str) -> dict:
     hsdp = ("--parallelism.mode", "hsdp", "--parallelism.dp_replicate", "2", "--checkpoint.export_hf", "true")
     run_to_end(resumed("ft-hsdp", *hsdp))
 
-    initial = ("--checkpoint.initial_load_path", str(step2), "--checkpoint.interval", "1")
+    initial = (
+        "--checkpoint.initial_load_path",
+        str(step2),
+        "--checkpoint.every",
+        "1",
+        "--checkpoint.at_end",
+        "true",
+    )
     model_only = sft_trainer(assets, runs, "from-ckpt", *initial, "--training.steps", "2")
     model_only_state = (
         full_params(model_only),

@@ -36,7 +36,7 @@ from titanlite.tools.memory import measured_step_bytes
 from titanlite.train import Trainer
 
 HOST = HostSyncCounter()
-DIAG_EVERY_STEP = ["--diagnostics.warmup_steps", "1000"]
+DIAG_EVERY_STEP = ["--diagnostics.measure_first", "1000"]
 DDP = ["--parallelism.dp_replicate", "4"]
 HSDP = ["--parallelism.dp_replicate", "2"]
 
@@ -48,7 +48,7 @@ def trainer(out_dir: str, name: str, *overrides: str) -> Trainer:
             "train_configs/debug_model.toml",
             "--training.steps",
             "7",
-            "--metrics.log_freq",
+            "--metrics.log_every",
             "3",
             "--training.seq_len",
             "64",
@@ -170,7 +170,7 @@ def main() -> None:
                 "fsdp_sketch": ["--diagnostics.method", "sketch", *DIAG_EVERY_STEP],
                 "ddp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP, *DDP],
                 "hsdp_sketch": [*DIAG_EVERY_STEP, *HSDP],
-                "fsdp_unmeasured": ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+                "fsdp_unmeasured": ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
                 "fsdp_auto_accum4": [*DIAG_EVERY_STEP, "--training.global_batch_size", "16"],
             }.items()
         },

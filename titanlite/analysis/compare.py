@@ -243,7 +243,7 @@ def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = N
     common = sorted(s for s in set(ref.metrics) & set(other.metrics) if s <= end)
     if not common:
         raise UserError(
-            f"{ref.name} and {other.name} logged no step in common; log every step (metrics.log_freq = 1)"
+            f"{ref.name} and {other.name} logged no step in common; log every step (metrics.log_every = 1)"
         )
     rows = []
     for s in common:

@@ -1,18 +1,19 @@
 """How far apart two runs' losses may be and still be the same curve: compare_runs' default
 tolerance per dtype, as a function of the horizon k (updates since the first compared step).
 
-Layouts differ by rounding alone. Measured, dp 1 vs dp 4 of debug_model.toml on the CPU (FSDP,
-300 steps, scripts/invariance.py) and accumulation 1 vs 4 of llama_1b on an H100 (30 steps,
-scripts/gpu_check.sh --only accum), the largest relative loss difference by step k:
-- fp32: 8.6e-7 over 300 steps, reached at step 14 and not grown since (summation order alone;
-  the loss path is exact): flat 1e-5, 10x that.
-- bf16: the CPU 2.8e-5 by step 30, 9.7e-5 by 100, 1.9e-4 by 300; the H100 1.9e-4 by step 10,
-  8.5e-4 by 20, 1.4e-3 by 30 (its kernels tile each shape differently, so every op rounds
-  differently, where the CPU's per-row matmuls round the same in any layout). The tolerance
-  grows by u / 16 per update (bf16's unit roundoff u = 2^-8): 7.3e-3 at step 30, at least 4.5x
-  the H100's difference at every step (closest at step 25). It stops at 2e-2 (reached at step
-  81), 100x the CPU's 300-step difference: past that, two curves more than 2% apart on the same
-  batch differ by more than rounding. Confirm it on a GPU with scripts/gpu_check.sh --only accum.
+Layouts differ by rounding alone. The tolerances are set above the largest relative loss
+difference by step k of two pairs of layouts: dp 1 vs dp 4 of debug_model.toml (FSDP, 300
+steps, scripts/invariance.py, CPU) and accumulation 1 vs 4 of llama_1b (30 steps,
+scripts/gpu_check.sh --only accum, GPU). What those pairs measured, and each tolerance's margin
+over it, is kept beside the scripts: scripts/README.md ("Invariance") and scripts/figures/.
+- fp32: flat 1e-5. Summation order alone differs (the loss path is exact), and the difference
+  does not grow with the step.
+- bf16: the curves drift apart as training goes on. A GPU's kernels tile each shape
+  differently, so every op of another layout rounds differently, where the CPU's per-row
+  matmuls round the same in any layout. The tolerance grows by u / 16 per update (bf16's unit
+  roundoff u = 2^-8): 7.3e-3 at step 30. It stops at 2e-2 (reached at step 81): past that, two
+  curves more than 2e-2 apart on the same batch differ by more than rounding. Confirm it on a
+  GPU with scripts/gpu_check.sh --only accum.
 """
 
 from __future__ import annotations

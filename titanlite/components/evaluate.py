@@ -22,8 +22,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.components.generate import sample_text
-from titanlite.components.loss import loss_chunk, sequence_losses
+from titanlite.components.loss import sequence_losses
 from titanlite.config import JobConfig
+from titanlite.config.fields import due
 from titanlite.datasets.batch import Microbatch, collate
 from titanlite.datasets.build import build_eval_dataset
 from titanlite.datasets.records import prompt_format
@@ -36,18 +37,20 @@ from titanlite.tools.seeds import sample_seed
 logger = logging.getLogger("titanlite")
 
 
-def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, vocab_size: int) -> Evaluator | None:
-    """The run's evaluator ([eval]), None without an eval set; rank 0 says what it evaluates."""
+def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, loss_chunk: int) -> Evaluator | None:
+    """The run's evaluator ([eval]), None without an eval set; rank 0 says what it evaluates.
+    `loss_chunk`: at eval's batch (MetaModel.eval_loss_chunk)."""
     data = build_eval_dataset(cfg, tokenizer)
     if data is None:
         return None
     e = cfg.eval
     batch = e.local_batch_size or cfg.training.local_batch_size
-    evaluator = Evaluator(data, dims, batch, loss_chunk(cfg, vocab_size, batch), cfg, tokenizer)
+    evaluator = Evaluator(data, dims, batch, loss_chunk, cfg, tokenizer)
     if dims.dp_rank == 0:
         where = f"'{e.path}'" if e.path else f"{e.fraction:g} of the data, held out"
-        when = f"every {e.interval} steps and " if e.interval else ""
-        logger.info(f"eval: {len(data):,} sequences ({where}), {when}after the last step")
+        when = [f"every {e.every} steps"] * bool(e.every) + ["after the last step"] * e.at_end
+        when = " and ".join(when) or "never (eval.every = 0 and eval.at_end = false)"
+        logger.info(f"eval: {len(data):,} sequences ({where}), {when}")
     return evaluator
 
 
@@ -72,9 +75,9 @@ class Evaluator:
         self.tokenizer = tokenizer
 
     def due(self, step: int) -> bool:
-        """Every eval.interval steps and after the last."""
-        every, last = self.cfg.eval.interval, self.cfg.training.steps
-        return step == last or (every > 0 and step % every == 0)
+        """Every eval.every steps, and after the last with eval.at_end."""
+        e = self.cfg.eval
+        return due(step, e.every) or (e.at_end and step == self.cfg.training.steps)
 
     @in_phase("eval")
     def run(self, model: nn.Module, step: int) -> tuple[dict, list[dict[str, str]]]:

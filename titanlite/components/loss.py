@@ -56,17 +56,7 @@ from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import grad_sync
-from titanlite.ops.cross_entropy import chunk_positions, count_valid, cross_entropy_per_sample
-
-
-def loss_chunk(cfg, vocab_size: int, local_batch: int = 0) -> int:
-    """The trainer's loss chunk (positions; 0: logits then loss) for a config at `vocab_size`
-    and `local_batch` sequences (0: training's). Whether the model can take chunks is checked
-    once, by titanlite.models.registry.build_meta_model."""
-    t = cfg.training
-    batch = local_batch or t.local_batch_size
-    chunk = chunk_positions(cfg.loss.chunk_logits_mib, batch, t.seq_len, vocab_size)
-    return 0 if chunk >= t.seq_len else chunk
+from titanlite.ops.cross_entropy import count_valid, cross_entropy_per_sample
 
 
 def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch.Tensor:

@@ -94,7 +94,7 @@ class WindowRecord:
 class RunRates:
     """What turns a window's steps into throughput, MFU and ETA."""
 
-    tokens_per_rank_step: int  # seq_len x local batch x grad_accum
+    tokens_per_rank_step: int  # the plan's (titanlite.config.layout.Layout)
     dp_size: int
     total_steps: int
     flops_per_token: int  # 0: unknown (no TFLOP/s, no MFU)

@@ -1,5 +1,7 @@
 """`opt`: a config field with its one-line doc, its choices and its bounds, which the manager
-(titanlite.config.manager) checks and prints in --help."""
+(titanlite.config.manager) checks and prints in --help. `schedule`: a schedule field, with `due`
+the one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
+follows."""
 
 from __future__ import annotations
 
@@ -27,3 +29,14 @@ def opt(
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def schedule(default: int, what: str, note: str = "") -> Any:
+    """A schedule field: `what` happens after steps N, 2N, 3N, ... (N its value); 0: never.
+    What happens once at the start or the end of a run is a switch of its own (e.g. at_end)."""
+    return opt(default, f"{what} every this many steps; 0: never" + (f"; {note}" if note else ""), at_least=0)
+
+
+def due(step: int, every: int) -> bool:
+    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never."""
+    return every > 0 and step % every == 0

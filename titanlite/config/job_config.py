@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanlite.config.fields import opt
-from titanlite.config.monitor_config import MOVED_KEYS, Alerts, Debug, Diagnostics
+from titanlite.config.fields import opt, schedule
+from titanlite.config.monitor_config import Alerts, Debug, Diagnostics
 
-__all__ = ["MOVED_KEYS", "Alerts", "Debug", "Diagnostics", "JobConfig", "opt"]
+__all__ = ["Alerts", "Debug", "Diagnostics", "JobConfig", "opt"]
 
 
 @dataclass
@@ -73,6 +73,19 @@ class LRScheduler:
     warmup_steps: int = opt(200, "linear warmup steps from lr/warmup_steps to lr", at_least=0)
     decay_type: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
     min_lr_factor: float = opt(0.0, "final lr as a fraction of the peak lr", at_least=0.0, at_most=1.0)
+
+
+@dataclass
+class SpikeGuard:
+    skip: str = opt(
+        "off",
+        "skip the update of a step whose grad_norm (or global loss) exceeds the recent mean + k std",
+        choices=("off", "grad_norm", "loss"),
+    )
+    k: float = opt(6.0, "standard deviations above the recent mean that make a spike", above=0.0)
+    window: int = opt(100, "applied steps whose values form the history", at_least=1)
+    min_history: int = opt(20, "values it needs before it judges a step", at_least=1)
+    max_consecutive: int = opt(3, "skips in a row allowed; one more stops the run", at_least=0)
 
 
 @dataclass
@@ -159,9 +172,8 @@ class Eval:
         0.0, "hold out this fraction of the data's sequences (sft: records) as the eval set; never trained on"
     )
     path: str = opt("", "eval data of its own (prepared folder or raw files, no mixture); wins over fraction")
-    interval: int = opt(
-        0, "evaluate every this many steps and after the last one; 0: after the last one only", at_least=0
-    )
+    every: int = schedule(0, "evaluate")
+    at_end: bool = opt(True, "also evaluate after the last step")
     max_sequences: int = opt(
         0, "evaluate on this many sequences spread over the eval set; 0: all of it", at_least=0
     )
@@ -201,7 +213,7 @@ class Loss:
 
 @dataclass
 class Metrics:
-    log_freq: int = opt(10, "log every this many steps (and at the first and last step)", at_least=1)
+    log_every: int = schedule(10, "log", "the first and last steps always log")
     enable_tensorboard: bool = opt(True, "write TensorBoard events into <run folder>/tb")
     enable_wandb: bool = opt(False, "also log to Weights & Biases (needs `pip install wandb`)")
     wandb_project: str = opt("titanlite", "W&B project")
@@ -215,9 +227,8 @@ class Metrics:
 
 @dataclass
 class Checkpoint:
-    interval: int = opt(
-        0, "save a checkpoint every this many steps and at the last step; 0: never", at_least=0
-    )
+    every: int = schedule(0, "save a checkpoint")
+    at_end: bool = opt(False, "also save a checkpoint after the last step")
     folder: str = opt("checkpoints", "where checkpoints live; a relative path is inside the run folder")
     keep_latest_k: int = opt(
         2, "complete checkpoints kept (older ones are deleted after a save); 0: all", at_least=0
@@ -249,6 +260,11 @@ class Checkpoint:
         "on resume, lr, betas, eps and weight_decay come from the checkpoint; false: from this config",
     )
 
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves checkpoints at all (a stop by signal saves one then too)."""
+        return self.every > 0 or self.at_end
+
 
 @dataclass
 class Comm:
@@ -270,6 +286,7 @@ class JobConfig:
     model: Model = field(default_factory=Model)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    spike_guard: SpikeGuard = field(default_factory=SpikeGuard)
     training: Training = field(default_factory=Training)
     parallelism: Parallelism = field(default_factory=Parallelism)
     data: Data = field(default_factory=Data)

@@ -1,15 +1,16 @@
-"""Derived quantities of a config at a given world size: mesh degrees, mode, accumulation.
+"""The run's plan: every quantity derived from a config at a world size, computed once here.
 
-Kept free of torch so the launcher's preflight check can use it before any worker starts.
+The mesh degrees and mode, gradient accumulation, tokens per step, the batch unit, the
+diagnostics method and the loss chunk; the sampler, the loss, the registry, the memory estimate
+and the diagnostics read them from the plan, and bad input is found here as one UserError. Kept
+free of torch so the launcher's preflight check can use it before any worker starts.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 from titanlite.config.job_config import JobConfig
-from titanlite.config.manager import check_values
 from titanlite.errors import UserError
 
 
@@ -20,10 +21,46 @@ class Layout:
     mode: str  # fsdp | ddp | hsdp
     grad_accum: int  # microbatches per rank per optimizer step
     skip_grad_sync: bool  # no gradient reduction on non-final microbatches
+    global_batch: int  # sequences per optimizer step over all ranks
+    local_batch: int  # sequences per microbatch on one rank
+    seq_len: int  # positions per sequence
+    diagnostics_method: str  # diagnostics.method with 'auto' resolved (see resolve_method)
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Positions per optimizer step over all ranks (padding and masked labels included)."""
+        return self.global_batch * self.seq_len
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        """Positions one rank reads per optimizer step: seq_len x local batch x accumulation."""
+        return self.seq_len * self.local_batch * self.grad_accum
+
+    @property
+    def batch_unit(self) -> int:
+        """Sequences the global batch moves by with the layout kept (dp x the local batch): the
+        step of the batch-size advice."""
+        return self.dp * self.local_batch
+
+
+def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
+    """Microbatches per rank per step: the global batch in whole local batches on every rank; one
+    UserError that says what to change when it does not split."""
+    for name, value in (("global_batch_size", global_batch), ("local_batch_size", local_batch)):
+        if value < 1:
+            raise UserError(f"training.{name} is {value}; it must be >= 1")
+    per_micro = local_batch * dp
+    if global_batch % per_micro:
+        raise UserError(
+            f"training.global_batch_size={global_batch} is not a multiple of "
+            f"local_batch_size x dp = {local_batch} x {dp} = {per_micro}; "
+            "change one of them so it divides"
+        )
+    return global_batch // per_micro
 
 
 def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
@@ -60,19 +97,19 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "parallelism.skip_grad_sync 'off' cannot be exact with ddp (it re-reduces the "
             "accumulated gradient); use 'auto' or 'on', or mode fsdp/hsdp"
         )
-    dp = p.dp_replicate * shard
-    for name in ("global_batch_size", "local_batch_size", "seq_len", "steps"):
+    for name in ("seq_len", "steps"):
         if getattr(t, name) < 1:
             raise UserError(f"training.{name} is {getattr(t, name)}; it must be >= 1")
-    per_micro = t.local_batch_size * dp
-    if t.global_batch_size % per_micro:
-        raise UserError(
-            f"training.global_batch_size={t.global_batch_size} is not a multiple of "
-            f"local_batch_size x dp = {t.local_batch_size} x {dp} = {per_micro}; "
-            "change one of them so it divides"
-        )
+    accum = accumulation(t.global_batch_size, t.local_batch_size, p.dp_replicate * shard)
     skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
-    return Layout(p.dp_replicate, shard, mode, t.global_batch_size // per_micro, skip)
+    method = resolve_method(cfg.diagnostics.method, mode, accum, skip)
+    if cfg.diagnostics.enable and method == "exact" and mode == "hsdp":
+        raise UserError(
+            "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
+            "one replica); use diagnostics.method = 'sketch' or 'auto'"
+        )
+    batch = (t.global_batch_size, t.local_batch_size, t.seq_len)
+    return Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method)
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:
@@ -82,8 +119,8 @@ def holds_unsharded_grads(layout: Layout) -> bool:
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
 
 
-def diagnostics_method(method: str, layout: Layout) -> str:
-    """diagnostics.method (`method`) at this layout, `auto` resolved.
+def resolve_method(method: str, mode: str, grad_accum: int, skip_grad_sync: bool) -> str:
+    """diagnostics.method (`method`) at a layout, `auto` resolved (Layout.diagnostics_method).
 
     `exact` needs each rank's whole-step local gradient at once. That is free under DDP, with one
     microbatch, or when the earlier microbatches skip the reduction anyway; otherwise a measured
@@ -94,185 +131,29 @@ def diagnostics_method(method: str, layout: Layout) -> str:
     """
     if method != "auto":
         return method
-    if layout.mode == "hsdp":
+    if mode == "hsdp":
         return "sketch"
-    return "exact" if layout.grad_accum == 1 or layout.skip_grad_sync else "sketch"
+    return "exact" if grad_accum == 1 or skip_grad_sync else "sketch"
 
 
-def check_run_name(name: str) -> None:
-    """job.run_name names a folder inside job.dump_folder: a name, or a relative path that groups
-    runs ('sweep/lr-3e-4'); never absolute, from '~' or through '.' or '..'."""
-    from pathlib import Path
-
-    parts = name.split("/")
-    if name.startswith(("/", "~")) or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
-        raise UserError(
-            f"job.run_name '{name}' would write outside job.dump_folder; give a name, or a relative "
-            "path like 'sweep/run-1', without '.', '..' or a leading '/' or '~'"
-        )
-    long = next((p for p in parts if len(p.encode()) > 255), None)
-    if long is not None:
-        raise UserError(
-            f"job.run_name: the folder name '{long[:20]}...' is {len(long.encode())} bytes; file systems allow 255"
-        )
+def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
+    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
+    (loss.chunk_logits_mib); 0 (logits then loss, no chunks) when the whole sequence fits, or
+    when the budget is 0."""
+    if budget_mib <= 0:
+        return 0
+    chunk = max(1, int(budget_mib * 2**20 // (local_batch * vocab * 4)))
+    return 0 if chunk >= seq_len else chunk
 
 
-def validate(cfg: JobConfig, world_size: int) -> Layout:
-    """Every rule on a config that needs no torch (layout, batch sizes, value ranges, option
-    combinations, the tokenizer and model files): the preflight runs it before torchrun starts,
-    the trainer again in every worker; the data files are titanlite.datasets.spec's to check."""
-    from pathlib import Path
-
-    check_values(cfg)
-    check_run_name(cfg.job.run_name)
-    layout = resolve_layout(cfg, world_size)
-    ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
-    ranks += ["flip_bit_rank"] if cfg.debug.flip_bit_step >= 0 else []
-    ranks += ["stuck_loader_rank"] if cfg.debug.stuck_loader_step >= 0 else []
-    ranks += ["freeze_rank"] if cfg.debug.freeze_step >= 0 else []
-    for key in ranks:
-        if getattr(cfg.debug, key) >= world_size:
-            raise UserError(
-                f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
-            )
-    if cfg.debug.grad_noise_rank >= 0 and not (cfg.diagnostics.enable and world_size > 1):
-        raise UserError(
-            "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
-            "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
-        )
-    d = cfg.diagnostics
-    if d.spike_min_history > d.spike_window:
-        raise UserError(
-            f"diagnostics.spike_min_history is {d.spike_min_history} but spike_window is {d.spike_window}; "
-            "the guard cannot need more values than its window holds"
-        )
-    if d.enable and d.method == "exact" and layout.mode == "hsdp":
-        raise UserError(
-            "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
-            "one replica); use diagnostics.method = 'sketch' or 'auto'"
-        )
-    if not cfg.job.dump_folder.strip():
-        raise UserError(
-            "job.dump_folder is empty; name the folder that holds the run folders (default ./outputs)"
-        )
-    c = cfg.checkpoint
-    if not c.folder:
-        raise UserError(
-            "checkpoint.folder is empty; name a folder (default: checkpoints, inside the run folder)"
-        )
-    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:  # found, not imported
-        raise UserError(
-            "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "
-            "metrics.enable_wandb = false"
-        )
-    m = cfg.model
-    if m.vocab_size < 0 or (m.vocab_size and m.hf_assets_path):
-        raise UserError(
-            f"model.vocab_size is {m.vocab_size}; it must be >= 0, and 0 with model.hf_assets_path "
-            "(whose config.json gives the vocabulary)"
-        )
-    if cfg.data.mode == "synthetic" and (cfg.data.path or not (m.vocab_size or m.hf_assets_path)):
-        raise UserError(
-            "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
-            "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
-        )
-    check_documents_and_eval(cfg)
-    if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
-        raise UserError(
-            f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "
-            "SentencePiece .model or a tokenizer.json, or leave it empty"
-        )
-    if cfg.model.hf_assets_path:
-        check_hf_folder(
-            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
-        )
-    if c.initial_load_path:
-        kind = initial_load_kind(Path(c.initial_load_path).expanduser())
-        if kind == "hf" and not c.initial_load_model_only:
-            raise UserError(
-                "checkpoint.initial_load_model_only = false needs a titanlite checkpoint (a Hugging "
-                "Face folder holds no optimizer state); set it to true"
-            )
-    return layout
-
-
-def check_documents_and_eval(cfg: JobConfig) -> None:
-    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range (its data:
-    titanlite.datasets.spec.check_data_files)."""
-    d, e = cfg.data, cfg.eval
-    if d.packing and d.mode != "sft":
-        raise UserError(
-            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
-            "already: set data.document_mask = true to keep attention within documents"
-        )
-    if d.document_mask and d.mode != "pretrain":
-        raise UserError(
-            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
-            "data.packing = true (packed records always attend within themselves)"
-        )
-    if not 0.0 <= e.fraction <= 0.5:
-        raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
-    if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
-        raise UserError(
-            "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
-        )
-    if e.prompts and not (e.path or e.fraction):
-        raise UserError(
-            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
-        )
-
-
-CHECKPOINT_MARKER = (
-    "complete"  # written last into a checkpoint step folder (components/checkpoint/checkpointer.py)
-)
-
-
-def initial_load_kind(path, flag: str = "checkpoint.initial_load_path") -> str:
-    """Whether `path` is a Hugging Face model folder ("hf") or a complete checkpoint step folder
-    ("titanlite"); anything else is one UserError that says what to point `flag` at."""
-    what = "point it at a Hugging Face model folder or a titanlite step folder (<run>/checkpoints/step-N)"
-    if not path.is_dir():
-        raise UserError(f"{flag} '{path}' is not a folder; {what}")
-    if (path / "config.json").is_file():
-        check_hf_folder(path, need_tokenizer=False)
-        return "hf"
-    if (path / ".metadata").is_file():
-        if not (path / CHECKPOINT_MARKER).is_file() or not (path / "state.json").is_file():
-            raise UserError(
-                f"checkpoint '{path}' is incomplete (its save never finished); point {flag} at a "
-                "complete step folder"
-            )
-        return "titanlite"
-    steps = sorted(p for p in path.glob("step-*") if (p / CHECKPOINT_MARKER).is_file())
-    if steps:
-        raise UserError(
-            f"'{path}' is a checkpoint folder; point {flag} at one of its step folders, e.g. the "
-            f"newest: '{steps[-1]}'"
-        )
-    raise UserError(f"{flag} '{path}' holds no config.json nor a checkpoint; {what}")
-
-
-def check_hf_folder(folder, need_tokenizer: bool) -> None:
-    """A Hugging Face model folder has config.json (valid JSON), its weights and, unless another
-    tokenizer is named, tokenizer.json."""
-    import json
-
-    if not folder.is_dir():
-        raise UserError(f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model")
-    try:
-        json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"'{folder}' has no config.json; it is not a Hugging Face model folder") from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"'{folder / 'config.json'}' is not valid JSON ({e})") from None
-    if not any((folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
-        raise UserError(
-            f"'{folder}' has no model.safetensors or model.safetensors.index.json; download the weights too"
-        )
-    if need_tokenizer and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
-        raise UserError(
-            f"'{folder}' has no tokenizer.json (nor tokenizer.model); download it, or set model.tokenizer_path"
-        )
+def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
+    """(training's, eval's) loss chunk at vocabulary `vocab`, known once the model is built
+    (titanlite.models.registry.build_meta_model computes them there, once)."""
+    t, budget = cfg.training, cfg.loss.chunk_logits_mib
+    eval_batch = cfg.eval.local_batch_size or t.local_batch_size
+    return loss_chunk(budget, t.local_batch_size, t.seq_len, vocab), loss_chunk(
+        budget, eval_batch, t.seq_len, vocab
+    )
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:

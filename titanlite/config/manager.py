@@ -22,7 +22,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
-from titanlite.config.job_config import MOVED_KEYS, JobConfig
+from titanlite.config.job_config import JobConfig
+from titanlite.config.moved import MOVED_KEYS, Split, new_values
 from titanlite.errors import UserError
 
 
@@ -103,20 +104,35 @@ NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the keys of MOVED_KEYS in their new sections, and the old names found."""
+    """A parsed config with the keys of MOVED_KEYS under their new names and meanings
+    (titanlite.config.moved), and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
-    for old, new in MOVED_KEYS.items():
-        (old_sec, old_key), (new_sec, new_key) = old.split("."), new.split(".")
+    for old, entry in MOVED_KEYS.items():
+        old_sec, old_key = old.split(".")
         table = out.get(old_sec)
         if not isinstance(table, dict) or old_key not in table:
             continue
         value = table.pop(old_key)
-        target = out.setdefault(new_sec, {})
-        if isinstance(target, dict) and target.setdefault(new_key, value) != value:
-            raise UserError(f"{where} sets both '{old}' and '{new}' to different values; keep only '{new}'")
+        if isinstance(entry, Split):
+            value = _coerce(old, value, entry.typ, False)
+        for new, now in new_values(old, value).items():
+            new_sec, new_key = new.split(".")
+            target = out.setdefault(new_sec, {})
+            if isinstance(target, dict) and target.setdefault(new_key, now) != now:
+                raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
         found.append(old)
     return out, found
+
+
+def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
+    """{"section.key": value} (a checkpoint's state.json) with moved keys under their new names."""
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in flat.items():
+        section, _, name = key.partition(".")
+        nested.setdefault(section, {})[name] = value
+    out, _ = migrate(nested, "the checkpoint's config")
+    return {f"{s}.{k}": v for s, table in out.items() for k, v in table.items()}
 
 
 def _deprecated(found: list[str]) -> None:
@@ -187,8 +203,15 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
     for dotted, value in _pairs(overrides or []):
-        found += [dotted] if dotted in MOVED_KEYS else []
-        _set(cfg, MOVED_KEYS.get(dotted, dotted), value, True)
+        entry = MOVED_KEYS.get(dotted)
+        if entry is None:
+            _set(cfg, dotted, value, True)
+            continue
+        found.append(dotted)
+        if isinstance(entry, Split):
+            value = _coerce(dotted, value, entry.typ, True)
+        for new, now in new_values(dotted, value).items():
+            _set(cfg, new, now, isinstance(entry, str))
     _deprecated(found)
     return cfg
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.config.fields import opt
+from titanlite.config.fields import opt, schedule
 
 
 @dataclass
@@ -88,8 +88,8 @@ class Debug:
 @dataclass
 class Diagnostics:
     enable: bool = opt(True, "cross-rank consistency diagnostics (need dp >= 2)")
-    warmup_steps: int = opt(200, "measure every step for this many first steps", at_least=0)
-    interval: int = opt(500, "after the warmup, measure every this many steps", at_least=1)
+    measure_first: int = opt(200, "measure every step for this many first steps", at_least=0)
+    every: int = schedule(500, "after measure_first, measure")
     method: str = opt(
         "auto",
         "gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold "
@@ -109,23 +109,8 @@ class Diagnostics:
         "full (a diag line of every figure), off; diagnostics.jsonl and TensorBoard hold them all",
         choices=("short", "full", "off"),
     )
-    skip_spikes: str = opt(
-        "off",
-        "spike guard: skip the update of a step whose grad_norm (or global loss) exceeds mean + spike_k std",
-        choices=("off", "grad_norm", "loss"),
-    )
-    spike_k: float = opt(
-        6.0, "spike guard: standard deviations above the recent mean that make a spike", above=0.0
-    )
-    spike_window: int = opt(100, "spike guard: applied steps whose values form the history", at_least=1)
-    spike_min_history: int = opt(20, "spike guard: values it needs before it judges a step", at_least=1)
-    spike_max_consecutive: int = opt(
-        3, "spike guard: skips in a row allowed; one more stops the run", at_least=0
-    )
-    replica_check_interval: int = opt(
-        100,
-        "replica_drift: every this many steps, compare the replicas' parameters bitwise (ddp, hsdp); 0: off",
-        at_least=0,
+    replica_check_every: int = schedule(
+        100, "replica_drift: compare the replicas' parameters bitwise (ddp, hsdp)"
     )
 
 
@@ -205,29 +190,3 @@ class Alerts:
     advice_steps: int = opt(
         50, "batch_size_advice: measured steps the ratio must stay beyond advice_ratio", at_least=1
     )
-
-
-# Keys that moved to another section: an older config.toml naming them still loads (with one
-# deprecation line), so old run folders resume, compare and replay.
-MOVED_KEYS = {
-    "diagnostics.alert_window": "alerts.window",
-    "diagnostics.alert_min_steps": "alerts.min_steps",
-    **{
-        f"diagnostics.{k}": f"alerts.{k}"
-        for k in (
-            "spike_factor",
-            "smooth_loss_tol",
-            "trend_burn_in",
-            "trend_window",
-            "trend_rise",
-            "outlier_margin",
-            "persist_frac",
-            "identical_std",
-            "identical_cos",
-            "cos_high",
-            "cos_low",
-            "faulty_margin",
-            "norm_outlier_factor",
-        )
-    },
-}

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
+from titanlite.config.layout import Layout
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
 from titanlite.datasets.mixture import MixtureDataset
@@ -188,22 +189,22 @@ def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> M
 def build_dataloader(
     cfg: JobConfig,
     dataset,
+    layout: Layout,
     dp_rank: int,
-    dp_size: int,
     pin_memory: bool,
     *,
     seed: int | None = None,
     read_rank: int | None = None,
 ) -> StatefulDataLoader:
-    """This rank's loader. `seed`: of the data order (default training.seed; see
+    """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data order (default training.seed; see
     titanlite.tools.seeds); `read_rank`: whose share of each global batch it reads (default its
     own; the same_data fault reads rank 0's)."""
     sampler = GlobalBatchSampler(
         dataset.sizes,
-        cfg.training.global_batch_size,
-        cfg.training.local_batch_size,
+        layout.global_batch,
+        layout.local_batch,
         dp_rank if read_rank is None else read_rank,
-        dp_size,
+        layout.dp,
         cfg.training.seed if seed is None else seed,
         dataset.weights,
     )

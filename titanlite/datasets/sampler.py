@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from titanlite.config.layout import accumulation
 from titanlite.errors import UserError
 from titanlite.ops.dropout import sample_keys
 
@@ -105,8 +106,6 @@ class GlobalBatchSampler:
                 f"the data has {sum(sizes)} sequences (per dataset: {sizes}) but training.global_batch_size "
                 f"is {global_batch_size}; lower the batch or seq_len, or add data"
             )
-        if global_batch_size % (local_batch_size * dp_size):
-            raise ValueError("global batch must be a multiple of local batch x dp")
         self.sizes = list(sizes)
         self.starts = np.cumsum([0, *sizes[:-1]], dtype=np.int64)
         self.counts = block_counts(weights or [1.0] * len(sizes))
@@ -116,7 +115,7 @@ class GlobalBatchSampler:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.seed = seed
-        self.grad_accum = global_batch_size // (local_batch_size * dp_size)
+        self.grad_accum = accumulation(global_batch_size, local_batch_size, dp_size)  # or one line
         self.microbatches_yielded = 0
         self._cached: tuple[int, np.ndarray] | None = None
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None

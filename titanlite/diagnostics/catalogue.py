@@ -3,7 +3,7 @@ first measured step in this order, then those past the burn-in in this order). T
 the anomaly tables of the Loss Dispersion and the Gradient Direction Consistency Reference
 Manuals (titanlite's source documents), which describe the metrics of "Silent Inconsistency in
 Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in data_checks.py,
-rank_sum.py, stragglers.py, advisor.py, rules.py, spike_guard.py and replicas.py."""
+rank_sum.py, stragglers.py, advisor.py, rules.py, replicas.py and titanlite.components.spike_guard."""
 
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def _replica_drift(ctx: Context) -> Finding | None:
 
 
 def _spike(ctx: Context) -> Finding:
-    e = ctx.event  # spike_guard.SpikeGuard.event's
+    e = ctx.event  # titanlite.components.spike_guard.SpikeGuard.event's
     msg = (
         f"{e['metric']} {e['value']:.4g} above the spike guard's threshold {e['threshold']:.4g} "
         f"(mean + {e['k']:g} std of the last applied steps); its optimizer update was skipped "

@@ -1,7 +1,7 @@
 """The diagnostics component: the trainer calls begin_step (before the data), arrive (after it)
 and end_step around each step, and collect() on log steps.
 
-Measured steps are every step for the first `warmup_steps`, then every `interval` steps. On a
+Measured steps are every step for the first `measure_first`, then every `every` steps. On a
 measured step each rank times its data loading and its wait at a one-value barrier as the step
 starts (stragglers.py), and the probe (see probe.py) watches the gradient reduction; at the end
 of the step each rank contributes (summed loss, valid tokens, local gradient norm^2, its
@@ -9,7 +9,7 @@ sampler's hash of the global batch, those times; per sequence: its index, summed
 tokens and a fingerprint of its tokens, so an alert can name the data behind it, data_checks.py
 can compare what ranks read and rank_sum.py can compare their losses) plus its
 partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
-so none of it queues behind, or delays, the gradient traffic. Every `replica_check_interval`
+so none of it queues behind, or delays, the gradient traffic. Every `replica_check_every`
 steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
 collect(), which reads them all at once.
 """
@@ -27,10 +27,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from titanlite.config.fields import due
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
-from titanlite.config.layout import Layout, diagnostics_method
+from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
@@ -79,7 +80,7 @@ class Diagnostics:
     alert runner (the spike guard's alerts go through it); `group`, `probe`, `replicas` and
     `arrival` are None then. `grad_noise_scale`: the grad_noise fault on this rank
     (titanlite.components.faults), injected by the probe from debug.fault_from_step
-    (`fault_from_step`); `batch_unit`: dp x the local batch (the batch-size advice's flag)."""
+    (`fault_from_step`). The method and the batch-size advice's unit are the plan's (`layout`)."""
 
     def __init__(
         self,
@@ -94,7 +95,6 @@ class Diagnostics:
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
         alerts: AlertsConfig | None = None,
-        batch_unit: int = 0,
     ) -> None:
         self.cfg = cfg
         self.world = dims.dp_size
@@ -111,7 +111,7 @@ class Diagnostics:
         self.noise_scale, self.fault_from_step = grad_noise_scale, fault_from_step
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
-        self.method = diagnostics_method(cfg.method, layout)
+        self.method = layout.diagnostics_method
         # exact needs the whole-step local gradient at once: a measured step reduces only on its
         # last microbatch. The sketch adds up per microbatch when the layout reduces each one.
         self.whole_step = self.method == "exact"
@@ -122,10 +122,10 @@ class Diagnostics:
             self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, batch_unit)
+        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
-            self.replicas = ReplicaCheck(model, dims, cfg.replica_check_interval, self.group)
+            self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
             self.probe = GradProbe(
                 self.method, self.world, cfg.sketch_dim, seed, dims.device, grad_noise_scale
             )
@@ -154,7 +154,6 @@ class Diagnostics:
             timeout_s=cfg.comm.timeout_s,
             trace=trace,
             alerts=cfg.alerts,
-            batch_unit=dims.dp_size * t.local_batch_size,
         )
 
     @property
@@ -179,7 +178,7 @@ class Diagnostics:
         return {"grad_noise": self.probe.noise_generator} if self.probe is not None else {}
 
     def is_measured(self, step: int) -> bool:
-        return step <= self.cfg.warmup_steps or step % self.cfg.interval == 0
+        return step <= self.cfg.measure_first or due(step, self.cfg.every)
 
     def begin_step(self, step: int) -> bool:
         """As the step starts, before its data: arm the probe and start the step's clock; True if
@@ -303,7 +302,7 @@ class Diagnostics:
         ]
 
     def spike_alerts(self, spikes: list[tuple[int, dict]], records: list[dict], sampler) -> list[Alert]:
-        """spike_skipped (catalogue.py) of each (step, spike_guard.SpikeGuard.event), with the
+        """spike_skipped (catalogue.py) of each (step, titanlite.components.spike_guard.SpikeGuard.event), with the
         step's sequences; `records`: this log step's collected diagnostics."""
         alerts = []
         for step, event in spikes:

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from titanlite.config.job_config import Alerts as AlertsConfig
+from titanlite.config.layout import resolve_layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.step_record import RECORD_VERSION
 from titanlite.errors import UserError
@@ -83,7 +84,7 @@ def recorded(run_dir: Path) -> dict:
     return {
         "alerts": asdict(cfg.alerts),
         "debug": asdict(cfg.debug),  # the fault switches: what the alerts should name
-        "batch_unit": world * cfg.training.local_batch_size,
+        "batch_unit": resolve_layout(cfg, world).batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],
         "kept": [e for e in events if e["name"] in NOT_REPLAYED],  # raised, but not from the records

@@ -4,7 +4,7 @@ not deterministic across replicas (the "precision drift" of the Loss Dispersion 
 make them drift apart, and no loss curve shows it. FSDP alone has no replicas: each rank holds
 its own shard, so there is nothing to compare.
 
-Every `replica_check_interval` steps, after the update, each rank hashes each of its parameters
+Every `replica_check_every` steps, after the update, each rank hashes each of its parameters
 (its local shard under HSDP) on the device and all-gathers the hashes asynchronously on the
 diagnostics group; the next log step reads them with the diagnostics' one host read and compares
 each shard's replicas. The hash is integer arithmetic, exact in any order, so equal bytes give
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.config.fields import due
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
@@ -86,10 +87,10 @@ class Drift:
 
 
 class ReplicaCheck:
-    def __init__(self, model: torch.nn.Module, dims: ParallelDims, interval: int, group) -> None:
+    def __init__(self, model: torch.nn.Module, dims: ParallelDims, every: int, group) -> None:
         self.groups = replica_groups(dims)
-        self.enabled = interval > 0 and dims.layout.dp_replicate > 1
-        self.interval = interval
+        self.enabled = every > 0 and dims.layout.dp_replicate > 1
+        self.every = every  # diagnostics.replica_check_every
         self.group = group
         self.world = dims.dp_size
         named = list(unwrap(model).named_parameters())
@@ -98,7 +99,7 @@ class ReplicaCheck:
         self.pending: list[_Pending] = []
 
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.interval == 0
+        return self.enabled and due(step, self.every)
 
     def start(self, step: int) -> None:
         """After the update of `step`: hash this rank's parameters, all-gather the hashes async."""

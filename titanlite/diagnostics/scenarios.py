@@ -19,7 +19,7 @@ def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
         "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10", *start],
         "slow_rank": ["--debug.slow_rank", str(dp - 1), "--debug.slow_factor", "3", *start],
         "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
-            *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_interval", "1"),
+            *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_every", "1"),
             *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
         ],
         "stuck_loader": ["--debug.stuck_loader_step", "5", "--debug.stuck_loader_rank", str(dp - 1)],

@@ -106,9 +106,9 @@ def reduce_scatter(
 
     gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole input, so
     every rank receives every coordinate. An all-to-all delivers each rank the world's copies of
-    its own shard only, and the rank sums them: 0.5 to 0.78x the time on this project's CPU
-    machine (2 and 4 ranks, 64K to 4M floats; scripts/bench.py measures it in a step). Other
-    backends keep their native reduce-scatter.
+    its own shard only, and the rank sums them, in less time (scripts/bench.py's reduce-scatter
+    group measures it in a step: scripts/README.md, Performance). Other backends keep their
+    native reduce-scatter.
     """
     if dist.get_backend(group) != "gloo" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)

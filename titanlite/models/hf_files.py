@@ -12,6 +12,7 @@ SmolLM2-135M, Llama 3.2 1B and Llama 3.1 8B and against transformers' common con
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,24 @@ def read_tokenizer_config(folder: Path) -> dict:
 def read_special_tokens_map(folder: Path) -> dict:
     """special_tokens_map.json whole ({} without one)."""
     return _read_optional(folder, "special_tokens_map.json", SPECIAL_TOKENS_USED, SPECIAL_TOKENS_HARMLESS)
+
+
+def check_hf_folder(folder: Path, need_tokenizer: bool) -> None:
+    """A Hugging Face model folder has config.json (valid JSON), its weights and, unless another
+    tokenizer is named, tokenizer.json."""
+    if not folder.is_dir():
+        raise UserError(f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model")
+    try:
+        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"'{folder}' has no config.json; it is not a Hugging Face model folder") from None
+    except (OSError, ValueError) as e:
+        raise UserError(f"'{folder / 'config.json'}' is not valid JSON ({e})") from None
+    if not any((folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise UserError(
+            f"'{folder}' has no model.safetensors or model.safetensors.index.json; download the weights too"
+        )
+    if need_tokenizer and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(
+            f"'{folder}' has no tokenizer.json (nor tokenizer.model); download it, or set model.tokenizer_path"
+        )

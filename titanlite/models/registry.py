@@ -50,9 +50,9 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import JobConfig
+from titanlite.config.layout import loss_chunks
 from titanlite.errors import UserError
 from titanlite.models.hf_files import read_config
-from titanlite.ops.cross_entropy import chunk_positions
 from titanlite.tools.records import read_json
 
 
@@ -119,6 +119,8 @@ class MetaModel:
     args: Any  # the flavor with vocab_size, max_seq_len (and dropout) filled in
     model: nn.Module
     flops_per_token: int  # training FLOPs per token; 0 if the model does not say
+    loss_chunk: int = 0  # training's loss chunk in positions (0: logits then loss); the plan's loss_chunks
+    eval_loss_chunk: int = 0  # the same at eval's local batch
 
 
 def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
@@ -172,14 +174,15 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
         if not hasattr(args, "dropout"):
             raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")
         args = replace(args, dropout=m.dropout)
-    _check_capabilities(spec, cfg, args.vocab_size)
+    chunks = loss_chunks(cfg, args.vocab_size)
+    _check_capabilities(spec, cfg, any(chunks))
     with torch.device("meta"):
         model = spec.model_cls(args)
     flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
-    return MetaModel(spec, args, model, flops)
+    return MetaModel(spec, args, model, flops, *chunks)
 
 
-def _check_capabilities(spec: ModelSpec, cfg: JobConfig, vocab_size: int) -> None:
+def _check_capabilities(spec: ModelSpec, cfg: JobConfig, chunked: bool) -> None:
     """What the config asks of the model's forward, against its signature (the contract above):
     every refusal in one line, before any weight exists."""
     takes = inspect.signature(spec.model_cls.forward).parameters
@@ -199,11 +202,6 @@ def _check_capabilities(spec: ModelSpec, cfg: JobConfig, vocab_size: int) -> Non
             f"model.dropout_masks 'sample': model '{spec.name}' has no dropout keyed by sample (its forward "
             "takes no sample_keys); use 'stream', or give the model forward(tokens, ..., sample_keys)"
         )
-    t = cfg.training
-    batches = {t.local_batch_size, cfg.eval.local_batch_size or t.local_batch_size}
-    chunked = any(
-        chunk_positions(cfg.loss.chunk_logits_mib, b, t.seq_len, vocab_size) < t.seq_len for b in batches
-    )
     if chunked and not {"labels", "loss_chunk"} <= takes.keys():
         raise UserError(
             f"model '{spec.name}' returns logits only (its forward takes no labels and loss_chunk), and "

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from titanlite.config.layout import loss_chunk
+
 IGNORE_INDEX = -100
 """Label value that marks a position without a target (prompt, padding)."""
 
@@ -50,12 +52,9 @@ def _projected_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
 
 
 def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
-    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
-    (loss.chunk_logits_mib); seq_len (no chunking) when they all fit, or when the budget is 0."""
-    if budget_mib <= 0:
-        return seq_len
-    per_position = local_batch * vocab * 4
-    return max(1, min(seq_len, int(budget_mib * 2**20 // per_position)))
+    """Sequence positions per chunk for a fork's own chunked loss: seq_len when one sequence's
+    fp32 logits fit in `budget_mib` (the plan's loss_chunk, titanlite.config.layout, says 0)."""
+    return loss_chunk(budget_mib, local_batch, seq_len, vocab) or seq_len
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

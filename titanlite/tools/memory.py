@@ -10,8 +10,7 @@ The estimate is deliberately simple and a little pessimistic:
     (parallelism.reshard_after_forward: keeps_gathered_params);
   - activations saved for backward: about 34 x dim values per token per layer (QKV, attention
     out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
-    GPU and CPU: measured 49 MB, not 256 MB, for 16 heads x 2048^2 on CPU); with activation
-    checkpointing, one block's worth plus each block's input;
+    GPU and CPU); with activation checkpointing, one block's worth plus each block's input;
   - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss, of the whole
     sequence, or of one chunk of loss.chunk_logits_mib's positions (backward recomputes one
     chunk at a time);
@@ -37,9 +36,8 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, diagnostics_method, holds_unsharded_grads
+from titanlite.config.layout import Layout, holds_unsharded_grads
 from titanlite.errors import UserError
-from titanlite.ops.cross_entropy import chunk_positions
 
 GiB = 1024**3
 logger = logging.getLogger("titanlite")
@@ -79,12 +77,12 @@ def measured_step_bytes(
     cfg: JobConfig, layout: Layout, params: int, block_params: int
 ) -> tuple[float, float]:
     """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
-    one if diagnostics run (see diagnostics_method for why `exact` can hold gradients)."""
+    one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients)."""
     held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
     d = cfg.diagnostics
     if not d.enable or layout.dp < 2:
         return held, 0.0
-    if diagnostics_method(d.method, layout) == "sketch":
+    if layout.diagnostics_method == "sketch":
         return held, 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
     if holds_unsharded_grads(dataclasses.replace(layout, skip_grad_sync=True)):
         held = 4.0 * params  # a measured exact step reduces on its last microbatch only
@@ -97,8 +95,8 @@ KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered
 def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, available: float) -> bool:
     """Whether FSDP keeps each block's gathered params from its forward to its backward
     (parallelism.reshard_after_forward). Keeping them saves the all-gather of every block but
-    the last in backward, one in three of FSDP's collectives (the debug model's step on 2 CPU
-    ranks takes 0.94 to 0.98 of the resharding one: scripts/bench.py's fsdp-units), and holds
+    the last in backward, one in three of FSDP's collectives (what that saves a step:
+    scripts/bench.py's fsdp-units group, in scripts/README.md, Performance), and holds
     the whole model's params through the step; auto keeps them where that costs <= 5% of
     `available` bytes."""
     policy = cfg.parallelism.reshard_after_forward
@@ -173,11 +171,12 @@ def _cgroup_limit() -> float | None:
 
 
 def job_estimate(
-    model: nn.Module, args: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype, available: float
+    meta: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype, available: float
 ) -> MemoryEstimate:
-    """The estimate for the meta model `model` (built from `args`) under cfg and its layout, on
-    a rank with `available` bytes (which decides reshard_after_forward = auto)."""
-    t = cfg.training
+    """The estimate for `meta` (titanlite.models.registry.MetaModel: the meta model, its args and
+    loss chunk) under cfg and its layout, on a rank with `available` bytes (which decides
+    reshard_after_forward = auto)."""
+    t, model, args = cfg.training, meta.model, meta.args
     blocks = getattr(model, "layers", None)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
     params = sum(p.numel() for p in model.parameters())
@@ -196,32 +195,25 @@ def job_estimate(
         activation_checkpoint=t.activation_checkpoint,
         held_grads_bytes=held,
         diagnostics_bytes=diag,
-        loss_positions=chunk_positions(
-            cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, args.vocab_size
-        ),
+        loss_positions=meta.loss_chunk or t.seq_len,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
     )
 
 
 def check_memory(
-    model: nn.Module,
-    args: Any,
-    cfg: JobConfig,
-    layout: Layout,
-    device: torch.device,
-    param_dtype: torch.dtype,
+    meta: Any, cfg: JobConfig, layout: Layout, device: torch.device, param_dtype: torch.dtype
 ) -> None:
-    """Log the estimate for the meta model `model` (built from `args`) and refuse, in one line,
-    a job that cannot fit on this rank (unless debug.skip_memory_check)."""
+    """Log the estimate for `meta` (see job_estimate) and refuse, in one line, a job that cannot
+    fit on this rank (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
-    est = job_estimate(model, args, cfg, layout, param_dtype, avail)
+    est = job_estimate(meta, cfg, layout, param_dtype, avail)
     model = (
         f"{cfg.model.name} from {cfg.model.hf_assets_path}"
         if cfg.model.hf_assets_path
         else f"{cfg.model.name}/{cfg.model.flavor}"
     )
     logger.info(
-        f"model {model}: {est.params:,} params, vocab {args.vocab_size}; "
+        f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
         f"{layout.mode} {layout.dp_replicate}x{layout.dp_shard}, grad accum {layout.grad_accum}; "
         f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
     )

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from titanlite.components.checkpoint.format import MARKER, initial_load_kind
 from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import complete_steps, file_record, quarantine, step_dir
 from titanlite.components.checkpoint.resume import (
@@ -60,9 +61,8 @@ from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.faults import Faults, FullDiskWriter
 from titanlite.components.optimizer import continue_schedule
 from titanlite.config import JobConfig
+from titanlite.config.fields import due
 from titanlite.config.identity import identity
-from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
-from titanlite.config.layout import initial_load_kind
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
@@ -129,9 +129,9 @@ class Checkpointer:
         self.generators.update(generators)
 
     def due(self, step: int) -> bool:
-        """Every checkpoint.interval steps and after the last (0: never)."""
-        every = self.cfg.checkpoint.interval
-        return every > 0 and (step % every == 0 or step == self.cfg.training.steps)
+        """Every checkpoint.every steps, and after the last with checkpoint.at_end."""
+        c = self.cfg.checkpoint
+        return due(step, c.every) or (c.at_end and step == self.cfg.training.steps)
 
     def restore(self, resume: int | None, meta) -> int:
         """The run's first step. A resume (`resume`: the step to continue after) brings back
@@ -170,19 +170,15 @@ class Checkpointer:
         a stop needs. `finished`: the stop came as the run ended, every step and export done."""
         name = signal.Signals(signum).name
         if finished:
-            kept = (
-                f"checkpoint step-{step} holds it"
-                if self.cfg.checkpoint.interval > 0
-                else "checkpointing is off"
-            )
+            kept = f"checkpoint step-{step} holds it" if self.cfg.checkpoint.saves else "checkpointing is off"
             raise Stopped(
                 signum,
                 f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
             )
-        if self.cfg.checkpoint.interval <= 0:
+        if not self.cfg.checkpoint.saves:
             raise Stopped(
                 signum,
-                f"stopped by {name} after step {step}; checkpointing is off (checkpoint.interval = 0), so nothing was saved",
+                f"stopped by {name} after step {step}; checkpointing is off (checkpoint.every = 0 and checkpoint.at_end = false), so nothing was saved",
             )
         began = time.perf_counter()
         if not self.due(step):

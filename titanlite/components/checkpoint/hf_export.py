@@ -254,8 +254,8 @@ def export_checkpoint(
     tokenizer, sequence length; components/checkpoint/model.py), then every tensor is read from
     DCP on its own, so memory is bounded by one shard. Only reads `step_folder`. Returns the
     number of shards."""
+    from titanlite.components.checkpoint.format import initial_load_kind
     from titanlite.components.checkpoint.model import read_tensors, rebuild
-    from titanlite.config.layout import initial_load_kind
     from titanlite.errors import UserError
 
     if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":

@@ -6,9 +6,9 @@ A step folder's state.json records what the run trained on (titanlite.config.ide
 config, the run folder that wrote it, and every other file of the step with its size (and, for
 files up to CHECKSUM_MAX_BYTES, a CRC32); see components/checkpoint/checkpointer.py for the
 layout. Sizes catch a truncated or missing file; the checksum, on the small files only, a
-damaged one. The DCP shards get sizes alone: a CRC32 runs at about 3.5 GB/s on one core here, so
-checking an 8B model's 96 GB (bf16 weights would be less; fp32 weights and AdamW's two moments)
-would cost every launch about half a minute of CPU and a full read of the checkpoint.
+damaged one. The DCP shards get sizes alone: checking an 8B model's 96 GB (bf16 weights would be
+less; fp32 weights and AdamW's two moments) would cost every launch a CRC32 over every byte, a
+full read of the checkpoint.
 A damaged step is set aside as `step-N.damaged` (never resumed, never pruned) and the run falls
 back to the newest intact one.
 """
@@ -23,8 +23,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
+from titanlite.components.checkpoint.format import MARKER
 from titanlite.config import JobConfig
-from titanlite.config.layout import CHECKPOINT_MARKER as MARKER
 from titanlite.errors import UserError
 from titanlite.tools.cache import first_cause
 
@@ -196,7 +196,7 @@ def step_to_read(
     if found is None:
         raise UserError(
             f"{flag} '{path}' holds no complete checkpoint (looked in '{folder}'); give a run folder that "
-            "trained with checkpoint.interval > 0, or a step folder"
+            "trained with checkpoint.every > 0 or checkpoint.at_end, or a step folder"
         )
     return step_dir(folder, found)
 

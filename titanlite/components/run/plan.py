@@ -88,5 +88,5 @@ def check_checkpoint_space(folder: Path, need_bytes: int, what: str) -> None:
         raise UserError(
             f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} "
             f"needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, "
-            "or set checkpoint.interval = 0"
+            "or set checkpoint.every = 0 and checkpoint.at_end = false"
         )

@@ -4,10 +4,10 @@ Reference Manual recommend against single-step anomalies (a toxic batch, an over
 
 Decided on the device, with no host read, through the same found_inf path as the zero-token
 skip, so a skipped step consumes its data and its LR step like one. A step is a spike when at
-least `spike_min_history` earlier values are known and its value exceeds their mean + spike_k *
-std (population std over the last `spike_window` applied steps). Skipped steps never enter the
+least `min_history` earlier values are known and its value exceeds their mean + k * std
+(population std over the last `window` applied steps; the [spike_guard] section). Skipped steps never enter the
 history, so a run of spikes cannot raise its own threshold. The log step reads what happened,
-logs every skip, and stops the run once more than `spike_max_consecutive` steps in a row were
+logs every skip, and stops the run once more than `max_consecutive` steps in a row were
 skipped (the steps up to that log step are skipped too: nothing unsafe is applied meanwhile).
 The history is saved in checkpoints, so a resumed run decides as the uninterrupted one.
 """
@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.config.job_config import SpikeGuard as SpikeGuardConfig
 from titanlite.errors import TrainingError
 
 
@@ -34,17 +34,17 @@ class SpikeVerdict(NamedTuple):
 
 
 class SpikeGuard:
-    def __init__(self, cfg: DiagnosticsConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
+    def __init__(self, cfg: SpikeGuardConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
         self.cfg = cfg
-        self.metric = cfg.skip_spikes  # "off", "grad_norm" or "loss"
+        self.metric = cfg.skip  # "off", "grad_norm" or "loss"
         self.enabled = self.metric != "off"
-        self.k = cfg.spike_k
-        self.min_history = cfg.spike_min_history
+        self.k = cfg.k
+        self.min_history = cfg.min_history
         self.group = group
-        self.history = torch.zeros(cfg.spike_window, dtype=torch.float64, device=device)
+        self.history = torch.zeros(cfg.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # values ever added
         self.consecutive = torch.zeros((), dtype=torch.int64, device=device)
-        self._slots = torch.arange(cfg.spike_window, device=device)
+        self._slots = torch.arange(cfg.window, device=device)
 
     def check(self, loss_share: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
         """Every rank, every step, before the optimizer step. `skipped`: the step is skipped for
@@ -89,13 +89,13 @@ class SpikeGuard:
         }
 
     def check_stop(self, spikes: list[tuple[int, SpikeVerdict]]) -> None:
-        """Stop the run once more than spike_max_consecutive spikes were skipped in a row."""
-        limit = self.cfg.spike_max_consecutive
+        """Stop the run once more than max_consecutive spikes were skipped in a row."""
+        limit = self.cfg.max_consecutive
         for step, verdict in spikes:
             if verdict.in_a_row > limit:
                 raise TrainingError(
                     f"the spike guard skipped {verdict.in_a_row} steps in a row, up to step {step} (more "
-                    f"than diagnostics.spike_max_consecutive = {limit}): the run diverges or its data went "
+                    f"than spike_guard.max_consecutive = {limit}): the run diverges or its data went "
                     "bad; resume from an earlier checkpoint with a lower optimizer.lr, or check the data"
                 )
 

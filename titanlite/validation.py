@@ -1,0 +1,129 @@
+"""Every rule on a config that needs no torch and no process group: the plan (mesh, batch,
+accumulation: titanlite.config.layout), value ranges, option combinations, the run name, the
+tokenizer and model files, the checkpoint to start from. The preflight runs it before torchrun
+starts and the trainer again in every worker; the data files are titanlite.datasets.spec's to
+check. A problem is one UserError that names it and the fix."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from titanlite.components.checkpoint.format import initial_load_kind
+from titanlite.config.job_config import JobConfig
+from titanlite.config.layout import Layout, resolve_layout
+from titanlite.config.manager import check_values
+from titanlite.errors import UserError
+from titanlite.models.hf_files import check_hf_folder
+
+
+def validate(cfg: JobConfig, world_size: int) -> Layout:
+    """The plan at `world_size` ranks, once every rule (module doc) holds."""
+    check_values(cfg)
+    check_run_name(cfg.job.run_name)
+    layout = resolve_layout(cfg, world_size)
+    ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
+    ranks += ["flip_bit_rank"] if cfg.debug.flip_bit_step >= 0 else []
+    ranks += ["stuck_loader_rank"] if cfg.debug.stuck_loader_step >= 0 else []
+    ranks += ["freeze_rank"] if cfg.debug.freeze_step >= 0 else []
+    for key in ranks:
+        if getattr(cfg.debug, key) >= world_size:
+            raise UserError(
+                f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
+            )
+    if cfg.debug.grad_noise_rank >= 0 and not (cfg.diagnostics.enable and world_size > 1):
+        raise UserError(
+            "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
+            "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
+        )
+    s = cfg.spike_guard
+    if s.min_history > s.window:
+        raise UserError(
+            f"spike_guard.min_history is {s.min_history} but spike_guard.window is {s.window}; "
+            "the guard cannot need more values than its window holds"
+        )
+    if not cfg.job.dump_folder.strip():
+        raise UserError(
+            "job.dump_folder is empty; name the folder that holds the run folders (default ./outputs)"
+        )
+    c = cfg.checkpoint
+    if not c.folder:
+        raise UserError(
+            "checkpoint.folder is empty; name a folder (default: checkpoints, inside the run folder)"
+        )
+    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:  # found, not imported
+        raise UserError(
+            "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "
+            "metrics.enable_wandb = false"
+        )
+    m = cfg.model
+    if m.vocab_size < 0 or (m.vocab_size and m.hf_assets_path):
+        raise UserError(
+            f"model.vocab_size is {m.vocab_size}; it must be >= 0, and 0 with model.hf_assets_path "
+            "(whose config.json gives the vocabulary)"
+        )
+    if cfg.data.mode == "synthetic" and (cfg.data.path or not (m.vocab_size or m.hf_assets_path)):
+        raise UserError(
+            "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
+            "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
+        )
+    check_documents_and_eval(cfg)
+    if cfg.model.tokenizer_path and not Path(cfg.model.tokenizer_path).expanduser().is_file():
+        raise UserError(
+            f"model.tokenizer_path '{cfg.model.tokenizer_path}' is not a file; point it at a "
+            "SentencePiece .model or a tokenizer.json, or leave it empty"
+        )
+    if cfg.model.hf_assets_path:
+        check_hf_folder(
+            Path(cfg.model.hf_assets_path).expanduser(), need_tokenizer=not cfg.model.tokenizer_path
+        )
+    if c.initial_load_path:
+        kind = initial_load_kind(Path(c.initial_load_path).expanduser())
+        if kind == "hf" and not c.initial_load_model_only:
+            raise UserError(
+                "checkpoint.initial_load_model_only = false needs a titanlite checkpoint (a Hugging "
+                "Face folder holds no optimizer state); set it to true"
+            )
+    return layout
+
+
+def check_run_name(name: str) -> None:
+    """job.run_name names a folder inside job.dump_folder: a name, or a relative path that groups
+    runs ('sweep/lr-3e-4'); never absolute, from '~' or through '.' or '..'."""
+    parts = name.split("/")
+    if name.startswith(("/", "~")) or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
+        raise UserError(
+            f"job.run_name '{name}' would write outside job.dump_folder; give a name, or a relative "
+            "path like 'sweep/run-1', without '.', '..' or a leading '/' or '~'"
+        )
+    long = next((p for p in parts if len(p.encode()) > 255), None)
+    if long is not None:
+        raise UserError(
+            f"job.run_name: the folder name '{long[:20]}...' is {len(long.encode())} bytes; file systems allow 255"
+        )
+
+
+def check_documents_and_eval(cfg: JobConfig) -> None:
+    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range (its data:
+    titanlite.datasets.spec.check_data_files)."""
+    d, e = cfg.data, cfg.eval
+    if d.packing and d.mode != "sft":
+        raise UserError(
+            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
+            "already: set data.document_mask = true to keep attention within documents"
+        )
+    if d.document_mask and d.mode != "pretrain":
+        raise UserError(
+            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
+            "data.packing = true (packed records always attend within themselves)"
+        )
+    if not 0.0 <= e.fraction <= 0.5:
+        raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
+    if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
+        raise UserError(
+            "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
+        )
+    if e.prompts and not (e.path or e.fraction):
+        raise UserError(
+            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
+        )
