@@ -4,6 +4,7 @@
     ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--onset S] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
     ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...] [--keep FILE.json.xz]
+                                         [--figures FILE.json]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
@@ -35,7 +36,9 @@ alert, which the table shows).
 
 A second table, detection: per fault, the alert that names it (and the rank(s) at fault), the
 step it started, the step that alert first fired and the steps in between; every other alert is
-listed as other (in a healthy scenario, a false alarm).
+listed as other (in a healthy scenario, a false alarm). --figures FILE.json also writes it into
+FILE.json under this dp, beside the dps FILE.json already holds: scripts/figures/diagnose_scenarios-*.json,
+which titanlite/diagnostics/README.md's detection table renders (detection_markdown).
 
 --replay DIR: no training; the tables again (and replayed.json, replayed.png, noise_scale.png) from DIR's run
 folders, with the alerts that today's rules (and the --alerts overrides given) raise on each
@@ -277,6 +280,73 @@ def detection_table(rows: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+DETECTION = ("expected", "onset", "detected_step", "steps_to_detection", "other_alerts")
+
+
+def write_figures(path: Path, rows: dict[str, dict], dp: int, onset: int, source: str) -> None:
+    """--figures: this dp's detection per scenario (DETECTION, as scenarios.json holds it) into the
+    figures file `path`, beside the other dps it already holds (detection_markdown renders it)."""
+    figures = read_json(path, "a figures file --figures wrote") if path.is_file() else {}
+    figures["source"] = (
+        "scripts/diagnose_scenarios.py --figures: each dp's entry from the runs its own source names"
+    )
+    runs = figures.get("dp", {})
+    runs[str(dp)] = {
+        "source": source,
+        "steps": max(r["steps"] for r in rows.values()),
+        "onset": onset,
+        "scenarios": {name: {k: r[k] for k in DETECTION} for name, r in rows.items()},
+    }
+    figures["dp"] = dict(sorted(runs.items(), key=lambda kv: int(kv[0])))
+    path.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"figures (dp={dp}): {path}")
+
+
+def _setting(name: str, flag: str) -> str:
+    """A scenario's value of one trainer override (titanlite/diagnostics/scenarios.py)."""
+    argv = scenarios(2)[name]
+    return argv[argv.index(flag) + 1]
+
+
+def _detected(d: dict | None) -> str:
+    if d is None:
+        return "-"  # not run at this dp
+    cell = "not named" if d["steps_to_detection"] is None else str(d["steps_to_detection"])
+    other = ", ".join(f"`{a['name']}` at step {a['step']}" for a in d["other_alerts"])
+    return f"{cell} (also {other})" if other else cell
+
+
+def detection_markdown(figures: dict) -> str:
+    """The diagnostics README's detection table from a figures file that --figures writes
+    (scripts/figures/diagnose_scenarios-*.json): per fault, the alert that names it and, per dp,
+    the steps from the fault's first step to that alert, both included, with any other alert."""
+    faults = [
+        (("same_data",), "every rank reads rank 0's share"),
+        (("corrupt_labels",), "one rank's labels shuffled"),
+        (
+            ("grad_noise",),
+            f"one rank's gradient + {_setting('grad_noise', '--debug.grad_noise_scale')}x its RMS in noise",
+        ),
+        (("slow_rank",), f"one rank's steps {_setting('slow_rank', '--debug.slow_factor')}x as long"),
+        (("replica_flip",), "one bit of one rank's weights"),
+        (("stuck_loader",), "one rank's loader stuck on a batch"),
+        (("S1-2", "S1-3"), "per-rank shuffle seeds, S1-2 / S1-3"),
+    ]
+    dps = sorted(figures["dp"], key=int)
+    runs = [figures["dp"][dp]["scenarios"] for dp in dps]
+    lines = ["| fault (first step) | alert | " + " | ".join(f"dp={dp}" for dp in dps) + " |"]
+    lines.append("| --- " * (2 + len(dps)) + "|")
+    for names, what in faults:
+        found = [run[n] for run in runs for n in names if n in run]
+        if not found:
+            continue
+        onsets = " / ".join(dict.fromkeys(str(d["onset"]) for d in found))
+        alerts = " / ".join(dict.fromkeys(f"`{d['expected'].split()[0]}`" for d in found))
+        cells = [" / ".join(_detected(run.get(n)) for n in names) for run in runs]
+        lines.append(f"| {what} ({onsets}) | {alerts} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def notes_table(rows: dict[str, dict]) -> str:
     """The batch-size advice each run was given (titanlite/diagnostics/advisor.py)."""
     lines = [
@@ -380,6 +450,12 @@ SCRIPT.arg(
     kind="out_file",
     help="also write the runs as one replayable recording (.json.xz: measured steps and alerts; tests/recordings/)",
 )
+SCRIPT.arg(
+    "--figures",
+    kind="out_file",
+    help="also write this dp's detection per scenario into this figures file, beside the other dps it holds "
+    "(scripts/figures/diagnose_scenarios-*.json: the diagnostics README's detection table)",
+)
 SCRIPT.arg("--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)")
 
 
@@ -423,6 +499,9 @@ def run(args) -> int:
     want = expected(args.dp, args.onset)
     rows = {name: summarize(args.out / name, status[name]["stopped"], want[name]) for name in args.scenarios}
     (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
+    if args.figures:
+        cmd = f"--dp {args.dp} --steps {args.steps} --onset {args.onset} --out {args.out}"
+        write_figures(args.figures, rows, args.dp, args.onset, f"scripts/diagnose_scenarios.py {cmd}")
     plot(rows, args.out / "scenarios.png")
     plot_noise_scale(args.out, rows, args.out / "noise_scale.png")
     head = f"dp={args.dp}, {args.steps} steps (faults from step {args.onset}), averages over measured steps > {SKIP}"
@@ -466,6 +545,9 @@ def replay_main(args, overrides: list[str]) -> int:
         for name, s in status.items()
     }
     (args.replay / "replayed.json").write_text(json.dumps(rows, indent=1))
+    if args.figures:
+        cmd = " ".join(["--replay", str(args.replay), *overrides])
+        write_figures(args.figures, rows, dp, onset, f"scripts/diagnose_scenarios.py {cmd}")
     plot(rows, args.replay / "replayed.png")
     plot_noise_scale(args.replay, rows, args.replay / "noise_scale.png")
     print(

@@ -1,11 +1,13 @@
-"""Loss-curve invariance, checked with the tool a user runs (scripts/invariance.py, which launches
-one run per layout and gives scripts/compare_runs.py's verdict).
+"""Loss-curve invariance, checked with the tools a user runs (scripts/invariance.py, which launches
+one run per layout and gives scripts/compare_runs.py's verdict; compare_runs.py itself).
 
-Debug Llama, built-in SFT data (valid tokens differ between ranks), CPU fp32, global batch 16:
-dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), 30 steps, with dropout masks keyed by
-sample; FSDP, DDP and HSDP 2x4 at dp=8. The dp=8 run's checkpoint of step 20, copied into a new run folder, continues at dp=16 on the same
-curve. And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, which must fail the
-verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
+Debug Llama, the built-in SFT set prepared by scripts/prepare_data.py (valid tokens differ
+between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 10 steps (past the
+warmup of 5, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
+once for the module (dp8_dp16); the dp=8 run's checkpoint of step 7, copied into a new run folder,
+continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8 run's curve.
+And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, 3 steps, which must fail
+the verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import REPO, check, read_metrics, train
@@ -44,25 +47,44 @@ def _max_rel(summary: dict) -> dict[str, float]:
     return {c["other"].rsplit("/", 1)[-1]: c["max_rel"] for c in summary["comparisons"]}
 
 
+STEPS, SAVED = 10, 7  # the shared runs' steps; the dp=8 checkpoint continued at dp=16
+
+
+def shared(data: str) -> tuple[str, ...]:
+    """What every run of dp8_dp16 and test_fsdp_ddp_hsdp_agree_at_dp8 trains: the same curve."""
+    return ("--steps", str(STEPS), *batch(1), "--data.path", data, *DROPOUT)
+
+
+@pytest.fixture(scope="module")
+def dp8_dp16(tmp_path_factory, prepared_sft) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    """One invariance run, FSDP dp=8 vs dp=16 (checkpoints every SAVED steps), for the module:
+    its dp=8 run is also the checkpoint continued at dp=16 and the reference of DDP and HSDP.
+    Returns the tool's process, its compare.json and the runs' folder."""
+    tmp = tmp_path_factory.mktemp("dp8-dp16")
+    proc, summary = invariance(
+        tmp, "--dp", "8", "16", *shared(prepared_sft), "--checkpoint.every", str(SAVED)
+    )
+    return proc, summary, tmp / "inv"
+
+
 @pytest.mark.slow
-def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, prepared_sft):
+def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
     """On data prepared by scripts/prepare_data.py (the built-in SFT set), read memory-mapped."""
-    ckpt = ("--checkpoint.every", "20", "--checkpoint.at_end", "true", "--data.path", prepared_sft)
-    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "30", *batch(1), *ckpt, *DROPOUT)
+    proc, summary, inv = dp8_dp16
     assert proc.returncode == 0, proc.stderr
     (cmp,) = summary["comparisons"]
-    assert cmp["steps"] == 30 and cmp["max_rel"] <= 1e-5, cmp["max_rel"]
+    assert cmp["steps"] == STEPS and cmp["max_rel"] <= 1e-5, cmp["max_rel"]
     losses = [r["loss"][0] for r in cmp["rows"]]
     assert losses[-1] < losses[1]  # it trains (step 1 has few valid tokens)
-    assert "PASS" in proc.stdout and (tmp_path / "inv/compare/compare.png").exists()
+    assert "PASS" in proc.stdout and (inv / "compare/compare.png").exists()
     assert "local batch 1 x accum 2" in proc.stdout and "local batch 1 x accum 1" in proc.stdout
 
-    # Reshard: the dp=8 run's step-20 checkpoint (FSDP over 8), copied into a new run folder,
+    # Reshard: the dp=8 run's step-SAVED checkpoint (FSDP over 8), copied into a new run folder,
     # continues as FSDP over 16.
-    dp8 = tmp_path / "inv" / "fsdp-1x8-lb1"
-    step20 = "checkpoints/step-00000020"
-    shutil.copytree(dp8 / step20, tmp_path / "dp16-from-dp8" / step20)
-    source = ("--checkpoint.load_step", "20")
+    dp8 = inv / "fsdp-1x8-lb1"
+    saved = f"checkpoints/step-{SAVED:08d}"
+    shutil.copytree(dp8 / saved, tmp_path / "dp16-from-dp8" / saved)
+    source = ("--checkpoint.load_step", str(SAVED))
     where = ("--job.dump_folder", str(tmp_path), "--job.run_name", "dp16-from-dp8")
     check(
         train(
@@ -70,7 +92,7 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, p
             "--config",
             CONFIG,
             "--training.steps",
-            "30",
+            str(STEPS),
             "--metrics.log_every",
             "1",
             *batch(1),
@@ -85,27 +107,41 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, p
     want = {r["step"]: r["loss"] for r in read_metrics(dp8)}
     got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "dp16-from-dp8")}
     rel = max(abs(got[s] - want[s]) / want[s] for s in got)
-    print(f"dp=8 checkpoint of step 20 continued at dp=16: max relative loss difference {rel:.3g}")
-    assert sorted(got) == list(range(21, 31)) and rel <= 1e-5, (got, want)
+    print(f"dp=8 checkpoint of step {SAVED} continued at dp=16: max relative loss difference {rel:.3g}")
+    assert sorted(got) == list(range(SAVED + 1, STEPS + 1)) and rel <= 1e-5, (got, want)
 
 
 @pytest.mark.slow
 def test_dp8_vs_dp16_local_mean_fails_and_names_the_step(tmp_path):
+    """3 steps: step 1 parts on the logged loss alone (the weights are still equal), the next on
+    the updates too."""
     naive = ("--loss.normalization", "local_mean")
-    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "10", *batch(2), *naive)
+    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "3", *batch(2), *naive)
     assert proc.returncode == 1, proc.stderr
     (cmp,) = summary["comparisons"]
-    assert cmp["first_bad_step"] is not None and cmp["max_rel"] > 1e-3
+    assert cmp["steps"] == 3 and cmp["first_bad_step"] is not None and cmp["max_rel"] > 1e-3
     assert f"first step beyond rtol 1e-05: {cmp['first_bad_step']} " in proc.stdout
 
 
 @pytest.mark.slow
-def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path):
-    modes = ("--modes", "fsdp", "ddp", "hsdp")
-    proc, summary = invariance(tmp_path, "--dp", "8", *modes, "--steps", "10", *batch(1))
+def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
+    """DDP and HSDP 2x4 at dp=8 (scripts/invariance.py: HSDP against DDP), then both against
+    dp8_dp16's FSDP dp=8 run of the same settings (scripts/compare_runs.py)."""
+    proc, summary = invariance(tmp_path, "--dp", "8", "--modes", "ddp", "hsdp", *shared(prepared_sft))
     assert proc.returncode == 0, proc.stderr
-    errs = _max_rel(summary)
+    assert set(_max_rel(summary)) == {"hsdp-2x4-lb1"}
+    fsdp = dp8_dp16[2] / "fsdp-1x8-lb1"
+    assert (fsdp / "metrics.jsonl").exists(), "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
+    runs = [str(fsdp), *(str(tmp_path / "inv" / name) for name in ("ddp-8x1-lb1", "hsdp-2x4-lb1"))]
+    out = tmp_path / "vs-fsdp"
+    cmd = [sys.executable, "scripts/compare_runs.py", *runs, "--invariance", "--out", str(out)]
+    judged = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    print(judged.stdout[-3000:], judged.stderr[-3000:])
+    assert judged.returncode == 0, judged.stderr
+    against_fsdp = json.loads((out / "compare.json").read_text())
+    errs = _max_rel(against_fsdp)
     assert set(errs) == {"ddp-8x1-lb1", "hsdp-2x4-lb1"} and max(errs.values()) <= 1e-5, errs
+    assert all(c["steps"] == STEPS for c in against_fsdp["comparisons"])
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,8 @@ a README cannot gain a command nobody checked:
 - run: verbatim, exit 0;
 - short: verbatim plus a flag that keeps it short (a training run: 2 steps; invariance: --dry-run);
 - help: a long benchmark: the script starts from a fresh copy and answers --help (once a script);
-- skip: it cannot run here (a download, GPUs, a cluster, paths of the reader's own data), with why.
+- skip: it cannot run here (a download, GPUs, a cluster, paths of the reader's own data), or a test
+  or an earlier README command runs the same, with why.
 Commands run in README order, one README after another, so a later one may use an earlier one's
 run folder (outputs/my-run).
 """
@@ -84,7 +85,9 @@ COMMANDS = {
         "the scenarios and their replay)",
     },
     "titanlite/components/checkpoint/README.md": {
-        "./run_train.sh --job.run_name my-run --checkpoint.every 500 --checkpoint.at_end true": f"short: {TRAIN}",
+        "./run_train.sh --job.run_name my-run --checkpoint.every 500 --checkpoint.at_end true": "skip: README.md's "
+        "stop and resume runs the same command with --checkpoint.every 50 (a 2-step run saves only at its end "
+        "either way)",
         "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 500 --checkpoint.at_end true --training.local_batch_size 2": (
             "skip: README.md's resume at dp=4 runs the same command"
         ),

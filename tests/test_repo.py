@@ -29,6 +29,7 @@ RENDERERS = {
     "gpu_check": ("gpu_check", "markdown"),
     "bench": ("bench", "markdown"),
     "bench_profile": ("bench", "profile_markdown"),
+    "diagnose_scenarios": ("diagnose_scenarios", "detection_markdown"),
 }
 BLOCK = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- end figures -->", re.S)
 
@@ -62,7 +63,7 @@ def test_every_readme_link_resolves():
 
 def test_measured_blocks_are_rendered_from_their_files():
     blocks = [(md, path, body) for md in _tracked("*.md") for path, body in BLOCK.findall(md.read_text())]
-    assert len(blocks) >= 4, "no measured block found"
+    assert len(blocks) >= 5, "no measured block found"
     for md, path, body in blocks:
         source = md.parent / path
         script, fn = RENDERERS[source.name.split("-")[0]]
