@@ -31,11 +31,6 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def tokens_per_step(self) -> int:
-        """Positions per optimizer step over all ranks (padding and masked labels included)."""
-        return self.global_batch * self.seq_len
-
-    @property
     def tokens_per_rank_step(self) -> int:
         """Positions one rank reads per optimizer step: seq_len x local batch x accumulation."""
         return self.seq_len * self.local_batch * self.grad_accum

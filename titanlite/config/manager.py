@@ -108,21 +108,26 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
     (titanlite.config.moved), and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
-    for old, entry in MOVED_KEYS.items():
+    for old in MOVED_KEYS:
         old_sec, old_key = old.split(".")
         table = out.get(old_sec)
         if not isinstance(table, dict) or old_key not in table:
             continue
         value = table.pop(old_key)
-        if isinstance(entry, Split):
-            value = _coerce(old, value, entry.typ, False)
-        for new, now in new_values(old, value).items():
+        for new, now in _moved(old, value, False).items():
             new_sec, new_key = new.split(".")
             target = out.setdefault(new_sec, {})
             if isinstance(target, dict) and target.setdefault(new_key, now) != now:
                 raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
         found.append(old)
     return out, found
+
+
+def _moved(old: str, value: Any, from_cli: bool) -> dict[str, Any]:
+    """{new key: value} that old key `old` set to `value` means (a split key's value checked as
+    its old type first; a renamed key's is checked by its new field)."""
+    entry = MOVED_KEYS[old]
+    return new_values(old, _coerce(old, value, entry.typ, from_cli) if isinstance(entry, Split) else value)
 
 
 def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
@@ -208,10 +213,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
             _set(cfg, dotted, value, True)
             continue
         found.append(dotted)
-        if isinstance(entry, Split):
-            value = _coerce(dotted, value, entry.typ, True)
-        for new, now in new_values(dotted, value).items():
-            _set(cfg, new, now, isinstance(entry, str))
+        for new, now in _moved(dotted, value, True).items():
+            _set(cfg, new, now, from_cli=isinstance(entry, str))  # a split's values are typed
     _deprecated(found)
     return cfg
 
