@@ -46,7 +46,8 @@ optimizer, data and the rest (host time; the trainer names its parts with record
 On CUDA: TFLOP/s, MFU and peak memory too. --quick: dp=4, 20 rounds (under 5 min on 2 cores).
 Also the probe hook's own cost, timed directly: all the default diagnostics schedule adds to
 499 steps of 500, which no step-time ratio resolves. Results go to --out as JSON; the tables of
-scripts/README.md render such reports kept in scripts/figures/ (markdown, profile_markdown).
+scripts/README.md and titanlite/datasets/README.md render such reports kept in scripts/figures/
+(markdown, profile_markdown, packing_markdown).
 """
 
 from __future__ import annotations
@@ -560,6 +561,31 @@ def profile_markdown(report: dict) -> str:
             ["share", *(f"{100 * parts[p] / total:.1f}%" for p in BREAKDOWN)],
         ]
         out.append(_table(head, rows))
+    return "".join(out)
+
+
+def packing_markdown(report: dict) -> str:
+    """titanlite/datasets/README.md's table of a packing report (--only packing;
+    scripts/figures/bench_packing-*.json): padding, tokens/s and target tokens/s per rank."""
+    out = []
+    for dp in sorted(report["dp"], key=int):
+        plain, packed = (report["dp"][dp]["configs"][n] for n in ("unpacked", "packed"))
+        gain = packed["targets_per_s_per_rank"] / plain["targets_per_s_per_rank"]
+        run = f"`scripts/bench.py --dp {dp} --reps {report['reps']} --only packing`"
+        head = (
+            f"built-in SFT set, debug model, seq 1,024, dp={dp}, 1 sequence x 2 microbatches per rank ({run})"
+        )
+        rows = [
+            [
+                label,
+                f"{r['padding_pct']:.1f}%",
+                f"{r['tokens_per_s_per_rank']:,.0f}",
+                f"{r['targets_per_s_per_rank']:,.0f}",
+            ]
+            for label, r in (("one record per sequence", plain), ("packed (`data.packing = true`)", packed))
+        ]
+        rows[1][3] += f" ({gain:.2f}x)"
+        out.append(_table([head, "padding", "tokens/s per rank", "target tokens/s per rank"], rows))
     return "".join(out)
 
 

@@ -14,6 +14,8 @@ default). Measured, side by side in one run:
 - time from launch to the first training step.
 It fails (exit 1) if the largest size raises peak training anonymous memory by more than
 --max-growth (10%) over the smallest: training memory must not depend on the data's size.
+The report goes to --out as JSON; titanlite/datasets/README.md's table renders one kept in
+scripts/figures/ (markdown).
 """
 
 from __future__ import annotations
@@ -190,7 +192,8 @@ def run(args) -> int:
         work = Path(tmp)
         env = {**os.environ, "TITANLITE_CACHE": str(work / "cache"), "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
-        report: dict = {"cores": os.cpu_count(), "sizes_mb": sizes, "prepare": {}, "train": {}}
+        report: dict = {"cores": os.cpu_count(), "sizes_mb": sizes, "steps": args.steps}
+        report.update(max_growth=args.max_growth, prepare={}, train={})
         # The built-in tokenizer is trained once, before anything is timed.
         tokenizer = builtin_tokenizer_path(work / "cache", 2048)
         train_builtin_tokenizer(tokenizer, 2048)
@@ -242,6 +245,56 @@ def run(args) -> int:
         print("bench_data: FAIL: training memory grows with the data's size", file=sys.stderr)
         return 1
     return 0
+
+
+def _size(mb: float) -> str:
+    return f"{mb / 1000:g} GB" if mb >= 1000 else f"{mb:g} MB"
+
+
+def _rate(row: dict) -> str:
+    return f"{row['tokens_per_s'] / 1e6:.2f}M tokens/s"
+
+
+def _row(cells: list[str]) -> str:
+    return "|" + "|".join(f" {c} " if c else " " for c in cells) + "|\n"
+
+
+def markdown(report: dict) -> str:
+    """titanlite/datasets/README.md's table of a report (what --out writes;
+    scripts/figures/bench_data-*.json): a column per size, the ratios computed here."""
+    sizes, prep, train = report["sizes_mb"], report["prepare"], report["train"]
+    one, two = prep[f"{sizes[0]:g}-w1"], prep[f"{sizes[0]:g}-w2"]
+    rest = [prep[f"{mb:g}"] for mb in sizes[1:]]
+    mem = [train[f"{mb:g}"]["peak_anon_mib_largest_child"] for mb in sizes]
+    growth = f"**{mem[-1] / mem[0] - 1:+.1%}**; the benchmark fails above {report['max_growth']:+.0%}"
+    rows = [
+        ["", *(f"{_size(mb)} of jsonl" for mb in sizes)],
+        ["---"] * (len(sizes) + 1),
+        ["tokens", *(f"{r['tokens'] / 1e6:.1f}M" for r in [one, *rest])],
+        ["preparation, 1 worker", f"{_rate(one)}, peak anonymous memory {one['peak_anon_mib_total']:.0f} MiB"]
+        + [""] * len(rest),
+        [
+            "preparation, 2 workers",
+            f"{_rate(two)} (**{two['tokens_per_s'] / one['tokens_per_s']:.2f}x**), "
+            f"{two['peak_anon_mib_total']:.0f} MiB (all processes)",
+            *(
+                ("" if r["workers"] == 2 else f"{r['workers']} workers: ")
+                + f"{_rate(r)}, {r['wall_s']:.0f} s, {r['peak_anon_mib_total']:.0f} MiB"
+                for r in rest
+            ),
+        ],
+        [
+            f"first {report['steps']} training steps (debug model, 2 ranks): "
+            "peak anonymous memory of the largest rank",
+            *(f"{m:.0f} MiB" for m in mem[:-1]),
+            f"{mem[-1]:.0f} MiB ({growth})",
+        ],
+        [
+            "time from launch to the first step",
+            *(f"{train[f'{mb:g}']['time_to_first_step_s']:.1f} s" for mb in sizes),
+        ],
+    ]
+    return "".join(map(_row, rows)) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@
     ./scripts/diagnose_scenarios.py [--dp 4] [--steps 30] [--onset S] [--config C] [--out DIR]
                                          [--scenarios NAME ...] [--section.key value ...]
     ./scripts/diagnose_scenarios.py --replay DIR [--alerts.key value ...] [--keep FILE.json.xz]
-                                         [--figures FILE.json]
+                                         [--figures FILE.json] [--healthy-figures FILE.json]
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
@@ -39,6 +39,12 @@ step it started, the step that alert first fired and the steps in between; every
 listed as other (in a healthy scenario, a false alarm). --figures FILE.json also writes it into
 FILE.json under this dp, beside the dps FILE.json already holds: scripts/figures/diagnose_scenarios-*.json,
 which titanlite/diagnostics/README.md's detection table renders (detection_markdown).
+--healthy-figures FILE.json writes the runs of healthy and healthy_sft into FILE.json the same
+way, a dp at a time: their alerts, each rule's closest call with the value that fires it (the
+rank test's largest |Z|, the largest noise rise over a rank's own history, the rank latest at
+the step's start, how often and by how much) and the batch-size advice, or the ratio it watches
+at its farthest from 1 when it gave none: scripts/figures/diagnose_healthy-*.json, which the
+README's table of false alarms over long healthy runs renders (healthy_markdown).
 
 --replay DIR: no training; the tables again (and replayed.json, replayed.png, noise_scale.png) from DIR's run
 folders, with the alerts that today's rules (and the --alerts overrides given) raise on each
@@ -133,14 +139,45 @@ def _read(run_dir: Path, name: str) -> list[dict]:
     return read_records(run_dir / name)
 
 
-def _late_share(rec: dict) -> float | None:
-    """How much later than the others' median the latest rank reached the step's start, as a share
-    of the step (titanlite/diagnostics/stragglers.py), or None without the times."""
+def _lateness(rec: dict) -> tuple | None:
+    """The latest rank at the step's start: (rank, seconds, share of the step, ...), as
+    titanlite/diagnostics/stragglers.py's lateness gives it, or None without the times."""
     from titanlite.diagnostics.stragglers import lateness
     from titanlite.diagnostics.window import point
 
-    late = lateness(point(rec))
+    p = point(rec)
+    return lateness(p) if p else None
+
+
+def _late_share(rec: dict) -> float | None:
+    """How much later than the others' median the latest rank reached the step's start, as a share
+    of the step (titanlite/diagnostics/stragglers.py), or None without the times."""
+    late = _lateness(rec)
     return late[2] if late else None
+
+
+def _latest_rank(records: list[dict]) -> tuple[int | None, float, float | None]:
+    """The rank latest at the step's start most often, its share of the steps, and its median
+    lateness over those steps as a share of the step (slow_rank's figures)."""
+    lates = [x for x in map(_lateness, records) if x is not None]
+    rank, share = _most([x[0] for x in lates])
+    return rank, share, statistics.median(x[2] for x in lates if x[0] == rank) if lates else None
+
+
+def _advice_median(records: list[dict]) -> float | None:
+    """batch_size_advice's statistic at its farthest from 1 (either way): the median, over its
+    advice_steps measured steps, of B_simple over the batch's mean tokens (titanlite/diagnostics/advisor.py)."""
+    from titanlite.config.job_config import Alerts
+    from titanlite.diagnostics.advisor import BatchAdvisor
+
+    cfg, best = Alerts(), None
+    advisor = BatchAdvisor(cfg, 1)
+    for rec in records:
+        advisor.update(rec)
+        if len(advisor.ratios) == cfg.advice_steps:
+            m = statistics.median(advisor.ratios)
+            best = m if best is None or abs(math.log(m)) > abs(math.log(best)) else best
+    return best
 
 
 def _rank_test_max(records: list[dict]) -> float | None:
@@ -195,10 +232,15 @@ def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] 
     lows = [_argmin_live(d.get("rank_cos_to_others") or []) for d in diag]
     low_rank, low_share = _most([r for r, _ in lows])
     max_rank, max_share = _most([d.get("loss_max_rank") for d in diag])
+    latest, latest_share, latest_late = _latest_rank(diag)
     return {
         "late_share": _mean([_late_share(d) for d in diag]),
+        "latest_rank": latest,
+        "latest_rank_share": latest_share,
+        "latest_late_share": latest_late,
         "rank_test_max": _rank_test_max(records := _read(run_dir, "diagnostics.jsonl")),
         "noise_rise_max": _noise_rise_max(records),
+        "advice_median": _advice_median(records),
         "steps": metrics[-1]["step"],
         "stopped": stopped,
         "loss_final": losses[-1],
@@ -283,23 +325,75 @@ def detection_table(rows: dict[str, dict]) -> str:
 DETECTION = ("expected", "onset", "detected_step", "steps_to_detection", "other_alerts")
 
 
+def _write_dp(path: Path, flag: str, dp: int, entry: dict) -> None:
+    """One dp's entry into the figures file `path`, beside the other dps it already holds."""
+    figures = read_json(path, f"a figures file {flag} wrote") if path.is_file() else {}
+    figures["source"] = (
+        f"scripts/diagnose_scenarios.py {flag}: each dp's entry from the runs its own source names"
+    )
+    runs = figures.get("dp", {})
+    runs[str(dp)] = entry
+    figures["dp"] = dict(sorted(runs.items(), key=lambda kv: int(kv[0])))
+    path.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"figures (dp={dp}): {path}")
+
+
 def write_figures(path: Path, rows: dict[str, dict], dp: int, onset: int, source: str) -> None:
     """--figures: this dp's detection per scenario (DETECTION, as scenarios.json holds it) into the
     figures file `path`, beside the other dps it already holds (detection_markdown renders it)."""
-    figures = read_json(path, "a figures file --figures wrote") if path.is_file() else {}
-    figures["source"] = (
-        "scripts/diagnose_scenarios.py --figures: each dp's entry from the runs its own source names"
-    )
-    runs = figures.get("dp", {})
-    runs[str(dp)] = {
+    entry = {
         "source": source,
         "steps": max(r["steps"] for r in rows.values()),
         "onset": onset,
         "scenarios": {name: {k: r[k] for k in DETECTION} for name, r in rows.items()},
     }
-    figures["dp"] = dict(sorted(runs.items(), key=lambda kv: int(kv[0])))
-    path.write_text(json.dumps(figures, indent=1) + "\n")
-    print(f"figures (dp={dp}): {path}")
+    _write_dp(path, "--figures", dp, entry)
+
+
+HEALTHY = {"healthy": "pretraining", "healthy_sft": "SFT"}  # the scenarios --healthy-figures keeps
+# what it keeps of each (summarize's keys); alerts and advice as the table shows them
+HEALTHY_KEYS = ("steps", "rank_test_max", "noise_rise_max", "latest_rank", "latest_rank_share")
+HEALTHY_KEYS += ("latest_late_share", "advice_median")
+
+
+def write_healthy_figures(
+    path: Path, rows: dict[str, dict], dp: int, source: str, folder: Path, overrides: list[str]
+) -> None:
+    """--healthy-figures: this dp's healthy runs (HEALTHY) into the figures file `path`, beside the
+    other dps it holds, with the values that fire the rules under the [alerts] config their
+    alerts were raised (or replayed) with (healthy_markdown renders it)."""
+    from titanlite.config import parse_args
+    from titanlite.diagnostics.rank_sum import threshold
+
+    runs = {name: rows[name] for name in HEALTHY if name in rows}
+    if not runs:
+        raise UserError(
+            f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; these runs hold neither"
+        )
+    cfg = parse_args(["--config", str(folder / next(iter(runs)) / "config.toml"), *overrides])[0].alerts
+    entry = {
+        "source": source,
+        "steps": max(r["steps"] for r in runs.values()),
+        "thresholds": {
+            "rank_test_z": threshold(cfg.rank_test_alpha, dp),
+            "noise_rise": cfg.norm_outlier_factor,
+            "slow_margin": cfg.slow_margin,
+            "advice_ratio": cfg.advice_ratio,
+        },
+        "scenarios": {
+            name: {
+                **{k: r[k] for k in HEALTHY_KEYS},
+                "alerts": [{"name": a["name"], "step": a["step"]} for a in r["alerts"]],
+                "advice": [
+                    {"step": n["step"], "suggested_global_batch": n["suggested_global_batch"]}
+                    for n in r["notes"]
+                    if n["name"] == "batch_size_advice"
+                ],
+            }
+            for name, r in runs.items()
+        },
+    }
+    _write_dp(path, "--healthy-figures", dp, entry)
 
 
 def _setting(name: str, flag: str) -> str:
@@ -344,6 +438,47 @@ def detection_markdown(figures: dict) -> str:
         alerts = " / ".join(dict.fromkeys(f"`{d['expected'].split()[0]}`" for d in found))
         cells = [" / ".join(_detected(run.get(n)) for n in names) for run in runs]
         lines.append(f"| {what} ({onsets}) | {alerts} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _healthy_row(dp: str, what: str, r: dict, t: dict, first: dict | None) -> str:
+    """One row of healthy_markdown; `first`: the first row's thresholds (None: this is the first
+    row, which says what the figures are and every threshold; later rows repeat one that differs)."""
+    new = {k: first is None or v != first[k] for k, v in t.items()}
+    alerts = ", ".join(f"`{a['name']}` at step {a['step']}" for a in r["alerts"]) or "none"
+    z = "-" if r["rank_test_max"] is None else f"{r['rank_test_max']:.2f}"
+    z += f" ({'fires past ' if first is None else ''}{t['rank_test_z']:.2f})"
+    rise = "-" if r["noise_rise_max"] is None else f"{r['noise_rise_max']:.2f}x"
+    rise += f" ({t['noise_rise']:g}x)" if new["noise_rise"] else ""
+    late = "-"
+    if r["latest_rank"] is not None:
+        steps, step = (" of steps", " of a step") if first is None else ("", "")
+        late = f"rank {r['latest_rank']} in {r['latest_rank_share']:.0%}{steps}, by {r['latest_late_share']:.1%}{step}"
+        late += f" ({t['slow_margin']:.0%})" if new["slow_margin"] else ""
+    advice = ", ".join(f"{a['suggested_global_batch']} at step {a['step']}" for a in r["advice"])
+    if not advice:
+        m, band = r["advice_median"], t["advice_ratio"]
+        where = "inside" if m is not None and 1 / band < m < band else "outside"
+        advice = "none" if m is None else f"none: {m:.1f}x at the median, {where} the band"
+    return f"| dp={dp} {what} | {alerts} | {z} | {rise} | {late} | {advice} |"
+
+
+def healthy_markdown(figures: dict) -> str:
+    """The diagnostics README's table of false alarms over long healthy runs from a figures file
+    that --healthy-figures writes (scripts/figures/diagnose_healthy-*.json): per dp and healthy
+    run, its alerts and each rule's closest call against the value that fires it."""
+    lines = [
+        "| recording | alerts | rank test, largest \\|Z\\| | noise rise over own history "
+        "| latest rank at the step's start | `batch_size_advice` (global batch, sequences) |",
+        "| --- " * 6 + "|",
+    ]
+    first = None
+    for dp in sorted(figures["dp"], key=int):
+        run = figures["dp"][dp]
+        for name, what in HEALTHY.items():
+            if name in run["scenarios"]:
+                lines.append(_healthy_row(dp, what, run["scenarios"][name], run["thresholds"], first))
+                first = first or run["thresholds"]
     return "\n".join(lines) + "\n"
 
 
@@ -456,6 +591,13 @@ SCRIPT.arg(
     help="also write this dp's detection per scenario into this figures file, beside the other dps it holds "
     "(scripts/figures/diagnose_scenarios-*.json: the diagnostics README's detection table)",
 )
+SCRIPT.arg(
+    "--healthy-figures",
+    kind="out_file",
+    help="also write this dp's healthy and healthy_sft runs (alerts, closest calls, batch-size advice) into "
+    "this figures file, beside the other dps it holds (scripts/figures/diagnose_healthy-*.json: the "
+    "diagnostics README's table of false alarms over long healthy runs)",
+)
 SCRIPT.arg("--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)")
 
 
@@ -469,6 +611,8 @@ def run(args) -> int:
         )
     args.onset = args.onset or max(1, args.steps // 2)
     args.scenarios = args.scenarios or list(SCENARIOS)
+    if args.healthy_figures and not set(HEALTHY) & set(args.scenarios):
+        raise UserError(f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; run one of them")
     args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
     if args.worker:
         worker(args, overrides)
@@ -502,6 +646,11 @@ def run(args) -> int:
     if args.figures:
         cmd = f"--dp {args.dp} --steps {args.steps} --onset {args.onset} --out {args.out}"
         write_figures(args.figures, rows, args.dp, args.onset, f"scripts/diagnose_scenarios.py {cmd}")
+    if args.healthy_figures:
+        cmd = f"--dp {args.dp} --steps {args.steps} --out {args.out}"
+        source = f"scripts/diagnose_scenarios.py {cmd}"
+        # no overrides: each run's config.toml holds them
+        write_healthy_figures(args.healthy_figures, rows, args.dp, source, args.out, [])
     plot(rows, args.out / "scenarios.png")
     plot_noise_scale(args.out, rows, args.out / "noise_scale.png")
     head = f"dp={args.dp}, {args.steps} steps (faults from step {args.onset}), averages over measured steps > {SKIP}"
@@ -548,6 +697,10 @@ def replay_main(args, overrides: list[str]) -> int:
     if args.figures:
         cmd = " ".join(["--replay", str(args.replay), *overrides])
         write_figures(args.figures, rows, dp, onset, f"scripts/diagnose_scenarios.py {cmd}")
+    if args.healthy_figures:
+        cmd = " ".join(["--replay", str(args.replay), *overrides])
+        source = f"scripts/diagnose_scenarios.py {cmd}"
+        write_healthy_figures(args.healthy_figures, rows, dp, source, args.replay, overrides)
     plot(rows, args.replay / "replayed.png")
     plot_noise_scale(args.replay, rows, args.replay / "noise_scale.png")
     print(

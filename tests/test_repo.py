@@ -30,6 +30,10 @@ RENDERERS = {
     "bench": ("bench", "markdown"),
     "bench_profile": ("bench", "profile_markdown"),
     "diagnose_scenarios": ("diagnose_scenarios", "detection_markdown"),
+    "diagnose_healthy": ("diagnose_scenarios", "healthy_markdown"),
+    "bench_data": ("bench_data", "markdown"),
+    "bench_packing": ("bench", "packing_markdown"),
+    "bench_peer": ("peer/bench_peer", "markdown"),
 }
 BLOCK = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- end figures -->", re.S)
 

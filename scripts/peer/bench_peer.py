@@ -14,7 +14,10 @@ per-step tokens/s over steps 6..steps (each framework's own per-step figure: tor
 titanlite's metrics.jsonl `tokens_per_s`), and a wall-clock rate over the same steps, 1024
 tokens x (steps - 5) / (time of step `steps` - time of step 5), which also counts per-step work
 outside a framework's own timing window. Both frameworks get OMP_NUM_THREADS=1 (2 ranks, 2
-cores) and log every step. Every run's output is kept under --out.
+cores) and log every step. Every run's output is kept under --out, with results.json: the
+settings (steps, rounds, order, each variant's arguments and titanlite's resolved diagnostics
+schedule) and every run's figures. scripts/README.md's table renders such a file kept as
+scripts/figures/bench_peer-cpu.json (markdown): copy --out's results.json there.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.config import parse_args  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
@@ -51,11 +55,11 @@ FIRST_STEP = 6  # steps 1-5 are warmup and excluded
 VARIANTS: dict[str, tuple[str, list[str], str]] = {
     "tt8": ("torchtitan", [], "torchtitan default (ChunkedLossWrapper, 8 chunks)"),
     "tt1": ("torchtitan", ["--loss.num_chunks", "1"], "torchtitan, --loss.num_chunks 1"),
-    "tl": ("titanlite", [], "titanlite default (diagnostics every step: warmup 200 > 40 steps)"),
+    "tl": ("titanlite", [], "titanlite default (diagnostics at their default schedule)"),
     "tl_nodiag": ("titanlite", ["--diagnostics.enable", "false"], "titanlite --diagnostics.enable false"),
     "tl_diag_pw": (
         "titanlite",
-        ["--diagnostics.warmup_steps", "0", "--diagnostics.interval", "500"],
+        ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
         "titanlite, diagnostics schedule past warmup (every 500 steps)",
     ),
     # optional (not in the default order): titanlite on random tokens, like the torchtitan side
@@ -66,6 +70,7 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
     ),
 }
 ORDER = ["tt8", "tl", "tt1", "tl_nodiag", "tl_diag_pw"]
+TL_CONFIG = "train_configs/debug_model.toml"
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 TT_STEP = re.compile(
@@ -101,7 +106,7 @@ def command(variant: str, steps: int, tag: str, runs_dir: Path) -> tuple[list[st
         ]
         out = ["--dump_folder", str(runs_dir / tag)]
         return [str(TT_TORCHRUN), *launch, "--tee", "3", *script, *step, *out, *extra], HERE
-    config = ["-m", "titanlite.train", "--config", "train_configs/debug_model.toml"]
+    config = ["-m", "titanlite.train", "--config", TL_CONFIG]
     out = ["--job.dump_folder", str(runs_dir), "--job.run_name", tag]
     return [str(TL_TORCHRUN), *launch, *config, *step, *out, *extra], TL_ROOT
 
@@ -215,6 +220,97 @@ SCRIPT.arg(
 )
 
 
+def variant_settings(order: list[str]) -> dict[str, dict]:
+    """results.json's "variants": each variant's framework and arguments; for titanlite, the
+    diagnostics schedule its config resolves to (what the README's labels name)."""
+    out = {}
+    for v in order:
+        fw, extra, desc = VARIANTS[v]
+        rec = {"framework": fw, "args": extra, "description": desc}
+        if fw == "titanlite":
+            d = parse_args(["--config", str(TL_ROOT / TL_CONFIG), *extra])[0].diagnostics
+            rec["diagnostics"] = {"enable": d.enable, "measure_first": d.measure_first, "every": d.every}
+        out[v] = rec
+    return out
+
+
+def per_round(results: dict, variant: str, key: str = "median_tps") -> dict[int, float]:
+    """{round: rank 0's figure `key`} of the variant's successful runs."""
+    out = {}
+    for r in results["runs"]:
+        x = r["ranks"].get("rank0", {}).get(key) if r["variant"] == variant and r["rc"] == 0 else None
+        if x:
+            out[r["round"]] = x
+    return out
+
+
+def _median(results: dict, variant: str, key: str = "median_tps") -> float | None:
+    xs = list(per_round(results, variant, key).values())
+    return statistics.median(xs) if xs else None
+
+
+def _label(results: dict, v: str) -> str:
+    """The README's row label of variant v, its settings read from the results."""
+    diag = results["variants"][v].get("diagnostics", {})
+    if v == "tt8":
+        return "torchtitan default (loss in 8 chunks)"
+    if v == "tt1":
+        args = results["variants"][v]["args"]
+        n = args[args.index("--loss.num_chunks") + 1]
+        return f"torchtitan, loss in {n} chunk{'' if n == '1' else 's'}"
+    if v == "tl":
+        steps, first = results["steps"], diag["measure_first"]
+        how = (
+            f"measuring every step: {steps} < {first} warmup steps"
+            if steps < first
+            else f"measuring the first {first} steps, then every {diag['every']}"
+        )
+        return f"**titanlite default** (diagnostics {how})"
+    if v == "tl_nodiag":
+        return "titanlite, diagnostics off"
+    if v == "tl_diag_pw":
+        return f"titanlite, diagnostics past warmup (every {diag['every']} steps)"
+    return VARIANTS[v][2]
+
+
+def markdown(results: dict) -> str:
+    """scripts/README.md's comparison of a results.json (scripts/figures/bench_peer-*.json): per
+    variant, rank 0's median tokens/s of each round, their median over rounds and its ratio to
+    torchtitan default's; then titanlite default / torchtitan default per round and, where the
+    file holds the wall-clock rates, the ratio of their medians. A variant without a successful
+    run is left out; a round without one is '-'."""
+    rounds = range(1, results["rounds"] + 1)
+    ref = _median(results, "tt8")
+    head = ["tokens/s per rank", *(f"round {r}" for r in rounds), "median", "/ torchtitan default"]
+    lines = [head, ["---"] * len(head)]
+    for v in VARIANTS:  # the README's row order
+        vals = per_round(results, v) if v in results["variants"] else {}
+        if not vals:
+            continue
+        med = statistics.median(vals.values())
+        ratio = f"{med / ref:.3f}" if ref else "-"
+        lines.append(
+            [
+                _label(results, v),
+                *(f"{vals[r]:,.0f}" if r in vals else "-" for r in rounds),
+                f"{med:,.0f}",
+                f"**{ratio}**" if v == "tl" else ratio,
+            ]
+        )
+    out = "".join("| " + " | ".join(cells) + " |\n" for cells in lines) + "\n"
+    tl, tt = per_round(results, "tl"), per_round(results, "tt8")
+    both = [r for r in rounds if r in tl and r in tt]
+    if both:
+        out += "Per round, titanlite default / torchtitan default is " + ", ".join(
+            f"{tl[r] / tt[r]:.3f}" for r in both
+        )
+        wall_tl, wall_tt = _median(results, "tl", "wall_tps"), _median(results, "tt8", "wall_tps")
+        if wall_tl and wall_tt:
+            out += f"; wall-clock rates over the same steps give {wall_tl / wall_tt:.3f}"
+        out += ".\n\n"
+    return out
+
+
 def run(args) -> int:
     order = list(args.only)
     out_dir = Path(args.out)
@@ -229,19 +325,20 @@ def run(args) -> int:
     print(f"bench_peer: {args.rounds} rounds x {order}, {args.steps} steps, logs in {out_dir}")
     for v in order:
         print(f"  {v:11s} {VARIANTS[v][2]}")
-    results: list[dict] = []
+    results: dict = {
+        "steps": args.steps,
+        "first_step": FIRST_STEP,
+        "rounds": args.rounds,
+        "order": order,
+        "variants": variant_settings(order),
+        "runs": [],
+    }
     for rnd in range(1, args.rounds + 1):
         seq = order if rnd % 2 == 1 else list(reversed(order))
         print(f"round {rnd}: {' -> '.join(seq)}", flush=True)
         for v in seq:
-            results.append(run_one(v, rnd, args.steps, out_dir, runs_dir))
+            results["runs"].append(run_one(v, rnd, args.steps, out_dir, runs_dir))
             (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-
-    def val(v: str, rnd: int, key: str = "median_tps"):
-        for r in results:
-            if r["variant"] == v and r["round"] == rnd and r["rc"] == 0:
-                return r["ranks"].get("rank0", {}).get(key)
-        return None
 
     span = f"steps {FIRST_STEP}-{args.steps}"
     for key, title in (
@@ -254,8 +351,9 @@ def run(args) -> int:
             + " ".join(f"{v:>11s}" for v in order)
             + "   tl/tt8  tl/tt1  tl_nodiag/tt8  tl_diag_pw/tt8"
         )
+        table = {v: per_round(results, v, key) for v in order}
         for rnd in range(1, args.rounds + 1):
-            vals = {v: val(v, rnd, key) for v in order}
+            vals = {v: table[v].get(rnd) for v in order}
 
             def ratio(a, b, vals=vals):
                 return f"{vals[a] / vals[b]:.3f}" if vals.get(a) and vals.get(b) else "  -  "
@@ -266,17 +364,16 @@ def run(args) -> int:
                 + f"   {ratio('tl', 'tt8'):>6s}  {ratio('tl', 'tt1'):>6s}  {ratio('tl_nodiag', 'tt8'):>13s}"
                 + f"  {ratio('tl_diag_pw', 'tt8'):>14s}"
             )
-        meds = {}
-        for v in order:
-            xs = [x for x in (val(v, r, key) for r in range(1, args.rounds + 1)) if x]
-            meds[v] = statistics.median(xs) if xs else None
+        meds = {v: _median(results, v, key) for v in order}
         print("median" + " ".join(f"{meds[v]:11.0f}" if meds[v] else f"{'-':>11s}" for v in order))
         if meds.get("tt8"):
             for v in order:
                 if meds.get(v):
                     print(f"  {v:11s} / tt8 = {meds[v] / meds['tt8']:.3f}")
-    print(f"\nresults: {out_dir / 'results.json'}")
-    return 0 if all(r["rc"] == 0 for r in results) else 1
+    print(
+        f"\nresults: {out_dir / 'results.json'} (scripts/README.md's table: copy it to scripts/figures/bench_peer-cpu.json)"
+    )
+    return 0 if all(r["rc"] == 0 for r in results["runs"]) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
