@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Train with torchrun.  ./run_train.sh [--config FILE] [--section.key value ...]
 #   --help        every config key with its type, default and doc
+#   --rehearse W  rehearse the run as one rank of W on this machine: per-rank memory, compute,
+#                 traffic and diagnostics cost, no training (README: "Plan a cluster run")
 #   NGPU / NPROC  ranks on this node (default: the GPU count, else 2 CPU ranks)
 #   LOG_RANK      which local ranks print to the console (default 0; e.g. 0,1); every rank's
 #                 output is kept in <run folder>/logs
@@ -16,8 +18,15 @@ for arg in "$@"; do
     case "$arg" in -h | --help) exec "$PY" -m titanlite.preflight --help ;; esac
 done
 
-args=("$@")
-case " $* " in
+args=()
+while (($#)); do  # --rehearse W: the cluster rehearsal, --rehearsal.world W (titanlite/rehearsal)
+    case "$1" in
+        --rehearse) args+=(--rehearsal.world "${2:-}"); shift $(($# > 1 ? 2 : 1)) ;;
+        --rehearse=*) args+=(--rehearsal.world "${1#--rehearse=}"); shift ;;
+        *) args+=("$1"); shift ;;
+    esac
+done
+case " ${args[*]} " in
     *" --config "* | *" --config="*) ;;
     *) args=(--config train_configs/debug_model.toml "${args[@]}") ;;
 esac

@@ -335,9 +335,10 @@ def test_a_config_file_that_is_not_text_or_is_a_folder_is_one_line(tmp_path):
     skip=st.sampled_from(["auto", "on", "off"]),
     method=st.sampled_from(["auto", "exact", "sketch"]),
     diagnostics=st.booleans(),
+    sketch_dim=st.integers(16, 80),
 )
 def test_the_plan_is_resolved_once_or_refused_in_one_line(
-    world, replicate, shard, global_batch, local, seq, mode, skip, method, diagnostics
+    world, replicate, shard, global_batch, local, seq, mode, skip, method, diagnostics, sketch_dim
 ):
     """Any layout, batch and method at any world size: the plan either holds together (the
     global batch is dp x local x accumulation, tokens per step and the batch unit follow, the
@@ -349,6 +350,7 @@ def test_the_plan_is_resolved_once_or_refused_in_one_line(
     p.dp_replicate, p.dp_shard, p.mode, p.skip_grad_sync = replicate, shard, mode, skip
     t.global_batch_size, t.local_batch_size, t.seq_len = global_batch, local, seq
     cfg.diagnostics.method, cfg.diagnostics.enable = method, diagnostics
+    cfg.diagnostics.sketch_dim = sketch_dim
     try:
         sampler = GlobalBatchSampler([max(global_batch, 1)], global_batch, local, 0, world, 0)
     except UserError as e:
@@ -364,4 +366,6 @@ def test_the_plan_is_resolved_once_or_refused_in_one_line(
     assert plan.batch_unit * plan.grad_accum == plan.global_batch
     assert plan.diagnostics_method in ("exact", "sketch")
     assert plan.diagnostics_method == method or method == "auto"
+    if method == "auto" and 4 * plan.dp > sketch_dim:  # past it the sketch sends less than the Gram
+        assert plan.diagnostics_method == "sketch"
     assert sampler is not None and sampler.grad_accum == plan.grad_accum

@@ -61,6 +61,8 @@ COMMANDS = {
         "NPROC=4 ./run_train.sh --parallelism.dp_replicate 2 --training.local_batch_size 2": f"short: {TRAIN}",
         "sbatch --nodes 4 scripts/train.slurm --config train_configs/llama_1b.toml": "skip: a SLURM cluster "
         "(tests/test_operations.py runs scripts/train.slurm's two tasks here)",
+        "./run_train.sh --rehearse 64": "skip: tests/test_rehearsal.py runs ./run_train.sh --rehearse 16",
+        "./run_train.sh --rehearse 1024 --config train_configs/llama_8b.toml": GPU,
     },
     "scripts/README.md": {
         "./scripts/invariance.py --config train_configs/debug_sft.toml --dp 8 16 --steps 30 "

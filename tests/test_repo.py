@@ -21,7 +21,7 @@ from pathlib import Path
 
 from helpers import REPO, load_script
 
-TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 400
+TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 440
 # A figures file (by the start of its name) -> the script and function that render it: the
 # script writes the file, a README holds its rendering between
 # `<!-- figures: PATH -->` and `<!-- end figures -->` (PATH relative to the README).
@@ -34,6 +34,8 @@ RENDERERS = {
     "bench_data": ("bench_data", "markdown"),
     "bench_packing": ("bench", "packing_markdown"),
     "bench_peer": ("peer/bench_peer", "markdown"),
+    "rehearsal": ("rehearse_sweep", "example_markdown"),
+    "rehearse_sweep": ("rehearse_sweep", "sweep_markdown"),
 }
 BLOCK = re.compile(r"<!-- figures: (\S+) -->\n(.*?)<!-- end figures -->", re.S)
 

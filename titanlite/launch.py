@@ -58,7 +58,7 @@ from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
 from titanlite.config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.errors import EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError
+from titanlite.errors import ENDINGS, EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError, report
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
 from titanlite.tools.paths import existing_parent
@@ -286,6 +286,15 @@ def main(argv: list[str]) -> int:
         plan = plan_run(args.training_script_args, world, nnodes, hold=hold)
         os.environ[NOTES_SHOWN_ENV] = "1"  # the workers load the same config: no second note
         run_dir = plan.run_dir
+        if plan.cfg.rehearsal.world:  # one process, here, in place of torchrun's workers
+            from titanlite.rehearsal.run import rehearse
+
+            plan.cfg.job.run_name = run_dir.name
+            try:
+                rehearse(plan.cfg)
+            except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
+                return report(e)
+            return 0
         if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
         if lock is not None:

@@ -73,7 +73,7 @@ def plan_run(
     without it, a folder a live run holds is refused. Either way that comes before its
     checkpoints are read, which a live run may be writing and pruning."""
     cfg, path = parse_args(argv)
-    layout = validate(cfg, world_size)
+    layout = validate(cfg, cfg.rehearsal.world or world_size)  # a rehearsal's world is the one it rehearses
     check_data_files(cfg)
     check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)

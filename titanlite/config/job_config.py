@@ -281,6 +281,25 @@ class Comm:
 
 
 @dataclass
+class Rehearsal:
+    world: int = opt(
+        0,
+        "rehearse the run as rank 0 of this many ranks, in one process, with torch's fake process group "
+        "(./run_train.sh --rehearse W): per-rank memory, compute, traffic and diagnostics cost; 0: train",
+        at_least=0,
+    )
+    steps: int = opt(
+        7,
+        "steps a rehearsal runs: the first builds the optimizer state (and compiles), two are watched "
+        "(memory, bytes, host reads), the rest timed",
+        at_least=5,
+    )
+    link_gbps: float = opt(
+        400.0, "each rank's network bandwidth in Gbit/s, for the communication time per step", above=0.0
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -298,3 +317,4 @@ class JobConfig:
     diagnostics: Diagnostics = field(default_factory=Diagnostics)
     alerts: Alerts = field(default_factory=Alerts)
     debug: Debug = field(default_factory=Debug)
+    rehearsal: Rehearsal = field(default_factory=Rehearsal)

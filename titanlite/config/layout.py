@@ -95,9 +95,10 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     for name in ("seq_len", "steps"):
         if getattr(t, name) < 1:
             raise UserError(f"training.{name} is {getattr(t, name)}; it must be >= 1")
-    accum = accumulation(t.global_batch_size, t.local_batch_size, p.dp_replicate * shard)
+    dp = p.dp_replicate * shard
+    accum = accumulation(t.global_batch_size, t.local_batch_size, dp)
     skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
-    method = resolve_method(cfg.diagnostics.method, mode, accum, skip)
+    method = resolve_method(cfg.diagnostics.method, mode, accum, skip, dp, cfg.diagnostics.sketch_dim)
     if cfg.diagnostics.enable and method == "exact" and mode == "hsdp":
         raise UserError(
             "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
@@ -114,7 +115,9 @@ def holds_unsharded_grads(layout: Layout) -> bool:
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
 
 
-def resolve_method(method: str, mode: str, grad_accum: int, skip_grad_sync: bool) -> str:
+def resolve_method(
+    method: str, mode: str, grad_accum: int, skip_grad_sync: bool, dp: int = 2, sketch_dim: int = 1024
+) -> str:
     """diagnostics.method (`method`) at a layout, `auto` resolved (Layout.diagnostics_method).
 
     `exact` needs each rank's whole-step local gradient at once. That is free under DDP, with one
@@ -123,10 +126,13 @@ def resolve_method(method: str, mode: str, grad_accum: int, skip_grad_sync: bool
     (4 bytes x all parameters per rank). The sketch is linear (the sketch of a sum is the sum of
     the sketches), so it accumulates per microbatch while FSDP reduce-scatters as usual, at
     O(world x sketch_dim) memory: `auto` takes it there, and under HSDP, where exact cannot work.
+    It also takes it past dp = sketch_dim / 4 ranks, where exact's all-reduce of the dp x dp
+    float64 Gram (16 dp^2 bytes a rank sends) outweighs the gather of the float32 sketches
+    (4 dp sketch_dim bytes; scripts/rehearse_sweep.py measures both).
     """
     if method != "auto":
         return method
-    if mode == "hsdp":
+    if mode == "hsdp" or 4 * dp > sketch_dim:
         return "sketch"
     return "exact" if grad_accum == 1 or skip_grad_sync else "sketch"
 

@@ -24,6 +24,7 @@ else:  # pragma: no cover - exercised only on Python < 3.11
 
 from titanlite.config.job_config import JobConfig
 from titanlite.config.moved import MOVED_KEYS, Split, new_values
+from titanlite.config.rehearsal import apply_rehearsal
 from titanlite.errors import UserError
 
 
@@ -216,6 +217,9 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
         for new, now in _moved(dotted, value, True).items():
             _set(cfg, new, now, from_cli=isinstance(entry, str))  # a split's values are typed
     _deprecated(found)
+    rehearsal = apply_rehearsal(cfg)  # what a rehearsal sets, whoever reads the config
+    if rehearsal and not os.environ.get(NOTES_SHOWN_ENV):
+        print(f"titanlite: note: {rehearsal}", file=sys.stderr)
     return cfg
 
 

@@ -93,7 +93,7 @@ class Diagnostics:
     method: str = opt(
         "auto",
         "gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold "
-        "unsharded grads across microbatches (fsdp with accumulation) or under hsdp",
+        "unsharded grads across microbatches (fsdp with accumulation), under hsdp, or past dp = sketch_dim / 4",
         choices=("auto", "exact", "sketch"),
     )
     sketch_dim: int = opt(

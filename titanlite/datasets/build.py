@@ -34,6 +34,7 @@ from titanlite.datasets.tokenizer import (
     load_tokenizer,
     train_builtin_tokenizer,
 )
+from titanlite.distributed.groups import host_group
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir, disk_full
@@ -61,7 +62,7 @@ def _built_once(path: Path, build, is_builder: bool) -> None:
             error = f"building {path.name}: {full}; free space or move the cache (data.cache_dir, TITANLITE_CACHE)"
     # The others wait for work here, not for a peer: on a group whose timeout is not
     # comm.timeout_s, which a user may set to seconds to catch hung ranks fast.
-    waiting = dist.new_group(backend="gloo", timeout=BUILD_WAIT) if dist.is_initialized() else None
+    waiting = host_group(BUILD_WAIT) if dist.is_initialized() else None
     error = first_error(error, waiting)
     if error:
         raise UserError(error)

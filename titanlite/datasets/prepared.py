@@ -7,6 +7,7 @@ mapped at a time (a few thousand shards would otherwise exhaust file descriptors
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections import OrderedDict
 from pathlib import Path
@@ -200,8 +201,8 @@ class Prepared:
     def source(self, d: int) -> dict:
         """Where document d came from: its file, kind and row (0-based line or table row)."""
         k, j = self._doc(d)
-        pieces = self.shards[k]["pieces"]
-        p = max(i for i, piece in enumerate(pieces) if piece[1] <= j)
+        pieces = self.shards[k]["pieces"]  # (source, first document, first row), by first document
+        p = bisect.bisect_right(pieces, j, key=lambda piece: piece[1]) - 1
         src, first_doc, row_base = pieces[p]
         entry = self.meta["sources"][src]
         return {

@@ -28,7 +28,8 @@ SAME = ("step", "name", "ranks", "message", "level")
 
 
 def upgrade(rec: dict, where: str = "a diagnostics record") -> dict:
-    """A record in today's format (version 1 is today's: nothing to convert yet)."""
+    """A record in today's format. Version 1 has every pair's cosine and not the summaries that
+    version 2 adds; window.point derives them from its cos_matrix as it reads it."""
     version = rec.get("version", 1)
     if not isinstance(version, int) or version > RECORD_VERSION:
         raise UserError(

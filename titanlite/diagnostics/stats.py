@@ -26,6 +26,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+# Ranks up to which a record keeps every pair's cosine (cos_matrix, W^2 values); beyond, each
+# rank's summaries (its cosine to the mean, to the others, its median to the others).
+PAIRS_KEPT = 64
+
 
 def _pstd(xs: list[float]) -> float:
     if not xs:
@@ -45,7 +51,9 @@ def _argmin(values: list[float], ranks: list[int]) -> int:
 def step_metrics(
     loss_sums: list[float], tokens: list[float], norms_sq: list[float] | None, gram: list[list[float]] | None
 ) -> dict:
-    """All per-step diagnostics (see module doc). Per-rank vectors are kept in full."""
+    """All per-step diagnostics (see module doc): per-rank vectors in full, every pair's cosine
+    up to PAIRS_KEPT ranks. The Gram's work is tensor arithmetic, so rank 0's host time stays
+    under a second at thousands of ranks (scripts/rehearse_sweep.py measures it)."""
     world = len(tokens)
     total = sum(tokens)
     live = [r for r in range(world) if tokens[r] > 0]
@@ -81,42 +89,64 @@ def step_metrics(
         grad_norm_range=max(live_norms) - min(live_norms),
         grad_norm_max_rank=_argmax(live_norms, live),
     )
-    diag = [math.sqrt(max(gram[r][r], 0.0)) for r in range(world)]
-    pairs = [
-        gram[i][j] / (diag[i] * diag[j])
-        for a, i in enumerate(live)
-        for j in live[a + 1 :]
-        if diag[i] > 0 and diag[j] > 0
-    ]
-    total_sq = sum(gram[i][j] for i in range(world) for j in range(world))
-    to_mean = [
-        sum(gram[r]) / (diag[r] * math.sqrt(total_sq)) if r in live and diag[r] > 0 and total_sq > 0 else None
-        for r in range(world)
-    ]
-    to_others = []
-    for r in range(world):
-        others = [j for j in range(world) if j != r]
-        sq = sum(gram[j][k] for j in others for k in others)
-        ok = r in live and diag[r] > 0 and sq > 0
-        to_others.append(sum(gram[r][j] for j in others) / (diag[r] * math.sqrt(sq)) if ok else None)
+    g = torch.as_tensor(gram, dtype=torch.float64)
+    own = g.diagonal()
+    diag = own.clamp(min=0).sqrt()
+    live_mask = torch.tensor([t > 0 for t in tokens])
+    ok = live_mask & (diag > 0)
+    cos = torch.where(ok[:, None] & ok[None, :], g / (diag[:, None] * diag[None, :]), math.nan)
+    pairs = cos[torch.triu(ok[:, None] & ok[None, :], diagonal=1)]
+    total_sq, row = g.sum(), g.sum(1)
+    others_sq = total_sq - 2 * row + own  # the Gram's sum over every pair but rank r's
+    to_mean = _listed(torch.where(ok & (total_sq > 0), row / (diag * total_sq.clamp(min=0).sqrt()), math.nan))
+    to_others = _listed(
+        torch.where(ok & (others_sq > 0), (row - own) / (diag * others_sq.clamp(min=0).sqrt()), math.nan)
+    )
     live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
     m.update(
-        cos_matrix=[
-            [gram[i][j] / (diag[i] * diag[j]) if diag[i] > 0 and diag[j] > 0 else None for j in range(world)]
-            for i in range(world)
-        ],
-        cos_mean_pairwise=sum(pairs) / len(pairs) if pairs else None,
+        cos_mean_pairwise=float(pairs.mean()) if pairs.numel() else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
         cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
         if live_cos
         else None,
         rank_cos_to_others=to_others,
+        rank_cos_median=cos_medians(cos, live),
+        rank_noise=rank_noise(norms, tokens, cos),
     )
+    if world <= PAIRS_KEPT:
+        m["cos_matrix"] = [_listed(r) for r in cos]
     return m
 
 
-def rank_noise(norms: list, tokens: list, cos: list) -> list[float | None]:
+def _listed(values: torch.Tensor) -> list[float | None]:
+    """A vector as a record's list: NaN (no value) as None."""
+    return [None if v != v else v for v in values.tolist()]
+
+
+def _matrix(cos: torch.Tensor | list) -> torch.Tensor:
+    """Cosines as a float64 matrix, NaN where a record holds None (a rank without a gradient)."""
+    if isinstance(cos, torch.Tensor):
+        return cos
+    return torch.tensor([[math.nan if v is None else v for v in row] for row in cos], dtype=torch.float64)
+
+
+def cos_medians(cos: torch.Tensor | list, live: list[int]) -> list[float | None]:
+    """Each live rank's median cosine to the other live ranks (the mean of the two middle values
+    of an even count, as statistics.median); None without any."""
+    c = _matrix(cos)
+    world = c.shape[0]
+    in_live = torch.zeros(world, dtype=torch.bool)
+    in_live[live] = True
+    mask = in_live[:, None] & in_live[None, :] & ~torch.eye(world, dtype=torch.bool) & ~c.isnan()
+    ordered = torch.where(mask, c, math.inf).sort(dim=1).values
+    k = mask.sum(1)
+    low, high = ((k - 1).clamp(min=0) // 2)[:, None], (k // 2).clamp(max=world - 1)[:, None]
+    med = (ordered.gather(1, low) + ordered.gather(1, high)).squeeze(1) / 2
+    return [med[r].item() if in_live[r] and k[r] > 0 else None for r in range(world)]
+
+
+def rank_noise(norms: list, tokens: list, cos: torch.Tensor | list) -> list[float | None]:
     r"""Each rank's gradient noise per token, sqrt(tr(\Sigma)) estimated from its own gradient:
     its norm with its token count taken out, so that a rank handed few valid tokens (SFT) does not
     look noisy. With E||g_r||^2 = |G|^2 + tr(\Sigma)/n_r and E||G_N||^2 = |G|^2 + tr(\Sigma)/N
@@ -126,10 +156,11 @@ def rank_noise(norms: list, tokens: list, cos: list) -> list[float | None]:
     for all when fewer than 2 ranks have them or a cosine is missing."""
     live = [r for r, n in enumerate(tokens) if n > 0 and norms[r] is not None]
     total = sum(tokens[r] for r in live)
-    if len(live) < 2 or any(cos[i][j] is None for i in live for j in live):
+    c = _matrix(cos)[live][:, live] if len(live) >= 2 else None
+    if c is None or c.isnan().any():
         return [None] * len(tokens)
-    weighted = {r: norms[r] * tokens[r] / total for r in live}  # ||h_r||
-    global_sq = sum(cos[i][j] * weighted[i] * weighted[j] for i in live for j in live)
+    weighted = torch.tensor([norms[r] * tokens[r] / total for r in live], dtype=torch.float64)  # ||h_r||
+    global_sq = float(weighted @ c @ weighted)
     out: list[float | None] = [None] * len(tokens)
     for r in live:
         out[r] = math.sqrt(max(norms[r] ** 2 - global_sq, 0.0) / (1 / tokens[r] - 1 / total))

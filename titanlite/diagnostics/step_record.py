@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 # The format of a diagnostics.jsonl record (component.Diagnostics.collect builds it from the rows);
-# replay.upgrade reads every earlier one.
-RECORD_VERSION = 1
+# replay.upgrade reads every earlier one. 2: each rank's median cosine to the others and its
+# gradient noise (rank_cos_median, rank_noise), every pair's cosine only up to stats.PAIRS_KEPT ranks.
+RECORD_VERSION = 2
 SCALARS = ("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s")
 PER_SEQUENCE = ("loss_sum", "tokens", "index", "content")
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics.stats import rank_noise
+from titanlite.diagnostics.stats import cos_medians, rank_noise
 
 # The rules that single a rank out by comparing it with the others at one step, or judge the
 # loss spread, need 3+ live ranks: of two, one is always the higher, and the std is one
@@ -58,12 +58,11 @@ def point(rec: dict) -> Point | None:
     others = [losses[r] for r in live if r != max_rank]
     gap = (losses[max_rank] - statistics.fmean(others)) / loss if max_rank is not None and loss > 0 else 0.0
     low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
-    cos = rec.get("cos_matrix")
-    if cos and len(live) >= SPREAD_RANKS:
+    cos = rec.get("cos_matrix")  # a record of version 1 has no summaries of its own
+    medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
+    if medians and len(live) >= SPREAD_RANKS:
         # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
-        med = {
-            r: statistics.median(cos[r][j] for j in live if j != r and cos[r][j] is not None) for r in live
-        }
+        med = {r: medians[r] for r in live if medians[r] is not None}
         low_rank = min(med, key=med.get)
         low_margin = statistics.median(v for r, v in med.items() if r != low_rank) - med[low_rank]
     norms = rec.get("rank_grad_norm")
@@ -85,7 +84,11 @@ def point(rec: dict) -> Point | None:
         big_ratio,
         rank_loss=list(losses),
         rank_norm=list(norms) if norms else None,
-        rank_noise=rank_noise(norms, tokens, cos) if norms and cos else None,
+        rank_noise=rec["rank_noise"]
+        if "rank_noise" in rec
+        else rank_noise(norms, tokens, cos)
+        if norms and cos
+        else None,
         rank_wait=rec.get("rank_wait_s"),
         rank_load=rec.get("rank_load_s"),
         step_s=rec.get("step_s"),

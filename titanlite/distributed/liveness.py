@@ -34,6 +34,8 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from titanlite.distributed.groups import rehearsing
+
 logger = logging.getLogger("titanlite")
 
 _KEY = "titanlite/reached/"
@@ -116,7 +118,10 @@ class Heartbeat:
         self._since = time.monotonic()
         self._period = period
         self._stop = threading.Event()
-        self._store = dist.distributed_c10d._get_default_store() if self.world > 1 else None
+        # a rehearsal's store is fake: there is no peer to tell
+        self._store = (
+            dist.distributed_c10d._get_default_store() if self.world > 1 and not rehearsing() else None
+        )
         if self._store is not None:
             self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self._thread.start()

@@ -1,17 +1,18 @@
-"""Process group, device and the data-parallel DeviceMesh (dp_replicate x dp_shard)."""
+"""Device and the data-parallel DeviceMesh (dp_replicate x dp_shard); the process groups:
+titanlite.distributed.groups."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 from dataclasses import dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.config.layout import Layout
+from titanlite.distributed.groups import init_distributed  # noqa: F401  (a fork may import it from here)
 from titanlite.errors import UserError
 
 
@@ -23,43 +24,6 @@ def resolve_device(choice: str) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def init_distributed(device: torch.device, timeout_s: int = 600) -> None:
-    """nccl on CUDA, gloo on CPU. Without torchrun's env, a one-rank group on a free port."""
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    timeout = timedelta(seconds=timeout_s)
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent hosts the store and keeps it when it restarts the workers
-        # (--max-restarts). A group made by new_group keys its members' addresses by a name that
-        # repeats in every attempt, so a restarted worker would read a dead peer's address and
-        # fail to connect (torch 2.13, c10d rendezvous). A prefix per attempt keeps them apart.
-        store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-        )
-        kwargs.update(
-            store=dist.PrefixStore(
-                f"titanlite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
-            ),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-        )
-    dist.init_process_group(backend, timeout=timeout, **kwargs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
@@ -63,7 +64,11 @@ _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives issued while active, per (process group name, op).
+    """Counts the collectives issued while active, per (process group name, op), with their bytes:
+    `payload`, the buffer each moves (an all-gather's whole output, a reduce-scatter's whole
+    input, an all-reduce's tensor), and `wire`, what one rank sends of it in a ring over the
+    group's n ranks: (n-1)/n of the payload, twice for an all-reduce (NCCL's bus-bandwidth
+    convention, nccl-tests' PERFORMANCE.md).
 
     A dispatch mode sees every collective whatever issued it (Python, DDP's reducer, FSDP's
     hooks, DTensor's redistributions), with the group it runs on. `groups` maps group names to
@@ -76,6 +81,8 @@ class CollectiveCounter(TorchDispatchMode):
         self.groups = groups or {}
         self.other = other
         self.counts: collections.Counter = collections.Counter()
+        self.payload: collections.Counter = collections.Counter()
+        self.wire: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is not torch.Tensor for t in types):
@@ -84,8 +91,12 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented
         ns, op = func.namespace, func._opname
         if ns == "c10d" or (ns == "_c10d_functional" and op not in _NOT_COLLECTIVES):
-            group = _group_name(ns, args, kwargs or {})
-            self.counts[(self.groups.get(group, self.other or group), op.rstrip("_"))] += 1
+            group, size = _group(ns, args, kwargs or {})
+            key = (self.groups.get(group, self.other or group), op.rstrip("_"))
+            payload = _payload(ns, op, args, size)
+            self.counts[key] += 1
+            self.payload[key] += payload
+            self.wire[key] += payload * (size - 1) / size * (2 if _is_all_reduce(op) else 1)
         return func(*args, **(kwargs or {}))
 
     def by_group(self) -> dict[str, dict[str, int]]:
@@ -95,10 +106,33 @@ class CollectiveCounter(TorchDispatchMode):
         return out
 
 
-def _group_name(ns: str, args: tuple, kwargs: dict) -> str:
+def _group(ns: str, args: tuple, kwargs: dict) -> tuple[str, int]:
+    """The group's name and size."""
     if ns == "_c10d_functional":  # the group travels by name, the last positional argument
-        return str(kwargs.get("group_name", args[-1]))
+        name = str(kwargs.get("group_name", args[-1]))
+        return name, _resolve_process_group(name).size()
     for a in args:  # c10d ops take the ProcessGroup as a boxed script object
         if isinstance(a, torch._C.ScriptObject):
-            return torch._C._distributed_c10d.ProcessGroup.unbox(a).group_name
-    return "?"
+            pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
+            return pg.group_name, pg.size()
+    return "?", 1
+
+
+def _is_all_reduce(op: str) -> bool:
+    return op.replace("_", "").startswith("allreduce")
+
+
+def _bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    return sum(_bytes(y) for y in x) if isinstance(x, (list, tuple)) else 0
+
+
+def _payload(ns: str, op: str, args: tuple, size: int) -> int:
+    """The bytes one collective moves: its larger side (outputs or inputs, the first two
+    arguments of c10d's ops); a functional all-gather's output is its input times the group."""
+    if op == "barrier":
+        return 0
+    if ns == "_c10d_functional":
+        return _bytes(args[0]) * (size if op.startswith("all_gather") else 1)
+    return max(_bytes(args[0]), _bytes(args[1]) if len(args) > 1 else 0)

@@ -4,7 +4,7 @@ reached, for the log.
 A model that cannot fit stops with a message instead of swapping or being OOM-killed.
 The estimate is deliberately simple and a little pessimistic:
   - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
-    the shard degree under FSDP/HSDP (whole under DDP);
+    the shard degree under FSDP/HSDP (whole under DDP), with FSDP's padding (shard_numel);
   - FSDP also holds one all-gathered block (params + grads, in the param dtype) at a time, or
     every block's params when they stay gathered from forward to backward
     (parallelism.reshard_after_forward: keeps_gathered_params);
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import resource
 from dataclasses import dataclass
@@ -105,6 +106,14 @@ def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, availab
     return policy == "never"
 
 
+def shard_numel(shape: torch.Size, shard: int) -> int:
+    """Elements of one rank's shard of a parameter: FSDP2 cuts dim 0 into `shard` equal chunks,
+    padded (torch.distributed.fsdp, FSDPParam), so a dim 0 of 256 over 1,024 ranks holds 1 row
+    a rank, four times its share, and every gather moves the padding too."""
+    rows = shape[0] if len(shape) else 1
+    return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
+
+
 def estimate_memory(
     model: nn.Module,
     block_params: int,
@@ -125,10 +134,12 @@ def estimate_memory(
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
     divisor = shard if mode in ("fsdp", "hsdp") else 1
-    states = 16 * params / divisor
+    sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
+    states = 16 * sharded
     gathered = 0.0
     if mode in ("fsdp", "hsdp"):  # every block's params, and one block's gradient; else one block's both
-        gathered = (params + block_params if keep_gathered else 2 * block_params) * param_bytes
+        padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
+        gathered = (params + block_params if keep_gathered else 2 * block_params) * padding * param_bytes
     tokens = local_batch * seq_len
     per_layer = tokens * 34 * dim * param_bytes
     if activation_checkpoint == "full":  # each block's input, and one block's recomputed activations

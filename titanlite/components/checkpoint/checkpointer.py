@@ -63,6 +63,7 @@ from titanlite.components.optimizer import continue_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due
 from titanlite.config.identity import identity
+from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
@@ -111,11 +112,7 @@ class Checkpointer:
         self.world = dist.get_world_size()
         self.faults = faults or Faults(cfg.debug, cfg.training.seed, self.rank, self.world)
         self.is_async = cfg.checkpoint.async_mode == "async"
-        self.group = (
-            dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.comm.timeout_s))
-            if self.is_async
-            else None
-        )
+        self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
         self._pending: tuple[int, Path, Future] | None = None
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)

@@ -23,7 +23,13 @@ from titanlite.components.checkpoint.index import quarantine_damaged
 from titanlite.components.metrics import truncate_after
 from titanlite.components.run.files import RunFiles
 from titanlite.components.run.lock import HELD_ENV, RunLock
-from titanlite.components.run.plan import checkpoint_folder, is_restart, resume_plan, run_folder
+from titanlite.components.run.plan import (
+    REHEARSAL_FILE,
+    checkpoint_folder,
+    is_restart,
+    resume_plan,
+    run_folder,
+)
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -111,3 +117,7 @@ def _write(cfg: JobConfig, run_dir: Path, info: dict, resume: int | None) -> Non
         truncate_after(run_dir, resume or 0)
     (run_dir / "config.toml").write_text(to_toml(cfg))
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
+    if cfg.rehearsal.world:  # the mark that no training run may resume here (REHEARSAL_FILE)
+        (run_dir / REHEARSAL_FILE).write_text(
+            json.dumps({"world": cfg.rehearsal.world, "complete": False}) + "\n"
+        )

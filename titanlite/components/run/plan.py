@@ -21,11 +21,16 @@ from titanlite.config import JobConfig
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
 
+# In a rehearsal's run folder (titanlite.rehearsal): its report, and the mark that it is one.
+REHEARSAL_FILE = "rehearsal.json"
+
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
     if cfg.job.run_name:
         return cfg.job.run_name
     stem = Path(config_path).stem if config_path else "default"
+    if cfg.rehearsal.world:
+        stem += f"-rehearse{cfg.rehearsal.world}"
     if os.environ.get("SLURM_JOB_ID"):
         return f"{stem}-slurm{os.environ['SLURM_JOB_ID']}"
     if nnodes > 1:
@@ -68,6 +73,16 @@ def resume_plan(
     (unless this is torchrun restarting this very run, which then starts over). A folder whose
     run never logged a step (a start that failed) holds nothing to lose: the same command reuses
     it. `data`: what the run's data holds (check_resumable), if known."""
+    if (run_dir / REHEARSAL_FILE).is_file() != bool(cfg.rehearsal.world) and (
+        run_dir / "config.toml"
+    ).is_file():
+        held = "a rehearsal, which trained nothing" if cfg.rehearsal.world == 0 else "a training run"
+        raise UserError(
+            f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: "
+            "pick another --job.run_name or move it"
+        )
+    if cfg.rehearsal.world:
+        return None, None  # a rehearsal never resumes: it starts over in its own folder
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
     metrics = run_dir / "metrics.jsonl"

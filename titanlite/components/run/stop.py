@@ -30,6 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlite.distributed.groups import host_group
 from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -59,7 +60,7 @@ class StopSignals:
     def arm(self, timeout_s: int) -> None:
         """Every rank, once, as the loop starts."""
         if dist.get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            self.group = host_group(timedelta(seconds=timeout_s))
         self.armed = True
 
     def poll(self) -> int:

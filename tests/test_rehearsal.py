@@ -1,0 +1,183 @@
+"""The cluster rehearsal (titanlite/rehearsal): the job as rank 0 of W ranks on torch's fake process
+group, against a real 2-rank run, FSDP's analytic volume, the memory estimate and the diagnostics'
+formula; its plan over generated configs; the front door; the torch internals it stands on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from helpers import REPO, check, torchrun
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titanlite.components.run.plan import REHEARSAL_FILE, resume_plan
+from titanlite.config import parse_args
+from titanlite.config.job_config import Diagnostics
+from titanlite.config.manager import load_config, to_toml
+from titanlite.config.rehearsal import rehearsal_batch
+from titanlite.diagnostics.sketch import prev_prime
+from titanlite.distributed import groups
+from titanlite.errors import UserError
+from titanlite.rehearsal import meter
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """tests/workers/rehearsal.py: one torchrun of 2 ranks, a real step then the rehearsals."""
+    tmp = tmp_path_factory.mktemp("rehearsal")
+    check(torchrun(2, "tests/workers/rehearsal.py", str(tmp / "out.json"), str(tmp / "runs"), timeout=900))
+    return json.loads((tmp / "out.json").read_text())
+
+
+def _wire(report: dict) -> float:
+    return sum(report["traffic_bytes"].values())
+
+
+def test_collective_bytes_are_fsdps_volume_with_its_padding(runs):
+    """Per step, params kept gathered: one all-gather of every parameter and one reduce-scatter
+    of every gradient, fp32, each dim 0 padded to a multiple of W; a rank sends (W-1)/W of each."""
+    for world in ("2", "8", "64", "1024"):
+        r, padded = runs["rehearsed"][world], runs["padded"][world]
+        w = int(world)
+        analytic = 2 * padded * 4 * (w - 1) / w
+        assert _wire(r) == pytest.approx(analytic, rel=0.05), world
+        assert r["host_reads"] == 0, (world, r["steps"])
+    # at 1,024 ranks the debug model's 256-row weights are padded to 1,024 rows: the padding counts
+    assert runs["padded"]["1024"] > 2 * runs["params"]
+
+
+def test_tensor_memory_falls_with_w_as_the_estimate_says(runs):
+    r = runs["rehearsed"]
+    params = runs["params"]
+    # 2 -> 64 ranks: the sharded params and AdamW's moments (12 bytes a param) shrink; the
+    # estimate also shards the gradients (16 bytes), which do not yet exist at the step's peak
+    drop = r["2"]["peak_bytes"] - r["64"]["peak_bytes"]
+    shrink = 1 / 2 - 1 / 64
+    assert 12 * params * shrink * 0.95 <= drop <= 16 * params * shrink * 1.05
+    assert r["2"]["estimate_bytes"] - r["64"]["estimate_bytes"] == pytest.approx(
+        16 * params * shrink, rel=0.01
+    )
+    # 64 -> 1,024: FSDP's padding makes the gathered params grow, as the estimate counts it
+    rise = r["1024"]["peak_bytes"] - r["64"]["peak_bytes"]
+    assert rise > 0
+    assert rise == pytest.approx(r["1024"]["estimate_bytes"] - r["64"]["estimate_bytes"], rel=0.15)
+    for report in r.values():  # the estimate stays above the peak (deliberately pessimistic)
+        assert report["peak_bytes"] < report["estimate_bytes"]
+
+
+def test_a_rehearsed_step_matches_a_real_two_rank_step(runs):
+    real, rehearsed = runs["real"], runs["rehearsed"]["2"]
+    assert rehearsed["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.15)
+    real_wire = sum(op["wire"] for ops in real["collectives"].values() for op in ops.values())
+    assert _wire(rehearsed) == pytest.approx(real_wire, rel=0.05)
+    assert real["host_reads"] == {}
+
+
+def test_the_diagnostics_bytes_follow_their_formula(runs):
+    """A measured step at W ranks of n sequences each: one all-gather of every rank's record (7 +
+    4 n float64) and the start barrier's one-float all-reduce; exact adds the all-reduce of the
+    W x W float64 Gram, sketch the all-gather of every rank's k float32 sketch."""
+    n, k = 4, prev_prime(Diagnostics().sketch_dim)  # sequences a rank; the sketch's dimensions
+    for case, w, method in (
+        ("exact-64", 64, "exact"),
+        ("sketch-64", 64, "sketch"),
+        ("auto-1024", 1024, "sketch"),
+    ):
+        share = (w - 1) / w
+        common = share * w * (7 + 4 * n) * 8 + 2 * share * 4
+        formula = {"exact": common + 2 * share * w * w * 8, "sketch": common + share * w * k * 4}[method]
+        r = runs["rehearsed"][case]
+        assert r["layout"]["diagnostics"] == method, case  # auto: the sketch past sketch_dim / 4 ranks
+        d = r["diagnostics"]
+        assert sum(d["traffic_bytes"].values()) == pytest.approx(formula, rel=0.05), case
+        assert d["record_bytes"] > 0 and d["host_s"] > 0
+
+
+def test_a_record_at_1024_ranks_keeps_summaries_not_pairs(runs):
+    """At 1,024 ranks a record holds each rank's figures and summaries, not the 1,024^2 pairs:
+    under 1 MB (rank 0's host time on it is scripts/rehearse_sweep.py's to measure)."""
+    assert runs["rehearsed"]["auto-1024"]["diagnostics"]["record_bytes"] < 2**20
+    assert runs["rehearsed"]["exact-64"]["diagnostics"]["record_bytes"] > 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    world=st.integers(1, 4096),
+    local=st.integers(1, 64),
+    global_batch=st.integers(1, 10**5),
+    steps=st.integers(5, 50),
+)
+def test_a_rehearsal_plan_holds_for_any_batch(world, local, global_batch, steps):
+    """The global batch splits over W ranks, keeps the config's where it can, and every key a
+    rehearsal sets is a valid value of its field (the config round-trips through config.toml)."""
+    batch = rehearsal_batch(global_batch, local, world)
+    assert batch % (world * local) == 0
+    assert (batch == global_batch) == (global_batch % (world * local) == 0)
+    cfg, _ = parse_args(
+        [
+            "--rehearsal.world", str(world), "--rehearsal.steps", str(steps),
+            "--training.local_batch_size", str(local), "--training.global_batch_size", str(global_batch),
+        ]
+    )  # fmt: skip
+    assert cfg.training.global_batch_size == batch and cfg.training.steps == steps
+    assert not cfg.checkpoint.saves and not cfg.eval.at_end and cfg.eval.every == 0
+    again = load_config(None, [])
+    assert again.rehearsal.world == 0  # a plain config is untouched
+
+
+def test_config_round_trip_of_a_rehearsal(tmp_path):
+    cfg, _ = parse_args(["--rehearsal.world", "64", "--checkpoint.every", "5", "--eval.every", "3"])
+    path = tmp_path / "config.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(str(path)) == cfg
+
+
+def test_a_rehearsal_and_a_training_run_never_share_a_folder(tmp_path):
+    real, _ = parse_args(["--job.dump_folder", str(tmp_path)])
+    rehearsal, _ = parse_args(["--job.dump_folder", str(tmp_path), "--rehearsal.world", "8"])
+    rehearsed, trained = tmp_path / "rehearsed", tmp_path / "trained"
+    for folder in (rehearsed, trained):
+        folder.mkdir()
+        (folder / "config.toml").write_text(to_toml(rehearsal if folder is rehearsed else real))
+    (rehearsed / REHEARSAL_FILE).write_text("{}")
+    with pytest.raises(UserError, match="holds a rehearsal, which trained nothing"):
+        resume_plan(real, rehearsed, restarted=False)
+    with pytest.raises(UserError, match="holds a training run"):
+        resume_plan(rehearsal, trained, restarted=False)
+    assert resume_plan(rehearsal, rehearsed, restarted=False) == (None, None)  # rehearsed again
+
+
+def test_the_torch_internals_it_needs_are_there_or_named(monkeypatch):
+    import torch.distributed as dist
+
+    assert isinstance(groups.fake_store(), dist.Store)
+    assert meter.mem_tracker() is not None
+    monkeypatch.setattr(groups, "FAKE_MODULE", "torch.no_such_module")
+    with pytest.raises(RuntimeError, match="torch.no_such_module"):
+        groups.fake_store()
+    monkeypatch.setattr(meter, "MEM_TRACKER", "torch.distributed._tools.mem_tracker.NoSuchTracker")
+    with pytest.raises(RuntimeError, match="NoSuchTracker"):
+        meter.mem_tracker()
+
+
+def test_run_train_rehearses_and_its_folder_cannot_be_trained(tmp_path):
+    env = {**os.environ, "NPROC": "2"}
+    cmd = ["./run_train.sh", "--rehearse", "16", "--job.dump_folder", str(tmp_path), "--job.run_name", "plan"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "rehearsal of rank 0 of 16" in proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "plan" / REHEARSAL_FILE).read_text())
+    assert report["world"] == 16 and report["layout"]["dp_shard"] == 16 and report["host_reads"] == 0
+    assert not (tmp_path / "plan" / "checkpoints").exists()
+    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--job.run_name", "plan"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert lines[-1].startswith("titanlite: error: run folder") and "holds a rehearsal" in lines[-1], (
+        proc.stderr
+    )

@@ -1,0 +1,83 @@
+"""Run under torchrun (2 ranks): a real 2-rank run's watched step, then the same job rehearsed.
+
+real: both ranks train the debug model (FSDP, params kept gathered, diagnostics off) for 2 steps;
+    rank 0's second step is watched by the rehearsal's own meter (titanlite.rehearsal.meter:
+    MemTracker, collective bytes, host reads), as a rehearsal watches its steps.
+rehearsed: then rank 0 alone, on torch's fake process group, rehearses that job at world 2, 8, 64
+    and 1,024 (one process group each, destroyed before the next), and with the diagnostics
+    measuring at 64 (`exact`, `sketch`) and at 1,024 (`auto`).
+
+Writes {"real": StepCost of rank 0, "rehearsed": {case: rehearsal.json}, "padded": {world:
+elements of the model with FSDP's padding at that shard degree}, "params": n} (rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import torch.distributed as dist
+
+from titanlite.config import parse_args
+from titanlite.models.registry import build_meta_model
+from titanlite.rehearsal.meter import StepMeter, group_labels
+from titanlite.rehearsal.run import rehearse
+from titanlite.tools.memory import shard_numel
+from titanlite.train import Trainer
+
+WORLDS = (2, 8, 64, 1024)
+DIAGNOSED = {"exact-64": (64, "exact"), "sketch-64": (64, "sketch"), "auto-1024": (1024, "auto")}
+
+
+def argv(runs: Path, *more: str) -> list[str]:
+    return [
+        "--config",
+        "train_configs/debug_model.toml",
+        "--job.dump_folder",
+        str(runs),
+        "--parallelism.reshard_after_forward",
+        "never",
+        "--training.steps",
+        "2",
+        *more,
+    ]
+
+
+def real_step(runs: Path) -> dict:
+    cfg, _ = parse_args(argv(runs, "--job.run_name", "real", "--diagnostics.enable", "false"))
+    trainer = Trainer(cfg)
+    try:
+        meter = StepMeter(trainer.device, trainer.model, trainer.optimizer, group_labels(trainer.dims, None))
+        meter.run(1, False, lambda: trainer.train_step(1), watch=False)
+        cost = meter.run(2, False, lambda: trainer.train_step(2), watch=True)
+        return asdict(cost)
+    finally:
+        trainer.close()
+
+
+def main(out: str, runs: str) -> None:
+    runs_dir = Path(runs)
+    real = real_step(runs_dir)
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    cases = {str(w): (w, None) for w in WORLDS} | DIAGNOSED
+    rehearsed, padded = {}, {}
+    for name, (world, method) in cases.items():
+        diag = ["--diagnostics.method", method] if method else ["--diagnostics.enable", "false"]
+        cfg, _ = parse_args(argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag))
+        rehearsed[name] = rehearse(cfg)
+        dist.destroy_process_group()
+    model = build_meta_model(parse_args(argv(runs_dir))[0], 2048).model
+    for world in WORLDS:
+        padded[str(world)] = world * sum(shard_numel(p.shape, world) for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    result = {"real": real, "rehearsed": rehearsed, "padded": padded, "params": params}
+    Path(out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

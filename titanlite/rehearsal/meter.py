@@ -1,0 +1,124 @@
+"""What one rehearsed step costs rank 0: compute time, peak tensor memory, collective bytes per
+process group and host reads.
+
+Peak memory is the CUDA allocator's on a GPU; on a CPU, torch's MemTracker (a dispatch mode that
+sees every tensor allocated and freed, so the process's own memory does not blur it). Both
+measure tensors only, as the memory estimate does. The watchers (MemTracker and the counters of
+titanlite.tools.instrument) slow the step they watch, so a step is either watched (memory,
+bytes, host reads) or timed, never both.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from titanlite.tools.instrument import CollectiveCounter, HostSyncCounter
+
+# The private tracker, named here so a torch upgrade that moves it fails in one place, loudly
+# (tests/test_rehearsal.py imports it).
+MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
+
+
+def mem_tracker():
+    import importlib
+
+    module, name = MEM_TRACKER.rsplit(".", 1)
+    try:
+        return getattr(importlib.import_module(module), name)()
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"torch {torch.__version__} has no {MEM_TRACKER} ({e}); a rehearsal on a CPU needs it: use "
+            "the torch pyproject.toml pins, or update titanlite/rehearsal/meter.py"
+        ) from None
+
+
+@dataclass
+class StepCost:
+    step: int
+    measured: bool  # a measured step of the diagnostics
+    compute_s: float  # a timed step: its time on this device, collectives returning at once (nan: watched)
+    peak_bytes: int  # a watched step: its peak tensor memory
+    host_reads: dict[str, int]  # titanlite's own host reads and syncs in the step (0 expected)
+    # per (group label, op): calls, payload bytes, bytes one rank sends
+    collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    collect_s: float = 0.0  # rank 0's host work on the diagnostics' record (its statistics, alerts)
+    record_bytes: int = 0  # that record as one JSON line of diagnostics.jsonl
+
+
+_SYNCS = HostSyncCounter()  # one for the process: installing patches torch.Tensor's methods
+
+
+class StepMeter:
+    """`run(step, measured, fn, watch)`: the cost of one rehearsed step, `fn`."""
+
+    def __init__(
+        self, device: torch.device, model: torch.nn.Module, optimizer, groups: dict[str, str]
+    ) -> None:
+        self.device, self.model, self.optimizer, self.groups = device, model, optimizer, groups
+        self.syncs = _SYNCS
+        self.syncs.install()
+
+    def run(self, step: int, measured: bool, fn, watch: bool) -> StepCost:
+        if not watch:
+            return StepCost(step, measured, self._timed(fn), 0, {})
+        cuda = self.device.type == "cuda"
+        collectives = CollectiveCounter(self.groups, other="other")
+        tracker = None
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            tracker = mem_tracker()
+            tracker.track_external(self.model, self.optimizer)
+        phase = f"rehearsal step {step} ({id(self)})"
+        with self.syncs.phase(phase), collectives:
+            if tracker is not None:
+                with tracker:
+                    fn()
+            else:
+                fn()
+        if cuda:
+            peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        return StepCost(
+            step,
+            measured,
+            float("nan"),
+            int(peak),
+            dict(self.syncs.counts.pop(phase, {})),
+            _by_group(collectives),
+        )
+
+    def _timed(self, fn) -> float:
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _by_group(c: CollectiveCounter) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for key, n in sorted(c.counts.items()):
+        group, op = key
+        out.setdefault(group, {})[op] = {"calls": n, "payload": c.payload[key], "wire": c.wire[key]}
+    return out
+
+
+def group_labels(dims, diagnostics) -> dict[str, str]:
+    """This rank's group names -> what they carry: the FSDP/HSDP mesh's dims, the world (the loss
+    normaliser's token count, the spike guard, DDP's reduction), the diagnostics' own group."""
+    labels = {dist.group.WORLD.group_name: "world"}
+    for name in dims.mesh.mesh_dim_names or ():
+        labels[dims.mesh.get_group(name).group_name] = name
+    if getattr(diagnostics, "group", None) is not None:
+        labels[diagnostics.group.group_name] = "diagnostics"
+    return labels

@@ -1,0 +1,127 @@
+"""The rehearsal's report (rehearsal.json) and its table, from the steps' costs.
+
+Traffic: the bytes one rank sends per step in a ring over each group (titanlite.tools.instrument),
+from the watched step the diagnostics did not measure; the diagnostics' own, the measured step's
+extra. Communication time: those bytes over `rehearsal.link_gbps`; FSDP issues the next block's
+gather while this one computes, so compute hides at most as much time as it takes itself.
+What a rehearsal cannot tell: NCCL's own speed and topology, stragglers, network contention, and
+a host's data loading beside its peers'.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from titanlite.config import JobConfig
+from titanlite.config.layout import Layout
+from titanlite.rehearsal.meter import StepCost
+from titanlite.tools.formatting import fmt
+
+GiB = 2**30
+
+
+def _median(values: list[float]) -> float | None:
+    values = [v for v in values if v == v]  # not nan
+    return statistics.median(values) if values else None
+
+
+def _wire(cost: StepCost, skip: tuple[str, ...] = ()) -> dict[str, float]:
+    """Bytes one rank sends per group in this step."""
+    return {
+        group: sum(op["wire"] for op in ops.values())
+        for group, ops in cost.collectives.items()
+        if group not in skip
+    }
+
+
+def summarize(
+    cfg: JobConfig, layout: Layout, meta, device: torch.device, diagnostics, costs: list[StepCost], estimate
+) -> dict[str, Any]:
+    watched = {c.measured: c for c in costs if c.peak_bytes}
+    timed = [c for c in costs[1:] if c.compute_s == c.compute_s]
+    plain = watched.get(False) or next(iter(watched.values()))
+    compute_s = _median([c.compute_s for c in timed if not c.measured]) or _median(
+        [c.compute_s for c in timed]
+    )
+    measured_s = _median([c.compute_s for c in timed if c.measured])
+    traffic = _wire(plain)
+    wire = sum(traffic.values())
+    link = cfg.rehearsal.link_gbps * 1e9 / 8
+    diag = watched.get(True)
+    collect = [c for c in costs if c.measured and c.record_bytes]
+    return {
+        "world": cfg.rehearsal.world,
+        "rank": 0,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "model": f"{cfg.model.name}/{cfg.model.flavor}",
+        "params": sum(p.numel() for p in meta.model.parameters()),
+        "layout": {
+            "mode": layout.mode,
+            "dp_replicate": layout.dp_replicate,
+            "dp_shard": layout.dp_shard,
+            "global_batch": layout.global_batch,
+            "local_batch": layout.local_batch,
+            "grad_accum": layout.grad_accum,
+            "seq_len": layout.seq_len,
+            "diagnostics": layout.diagnostics_method if diagnostics.enabled else "off",
+        },
+        "peak_bytes": plain.peak_bytes,
+        "estimate_bytes": estimate.total_bytes,
+        "estimate": estimate.summary(),
+        "compute_s": compute_s,
+        "tokens_per_s": layout.tokens_per_rank_step / compute_s if compute_s else None,
+        "traffic_bytes": traffic,
+        "link_gbps": cfg.rehearsal.link_gbps,
+        "comm_s": wire / link,
+        "comm_hidden": wire / link <= (compute_s or 0.0),
+        "host_reads": sum(n for c in costs if c.peak_bytes for n in c.host_reads.values()),
+        "diagnostics": None
+        if diag is None
+        else {
+            "step_s": measured_s - compute_s if measured_s is not None and compute_s is not None else None,
+            "peak_bytes": diag.peak_bytes - plain.peak_bytes,
+            "traffic_bytes": {
+                g: b - traffic.get(g, 0.0) for g, b in _wire(diag).items() if b - traffic.get(g, 0.0) > 0
+            },
+            "host_s": _median([c.collect_s for c in collect]),
+            "record_bytes": max((c.record_bytes for c in collect), default=0),
+        },
+        "steps": [asdict(c) for c in costs],
+    }
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:,.1f} MiB"
+
+
+def table(r: dict[str, Any]) -> str:
+    """What a user reads first: the per-rank figures, one per line."""
+    lay = r["layout"]
+    lines = [
+        f"rehearsal of rank 0 of {r['world']} on {r['device']}: {r['model']} ({r['params']:,} params), "
+        f"{lay['mode']} {lay['dp_replicate']}x{lay['dp_shard']}, global batch {lay['global_batch']} "
+        f"({lay['local_batch']} x {lay['seq_len']} tokens x accumulation {lay['grad_accum']} per rank)",
+        f"  peak tensor memory   {r['peak_bytes'] / GiB:.2f} GiB; the estimate: {r['estimate']}",
+        f"  step compute         {fmt(r['compute_s'], '.3f')} s; {fmt(r['tokens_per_s'], ',.0f')} tokens/s "
+        "per rank (compute only: an upper bound)",
+    ]
+    for group, b in sorted(r["traffic_bytes"].items()):
+        lines.append(f"  sent per step        {_mib(b)} on {group}")
+    hides = "hidden by compute" if r["comm_hidden"] else "longer than compute: communication-bound"
+    lines.append(
+        f"  communication        {r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s ({hides})"
+    )
+    lines.append(f"  host reads           {r['host_reads']} in the watched steps (0 expected)")
+    d = r["diagnostics"]
+    if d is not None:
+        sent = ", ".join(f"{_mib(b)} on {g}" for g, b in sorted(d["traffic_bytes"].items())) or "nothing"
+        lines.append(
+            f"  diagnostics ({lay['diagnostics']})  per measured step: {fmt(d['step_s'], '+.3f')} s on the device, "
+            f"{_mib(d['peak_bytes'])} more memory, {sent} more sent; rank 0's host work "
+            f"{fmt(d['host_s'], '.3f')} s, record {d['record_bytes'] / 1024:,.1f} KiB"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,65 @@
+"""The rehearsal's driver: the run built as configured (titanlite.train.Trainer, on the fake
+world that `rehearsal.world` asks for), its steps run and measured, the report written.
+
+Step 1 builds AdamW's state (and compiles); step 2 (a measured step of the diagnostics) and step 3
+(an unmeasured one) are watched for memory, bytes and host reads; steps 4 on are timed, measured
+steps and unmeasured ones in turn. After each measured step, rank 0's host work on its record (titanlite.
+diagnostics.component.Diagnostics.collect: the statistics and the alert rules) is timed; the
+alerts it raises are dropped (fake gathers make every rank look alike).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from titanlite.components.run.plan import REHEARSAL_FILE
+from titanlite.config import JobConfig
+from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
+from titanlite.rehearsal.report import summarize, table
+from titanlite.tools.logging import init_logging
+from titanlite.tools.memory import available_bytes, job_estimate
+from titanlite.train import Trainer
+
+logger = init_logging()
+WATCHED = (2, 3)  # the steps whose memory, bytes and host reads are counted
+
+
+def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
+    """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json."""
+    trainer = Trainer(cfg, config_path)
+    try:
+        costs = [
+            _step(trainer, meter, step)
+            for meter in [_meter(trainer)]
+            for step in range(1, cfg.training.steps + 1)
+        ]
+        estimate = job_estimate(
+            trainer.meta, cfg, trainer.layout, trainer.dims.param_dtype, available_bytes(trainer.device)[0]
+        )
+        report = summarize(
+            cfg, trainer.layout, trainer.meta, trainer.device, trainer.diagnostics, costs, estimate
+        )
+        (trainer.run_dir / REHEARSAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
+        logger.info("\n" + table(report) + f"\nreport: {trainer.run_dir / REHEARSAL_FILE}")
+        return report
+    finally:
+        trainer.close()
+
+
+def _meter(trainer: Trainer) -> StepMeter:
+    labels = group_labels(trainer.dims, trainer.diagnostics)
+    return StepMeter(trainer.device, trainer.model, trainer.optimizer, labels)
+
+
+def _step(trainer: Trainer, meter: StepMeter, step: int) -> StepCost:
+    diagnostics = trainer.diagnostics
+    measured = diagnostics.enabled and diagnostics.is_measured(step)
+    cost = meter.run(step, measured, lambda: trainer.train_step(step), watch=step in WATCHED)
+    if measured:
+        start = time.perf_counter()
+        records, _alerts = diagnostics.collect()  # the alerts are muted
+        cost.collect_s = time.perf_counter() - start
+        cost.record_bytes = len(json.dumps(records[-1])) + 1 if records else 0
+    trainer.window.read(trainer.dims.dp_group)  # what a log step reads, so nothing piles up
+    return cost
