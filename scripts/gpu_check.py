@@ -29,6 +29,11 @@ titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. S
           with per-document attention (data.packing: FlexAttention's block mask, compiled), the
           packed run under sync_debug: tokens/s and target tokens per step (mean over the
           logged steps) of each
+  rehearse the cluster rehearsal (./run_train.sh --rehearse W) on this GPU: llama_8b at
+          torchtitan's 8 x H100 shapes (local batch 2, seq 8192, selective AC) as one rank of 8
+          and of 64 (its peak memory against the estimate, compute-only tokens/s per GPU, bytes
+          sent), and the speed section's llama_1b job as one rank of 8 with the diagnostics
+          measuring under debug.sync_debug: the no-host-sync claim with diagnostics, on CUDA
 --smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
 the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
 DIR/gpu_check.md (the table in scripts/README.md). Exit 1 if a check fails (sync, determinism, hf, accum, a
@@ -58,7 +63,7 @@ from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 GiB = 2**30
-SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing")
+SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing", "rehearse")
 
 
 @dataclasses.dataclass
@@ -77,6 +82,9 @@ class Shapes:
     hf: dict  # LlamaConfig shapes
     hf_tokens: int
     sft_seq: int  # the packing section's seq_len (the built-in records are 150-620 tokens)
+    rehearsed: list[str]  # the rehearse section's job
+    rehearsed_worlds: tuple[int, ...]  # ... as one rank of each
+    rehearsed_steps: int  # rehearsal.steps of each rehearsal
 
 
 FULL = Shapes(
@@ -92,6 +100,11 @@ FULL = Shapes(
     hf=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
     hf_tokens=512,
     sft_seq=2048,
+    # torchtitan's published 8 x H100 run of Llama 3.1 8B: local batch 2, seq 8192, selective AC
+    rehearsed=["--config", "train_configs/llama_8b.toml", "--training.local_batch_size", "2"]
+    + ["--training.seq_len", "8192", "--training.activation_checkpoint", "selective"],
+    rehearsed_worlds=(8, 64),
+    rehearsed_steps=7,
 )
 SMOKE = Shapes(
     config="train_configs/debug_model.toml",
@@ -106,6 +119,9 @@ SMOKE = Shapes(
     hf=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     hf_tokens=32,
     sft_seq=512,
+    rehearsed=["--config", "train_configs/debug_model.toml", "--training.seq_len", "128"],
+    rehearsed_worlds=(),  # the sync rehearsal runs the path; tests/test_rehearsal.py rehearses 2 to 1,024
+    rehearsed_steps=5,
 )
 # The hf check. fp32: the largest logit difference over the largest logit, the two models' op
 # order apart. bf16: each model's error against transformers' fp32 logits; titanlite's may be at
@@ -117,6 +133,62 @@ HF_BF16_MARGIN = 1.5
 
 
 # ---- training runs --------------------------------------------------------------------------
+def rehearse(out: Path, name: str, world: int, *overrides: str, timeout: float = 1800) -> dict:
+    """One rehearsal (run_train.sh --rehearse W, through the launcher's checks); its report."""
+    flags = {"--rehearsal.world": world, "--job.dump_folder": out / "runs", "--job.run_name": name}
+    flags["--debug.skip_memory_check"] = "true"  # the estimate is what it checks, not obeys
+    launch = [sys.executable, "-m", "titanlite.launch", "--from-env"]
+    argv = [*launch, *overrides, *(str(x) for pair in flags.items() for x in pair)]
+    env = {**os.environ, "NPROC": "1"} if not has_gpu() else {**os.environ, "NGPU": "1"}
+    rc, err = run_process(argv, timeout, env)
+    report = out / "runs" / name / "rehearsal.json"
+    row = {"name": name, "world": world, "rc": rc}
+    if rc == 0 and report.exists():
+        r = json.loads(report.read_text())
+        d = r["diagnostics"] or {}
+        row.update(
+            peak_gib=r["peak_bytes"] / GiB,
+            est_gib=r["estimate_bytes"] / GiB,
+            tokens_per_s=r["tokens_per_s"],
+            sent_gib=sum(r["traffic_bytes"].values()) / GiB,
+            comm_s=r["comm_s"],
+            compute_s=r["compute_s"],
+            host_reads=r["host_reads"],
+            sync_debug=r["sync_debug"],
+            diag_host_s=d.get("host_s"),
+        )
+    else:
+        row["error"] = err
+    return row
+
+
+def check_rehearse(shapes: Shapes, out: Path) -> dict:
+    steps = ["--rehearsal.steps", str(shapes.rehearsed_steps)]
+    random_tokens = ["--data.mode", "synthetic", "--model.vocab_size", str(shapes.vocab), *steps]
+    rows = [
+        rehearse(out, f"rehearse-{world}", world, *shapes.rehearsed, *random_tokens)
+        for world in shapes.rehearsed_worlds
+    ]
+    sync = synthetic(
+        shapes, shapes.batch, 7, "--debug.sync_debug", "true", "--diagnostics.method", "exact", *steps
+    )
+    rows.append(rehearse(out, "rehearse-sync", 8, "--config", shapes.config, *sync))
+    for row in rows:
+        say(f"rehearse {row['name']}: " + (f"FAILED ({row['error']})" if row["rc"] else _rehearsed(row)))
+    # the estimate the trainer starts on must stay above the peak it rehearses
+    ok = all(r["rc"] == 0 and r["host_reads"] == 0 and r["peak_gib"] <= r["est_gib"] for r in rows)
+    return {"rows": rows, "ok": ok}
+
+
+def _rehearsed(r: dict) -> str:
+    return (
+        f"one rank of {r['world']}: peak {r['peak_gib']:.2f} GiB (estimate {r['est_gib']:.2f}), "
+        f"{r['tokens_per_s']:,.0f} tokens/s compute-only, {r['sent_gib']:.2f} GiB sent a step "
+        f"({r['comm_s']:.3f} s at the link, compute {r['compute_s']:.3f} s), host reads {r['host_reads']}"
+        + (", sync_debug passed" if r["sync_debug"] else "")
+    )
+
+
 def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float = 900) -> dict:
     """One single-rank trainer run; returns its exit code, log records and the tail of stderr."""
     argv = [
@@ -136,15 +208,20 @@ def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float 
         *overrides,
     ]
     began = time.perf_counter()
+    rc, err = run_process(argv, timeout)
+    metrics = out / "runs" / name / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return {"rc": rc, "records": records, "error": err, "wall_s": time.perf_counter() - began}
+
+
+def run_process(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """A run's exit code (124: timed out) and the last three lines of its stderr."""
     try:
-        proc = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
         rc, err = 124, e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-    metrics = out / "runs" / name / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    tail = [line for line in err.strip().splitlines() if line.strip()][-3:]
-    return {"rc": rc, "records": records, "error": " | ".join(tail), "wall_s": time.perf_counter() - began}
+    return rc, " | ".join([line for line in err.strip().splitlines() if line.strip()][-3:])
 
 
 def synthetic(shapes: Shapes, batch: int, steps: int, *overrides: str) -> list[str]:
@@ -545,6 +622,10 @@ def markdown(result: dict) -> str:
             for r in result["probe"]["rows"]
         )
         lines += [f"Probe work per measured step: {cells}.", ""]
+    for r in result.get("rehearse", {}).get("rows", []):
+        lines.append(
+            f"Rehearsal {r['name']}: " + (f"failed: {r.get('error', '')}" if r["rc"] else _rehearsed(r)) + "."
+        )
     for key, what in (
         ("sync", "No host sync between log steps"),
         ("determinism", "Deterministic mode, the same steps twice"),
@@ -614,6 +695,7 @@ def run(args) -> int:
         "probe": lambda: check_probe(shapes, probe_base(result, shapes)),
         "hf": lambda: check_hf(shapes, out),
         "packing": lambda: check_packing(shapes, out, steps),
+        "rehearse": lambda: check_rehearse(shapes, out),
     }
     for name in SECTIONS:
         if name in sections:

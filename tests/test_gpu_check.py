@@ -59,10 +59,15 @@ def test_smoke_runs_every_section_and_its_checks_hold(tmp_path):
     packing = result["packing"]["rows"]
     assert [r["packed"] for r in packing] == [False, True]
     assert all(r["rc"] == 0 and r["targets_per_step"] > 0 and r["targets_per_s"] > 0 for r in packing)
+    rehearsed = result["rehearse"]["rows"]
+    assert [(r["name"], r["world"]) for r in rehearsed] == [("rehearse-sync", 8)]
+    assert all(r["rc"] == 0 and r["host_reads"] == 0 and 0 < r["peak_gib"] < r["est_gib"] for r in rehearsed)
+    assert not any(r["sync_debug"] for r in rehearsed)  # sync_debug is a CUDA mode
     table = (out / "gpu_check.md").read_text()
     assert "| selective | on |" in table and "Largest local batch at seq 128" in table
     assert "SFT on the built-in set at seq 512: one record per sequence " in table
     assert "Deterministic mode, the same steps twice: 6 steps, pass." in table
+    assert "Rehearsal rehearse-sync: one rank of 8: peak " in table
 
 
 def test_full_check_refuses_a_machine_without_gpu_in_one_line(tmp_path):

@@ -62,12 +62,23 @@ def test_tensor_memory_falls_with_w_as_the_estimate_says(runs):
     assert r["2"]["estimate_bytes"] - r["64"]["estimate_bytes"] == pytest.approx(
         16 * params * shrink, rel=0.01
     )
-    # 64 -> 1,024: FSDP's padding makes the gathered params grow, as the estimate counts it
+    # 64 -> 1,024: FSDP's padding makes the gathered params grow (kept gathered: all of them at
+    # the peak), as the estimate counts it; the estimate also pads the largest unit's gradients,
+    # which do not exist at the forward's peak
     rise = r["1024"]["peak_bytes"] - r["64"]["peak_bytes"]
-    assert rise > 0
-    assert rise == pytest.approx(r["1024"]["estimate_bytes"] - r["64"]["estimate_bytes"], rel=0.15)
+    padded_params = (runs["padded"]["1024"] - params) * 4
+    assert padded_params * 0.95 <= rise <= (r["1024"]["estimate_bytes"] - r["64"]["estimate_bytes"]) * 1.05
     for report in r.values():  # the estimate stays above the peak (deliberately pessimistic)
         assert report["peak_bytes"] < report["estimate_bytes"]
+
+
+def test_a_step_of_several_microbatches_is_tracked(runs):
+    """Accumulation 2 (two forwards a step): one microbatch's activations at a time, so a lower
+    peak than one microbatch of twice the sequences."""
+    accumulated, whole = runs["rehearsed"]["accum-2"], runs["rehearsed"]["2"]
+    assert accumulated["layout"]["grad_accum"] == 2 and whole["layout"]["grad_accum"] == 1
+    assert 0 < accumulated["peak_bytes"] < whole["peak_bytes"]
+    assert _wire(accumulated) >= _wire(whole)  # FSDP reduces (and may gather) per microbatch
 
 
 def test_a_rehearsed_step_matches_a_real_two_rank_step(runs):
@@ -110,7 +121,7 @@ def test_a_record_at_1024_ranks_keeps_summaries_not_pairs(runs):
     world=st.integers(1, 4096),
     local=st.integers(1, 64),
     global_batch=st.integers(1, 10**5),
-    steps=st.integers(5, 50),
+    steps=st.integers(3, 50),
 )
 def test_a_rehearsal_plan_holds_for_any_batch(world, local, global_batch, steps):
     """The global batch splits over W ranks, keeps the config's where it can, and every key a

@@ -29,6 +29,7 @@ from titanlite.train import Trainer
 
 WORLDS = (2, 8, 64, 1024)
 DIAGNOSED = {"exact-64": (64, "exact"), "sketch-64": (64, "sketch"), "auto-1024": (1024, "auto")}
+ACCUMULATED = "accum-2"  # world 2, microbatches of 2: accumulation 2, the tracker across microbatches
 
 
 def argv(runs: Path, *more: str) -> list[str]:
@@ -64,10 +65,12 @@ def main(out: str, runs: str) -> None:
     dist.destroy_process_group()
     if rank != 0:
         return
-    cases = {str(w): (w, None) for w in WORLDS} | DIAGNOSED
+    cases = {str(w): (w, None) for w in WORLDS} | DIAGNOSED | {ACCUMULATED: (2, None)}
     rehearsed, padded = {}, {}
     for name, (world, method) in cases.items():
         diag = ["--diagnostics.method", method] if method else ["--diagnostics.enable", "false"]
+        if name == ACCUMULATED:
+            diag += ["--training.local_batch_size", "2"]
         cfg, _ = parse_args(argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag))
         rehearsed[name] = rehearse(cfg)
         dist.destroy_process_group()

@@ -24,9 +24,10 @@ Full Fine-Tuning", arXiv 2602.14462).
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 
 # Ranks up to which a record keeps every pair's cosine (cos_matrix, W^2 values); beyond, each
 # rank's summaries (its cosine to the mean, to the others, its median to the others).
@@ -52,8 +53,9 @@ def step_metrics(
     loss_sums: list[float], tokens: list[float], norms_sq: list[float] | None, gram: list[list[float]] | None
 ) -> dict:
     """All per-step diagnostics (see module doc): per-rank vectors in full, every pair's cosine
-    up to PAIRS_KEPT ranks. The Gram's work is tensor arithmetic, so rank 0's host time stays
-    under a second at thousands of ranks (scripts/rehearse_sweep.py measures it)."""
+    up to PAIRS_KEPT ranks. The Gram's work is numpy arithmetic on the host (never a device
+    tensor, so no host sync), and rank 0's host time stays under a second at thousands of ranks
+    (scripts/rehearse_sweep.py measures it)."""
     world = len(tokens)
     total = sum(tokens)
     live = [r for r in range(world) if tokens[r] > 0]
@@ -89,22 +91,23 @@ def step_metrics(
         grad_norm_range=max(live_norms) - min(live_norms),
         grad_norm_max_rank=_argmax(live_norms, live),
     )
-    g = torch.as_tensor(gram, dtype=torch.float64)
-    own = g.diagonal()
-    diag = own.clamp(min=0).sqrt()
-    live_mask = torch.tensor([t > 0 for t in tokens])
-    ok = live_mask & (diag > 0)
-    cos = torch.where(ok[:, None] & ok[None, :], g / (diag[:, None] * diag[None, :]), math.nan)
-    pairs = cos[torch.triu(ok[:, None] & ok[None, :], diagonal=1)]
+    g = np.asarray(gram, dtype=np.float64)
+    own = np.diagonal(g).copy()
+    diag = np.sqrt(np.clip(own, 0.0, None))
+    ok = np.array([t > 0 for t in tokens]) & (diag > 0)
+    pair_ok = ok[:, None] & ok[None, :]
     total_sq, row = g.sum(), g.sum(1)
     others_sq = total_sq - 2 * row + own  # the Gram's sum over every pair but rank r's
-    to_mean = _listed(torch.where(ok & (total_sq > 0), row / (diag * total_sq.clamp(min=0).sqrt()), math.nan))
-    to_others = _listed(
-        torch.where(ok & (others_sq > 0), (row - own) / (diag * others_sq.clamp(min=0).sqrt()), math.nan)
-    )
+    with np.errstate(divide="ignore", invalid="ignore"):  # masked out below
+        cos = np.where(pair_ok, g / (diag[:, None] * diag[None, :]), np.nan)
+        to_mean = _listed(np.where(ok & (total_sq > 0), row / (diag * np.sqrt(max(total_sq, 0.0))), np.nan))
+        to_others = _listed(
+            np.where(ok & (others_sq > 0), (row - own) / (diag * np.sqrt(np.abs(others_sq))), np.nan)
+        )
+    pairs = cos[np.triu(pair_ok, k=1)]
     live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
     m.update(
-        cos_mean_pairwise=float(pairs.mean()) if pairs.numel() else None,
+        cos_mean_pairwise=float(pairs.mean()) if pairs.size else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
         cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
@@ -119,34 +122,33 @@ def step_metrics(
     return m
 
 
-def _listed(values: torch.Tensor) -> list[float | None]:
+def _listed(values: np.ndarray) -> list[float | None]:
     """A vector as a record's list: NaN (no value) as None."""
     return [None if v != v else v for v in values.tolist()]
 
 
-def _matrix(cos: torch.Tensor | list) -> torch.Tensor:
+def _matrix(cos: np.ndarray | list) -> np.ndarray:
     """Cosines as a float64 matrix, NaN where a record holds None (a rank without a gradient)."""
-    if isinstance(cos, torch.Tensor):
+    if isinstance(cos, np.ndarray):
         return cos
-    return torch.tensor([[math.nan if v is None else v for v in row] for row in cos], dtype=torch.float64)
+    return np.array([[math.nan if v is None else v for v in row] for row in cos], dtype=np.float64)
 
 
-def cos_medians(cos: torch.Tensor | list, live: list[int]) -> list[float | None]:
+def cos_medians(cos: np.ndarray | list, live: list[int]) -> list[float | None]:
     """Each live rank's median cosine to the other live ranks (the mean of the two middle values
     of an even count, as statistics.median); None without any."""
     c = _matrix(cos)
     world = c.shape[0]
-    in_live = torch.zeros(world, dtype=torch.bool)
+    in_live = np.zeros(world, dtype=bool)
     in_live[live] = True
-    mask = in_live[:, None] & in_live[None, :] & ~torch.eye(world, dtype=torch.bool) & ~c.isnan()
-    ordered = torch.where(mask, c, math.inf).sort(dim=1).values
-    k = mask.sum(1)
-    low, high = ((k - 1).clamp(min=0) // 2)[:, None], (k // 2).clamp(max=world - 1)[:, None]
-    med = (ordered.gather(1, low) + ordered.gather(1, high)).squeeze(1) / 2
-    return [med[r].item() if in_live[r] and k[r] > 0 else None for r in range(world)]
+    mask = in_live[:, None] & in_live[None, :] & ~np.eye(world, dtype=bool) & ~np.isnan(c)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a row without values: None below
+        med = np.nanmedian(np.where(mask, c, np.nan), axis=1)
+    return [float(med[r]) if in_live[r] and mask[r].any() else None for r in range(world)]
 
 
-def rank_noise(norms: list, tokens: list, cos: torch.Tensor | list) -> list[float | None]:
+def rank_noise(norms: list, tokens: list, cos: np.ndarray | list) -> list[float | None]:
     r"""Each rank's gradient noise per token, sqrt(tr(\Sigma)) estimated from its own gradient:
     its norm with its token count taken out, so that a rank handed few valid tokens (SFT) does not
     look noisy. With E||g_r||^2 = |G|^2 + tr(\Sigma)/n_r and E||G_N||^2 = |G|^2 + tr(\Sigma)/N
@@ -156,10 +158,10 @@ def rank_noise(norms: list, tokens: list, cos: torch.Tensor | list) -> list[floa
     for all when fewer than 2 ranks have them or a cosine is missing."""
     live = [r for r, n in enumerate(tokens) if n > 0 and norms[r] is not None]
     total = sum(tokens[r] for r in live)
-    c = _matrix(cos)[live][:, live] if len(live) >= 2 else None
-    if c is None or c.isnan().any():
+    c = _matrix(cos)[np.ix_(live, live)] if len(live) >= 2 else None
+    if c is None or np.isnan(c).any():
         return [None] * len(tokens)
-    weighted = torch.tensor([norms[r] * tokens[r] / total for r in live], dtype=torch.float64)  # ||h_r||
+    weighted = np.array([norms[r] * tokens[r] / total for r in live], dtype=np.float64)  # ||h_r||
     global_sq = float(weighted @ c @ weighted)
     out: list[float | None] = [None] * len(tokens)
     for r in live:

@@ -24,16 +24,33 @@ MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
 
 
 def mem_tracker():
+    """A MemTracker for one step of any number of microbatches (see _steps)."""
     import importlib
 
     module, name = MEM_TRACKER.rsplit(".", 1)
     try:
-        return getattr(importlib.import_module(module), name)()
+        return _steps(getattr(importlib.import_module(module), name))()
     except (ImportError, AttributeError) as e:
         raise RuntimeError(
             f"torch {torch.__version__} has no {MEM_TRACKER} ({e}); a rehearsal on a CPU needs it: use "
             "the torch pyproject.toml pins, or update titanlite/rehearsal/meter.py"
         ) from None
+
+
+def _steps(tracker: type) -> type:
+    """MemTracker refuses a root module's second forward (a second iteration); with gradient
+    accumulation a step runs one per microbatch. Each starts the modules' own stats afresh; the
+    device's totals and peak, which the rehearsal reads, run on."""
+
+    class StepTracker(tracker):
+        def _pre_fw_hook(self, module, inputs) -> None:
+            mods = self._mod_tracker
+            again = module in self.memory_tracking and not mods.is_bw
+            if again and set(mods.parents) - {mods.get_known_fqn(module)} == {"Global"}:
+                self.reset_mod_stats()
+            super()._pre_fw_hook(module, inputs)
+
+    return StepTracker
 
 
 @dataclass
@@ -45,6 +62,7 @@ class StepCost:
     host_reads: dict[str, int]  # titanlite's own host reads and syncs in the step (0 expected)
     # per (group label, op): calls, payload bytes, bytes one rank sends
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    peak_parts: dict[str, int] = field(default_factory=dict)  # MemTracker's split of the peak (CPU only)
     collect_s: float = 0.0  # rank 0's host work on the diagnostics' record (its statistics, alerts)
     record_bytes: int = 0  # that record as one JSON line of diagnostics.jsonl
 
@@ -81,10 +99,13 @@ class StepMeter:
                     fn()
             else:
                 fn()
+        parts: dict[str, int] = {}
         if cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            peak = max(snap["Total"] for snap in tracker.get_tracker_snapshot("peak").values())
+        else:  # the tracker's own split at the peak: parameters, activations, optimizer state, ...
+            snap = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
+            peak = snap["Total"]
+            parts = {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if k != "Total"}
         return StepCost(
             step,
             measured,
@@ -92,6 +113,7 @@ class StepMeter:
             int(peak),
             dict(self.syncs.counts.pop(phase, {})),
             _by_group(collectives),
+            peak_parts=parts,
         )
 
     def _timed(self, fn) -> float:

@@ -70,6 +70,7 @@ def summarize(
             "diagnostics": layout.diagnostics_method if diagnostics.enabled else "off",
         },
         "peak_bytes": plain.peak_bytes,
+        "peak_parts": plain.peak_parts,
         "estimate_bytes": estimate.total_bytes,
         "estimate": estimate.summary(),
         "compute_s": compute_s,
@@ -77,8 +78,10 @@ def summarize(
         "traffic_bytes": traffic,
         "link_gbps": cfg.rehearsal.link_gbps,
         "comm_s": wire / link,
-        "comm_hidden": wire / link <= (compute_s or 0.0),
+        "comm_hidden": None if compute_s is None else wire / link <= compute_s,
         "host_reads": sum(n for c in costs if c.peak_bytes for n in c.host_reads.values()),
+        # every step from the second ran under torch.cuda.set_sync_debug_mode("error")
+        "sync_debug": cfg.debug.sync_debug and device.type == "cuda",
         "diagnostics": None
         if diag is None
         else {
@@ -111,14 +114,19 @@ def table(r: dict[str, Any]) -> str:
     ]
     for group, b in sorted(r["traffic_bytes"].items()):
         lines.append(f"  sent per step        {_mib(b)} on {group}")
-    hides = "hidden by compute" if r["comm_hidden"] else "longer than compute: communication-bound"
+    hides = {
+        True: "hidden by compute",
+        False: "longer than compute: communication-bound",
+        None: "no step timed",
+    }[r["comm_hidden"]]
     lines.append(
         f"  communication        {r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s ({hides})"
     )
-    lines.append(f"  host reads           {r['host_reads']} in the watched steps (0 expected)")
+    synced = "; no device sync in any step from the second (sync_debug)" if r.get("sync_debug") else ""
+    lines.append(f"  host reads           {r['host_reads']} in the watched steps (0 expected){synced}")
     d = r["diagnostics"]
     if d is not None:
-        sent = ", ".join(f"{_mib(b)} on {g}" for g, b in sorted(d["traffic_bytes"].items())) or "nothing"
+        sent = " + ".join(f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items())) or "nothing"
         lines.append(
             f"  diagnostics ({lay['diagnostics']})  per measured step: {fmt(d['step_s'], '+.3f')} s on the device, "
             f"{_mib(d['peak_bytes'])} more memory, {sent} more sent; rank 0's host work "

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import time
 
+import torch
+
 from titanlite.components.run.plan import REHEARSAL_FILE
 from titanlite.config import JobConfig
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
@@ -55,7 +57,20 @@ def _meter(trainer: Trainer) -> StepMeter:
 def _step(trainer: Trainer, meter: StepMeter, step: int) -> StepCost:
     diagnostics = trainer.diagnostics
     measured = diagnostics.enabled and diagnostics.is_measured(step)
-    cost = meter.run(step, measured, lambda: trainer.train_step(step), watch=step in WATCHED)
+    # debug.sync_debug on CUDA: a host sync inside the step raises, from the second step (the
+    # first compiles), as in training; the diagnostics' read after it is the log step's, allowed
+    checked = trainer.cfg.debug.sync_debug and trainer.device.type == "cuda" and step > 1
+
+    def run() -> None:
+        if checked:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            trainer.train_step(step)
+        finally:
+            if checked:
+                torch.cuda.set_sync_debug_mode("default")
+
+    cost = meter.run(step, measured, run, watch=step in WATCHED)
     if measured:
         start = time.perf_counter()
         records, _alerts = diagnostics.collect()  # the alerts are muted

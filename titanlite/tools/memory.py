@@ -5,8 +5,9 @@ A model that cannot fit stops with a message instead of swapping or being OOM-ki
 The estimate is deliberately simple and a little pessimistic:
   - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
     the shard degree under FSDP/HSDP (whole under DDP), with FSDP's padding (shard_numel);
-  - FSDP also holds one all-gathered block (params + grads, in the param dtype) at a time, or
-    every block's params when they stay gathered from forward to backward
+  - FSDP also holds one all-gathered unit (params + grads, in the param dtype) at a time: a block,
+    or the root's embedding and head where the vocabulary makes them larger (a tied head's
+    gradients thrice), or every unit's params when they stay gathered from forward to backward
     (parallelism.reshard_after_forward: keeps_gathered_params);
   - activations saved for backward: about 34 x dim values per token per layer (QKV, attention
     out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
@@ -114,6 +115,11 @@ def shard_numel(shape: torch.Size, shard: int) -> int:
     return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
+def _tied(model: nn.Module) -> bool:
+    """Whether a parameter is shared by two modules (a head tied to the embedding)."""
+    return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
+
+
 def estimate_memory(
     model: nn.Module,
     block_params: int,
@@ -137,9 +143,16 @@ def estimate_memory(
     sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
     states = 16 * sharded
     gathered = 0.0
-    if mode in ("fsdp", "hsdp"):  # every block's params, and one block's gradient; else one block's both
+    if mode in ("fsdp", "hsdp"):
+        # The largest unit gathered at once with its unsharded gradient: a block, or the root's
+        # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
+        # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
+        root = params - n_layers * block_params
+        unit, grads = (
+            (root, root * (3 if _tied(model) else 1)) if root > block_params else (block_params,) * 2
+        )
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
-        gathered = (params + block_params if keep_gathered else 2 * block_params) * padding * param_bytes
+        gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     tokens = local_batch * seq_len
     per_layer = tokens * 34 * dim * param_bytes
     if activation_checkpoint == "full":  # each block's input, and one block's recomputed activations
