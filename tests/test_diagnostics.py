@@ -4,13 +4,16 @@ sketch's error bound, and the noise-scale estimator on synthetic gradients."""
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 from helpers import BF16_GRAD_TOL, run_per_world
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from titanlite.diagnostics.sketch import CountSketch
-from titanlite.diagnostics.stats import NoiseScale, rank_noise, step_metrics
+from titanlite.diagnostics.stats import PAIRS_KEPT, NoiseScale, rank_noise, step_metrics
 from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep
 
 WORLDS = (2, 4)
@@ -248,3 +251,70 @@ def test_a_measured_step_row_unpacks_by_name_what_was_packed():
         {"index": 6, "tokens": 0, "loss": None, "content": 0.75},
     ]
     assert len(step.pack()) == len(SCALARS) + n * len(PER_SEQUENCE)
+
+
+def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
+    """The per-pair statistics written out pair by pair in Python, from their definitions
+    (stats.py's module doc): what the array arithmetic of step_metrics must equal."""
+    world = len(tokens)
+    live = [r for r in range(world) if tokens[r] > 0]
+    d = [math.sqrt(max(gram[r][r], 0.0)) for r in range(world)]
+    ok = [tokens[r] > 0 and d[r] > 0 for r in range(world)]
+    cos = [
+        [gram[i][j] / (d[i] * d[j]) if ok[i] and ok[j] else None for j in range(world)] for i in range(world)
+    ]
+    pairs = [cos[i][j] for a, i in enumerate(live) for j in live[a + 1 :] if cos[i][j] is not None]
+    total = sum(map(sum, gram))
+    others = []
+    for r in range(world):
+        rest = [j for j in range(world) if j != r]
+        sq = sum(gram[j][k] for j in rest for k in rest)
+        others.append(sum(gram[r][j] for j in rest) / (d[r] * math.sqrt(sq)) if ok[r] and sq > 0 else None)
+    medians = []
+    for r in range(world):
+        mine = [cos[r][j] for j in live if j != r and cos[r][j] is not None]
+        medians.append(statistics.median(mine) if r in live and mine else None)
+    return {
+        "cos_mean_pairwise": sum(pairs) / len(pairs) if pairs else None,
+        "rank_cos_to_mean": [
+            sum(gram[r]) / (d[r] * math.sqrt(total)) if ok[r] and total > 0 else None for r in range(world)
+        ],
+        "rank_cos_to_others": others,
+        "rank_cos_median": medians,
+        "cos_matrix": cos,
+    }
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    return (a is None) == (b is None) and (a is None or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    world=st.integers(1, 70),
+    dim=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+    empty=st.sets(st.integers(0, 69)),
+)
+def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, seed, empty):
+    """Any world (past PAIRS_KEPT, where the record drops the pairs), ranks without tokens and
+    ranks whose gradient is zero: every per-pair statistic equals its pair-by-pair definition,
+    and a record keeps cos_matrix exactly up to PAIRS_KEPT ranks."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(world, dim, generator=gen, dtype=torch.float64)
+    h[[r for r in empty if r < world and r % 2]] = 0.0  # some ranks contribute nothing
+    tokens = [0.0 if r in empty else float(r + 1) for r in range(world)]
+    gram = (h @ h.T).tolist()
+    m = step_metrics([1.0] * world, tokens, [gram[r][r] for r in range(world)], gram)
+    want = _reference(tokens, gram)
+    if not any(t > 0 for t in tokens):
+        assert "cos_mean_pairwise" not in m
+        return
+    for key in ("cos_mean_pairwise", "rank_cos_to_mean", "rank_cos_to_others", "rank_cos_median"):
+        assert _close(m[key], want[key]), key
+    assert ("cos_matrix" in m) == (world <= PAIRS_KEPT)
+    if world <= PAIRS_KEPT:
+        assert _close(m["cos_matrix"], want["cos_matrix"])
+        assert _close(m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"]))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from helpers import REPO, load_script
 
-TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 440
+TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 400
 # A figures file (by the start of its name) -> the script and function that render it: the
 # script writes the file, a README holds its rendering between
 # `<!-- figures: PATH -->` and `<!-- end figures -->` (PATH relative to the README).
