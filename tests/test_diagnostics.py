@@ -285,9 +285,9 @@ def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
     }
 
 
-def _close(a, b) -> bool:
+def _same(a, b) -> bool:
     if isinstance(a, list):
-        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     return (a is None) == (b is None) and (a is None or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
 
 
@@ -313,8 +313,8 @@ def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, see
         assert "cos_mean_pairwise" not in m
         return
     for key in ("cos_mean_pairwise", "rank_cos_to_mean", "rank_cos_to_others", "rank_cos_median"):
-        assert _close(m[key], want[key]), key
+        assert _same(m[key], want[key]), key
     assert ("cos_matrix" in m) == (world <= PAIRS_KEPT)
     if world <= PAIRS_KEPT:
-        assert _close(m["cos_matrix"], want["cos_matrix"])
-        assert _close(m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"]))
+        assert _same(m["cos_matrix"], want["cos_matrix"])
+        assert _same(m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"]))
