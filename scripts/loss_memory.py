@@ -73,7 +73,7 @@ def one(args, budget: float) -> dict:
         seq_len=args.seq,
         shard=1,
         mode="fsdp",
-        param_bytes=4,
+        param_dtype=torch.float32,
         activation_checkpoint="none",
         loss_positions=chunk,
     )

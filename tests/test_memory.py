@@ -12,11 +12,13 @@ from titanlite.config import parse_args
 from titanlite.config.layout import resolve_layout
 from titanlite.errors import UserError
 from titanlite.models.registry import build_meta_model
+from titanlite.ops.cross_entropy import cross_entropy_per_sample
+from titanlite.tools.activations import saved_activations
 
 ACCUM4 = ["--training.global_batch_size", "16", "--training.local_batch_size", "1"]  # 4 ranks
 P, BLOCK = 1000, 100
 SKETCH_BYTES = 4.0 * (2 * 2**20 + 2 * 4 * 1024)
-EXACT_BYTES = 4.0 * BLOCK
+EXACT_BYTES = 3 * 4.0 * BLOCK
 
 
 def config(*argv: str):
@@ -59,7 +61,7 @@ def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
         seq_len=cfg.training.seq_len,
         shard=4,
         mode="fsdp",
-        param_bytes=4,
+        param_dtype=torch.float32,
         activation_checkpoint="none",
     ).total_bytes
     budget = base + SKETCH_BYTES + 2 * params  # room for the sketch, half of exact's 4 B/param
@@ -96,3 +98,51 @@ def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_the
         memory.job_estimate(meta, cfg, layout, torch.bfloat16, available) for available in (1e6, 1e12)
     )
     assert small.gathered_bytes == 2 * block * 2 and large.gathered_bytes == (params + block) * 2
+
+
+def _kept_by_a_real_forward(model: torch.nn.Module, seq: int, loss_chunk: int) -> int:
+    """Bytes autograd keeps for backward in a real CPU forward and loss of one sequence: every
+    saved tensor's storage once, by address, the model's own weights and buffers apart."""
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    tokens = torch.randint(0, 64, (1, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if loss_chunk:
+            model(tokens, labels=tokens, loss_chunk=loss_chunk)
+        else:
+            cross_entropy_per_sample(model(tokens), tokens)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize(
+    "name, flavor, dtype, chunk",
+    [
+        ("llama3", "debugmodel", torch.float32, 0),
+        ("llama3", "debugmodel_tied", torch.bfloat16, 32),
+        ("fork_lm", "tiny", torch.float32, 0),
+        ("fork_lm", "tiny", torch.float32, 16),
+    ],
+)
+def test_traced_activations_are_what_a_real_forward_keeps(name, flavor, dtype, chunk):
+    """The estimate's activations come from a trace on fake tensors (no memory): they must be
+    what a real forward of the same model keeps for backward, byte for byte, for titanlite's
+    model and a fork's, whole loss or in chunks; a model's blocks are charged separately."""
+    import fork_model  # noqa: F401  (registers fork_lm)
+
+    seq = 64
+    cfg, _ = parse_args(
+        ["--config", "train_configs/debug_model.toml", "--model.name", name, "--model.flavor", flavor]
+        + ["--training.seq_len", str(seq)]
+    )
+    meta = build_meta_model(cfg, 256)
+    saved = saved_activations(meta.model, seq, dtype, chunk)
+    assert len(saved.blocks) == len(meta.model.layers) and min(saved.blocks) > 0
+    real = meta.spec.model_cls(meta.args).to(dtype)
+    assert sum(saved.blocks) + saved.rest == _kept_by_a_real_forward(real, seq, chunk)

@@ -81,7 +81,7 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
         self.losses = self.faults.losses(sequence_losses)
-        check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
+        self.memory_estimate = check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
         self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.eval_loss_chunk)
         cuda, data_rank = self.device.type == "cuda", self.faults.data_rank

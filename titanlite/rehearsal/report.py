@@ -73,6 +73,7 @@ def summarize(
         "peak_parts": plain.peak_parts,
         "estimate_bytes": estimate.total_bytes,
         "estimate": estimate.summary(),
+        "estimate_parts": asdict(estimate),
         "compute_s": compute_s,
         "tokens_per_s": layout.tokens_per_rank_step / compute_s if compute_s else None,
         "traffic_bytes": traffic,

@@ -20,7 +20,6 @@ from titanlite.config import JobConfig
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
 from titanlite.rehearsal.report import summarize, table
 from titanlite.tools.logging import init_logging
-from titanlite.tools.memory import available_bytes, job_estimate
 from titanlite.train import Trainer
 
 logger = init_logging()
@@ -36,11 +35,14 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
             for meter in [_meter(trainer)]
             for step in range(1, cfg.training.steps + 1)
         ]
-        estimate = job_estimate(
-            trainer.meta, cfg, trainer.layout, trainer.dims.param_dtype, available_bytes(trainer.device)[0]
-        )
         report = summarize(
-            cfg, trainer.layout, trainer.meta, trainer.device, trainer.diagnostics, costs, estimate
+            cfg,
+            trainer.layout,
+            trainer.meta,
+            trainer.device,
+            trainer.diagnostics,
+            costs,
+            trainer.memory_estimate,
         )
         (trainer.run_dir / REHEARSAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
         logger.info("\n" + table(report) + f"\nreport: {trainer.run_dir / REHEARSAL_FILE}")

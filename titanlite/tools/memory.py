@@ -2,19 +2,20 @@
 reached, for the log.
 
 A model that cannot fit stops with a message instead of swapping or being OOM-killed.
-The estimate is deliberately simple and a little pessimistic:
+The estimate adds up terms that peak at different moments of a step, so it stays a little above
+the peak (the cluster rehearsal, titanlite.rehearsal, measures both):
   - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
     the shard degree under FSDP/HSDP (whole under DDP), with FSDP's padding (shard_numel);
   - FSDP also holds one all-gathered unit (params + grads, in the param dtype) at a time: a block,
     or the root's embedding and head where the vocabulary makes them larger (a tied head's
     gradients thrice), or every unit's params when they stay gathered from forward to backward
     (parallelism.reshard_after_forward: keeps_gathered_params);
-  - activations saved for backward: about 34 x dim values per token per layer (QKV, attention
-    out, norms, SwiGLU's three projections); SDPA keeps no attention matrix (flash kernels on
-    GPU and CPU); with activation checkpointing, one block's worth plus each block's input;
-  - the logits: bf16/fp32 output plus the fp32 copy and its gradient for the loss, of the whole
-    sequence, or of one chunk of loss.chunk_logits_mib's positions (backward recomputes one
-    chunk at a time);
+  - activations saved for backward: traced, not guessed (titanlite.tools.activations: the model's own
+    forward and loss on fake tensors, counting what autograd keeps, block by block); with
+    activation checkpointing, each block's input plus one block's worth (full), or about half
+    of every block's plus one block's rest (selective);
+  - the logits beyond what the trace sees: the whole sequence's gradients, or one chunk of
+    loss.chunk_logits_mib's positions recomputed in backward (its output, fp32 copy, gradient);
   - unsharded gradients that FSDP/HSDP keeps across microbatches (4 bytes x all params, in the
     fp32 reduce dtype) when the reduction waits for the last microbatch: on every step with
     skip_grad_sync, on measured steps with diagnostics.method = exact and accumulation;
@@ -40,6 +41,7 @@ import torch.nn as nn
 from titanlite.config import JobConfig
 from titanlite.config.layout import Layout, holds_unsharded_grads
 from titanlite.errors import UserError
+from titanlite.tools.activations import activation_bytes
 
 GiB = 1024**3
 logger = logging.getLogger("titanlite")
@@ -54,32 +56,32 @@ class MemoryEstimate:
     logits_bytes: float
     held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
     diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
+    diagnostics_after_backward: bool = False  # exact's buffers peak once a unit's backward is done
 
     @property
     def total_bytes(self) -> float:
-        return (
-            self.states_bytes
-            + self.gathered_bytes
-            + self.activation_bytes
-            + self.logits_bytes
-            + self.held_grads_bytes
-            + self.diagnostics_bytes
-        )
+        compute = self.gathered_bytes + self.activation_bytes + self.logits_bytes
+        if self.diagnostics_after_backward:  # the activations are gone by the probe's peak
+            peak = max(compute, self.diagnostics_bytes)
+        else:
+            peak = compute + self.diagnostics_bytes
+        return self.states_bytes + self.held_grads_bytes + peak
 
     def summary(self) -> str:
         return (
             f"{self.total_bytes / GiB:.2f} GiB (params+grads+AdamW {self.states_bytes / GiB:.2f}, "
             f"gathered {self.gathered_bytes / GiB:.2f}, activations {self.activation_bytes / GiB:.2f}, "
             f"logits {self.logits_bytes / GiB:.2f}, held unsharded grads {self.held_grads_bytes / GiB:.2f}, "
-            f"diagnostics {self.diagnostics_bytes / GiB:.2f})"
+            f"diagnostics {self.diagnostics_bytes / GiB:.2f}"
+            + (", once backward is done)" if self.diagnostics_after_backward else ")")
         )
 
 
-def measured_step_bytes(
-    cfg: JobConfig, layout: Layout, params: int, block_params: int
-) -> tuple[float, float]:
+def measured_step_bytes(cfg: JobConfig, layout: Layout, params: int, unit_params: int) -> tuple[float, float]:
     """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
-    one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients)."""
+    one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients).
+    exact's probe holds the largest unit's fp32 gradient, its copy sent in the all-to-all and the
+    buffer received."""
     held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
     d = cfg.diagnostics
     if not d.enable or layout.dp < 2:
@@ -88,7 +90,7 @@ def measured_step_bytes(
         return held, 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
     if holds_unsharded_grads(dataclasses.replace(layout, skip_grad_sync=True)):
         held = 4.0 * params  # a measured exact step reduces on its last microbatch only
-    return held, 4.0 * block_params
+    return held, 3 * 4.0 * unit_params
 
 
 KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered up to this share
@@ -131,7 +133,7 @@ def estimate_memory(
     seq_len: int,
     shard: int,
     mode: str,
-    param_bytes: int,
+    param_dtype: torch.dtype,
     activation_checkpoint: str,
     held_grads_bytes: float = 0.0,
     diagnostics_bytes: float = 0.0,
@@ -139,6 +141,7 @@ def estimate_memory(
     keep_gathered: bool = False,
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
+    param_bytes = param_dtype.itemsize
     divisor = shard if mode in ("fsdp", "hsdp") else 1
     sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
     states = 16 * sharded
@@ -147,21 +150,23 @@ def estimate_memory(
         # The largest unit gathered at once with its unsharded gradient: a block, or the root's
         # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
+        # The root stays gathered through the step, so a block's gather comes on top of it.
         root = params - n_layers * block_params
         unit, grads = (
-            (root, root * (3 if _tied(model) else 1)) if root > block_params else (block_params,) * 2
+            (root + block_params, root * (3 if _tied(model) else 1) + block_params)
+            if root > block_params
+            else (block_params,) * 2
         )
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
-    tokens = local_batch * seq_len
-    per_layer = tokens * 34 * dim * param_bytes
-    if activation_checkpoint == "full":  # each block's input, and one block's recomputed activations
-        activations = tokens * dim * param_bytes * n_layers + per_layer
-    elif activation_checkpoint == "selective":  # matmul/attention outputs: about half, plus one block's rest
-        activations = per_layer * (n_layers + 1) / 2
-    else:
-        activations = per_layer * n_layers
-    logits = local_batch * (loss_positions or seq_len) * vocab_size * (param_bytes + 4 + 4)
+    positions = loss_positions or seq_len
+    chunked = positions < seq_len
+    activations = local_batch * activation_bytes(
+        model, seq_len, param_dtype, positions if chunked else 0, activation_checkpoint, dim, n_layers
+    )
+    # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
+    # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
+    logits = local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
     return MemoryEstimate(params, states, gathered, activations, logits, held_grads_bytes, diagnostics_bytes)
 
 
@@ -204,8 +209,10 @@ def job_estimate(
     blocks = getattr(model, "layers", None)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
     params = sum(p.numel() for p in model.parameters())
-    held, diag = measured_step_bytes(cfg, layout, params, block_params)
-    return estimate_memory(
+    root = params - getattr(args, "n_layers", 0) * block_params
+    unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
+    held, diag = measured_step_bytes(cfg, layout, params, unit)
+    est = estimate_memory(
         model,
         block_params,
         dim=getattr(args, "dim", 0),
@@ -215,20 +222,22 @@ def job_estimate(
         seq_len=t.seq_len,
         shard=layout.dp_shard,
         mode=layout.mode,
-        param_bytes=param_dtype.itemsize,
+        param_dtype=param_dtype,
         activation_checkpoint=t.activation_checkpoint,
         held_grads_bytes=held,
         diagnostics_bytes=diag,
         loss_positions=meta.loss_chunk or t.seq_len,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
     )
+    return dataclasses.replace(est, diagnostics_after_backward=layout.diagnostics_method == "exact")
 
 
 def check_memory(
     meta: Any, cfg: JobConfig, layout: Layout, device: torch.device, param_dtype: torch.dtype
-) -> None:
-    """Log the estimate for `meta` (see job_estimate) and refuse, in one line, a job that cannot
-    fit on this rank (unless debug.skip_memory_check)."""
+) -> MemoryEstimate:
+    """Log the estimate for `meta` (see job_estimate; before the model is parallelized, which
+    the activations' trace needs) and refuse, in one line, a job that cannot fit on this rank
+    (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
     est = job_estimate(meta, cfg, layout, param_dtype, avail)
     model = (
@@ -253,6 +262,7 @@ def check_memory(
             f"model {model} needs about {est.total_bytes / GiB:.1f} GiB per rank "
             f"but {avail / GiB:.1f} GiB is available ({what}); {fixes}"
         )
+    return est
 
 
 def peak_memory_gib(device: torch.device) -> float:

@@ -1,0 +1,144 @@
+"""What a model's forward keeps for backward, traced rather than guessed, for the memory
+estimate (titanlite.tools.memory): the model's own forward and loss run on fake tensors
+(torch._subclasses.fake_tensor: shapes and dtypes, no memory, no arithmetic) while autograd's
+saved-tensor hooks count what it keeps."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from titanlite.ops.cross_entropy import cross_entropy_per_sample
+
+logger = logging.getLogger("titanlite")
+
+
+@dataclass
+class SavedActivations:
+    """Bytes autograd keeps for backward for one sequence: inside each block, outside them (the
+    embedding, the final norm, the loss path), and one block's input."""
+
+    blocks: list[int]
+    rest: int
+    block_input: int
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
+
+
+def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
+    """Each parameter (in `dtype`, a tied one still shared) and buffer made a fake CPU tensor of
+    its shape, in place, inside a FakeTensorMode."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+            setattr(module, name, made[id(p)])
+        for name, b in list(module.named_buffers(recurse=False)):
+            module.register_buffer(
+                name,
+                torch.empty(b.shape, dtype=b.dtype),
+                persistent=name not in module._non_persistent_buffers_set,
+            )
+
+
+def saved_activations(
+    model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int
+) -> SavedActivations:
+    """What one sequence's forward and loss save for backward, traced on a copy of the meta
+    model made of fake CPU tensors (no memory, no arithmetic): autograd's saved-tensor hooks see
+    every tensor kept, counted once per storage and charged to the block running when it was
+    first saved. The kernels are those a CPU picks, so SDPA's flash kernel keeps no attention
+    matrix, as flash kernels on a GPU do not. A fork's model is traced the same way; nothing
+    about its layers is assumed but that its blocks are `model.layers`."""
+    blocks = list(getattr(model, "layers", []))
+    owner: list[int | None] = [None]
+    storages: dict[int, tuple[int | None, int]] = {}
+    block_input = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s._cdata not in held:  # a weight saved by its matmul is the parameter, not an activation
+            storages.setdefault(s._cdata, (owner[0], s.nbytes()))
+        return t
+
+    def enter(i: int):
+        def hook(_module: nn.Module, args: tuple) -> None:
+            owner[0] = i
+            if args and isinstance(args[0], torch.Tensor):
+                block_input[0] = args[0].untyped_storage().nbytes()
+
+        return hook
+
+    def leave(_module: nn.Module, _args: tuple, _out: Any) -> None:
+        owner[0] = None
+
+    memo: dict[int, Any] = {id(t): _meta(t) for t in (*model.parameters(), *model.buffers())}
+    fake = copy.deepcopy(model, memo)  # the module tree only: no weight is copied
+    with FakeTensorMode():
+        _fake_tensors(fake, dtype)
+        held = {t.untyped_storage()._cdata for t in (*fake.parameters(), *fake.buffers())}
+        handles = [
+            h
+            for i, b in enumerate(fake.layers if blocks else [])
+            for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))
+        ]
+        tokens = torch.zeros(1, seq_len, dtype=torch.long)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if 0 < loss_chunk < seq_len:
+                fake(tokens, labels=tokens, loss_chunk=loss_chunk)
+            else:
+                cross_entropy_per_sample(fake(tokens), tokens)
+        for h in handles:
+            h.remove()
+    per_block = [0] * len(blocks)
+    rest = 0
+    for who, nbytes in storages.values():
+        if who is None:
+            rest += nbytes
+        else:
+            per_block[who] += nbytes
+    return SavedActivations(per_block, rest, block_input[0])
+
+
+ACTIVATION_FALLBACK = 34  # values per token per layer, x dim, where a forward cannot be traced
+
+
+def activation_bytes(
+    model: nn.Module,
+    seq_len: int,
+    dtype: torch.dtype,
+    loss_chunk: int,
+    checkpoint: str,
+    dim: int,
+    n_layers: int,
+) -> float:
+    """One sequence's activations kept for backward, under activation checkpointing `checkpoint`:
+    traced (saved_activations), or ACTIVATION_FALLBACK x dim values per token per layer (QKV,
+    attention out, norms, SwiGLU's projections) where the model's forward cannot run on fake
+    tensors (a data-dependent branch, a kernel with no fake implementation); that is logged."""
+    try:
+        saved = saved_activations(model, seq_len, dtype, loss_chunk)
+        blocks, rest, block_input = saved.blocks, saved.rest, saved.block_input
+    except Exception as e:  # a fork's forward; the estimate still stands, a little coarser
+        logger.info(
+            f"memory estimate: activations from {ACTIVATION_FALLBACK} x dim per token per layer "
+            f"(the forward did not trace on fake tensors: {type(e).__name__}: {e})"
+        )
+        blocks, rest = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers, 0
+        block_input = seq_len * dim * dtype.itemsize
+    one = max(blocks, default=0)
+    if checkpoint == "full":  # each block's input, and one block's recomputed activations
+        return len(blocks) * block_input + one + rest
+    if checkpoint == "selective":  # matmul/attention outputs kept: about half, plus one block's rest
+        return (sum(blocks) + one) / 2 + rest
+    return sum(blocks) + rest
