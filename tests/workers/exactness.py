@@ -10,9 +10,9 @@ every mode. "packed_cases": a global batch of packed sequences (2-3 records each
 restarting per record) against the reference of every record run as a sequence of its own.
 "eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
-every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_cases": the
-model of tests/fork_model.py, written only from the fork contract and built by build_meta_model
-as the trainer builds it, on the packed batch with the loss in chunks, in every mode.
+every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
+model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
+cases (titanlite.analysis.model_check).
 "dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
 keyed masks), and with torch's RNG cut over ranks and microbatches (the control). Cases
 with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and
@@ -30,21 +30,19 @@ import sys
 
 import torch
 import torch.distributed as dist
-from fork_model import ForkLM
 from torch.distributed.tensor import DTensor
 
+from titanlite.analysis.model_check import check, documents, packed_batch, unequal_batch
 from titanlite.components.evaluate import Evaluator
 from titanlite.components.generate import generate
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
-from titanlite.datasets.packing import restart_positions
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
-from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from titanlite.ops.dropout import sample_keys
 
@@ -53,63 +51,13 @@ TIED = dataclasses.replace(ARGS, tie_embeddings=True)
 GLOBAL_BATCH, SEQ, SEED = 16, 16, 7
 
 
-def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    """16 sequences: 0-3 with no valid label, 4-7 with 1-2, 8-15 with 15-16 (10x+ imbalance)."""
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
-    labels = torch.randint(0, ARGS.vocab_size, (GLOBAL_BATCH, SEQ), generator=g)
-    valid = [0, 0, 0, 0, 1, 2, 1, 2] + [16, 15, 16, 15, 16, 16, 15, 16]
-    for i, n in enumerate(valid):
-        labels[i, n:] = IGNORE_INDEX
-    return tokens, labels
-
-
-def records() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """32 records of 2-9 tokens (inputs, labels; the first half of each record's labels ignored,
-    as a prompt's), packed in order into GLOBAL_BATCH sequences of SEQ slots."""
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(32):
-        n = int(torch.randint(2, 10, (), generator=g))
-        x, y = torch.randint(0, ARGS.vocab_size, (2, n), generator=g)
-        y[: n // 2] = IGNORE_INDEX
-        out.append((x, y))
-    return out
-
-
-def packed_global_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The records, first fit in order, into GLOBAL_BATCH sequences (padding: its own document)."""
-    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
-    for x, y in records():
-        if sum(len(r[0]) for r in rows[-1]) + len(x) > SEQ:
-            rows.append([])
-        rows[-1].append((x, y))
-    assert len(rows) <= GLOBAL_BATCH
-    tokens = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
-    labels = torch.full((GLOBAL_BATCH, SEQ), IGNORE_INDEX)
-    positions = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
-    for i, row in enumerate(rows):
-        lengths = [len(x) for x, _ in row]
-        ends = torch.tensor(lengths).cumsum(0).tolist()
-        tokens[i, : ends[-1]] = torch.cat([x for x, _ in row])
-        labels[i, : ends[-1]] = torch.cat([y for _, y in row])
-        positions[i] = torch.from_numpy(restart_positions([0, *ends], SEQ))
-    return tokens, labels, positions
-
-
-def fork_config() -> JobConfig:
-    """The fork model of tests/fork_model.py (written only from the registry's contract), with
-    packing and the loss in chunks, so build_meta_model checks it offers both."""
-    cfg = JobConfig()
-    cfg.model.name, cfg.model.import_module, cfg.model.flavor = "fork_lm", "fork_model", "tiny"
-    cfg.model.vocab_size, cfg.training.seq_len = ARGS.vocab_size, SEQ
-    cfg.data.packing, cfg.loss.chunk_logits_mib = True, 1e-3
-    return cfg
+# The batches are the model check's (titanlite.analysis.model_check), so the suite and
+# scripts/check_model.py exercise one implementation.
+global_batch, records, packed_global_batch = unequal_batch, documents, packed_batch
 
 
 def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS, param: str = "float32"):
-    """The tiny Llama (or, with model.import_module set, the model `cfg` names, through
-    build_meta_model as the trainer builds it) through the production path, for `mode` at
+    """The tiny Llama through the production path, for `mode` at
     `world` ranks, `accum` microbatches per rank, parameters computed in `param`. Returns
     (layout, dims, model)."""
     cfg.parallelism.mode = mode
@@ -119,9 +67,6 @@ def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = 
     cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     layout = resolve_layout(cfg, world)
     dims = ParallelDims.build(layout, torch.device("cpu"), param, cfg.training.mixed_precision_reduce)
-    if cfg.model.import_module:
-        meta = build_meta_model(cfg, ARGS.vocab_size)
-        return layout, dims, materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
     with torch.device("meta"):
         model = Llama3(args)
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
@@ -217,10 +162,9 @@ def run_case(
     batch: tuple[torch.Tensor, ...] | None = None,
     param: str = "float32",
     compiled: bool = False,
-    fork: bool = False,
     keyed: bool = False,
 ) -> dict:
-    cfg = fork_config() if fork else JobConfig()
+    cfg = JobConfig()
     cfg.training.activation_checkpoint = ac
     cfg.training.compile = compiled
     cfg.training.mixed_precision_reduce = reduce
@@ -267,7 +211,7 @@ def run_case(
         "compile": compiled,
         "packed": batch is not None,
         "bf16_values": bf16,
-        "tied": not fork and unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
+        "tied": unwrap(model).output.weight is unwrap(model).tok_embeddings.weight,
         "model": cfg.model.name,
         "logged_loss": share.item(),
         "init_hash": init_hash,
@@ -311,17 +255,10 @@ def main() -> None:
         }
         for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
     ]
-    # A fork's model, registered from outside the package, packed and chunked, in every mode
-    fork_ref, fork_loss = records_reference(ForkLM(build_meta_model(fork_config(), ARGS.vocab_size).args))
-    forked = [
-        {
-            **run_case(
-                world, m, 2, "global", "auto", fork_ref, batch=packed_global_batch(), loss_chunk=5, fork=True
-            ),
-            "ref_loss": fork_loss,
-        }
-        for m in ("fsdp", "ddp", "hsdp")
-    ]
+    # A fork's model, registered from outside the package: scripts/check_model.py's cases
+    forked = check(
+        ["--model.name", "fork_lm", "--model.import_module", "fork_model", "--model.flavor", "tiny"]
+    )
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
     drop = dataclasses.replace(ARGS, dropout=0.3)
@@ -368,7 +305,7 @@ def main() -> None:
                     "tied_cases": tied,
                     "reduce_cases": reduce,
                     "packed_cases": packed,
-                    "fork_cases": forked,
+                    "fork_check": forked,
                     "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,

@@ -5,9 +5,14 @@ A fork adds a model with one call:
     register_model(ModelSpec("mymodel", MyModel, {"small": MyArgs(...)}, parallelize_mymodel))
 
 and selects it with `[model] name = "mymodel"` (plus `import_module = "my_pkg.my_model"` so the
-registration runs inside every worker). `build_meta_model(cfg, vocab_size)` is the one call
-that turns a config into the model on the meta device, for the trainer and a fork's own
-scripts alike. The contract for a registered model:
+registration runs inside every worker). `import_module` is imported with importlib in every
+process that builds the model, so Python finds it as it finds any module: on PYTHONPATH (which
+torchrun passes on to the workers) or among the installed packages; run_train.sh adds nothing,
+and scripts/check_model.py adds the current directory. `build_meta_model(cfg, vocab_size)` is
+the one call that turns a config into the model on the meta device, for the trainer and a
+fork's own scripts alike; `./scripts/check_model.py --model.name mymodel ...` checks a model
+against this contract (gradient at every layout, initial weights, a Hugging Face folder). The
+contract for a registered model:
 
 - `model_cls(args)` builds it; `args` is a dataclass with the fields `vocab_size` and
   `max_seq_len`, which the trainer fills in from the tokenizer and `training.seq_len`;
@@ -19,6 +24,10 @@ scripts alike. The contract for a registered model:
   cross entropy [B], the output projection run n positions at a time (0: all at once; see
   titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample). A model without `labels` gets
   logits only, and a config whose logits would be chunked is refused in one line;
+- the root rule: the output head and the loss run inside the root module's own forward (as
+  above), never in a submodule FSDP wraps on its own or in a function after forward returns:
+  FSDP gathers the root's parameters (embedding, final norm, head) for the root's forward and
+  backward only, so a head used outside it would meet a sharded weight;
 - for model.dropout_masks = "sample": `model(tokens, ..., sample_keys=keys[B])`, each
   sequence's int64 key, from which its dropout masks are drawn (titanlite.ops.dropout.keyed_dropout),
   so that a sequence's masks do not depend on the rank or microbatch that runs it;
@@ -31,9 +40,16 @@ scripts alike. The contract for a registered model:
   first, then of one token per row at a time; without it generation runs full forwards;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
   checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
-- optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder; its
-  `reads` names every config.json key its `args_from_config` uses, since a folder's configs are
-  read whole (titanlite.models.hf_files: a key neither used nor known to be harmless is refused).
+- optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder:
+  `architectures` (config.json's names it reads), `args_from_config` and `config_from_args`
+  (config.json <-> the args), `from_hf` and `to_hf` (one full tensor at a time, HF name <->
+  titanlite name, any permutation applied both ways), and `reads`, every config.json key
+  `args_from_config` uses, since a folder's configs are read whole (titanlite.models.hf_files: a
+  key neither used nor known to be harmless is refused). The tied-head rule: a head tied to its
+  embedding is one Parameter assigned to both modules, so named_parameters lists it once, under
+  the embedding's name; `to_hf` therefore sees it once and the export writes no head tensor,
+  `from_hf` returns None for a folder's head copy when the args say tied, and
+  `config_from_args` writes `tie_word_embeddings`.
 """
 
 from __future__ import annotations

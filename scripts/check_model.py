@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+"""Check that a registered model trains exactly under titanlite, in one command.
+
+    ./scripts/check_model.py --model.name NAME [--model.import_module MODULE]
+                             [--model.flavor FLAVOR] [--worlds 1 2 4] [--section.key value ...]
+
+For each world size, one torchrun of CPU ranks (gloo) runs every case inside one process group
+(titanlite/analysis/model_check.py): FSDP, DDP and HSDP at gradient accumulation 1 and 2 on a
+batch whose sequences hold very unequal numbers of valid labels, and packed documents with the
+loss in chunks where the model takes positions and labels. Each case's reduced gradient and
+logged loss are compared with one process's on the whole batch (packed: every document run on
+its own), and the initial weights with one process's. With --hf DIR, the model read from that
+Hugging Face folder through its adapter is compared with transformers' AutoModelForCausalLM of
+the folder in fp32 (logits, summed loss, every gradient), and its export must give back the
+folder's tensors bitwise. One verdict line per check.
+
+model.import_module is imported in every rank as Python finds it: on PYTHONPATH, to which this
+script adds the current directory. Exit status: 0 every check passed, 1 one failed (named),
+2 bad input or a rank failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from titanlite.tools.venv import use_project_venv  # noqa: E402
+
+use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+
+from titanlite.analysis.model_check import GLOBAL_BATCH, check_config, hf_verdicts, verdicts  # noqa: E402
+from titanlite.errors import UserError  # noqa: E402
+from titanlite.models.registry import build_meta_model  # noqa: E402
+from titanlite.tools.cli import Script  # noqa: E402
+
+SCRIPT = Script("check_model", __doc__, overrides="every rank's model config")
+SCRIPT.arg(
+    "--hf",
+    kind="folder",
+    help="a Hugging Face folder the model's adapter reads: also compare with transformers (needs it installed)",
+)
+SCRIPT.arg(
+    "--worlds",
+    kind="int",
+    nargs="+",
+    default=[1, 2, 4],
+    at_least=1,
+    at_most=GLOBAL_BATCH // 2,
+    help="world sizes, one torchrun each",
+)
+
+
+def body(args) -> int:
+    overrides = args.overrides
+    if "--model.name" not in overrides and not any(o.startswith("--model.name=") for o in overrides):
+        raise UserError("name the model to check: --model.name NAME (and --model.import_module for a fork's)")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    sys.path.insert(0, os.getcwd())
+    build_meta_model(check_config(overrides), 0)  # a config error is one line here, not in W ranks
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in args.worlds:
+            out = Path(tmp) / f"world{world}.json"
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+            cmd += ["-m", "titanlite.analysis.model_check", str(out), *overrides]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            if proc.returncode or not out.exists():
+                lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
+                error = next(
+                    (ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output"
+                )
+                raise UserError(
+                    f"the check at {world} rank(s) failed (exit {proc.returncode}): {error.strip()}"
+                )
+            results.append(json.loads(out.read_text()))
+    checks = verdicts(results) + (hf_verdicts(overrides, args.hf) if args.hf else [])
+    for what, ok, detail in checks:
+        print(f"{'PASS' if ok else 'FAIL'}  {what}: {detail}")
+    failed = [what for what, ok, _ in checks if not ok]
+    print(f"{'FAIL' if failed else 'PASS'}: {len(checks) - len(failed)} of {len(checks)} checks passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(SCRIPT.run(body))

@@ -1,0 +1,290 @@
+"""Whether a registered model trains exactly under titanlite: its gradient at every layout equals
+one process's, and its initial weights do not depend on the layout. scripts/check_model.py runs
+it for any model (a fork's included), and the suite's exactness worker checks tests/fork_model.py
+with the same cases, so the two cannot drift apart.
+
+Run under torchrun at one world size: `python -m titanlite.analysis.model_check OUT [--section.key
+VALUE ...]` loops over every case inside one process group and writes rank 0's results to OUT.
+Each case builds the model as the trainer does (build_meta_model, the spec's parallelize_fn,
+materialize), runs the production forward_backward on this rank's share of a fixed global batch,
+and compares the full reduced gradient with one process's on the whole batch. The batch's
+sequences hold very unequal numbers of valid labels (none to all), so a loss normalised by any
+local count is caught; packed cases put 2-4 documents in a sequence, whose reference runs each
+document as a sequence of its own, so attention leaking across documents is caught; the loss in
+chunks where the model offers it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titanlite.components.checkpoint.hf_export import export_hf
+from titanlite.components.checkpoint.hf_load import DERIVED_BUFFERS, load_hf_weights
+from titanlite.components.loss import LossBalancer, forward_backward
+from titanlite.config import JobConfig, parse_args
+from titanlite.config.layout import resolve_layout
+from titanlite.datasets.packing import restart_positions
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
+from titanlite.distributed.parallelize import materialize, unwrap
+from titanlite.distributed.param_init import ParamInit, canonical_name
+from titanlite.errors import UserError
+from titanlite.models.registry import build_meta_model
+from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+
+GLOBAL_BATCH, SEQ, VOCAB, SEED = 16, 16, 64, 7
+TOL = 1e-5  # fp32: one process against a sharded reduction differ by summation order only
+LOSS_CHUNK = 5  # positions per chunk: 16 a sequence makes 4 chunks, the last one short
+MODES = ("fsdp", "ddp", "hsdp")
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str
+    accum: int
+    packed: bool
+    loss_chunk: int  # 0: logits, then the loss
+
+
+def cases(cfg: JobConfig, world: int) -> list[Case]:
+    """Every mode at accumulation 1 and 2 on the unequal batch; packed with the loss in chunks
+    where the model takes positions and labels (else packed whole, or not packed)."""
+    takes = inspect.signature(build_meta_model(cfg, 0).model.forward).parameters
+    packs, chunks = "positions" in takes, {"labels", "loss_chunk"} <= takes.keys()
+    out = [Case(m, a, False, 0) for m in MODES for a in (1, 2) if GLOBAL_BATCH % (world * a) == 0]
+    if packs:
+        out += [Case(m, 2, True, LOSS_CHUNK if chunks else 0) for m in MODES]
+    elif chunks:
+        out += [Case(m, 2, False, LOSS_CHUNK) for m in MODES]
+    return out
+
+
+def check_config(argv: list[str]) -> JobConfig:
+    """The model's config from `--section.key VALUE` flags, at the check's tiny batch."""
+    cfg, _ = parse_args(argv)
+    cfg.model.vocab_size, cfg.training.seq_len = VOCAB, SEQ
+    cfg.training.global_batch_size = GLOBAL_BATCH
+    cfg.training.compile = False
+    return cfg
+
+
+def unequal_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 sequences: 4 with no valid label, 4 with 1-2, 8 with 15-16 (ranks and microbatches of very unequal counts)."""
+    g = torch.Generator().manual_seed(0)
+    tokens, labels = torch.randint(0, VOCAB, (2, GLOBAL_BATCH, SEQ), generator=g)
+    for i, n in enumerate([0, 0, 0, 0, 1, 2, 1, 2] + [16, 15, 16, 15, 16, 16, 15, 16]):
+        labels[i, n:] = IGNORE_INDEX
+    return tokens, labels
+
+
+def documents() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """32 documents of 2-9 tokens (inputs, labels; each first half ignored, as a prompt's)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(32):
+        n = int(torch.randint(2, 10, (), generator=g))
+        x, y = torch.randint(0, VOCAB, (2, n), generator=g)
+        y[: n // 2] = IGNORE_INDEX
+        out.append((x, y))
+    return out
+
+
+def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The documents, first fit in order, into the batch's sequences (the rest padding)."""
+    rows: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    for x, y in documents():
+        if sum(len(r[0]) for r in rows[-1]) + len(x) > SEQ:
+            rows.append([])
+        rows[-1].append((x, y))
+    tokens = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    labels = torch.full((GLOBAL_BATCH, SEQ), IGNORE_INDEX)
+    positions = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ends = torch.tensor([len(x) for x, _ in row]).cumsum(0).tolist()
+        tokens[i, : ends[-1]] = torch.cat([x for x, _ in row])
+        labels[i, : ends[-1]] = torch.cat([y for _, y in row])
+        positions[i] = torch.from_numpy(restart_positions([0, *ends], SEQ))
+    return tokens, labels, positions
+
+
+def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], float]:
+    """One process, unsharded: the gradient and token-mean loss of the whole batch (packed: of
+    every document run as a sequence of its own)."""
+    meta = build_meta_model(cfg, 0)
+    model = meta.spec.model_cls(meta.args)
+    model.init_weights(ParamInit(model, SEED))
+    pairs = [(x[None], y[None]) for x, y in documents()] if packed else [unequal_batch()]
+    total = sum(int((y != IGNORE_INDEX).sum()) for _, y in pairs)
+    loss = sum(cross_entropy_sum(model(x), y) for x, y in pairs) / total
+    loss.backward()
+    return {canonical_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}, loss.item()
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """The full initial weights, gathered, by canonical name: one value at every layout."""
+    h = hashlib.sha256()
+    for name, p in sorted((canonical_name(n), p) for n, p in unwrap(model).named_parameters()):
+        w = p.full_tensor() if isinstance(p, DTensor) else p
+        h.update(name.encode())
+        h.update(w.detach().float().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor]) -> dict:
+    """One case at this world size: the reduced gradient's largest relative error against `ref`,
+    the logged loss, and the initial weights' hash."""
+    cfg.parallelism.mode = case.mode
+    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[case.mode]
+    cfg.parallelism.dp_shard = -1
+    cfg.training.local_batch_size = GLOBAL_BATCH // (world * case.accum)
+    cfg.data.packing = case.packed
+    layout = resolve_layout(cfg, world)
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce)
+    meta = build_meta_model(cfg, 0)
+    model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
+    init = weights_hash(model)
+    batch = packed_batch() if case.packed else unequal_batch()
+    per_rank, lb = GLOBAL_BATCH // world, layout.local_batch
+    start = dist.get_rank() * per_rank
+    micro = [tuple(t[start + m * lb : start + (m + 1) * lb] for t in batch) for m in range(case.accum)]
+    balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
+    share, _ = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=case.loss_chunk
+    )
+    dist.all_reduce(share)
+    rel, whole = 0.0, torch.stack([g.norm() for g in ref.values()]).norm()
+    for name, p in unwrap(model).named_parameters():
+        g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        want = ref[canonical_name(name)]
+        scale = want.norm() if want.norm() > 0 else whole  # a parameter the reference leaves untouched
+        rel = max(rel, ((g - want).norm() / scale).item())
+    return {
+        **asdict(case),
+        "world": world,
+        "max_rel_err": rel,
+        "logged_loss": share.item(),
+        "init_hash": init,
+    }
+
+
+def check(argv: list[str]) -> dict:
+    """Every case at this process group's world size; the references and the unsharded init."""
+    world = dist.get_world_size()
+    cfg = check_config(argv)
+    refs = {packed: reference(cfg, packed) for packed in (False, True)}
+    results = [run_case(check_config(argv), c, world, refs[c.packed][0]) for c in cases(cfg, world)]
+    for r in results:
+        r["ref_loss"] = refs[r["packed"]][1]
+    meta = build_meta_model(cfg, 0)
+    alone = meta.spec.model_cls(meta.args)
+    alone.init_weights(ParamInit(alone, SEED))
+    return {"world": world, "cases": results, "ref_hash": weights_hash(alone)}
+
+
+def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) from every world size's results: the gradient of each case, the
+    logged loss, and the initial weights against one process's."""
+    out = []
+    for res in results:
+        for c in res["cases"]:
+            what = (
+                f"gradient dp={res['world']} {c['mode']} accum={c['accum']}"
+                + (" packed" if c["packed"] else " unequal tokens")
+                + (f" loss in chunks of {c['loss_chunk']}" if c["loss_chunk"] else "")
+            )
+            loss_err = abs(c["logged_loss"] - c["ref_loss"]) / abs(c["ref_loss"])
+            ok = c["max_rel_err"] <= TOL and loss_err <= TOL
+            out.append(
+                (
+                    what,
+                    ok,
+                    f"gradient {c['max_rel_err']:.1e}, loss {loss_err:.1e} off one process's (tolerance {TOL:g})",
+                )
+            )
+    ref = results[0]["ref_hash"] if results else ""
+    differ = sorted(
+        {f"dp={res['world']} {c['mode']}" for res in results for c in res["cases"] if c["init_hash"] != ref}
+    )
+    out.append(
+        ("initial weights", not differ, "equal to one process's at every layout" if not differ else
+         f"differ from one process's at {', '.join(differ)}: init_weights must fill each parameter through ParamInit")
+    )  # fmt: skip
+    return out
+
+
+def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
+    """The model read from a Hugging Face folder through its adapter against transformers'
+    AutoModelForCausalLM of the same folder, in fp32 and one process: logits, summed loss and
+    every gradient (mapped to transformers' names by the adapter); then the export written back
+    through the adapter, whose tensors must be the folder's, bitwise."""
+    try:
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise UserError(
+            "--hf compares with transformers, which is not installed: pip install transformers"
+        ) from None
+    hf_logging.disable_progress_bar()  # one verdict line per check, nothing between them
+    cfg = check_config(argv)
+    cfg.model.hf_assets_path, cfg.model.vocab_size = str(folder), 0
+    meta = build_meta_model(cfg, 0)
+    ours = meta.spec.model_cls(meta.args)
+    load_hf_weights(ours, folder, meta.spec.hf, meta.args)
+    theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
+    labels = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
+    mine, hf = ours(tokens), theirs(tokens).logits
+    logits_err = ((mine - hf).abs().max() / hf.abs().max()).item()
+    losses = [cross_entropy_sum(x, labels) for x in (mine, hf)]
+    loss_err = abs((losses[0] - losses[1]) / losses[1]).item()
+    for loss in losses:
+        loss.backward()
+    hf_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    grad_err, worst = 0.0, ""
+    for name, p in ours.named_parameters():
+        hf_name, grad = meta.spec.hf.to_hf(name, p.grad, meta.args)
+        err = ((grad - hf_grads[hf_name]).norm() / hf_grads[hf_name].norm()).item()
+        grad_err, worst = max((grad_err, worst), (err, hf_name))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "export"
+        export_hf(ours, out, meta.spec.hf, meta.args, "float32", folder, None)
+        written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
+    source = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+    source = {  # what the adapter reads: not derived buffers, not a tied head's stored copy
+        k: v.float()
+        for k, v in source.items()
+        if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.from_hf(k, v, meta.args) is not None
+    }
+    differ = sorted(k for k in source.keys() | written.keys() if k not in written or k not in source
+                    or not torch.equal(written[k], source[k]))  # fmt: skip
+    return [
+        ("hf logits", logits_err <= TOL, f"largest difference {logits_err:.1e} of the largest logit (tolerance {TOL:g})"),
+        ("hf summed loss", loss_err <= TOL, f"{loss_err:.1e} off transformers' (tolerance {TOL:g})"),
+        ("hf gradients", grad_err <= TOL, f"largest relative error {grad_err:.1e} ({worst}; tolerance {TOL:g})"),
+        ("hf export round trip", not differ, f"{len(written)} tensors written back as read" if not differ else
+         f"{len(differ)} tensors differ or are missing from the export, first {differ[0]}"),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    init_distributed(torch.device("cpu"))
+    result = check(sys.argv[2:])
+    if dist.get_rank() == 0:
+        with open(sys.argv[1], "w") as f:
+            json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
