@@ -2,7 +2,7 @@
 """Run one config at several data-parallel layouts with the same global batch, then compare.
 
     ./scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
-                                 [--rtol X] [--out DIR] [--dry-run] [--section.key value ...]
+                                 [--rtol X] [--out DIR] [--dry-run] [--localize] [--section.key value ...]
 
 One run per (dp degree, mode), launched one after another on this machine with
 `NPROC=dp ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
@@ -12,6 +12,11 @@ largest local batch <= the config's that divides it (so a config with local_batc
 global batch 16 runs dp=8 as 2 x 1 and dp=16 as 1 x 1). hsdp runs dp_replicate = --replicas
 (default 2) x dp_shard = dp / replicas. Every run logs every step. Then scripts/compare_runs.py's
 verdict over all runs against the first, with its table and plot in --out.
+
+--localize: when a layout parts from the first, the first step where it does is rerun at both
+layouts from the same state (the reference's checkpoint of the step before, resharded), with
+per-module fingerprints, and the first module whose forward output or gradient differs is named
+(titanlite.analysis.localize says how). Runs already in --out are reused.
 
 --dry-run prints the commands instead (to launch them elsewhere, e.g. dp=16 over two 8-GPU
 nodes with your scheduler, then compare the run folders with scripts/compare_runs.py).
@@ -24,6 +29,7 @@ import collections
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -38,6 +44,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.analysis.compare import compare, load_run, report  # noqa: E402
+from titanlite.analysis.localize import base_flags, first_divergence, read, step_flags  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402
@@ -127,6 +134,59 @@ SCRIPT.arg(
 SCRIPT.arg("--out", kind="out_folder", help="folder for the runs and the comparison")
 SCRIPT.arg("--prefix", kind="name", default="", help="run-name prefix")
 SCRIPT.arg("--dry-run", kind="switch", help="print the launch commands only")
+SCRIPT.arg(
+    "--localize",
+    kind="switch",
+    help="when layouts part, rerun the first parting step of both from the same state and name the first module where they differ",
+)
+
+
+def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
+    """One run of layout `p` into out/name (--dry-run: print its command)."""
+    cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *args.overrides]
+    cmd += ["--training.steps", str(args.steps), "--metrics.log_every", "1"]
+    cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
+    cmd += [
+        "--parallelism.dp_shard",
+        str(p["dp_shard"]),
+        "--training.local_batch_size",
+        str(p["local_batch_size"]),
+    ]
+    cmd += ["--job.dump_folder", str(out), "--job.run_name", name, *extra]
+    world = p["dp_replicate"] * p["dp_shard"]
+    if args.dry_run:
+        print(f"NPROC={world} " + shlex.join(cmd), flush=True)
+        return
+    layout = f"{p['mode']} {p['dp_replicate']}x{p['dp_shard']}, local batch {p['local_batch_size']} x accum {p['accum']}"
+    print(f"[{name}] {layout}", flush=True)
+    code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
+    if code != 0:
+        raise UserError(
+            f"run {name} failed (exit {code}): {tail[-1] if tail else 'it printed nothing'}; its log: {out / name / 'logs'}"
+        )
+
+
+def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
+    """Rerun the first step where `cmp`'s layouts part, both from the same state, with per-module
+    fingerprints (titanlite.analysis.localize); returns the first divergence's line."""
+    bad = cmp.first_bad
+    other = names.index(cmp.other.name)
+    folder = out / f"localize-step{bad.step}"
+    if folder.exists():
+        raise UserError(f"{folder} already exists (an earlier localisation); remove it or pass another --out")
+    print(f"localizing step {bad.step}: {names[0]} against {names[other]}, from the same state", flush=True)
+    if bad.step > 1:  # the reference's state after the step before, copied into each layout's run
+        launch(args, plans[0], folder, "base", base_flags(bad.step))
+        saved = f"checkpoints/step-{bad.step - 1:08d}"
+        for name in (names[0], names[other]):
+            shutil.copytree(folder / "base" / saved, folder / name / saved)
+    for i in (0, other):
+        launch(args, plans[i], folder, names[i], step_flags(bad.step))
+    ref, theirs = (read(folder / names[i]) for i in (0, other))
+    found = first_divergence(ref, theirs, cmp.rtol_at(bad))
+    if found is None:
+        return f"no divergence at step {bad.step} from the same state: the runs part through the state they carry"
+    return found.line() + f" (fingerprints: {folder})"
 
 
 def run(args) -> int:
@@ -139,32 +199,15 @@ def run(args) -> int:
     names = [run_name(args.prefix, p) for p in plans]
     if len(set(names)) < len(names):
         raise UserError("two of the requested layouts are the same run; list each dp and mode once")
-    if not args.dry_run and any((out / n / "metrics.jsonl").exists() for n in names):
+    done = [(out / n / "metrics.jsonl").exists() for n in names]
+    reuse = args.localize and all(done)
+    if not args.dry_run and any(done) and not reuse:
         raise UserError(f"{out} already holds these runs; pass another --out")
+    if reuse:
+        print(f"the runs in {out} are compared again (--localize)", flush=True)
     for p, name in zip(plans, names, strict=True):
-        cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *overrides]
-        cmd += ["--training.steps", str(args.steps), "--metrics.log_every", "1"]
-        cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
-        cmd += [
-            "--parallelism.dp_shard",
-            str(p["dp_shard"]),
-            "--training.local_batch_size",
-            str(p["local_batch_size"]),
-        ]
-        cmd += ["--job.dump_folder", str(out), "--job.run_name", name]
-        world = p["dp_replicate"] * p["dp_shard"]
-        if args.dry_run:
-            print(f"NPROC={world} " + shlex.join(cmd), flush=True)
-            continue
-        print(
-            f"[{name}] {p['mode']} {p['dp_replicate']}x{p['dp_shard']}, local batch {p['local_batch_size']} x accum {p['accum']}",
-            flush=True,
-        )
-        code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
-        if code != 0:
-            raise UserError(
-                f"run {name} failed (exit {code}): {tail[-1] if tail else 'it printed nothing'}; its log: {out / name / 'logs'}"
-            )
+        if not reuse:
+            launch(args, p, out, name)
     if args.dry_run:
         return 0
     runs = [load_run(out / n) for n in names]
@@ -173,7 +216,17 @@ def run(args) -> int:
     print(report(comparisons, out / "compare"))
     passed = all(c.passed for c in comparisons)
     print(("PASS: " if passed else "FAIL: ") + f"{len(runs)} layouts, rtol {comparisons[0].rtol}")
-    return 0 if passed else 1
+    if passed:
+        return 0
+    first = next(c for c in comparisons if not c.passed)
+    if args.localize:
+        print(localize(args, plans, names, first, out))
+    else:
+        print(
+            f"to find where they part, add --localize: step {first.first_bad.step} of {first.ref.name} and "
+            f"{first.other.name} is rerun from the same state with per-module fingerprints (the runs in --out are reused)"
+        )
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

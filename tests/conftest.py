@@ -9,13 +9,18 @@ def pytest_addoption(parser):
         action="store_true",
         help="also run the fault catalogue's long cases (tests/test_catalogue.py; minutes each)",
     )
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the long scenarios (marked long: each planted bug localised, minutes in all)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):
-    """The catalogue's long cases are deselected (not skipped) unless --catalogue asks for them."""
-    if config.getoption("--catalogue"):
-        return
-    kept = [item for item in items if item.get_closest_marker("catalogue") is None]
+    """The catalogue's long cases and the long scenarios are deselected (not skipped) unless
+    --catalogue or --long asks for them."""
+    off = [m for m in ("catalogue", "long") if not config.getoption(f"--{m}")]
+    kept = [item for item in items if not any(item.get_closest_marker(m) for m in off)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept

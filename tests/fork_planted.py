@@ -1,13 +1,18 @@
-"""tests/fork_model.py with one planted invariance bug, for scripts/check_model.py to name: the
-token embeddings are centred on their mean over the microbatch's sequences (batch statistics),
-so a sequence's loss depends on which sequences share its microbatch."""
+"""tests/fork_model.py with planted invariance bugs, one a model, for scripts/check_model.py and
+scripts/invariance.py --localize to name: fork_batch_stats centres the token embeddings on their
+mean over the microbatch's sequences (batch statistics), so a sequence's loss depends on which
+sequences share its microbatch; fork_aux_local normalises an auxiliary loss by the microbatch's
+own tokens; fork_rank_noise seeds a noise layer by the rank."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 from fork_model import ForkArgs, ForkLM, parallelize_fork
 
 from titanlite.models.registry import ModelSpec, register_model
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 def _centre(_module: torch.nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
@@ -21,3 +26,70 @@ class BatchStatsLM(ForkLM):
 
 
 register_model(ModelSpec("fork_batch_stats", BatchStatsLM, {"tiny": ForkArgs()}, parallelize_fork))
+
+
+class Router(nn.Module):
+    """A mixture-of-experts router's probabilities over 4 experts: what a load-balancing loss reads."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).softmax(-1)
+
+
+class AuxLocalLM(ForkLM):
+    """An auxiliary loss on the router (its squared probabilities summed over the valid tokens)
+    normalised by this microbatch's own valid tokens, where the step's loss is normalised by all
+    of the step's: how much it weighs depends on how the batch is cut (Megatron-LM#7452)."""
+
+    def __init__(self, args: ForkArgs) -> None:
+        super().__init__(args)
+        self.router = Router(args.dim)
+        self.layers[0].register_forward_hook(self._keep)
+
+    def _keep(self, _module: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+        self._hidden = out
+
+    def forward(self, tokens, labels=None, loss_chunk=0, positions=None) -> torch.Tensor:
+        out = super().forward(tokens, labels, loss_chunk, positions)
+        if labels is None:
+            return out
+        valid = labels != IGNORE_INDEX
+        load = (self.router(self._hidden) ** 2).sum(-1)
+        aux = (load * valid).sum() / valid.sum().clamp(min=1)  # the bug: local tokens
+        return out + aux / len(out)
+
+    def init_weights(self, init) -> None:
+        super().init_weights(init)
+        init.normal_(self.router.proj.weight, 1.0)
+
+
+class RankNoise(nn.Module):
+    """Noise from a generator seeded by the rank, through a learned gate that starts at zero: a
+    sequence's noise depends on which rank holds it, from the second step on (the first step's
+    loss agrees; its gradient of the gate does not)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator(device=x.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        return x + self.gate * torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+
+
+class RankNoiseLM(ForkLM):
+    def __init__(self, args: ForkArgs) -> None:
+        super().__init__(args)
+        self.noise = RankNoise(args.dim)
+        self.layers[0].register_forward_hook(lambda _m, _a, out: self.noise(out))
+
+    def init_weights(self, init) -> None:
+        super().init_weights(init)
+        init.constant_(self.noise.gate, 0.0)
+
+
+for name, cls in (("fork_aux_local", AuxLocalLM), ("fork_rank_noise", RankNoiseLM)):
+    register_model(ModelSpec(name, cls, {"tiny": ForkArgs()}, parallelize_fork))

@@ -5,9 +5,10 @@ Debug Llama, the built-in SFT set prepared by scripts/prepare_data.py (valid tok
 between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 10 steps (past the
 warmup of 5, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
 once for the module (dp8_dp16); the dp=8 run's checkpoint of step 7, copied into a new run folder,
-continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8 run's curve.
-And the naive local_mean control, dp=8 (one microbatch of 2) vs dp=16, 3 steps, which must fail
-the verdict and name the step. (Accumulation against a single process: tests/test_distributed.py.)
+continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8 run's curve
+(with --long). The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
+steps, must fail the verdict and name the step. --localize names the module of each bug planted
+in tests/fork_planted.py (two of the three with --long). (Accumulation against a single process: tests/test_distributed.py.)
 """
 
 from __future__ import annotations
@@ -112,11 +113,11 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, d
 
 
 @pytest.mark.slow
-def test_dp8_vs_dp16_local_mean_fails_and_names_the_step(tmp_path):
-    """3 steps: step 1 parts on the logged loss alone (the weights are still equal), the next on
-    the updates too."""
+def test_local_mean_fails_and_names_the_step(tmp_path):
+    """dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3 steps: step 1 parts on the logged loss
+    alone (the weights are still equal), the next on the updates too."""
     naive = ("--loss.normalization", "local_mean")
-    proc, summary = invariance(tmp_path, "--dp", "8", "16", "--steps", "3", *batch(2), *naive)
+    proc, summary = invariance(tmp_path, "--dp", "2", "4", "--steps", "3", *batch(8), *naive)
     assert proc.returncode == 1, proc.stderr
     (cmp,) = summary["comparisons"]
     assert cmp["steps"] == 3 and cmp["first_bad_step"] is not None and cmp["max_rel"] > 1e-3
@@ -124,6 +125,7 @@ def test_dp8_vs_dp16_local_mean_fails_and_names_the_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # the modes' curves bitwise at dp=4: tests/test_golden.py; their gradients: test_distributed.py
 def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
     """DDP and HSDP 2x4 at dp=8 (scripts/invariance.py: HSDP against DDP), then both against
     dp8_dp16's FSDP dp=8 run of the same settings (scripts/compare_runs.py)."""
@@ -168,3 +170,52 @@ def test_dry_run_prints_one_command_per_layout(tmp_path):
     assert "--parallelism.dp_replicate 2 --parallelism.dp_shard 8" in lines[-1]
     assert "--training.local_batch_size 2" in lines[0] and "--training.local_batch_size 1" in lines[-1]
     assert not (tmp_path / "inv").exists()
+
+
+# Planted invariance bugs (tests/fork_planted.py), each at dp=1 (one microbatch of 4) against dp=2
+# (2 each), so which sequences share a microbatch changes too: the step where the curves part, and
+# the module --localize must name there.
+PLANTED = {
+    "fork_batch_stats": (1, "tokens forward"),
+    "fork_aux_local": (1, "router grad"),
+    "fork_rank_noise": (2, "noise forward"),
+}
+FORK = (
+    "--config", "train_configs/debug_model.toml",
+    "--model.import_module", "fork_planted",
+    "--model.flavor", "tiny",
+    "--training.global_batch_size", "4",
+    "--training.local_batch_size", "4",
+    "--training.seq_len", "64",
+    "--loss.chunk_logits_mib", "0.01",  # the loss inside the model, where the auxiliary loss joins it
+    "--optimizer.lr", "0.02",
+    "--lr_scheduler.warmup_steps", "1",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model",
+    [pytest.param("fork_batch_stats", marks=pytest.mark.long), pytest.param("fork_aux_local", marks=pytest.mark.long),
+     "fork_rank_noise"],
+)  # fmt: skip
+def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
+    """A failing comparison offers --localize; with it, the runs in --out are reused and the first
+    parting step is rerun from the same state (after step 1: the reference's checkpoint of the step
+    before, resharded to each layout), naming the planted bug's module."""
+    step, where = PLANTED[model]
+    cmd = [sys.executable, "scripts/invariance.py", *FORK, "--model.name", model, "--dp", "1", "2"]
+    cmd += ["--steps", str(step), *QUIET, "--out", str(tmp_path / "inv")]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    failed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(failed.stdout[-2000:], failed.stderr[-2000:])
+    assert failed.returncode == 1 and f"first step beyond rtol 1e-05: {step} " in failed.stdout
+    assert "to find where they part, add --localize" in failed.stdout
+    found = subprocess.run(
+        [*cmd, "--localize"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+    )
+    print(found.stdout[-3000:], found.stderr[-3000:])
+    assert found.returncode == 1 and "are compared again (--localize)" in found.stdout
+    (line,) = [ln for ln in found.stdout.splitlines() if ln.startswith("first divergence: ")]
+    assert line.startswith(f"first divergence: {where} at step {step}: "), line
+    assert ("[base]" in found.stdout) == (step > 1)

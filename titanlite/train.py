@@ -20,6 +20,7 @@ from titanlite.components.checkpoint.checkpointer import Checkpointer
 from titanlite.components.checkpoint.export import export_run
 from titanlite.components.evaluate import build_evaluator
 from titanlite.components.faults import Faults
+from titanlite.components.fingerprints import Recorder
 from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses
 from titanlite.components.metrics import MetricsWriter, scalar_tags
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
@@ -115,6 +116,7 @@ class Trainer:
         speed = (meta.flops_per_token, self.device, dims.param_dtype)
         self.rates = RunRates(self.layout.tokens_per_rank_step, dims.dp_size, t.steps, *speed)
         self.window = StepWindow()
+        self.last_step = min(t.steps, s) if (s := cfg.debug.stop_after_step) > 0 else t.steps
 
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, step: int) -> list[Microbatch]:
@@ -140,18 +142,17 @@ class Trainer:
         self.diagnostics.arrive()
         # Decided before the forward: a measured `exact` step reduces its whole gradient at once.
         skip_sync = self.diagnostics.skip_grad_sync(self.layout.skip_grad_sync, measured)
+        sampler = self.dataloader.batch_sampler
+        fingerprints = Recorder.at(step, self.cfg.debug.fingerprint_step, self.model, sampler)
+        losses = fingerprints.losses(self.losses) if fingerprints else self.losses
+        parts = (self.model, micro, self.balancer, self.dims)
         loss_total, sample_sums = forward_backward(
-            self.model,
-            micro,
-            self.balancer,
-            self.dims,
-            skip_grad_sync=skip_sync,
-            loss_chunk=self.meta.loss_chunk,
-            losses=self.losses,
+            *parts, skip_grad_sync=skip_sync, loss_chunk=self.meta.loss_chunk, losses=losses
         )
+        if fingerprints:  # debug.fingerprint_step: host work on that step only
+            fingerprints.finish(self.model, loss_total, self.run_dir)
         with phase("clip"):
             grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        sampler = self.dataloader.batch_sampler
         self.diagnostics.end_training_step(step, micro, sample_sums, sampler, grad_norm)
         tokens = self.balancer.global_tokens()
         # Decided on the device before optimizer.step: no token, a non-finite norm, a spike.
@@ -173,7 +174,7 @@ class Trainer:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is
         lost, and an eval reads the host there."""
         return (
-            step in (self.start_step, self.cfg.training.steps)
+            step in (self.start_step, self.last_step)
             or due(step, self.cfg.metrics.log_every)
             or self.checkpointer.due(step)
             or self.is_eval_step(step)
@@ -207,7 +208,7 @@ class Trainer:
 
     # ---- the loop -------------------------------------------------------------------------------
     def train(self) -> None:
-        steps = self.cfg.training.steps
+        steps = self.last_step
         sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
         start = window_start = time.perf_counter()
         self.stops.arm(self.cfg.comm.timeout_s)
@@ -276,8 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         stops = StopSignals()  # first: a signal during set-up stops at once, in one line
-        cfg, path = parse_args(argv)
-        trainer = Trainer(cfg, path, stops)
+        trainer = Trainer(*parse_args(argv), stops)
         trainer.train()
         return 0
     except ENDINGS as e:

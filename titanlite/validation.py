@@ -36,6 +36,12 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
             "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
         )
+    for key in ("fingerprint_step", "stop_after_step"):
+        if getattr(cfg.debug, key) > cfg.training.steps:
+            raise UserError(
+                f"debug.{key} is {getattr(cfg.debug, key)} but the run has {cfg.training.steps} steps "
+                "(training.steps); pick a step of the run, or -1"
+            )
     s = cfg.spike_guard
     if s.min_history > s.window:
         raise UserError(

@@ -78,6 +78,16 @@ class Debug:
         "fault: from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)",
     )
     stuck_loader_rank: int = opt(1, "the rank whose loader stuck_loader_step freezes")
+    fingerprint_step: int = opt(
+        -1,
+        "write per-module fingerprints of this step into <run folder>/fingerprints.json "
+        "(scripts/invariance.py --localize compares two layouts' files)",
+    )
+    stop_after_step: int = opt(
+        -1,
+        "end the run after this step, as after its last (checkpoint saved if due); the schedule still "
+        "runs to training.steps",
+    )
     seed_mode: str = opt(
         "shared",
         "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",

@@ -1,0 +1,121 @@
+"""Where two layouts part: the first module whose forward output, or the first gradient that
+backward brings to a module, differs between two layouts' fingerprints of the same step
+(titanlite.components.fingerprints; scripts/invariance.py --localize runs them).
+
+Both layouts take the step from the same state: at step 1 from the same initial weights, which do
+not depend on the layout; later, from the reference layout's checkpoint of the step before,
+resharded to each layout (DCP), with the data order a function of the step alone. The walk:
+  1. each module's forward output, in the order the reference's forward produced them (a module
+     runs after the modules it reads, so the first one that parts is where a difference enters);
+  2. the gradients reaching the modules' outputs, in the order backward reached them (an
+     auxiliary loss enters the backward at the module whose output it reads);
+  3. each parameter's reduced gradient (a difference in the reduction itself);
+  4. the model's own output and the logged loss, last: when only they part, the difference is
+     in how the loss is put together from agreeing parts.
+Each sequence is compared by itself; a difference counts when it is beyond the comparison's
+tolerance at that step, relative to the sequence's scale.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from titanlite.components.fingerprints import FILE
+from titanlite.errors import UserError
+
+ROOT = "(model)"
+
+# What a localisation run changes besides its layout and step, none of which changes the step's
+# maths: no recomputation in backward (a checkpointed block's inner outputs are not in the graph),
+# no compile (hooks see eager modules), no eval, no export, checkpoints inside the run folder.
+RUN_FLAGS = (
+    "--training.activation_checkpoint", "none",
+    "--training.compile", "false",
+    "--eval.every", "0",
+    "--eval.at_end", "false",
+    "--checkpoint.export_weights", "false",
+    "--checkpoint.export_hf", "false",
+    "--checkpoint.folder", "checkpoints",
+    "--checkpoint.at_end", "false",
+)  # fmt: skip
+
+
+def base_flags(step: int) -> list[str]:
+    """The reference layout's run that writes the checkpoint of `step` - 1 (none at step 1)."""
+    return [*RUN_FLAGS, "--checkpoint.every", str(step - 1), "--debug.stop_after_step", str(step - 1)]
+
+
+def step_flags(step: int) -> list[str]:
+    """Each layout's run of `step` with fingerprints (resuming the copied checkpoint after step 1)."""
+    resume = ["--checkpoint.load_step", str(step - 1)] if step > 1 else []
+    return [*RUN_FLAGS, *resume, "--checkpoint.every", "0", "--debug.fingerprint_step", str(step),
+            "--debug.stop_after_step", str(step)]  # fmt: skip
+
+
+def read(folder: Path) -> dict:
+    path = folder / FILE
+    if not path.is_file():
+        raise UserError(f"{path}: missing; the localisation run in {folder} did not reach its step")
+    return json.loads(path.read_text())
+
+
+def apart(a: list[float], b: list[float]) -> float:
+    """How far two fingerprints (sum, sum of squares, sum of |x|) are, relative to their scale:
+    the sum against the sum of |x| (which bounds it), the others against themselves."""
+    scale = (max(a[2], b[2]), max(a[1], b[1]), max(a[2], b[2]))
+    return max((abs(x - y) / s if s > 0 else 0.0) for x, y, s in zip(a, b, scale, strict=False))
+
+
+@dataclass
+class Divergence:
+    where: str  # "<module> forward", "<module> grad", "<parameter> reduced grad", "loss"
+    step: int
+    parted: int  # sequences beyond the tolerance (1 for a whole tensor)
+    of: int
+    worst: float
+    row: str
+    tol: float
+
+    def line(self) -> str:
+        what = (
+            "the whole tensor"
+            if self.row == "-1"
+            else f"{self.parted} of {self.of} sequences, the most {self.worst:.2e} (sequence {self.row})"
+        )
+        if self.where == "loss":
+            what = f"the logged loss, {self.worst:.2e} apart"
+        return (
+            f"first divergence: {self.where} at step {self.step}: {what}, beyond tolerance {self.tol:.0e}; "
+            "everything before it agrees"
+        )
+
+
+def walk(record: dict) -> list[str]:
+    """The reference's keys in the order the module doc gives."""
+    order = record["order"]
+    root = [k for k in order if k.startswith(ROOT) and k.endswith(" forward")]
+    rest = [k for k in order if k not in root]
+    forward = [k for k in rest if k.endswith(" forward")]
+    grads = [k for k in rest if k.endswith(" grad") and not k.endswith(" reduced grad")]
+    reduced = [k for k in rest if k.endswith(" reduced grad")]
+    return forward + grads + reduced + root
+
+
+def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
+    """The first place, in walk order, where `other`'s fingerprints part from `ref`'s."""
+    step = ref["step"]
+    for key in walk(ref):
+        mine, theirs = ref["records"][key], other["records"].get(key)
+        if theirs is None:
+            return Divergence(key + " (not run by the other layout)", step, 1, 1, float("inf"), "-1", tol)
+        rows = sorted(set(mine) | set(theirs), key=int)
+        gaps = {r: (apart(mine[r], theirs[r]) if r in mine and r in theirs else float("inf")) for r in rows}
+        bad = {r: g for r, g in gaps.items() if not g <= tol}
+        if bad:
+            row = max(bad, key=bad.get)
+            return Divergence(key, step, len(bad), len(rows), bad[row], row, tol)
+    a, b = ref["loss"], other["loss"]
+    gap = abs(a - b) / max(abs(a), 1e-30)
+    return Divergence("loss", step, 1, 1, gap, "-1", tol) if not gap <= tol else None

@@ -1,0 +1,156 @@
+"""Per-module fingerprints of one training step (debug.fingerprint_step), which
+titanlite.analysis.localize compares between two layouts to name where they part.
+
+A fingerprint summarises a tensor per sequence by (sum, sum of squares, sum of |x|) over the
+sequence's elements: each module's forward output, and the gradient that backward brings to
+it. Sums add over any split of a sequence's elements, so the pieces of a sequence that ranks
+hold between them (context parallelism) add up to the whole sequence's fingerprint; a sequence
+is named by its place in the step's global batch (the sampler's stream position), which no
+layout changes. The reduced gradient of each parameter is summarised whole, as every rank holds
+it after the reduction. Rank 0 gathers all ranks' records, summing the pieces of a sequence, and
+writes them with the order in which its first microbatch's forward and backward reached them.
+
+Recording is host work on one debug step only: it reads every fingerprint as it is made.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from titanlite.distributed.parallelize import unwrap
+from titanlite.distributed.param_init import canonical_name
+
+FILE = "fingerprints.json"
+logger = logging.getLogger("titanlite")
+
+
+def summary(t: torch.Tensor) -> list[list[float]]:
+    """(sum, sum of squares, sum of |x|) of each row of `t` (its first dimension), in float64."""
+    x = t.detach().reshape(t.shape[0], -1).double()
+    return torch.stack([x.sum(1), (x * x).sum(1), x.abs().sum(1)], 1).tolist()
+
+
+def _tensors(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+class Recorder:
+    """Hooks on every module of `model` for one step. Wrap the step's loss function with
+    `losses`, call `parameters` after backward (before clipping), then `gather`."""
+
+    def __init__(self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], step: int = 1) -> None:
+        """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`."""
+        self.rows_of, self.step = rows, step
+        self.records: dict[str, dict[int, list[float]]] = {}
+        self.order: list[str] = []
+        self._rows: list[int] = []
+        self._micro = 0
+        self._forward = False
+        self._calls: Counter[str] = Counter()
+        self._handles: list[RemovableHandle] = []
+        for name, module in unwrap(model).named_modules():
+            label = canonical_name(name) or "(model)"
+            self._handles.append(module.register_forward_hook(self._hook(label)))
+
+    def losses(self, fn: Callable) -> Callable:
+        """`fn` (sequence_losses' signature) with each call's sequences named for the hooks."""
+
+        def wrapped(model, batch, loss_chunk=0):
+            self._rows, self._calls, self._forward = (
+                self.rows_of(self._micro, len(batch.inputs)),
+                Counter(),
+                True,
+            )
+            self._micro += 1
+            try:
+                return fn(model, batch, loss_chunk)
+            finally:
+                self._forward = False  # a recomputation in backward is not a forward of the step
+
+        return wrapped
+
+    def _add(self, key: str, rows: list[int], t: torch.Tensor) -> None:
+        if key not in self.records:
+            self.records[key] = {}
+            if self._micro == 1:
+                self.order.append(key)
+        table = self.records[key]
+        for row, vec in zip(rows, summary(t), strict=True):
+            table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
+
+    def _hook(self, label: str):
+        def hook(_module, _args, out) -> None:
+            if not self._forward:
+                return
+            outs = [t for t in _tensors(out) if t.ndim >= 1 and t.shape[0] == len(self._rows)]
+            for i, t in enumerate(t for t in outs if t.is_floating_point()):
+                name = label if len(outs) == 1 else f"{label}[{i}]"
+                self._calls[name] += 1
+                call = self._calls[name]
+                suffix = f" call {call}" if call > 1 else ""
+                self._add(f"{name}{suffix} forward", self._rows, t)
+                if t.requires_grad:
+                    rows, key = self._rows, f"{name}{suffix} grad"
+                    t.register_hook(lambda g, rows=rows, key=key: self._add(key, rows, g))
+
+        return hook
+
+    @classmethod
+    def at(cls, step: int, wanted: int, model: torch.nn.Module, sampler) -> Recorder | None:
+        """The trainer's recorder for `step` if it is debug.fingerprint_step (`wanted`); a row is
+        named by its position in the data stream (datasets/sampler.py), the same at any layout."""
+        if step != wanted:
+            return None
+        return cls(model, lambda m, n: [sampler.stream_position(step - 1, m) + i for i in range(n)], step)
+
+    def finish(self, model: torch.nn.Module, loss_share: torch.Tensor, folder: Path) -> None:
+        """After backward, before clipping: the reduced gradients, then everything gathered and
+        written by rank 0 into `folder`."""
+        self.parameters(model)
+        loss = loss_share.detach().clone()
+        dist.all_reduce(loss)  # the logged loss: every rank's share
+        record = self.gather(loss)
+        if record is not None:
+            path = folder / FILE
+            path.write_text(json.dumps({"step": self.step, **record}))
+            logger.info(f"fingerprints of step {self.step}: {path}")
+
+    def parameters(self, model: torch.nn.Module) -> None:
+        """Each parameter's reduced gradient, whole (every rank calls this: FSDP gathers)."""
+        for name, p in unwrap(model).named_parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            key = f"{canonical_name(name)} reduced grad"
+            self.records[key] = {-1: summary(g.reshape(1, -1))[0]}
+            self.order.append(key)
+
+    def gather(self, loss: torch.Tensor) -> dict | None:
+        """Every rank's records summed per sequence, with the step's loss; on rank 0 (else None)."""
+        for h in self._handles:
+            h.remove()
+        mine = {k: v for k, v in self.records.items() if not k.endswith("reduced grad")}
+        everyone: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, mine)
+        if dist.get_rank() != 0:
+            return None
+        merged = {k: dict(v) for k, v in self.records.items() if k.endswith("reduced grad")}
+        for theirs in everyone:
+            for key, table in theirs.items():
+                into = merged.setdefault(key, {})
+                for row, vec in table.items():
+                    into[row] = [a + b for a, b in zip(into[row], vec, strict=True)] if row in into else vec
+        return {"order": self.order, "records": merged, "loss": float(loss)}
