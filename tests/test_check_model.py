@@ -12,6 +12,7 @@ import pytest
 from helpers import REPO
 
 SCRIPT = str(REPO / "scripts" / "check_model.py")
+FORK_LM = ("--model.name", "fork_lm", "--model.import_module", "fork_model", "--model.flavor", "tiny")
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:
@@ -23,16 +24,7 @@ def _check(*flags: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_the_contract_fork_passes_and_a_planted_bug_is_named():
-    good = _check(
-        "--model.name",
-        "fork_lm",
-        "--model.import_module",
-        "fork_model",
-        "--model.flavor",
-        "tiny",
-        "--worlds",
-        "2",
-    )
+    good = _check(*FORK_LM, "--worlds", "2")
     assert good.returncode == 0, good.stdout + good.stderr
     lines = good.stdout.splitlines()
     assert lines[-1].startswith("PASS: ") and sum(ln.startswith("PASS  gradient dp=2") for ln in lines) == 9
@@ -60,6 +52,7 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
         (["--model.name", "nope"], "nope"),
         (["--model.name", "fork_lm", "--model.import_module", "no_such_module"], "cannot be imported"),
         (["--model.name", "llama3", "--worlds", "0"], "--worlds"),
+        ([*FORK_LM, "--parallelism.axes", '["cp=2"]'], "model 'fork_lm' splits no sequence over 'cp'"),
     ],
 )
 def test_bad_input_is_one_line_before_any_rank(flags, says):

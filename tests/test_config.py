@@ -112,6 +112,11 @@ def test_layout_modes_and_accumulation():
         training__local_batch_size=2,
     )
     assert (lay.mode, lay.dp_replicate, lay.dp_shard) == ("hsdp", 2, 1)
+    # extra axes split sequences: the data-parallel ranks are the world over their product
+    lay = _layout(
+        8, parallelism__axes='["cp=2", "x=2"]', training__global_batch_size=8, training__local_batch_size=1
+    )
+    assert (lay.dp, lay.seq_split, lay.world, lay.grad_accum, lay.axes) == (2, 4, 8, 4, (("cp", 2), ("x", 2)))
 
 
 @pytest.mark.parametrize(
@@ -127,6 +132,26 @@ def test_layout_modes_and_accumulation():
         (2, dict(parallelism__mode="ddp", parallelism__dp_shard=2), "mode 'ddp' needs dp_shard 1"),
         (2, dict(parallelism__dp_replicate=2, parallelism__skip_grad_sync="off"), "cannot be exact with ddp"),
         (1, dict(training__steps=0), "training.steps is 0"),
+        (
+            4,
+            dict(parallelism__axes='["cp=3"]'),
+            "split each sequence over 3 ranks, which does not divide the 4",
+        ),
+        (4, dict(parallelism__axes='["cp"]'), "entry 'cp' is not name=degree"),
+        (4, dict(parallelism__axes='["cp=0"]'), "entry 'cp=0' is not name=degree"),
+        (4, dict(parallelism__axes='["2=2"]'), "entry '2=2' is not name=degree"),
+        (4, dict(parallelism__axes='["cp=2", "cp=2"]'), "names 'cp' twice"),
+        (4, dict(parallelism__axes='["dp_shard=2"]'), "as a data-parallel axis"),
+        (
+            4,
+            dict(parallelism__axes='["cp=2"]', parallelism__dp_shard=4),
+            "1 x 4 != 2 ranks (after the 2 that split",
+        ),
+        (
+            4,
+            dict(parallelism__axes='["cp=4"]', training__seq_len=6),
+            "seq_len 6 does not split into 4 equal pieces",
+        ),
     ],
 )
 def test_bad_layouts(world, kw, message):
@@ -369,3 +394,23 @@ def test_the_plan_is_resolved_once_or_refused_in_one_line(
     if method == "auto" and 4 * plan.dp > sketch_dim:  # past it the sketch sends less than the Gram
         assert plan.diagnostics_method == "sketch"
     assert sampler is not None and sampler.grad_accum == plan.grad_accum
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--eval.prompts", '["hi"]'], "eval.prompts with parallelism.axes"),
+        (
+            ["--diagnostics.enable", "false", "--debug.fingerprint_step", "11"],
+            "debug.fingerprint_step is 11 but the run has 10",
+        ),
+        (["--debug.stop_after_step", "11"], "debug.stop_after_step is 11"),
+    ],
+)
+def test_what_a_sequence_split_or_a_debug_step_cannot_do_is_refused(flags, message):
+    cfg, _ = parse_args(["--parallelism.axes", '["cp=2"]', "--training.steps", "10", *flags])
+    with pytest.raises(UserError, match=re.escape(message)):
+        validate(cfg, 2)
+    cfg.eval.prompts = []
+    cfg.debug.fingerprint_step = cfg.debug.stop_after_step = 10
+    validate(cfg, 2)

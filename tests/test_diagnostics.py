@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from titanlite.diagnostics.sketch import CountSketch
 from titanlite.diagnostics.stats import PAIRS_KEPT, NoiseScale, rank_noise, step_metrics
-from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep
+from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep, fold_replicas
 
 WORLDS = (2, 4)
 
@@ -318,3 +318,51 @@ def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, see
     if world <= PAIRS_KEPT:
         assert _same(m["cos_matrix"], want["cos_matrix"])
         assert _same(m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"]))
+
+
+@pytest.mark.parametrize("split, ranks", [(2, 4), (3, 6), (4, 4), (2, 10), (1, 3)])
+def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
+    """parallelism.axes: each replica's sequences split over `split` ranks. Each rank measures
+    its piece (losses, tokens, its gradient); folded, every replica's row and Gram are those of
+    its sequences whole: sums, the summed gradient's norm and inner products, its batch."""
+    g = torch.Generator().manual_seed(split * 100 + ranks)
+    n, replicas = 3, ranks // split
+    grads = torch.randn(ranks, 40, generator=g, dtype=torch.float64)
+    gram = (grads @ grads.T).tolist()
+    rows, pieces = [], []
+    for r in range(ranks):
+        a = r // split
+        piece = {
+            "loss": torch.rand(n, generator=g, dtype=torch.float64),
+            "tokens": torch.randint(0, 5, (n,), generator=g).double(),
+            "content": torch.rand(n, generator=g, dtype=torch.float64),
+            "times": torch.tensor([float(r), float("nan") if r == 0 else -r, 2.0 * r], dtype=torch.float64),
+        }
+        pieces.append(piece)
+        rows.append(
+            RankStep(
+                loss_sum=piece["loss"].sum(), tokens=piece["tokens"].sum(), norm_sq=grads[r].norm() ** 2,
+                order=torch.tensor([1000.0 + a]), times=piece["times"], sequence_loss_sums=piece["loss"],
+                sequence_tokens=piece["tokens"], sequence_index=torch.arange(n) + 10 * a,
+                sequence_content=piece["content"],
+            ).pack().tolist()
+        )  # fmt: skip
+    for exact_norms in (True, False):
+        folded, fgram = fold_replicas(rows, gram, split, exact_norms)
+        whole = grads.view(replicas, split, -1).sum(1)
+        assert len(folded) == replicas and torch.allclose(
+            torch.tensor(fgram, dtype=torch.float64), whole @ whole.T, rtol=1e-12
+        )
+        for a, row in enumerate(folded):
+            got, mine = RankRow.unpack(row), pieces[a * split : (a + 1) * split]
+            loss, tokens = sum(p["loss"] for p in mine), sum(p["tokens"] for p in mine)
+            assert math.isclose(got.loss_sum, float(loss.sum()), rel_tol=1e-12)
+            assert got.tokens == float(tokens.sum()) and got.order == 1000 + a
+            assert math.isclose(got.norm_sq, float(whole[a].norm() ** 2), rel_tol=1e-12)
+            times = torch.stack([p["times"] for p in mine])
+            assert got.load_s == times[:, 0].max() and got.step_s == times[:, 2].max()
+            assert got.wait_s == times[:, 1].nan_to_num(nan=math.inf).min() or (split == 1 and a == 0)
+            assert [s["index"] for s in got.sequences] == [10 * a + i for i in range(n)]
+            assert [s["tokens"] for s in got.sequences] == [int(t) for t in tokens]
+            assert all(math.isclose(s["content"], float(c), rel_tol=1e-12)
+                       for s, c in zip(got.sequences, sum(p["content"] for p in mine), strict=True))  # fmt: skip

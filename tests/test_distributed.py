@@ -202,6 +202,18 @@ def test_a_fork_model_written_from_the_contract_passes_the_model_check(results):
     assert not failed and len(verdicts(checks)) > 3 * len(WORLDS) * 3, failed
 
 
+def test_a_context_parallel_fork_is_exact_at_every_split(results):
+    """tests/fork_cp.py (Ulysses attention over the cp axis, written from the contract's
+    sequence-split rule): at dp x cp = 1 x 2 and 2 x 2 in every mode, on unequal tokens and
+    packed documents (whose boundaries cross the pieces), the gradient and logged loss are one
+    process's; so are its plain data-parallel cases at dp 1, 2 and 4."""
+    checks = [results[w]["context_check"] for w in WORLDS]
+    split = {(r["world"], c["mode"], c["packed"]) for r in checks for c in r["cases"] if c["axis"] == "cp"}
+    assert split == {(w, m, p) for w in (2, 4) for m in ("fsdp", "ddp", "hsdp") for p in (False, True)}
+    failed = [(what, detail) for what, ok, detail in verdicts(checks) if not ok]
+    assert not failed and sum("x cp=2" in what for what, _, _ in verdicts(checks)) == 12, failed
+
+
 def test_dropout_keyed_by_sample_is_exact_at_any_layout(results):
     """With model.dropout_masks = "sample" a dropout run's gradient is one process's at every
     dp, accumulation and mode, checkpointing included: dropout runs are dp-invariant. Masks from

@@ -20,6 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import REPO, check, read_metrics, train
 
@@ -219,3 +220,65 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
     (line,) = [ln for ln in found.stdout.splitlines() if ln.startswith("first divergence: ")]
     assert line.startswith(f"first divergence: {where} at step {step}: "), line
     assert ("[base]" in found.stdout) == (step > 1)
+
+
+# tests/fork_cp.py (context parallelism from outside the package) through the trainer: packed
+# SFT documents whose boundaries cross the pieces, the loss's valid tokens unequal, eval at the end.
+CONTEXT = (
+    "--config", CONFIG,
+    "--model.name", "fork_cp",
+    "--model.import_module", "fork_cp",
+    "--model.flavor", "tiny",
+    "--data.packing", "true",
+    "--training.seq_len", "256",
+    "--training.local_batch_size", "2",
+    "--metrics.log_every", "1",
+    "--eval.fraction", "0.1",
+    "--eval.max_sequences", "8",
+    *QUIET,
+)  # fmt: skip
+SPLIT = ("--parallelism.axes", '["cp=2"]')
+
+
+def _context_runs(
+    tmp_path, batch: int, steps: int, runs: dict[str, tuple[int, tuple[str, ...]]]
+) -> list[Path]:
+    """Train each of `runs` (name: ranks, extra flags) on the same global batch; their folders,
+    after checking that the logged and eval losses agree with the first run's to 1e-5."""
+    common = (*CONTEXT, "--training.global_batch_size", str(batch), "--training.steps", str(steps))
+    for name, (nproc, extra) in runs.items():
+        check(train(nproc, *common, *extra, "--job.dump_folder", str(tmp_path), "--job.run_name", name))
+    curves = []
+    for name in runs:
+        losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
+        evals = [json.loads(x)["loss"] for x in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
+        assert sorted(losses) == list(range(1, steps + 1)) and len(evals) == 1, (name, losses, evals)
+        curves.append([*losses.values(), *evals])
+    rel = max(abs(x - y) / abs(x) for c in curves[1:] for x, y in zip(curves[0], c, strict=True))
+    print(f"{' vs '.join(runs)}: max relative loss difference {rel:.3g}")
+    assert rel <= 1e-5
+    return [tmp_path / name for name in runs]
+
+
+@pytest.mark.slow
+def test_a_context_parallel_fork_trains_on_the_data_parallel_curve_and_diagnoses_its_replicas(tmp_path):
+    """dp=2 against dp=2 x cp=2 (each replica's sequences split over 2 ranks): the same curve,
+    and the same diagnostics, as the pieces of each replica are summed into it."""
+    plain, split = _context_runs(tmp_path, 4, 3, {"dp2": (2, ()), "dp2xcp2": (4, SPLIT)})
+    diag = [
+        [json.loads(x) for x in (run / "diagnostics.jsonl").read_text().splitlines()]
+        for run in (plain, split)
+    ]
+    assert [r["step"] for r in diag[0]] == [r["step"] for r in diag[1]] == [1, 2, 3]
+    for a, b in zip(*diag, strict=True):
+        for key in ("loss_std", "cos_mean_pairwise", "rank_loss", "rank_grad_norm", "rank_tokens"):
+            x, y = np.atleast_1d(a[key]), np.atleast_1d(b[key])
+            assert np.allclose(x, y, rtol=1e-4, atol=1e-7), (key, a[key], b[key])
+        assert a["alerts"] == b["alerts"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.long
+def test_dp4_and_dp2_by_cp2_give_the_same_curve(tmp_path):
+    """dp=4 against dp=2 x cp=2, 20 steps, fp32."""
+    _context_runs(tmp_path, 8, 20, {"dp4": (4, ()), "dp2xcp2": (4, SPLIT)})

@@ -31,6 +31,7 @@ def _check(shards: int, replicas_: int) -> ReplicaCheck:
     check = ReplicaCheck.__new__(ReplicaCheck)
     check.groups = [[r * shards + s for r in range(replicas_)] for s in range(shards)]
     check.names = ["a", "b", "c"]
+    check.split = 1
     return check
 
 
@@ -43,3 +44,8 @@ def test_verdict_names_the_minority_or_every_replica_without_a_majority():
     other = [7.0, 8.0, 9.0]
     drift = _check(2, 2).compare(6, [ok, other, ok, [7.0, 0.0, 9.0]])
     assert (drift.ranks, drift.parameter) == ([1, 3], "b")
+    # the same mesh with its 2 shards on a cp axis of 2 (parallelism.axes): the diagnostics name
+    # data-parallel replicas, rank // 2
+    split = _check(2, 2)
+    split.split = 2
+    assert split.compare(6, [ok, other, ok, [7.0, 0.0, 9.0]]).ranks == [0, 1]

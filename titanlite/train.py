@@ -129,7 +129,7 @@ class Trainer:
                 batch = self.dataloader.batch_sampler.keyed(
                     batch, self.dropout_seed, step - 1, m, self.device
                 )
-            micro.append(batch.to(self.device))
+            micro.append(self.dims.piece(batch.to(self.device)))
         return self.faults.stuck_batch(step, micro)
 
     def train_step(self, step: int) -> None:

@@ -36,6 +36,11 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
             "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
         )
+    if layout.axes and cfg.eval.prompts:
+        raise UserError(
+            "eval.prompts with parallelism.axes: decoding runs whole prompts on every rank, which a model "
+            "that splits sequences does not take; remove the prompts"
+        )
     for key in ("fingerprint_step", "stop_after_step"):
         if getattr(cfg.debug, key) > cfg.training.steps:
             raise UserError(

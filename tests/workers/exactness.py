@@ -259,6 +259,8 @@ def main() -> None:
     forked = check(
         ["--model.name", "fork_lm", "--model.import_module", "fork_model", "--model.flavor", "tiny"]
     )
+    # ... and tests/fork_cp.py's context parallelism, which adds the cp axis's cases
+    context = check(["--model.name", "fork_cp", "--model.import_module", "fork_cp", "--model.flavor", "tiny"])
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
     drop = dataclasses.replace(ARGS, dropout=0.3)
@@ -306,6 +308,7 @@ def main() -> None:
                     "reduce_cases": reduce,
                     "packed_cases": packed,
                     "fork_check": forked,
+                    "context_check": context,
                     "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,

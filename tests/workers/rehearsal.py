@@ -5,7 +5,8 @@ real: both ranks train the debug model (FSDP, params kept gathered, diagnostics 
     MemTracker, collective bytes, host reads), as a rehearsal watches its steps.
 rehearsed: then rank 0 alone, on torch's fake process group, rehearses that job at world 2, 8, 64
     and 1,024 (one process group each, destroyed before the next), and with the diagnostics
-    measuring at 64 (`exact`, `sketch`) and at 1,024 (`auto`).
+    measuring at 64 (`exact`, `sketch`) and at 1,024 (`auto`); and tests/fork_cp.py at 8 ranks
+    as dp=8, 4 x cp=2 and 2 x cp=4.
 
 Writes {"real": StepCost of rank 0, "rehearsed": {case: rehearsal.json}, "padded": {world:
 elements of the model with FSDP's padding at that shard degree}, "params": n} (rank 0).
@@ -30,6 +31,14 @@ from titanlite.train import Trainer
 WORLDS = (2, 8, 64, 1024)
 DIAGNOSED = {"exact-64": (64, "exact"), "sketch-64": (64, "sketch"), "auto-1024": (1024, "auto")}
 ACCUMULATED = "accum-2"  # world 2, microbatches of 2: accumulation 2, the tracker across microbatches
+# world 8 as dp=8, 4 x cp=2 and 2 x cp=4: tests/fork_cp.py's context parallelism, its axis in the
+# mesh, diagnosed; one sequence a microbatch, so a rank's activations are one piece of one
+SPLIT = {
+    f"cp{cp}-8": ["--model.name", "fork_cp", "--model.import_module", "fork_cp", "--model.flavor", "tiny4",
+                  "--training.local_batch_size", "1", "--diagnostics.method", "exact",
+                  *(["--parallelism.axes", f'["cp={cp}"]'] if cp > 1 else [])]
+    for cp in (1, 2, 4)
+}  # fmt: skip
 
 
 def argv(runs: Path, *more: str) -> list[str]:
@@ -65,12 +74,19 @@ def main(out: str, runs: str) -> None:
     dist.destroy_process_group()
     if rank != 0:
         return
-    cases = {str(w): (w, None) for w in WORLDS} | DIAGNOSED | {ACCUMULATED: (2, None)}
+    cases = (
+        {str(w): (w, None) for w in WORLDS}
+        | DIAGNOSED
+        | {ACCUMULATED: (2, None)}
+        | {k: (8, "exact") for k in SPLIT}
+    )
     rehearsed, padded = {}, {}
     for name, (world, method) in cases.items():
         diag = ["--diagnostics.method", method] if method else ["--diagnostics.enable", "false"]
         if name == ACCUMULATED:
             diag += ["--training.local_batch_size", "2"]
+        if name in SPLIT:
+            diag = SPLIT[name]
         cfg, _ = parse_args(argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag))
         rehearsed[name] = rehearse(cfg)
         dist.destroy_process_group()

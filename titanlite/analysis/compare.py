@@ -27,6 +27,7 @@ from titanlite.analysis.plots import plot_invariance
 from titanlite.analysis.tolerance import Tolerance
 from titanlite.config.identity import IDENTITY_KEYS
 from titanlite.config.job_config import JobConfig
+from titanlite.config.layout import mesh_text
 from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
@@ -75,7 +76,7 @@ class Run:
         if not r:
             return "?"
         return (
-            f"{r['mode']} {r['dp_replicate']}x{r['dp_shard']}, local batch {r['local_batch_size']}"
+            f"{mesh_text(r['mode'], r['dp_replicate'], r['dp_shard'], r.get('axes'))}, local batch {r['local_batch_size']}"
             f" x accum {r['grad_accum']}, {r['param_dtype']}"
         )
 

@@ -33,6 +33,7 @@ from titanlite.components.checkpoint.hf_load import DERIVED_BUFFERS, load_hf_wei
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import resolve_layout
+from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.packing import restart_positions
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, unwrap
@@ -53,18 +54,29 @@ class Case:
     accum: int
     packed: bool
     loss_chunk: int  # 0: logits, then the loss
+    axis: str = ""  # an extra mesh axis the model declares, split 2 ways ("": none)
+
+    @property
+    def split(self) -> int:
+        return 2 if self.axis else 1
 
 
 def cases(cfg: JobConfig, world: int) -> list[Case]:
     """Every mode at accumulation 1 and 2 on the unequal batch; packed with the loss in chunks
-    where the model takes positions and labels (else packed whole, or not packed)."""
-    takes = inspect.signature(build_meta_model(cfg, 0).model.forward).parameters
+    where the model takes positions and labels (else packed whole, or not packed). A model that
+    declares extra mesh axes: each, split 2 ways (from 2 ranks), in every mode, unequal and
+    packed."""
+    meta = build_meta_model(cfg, 0)
+    takes = inspect.signature(meta.model.forward).parameters
     packs, chunks = "positions" in takes, {"labels", "loss_chunk"} <= takes.keys()
     out = [Case(m, a, False, 0) for m in MODES for a in (1, 2) if GLOBAL_BATCH % (world * a) == 0]
     if packs:
         out += [Case(m, 2, True, LOSS_CHUNK if chunks else 0) for m in MODES]
     elif chunks:
         out += [Case(m, 2, False, LOSS_CHUNK) for m in MODES]
+    for axis in meta.spec.axes if world % 2 == 0 else ():
+        out += [Case(m, 2, False, 0, axis) for m in MODES]
+        out += [Case(m, 2, True, LOSS_CHUNK if chunks else 0, axis) for m in MODES if packs]
     return out
 
 
@@ -142,10 +154,12 @@ def weights_hash(model: torch.nn.Module) -> str:
 def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor]) -> dict:
     """One case at this world size: the reduced gradient's largest relative error against `ref`,
     the logged loss, and the initial weights' hash."""
+    dp = world // case.split
     cfg.parallelism.mode = case.mode
-    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": world, "hsdp": 2 if world >= 2 else 1}[case.mode]
+    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": dp, "hsdp": 2 if dp >= 2 else 1}[case.mode]
     cfg.parallelism.dp_shard = -1
-    cfg.training.local_batch_size = GLOBAL_BATCH // (world * case.accum)
+    cfg.parallelism.axes = [f"{case.axis}=2"] if case.axis else []
+    cfg.training.local_batch_size = GLOBAL_BATCH // (dp * case.accum)
     cfg.data.packing = case.packed
     layout = resolve_layout(cfg, world)
     dims = ParallelDims.build(layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce)
@@ -153,9 +167,12 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
     model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
     init = weights_hash(model)
     batch = packed_batch() if case.packed else unequal_batch()
-    per_rank, lb = GLOBAL_BATCH // world, layout.local_batch
-    start = dist.get_rank() * per_rank
-    micro = [tuple(t[start + m * lb : start + (m + 1) * lb] for t in batch) for m in range(case.accum)]
+    per_rank, lb = GLOBAL_BATCH // dp, layout.local_batch
+    start = dims.dp_rank * per_rank  # the ranks that split a sequence read the same ones
+    micro = [
+        dims.piece(Microbatch(*(t[start + m * lb : start + (m + 1) * lb] for t in batch)))
+        for m in range(case.accum)
+    ]
     balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
     share, _ = forward_backward(
         model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=case.loss_chunk
@@ -196,8 +213,9 @@ def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
     out = []
     for res in results:
         for c in res["cases"]:
+            split = c.get("axis") and f" x {c['axis']}=2"
             what = (
-                f"gradient dp={res['world']} {c['mode']} accum={c['accum']}"
+                f"gradient dp={res['world'] // (2 if split else 1)}{split or ''} {c['mode']} accum={c['accum']}"
                 + (" packed" if c["packed"] else " unequal tokens")
                 + (f" loss in chunks of {c['loss_chunk']}" if c["loss_chunk"] else "")
             )

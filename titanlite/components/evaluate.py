@@ -116,7 +116,7 @@ class Evaluator:
             else:
                 inputs, labels, *rest = self.dataset[0]
                 items.append((inputs, np.full_like(labels, IGNORE_INDEX), *rest))
-        return collate(items).to(self.dims.device)
+        return self.dims.piece(collate(items).to(self.dims.device))
 
     @torch.no_grad()
     def loss(self, model: nn.Module) -> dict[str, float]:
@@ -134,7 +134,7 @@ class Evaluator:
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
-        if self.dims.dp_size > 1:
+        if self.dims.layout.world > 1:  # every rank's tokens: pieces of split sequences too
             dist.all_reduce(totals, group=self.dims.dp_group)
         ((loss_sum, tokens),) = readback([totals])  # the eval's one read on the host
         loss = loss_sum / tokens if tokens else float("nan")

@@ -54,7 +54,7 @@ class Faults:
         self.rank = rank
         self.world = world
         # Whose share of the global batch this rank reads.
-        self.data_rank = 0 if debug.same_data else rank
+        self.data_rank = 0 if debug.same_data else None  # None: its own share (the mesh's dp rank)
         # Draws corrupt_labels' shuffles; checkpointed with the other RNG states.
         self.label_generator = torch.Generator().manual_seed(fault_seed(seed, rank))
         # Std of this rank's gradient noise relative to the gradient's RMS (0: none).

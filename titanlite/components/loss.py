@@ -87,6 +87,8 @@ class LossBalancer:
         self.normalization = normalization
         self.dp_group = dp_group
         self.dp_size = dp_size
+        # every rank of the group holds distinct tokens (with sequences split: more than dp_size)
+        self._ranks = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grad_accum = grad_accum
         self._global_count: torch.Tensor | None = None
         self._work: dist.Work | None = None
@@ -99,7 +101,7 @@ class LossBalancer:
         self._local_counts = [count_valid(y) for y in labels]
         self._global_count = torch.stack(self._local_counts).sum()
         self._work = None
-        if self.dp_group is not None and self.dp_size > 1:
+        if self._ranks > 1:
             self._work = dist.all_reduce(self._global_count, group=self.dp_group, async_op=True)
 
     def global_tokens(self) -> torch.Tensor:

@@ -125,6 +125,11 @@ class Parallelism:
         "auto: hsdp if both degrees > 1, ddp if only dp_replicate > 1, else fsdp",
         choices=("auto", "fsdp", "ddp", "hsdp"),
     )
+    axes: list[str] = opt(
+        [],
+        "extra mesh axes that split every sequence's positions over their ranks (context parallelism), "
+        'as name=degree, e.g. ["cp=2"] (CLI: a JSON list); the model must declare them (ModelSpec.axes)',
+    )
     skip_grad_sync: str = opt(
         "auto",
         "no gradient reduction on non-final microbatches; auto: on for ddp, off for fsdp/hsdp",

@@ -8,6 +8,7 @@ free of torch so the launcher's preflight check can use it before any worker sta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from titanlite.config.job_config import JobConfig
@@ -25,10 +26,24 @@ class Layout:
     local_batch: int  # sequences per microbatch on one rank
     seq_len: int  # positions per sequence
     diagnostics_method: str  # diagnostics.method with 'auto' resolved (see resolve_method)
+    # Extra mesh axes after the data-parallel ones, (name, degree): each splits every sequence's
+    # positions over its ranks, which read the same sequences (parallelism.axes).
+    axes: tuple[tuple[str, int], ...] = ()
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: ranks that read distinct sequences."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def seq_split(self) -> int:
+        """Ranks that split one sequence between them (the product of the extra axes)."""
+        return math.prod(d for _, d in self.axes)
+
+    @property
+    def world(self) -> int:
+        """Every rank of the job: each holds distinct tokens, so all are in the normaliser."""
+        return self.dp * self.seq_split
 
     @property
     def tokens_per_rank_step(self) -> int:
@@ -40,6 +55,12 @@ class Layout:
         """Sequences the global batch moves by with the layout kept (dp x the local batch): the
         step of the batch-size advice."""
         return self.dp * self.local_batch
+
+
+def mesh_text(mode: str, dp_replicate: int, dp_shard: int, axes: dict[str, int] | None = None) -> str:
+    """A layout's mesh as every report writes it: "fsdp 1x4", "hsdp 2x2xcp=2"."""
+    extra = "".join(f"x{name}={degree}" for name, degree in (axes or {}).items())
+    return f"{mode} {dp_replicate}x{dp_shard}{extra}"
 
 
 def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
@@ -58,15 +79,42 @@ def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
     return global_batch // per_micro
 
 
+def extra_axes(entries: list[str]) -> tuple[tuple[str, int], ...]:
+    """parallelism.axes ("name=degree" each) as (name, degree) pairs; one UserError if malformed."""
+    out: list[tuple[str, int]] = []
+    for entry in entries:
+        name, _, degree = str(entry).partition("=")
+        name = name.strip()
+        if not name.isidentifier() or not degree.strip().isdigit() or int(degree) < 1:
+            raise UserError(
+                f'parallelism.axes entry {entry!r} is not name=degree (e.g. "cp=2": a name and a degree >= 1)'
+            )
+        if name in ("dp_replicate", "dp_shard") or name in dict(out):
+            raise UserError(
+                f"parallelism.axes names '{name}' twice or as a data-parallel axis; name each axis once"
+            )
+        out.append((name, int(degree)))
+    return tuple(out)
+
+
 def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     p, t = cfg.parallelism, cfg.training
+    axes = extra_axes(p.axes)
+    split = math.prod(d for _, d in axes)
+    if world_size % split:
+        raise UserError(
+            f"parallelism.axes split each sequence over {split} ranks, which does not divide the {world_size} "
+            "ranks; launch a multiple of it (NPROC)"
+        )
+    world_size //= split  # the data-parallel ranks
+    extra = f" (after the {split} that split a sequence)" if split > 1 else ""
     if p.dp_replicate < 1:
         raise UserError(f"parallelism.dp_replicate is {p.dp_replicate}; it must be >= 1")
     if p.dp_shard == -1:
         if world_size % p.dp_replicate:
             raise UserError(
                 f"parallelism.dp_replicate={p.dp_replicate} does not divide the {world_size} "
-                "ranks; pick a divisor of the world size"
+                f"ranks{extra}; pick a divisor of the world size"
             )
         shard = world_size // p.dp_replicate
     elif p.dp_shard < 1:
@@ -75,7 +123,7 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
         shard = p.dp_shard
     if p.dp_replicate * shard != world_size:
         raise UserError(
-            f"dp_replicate x dp_shard = {p.dp_replicate} x {shard} != {world_size} ranks; "
+            f"dp_replicate x dp_shard = {p.dp_replicate} x {shard} != {world_size} ranks{extra}; "
             "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
         )
     mode = p.mode
@@ -105,7 +153,12 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "one replica); use diagnostics.method = 'sketch' or 'auto'"
         )
     batch = (t.global_batch_size, t.local_batch_size, t.seq_len)
-    return Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method)
+    if split > 1 and t.seq_len % split:
+        raise UserError(
+            f"training.seq_len {t.seq_len} does not split into {split} equal pieces (parallelism.axes); "
+            f"pick a multiple of {split}"
+        )
+    return Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method, axes)
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:

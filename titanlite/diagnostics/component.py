@@ -37,7 +37,7 @@ from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
-from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep
+from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep, fold_replicas
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -97,7 +97,11 @@ class Diagnostics:
         alerts: AlertsConfig | None = None,
     ) -> None:
         self.cfg = cfg
-        self.world = dims.dp_size
+        # The replicas compared: data-parallel ranks. With parallelism.axes each is `split`
+        # consecutive ranks that split its sequences; every rank measures its piece, and the
+        # pieces are summed into their replica as the step is read (step_record.fold_replicas).
+        self.world, self.split = dims.dp_size, layout.seq_split
+        ranks = layout.world
         self.trace = trace  # a sequence index -> its sources (file, row, token range)
         self.enabled = cfg.enable and self.world > 1
         self.measuring = False
@@ -117,18 +121,17 @@ class Diagnostics:
         self.whole_step = self.method == "exact"
         self.per_microbatch = self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
         # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
-        hosts: list = [socket.gethostname()] * self.world
+        hosts: list = [socket.gethostname()] * ranks
         if self.enabled:
-            self.group = dist.new_group(ranks=list(range(self.world)), timeout=timedelta(seconds=timeout_s))
+            self.group = dist.new_group(ranks=list(range(ranks)), timeout=timedelta(seconds=timeout_s))
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
         self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
-            self.probe = GradProbe(
-                self.method, self.world, cfg.sketch_dim, seed, dims.device, grad_noise_scale
-            )
+            self.probe = GradProbe(self.method, ranks, cfg.sketch_dim, seed, dims.device, grad_noise_scale)
             install(model, self.probe)
 
     @classmethod
@@ -256,14 +259,15 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        per_rank = torch.empty(self.world, mine.numel(), dtype=torch.float64, device=mine.device)
+        ranks = self.world * self.split
+        per_rank = torch.empty(ranks, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
             directions = self.probe.gram.clone()
             works.append(dist.all_reduce(directions, group=self.group, async_op=True))
         else:
             sketch = self.probe.sketch.clone()
-            directions = torch.empty(self.world, sketch.numel(), dtype=sketch.dtype, device=sketch.device)
+            directions = torch.empty(ranks, sketch.numel(), dtype=sketch.dtype, device=sketch.device)
             works.append(dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True))
         exact = self.method == "exact"
         self._pending.append(
@@ -287,6 +291,7 @@ class Diagnostics:
         measured = []
         for i, p in enumerate(self._pending):
             per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
+            per_rank, gram = fold_replicas(per_rank, gram, self.split, not self.per_microbatch)
             measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, global_norm))
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]

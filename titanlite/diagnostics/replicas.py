@@ -64,8 +64,9 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
 
 def replica_groups(dims: ParallelDims) -> list[list[int]]:
     """The ranks that hold the same parameters, one list per shard: the dp_replicate x dp_shard
-    mesh puts rank r * dp_shard + s at replica r of shard s."""
-    shards, replicas = dims.layout.dp_shard, dims.layout.dp_replicate
+    (x the sequence-split axes, which FSDP shards over too) mesh puts rank r * shards + s at
+    replica r of shard s."""
+    shards, replicas = dims.layout.dp_shard * dims.layout.seq_split, dims.layout.dp_replicate
     return [[r * shards + s for r in range(replicas)] for s in range(shards)]
 
 
@@ -92,7 +93,7 @@ class ReplicaCheck:
         self.enabled = every > 0 and dims.layout.dp_replicate > 1
         self.every = every  # diagnostics.replica_check_every
         self.group = group
-        self.world = dims.dp_size
+        self.world, self.split = dims.layout.world, dims.layout.seq_split
         named = list(unwrap(model).named_parameters())
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
@@ -131,4 +132,5 @@ class ReplicaCheck:
                 odd.add(r)
                 ref = majority if majority is not None else next(o for o in rows if o != row)
                 first = min(first, next(i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b))
-        return Drift(step, sorted(odd), self.names[first]) if odd else None
+        # the diagnostics name data-parallel replicas: a rank's is rank // split
+        return Drift(step, sorted({r // self.split for r in odd}), self.names[first]) if odd else None

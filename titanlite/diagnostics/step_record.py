@@ -69,3 +69,42 @@ class RankRow:
             for s, t, i, c in zip(sums, tokens, ids, content, strict=True)
         ]
         return cls(**head, sequences=sequences)
+
+
+def fold_replicas(
+    rows: list[list[float]], gram: list[list[float]], split: int, exact_norms: bool
+) -> tuple[list[list[float]], list[list[float]]]:
+    """Rows and Gram of ranks that split each sequence in `split` pieces (parallelism.axes:
+    runs of `split` consecutive ranks share a replica's sequences) as one row per replica, which
+    is what the diagnostics compare. Sums add (losses, tokens, per sequence too, and the content
+    fingerprints, which are linear in the tokens); the batch's order and the sequences' indices
+    are the replica's; it loads as slowly as its slowest piece and waits as briefly as its
+    latest. A replica's gradient is the sum of its pieces', so its inner products are the Gram's
+    block sums and its squared norm the block's whole (`exact_norms`: the diagonal from each
+    rank's own exact norm, the cross terms from the Gram)."""
+    if split == 1:
+        return rows, gram
+    blocks = [range(a, a + split) for a in range(0, len(rows), split)]
+    n = (len(rows[0]) - len(SCALARS)) // len(PER_SEQUENCE)
+    folded = []
+    for block in blocks:
+        part = [rows[i] for i in block]
+        col = dict(zip(SCALARS, zip(*(r[: len(SCALARS)] for r in part), strict=True), strict=True))
+        cross = sum(gram[i][j] for i in block for j in block if i != j)
+        own = sum(col["norm_sq"]) if exact_norms else sum(gram[i][i] for i in block)
+        times = [
+            max(col["load_s"], key=lambda t: -math.inf if math.isnan(t) else t),
+            min(col["wait_s"], key=lambda t: math.inf if math.isnan(t) else t),
+            max(col["step_s"], key=lambda t: -math.inf if math.isnan(t) else t),
+        ]
+        row = [sum(col["loss_sum"]), sum(col["tokens"]), own + cross, part[0][3], *times]
+        rest = [r[len(SCALARS) :] for r in part]
+        for f, field in enumerate(PER_SEQUENCE):
+            span = slice(f * n, (f + 1) * n)
+            if field == "index":
+                row += rest[0][span]
+            else:
+                row += [sum(vals) for vals in zip(*(r[span] for r in rest), strict=True)]
+        folded.append(row)
+    replica_gram = [[sum(gram[i][j] for i in a for j in b) for b in blocks] for a in blocks]
+    return folded, replica_gram

@@ -28,8 +28,15 @@ def resolve_device(choice: str) -> torch.device:
 
 @dataclass
 class ParallelDims:
-    """The data-parallel layout of this job. titanlite's mesh is all data parallel, so the dp
-    group is the world; a fork that adds tensor parallelism extends the mesh and `dp_group`."""
+    """The job's mesh: dp_replicate x dp_shard, then the extra axes a model declares
+    (layout.axes), each splitting every sequence's positions over its ranks. What each part of
+    the step reads from it:
+      - the data: dp_rank (the data-parallel coordinate); the ranks that split a sequence share
+        it, so they read the same sequences, and `piece` gives each its positions;
+      - the normaliser (dp_group): every rank, as each holds distinct tokens;
+      - the gradient reduction: FSDP shards over dp_shard and the extra axes (`shard_mesh`), DDP
+        reduces over dp_replicate and the extra axes (`replicate_group`): a plain sum over every
+        rank that holds distinct tokens."""
 
     layout: Layout
     device: torch.device
@@ -39,13 +46,11 @@ class ParallelDims:
 
     @classmethod
     def build(cls, layout: Layout, device: torch.device, param_dtype: str, reduce_dtype: str) -> ParallelDims:
-        if dist.get_world_size() != layout.dp:
-            raise UserError(f"layout needs {layout.dp} ranks but the job has {dist.get_world_size()}")
-        mesh = init_device_mesh(
-            device.type,
-            (layout.dp_replicate, layout.dp_shard),
-            mesh_dim_names=("dp_replicate", "dp_shard"),
-        )
+        if dist.get_world_size() != layout.world:
+            raise UserError(f"layout needs {layout.world} ranks but the job has {dist.get_world_size()}")
+        names = ("dp_replicate", "dp_shard", *(n for n, _ in layout.axes))
+        shape = (layout.dp_replicate, layout.dp_shard, *(d for _, d in layout.axes))
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
         if param_dtype == "auto":
             param_dtype = "bfloat16" if device.type == "cuda" else "float32"
         return cls(layout, device, mesh, getattr(torch, param_dtype), getattr(torch, reduce_dtype))
@@ -60,11 +65,55 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
-        return dist.get_rank()
+        """This rank's data-parallel coordinate: which share of the batch it reads."""
+        return self.mesh.get_local_rank("dp_replicate") * self.layout.dp_shard + self.mesh.get_local_rank(
+            "dp_shard"
+        )
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
+        """The normaliser's group: every rank (each holds distinct tokens)."""
         return dist.group.WORLD
+
+    @property
+    def seq_rank(self) -> int:
+        """This rank's place among the ranks that split its sequences (0 without extra axes)."""
+        rank = 0
+        for name, degree in self.layout.axes:
+            rank = rank * degree + self.mesh.get_local_rank(name)
+        return rank
+
+    def axis_group(self, name: str) -> dist.ProcessGroup:
+        """The process group of one extra axis (a fork's parallelize_fn asks for its own)."""
+        return self.mesh.get_group(name)
+
+    def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
+        return self.mesh[names]._flatten("_".join(names)) if len(names) > 1 else self.mesh[names[0]]
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: dp_shard and the extra axes flattened (HSDP: under dp_replicate)."""
+        inner = ("dp_shard", *(n for n, _ in self.layout.axes))
+        if self.mode == "fsdp":
+            return self._flat(inner)
+        if not self.layout.axes:
+            return self.mesh
+        return self.mesh["dp_replicate", self._flat(inner).mesh_dim_names[0]]
+
+    @property
+    def replicate_group(self) -> dist.ProcessGroup:
+        """DDP's group: dp_replicate and the extra axes."""
+        return self._flat(("dp_replicate", *(n for n, _ in self.layout.axes))).get_group()
+
+    def piece(self, batch):
+        """This rank's positions of each sequence of a Microbatch: the seq_rank-th of seq_split
+        equal pieces (the sequence's keys whole). Without extra axes, the batch itself."""
+        split = self.layout.seq_split
+        if split == 1:
+            return batch
+        n = batch.inputs.shape[1] // split
+        lo = self.seq_rank * n
+        return type(batch)(*(t if t is None or t.ndim < 2 else t[:, lo : lo + n] for t in batch))
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """DDP has no parameter-dtype policy, so its bf16 forward runs under autocast."""

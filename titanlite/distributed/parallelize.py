@@ -39,7 +39,7 @@ def parallelize_blocks(
         blocks[i] = block
     if dims.mode == "ddp":
         return model  # DDP wraps the materialized model: see wrap_ddp
-    mesh = dims.mesh["dp_shard"] if dims.mode == "fsdp" else dims.mesh
+    mesh = dims.shard_mesh
     mp = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype)
     params = sum(p.numel() for p in model.parameters())
     keep = keeps_gathered_params(cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0])
@@ -176,7 +176,7 @@ def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """DDP on an initialized model. Buffers are computed identically on every rank: no
     per-forward buffer sync."""
     device_ids = [dims.device.index] if dims.device.type == "cuda" else None
-    group = dims.mesh.get_group("dp_replicate")
+    group = dims.replicate_group
     ddp = DistributedDataParallel(
         model, device_ids=device_ids, process_group=group, forward_sync_buffers=False
     )

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout
+from titanlite.config.layout import Layout, mesh_text
 from titanlite.rehearsal.meter import StepCost
 from titanlite.tools.formatting import fmt
 
@@ -63,6 +63,7 @@ def summarize(
             "mode": layout.mode,
             "dp_replicate": layout.dp_replicate,
             "dp_shard": layout.dp_shard,
+            "axes": dict(layout.axes),
             "global_batch": layout.global_batch,
             "local_batch": layout.local_batch,
             "grad_accum": layout.grad_accum,
@@ -107,7 +108,7 @@ def table(r: dict[str, Any]) -> str:
     lay = r["layout"]
     lines = [
         f"rehearsal of rank 0 of {r['world']} on {r['device']}: {r['model']} ({r['params']:,} params), "
-        f"{lay['mode']} {lay['dp_replicate']}x{lay['dp_shard']}, global batch {lay['global_batch']} "
+        f"{mesh_text(lay['mode'], lay['dp_replicate'], lay['dp_shard'], lay.get('axes'))}, global batch {lay['global_batch']} "
         f"({lay['local_batch']} x {lay['seq_len']} tokens x accumulation {lay['grad_accum']} per rank)",
         f"  peak tensor memory   {r['peak_bytes'] / GiB:.2f} GiB; the estimate: {r['estimate']}",
         f"  step compute         {fmt(r['compute_s'], '.3f')} s; {fmt(r['tokens_per_s'], ',.0f')} tokens/s "

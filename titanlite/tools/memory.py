@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, holds_unsharded_grads
+from titanlite.config.layout import Layout, holds_unsharded_grads, mesh_text
 from titanlite.errors import UserError
 from titanlite.tools.activations import activation_bytes
 
@@ -212,6 +212,7 @@ def job_estimate(
     root = params - getattr(args, "n_layers", 0) * block_params
     unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
     held, diag = measured_step_bytes(cfg, layout, params, unit)
+    piece = t.seq_len // layout.seq_split
     est = estimate_memory(
         model,
         block_params,
@@ -219,14 +220,14 @@ def job_estimate(
         n_layers=getattr(args, "n_layers", 0),
         vocab_size=args.vocab_size,
         local_batch=t.local_batch_size,
-        seq_len=t.seq_len,
-        shard=layout.dp_shard,
+        seq_len=piece,  # a rank that splits sequences holds one piece of each (parallelism.axes)
+        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
         mode=layout.mode,
         param_dtype=param_dtype,
         activation_checkpoint=t.activation_checkpoint,
         held_grads_bytes=held,
         diagnostics_bytes=diag,
-        loss_positions=meta.loss_chunk or t.seq_len,
+        loss_positions=min(meta.loss_chunk or piece, piece),
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
     )
     return dataclasses.replace(est, diagnostics_after_backward=layout.diagnostics_method == "exact")
@@ -247,7 +248,7 @@ def check_memory(
     )
     logger.info(
         f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
-        f"{layout.mode} {layout.dp_replicate}x{layout.dp_shard}, grad accum {layout.grad_accum}; "
+        f"{mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))}, grad accum {layout.grad_accum}; "
         f"est. memory per rank {est.summary()}; {avail / GiB:.1f} GiB {what}"
     )
     if est.total_bytes > avail and not cfg.debug.skip_memory_check:

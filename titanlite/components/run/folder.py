@@ -44,10 +44,11 @@ def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dic
     comparison (titanlite.analysis.compare)."""
     lay = dims.layout
     return {
-        "world_size": dims.dp_size,
+        "world_size": lay.world,
         "mode": lay.mode,
         "dp_replicate": lay.dp_replicate,
         "dp_shard": lay.dp_shard,
+        "axes": dict(lay.axes),
         "local_batch_size": cfg.training.local_batch_size,
         "grad_accum": lay.grad_accum,
         "device": dims.device.type,
