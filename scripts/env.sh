@@ -9,20 +9,46 @@ VENV="${TITANLITE_VENV:-$ROOT/.venv}"
 TORCH_VERSION="2.13.0"
 PY="$VENV/bin/python"
 
-titanlite_install() {
-    echo "titanlite: setting up $VENV (once)" >&2
-    [ -x "$PY" ] || python3 -m venv "$VENV" || return 1
-    if ! "$PY" -c "import torch" 2>/dev/null; then
-        if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-            "$PY" -m pip install -q "torch==$TORCH_VERSION" || return 1  # CUDA build (PyPI default)
-        else
-            # No GPU: the CPU build only (a local wheel or PyTorch's CPU index), never a CUDA one.
-            "$PY" -m pip install -q "torch==$TORCH_VERSION+cpu" 2>/dev/null ||
-                "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu \
-                    "torch==$TORCH_VERSION" || return 1
-        fi
+# One phase of the first set-up: says what it does and how long it took. The installers' own
+# output goes to a log shown only when the phase fails.
+titanlite_phase() {  # titanlite_phase "what" command [args...]
+    local what="$1" log t0=$SECONDS
+    shift
+    log="$(mktemp)"
+    printf 'titanlite: %s ...' "$what" >&2
+    if "$@" >"$log" 2>&1; then
+        echo " done in $((SECONDS - t0))s" >&2
+        rm -f "$log"
+        return 0
     fi
-    "$PY" -m pip install -q -e "$ROOT$1" || return 1
+    echo " failed after $((SECONDS - t0))s; its output:" >&2
+    cat "$log" >&2
+    rm -f "$log"
+    return 1
+}
+
+titanlite_torch() {
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        "$PY" -m pip install "torch==$TORCH_VERSION"  # CUDA build (PyPI default)
+    else
+        # No GPU: the CPU build only (a local wheel or PyTorch's CPU index), never a CUDA one.
+        "$PY" -m pip install "torch==$TORCH_VERSION+cpu" ||
+            "$PY" -m pip install --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION"
+    fi
+}
+
+titanlite_install() {
+    local began=$SECONDS rest="torchdata, tensorboard, sentencepiece and the rest"
+    [ -n "$1" ] && rest="$rest, with the test and lint tools"
+    echo "titanlite: setting up $VENV (once; a few minutes)" >&2
+    if [ ! -x "$PY" ]; then
+        titanlite_phase "creating the virtual environment" python3 -m venv "$VENV" || return 1
+    fi
+    if ! "$PY" -c "import torch" 2>/dev/null; then
+        titanlite_phase "installing torch $TORCH_VERSION" titanlite_torch || return 1
+    fi
+    titanlite_phase "installing titanlite: $rest" "$PY" -m pip install -e "$ROOT$1" || return 1
+    echo "titanlite: $VENV is ready ($((SECONDS - began))s)" >&2
 }
 
 titanlite_check() {  # the dependencies' list lives in titanlite/tools/venv.py

@@ -61,6 +61,7 @@ use_project_venv(dev=True)  # any python3 will do: without titanlite's dependenc
 
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.records import metrics_rows  # noqa: E402
 
 GiB = 2**30
 SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing", "rehearse")
@@ -210,7 +211,7 @@ def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float 
     began = time.perf_counter()
     rc, err = run_process(argv, timeout)
     metrics = out / "runs" / name / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    records = metrics_rows(metrics, logged=True)  # the log steps' rows carry throughput and memory
     return {"rc": rc, "records": records, "error": err, "wall_s": time.perf_counter() - began}
 
 

@@ -96,7 +96,8 @@ SCRIPT.arg(
 
 
 def run(args) -> int:
-    files = [f for path in args.inputs for f in discover(str(path))]
+    say = lambda line: print(f"prepare_data: note: {line}", file=sys.stderr)  # noqa: E731
+    files = [f for path in args.inputs for f in discover(str(path), say)]
     if len(set(files)) != len(files):
         raise UserError("an input file is named twice (a file and a folder that holds it?); name it once")
     tok = tokenizer(args.tokenizer, args.builtin_vocab_size, str(args.cache_dir or ""))

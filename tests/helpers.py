@@ -75,3 +75,68 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def check(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def tensorboard_items(log_dir: Path) -> tuple[dict[tuple[str, int], float], set[tuple[str, int]]]:
+    """Scalars {(tag, step): value} and text {(tag, step)} read back from TensorBoard's events."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
+    text = {
+        (tag.removesuffix("/text_summary"), e.step) for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag)
+    }
+    return scalars, text
+
+
+def served_scalars(
+    logdir: Path, tags: list[tuple[str, str]]
+) -> dict[tuple[str, str], list[tuple[int, float]]]:
+    """(run, tag) -> its (step, value) points as a real TensorBoard server on 127.0.0.1 (port 0:
+    one the system picks) hands them to the browser, through its HTTP API, started with the
+    flags the run's summary gives."""
+    import re
+    import time
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    from titanlite.components.summary import TENSORBOARD_ALL_POINTS
+
+    tb = Path(sys.executable).parent / "tensorboard"
+    cmd = [
+        str(tb),
+        "--logdir",
+        str(logdir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *TENSORBOARD_ALL_POINTS.split(),
+    ]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        said = ""
+        while not (found := re.search(r"http://127\.0\.0\.1:(\d+)/", said)):
+            line = server.stdout.readline()
+            assert line, f"tensorboard ended before serving: {said[-2000:]}"
+            said += line
+        out = {}
+        for run, tag in tags:
+            query = urllib.parse.urlencode({"run": run, "tag": tag})
+            url = f"http://127.0.0.1:{found.group(1)}/data/plugin/scalars/scalars?{query}"
+            for _ in range(120):  # the server loads the event files in the background after it starts
+                try:
+                    with urllib.request.urlopen(url, timeout=30) as reply:  # noqa: S310 - loopback
+                        points = json.loads(reply.read())
+                except urllib.error.HTTPError:  # the run or tag not loaded yet
+                    points = []
+                if points:
+                    break
+                time.sleep(0.5)
+            out[(run, tag)] = [(step, value) for _, step, value in points]
+        return out
+    finally:
+        server.kill()
+        server.wait()

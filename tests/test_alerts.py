@@ -388,3 +388,44 @@ def test_a_record_from_a_newer_titanlite_is_refused_in_one_line():
     rec = {**next(healthy()), "version": RECORD_VERSION + 1}
     with pytest.raises(UserError, match="newer than this titanlite"):
         replay([rec], Alerts())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_each_check_judges_from_the_measured_step_it_claims(seed):
+    """Check.first_judged, which the start-up note and the summary quote, against the runner, over
+    generated [alerts] configs: each check of every measured-step alert is first asked at the
+    measured step it claims, and the trend rule (whose own guard waits longer) first fires there
+    on a stream that rises from the start."""
+    rng = random.Random(seed)
+    cfg = Alerts()
+    cfg.min_steps = rng.randint(1, 10)
+    cfg.trend_burn_in, cfg.trend_window = rng.randint(0, 30), rng.randint(12, 24)
+    mon = AlertMonitor(cfg, [f"host{r}" for r in range(WORLD)])
+    asked: dict[tuple[str, int], int] = {}
+
+    def spy(key, fn):
+        def check(ctx):
+            asked.setdefault(key, mon.seen)
+            return fn(ctx)
+
+        return check
+
+    mon.specs = tuple(
+        dataclasses.replace(
+            s, checks=tuple(dataclasses.replace(c, fn=spy((s.name, i), c.fn)) for i, c in enumerate(s.checks))
+        )
+        for s in mon.specs
+    )
+    fired: dict[str, int] = {}
+    for rec in healthy(seed, _rising):
+        for alert in mon.update(rec):
+            fired.setdefault(alert.name, mon.seen)
+    checked = 0
+    for spec in (s for s in mon.specs if s.source == "measured"):
+        for i, check in enumerate(spec.checks):
+            if check.needs is None:
+                assert asked[(spec.name, i)] == check.first_judged(cfg), (spec.name, i, cfg)
+                checked += 1
+    trend = REGISTRY["dispersion_rising_loss_falling"].checks[0]
+    assert fired["dispersion_rising_loss_falling"] == trend.first_judged(cfg) <= STEPS, (fired, cfg)
+    assert checked >= 10  # not vacuous: the exact checks and the windowed rules

@@ -254,7 +254,10 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     folder = ref / "async" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.tmp"]
     proc = run(ref, "async", *ckpt)
-    assert "resumed from step 2" in proc.stdout + proc.stderr
+    said = proc.stdout + proc.stderr
+    assert "resumed from step 2" in said
+    saved = [line for line in said.splitlines() if "r0] checkpoint: " in line and "step 4" in line]
+    assert len(saved) == 1 and "(async: training waited " in saved[0], saved  # one save, one time
     assert losses(ref, "async") == losses(ref, "fsdp")
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
 

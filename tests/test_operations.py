@@ -297,6 +297,10 @@ def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
     assert got == want and sorted(got) == [1, 2, 3, 4]
     assert json.loads((run / "run.json").read_text())["world_size"] == 2
     assert sorted(p.name.split("-")[-1] for p in (run / "logs").iterdir()) == ["node0", "node1"]
+    (node1,) = (run / "logs").glob("*node1")
+    (log,) = node1.rglob("stderr.log")  # the console of node 1's rank
+    last = log.read_text().strip().splitlines()[-1]
+    assert "done: steps 1-4 in " in last and "the run's summary is rank 0's" in last, last
 
 
 def test_run_lock_refuses_a_live_holder_and_takes_over_a_stale_one(tmp_path, caplog):

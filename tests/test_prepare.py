@@ -26,7 +26,7 @@ from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
 from titanlite.datasets.pretrain import PackedDataset
-from titanlite.datasets.sampler import GlobalBatchSampler, permute, stream_keys
+from titanlite.datasets.sampler import MIX_BLOCK, GlobalBatchSampler, permute, stream_keys
 from titanlite.errors import TrainingError, UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 
@@ -448,3 +448,43 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
         assert r["sources"] == ds.trace(r["sequence"]) and r["sources"][0]["file"] == str(raw.resolve())
     assert tool.main(["--step", "0", *args]) == 2
     assert "--step is '0'; it must be a whole number >= 1" in capsys.readouterr().err
+
+
+def test_a_folder_says_what_it_left_out(tmp_path):
+    """Files of no readable kind under a data folder are left out, and said so, by suffix."""
+    from titanlite.datasets.sources import discover
+
+    (tmp_path / "a.txt").write_text("text\n")
+    (tmp_path / "sub").mkdir()
+    for name in ("x.py", "y.py", "z.py", "README", "w.csv"):
+        (tmp_path / "sub" / name).write_text("x\n")
+    (tmp_path / ".hidden.py").write_text("x\n")  # hidden: not data, not counted
+    said: list[str] = []
+    assert discover(tmp_path, said.append) == [tmp_path / "a.txt"]
+    assert said == [
+        f"data path '{tmp_path}': 5 file(s) of no readable kind left out (3 .py, 1 (no suffix), 1 .csv); "
+        "read: .txt, .md, .jsonl, .jsonl.gz, .parquet, .arrow"
+    ], said
+    said.clear()
+    assert discover(tmp_path / "a.txt", said.append) == [tmp_path / "a.txt"] and said == []
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_epochs_said_at_start_are_what_the_sampler_reads(seed):
+    """epochs(steps), which the loader says as a run starts, against the positions the sampler
+    hands each dataset over those steps, for generated data sizes, mixtures, batches and steps."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 4))
+    sizes = [int(x) for x in rng.integers(20, 3000, size=k)]
+    weights = [float(w) for w in rng.uniform(0.1, 1.0, size=k)] if k > 1 else None
+    g = int(rng.choice([4, 8, 16, 64]))
+    steps = int(rng.integers(1, 300)) * (MIX_BLOCK // g if k > 1 else 1)  # whole blocks: exact
+    sampler = GlobalBatchSampler(sizes, g, g, 0, 1, 3, weights)
+    datasets, _ = sampler.datasets_of(np.arange(steps * g))
+    read = np.bincount(datasets, minlength=k)
+    assert sampler.epochs(steps) == pytest.approx(
+        [r / n for r, n in zip(read, sizes, strict=True)], rel=1e-12
+    )
+    line = sampler.epochs_line(steps)
+    assert line.startswith(f"data: {sum(sizes):,} sequences; {steps} steps of {g} read ")
+    assert ("read again" in line) == (max(read[d] / sizes[d] for d in range(k)) > 1), line

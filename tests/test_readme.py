@@ -51,11 +51,11 @@ COMMANDS = {
         "--training.global_batch_size 16": "short: --dry-run",
         "./run_train.sh --job.run_name same-data --debug.same_data true --training.steps 3": "run",
         "./scripts/inspect_step.py outputs/same-data --step 1 --rank 1": "run",
-        "./scripts/diagnose_scenarios.py": "help",
+        "./scripts/diagnose_scenarios.py --quick": "help",
         "cd tests && ../scripts/check_model.py --model.name fork_lm --model.import_module fork_model "
         "--model.flavor tiny": "short: --worlds 1",
         "./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true": f"short: {TRAIN}",
-        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true --training.local_batch_size 2": (
+        "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true --training.local_batch_size 2 --training.steps 200": (
             f"short: {TRAIN}"
         ),
         "NGPU=8 ./run_train.sh --config train_configs/llama_1b.toml --training.steps 20 "

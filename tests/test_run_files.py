@@ -14,7 +14,7 @@ import stat
 
 import pytest
 
-from titanlite.components.metrics import MetricsWriter
+from titanlite.components.metrics import MetricsWriter, tensorboard_dir
 from titanlite.components.run.files import RunFiles
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes
@@ -80,7 +80,7 @@ def test_tensorboard_made_again_after_tb_is_removed_and_a_full_disk_stops_the_ru
     shutil.rmtree(tmp_path / "tb")
     writer.check()
     writer.write_scalars("train", {"step": 2, "loss": 1.5})  # the thread's failure, recovered
-    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert list(tensorboard_dir(tmp_path).glob("events.out.tfevents.*"))
     full["on"] = True
     with pytest.raises(TrainingError, match="TensorBoard's writer .* disk full"):
         writer.write_scalars("train", {"step": 3, "loss": 1.0})

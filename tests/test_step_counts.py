@@ -110,9 +110,16 @@ def test_measured_steps_hold_no_unsharded_gradient_by_default(counts):
 
 def test_window_mean_leaves_out_skipped_steps(counts):
     """Log steps 1, 3, 6, 7; steps 2 and 5 have no valid token. Step 3's window (2, 3) trained
-    only step 3, so its mean is step 3's loss, not half of it; step 6's averages steps 4 and 6."""
-    recs = {r["step"]: r for r in counts["metrics"]}
+    only step 3, so its mean is step 3's loss, not half of it; step 6's averages steps 4 and 6.
+    Every step has its row, the skipped ones without a loss."""
+    rows = {r["step"]: r for r in counts["metrics"]}
+    assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7]
+    assert [s for s, r in rows.items() if r["skipped"]] == [2, 5] and rows[2]["loss"] is None is rows[5][
+        "loss"
+    ]
+    recs = {s: r for s, r in rows.items() if r["row"] == "log"}
     assert sorted(recs) == [1, 3, 6, 7]
+    assert recs[6]["loss_window_mean"] == pytest.approx((rows[4]["loss"] + rows[6]["loss"]) / 2, rel=1e-12)
     assert recs[3]["skipped_steps"] == 1 and recs[3]["loss_window_steps"] == 1
     assert recs[3]["loss_window_mean"] == pytest.approx(recs[3]["loss"], rel=1e-12)
     assert recs[6]["skipped_steps"] == 1 and recs[6]["loss_window_steps"] == 2

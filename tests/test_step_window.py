@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
-from titanlite.components.step_window import WindowRecord
+from titanlite.components.step_window import RunRates, WindowRecord
 from titanlite.distributed.utils import first_error
 from titanlite.tools.readback import readback
 
@@ -23,7 +25,17 @@ def test_readback_returns_each_tensor_as_tolist_would():
 
 def window(losses: list[float], skipped: list[bool]) -> WindowRecord:
     n = len(losses)
-    return WindowRecord(list(range(1, n + 1)), losses, [0] * n, skipped, skipped, 1.0, 10)
+    steps = list(range(1, n + 1))
+    return WindowRecord(
+        steps,
+        losses,
+        [0] * n,
+        skipped,
+        skipped,
+        [0.5 * s for s in steps],
+        [10 * s for s in steps],
+        [1e-3 / s for s in steps],
+    )
 
 
 def test_window_mean_is_over_the_steps_that_trained():
@@ -32,5 +44,46 @@ def test_window_mean_is_over_the_steps_that_trained():
     assert window([0.0, 0.0], [True, True]).loss_mean is None
 
 
+def test_every_step_gets_its_row_and_the_log_step_the_windows_figures():
+    rates = RunRates(64, 2, 10, 0, torch.device("cpu"), torch.float32)
+    rows = window([8.0, 0.0, 6.0], [False, True, False]).rows(window_s=3.0, elapsed_s=9.0, run=rates)
+    assert [(r["step"], r["row"]) for r in rows] == [(1, "step"), (2, "step"), (3, "log")]
+    assert [r["loss"] for r in rows] == [8.0, None, 6.0]  # a skipped step's loss is no loss
+    assert [r["grad_norm"] for r in rows] == [0.5, 1.0, 1.5] and [r["valid_tokens"] for r in rows] == [
+        10,
+        20,
+        30,
+    ]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3 / 2, 1e-3 / 3] and [r["skipped"] for r in rows] == [
+        False,
+        True,
+        False,
+    ]
+    step_keys = {"step", "row", "loss", "grad_norm", "lr", "valid_tokens", "skipped"}
+    assert set(rows[0]) == set(rows[1]) == step_keys  # one row format: the log row adds to it
+    log = rows[-1]
+    assert step_keys < set(log) and (
+        log["loss_window_mean"],
+        log["loss_window_steps"],
+        log["skipped_steps"],
+    ) == (7.0, 2, 1)
+    assert log["tokens_per_s"] == 64 * 3 / 3.0 and log["eta_s"] == (10 - 3) * 3.0 / 3
+
+
 def test_first_error_without_a_process_group_is_the_own_one():
     assert first_error(None) is None and first_error("bad") == "bad"
+
+
+def test_the_log_rows_reader_keeps_the_rows_with_the_windows_figures(tmp_path):
+    """Readers of throughput, memory or ETA (scripts/gpu_check.py, the peer benchmark) take the
+    log steps' rows; a run written before rows per step had log rows only, without "row"."""
+    from titanlite.tools.records import metrics_rows
+
+    rates = RunRates(64, 2, 10, 0, torch.device("cpu"), torch.float32)
+    rows = window([8.0, 7.0, 6.0], [False] * 3).rows(window_s=3.0, elapsed_s=9.0, run=rates)
+    old = {"step": 10, "loss": 5.0, "tokens_per_s": 1.0}
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*rows, old]))
+    assert [r["step"] for r in metrics_rows(path)] == [1, 2, 3, 10]
+    logged = metrics_rows(path, logged=True)
+    assert [r["step"] for r in logged] == [3, 10] and all("tokens_per_s" in r for r in logged)

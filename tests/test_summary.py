@@ -8,7 +8,7 @@ from pathlib import Path
 
 from titanlite.components.checkpoint.format import MARKER as CHECKPOINT_MARKER
 from titanlite.components.metrics import progress_line
-from titanlite.components.summary import RunTally, summary_lines
+from titanlite.components.summary import TENSORBOARD_ALL_POINTS, RunTally, quiet_faults, summary_lines
 from titanlite.config import load_config
 from titanlite.preflight import startup_notes
 
@@ -38,7 +38,7 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     tally = RunTally()
     tally.record(_record(20, 3.0, skipped=1))
     tally.record(_record(30, 2.4567, skipped=2))
-    tally.last_eval = {"step": 30, "loss": 2.75, "perplexity": 15.64}
+    tally.record_eval({"step": 30, "loss": 2.75, "perplexity": 15.64})
     for name in ("single_rank_outlier", "identical_data", "single_rank_outlier"):
         tally.alerts[name] += 1
     tally.notes["batch_size_advice"] += 1  # a note, not an alert: not counted with them
@@ -59,7 +59,9 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
         f"batch_size_advice in {run}/events.jsonl"
     )
     assert lines[6] == f"checkpoint {folder}/step-00000030; export {run}/hf"
-    assert lines[7].endswith(f"--logdir {run}/tb; metrics {run}/metrics.jsonl") and "tensorboard" in lines[7]
+    # every point of every curve (TensorBoard keeps 1,000 of a tag unless told)
+    tb = f"--logdir {run}/tb {TENSORBOARD_ALL_POINTS}; metrics {run}/metrics.jsonl"
+    assert lines[7].endswith(tb) and "tensorboard" in lines[7]
     assert len(lines) == 8
     # A fresh run with nothing to report, and a resume with nothing left to run.
     quiet = summary_lines(RunTally(), 1, 5, 1.0, run, tmp_path / "none", [], tensorboard=False)
@@ -70,7 +72,63 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     lines = summary_lines(one, 1, 1, 1.0, run, folder, [], tensorboard=False)
     assert lines[0].startswith("done: 1 step (1-1) in ") and lines[1] == "final loss 8.0000 at step 1"
     done = summary_lines(RunTally(), 31, 30, 0.1, run, folder, [], tensorboard=False)
-    assert done[0].startswith("done: the checkpoint is at step 30 already (training.steps); nothing ran")
+    assert done[0].startswith(
+        "done: the checkpoint is at step 30 already (training.steps); nothing ran (raise --training.steps to train on)"
+    )
+
+
+def test_a_noise_scale_below_zero_is_not_measurable(tmp_path):
+    tally = RunTally()
+    tally.last_diag = {
+        "step": 20,
+        "batch_tokens": 2048,
+        "noise_scale_tokens": -0.02,
+        "noise_to_batch": -1.1e-05,
+    }
+    lines = summary_lines(tally, 1, 20, 1.0, tmp_path, tmp_path, [], tensorboard=False)
+    (line,) = [x for x in lines if x.startswith("batch ")]
+    assert line.startswith(
+        "batch 2,048 tokens; gradient noise scale not measurable at step 20 (its estimate is -0.02"
+    )
+    assert "-0 tokens" not in line and "x the batch" not in line
+
+
+def test_summary_gives_the_eval_before_and_after(tmp_path):
+    tally = RunTally()
+    tally.record_eval({"step": 0, "loss": 2.598, "perplexity": 13.44})
+    lines = summary_lines(tally, 1, 0, 1.0, tmp_path, tmp_path, [], tensorboard=False)
+    assert "eval loss 2.5980, perplexity 13.44 at step 0" in lines  # only the "before" so far
+    tally.record_eval({"step": 10, "loss": 2.3, "perplexity": 9.97})
+    tally.record_eval({"step": 20, "loss": 2.098, "perplexity": 8.15})
+    lines = summary_lines(tally, 1, 20, 1.0, tmp_path, tmp_path, [], tensorboard=False)
+    want = "eval loss 2.5980 -> 2.0980, perplexity 13.44 -> 8.15 (the model as loaded -> at step 20)"
+    assert want in lines, lines
+
+
+def test_silence_with_faults_on_is_explained():
+    diag = {"rank_loss": [1.0] * 4}  # a measured step at dp=4
+    short = load_config(None, ["--debug.corrupt_labels_rank", "1", "--training.steps", "20"])
+    line = quiet_faults(short, 20, diag)
+    assert line.startswith("fault switches on (corrupt_labels_rank = 1): 20 measured step(s) are too few"), (
+        line
+    )
+    assert "single_rank_outlier" in line and "from measured step 21" in line
+    assert "dispersion_rising_loss_falling from measured step 120" in line
+    at_dp2 = quiet_faults(short, 20, {"rank_loss": [1.0, 2.0]})
+    assert "dispersion_spike" not in at_dp2 and "cosine_drop" in at_dp2  # the dp=2 note names those
+    long = load_config(None, ["--debug.same_data", "true", "--training.steps", "400"])
+    assert (
+        quiet_faults(long, 400, diag)
+        == "fault switches on (same_data = True), and every alert had the history to judge"
+    )
+    assert "measured no step" in quiet_faults(long, 400, None)
+    assert (
+        quiet_faults(load_config(None, ["--debug.nan_loss_step", "3"]), 20, diag) is None
+    )  # no alert names it
+    lines = summary_lines(
+        RunTally(), 1, 20, 1.0, Path("r"), Path("c"), [], False, quiet_faults(short, 20, diag)
+    )
+    assert lines[1].startswith("alerts: none; fault switches on (corrupt_labels_rank = 1): 20 measured")
 
 
 def test_step_line_shows_the_ranks_spread_in_plain_words():
@@ -90,14 +148,25 @@ def test_step_line_shows_the_ranks_spread_in_plain_words():
 
 
 def test_startup_notes_name_what_is_on(tmp_path: Path):
-    cfg = load_config(None)
+    cfg = load_config(None, ["--training.steps", "200"])
     assert startup_notes(cfg, 4) == []
-    notes = startup_notes(load_config(None, ["--debug.corrupt_labels_rank", "1"]), 2)
+    # 100 steps: too few for the trend rule at dp=4 (at dp=2 the dp=2 note names it)
+    (trend,) = startup_notes(load_config(None, ["--training.steps", "100"]), 4)
+    assert trend.startswith(
+        "diagnostics: this run is short for some alerts: 100 measured step(s) are too few"
+    )
+    assert "of dispersion_rising_loss_falling from measured step 120 " in trend, trend
+    (short,) = startup_notes(load_config(None, ["--training.steps", "20"]), 4)
+    assert "identical_data" in short and "from measured step 21" in short, short
+    notes = startup_notes(
+        load_config(None, ["--debug.corrupt_labels_rank", "1", "--training.steps", "200"]), 2
+    )
     assert notes[0].startswith("[debug] is set (corrupt_labels_rank = 1): ")
     assert notes[1].startswith(
         "diagnostics: at dp=2 the alerts dispersion_spike, dispersion_rising_loss_falling"
     )
     assert "a rank whose loss or gradient norm leaves its own history is still named" in notes[1]
+    assert len(notes) == 2
     # one sequence per rank per step (the debug config's batch of 8 at dp=8): the rank test cannot fire
     (few,) = startup_notes(cfg, 8)
     assert "per-sample test cannot fire with 1 sequence(s) per rank per step at dp=8" in few, few
@@ -105,10 +174,10 @@ def test_startup_notes_name_what_is_on(tmp_path: Path):
     folder = tmp_path / "hf"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"max_position_embeddings": 64}))
-    long = load_config(None, ["--model.hf_assets_path", str(folder), "--training.seq_len", "128"])
-    assert any("training.seq_len 128 is longer than the 64 positions" in n for n in startup_notes(long, 4))
-    fits = load_config(None, ["--model.hf_assets_path", str(folder), "--training.seq_len", "64"])
-    assert startup_notes(fits, 4) == []
+    hf = ["--model.hf_assets_path", str(folder), "--training.steps", "200", "--training.seq_len"]
+    (long,) = startup_notes(load_config(None, [*hf, "128"]), 4)
+    assert "training.seq_len 128 is longer than the 64 positions" in long
+    assert startup_notes(load_config(None, [*hf, "64"]), 4) == []
 
 
 def test_a_sample_of_whitespace_is_visible_on_the_console(caplog):

@@ -34,7 +34,8 @@ from titanlite.config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
 from titanlite.config.monitor_config import Debug
 from titanlite.datasets.spec import check_data_files, check_data_tokenizer, data_identity
-from titanlite.diagnostics.rules import silent_rules_note
+from titanlite.diagnostics.alerts import history_note
+from titanlite.diagnostics.rules import SPREAD_ONLY, silent_rules_note
 from titanlite.errors import UserError
 from titanlite.tools.paths import check_writable
 from titanlite.tools.records import read_json
@@ -119,6 +120,10 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
     per_rank = cfg.training.global_batch_size // max(dp, 1)  # sequences each rank scores per step
     if cfg.diagnostics.enable and (silent := silent_rules_note(dp, per_rank, cfg.alerts)):
         notes.append(f"diagnostics: {silent}")
+    measured = cfg.diagnostics.measured_steps(cfg.training.steps)
+    skip = SPREAD_ONLY if dp == 2 else ()  # said above
+    if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, skip)):
+        notes.append(f"diagnostics: this run is short for some alerts: {short}")
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
         trained = read_json(config).get("max_position_embeddings") or 0

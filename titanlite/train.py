@@ -65,11 +65,10 @@ class Trainer:
         init_distributed(self.device, cfg.comm.timeout_s, fake_world=cfg.rehearsal.world)
         self.rank = dist.get_rank()
         self.heartbeat = Heartbeat(cfg.comm.timeout_s, watch=self.device.type == "cuda")
-        self.layout = validate(cfg, dist.get_world_size())
+        self.layout = layout = validate(cfg, dist.get_world_size())
         check_data_files(cfg)
-        self.dims = dims = ParallelDims.build(
-            self.layout, self.device, t.mixed_precision_param, t.mixed_precision_reduce
-        )
+        precision = (t.mixed_precision_param, t.mixed_precision_reduce)
+        self.dims = dims = ParallelDims.build(layout, self.device, *precision)
         seed = rank_seed(t.seed, self.rank, cfg.debug.seed_mode)
         torch.manual_seed(seed)  # dropout (the rule: titanlite.tools.seeds); init has its own seeds
         keyed = cfg.model.dropout > 0 and cfg.model.dropout_masks == "sample"
@@ -95,9 +94,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
-        self.balancer = LossBalancer(
-            cfg.loss.normalization, dims.dp_group, dims.dp_size, self.layout.grad_accum
-        )
+        self.balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
 
         info = run_info(cfg, dims, self.diagnostics.method_used)
         self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info, dataset.identity)
@@ -162,13 +159,14 @@ class Trainer:
         guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
         if guard is not None:
             skip = skip | guard[0].bool()
+        lr = self.scheduler.get_last_lr()[0]  # a host number: the rate this step's update uses
         with phase("optimizer"):
             set_skip(self.optimizer, skip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.diagnostics.after_update(step)
-        self.window.add(step, loss_total, tokens, grad_norm, skip, guard)
+        self.window.add(step, loss_total, tokens, grad_norm, skip, lr, guard)
 
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is
@@ -183,28 +181,31 @@ class Trainer:
     def is_eval_step(self, step: int) -> bool:
         return self.evaluator is not None and self.evaluator.due(step)
 
-    def _log(self, step: int, lr: float, window_s: float, elapsed_s: float) -> None:
+    def _log(self, step: int, window_s: float, elapsed_s: float) -> None:
         """The log step: one read of the window and one of the diagnostics; records and events."""
         w = self.window.read(self.dims.dp_group)
         spikes = self.guard.spikes(w.steps, w.guard)
         w.check_skips({s for s, _ in spikes}, self.dims.dp_size)
-        rec = w.record(step, lr, window_s, elapsed_s, self.rates)
+        rows = w.rows(window_s, elapsed_s, self.rates)
         diag, alerts = self.diagnostics.collect()
         if diag:
-            rec["diag"] = {k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()}
-        sampler = self.dataloader.batch_sampler
-        events = self.diagnostics.spike_alerts(
-            [(s, self.guard.event(v, self.run_dir)) for s, v in spikes], diag, sampler
-        )
+            rows[-1]["diag"] = {k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()}
+        spiked = [(s, self.guard.event(v, self.run_dir)) for s, v in spikes]
+        events = self.diagnostics.spike_alerts(spiked, diag, self.dataloader.batch_sampler)
         if self.rank == 0:
             self.metrics.check()
-            self.metrics.write(rec)
+            self.metrics.write(rows)
             self.metrics.write_diagnostics(diag)
             self.metrics.write_alerts(events + alerts)
         self.guard.check_stop(spikes)
         stops = [a for a in alerts if a.is_alert]  # notes (batch_size_advice) never stop a run
         if stops and self.cfg.diagnostics.on_alert == "stop":
             raise TrainingError(f"diagnostics.on_alert = 'stop': {stops[0].line()}")
+
+    def evaluate(self, step: int) -> None:
+        rec, samples = self.evaluator.run(self.model, step)
+        if self.rank == 0:
+            self.metrics.write_eval(rec, samples)
 
     # ---- the loop -------------------------------------------------------------------------------
     def train(self) -> None:
@@ -213,6 +214,8 @@ class Trainer:
         start = window_start = time.perf_counter()
         self.stops.arm(self.cfg.comm.timeout_s)
         step, stop = self.start_step, 0
+        if self.evaluator is not None and self.cfg.eval.at_start and self.start_step == 1:
+            self.evaluate(0)  # the model as loaded; a resumed run has it in eval.jsonl already
         try:
             for step in range(self.start_step, steps + 1):
                 self.faults.at_step(step, self.model)
@@ -220,7 +223,6 @@ class Trainer:
                 # kernels), and compiling and autotuning wait on the device by design.
                 if sync_debug and step > self.start_step:
                     torch.cuda.set_sync_debug_mode("error")
-                lr = self.scheduler.get_last_lr()[0]
                 self.train_step(step)
                 stop = self.stops.poll()
                 if self.is_log_step(step) or stop:
@@ -228,13 +230,10 @@ class Trainer:
                     if sync_debug:
                         torch.cuda.set_sync_debug_mode("default")
                     now = time.perf_counter()
-                    self._log(step, lr, now - window_start, now - start)
+                    self._log(step, now - window_start, now - start)
                     if self.is_eval_step(step):
                         self.faults.interrupt("eval")
-                        rec, samples = self.evaluator.run(self.model, step)
-                        if self.rank == 0:
-                            self.metrics.write_eval(rec)
-                            self.metrics.write_samples(step, samples)
+                        self.evaluate(step)
                     if self.checkpointer.due(step):
                         self.checkpointer.save(step)
                     stop = self.stops.settle() or stop  # a signal in the eval or save, a failed write

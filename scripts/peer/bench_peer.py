@@ -43,6 +43,7 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.records import metrics_rows  # noqa: E402
 
 TL_TORCHRUN = TL_ROOT / ".venv" / "bin" / "torchrun"
 TT_TORCHRUN = Path(os.environ.get("TORCHTITAN_VENV", TL_ROOT / ".venv-torchtitan")) / "bin" / "torchrun"
@@ -139,13 +140,8 @@ def parse_tt(log: str, steps: int) -> dict:
 
 
 def parse_tl(run_dir: Path, steps: int) -> dict:
-    rows = {}
-    mfile = run_dir / "metrics.jsonl"
-    if mfile.exists():
-        for line in mfile.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                rows[r["step"]] = r
+    # the log steps' rows: they carry tokens_per_s and elapsed_s
+    rows = {r["step"]: r for r in metrics_rows(run_dir / "metrics.jsonl", logged=True)}
     sel = [rows[s]["tokens_per_s"] for s in range(FIRST_STEP, steps + 1) if s in rows]
     rec = {"n": len(sel), "median_tps": statistics.median(sel) if sel else None}
     if FIRST_STEP - 1 in rows and steps in rows:

@@ -53,7 +53,7 @@ def _logged_to_the_end(run: Path) -> None:
 
 
 def _tb_events(run: Path) -> None:
-    if not list((run / "tb").glob("events.out.tfevents.*")):
+    if not list((run / "tb").rglob("events.out.tfevents.*")):
         raise Broke("tb/ holds no events after the run")
 
 

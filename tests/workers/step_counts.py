@@ -119,7 +119,7 @@ def collectives(out_dir: str, name: str, *overrides: str) -> dict:
         t.train_step(3)
     hook.remove()
     with CollectiveCounter(labels, other="main") as log_count:
-        t._log(3, 1e-3, 1.0, 1.0)
+        t._log(3, 1.0, 1.0)
     params = sum(p.numel() for p in t.model.parameters())
     block = sum(p.numel() for p in t.model.layers[0].parameters()) if hasattr(t.model, "layers") else 0
     result = {

@@ -48,8 +48,9 @@ def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, loss_chunk: i
     evaluator = Evaluator(data, dims, batch, loss_chunk, cfg, tokenizer)
     if dims.dp_rank == 0:
         where = f"'{e.path}'" if e.path else f"{e.fraction:g} of the data, held out"
-        when = [f"every {e.every} steps"] * bool(e.every) + ["after the last step"] * e.at_end
-        when = " and ".join(when) or "never (eval.every = 0 and eval.at_end = false)"
+        when = ["before the first step"] * e.at_start + [f"every {e.every} steps"] * bool(e.every)
+        when = ", ".join(when + ["after the last step"] * e.at_end)
+        when = when or "never (eval.every, eval.at_start and eval.at_end are off)"
         logger.info(f"eval: {len(data):,} sequences ({where}), {when}")
     return evaluator
 

@@ -1,5 +1,5 @@
-"""Where numbers go: a progress line, a JSONL file (one object per log step), TensorBoard and,
-if enabled, Weights & Biases."""
+"""Where numbers go: a progress line per log step, JSONL files (metrics.jsonl: a row per step),
+TensorBoard and, if enabled, Weights & Biases."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ import torch.distributed as dist
 
 from titanlite.components.run.files import RECORD_FILES, RunFiles
 from titanlite.components.run.plan import is_restart
-from titanlite.components.summary import RunTally, summary_lines
+from titanlite.components.summary import RunTally, quiet_faults, summary_lines
 from titanlite.config.job_config import JobConfig
 from titanlite.config.job_config import Metrics as MetricsConfig
 from titanlite.errors import TrainingError, UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes, disk_full
 from titanlite.tools.formatting import fmt, format_duration
+from titanlite.tools.records import read_records
 
 logger = logging.getLogger("titanlite")
 
@@ -50,6 +51,7 @@ def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") ->
 
 
 def diagnostics_line(d: dict[str, Any]) -> str:
+    noise = d.get("noise_scale_tokens")  # below zero: not measurable (components/summary.py)
     return " | ".join(
         [
             f"diag step {d['step']}",
@@ -58,21 +60,23 @@ def diagnostics_line(d: dict[str, Any]) -> str:
             f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
             f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
             f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
-            f"noise scale {fmt(d.get('noise_scale_tokens'), ',.0f')} tokens",
+            f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
         ]
     )
 
 
 class _TensorBoard:
-    """A sink: TensorBoard events in <run folder>/tb (`purge_step`: a resumed run drops the
-    events of the steps it repeats). Its writer appends from a thread of its own; each log step
-    flushes it, so a failure shows there: tb/ removed under the run is made again (with one
+    """A sink: TensorBoard events in <run folder>/tb/<run name>, so `tensorboard --logdir
+    <run folder>/tb` labels the run by its name (TensorBoard names a run by its folder under the
+    log dir; `--logdir <dump folder>` shows every run there). `purge_step`: a resumed run drops
+    the events of the steps it repeats. Its writer appends from a thread of its own; each log
+    step flushes it, so a failure shows there: tb/ removed under the run is made again (with one
     line), a full disk stops the run (exit 3)."""
 
     def __init__(
-        self, log_dir: Path, purge_step: int | None, inject: Callable[[str], OSError | None] | None
+        self, run_dir: Path, purge_step: int | None, inject: Callable[[str], OSError | None] | None
     ) -> None:
-        self.log_dir, self.inject = log_dir, inject
+        self.run_dir, self.log_dir, self.inject = run_dir, tensorboard_dir(run_dir), inject
         self._writer = self._open(purge_step)
 
     def _open(self, purge_step: int | None = None):
@@ -93,7 +97,7 @@ class _TensorBoard:
             write(self._writer)
             self._writer.flush()
         except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            if not isinstance(e, FileNotFoundError) or not self.log_dir.parent.is_dir():
+            if not isinstance(e, FileNotFoundError) or not self.run_dir.is_dir():
                 raise TrainingError(
                     f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; stopped"
                 ) from None
@@ -115,6 +119,11 @@ class _TensorBoard:
     def close(self) -> None:
         with contextlib.suppress(Exception):  # a failure was reported where it happened
             self._writer.close()
+
+
+def tensorboard_dir(run_dir: Path) -> Path:
+    """Where a run's TensorBoard events go (see _TensorBoard)."""
+    return run_dir / "tb" / run_dir.name
 
 
 def _cause(e: BaseException, folder: Path) -> str:
@@ -166,12 +175,13 @@ class _WandB:
         self._groups: set[str] = set()
 
     def _axis(self, tags: Iterable[str]) -> None:
-        """Each group ("train", "diag", ...) gets the `step` axis on its first value."""
+        """Each group ("train", "diag", ...) or lone tag ("1_loss") gets the `step` axis on its
+        first value."""
         for tag in tags:
-            group = tag.partition("/")[0]
+            group, slash, _ = tag.partition("/")
             if group not in self._groups:
                 self._groups.add(group)
-                self._run.define_metric(f"{group}/*", step_metric=WANDB_STEP)
+                self._run.define_metric(f"{group}/*" if slash else group, step_metric=WANDB_STEP)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._axis(values)
@@ -185,15 +195,26 @@ class _WandB:
         self._run.finish()
 
 
+# TensorBoard sorts its sections and cards by tag name, so the curves a user opens it for get
+# names that sort first; every other number is `<group>/<key>` (train/, eval/, diag/) after them.
+FIRST_TAGS = {
+    "train/loss": "1_loss",
+    "eval/loss": "2_eval_loss",
+    "train/lr": "3_lr",
+    "train/grad_norm": "4_grad_norm",
+}
+
+
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
-    """`<prefix>/<key>` -> value for every number of a record but its step and format version
-    (None, a bool, a nested dict or list are not scalars): what every sink gets, so their keys
-    are equal."""
-    return {
+    """tag -> value for every number of a record but its step and format version (None, a bool,
+    a nested dict or list are not scalars): `<prefix>/<key>`, or its FIRST_TAGS name. What every
+    sink gets, so their keys are equal."""
+    tags = {
         f"{prefix}/{key}": value
         for key, value in rec.items()
         if key not in ("step", "version") and isinstance(value, (int, float)) and not isinstance(value, bool)
     }
+    return {FIRST_TAGS.get(tag, tag): value for tag, value in tags.items()}
 
 
 class MetricsWriter:
@@ -217,7 +238,7 @@ class MetricsWriter:
     ) -> None:
         self.total_steps = total_steps
         self.on_failure, self.failure = on_failure, ""
-        self.run_dir, self.tensorboard = run_dir, tensorboard
+        self.run_dir, self.tensorboard, self.cfg = run_dir, tensorboard, cfg
         self.diag_console = cfg.diagnostics.console if cfg is not None else "full"
         self.tally = RunTally()
         self.files = RunFiles(run_dir, inject, checkpoints) if run_dir is not None else None
@@ -226,7 +247,7 @@ class MetricsWriter:
             return
         self.files.open()
         if tensorboard:
-            self._sinks.append(_TensorBoard(run_dir / "tb", purge_step, inject))
+            self._sinks.append(_TensorBoard(run_dir, purge_step, inject))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(_WandB(run_dir, cfg.metrics, asdict(cfg)))
 
@@ -239,7 +260,11 @@ class MetricsWriter:
         purge = resume + 1 if resume is not None else 1 if is_restart() else None
         rank0 = run_dir if dist.get_rank() == 0 else None
         tb = cfg.metrics.enable_tensorboard
-        return cls(rank0, cfg.training.steps, tb, purge, cfg, faults.write_error, checkpoints, on_failure)
+        writer = cls(rank0, cfg.training.steps, tb, purge, cfg, faults.write_error, checkpoints, on_failure)
+        if rank0 is not None and resume is not None:  # the summary's "before", evaluated by the first launch
+            starts = [r for r in read_records(run_dir / "eval.jsonl") if r.get("step") == 0]
+            writer.tally.start_eval = starts[-1] if starts else None
+        return writer
 
     def write_scalars(self, prefix: str, rec: dict[str, Any]) -> None:
         """A record's numbers to every sink as `<prefix>/<key>` at its step: the one path of
@@ -273,11 +298,15 @@ class MetricsWriter:
                 raise
             self.on_failure(self.failure)
 
-    def write(self, rec: dict[str, Any]) -> None:
-        logger.info(progress_line(rec, self.total_steps, self.diag_console))
-        self.tally.record(rec)
-        self._append("metrics.jsonl", [rec])
-        self.write_scalars("train", rec)
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        """A log step's rows (components/step_window.py: a row per step since the last log, the
+        log step's last): all to metrics.jsonl and the sinks; the console line and the summary
+        from the log step's."""
+        logger.info(progress_line(rows[-1], self.total_steps, self.diag_console))
+        self.tally.record(rows[-1])
+        self._append("metrics.jsonl", rows)
+        for row in rows:
+            self.write_scalars("train", row)
 
     def write_diagnostics(self, records: list[dict[str, Any]]) -> None:
         """Every measured step in full (per-rank vectors too) to diagnostics.jsonl; scalars to
@@ -291,15 +320,18 @@ class MetricsWriter:
         if self.diag_console == "full":
             logger.info(diagnostics_line(records[-1]))
 
-    def write_eval(self, rec: dict[str, Any]) -> None:
-        """An eval's record: a console line, a line in eval.jsonl, scalars in the sinks under eval/."""
+    def write_eval(self, rec: dict[str, Any], samples: list[dict[str, str]] = ()) -> None:
+        """An eval's record: a console line, a line in eval.jsonl, scalars in the sinks under eval/
+        (its loss as 2_eval_loss); then its samples. The first eval of the run (step 0 with
+        eval.at_start) is the summary's "before"."""
         logger.info(
             f"eval step {rec['step']} | loss {rec['loss']:.4f} | perplexity {rec['perplexity']:.2f} | "
             f"{rec['tokens']:,} tokens of {rec['sequences']:,} sequences in {rec['seconds']:.1f}s"
         )
-        self.tally.last_eval = rec
+        self.tally.record_eval(rec)
         self._append("eval.jsonl", [rec])
         self.write_scalars("eval", rec)
+        self.write_samples(rec["step"], samples)
 
     def write_samples(self, step: int, samples: list[dict[str, str]]) -> None:
         """Decoded prompts ({"prompt", "text"}): samples.jsonl, text in the sinks (samples/<i>)
@@ -329,12 +361,17 @@ class MetricsWriter:
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
     def finish(self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]) -> None:
-        """The run's closing lines (components/summary.py), on rank 0."""
+        """The run's closing lines (components/summary.py), on rank 0; one line elsewhere."""
         if self.run_dir is not None:
-            for line in summary_lines(
-                self.tally, first, last, seconds, self.run_dir, checkpoints, exports, self.tensorboard
-            ):
+            quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
+            parts = (self.run_dir, checkpoints, exports, self.tensorboard, quiet)
+            for line in summary_lines(self.tally, first, last, seconds, *parts):
                 logger.info(line)
+        else:  # another node's console ends here too, and says where the rest is
+            logger.info(
+                f"done: steps {first}-{last} in {seconds:.1f}s; the run's summary is rank 0's, on the "
+                "first node's console and in its log under <run folder>/logs"
+            )
 
     def close(self) -> None:
         if self.files is not None:

@@ -2,10 +2,11 @@
 
 Per step: this rank's share of the loss, whether the update was skipped (no valid token in the
 global batch, a non-finite gradient norm, or a spike; decided on the device, the same on every
-rank), the spike guard's verdict when it is on,
-and of the last step the gradient norm and the global valid-token count. The log step sums the
+rank), the gradient norm, the global valid-token count, the learning rate (a host number the
+scheduler already holds) and the spike guard's verdict when it is on. The log step sums the
 shares over ranks (the logged loss is that sum, see titanlite.components.loss) with one
-all-reduce and reads everything with one host read.
+all-reduce and reads everything with one host read, so every step gets its row in
+metrics.jsonl and its point in TensorBoard at no extra cost.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ class WindowRecord:
     nonfinite_ranks: list[int]  # how many ranks had a non-finite loss, per step
     empty: list[bool]  # no valid token in the whole global batch
     skipped: list[bool]  # the optimizer update was skipped (empty, a non-finite grad norm, a spike)
-    grad_norm: float  # the last step's pre-clip gradient norm
-    tokens: int  # the last step's valid tokens over all ranks
+    grad_norms: list[float]  # each step's pre-clip gradient norm
+    tokens: list[int]  # each step's valid tokens over all ranks
+    lrs: list[float]  # each step's learning rate
     # The spike guard's [spike, value, threshold, spikes in a row] per step (None: guard off).
     guard: list[list[float] | None] | None = None
 
@@ -63,31 +65,44 @@ class WindowRecord:
                 why = "no valid token in the whole global batch" if empty else "a non-finite gradient norm"
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
 
-    def record(self, step: int, lr: float, window_s: float, elapsed_s: float, run: RunRates) -> dict:
-        """The log step's metrics record (metrics.jsonl, the console, TensorBoard)."""
+    def rows(self, window_s: float, elapsed_s: float, run: RunRates) -> list[dict]:
+        """metrics.jsonl's rows of the window, one per step in order: each step's own numbers
+        (`"row": "step"`), the last, the log step's, with the window's figures added
+        (`"row": "log"`: throughput, memory, ETA; the console line and the summary read it)."""
+        rows = [
+            {
+                "step": s,
+                "row": "step",
+                "loss": None if skipped else loss,
+                "grad_norm": norm,
+                "lr": lr,
+                "valid_tokens": tokens,
+                "skipped": skipped,
+            }
+            for s, loss, skipped, norm, tokens, lr in zip(
+                self.steps, self.losses, self.skipped, self.grad_norms, self.tokens, self.lrs, strict=True
+            )
+        ]
         n = len(self.steps)
         tps = run.tokens_per_rank_step * n / max(window_s, 1e-9)
-        rec = {
-            "step": step,
-            "loss": None if self.skipped[-1] else self.losses[-1],
-            "loss_window_mean": self.loss_mean,  # over the steps since the last log that trained
-            "loss_window_steps": len(self.trained_losses),
-            "grad_norm": self.grad_norm,
-            "lr": lr,
-            "valid_tokens": self.tokens,
-            "tokens_per_s": tps,
-            "tokens_per_s_global": tps * run.dp_size,
-            "skipped_steps": sum(self.skipped),
-            "memory_gib": peak_memory_gib(run.device),
-            "elapsed_s": elapsed_s,
-            "eta_s": (run.total_steps - step) * window_s / n,
-        }
+        log = rows[-1]
+        log.update(
+            row="log",
+            loss_window_mean=self.loss_mean,  # over the steps since the last log that trained
+            loss_window_steps=len(self.trained_losses),
+            tokens_per_s=tps,
+            tokens_per_s_global=tps * run.dp_size,
+            skipped_steps=sum(self.skipped),
+            memory_gib=peak_memory_gib(run.device),
+            elapsed_s=elapsed_s,
+            eta_s=(run.total_steps - log["step"]) * window_s / n,
+        )
         if run.flops_per_token:
-            rec["tflops"] = run.flops_per_token * tps / 1e12
+            log["tflops"] = run.flops_per_token * tps / 1e12
             peak = peak_flops(run.device, run.param_dtype)
             if peak:
-                rec["mfu_pct"] = 100 * run.flops_per_token * tps / peak
-        return rec
+                log["mfu_pct"] = 100 * run.flops_per_token * tps / peak
+        return rows
 
 
 @dataclass(frozen=True)
@@ -107,7 +122,8 @@ class StepWindow:
         self._steps: list[int] = []
         self._shares: list[torch.Tensor] = []  # per step: [loss share, loss non-finite]
         self._flags: list[torch.Tensor] = []  # per step: [no valid token, update skipped]
-        self._last: torch.Tensor | None = None  # [grad norm, valid tokens] of the last step
+        self._norms: list[torch.Tensor] = []  # per step: [grad norm, valid tokens]
+        self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
 
     def add(
@@ -117,13 +133,15 @@ class StepWindow:
         tokens: torch.Tensor,
         grad_norm: torch.Tensor,
         skipped: torch.Tensor,
+        lr: float,
         guard: torch.Tensor | None = None,
     ) -> None:
-        """Record a step; every argument stays on the device."""
+        """Record a step; every tensor stays on the device."""
         self._steps.append(step)
         self._shares.append(torch.stack([loss_share, (~torch.isfinite(loss_share)).to(loss_share.dtype)]))
         self._flags.append(torch.stack([tokens == 0, skipped]))
-        self._last = torch.stack([grad_norm.double(), tokens.double()])
+        self._norms.append(torch.stack([grad_norm.double(), tokens.double()]))
+        self._lrs.append(lr)
         if guard is not None:
             self._guard.append(guard)
 
@@ -134,7 +152,8 @@ class StepWindow:
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values
         dist.all_reduce(shared, group=group)
         guarded = [torch.stack(self._guard)] if self._guard else []
-        shared, flags, last, *guard = readback([shared, torch.stack(self._flags), self._last, *guarded])
+        norms = torch.stack(self._norms)
+        shared, flags, norms, *guard = readback([shared, torch.stack(self._flags), norms, *guarded])
         record = WindowRecord(
             steps=list(self._steps),
             losses=[loss for loss, _ in shared],
@@ -142,8 +161,9 @@ class StepWindow:
             empty=[bool(e) for e, _ in flags],
             skipped=[bool(s) for _, s in flags],
             guard=guard[0] if guard else None,
-            grad_norm=last[0],
-            tokens=int(last[1]),
+            grad_norms=[norm for norm, _ in norms],
+            tokens=[int(t) for _, t in norms],
+            lrs=list(self._lrs),
         )
         self.clear()
         return record
@@ -153,4 +173,5 @@ class StepWindow:
         self._shares.clear()
         self._flags.clear()
         self._guard.clear()
-        self._last = None
+        self._norms.clear()
+        self._lrs.clear()

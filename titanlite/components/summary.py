@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import complete_steps, step_dir
+from titanlite.config.job_config import JobConfig
+from titanlite.diagnostics.alerts import history_note
+from titanlite.diagnostics.rules import SPREAD_ONLY
 from titanlite.tools.formatting import fmt
+
+# TensorBoard shows 1,000 points of a tag, sampled, unless told to keep more (0 keeps none).
+TENSORBOARD_ALL_POINTS = "--samples_per_plugin scalars=100000"
+
+
+NO_NOISE = "the ranks' gradients agree beyond their noise, as on the same data"
 
 
 @dataclass
@@ -26,6 +35,7 @@ class RunTally:
 
     last: dict[str, Any] | None = None  # the newest metrics record
     last_eval: dict[str, Any] | None = None
+    start_eval: dict[str, Any] | None = None  # the model as loaded (eval.at_start: step 0)
     alerts: Counter = field(default_factory=Counter)  # alert name -> how many this invocation raised
     notes: Counter = field(default_factory=Counter)  # the same for notes (batch_size_advice)
     last_diag: dict[str, Any] | None = None  # the newest measured step's diagnostics record
@@ -34,6 +44,25 @@ class RunTally:
     def record(self, rec: dict[str, Any]) -> None:
         self.last = rec
         self.skipped += rec.get("skipped_steps", 0)
+
+    def record_eval(self, rec: dict[str, Any]) -> None:
+        if rec["step"] == 0:
+            self.start_eval = rec
+        self.last_eval = rec
+
+
+def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str | None:
+    """Why a run with fault switches on that the alerts should name raised none (`last`: its last
+    step; `diag`: its newest measured step's record, None if it measured none)."""
+    faults = cfg.debug.diagnosed_faults()
+    if not faults:
+        return None
+    on = f"fault switches on ({', '.join(faults)})"
+    if diag is None:
+        return f"{on}, but the diagnostics measured no step (they need diagnostics.enable and dp >= 2)"
+    skip = SPREAD_ONLY if len(diag.get("rank_loss", ())) == 2 else ()  # the start-up note said so
+    short = history_note(cfg.alerts, cfg.diagnostics.measured_steps(last), skip)
+    return f"{on}: {short}" if short else f"{on}, and every alert had the history to judge"
 
 
 def shown(path: Path) -> str:
@@ -55,11 +84,13 @@ def summary_lines(
     checkpoints: Path,
     exports: list[Path],
     tensorboard: bool,
+    quiet: str | None = None,
 ) -> list[str]:
     """`first`..`last`: the steps this invocation ran; `checkpoints`: checkpoint.folder (its
-    newest complete step is named); `exports`: what export_run wrote."""
+    newest complete step is named); `exports`: what export_run wrote; `quiet`: why no alert
+    fired (quiet_faults)."""
     if first > last:
-        head = f"done: the checkpoint is at step {last} already (training.steps); nothing ran"
+        head = f"done: the checkpoint is at step {last} already (training.steps); nothing ran (raise --training.steps to train on)"
     else:
         resumed = f", resumed after step {first - 1}" if first > 1 else ""
         n = last - first + 1
@@ -72,8 +103,13 @@ def summary_lines(
         n = rec.get("loss_window_steps", 0)
         window = f" (mean over the last {n} steps {mean})" if n > 1 else ""
         lines.append(f"final loss {loss} at step {rec['step']}{window}")
-    if tally.last_eval is not None:
-        e = tally.last_eval
+    e, e0 = tally.last_eval, tally.start_eval
+    if e is not None and e0 is not None and e is not e0:
+        lines.append(
+            f"eval loss {e0['loss']:.4f} -> {e['loss']:.4f}, perplexity {e0['perplexity']:.2f} -> "
+            f"{e['perplexity']:.2f} (the model as loaded -> at step {e['step']})"
+        )
+    elif e is not None:
         lines.append(f"eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f} at step {e['step']}")
     if tally.alerts:
         names = ", ".join(f"{name} x{k}" for name, k in sorted(tally.alerts.items()))
@@ -81,15 +117,19 @@ def summary_lines(
             f"alerts: {sum(tally.alerts.values())} ({names}); each in {shown(run_dir / 'events.jsonl')}"
         )
     else:
-        lines.append("alerts: none")
+        lines.append("alerts: none" + (f"; {quiet}" if quiet else ""))
     if tally.skipped:
         lines.append(f"skipped steps: {tally.skipped} (no valid token, a non-finite gradient or a spike)")
     diag = tally.last_diag or {}
-    if diag.get("noise_to_batch"):
-        line = (
-            f"batch {diag['batch_tokens']:,} tokens; gradient noise scale {diag['noise_scale_tokens']:,.0f} tokens "
-            f"({diag['noise_to_batch']:.2g}x the batch) at step {diag['step']}"
-        )
+    noise = diag.get("noise_scale_tokens")
+    if noise is not None and diag.get("batch_tokens"):
+        line = f"batch {diag['batch_tokens']:,} tokens; gradient noise scale "
+        if noise > 0:
+            line += f"{noise:,.0f} tokens ({diag['noise_to_batch']:.2g}x the batch) at step {diag['step']}"
+        else:  # the ranks' gradients agree beyond their noise (the same data, say)
+            line += (
+                f"not measurable at step {diag['step']} (its estimate is {noise:.2g}, below zero: {NO_NOISE})"
+            )
         if tally.notes["batch_size_advice"]:
             line += f"; batch_size_advice in {shown(run_dir / 'events.jsonl')}"
         lines.append(line)
@@ -102,6 +142,6 @@ def summary_lines(
     if tensorboard:
         tb = Path(sys.executable).parent / "tensorboard"
         command = shown(tb) if tb.is_file() else "tensorboard"
-        look.insert(0, f"{command} --logdir {shown(run_dir / 'tb')}")
+        look.insert(0, f"{command} --logdir {shown(run_dir / 'tb')} {TENSORBOARD_ALL_POINTS}")
     lines.append("see: " + "; ".join(look))
     return lines

@@ -179,6 +179,10 @@ class Eval:
     path: str = opt("", "eval data of its own (prepared folder or raw files, no mixture); wins over fraction")
     every: int = schedule(0, "evaluate")
     at_end: bool = opt(True, "also evaluate after the last step")
+    at_start: bool = opt(
+        False,
+        "also evaluate the model as loaded, before the first step (step 0; a resumed run does not repeat it)",
+    )
     max_sequences: int = opt(
         0, "evaluate on this many sequences spread over the eval set; 0: all of it", at_least=0
     )

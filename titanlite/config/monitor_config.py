@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from titanlite.config.fields import opt, schedule
+from titanlite.config.fields import due, opt, schedule
 
 
 @dataclass
@@ -94,6 +94,28 @@ class Debug:
         choices=("shared", "rank0_differs", "per_rank"),
     )
 
+    def diagnosed_faults(self) -> list[str]:
+        """The switches on ("name = value") whose faults the diagnostics' alerts are there to name."""
+        default = Debug()
+        return [
+            f"{name} = {value!r}"
+            for name in DIAGNOSED_FAULTS
+            if (value := getattr(self, name)) != getattr(default, name)
+        ]
+
+
+# The [debug] faults an alert names (titanlite.components.faults); the others test the loop.
+DIAGNOSED_FAULTS = (
+    "same_data",
+    "corrupt_labels_rank",
+    "grad_noise_rank",
+    "slow_rank",
+    "flip_bit_step",
+    "stuck_loader_step",
+    "spike_step",
+    "seed_mode",
+)
+
 
 @dataclass
 class Diagnostics:
@@ -122,6 +144,14 @@ class Diagnostics:
     replica_check_every: int = schedule(
         100, "replica_drift: compare the replicas' parameters bitwise (ddp, hsdp)"
     )
+
+    def measures(self, step: int) -> bool:
+        """Whether `step` is a measured step."""
+        return step <= self.measure_first or due(step, self.every)
+
+    def measured_steps(self, last: int) -> int:
+        """How many of the steps 1..last `measures`."""
+        return sum(self.measures(s) for s in range(1, last + 1))
 
 
 @dataclass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -46,13 +47,17 @@ logger = init_logging()
 BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
 
 
-def _built_once(path: Path, build, is_builder: bool) -> None:
+def _built_once(path: Path, build, is_builder: bool, what: str) -> None:
     """One rank per node builds a missing cache file while the others wait; a bad-input error
-    met by the builder (a malformed data file, say) is raised on every rank alike."""
+    met by the builder (a malformed data file, say) is raised on every rank alike. The builder
+    says `what` it does, where, and how long it took: a first run's set-up talks."""
     error = None
     if is_builder and not path.exists():
+        began = time.perf_counter()
+        logger.info(f"{what} (once, into {path.parent}) ...")
         try:
             build()
+            logger.info(f"{what}: done in {time.perf_counter() - began:.1f}s")
         except UserError as e:
             error = str(e)
         except OSError as e:
@@ -80,7 +85,13 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
-    _built_once(path, lambda: train_builtin_tokenizer(path, cfg.model.builtin_vocab_size), _is_local_leader())
+    train = lambda: train_builtin_tokenizer(path, cfg.model.builtin_vocab_size)  # noqa: E731
+    _built_once(
+        path,
+        train,
+        _is_local_leader(),
+        f"training the built-in tokenizer ({cfg.model.builtin_vocab_size:,} tokens)",
+    )
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
@@ -88,7 +99,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
     """Raw inputs (or the built-in data for name "") prepared into the cache, once per node."""
     cache, mode = cache_dir(cfg.data.cache_dir), cfg.data.mode
     if name:
-        files = discover(name)
+        files = discover(name, logger.warning)
     elif mode == "sft":
         jsonl = cache / f"sft-stdlib-{corpus.corpus_fingerprint()}.jsonl"
 
@@ -96,7 +107,9 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
             lines = (json.dumps(r) for r in corpus.stdlib_sft_records())
             atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode())
 
-        _built_once(jsonl, build, _is_local_leader())
+        _built_once(
+            jsonl, build, _is_local_leader(), "writing the built-in SFT set from the standard library"
+        )
         files = [jsonl]
     else:
         files = list(corpus.stdlib_files())
@@ -107,6 +120,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
         out / META,
         lambda: prepare(files, out, tok, mode, cfg.data.text_field, workers, say=logger.info),
         _is_local_leader(),
+        f"preparing {len(files):,} file(s) of {size / 2**20:,.1f} MB into token shards",
     )
     return out
 
@@ -209,6 +223,8 @@ def build_dataloader(
         cfg.training.seed if seed is None else seed,
         dataset.weights,
     )
+    if dp_rank == 0:
+        logger.info(sampler.epochs_line(cfg.training.steps))
     return StatefulDataLoader(
         dataset,
         batch_sampler=sampler,

@@ -120,6 +120,25 @@ class GlobalBatchSampler:
         self._cached: tuple[int, np.ndarray] | None = None
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
+    def epochs(self, steps: int) -> list[float]:
+        """How many times `steps` steps read each dataset over (a mixture's shares per block)."""
+        read = steps * self.global_batch_size
+        if len(self.sizes) == 1:
+            return [read / self.sizes[0]]
+        return [read * int(n) / MIX_BLOCK / size for n, size in zip(self.counts, self.sizes, strict=True)]
+
+    def epochs_line(self, steps: int) -> str:
+        """What the data loader says as the run starts: the data and how often the run reads it."""
+        epochs = self.epochs(steps)
+        line = f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read "
+        if len(epochs) == 1:
+            line += f"{epochs[0]:.3g} epoch(s) of it"
+        else:
+            line += "of its datasets " + ", ".join(f"{e:.3g}" for e in epochs) + " epoch(s)"
+        if max(epochs) > 1:
+            line += " (past one epoch a sequence is read again, in a new order)"
+        return line
+
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, position in its own stream) of every position of one mixing block."""
         if self._block_cache is None or self._block_cache[0] != block:

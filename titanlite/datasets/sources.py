@@ -16,7 +16,8 @@ from __future__ import annotations
 import gzip
 import json
 import os
-from collections.abc import Generator, Iterator
+from collections import Counter
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,10 @@ def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
     return listed + [f for f in files if f not in set(listed)]
 
 
-def discover(path: str | Path) -> list[Path]:
+def discover(path: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
     """The input files a path names, in a fixed order: the file itself, or every file of a known
-    kind under a folder (sorted; hidden files and `datasets`' cache-*.arrow left out)."""
+    kind under a folder (sorted; hidden files and `datasets`' cache-*.arrow left out; `note`
+    hears how many others were, by suffix)."""
     p = Path(path).expanduser()
     if p.is_file():
         if kind_of(p) is None:
@@ -61,13 +63,20 @@ def discover(path: str | Path) -> list[Path]:
         return [p]
     if not p.is_dir():
         raise UserError(f"data path '{p}' does not exist; point it at a file or folder of {KNOWN}")
-    files = []
+    files, other = [], Counter()
     for f in sorted(p.rglob("*")):
         rel = f.relative_to(p).parts
         if any(part.startswith(".") for part in rel) or f.name.startswith("cache-") or not f.is_file():
             continue
         if kind_of(f) is not None:
             files.append(f)
+        else:
+            other[f.suffix or "(no suffix)"] += 1
+    if other and note is not None:
+        kinds = ", ".join(f"{n} {suffix}" for suffix, n in other.most_common())
+        note(
+            f"data path '{p}': {sum(other.values())} file(s) of no readable kind left out ({kinds}); read: {KNOWN}"
+        )
     by_folder: dict[Path, list[Path]] = {}
     for f in files:
         by_folder.setdefault(f.parent, []).append(f)

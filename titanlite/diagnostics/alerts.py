@@ -220,3 +220,32 @@ class AlertMonitor:
             for check in spec.checks:
                 out += self._raise(spec, step, check.fn(self._context(spec, step, event=event)))
         return out
+
+
+def too_short(cfg: AlertsConfig, measured: int, skip: tuple[str, ...] = ()) -> dict[str, int]:
+    """The measured-step alerts (but `skip`) a run of `measured` measured steps is too short for:
+    name -> the measured step from which their latest check can fire (Check.first_judged). An
+    alert whose other checks judge earlier (an exact data check, the rank test) is among them:
+    its statistical rule cannot judge."""
+    out = {}
+    for spec in REGISTRY.values():
+        judged = max(check.first_judged(cfg) for check in spec.checks)
+        if spec.source == "measured" and spec.name not in skip and judged > measured:
+            out[spec.name] = judged
+    return out
+
+
+def history_note(cfg: AlertsConfig, measured: int, skip: tuple[str, ...] = ()) -> str | None:
+    """One sentence on the alerts whose rules need more history than `measured` measured steps."""
+    short = too_short(cfg, measured, skip)
+    if not short:
+        return None
+    by_step: dict[int, list[str]] = {}
+    for name, judged in short.items():
+        by_step.setdefault(judged, []).append(name)
+    parts = [f"{', '.join(names)} from measured step {judged}" for judged, names in sorted(by_step.items())]
+    return (
+        f"{measured} measured step(s) are too few for the statistical rules of {'; '.join(parts)} "
+        f"(the first alerts.min_steps = {cfg.min_steps} are a burn-in, then as many are their history); "
+        "the exact checks judge from the first"
+    )

@@ -22,14 +22,14 @@ from titanlite.diagnostics.window import Finding, Point
 _WINDOW = ("window", "min_steps", "persist_frac")
 
 
-def _rule(fn) -> Check:
-    """A statistical rule of rules.py: it reads the window, past the burn-in."""
+def _rule(fn, needs=None) -> Check:
+    """A statistical rule of rules.py: it reads the window, past the burn-in (`needs`: see Check)."""
 
     def check(ctx: Context) -> Finding | None:
         return fn(ctx.window)
 
     check.__name__ = fn.__name__
-    return Check(check, burn_in=True)
+    return Check(check, burn_in=True, needs=needs)
 
 
 def _data_check(name: str, fn) -> Check:
@@ -209,7 +209,13 @@ BUILT_IN = (
     AlertSpec(
         "dispersion_rising_loss_falling",
         "ranks drifting apart while the average looks healthy: audit seeds, sharding and precision now",
-        (_rule(rules.dispersion_rising_loss_falling),),
+        # armed past trend_burn_in, with trend_window points, the first past the burn-in's history
+        (
+            _rule(
+                rules.dispersion_rising_loss_falling,
+                lambda c: max(c.trend_burn_in + 1, 2 * c.min_steps + c.trend_window),
+            ),
+        ),
         thresholds=(*_WINDOW, "trend_burn_in", "trend_window", "trend_rise"),
     ),
     AlertSpec(

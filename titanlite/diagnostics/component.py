@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titanlite.config.fields import due
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
@@ -181,7 +180,7 @@ class Diagnostics:
         return {"grad_noise": self.probe.noise_generator} if self.probe is not None else {}
 
     def is_measured(self, step: int) -> bool:
-        return step <= self.cfg.measure_first or due(step, self.cfg.every)
+        return self.cfg.measures(step)
 
     def begin_step(self, step: int) -> bool:
         """As the step starts, before its data: arm the probe and start the step's clock; True if

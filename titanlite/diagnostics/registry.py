@@ -75,6 +75,15 @@ class Check:
 
     fn: Callable[[Context], Finding | list[Finding] | None]
     burn_in: bool = False
+    # The measured steps a run needs before it can first fire, from the [alerts] config; None:
+    # the first (no burn_in) or the burn-in then as much history (2 x min_steps + 1).
+    needs: Callable[[AlertsConfig], int] | None = None
+
+    def first_judged(self, cfg: AlertsConfig) -> int:
+        """The measured step (1-based) from which this check can fire."""
+        if self.needs is not None:
+            return self.needs(cfg)
+        return 2 * cfg.min_steps + 1 if self.burn_in else 1
 
 
 @dataclass(frozen=True)

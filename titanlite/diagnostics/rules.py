@@ -16,6 +16,7 @@ from titanlite.diagnostics import rank_sum
 from titanlite.diagnostics.window import SPREAD_RANKS, Finding, Window
 
 NEED_SPREAD = ("dispersion_spike", "dispersion_rising_loss_falling", "faulty_worker (by direction)")
+SPREAD_ONLY = NEED_SPREAD[:2]  # the alerts that have no other check: silent at dp=2
 
 
 def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | None:

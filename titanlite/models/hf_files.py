@@ -34,7 +34,10 @@ CONFIG_USED = frozenset(
 CONFIG_HARMLESS = frozenset(
     {
         # bookkeeping: names, versions, the dtype it was saved in (titanlite trains in its own)
-        "_name_or_path", "transformers_version", "torch_dtype", "dtype", "auto_map", "name_or_path",
+        "_name_or_path", "_model_name_or_path", "transformers_version", "torch_dtype", "dtype", "auto_map",
+        "name_or_path",
+        # the unknown token's id: the tokenizer's business (a byte-level one never emits it)
+        "unk_token_id",
         # inference and output switches of transformers' forward
         "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
         "use_return_dict", "output_scores", "return_dict_in_generate",

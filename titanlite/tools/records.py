@@ -59,3 +59,11 @@ def read_json(path: Path, what: str = "") -> dict[str, Any]:
             f"{path} holds a JSON {type(data).__name__}, not an object{f'; {what}' if what else ''}"
         )
     return data
+
+
+def metrics_rows(path: Path, logged: bool = False) -> list[dict]:
+    """metrics.jsonl's rows, a row per step (titanlite.components.step_window); `logged`: the log
+    steps' only, the rows that carry the window's figures (throughput, memory, MFU, ETA). A row
+    without "row" (written before rows per step) is a log step's."""
+    rows = read_records(path)
+    return [r for r in rows if r.get("row", "log") == "log"] if logged else rows

@@ -115,6 +115,7 @@ class Checkpointer:
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
         self._pending: tuple[int, Path, Future] | None = None
+        self._staged_s = 0.0  # the newest async save's staging time
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
         self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
         self.data = data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
@@ -244,11 +245,9 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             self._settle(step, tmp, self._save_error(e))
             return
+        self._staged_s = time.perf_counter() - start  # what training waited; the write goes on behind it
         job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
         self._pending = (step, tmp, job)
-        logger.info(
-            f"checkpoint: step {step} staged in {time.perf_counter() - start:.2f}s, writing in the background"
-        )
 
     def _write(self, step: int, tmp: Path, write: Callable[[], Any], state: str, start: float) -> str | None:
         """DCP's write (every rank), then the publish (rank 0); returns the failure in one line."""
@@ -274,7 +273,7 @@ class Checkpointer:
             except OSError as e:
                 return str(e)
             self._prune()
-        mode = " (async)" if self.is_async else ""
+        mode = f" (async: training waited {self._staged_s:.2f}s of it)" if self.is_async else ""
         logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}")
         return None
 
