@@ -186,3 +186,17 @@ def test_a_sample_of_whitespace_is_visible_on_the_console(caplog):
     caplog.set_level("INFO", logger="titanlite")
     MetricsWriter(None, 10, tensorboard=False).write_samples(5, [{"prompt": "Hi", "text": "\n\n\t"}])
     assert "sample step 5 | 'Hi' -> '\\n\\n\\t'" in caplog.text
+
+
+def test_the_measured_step_count_is_the_schedules():
+    """measured_steps (closed form: a million-step run is counted at start-up) against the
+    schedule it counts, over generated schedules and run lengths."""
+    import random
+
+    from titanlite.config.monitor_config import Diagnostics
+
+    rng = random.Random(0)
+    for _ in range(400):
+        d = Diagnostics(measure_first=rng.randint(0, 60), every=rng.choice([0, 1, 2, 3, 7, 50, 500]))
+        last = rng.randint(0, 600)
+        assert d.measured_steps(last) == sum(d.measures(s) for s in range(1, last + 1)), (d, last)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +32,9 @@ from titanlite.components.run.plan import (
 )
 from titanlite.config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
-from titanlite.config.monitor_config import Debug
 from titanlite.datasets.spec import check_data_files, check_data_tokenizer, data_identity
 from titanlite.diagnostics.alerts import history_note
-from titanlite.diagnostics.rules import SPREAD_ONLY, silent_rules_note
+from titanlite.diagnostics.rules import silent_rules_note
 from titanlite.errors import UserError
 from titanlite.tools.paths import check_writable
 from titanlite.tools.records import read_json
@@ -107,13 +106,7 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
     """What is on that a user may not know of: fault switches, rules this dp cannot run, a
     sequence longer than the model's trained context."""
     notes = []
-    default = Debug()
-    on = [
-        f"{f.name} = {v!r}"
-        for f in fields(Debug)
-        if (v := getattr(cfg.debug, f.name)) != getattr(default, f.name)
-    ]
-    if on:
+    if on := cfg.debug.switches_on():
         notes.append(
             f"[debug] is set ({', '.join(on)}): switches for tests and fault scenarios, not a real run"
         )
@@ -121,8 +114,7 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
     if cfg.diagnostics.enable and (silent := silent_rules_note(dp, per_rank, cfg.alerts)):
         notes.append(f"diagnostics: {silent}")
     measured = cfg.diagnostics.measured_steps(cfg.training.steps)
-    skip = SPREAD_ONLY if dp == 2 else ()  # said above
-    if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, skip)):
+    if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):
         notes.append(f"diagnostics: this run is short for some alerts: {short}")
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"

@@ -19,14 +19,10 @@ from typing import Any
 from titanlite.components.checkpoint.index import complete_steps, step_dir
 from titanlite.config.job_config import JobConfig
 from titanlite.diagnostics.alerts import history_note
-from titanlite.diagnostics.rules import SPREAD_ONLY
 from titanlite.tools.formatting import fmt
 
 # TensorBoard shows 1,000 points of a tag, sampled, unless told to keep more (0 keeps none).
 TENSORBOARD_ALL_POINTS = "--samples_per_plugin scalars=100000"
-
-
-NO_NOISE = "the ranks' gradients agree beyond their noise, as on the same data"
 
 
 @dataclass
@@ -60,8 +56,8 @@ def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str 
     on = f"fault switches on ({', '.join(faults)})"
     if diag is None:
         return f"{on}, but the diagnostics measured no step (they need diagnostics.enable and dp >= 2)"
-    skip = SPREAD_ONLY if len(diag.get("rank_loss", ())) == 2 else ()  # the start-up note said so
-    short = history_note(cfg.alerts, cfg.diagnostics.measured_steps(last), skip)
+    world = len(diag.get("rank_loss", ()))  # the data-parallel ranks it measured
+    short = history_note(cfg.alerts, cfg.diagnostics.measured_steps(last), world)
     return f"{on}: {short}" if short else f"{on}, and every alert had the history to judge"
 
 
@@ -126,9 +122,10 @@ def summary_lines(
         line = f"batch {diag['batch_tokens']:,} tokens; gradient noise scale "
         if noise > 0:
             line += f"{noise:,.0f} tokens ({diag['noise_to_batch']:.2g}x the batch) at step {diag['step']}"
-        else:  # the ranks' gradients agree beyond their noise (the same data, say)
+        else:
             line += (
-                f"not measurable at step {diag['step']} (its estimate is {noise:.2g}, below zero: {NO_NOISE})"
+                f"not measurable at step {diag['step']} (its estimate is {noise:.2g}, below zero: "
+                "the ranks' gradients agree beyond their noise, as on the same data)"
             )
         if tally.notes["batch_size_advice"]:
             line += f"; batch_size_advice in {shown(run_dir / 'events.jsonl')}"

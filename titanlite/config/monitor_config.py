@@ -5,7 +5,7 @@ Imports nothing heavy, like titanlite.config.job_config, which assembles them in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from titanlite.config.fields import due, opt, schedule
 
@@ -94,14 +94,16 @@ class Debug:
         choices=("shared", "rank0_differs", "per_rank"),
     )
 
-    def diagnosed_faults(self) -> list[str]:
-        """The switches on ("name = value") whose faults the diagnostics' alerts are there to name."""
+    def switches_on(self, names: tuple[str, ...] | None = None) -> list[str]:
+        """The switches (of `names`; default every one) set away from their default, as
+        "name = value"."""
         default = Debug()
-        return [
-            f"{name} = {value!r}"
-            for name in DIAGNOSED_FAULTS
-            if (value := getattr(self, name)) != getattr(default, name)
-        ]
+        names = names if names is not None else tuple(f.name for f in fields(Debug))
+        return [f"{n} = {v!r}" for n in names if (v := getattr(self, n)) != getattr(default, n)]
+
+    def diagnosed_faults(self) -> list[str]:
+        """The switches on whose faults the diagnostics' alerts are there to name."""
+        return self.switches_on(DIAGNOSED_FAULTS)
 
 
 # The [debug] faults an alert names (titanlite.components.faults); the others test the loop.
@@ -150,8 +152,11 @@ class Diagnostics:
         return step <= self.measure_first or due(step, self.every)
 
     def measured_steps(self, last: int) -> int:
-        """How many of the steps 1..last `measures`."""
-        return sum(self.measures(s) for s in range(1, last + 1))
+        """How many of the steps 1..last `measures` (the first measure_first, then the multiples
+        of `every` past them)."""
+        first = min(last, self.measure_first)
+        later = last // self.every - first // self.every if self.every > 0 else 0
+        return first + max(later, 0)
 
 
 @dataclass

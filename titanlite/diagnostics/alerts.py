@@ -21,6 +21,7 @@ import titanlite.diagnostics.catalogue  # noqa: F401  (registers the built-in al
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.datasets.corpus import source_name
 from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Context, cause
+from titanlite.diagnostics.rules import SPREAD_ONLY
 from titanlite.diagnostics.window import Finding, Point, Window, point
 
 STATE_VERSION = (
@@ -222,11 +223,13 @@ class AlertMonitor:
         return out
 
 
-def too_short(cfg: AlertsConfig, measured: int, skip: tuple[str, ...] = ()) -> dict[str, int]:
-    """The measured-step alerts (but `skip`) a run of `measured` measured steps is too short for:
-    name -> the measured step from which their latest check can fire (Check.first_judged). An
-    alert whose other checks judge earlier (an exact data check, the rank test) is among them:
-    its statistical rule cannot judge."""
+def too_short(cfg: AlertsConfig, measured: int, world: int) -> dict[str, int]:
+    """The measured-step alerts a run of `measured` measured steps at `world` data-parallel ranks
+    is too short for: name -> the measured step from which their latest check can fire
+    (Check.first_judged). An alert whose other checks judge earlier (an exact data check, the
+    rank test) is among them: its statistical rule cannot judge. At dp=2 the alerts that only
+    compare 3 or more ranks are left out: they never judge there (rules.silent_rules_note)."""
+    skip = SPREAD_ONLY if world == 2 else ()
     out = {}
     for spec in REGISTRY.values():
         judged = max(check.first_judged(cfg) for check in spec.checks)
@@ -235,9 +238,9 @@ def too_short(cfg: AlertsConfig, measured: int, skip: tuple[str, ...] = ()) -> d
     return out
 
 
-def history_note(cfg: AlertsConfig, measured: int, skip: tuple[str, ...] = ()) -> str | None:
+def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
     """One sentence on the alerts whose rules need more history than `measured` measured steps."""
-    short = too_short(cfg, measured, skip)
+    short = too_short(cfg, measured, world)
     if not short:
         return None
     by_step: dict[int, list[str]] = {}
