@@ -65,6 +65,15 @@ def prepared_sft(tmp_path_factory, _shared_cache):
 
 
 @pytest.fixture(scope="session")
+def exactness(tmp_path_factory):
+    """tests/workers/exactness.py's results by world size (1, 2, 4): one torchrun each, for the
+    exactness tests (tests/test_distributed.py) and the golden curves elsewhere (tests/test_golden.py)."""
+    from helpers import run_per_world
+
+    return run_per_world(tmp_path_factory, "tests/workers/exactness.py", (1, 2, 4))
+
+
+@pytest.fixture(scope="session")
 def step_counts(tmp_path_factory):
     """tests/workers/step_counts.py's results: one torchrun of 4 ranks for the step-count tests
     and the golden curves (tests/test_golden.py), launched with the golden runs' pins."""

@@ -12,7 +12,7 @@ ranks whose valid-token counts differ by 10x or more.
 from __future__ import annotations
 
 import pytest
-from helpers import BF16_GRAD_TOL, BF16_U, run_per_world
+from helpers import BF16_GRAD_TOL, BF16_U
 
 from titanlite.analysis.model_check import verdicts
 
@@ -21,8 +21,9 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return run_per_world(tmp_path_factory, "tests/workers/exactness.py", WORLDS)
+def results(exactness):
+    assert tuple(exactness) == WORLDS
+    return exactness
 
 
 @pytest.mark.parametrize("world", WORLDS)

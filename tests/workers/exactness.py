@@ -13,6 +13,8 @@ round), against the single-process token mean. "generate": greedy and top-p deco
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
 model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
 cases (titanlite.analysis.model_check).
+"golden_elsewhere" (world 4): scripts/golden_losses.py's first case run here, without its numerics
+pins, as another CPU runs it (tests/test_golden.py).
 "dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
 keyed masks), and with torch's RNG cut over ranks and microbatches (the control). Cases
 with "loss_chunk" > 0 run the loss inside the model, chunk by chunk. "reduce_cases": FSDP and
@@ -27,9 +29,11 @@ import dataclasses
 import hashlib
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from helpers import load_script
 from torch.distributed.tensor import DTensor
 
 from titanlite.analysis.model_check import check, documents, packed_batch, unequal_batch
@@ -220,6 +224,16 @@ def run_case(
     }
 
 
+def golden_elsewhere(folder: Path) -> dict | None:
+    """The golden files' first case, trained in this worker under MKL's and PyTorch's own kernel
+    choice (no MKL_CBWR, no ATEN_CPU_CAPABILITY): another GEMM branch than the files' on any x86-64
+    CPU, as another CPU runs it. Rank 0's identity and curve; None elsewhere."""
+    golden = load_script("golden_losses")
+    name = next(iter(golden.CASES))
+    curve = golden.run_cases(str(folder), {name: golden.CASES[name]})
+    return {"identity": golden.identity(), "name": name, "curve": curve[name]} if curve else None
+
+
 def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
@@ -292,6 +306,7 @@ def main() -> None:
     if world == 2:  # the GPU default, compiled
         low.append(run_case(world, "fsdp", 2, "global", "auto", ref, ac="selective", compiled=True, **bf16))
     evals = [eval_case(world, b) for b in (1, 3)]
+    elsewhere = golden_elsewhere(Path(sys.argv[1]).parent / "golden") if world == 4 else None
     decoded = generate_case(world)
     tied_model = Llama3(TIED)
     tied_model.init_weights(ParamInit(tied_model, SEED))
@@ -313,6 +328,7 @@ def main() -> None:
                     "bf16_cases": low,
                     "eval_cases": evals,
                     "generate": decoded,
+                    "golden_elsewhere": elsewhere,
                 },
                 f,
             )
