@@ -104,8 +104,8 @@ def tolerance(made: dict, here: dict) -> tuple[float, str]:
             f"{within} (another torch: the files {made['torch']} on {made['machine']}, "
             f"here {here['torch']} on {here['machine']})"
         )
-    kinds = ", ".join(numerics.differing(made.get("kernels", {}), here["kernels"]))
-    made_on = made.get("cpu", "an unnamed CPU")
+    kinds = ", ".join(numerics.differing(made["kernels"], here["kernels"]))
+    made_on = made["cpu"]
     if kinds and made_on != here["cpu"]:
         return ROUNDING_RTOL, (
             f"{within} (another CPU: its {kinds} kernels round differently; the files made on "

@@ -41,9 +41,10 @@ def test_every_case_has_a_golden_file_made_as_the_script_makes_it():
 def test_fresh_runs_equal_the_golden_curves(runs):
     assert set(runs["curves"]) == set(golden.CASES)
     for name, steps in runs["curves"].items():
-        ok, line = golden.compare(name, golden.load(name), steps, runs["identity"])
+        gold = golden.load(name)
+        ok, line = golden.compare(name, gold, steps, runs["identity"])
         assert ok, line
-        bitwise = golden.tolerance(golden.load(name)["identity"], runs["identity"])[0] == 0
+        bitwise = golden.tolerance(gold["identity"], runs["identity"])[0] == 0
         assert line.endswith("bitwise") if bitwise else "equal, within 1e-05 (" in line, line
 
 

@@ -14,7 +14,7 @@ metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 
     5 have no valid token, so their updates are skipped).
 golden: first, before anything is counted, the golden-curve cases of scripts/golden_losses.py
     (this torchrun is launched with its pins) and the deliberately reordered case, with the
-    identity (torch, machine, data) a bitwise comparison needs.
+    identity (torch, machine, data, the kernels' hashes) that decides a bitwise comparison.
 
 Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}, "metrics": [...],
 "golden": {"identity", "curves", "reordered"}} (rank 0).
@@ -140,12 +140,13 @@ def main() -> None:
     golden = load_script("golden_losses")
     reordered_case, change = golden.REORDERED
     golden_runs = {
-        "identity": golden.identity(),
         "curves": golden.run_cases(f"{out_dir}/golden", golden.CASES),
         "reordered": golden.run_cases(
             f"{out_dir}/reordered", {reordered_case: golden.CASES[reordered_case] + change}
         ),
     }
+    if dist.get_rank() == 0:  # the kernels' hashes, under this torchrun's pins
+        golden_runs["identity"] = golden.identity()
     HOST.install()
     sft = ["--data.mode", "sft", "--training.seq_len", "256"]
     results = {

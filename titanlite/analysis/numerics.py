@@ -10,7 +10,8 @@ Reproducibility"); only its COMPATIBLE branch runs on every x86-64 CPU. A CPU's 
 decide either: two models may run one code path, one model another under other pins.
 
 So `kernels()` runs each kind of op a Llama training step uses, at the debug model's shapes, on
-inputs that are the same bits on every machine (integers scaled by a power of two: no random
+torch's own primitives (never titanlite's model or loss: a change of titanlite's numerics must not
+move the hashes, or it would hide behind the rounding path), on inputs that are the same bits on every machine (integers scaled by a power of two: no random
 number kernel or transcendental function makes them), with full 24-bit mantissas so that every
 sum rounds and its order shows, and hashes the bits each returns. Two processes whose hashes all
 agree ran the same sums in the same order; a differing hash names the kind of op that differs.
@@ -26,15 +27,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# The golden runs' debug Llama: dim 256, 16 heads of 16, SwiGLU hidden 768, vocab 2,048; a
-# microbatch of 2 x 128 tokens.
-DIM, HEADS, HIDDEN, VOCAB, BATCH, SEQ = 256, 16, 768, 2048, 2, 128
+from titanlite.models.llama3 import llama3_flavors
+from titanlite.models.llama3.model import ffn_hidden_dim
+from titanlite.ops.cross_entropy import IGNORE_INDEX
+
+# The golden runs' shapes: the debug Llama's, its built-in vocabulary, a microbatch of 2 x 128.
+_DEBUG = llama3_flavors["debugmodel"]
+DIM, HEADS, HIDDEN = _DEBUG.dim, _DEBUG.n_heads, ffn_hidden_dim(_DEBUG)
+VOCAB, BATCH, SEQ = 2048, 2, 128
 TOKENS = BATCH * SEQ
 
 
-def _exact(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    """Values in [-1, 1) with 24 significant bits, identical on every machine."""
-    return (torch.randint(-(2**23), 2**23, shape, generator=gen) * 2.0**-23).requires_grad_()
+def _exact(gen: torch.Generator, *shape: int, grad: bool = True) -> torch.Tensor:
+    """Values in [-1, 1) with 24 significant bits, identical on every machine; a leaf that takes
+    a gradient unless `grad` is False."""
+    x = torch.randint(-(2**23), 2**23, shape, generator=gen) * 2.0**-23
+    return x.requires_grad_(grad)
 
 
 def _digest(*tensors: torch.Tensor) -> str:
@@ -50,7 +58,7 @@ def _matmul(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     for n_in, n_out in ((DIM, DIM), (DIM, HIDDEN), (HIDDEN, DIM), (DIM, VOCAB)):
         x, w = _exact(gen, TOKENS, n_in), _exact(gen, n_out, n_in)
         y = F.linear(x, w)
-        y.backward(_exact(gen, TOKENS, n_out).detach())
+        y.backward(_exact(gen, TOKENS, n_out, grad=False))
         out += [y, x.grad, w.grad]
     return tuple(out)
 
@@ -64,7 +72,7 @@ def _attention(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     for kwargs in ({"is_causal": True}, {"attn_mask": mask}):
         q, k, v = (_exact(gen, *shape) for _ in range(3))
         y = F.scaled_dot_product_attention(q, k, v, **kwargs)
-        y.backward(_exact(gen, *shape).detach())
+        y.backward(_exact(gen, *shape, grad=False))
         out += [y, q.grad, k.grad, v.grad]
     return tuple(out)
 
@@ -73,7 +81,7 @@ def _norm(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """RMSNorm as the model writes it (pow, mean, rsqrt), forward and backward."""
     x, w = _exact(gen, TOKENS, DIM), _exact(gen, DIM)
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    y.backward(_exact(gen, TOKENS, DIM).detach())
+    y.backward(_exact(gen, TOKENS, DIM, grad=False))
     return y, x.grad, w.grad
 
 
@@ -82,17 +90,17 @@ def _pointwise(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     and the schedules use (vectorized approximations, one per CPU capability)."""
     a, b = _exact(gen, TOKENS, HIDDEN), _exact(gen, TOKENS, HIDDEN)
     y = F.silu(a) * b
-    y.backward(_exact(gen, TOKENS, HIDDEN).detach())
-    x = _exact(gen, 4099).detach() * 8
+    y.backward(_exact(gen, TOKENS, HIDDEN, grad=False))
+    x = _exact(gen, 4099, grad=False) * 8
     return y, a.grad, b.grad, x.exp(), x.abs().log1p(), x.cos(), x.sin(), x.abs().pow(0.37), x.tanh()
 
 
 def _cross_entropy(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """Token cross entropy (log-softmax over the vocabulary, ignored labels), summed, and its gradient."""
-    logits = (_exact(gen, TOKENS, VOCAB).detach() * 8).requires_grad_()
+    logits = (_exact(gen, TOKENS, VOCAB, grad=False) * 8).requires_grad_()
     labels = torch.randint(0, VOCAB, (TOKENS,), generator=gen)
-    labels[::7] = -100
-    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="none").sum()
+    labels[::7] = IGNORE_INDEX
+    loss = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="none").sum()
     loss.backward()
     return loss, logits.grad
 
@@ -100,7 +108,7 @@ def _cross_entropy(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
 def _reductions(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """Long sums, means and norms (odd lengths: vector bodies and tails), and the foreach norm
     the gradient clipping takes."""
-    xs = [_exact(gen, n).detach() for n in (7, 4099, 65_537, 1_000_003)]
+    xs = [_exact(gen, n, grad=False) for n in (7, 4099, 65_537, 1_000_003)]
     norms = torch._foreach_norm(xs, 2.0)
     return (*(x.sum() for x in xs), *(x.mean() for x in xs), *(x.norm() for x in xs), *norms)
 
@@ -109,7 +117,7 @@ def _embedding(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     """An embedding's gradient: rows read many times accumulate."""
     table = _exact(gen, VOCAB, DIM)
     ids = torch.randint(0, VOCAB // 16, (BATCH, SEQ), generator=gen)
-    F.embedding(ids, table).backward(_exact(gen, BATCH, SEQ, DIM).detach())
+    F.embedding(ids, table).backward(_exact(gen, BATCH, SEQ, DIM, grad=False))
     return (table.grad,)
 
 
@@ -119,7 +127,7 @@ def _optimizer(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     opt = torch.optim.AdamW(params, lr=8e-4, weight_decay=0.1, fused=True)
     for _ in range(2):
         for p in params:
-            p.grad = _exact(gen, *p.shape).detach()
+            p.grad = _exact(gen, *p.shape, grad=False)
         opt.step()
     return tuple(params)
 
