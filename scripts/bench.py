@@ -26,12 +26,16 @@ For each dp degree, one torchrun builds one trainer per configuration in the sam
                     in what a step holds: padding and target tokens
     dropout-stream, dropout 0.1 with masks from torch's RNG (the default) and keyed by sample
     dropout-sample  (model.dropout_masks = sample: dp-invariant dropout, titanlite.ops.dropout)
+    moe-local,      tests/fork_moe.py, a mixture of experts: its load-balancing loss by each
+    moe-step        microbatch's formula, and over the whole step (the step-statistics pass)
 and compares them in groups: loss (titanlite vs baseline), diagnostics (vs titanlite, i.e.
 off; with accumulation, `sketch` sums its sketch per microbatch and reduces as titanlite
 does), measuring (diag-exact-every vs skip-sync: an exact measured step reduces once, on its
 last microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), modes (ddp, hsdp vs
 fsdp), reduce-scatter (titanlite vs native-rs), fsdp-units (reshard and one-unit vs titanlite),
-packing (packed vs unpacked) and dropout (dropout-sample vs dropout-stream).
+packing (packed vs unpacked), dropout (dropout-sample vs dropout-stream) and statistics
+(moe-step, tests/fork_moe.py's load-balancing loss over the whole step from the step-statistics
+pass, vs moe-local, its formula per microbatch: what the pass costs).
 Each round runs one step of every configuration, in an order that rotates from round to round,
 so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
 is the median over rounds of the configuration's step time over its reference's in the same
@@ -94,6 +98,27 @@ CONFIGS = {
     "packed": ["--training.seq_len", "1024", "--data.packing", "true", *OFF],
     "dropout-stream": ["--model.dropout", "0.1", *OFF],
     "dropout-sample": ["--model.dropout", "0.1", "--model.dropout_masks", "sample", *OFF],
+    # tests/fork_moe.py (a mixture of experts with a load-balancing loss and a z-loss): the loss
+    # over the whole step, from the step-statistics pass (one forward without gradient per
+    # microbatch), against transformers' formula per microbatch (no pass; not invariant)
+    "moe-local": [
+        "--model.import_module",
+        "fork_moe",
+        "--model.name",
+        "fork_moe_local",
+        "--model.flavor",
+        "tiny",
+        *OFF,
+    ],
+    "moe-step": [
+        "--model.import_module",
+        "fork_moe",
+        "--model.name",
+        "fork_moe",
+        "--model.flavor",
+        "tiny",
+        *OFF,
+    ],
 }
 # group: (reference, the configurations measured against it)
 GROUPS = {
@@ -109,6 +134,7 @@ GROUPS = {
     "fsdp-units": ("titanlite", ["reshard", "one-unit"]),
     "packing": ("unpacked", ["packed"]),
     "dropout": ("dropout-stream", ["dropout-sample"]),
+    "statistics": ("moe-local", ["moe-step"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
 DATA_STEPS = 64  # global batches whose padding and target tokens are counted, at least
@@ -169,6 +195,8 @@ def build(name: str, args, dump: str):
     from titanlite.train import Trainer
 
     extra = [a.format(dp=args.world) for a in CONFIGS[name]]
+    if name.startswith("moe-"):  # the worked example of titanlite/models/step.py lives with the tests
+        sys.path.insert(0, str(REPO / "tests"))
     cfg, _ = parse_args(
         [
             "--config",

@@ -2,21 +2,30 @@
 """Run one config at several data-parallel layouts with the same global batch, then compare.
 
     ./scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
-                                 [--rtol X] [--out DIR] [--dry-run] [--localize] [--section.key value ...]
+        [--microbatch largest|whole] [--rtol X] [--out DIR] [--dry-run] [--localize]
+        [--section.key value ...]
 
 One run per (dp degree, mode), launched one after another on this machine with
 `NPROC=dp ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
 layout equal: global batch, seed, data and model come from the config and the overrides. Each
 rank's share of the global batch, B / dp, is carried as local_batch_size x accumulation with the
 largest local batch <= the config's that divides it (so a config with local_batch_size 2 at
-global batch 16 runs dp=8 as 2 x 1 and dp=16 as 1 x 1). hsdp runs dp_replicate = --replicas
+global batch 16 runs dp=8 as 2 x 1 and dp=16 as 1 x 1): every layout then runs microbatches of
+one size where it can, which is what a job at another dp would run. --microbatch whole runs
+each rank's share as one microbatch, no accumulation (dp=8 vs dp=16 at B = 64: microbatches of
+8 vs 4): the analysis of dp=8 vs dp=16 runs, where a defect that depends on what shares a
+microbatch (batch statistics, a loss term by each microbatch's own formula) shows too. hsdp runs dp_replicate = --replicas
 (default 2) x dp_shard = dp / replicas. Every run logs every step. Then scripts/compare_runs.py's
-verdict over all runs against the first, with its table and plot in --out.
+verdict over all runs against the first, with its table and plot in --out: the loss curve and
+every loss term the model adds, step by step, and each parameter's reduced gradient at step 1
+(every run records its first step's fingerprints), where the layouts start from the same
+weights: a defect the step's token mean averages away still moves the gradient it touches.
 
---localize: when a layout parts from the first, the first step where it does is rerun at both
-layouts from the same state (the reference's checkpoint of the step before, resharded), with
-per-module fingerprints, and the first module whose forward output or gradient differs is named
-(titanlite.analysis.localize says how). Runs already in --out are reused.
+--localize: when a layout parts from the first, its first parting step is compared module by
+module (titanlite.analysis.localize says how): step 1 from the runs' own fingerprints; a later
+step rerun at both layouts from the same state (the reference's checkpoint of the step before,
+resharded), with per-module fingerprints. The first module whose forward output or gradient
+differs is named. Runs already in --out are reused.
 
 --dry-run prints the commands instead (to launch them elsewhere, e.g. dp=16 over two 8-GPU
 nodes with your scheduler, then compare the run folders with scripts/compare_runs.py).
@@ -53,9 +62,12 @@ from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 
-def plan(cfg, dp: int, mode: str, replicas: int) -> dict[str, int | str]:
-    """The layout flags of one run: mesh degrees and a local batch that carries B / dp."""
+def plan(cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest") -> dict[str, int | str]:
+    """The layout flags of one run: mesh degrees and a local batch that carries B / dp (the
+    largest that fits the config's, or all of it: --microbatch)."""
     local = fitting_local_batch(cfg, dp)
+    if microbatch == "whole":
+        local = cfg.training.global_batch_size // dp
     if mode == "hsdp" and (dp % replicas or dp // replicas < 2 or replicas < 2):
         raise UserError(f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2")
     rep, shard = {"fsdp": (1, dp), "ddp": (dp, 1), "hsdp": (replicas, dp // replicas)}[mode]
@@ -123,6 +135,13 @@ SCRIPT.arg(
 SCRIPT.arg(
     "--replicas", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="dp_replicate of the hsdp runs"
 )
+SCRIPT.arg(
+    "--microbatch",
+    kind="choice",
+    choices=("largest", "whole"),
+    default="largest",
+    help="each rank's microbatch: the largest <= the config's local batch that carries B / dp, or all of B / dp at once (no accumulation)",
+)
 SCRIPT.arg("--steps", kind="int", default=30, at_least=1, at_most=10**9, help="steps of every run")
 SCRIPT.arg(
     "--rtol",
@@ -141,6 +160,11 @@ SCRIPT.arg(
 )
 
 
+# Every run records the fingerprints of its first step, where all layouts start from the same
+# weights: the gradient verdict compares each parameter's reduced gradient there.
+FIRST_STEP = ["--debug.fingerprint_step", "1"]
+
+
 def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
     """One run of layout `p` into out/name (--dry-run: print its command)."""
     cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *args.overrides]
@@ -152,7 +176,7 @@ def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
         "--training.local_batch_size",
         str(p["local_batch_size"]),
     ]
-    cmd += ["--job.dump_folder", str(out), "--job.run_name", name, *extra]
+    cmd += ["--job.dump_folder", str(out), "--job.run_name", name, *(extra or FIRST_STEP)]
     world = p["dp_replicate"] * p["dp_shard"]
     if args.dry_run:
         print(f"NPROC={world} " + shlex.join(cmd), flush=True)
@@ -169,31 +193,45 @@ def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
 def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
     """Rerun the first step where `cmp`'s layouts part, both from the same state, with per-module
     fingerprints (titanlite.analysis.localize); returns the first divergence's line."""
-    bad = cmp.first_bad
+    step = cmp.first_bad_step
     other = names.index(cmp.other.name)
-    folder = out / f"localize-step{bad.step}"
-    if folder.exists():
-        raise UserError(f"{folder} already exists (an earlier localisation); remove it or pass another --out")
-    print(f"localizing step {bad.step}: {names[0]} against {names[other]}, from the same state", flush=True)
-    if bad.step > 1:  # the reference's state after the step before, copied into each layout's run
-        launch(args, plans[0], folder, "base", base_flags(bad.step))
-        saved = f"checkpoints/step-{bad.step - 1:08d}"
+    # a gradient that parted is judged at the gradient's tolerance, a curve at the loss's
+    gradient = cmp.gradient is not None and not cmp.gradient.passed and cmp.gradient.step == step
+    tol = cmp.gradient.tol if gradient else cmp.rtol.at(step - cmp.rows[0].step)
+    if cmp.ref.fingerprints is not None and cmp.ref.fingerprints["step"] == step:
+        # the runs recorded this step already (their first), from the same initial weights
+        print(
+            f"localizing step {step}: {names[0]} against {names[other]}, from their own fingerprints",
+            flush=True,
+        )
+        found = first_divergence(cmp.ref.fingerprints, cmp.other.fingerprints, tol)
+        where = f"fingerprints: {out / names[0]} and {out / names[other]}"
+    else:
+        folder = out / f"localize-step{step}"
+        if folder.exists():
+            raise UserError(
+                f"{folder} already exists (an earlier localisation); remove it or pass another --out"
+            )
+        print(f"localizing step {step}: {names[0]} against {names[other]}, from the same state", flush=True)
+        # the reference's state after the step before, copied into each layout's run
+        launch(args, plans[0], folder, "base", base_flags(step))
+        saved = f"checkpoints/step-{step - 1:08d}"
         for name in (names[0], names[other]):
             shutil.copytree(folder / "base" / saved, folder / name / saved)
-    for i in (0, other):
-        launch(args, plans[i], folder, names[i], step_flags(bad.step))
-    ref, theirs = (read(folder / names[i]) for i in (0, other))
-    found = first_divergence(ref, theirs, cmp.rtol_at(bad))
+        for i in (0, other):
+            launch(args, plans[i], folder, names[i], step_flags(step))
+        found = first_divergence(*(read(folder / names[i]) for i in (0, other)), tol)
+        where = f"fingerprints: {folder}"
     if found is None:
-        return f"no divergence at step {bad.step} from the same state: the runs part through the state they carry"
-    return found.line() + f" (fingerprints: {folder})"
+        return f"no divergence at step {step} from the same state: the runs part through the state they carry"
+    return found.line() + f" ({where})"
 
 
 def run(args) -> int:
     overrides = args.overrides
     cfg, _ = parse_args(["--config", str(args.config), *overrides, "--training.steps", str(args.steps)])
     out = args.out or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
-    plans = [plan(cfg, dp, mode, args.replicas) for dp in args.dp for mode in args.modes]
+    plans = [plan(cfg, dp, mode, args.replicas, args.microbatch) for dp in args.dp for mode in args.modes]
     if len(plans) < 2:
         raise UserError("one layout has nothing to compare with; give two or more --dp degrees or --modes")
     names = [run_name(args.prefix, p) for p in plans]
@@ -223,8 +261,8 @@ def run(args) -> int:
         print(localize(args, plans, names, first, out))
     else:
         print(
-            f"to find where they part, add --localize: step {first.first_bad.step} of {first.ref.name} and "
-            f"{first.other.name} is rerun from the same state with per-module fingerprints (the runs in --out are reused)"
+            f"to find where they part, add --localize: step {first.first_bad_step} of {first.ref.name} and "
+            f"{first.other.name} is compared module by module from the same state (the runs in --out are reused)"
         )
     return 1
 

@@ -48,7 +48,7 @@ def one(args, budget: float) -> dict:
     from titanlite.config.layout import loss_chunk
     from titanlite.distributed.param_init import ParamInit
     from titanlite.models.llama3 import Llama3, Llama3Args
-    from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_per_sample
+    from titanlite.ops.cross_entropy import IGNORE_INDEX
     from titanlite.tools.memory import estimate_memory
 
     device = torch.device(args.device)
@@ -76,6 +76,7 @@ def one(args, budget: float) -> dict:
         param_dtype=torch.float32,
         activation_checkpoint="none",
         loss_positions=chunk,
+        labels_path=True,
     )
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -84,10 +85,7 @@ def one(args, budget: float) -> dict:
     else:
         before = _rss()
     start = time.perf_counter()
-    if chunk < args.seq:
-        loss = model(tokens, labels=labels, loss_chunk=chunk).sum()
-    else:
-        loss = cross_entropy_per_sample(model(tokens), labels).sum()
+    loss = model(tokens, labels=labels, loss_chunk=chunk if chunk < args.seq else 0).sum()  # the labels path
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()

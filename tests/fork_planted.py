@@ -2,7 +2,9 @@
 scripts/invariance.py --localize to name: fork_batch_stats centres the token embeddings on their
 mean over the microbatch's sequences (batch statistics), so a sequence's loss depends on which
 sequences share its microbatch; fork_aux_local normalises an auxiliary loss by the microbatch's
-own tokens; fork_rank_noise seeds a noise layer by the rank."""
+own tokens; fork_rank_noise seeds a noise layer by the rank (fork_late_noise: from the second
+step on); fork_mlp_noise adds noise of 1e-3, seeded by the rank, to every MLP's output (the loss
+moves by about 1e-6, the gradient by far more)."""
 
 from __future__ import annotations
 
@@ -91,5 +93,54 @@ class RankNoiseLM(ForkLM):
         init.constant_(self.noise.gate, 0.0)
 
 
-for name, cls in (("fork_aux_local", AuxLocalLM), ("fork_rank_noise", RankNoiseLM)):
+class LateNoise(RankNoise):
+    """RankNoise with a fixed gate, from the second training forward on (a persistent counter,
+    which checkpoints keep): step 1 agrees at every layout, gradient included; from step 2 on a
+    sequence's noise depends on its rank."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return x
+        self.seen += 1
+        g = torch.Generator(device=x.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        noise = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype) * (self.seen > 1)
+        return x + self.gate * noise  # the gate has a gradient (zero) at step 1 too, so AdamW has its state
+
+
+class LateNoiseLM(RankNoiseLM):
+    def __init__(self, args: ForkArgs) -> None:
+        super().__init__(args)
+        self.noise = LateNoise(args.dim)
+
+    def init_weights(self, init) -> None:
+        super().init_weights(init)
+        init.constant_(self.noise.gate, 0.1)
+        self.noise.seen = torch.zeros((), dtype=torch.long, device=self.noise.gate.device)
+
+
+for name, cls in (
+    ("fork_aux_local", AuxLocalLM),
+    ("fork_rank_noise", RankNoiseLM),
+    ("fork_late_noise", LateNoiseLM),
+):
     register_model(ModelSpec(name, cls, {"tiny": ForkArgs()}, parallelize_fork))
+
+
+def _mlp_noise(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
+    """An MLP's output plus noise of scale 1e-3 from a generator seeded by the rank."""
+    g = torch.Generator(device=out.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    return out + 1e-3 * torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype)
+
+
+class MLPNoiseLM(ForkLM):
+    def __init__(self, args: ForkArgs) -> None:
+        super().__init__(args)
+        for layer in self.layers:
+            layer.down.register_forward_hook(_mlp_noise)
+
+
+register_model(ModelSpec("fork_mlp_noise", MLPNoiseLM, {"tiny": ForkArgs()}, parallelize_fork))

@@ -164,3 +164,68 @@ def test_bf16_tolerance_grows_with_the_horizon_and_stops_at_its_cap(tmp_path):
         b = make_run(tmp_path, name, losses, dtype="bfloat16")
         cmp = compare(load_run(a), load_run(b), default_tolerance([load_run(a)]))
         assert cmp.passed == (name == "late"), (name, cmp.verdict())
+
+
+def _with_terms(run: Path, terms: dict[str, list[float]]) -> None:
+    """Add each step's loss terms (and their total with the loss) to a synthetic run's rows."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["terms"] = {name: values[i] for name, values in terms.items()}
+        row["loss_total"] = row["loss"] + sum(row["terms"].values())
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _with_gradients(run: Path, grads: dict[str, list[float]]) -> None:
+    """A fingerprints.json of step 1 holding each parameter's reduced-gradient fingerprint."""
+    records = {f"{name} reduced grad": {"-1": fp} for name, fp in grads.items()}
+    (run / "fingerprints.json").write_text(
+        json.dumps({"step": 1, "order": list(records), "records": records, "loss": 8.0})
+    )
+
+
+AUX = [1e-3 * (1 + 0.01 * i) for i in range(20)]
+GRADS = {"layers.0.router.weight": [0.5, 2.0, 3.0], "head.weight": [-1.0, 4.0, 5.0]}
+
+
+def test_a_loss_term_is_a_curve_of_its_own(tmp_path, capsys):
+    """The verdict judges each loss term a model adds like the loss: a term that parts fails,
+    named, while the loss agrees; a term only one run logs fails too."""
+    a, b, c = (make_run(tmp_path, n) for n in "abc")
+    _with_terms(a, {"aux": AUX})
+    _with_terms(b, {"aux": AUX[:3] + [AUX[3] * (1 + 1e-4)] + AUX[4:]})
+    code, out, _ = judge(capsys, a, b)
+    assert code == 1 and "max relative loss difference 0 (step 1); first step beyond rtol 1e-05: 4 (" in out
+    assert out.splitlines()[-3].endswith(", loss term aux)"), out
+    _with_terms(c, {"aux": AUX})
+    code, out, _ = judge(capsys, a, c)
+    assert code == 0 and "(and the loss terms aux) <= rtol 1e-05" in out
+    d = make_run(tmp_path, "d")
+    code, out, _ = judge(capsys, a, d)
+    assert code == 1 and "first step beyond rtol 1e-05: 1 (0.001 vs None, loss term aux)" in out
+
+
+def test_the_gradient_at_the_first_step_is_judged(tmp_path, capsys):
+    """With both runs' fingerprints, each parameter's reduced gradient is compared: the curves
+    may agree while one parameter's gradient parts; the line names it; a parameter with a
+    gradient in one run only fails; without fingerprints there is no gradient line."""
+    a, b, c, d = (make_run(tmp_path, n) for n in "abcd")
+    _with_gradients(a, GRADS)
+    _with_gradients(b, {**GRADS, "layers.0.router.weight": [0.5, 2.0 * (1 + 2e-5), 3.0]})
+    code, out, _ = judge(capsys, a, b)
+    assert code == 1 and "PASS b vs a: 20 steps, max relative loss difference 0" in out
+    assert (
+        "FAIL gradient at step 1: largest relative difference 2e-05 (layers.0.router.weight) beyond 1e-05"
+        in out
+    )
+    _with_gradients(c, {**GRADS, "layers.0.router.weight": [0.5, 2.0 * (1 + 5e-6), 3.0]})
+    code, out, _ = judge(capsys, a, c)
+    assert (
+        code == 0
+        and "PASS gradient at step 1: largest relative difference 5e-06 (layers.0.router.weight) <= 1e-05"
+        in out
+    )
+    _with_gradients(d, {"head.weight": GRADS["head.weight"]})
+    code, out, _ = judge(capsys, a, d)
+    assert code == 1 and "1 parameter(s) have a gradient in one run only, first layers.0.router.weight" in out
+    code, out, _ = judge(capsys, make_run(tmp_path, "e"), a)
+    assert code == 0 and "gradient at step 1" not in out

@@ -203,6 +203,28 @@ def test_a_fork_model_written_from_the_contract_passes_the_model_check(results):
     assert not failed and len(verdicts(checks)) > 3 * len(WORLDS) * 3, failed
 
 
+def test_every_loss_term_a_model_adds_is_exact_and_the_per_microbatch_formula_is_not(results):
+    """tests/fork_moe.py through scripts/check_model.py's cases at dp 1, 2 and 4, accumulation 1
+    and 2, fsdp, ddp and hsdp, the loss whole and in chunks: the load-balancing loss over the
+    whole step (the statistics pass) and the z-loss give one process's gradient and terms, at
+    coefficients 0.001 and 0.1. transformers' formula applied to each microbatch is exact only at
+    one microbatch in one process: its gradient and its term fail everywhere else."""
+    for flavor in ("tiny", "strong"):
+        checks = [results[w]["moe_checks"][f"fork_moe/{flavor}"] for w in WORLDS]
+        lines = verdicts(checks)
+        failed = [(what, detail) for what, ok, detail in lines if not ok]
+        terms = {what.split()[1] for what, _, _ in lines if what.startswith("term ")}
+        assert not failed and terms == {"aux", "z"} and len(lines) == 3 * 27 + 1, failed
+    control = [results[w]["moe_checks"]["fork_moe_local/tiny"] for w in WORLDS]
+    passed = {what for what, ok, _ in verdicts(control) if ok and what.startswith(("gradient", "term aux"))}
+    alone = {
+        f"{k} dp=1 {m} accum=1 unequal tokens"
+        for k in ("gradient", "term aux")
+        for m in ("fsdp", "ddp", "hsdp")
+    }
+    assert passed == alone, sorted(passed ^ alone)
+
+
 def test_a_context_parallel_fork_is_exact_at_every_split(results):
     """tests/fork_cp.py (Ulysses attention over the cp axis, written from the contract's
     sequence-split rule): at dp x cp = 1 x 2 and 2 x 2 in every mode, on unequal tokens and

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, check, read_metrics, train
+from helpers import REPO, check, read_metrics, tensorboard_items, train
+
+from titanlite.config.layout import loss_chunk
 
 CONFIG = "train_configs/debug_sft.toml"
 TOOL = [sys.executable, "scripts/invariance.py", "--config", CONFIG]
@@ -173,17 +176,21 @@ def test_dry_run_prints_one_command_per_layout(tmp_path):
     assert not (tmp_path / "inv").exists()
 
 
-# Planted invariance bugs (tests/fork_planted.py), each at dp=1 (one microbatch of 4) against dp=2
-# (2 each), so which sequences share a microbatch changes too: the step where the curves part, and
-# the module --localize must name there.
+# Planted invariance bugs (tests/fork_planted.py, tests/fork_moe.py), each at dp=1 (one microbatch
+# of 4) against dp=2 (2 each), so which sequences share a microbatch changes too: the step a
+# verdict fails at (the curves or the gradient at step 1), what fails there, and the module
+# --localize must name. At step 1 the runs' own fingerprints are compared; a later step is rerun
+# from the reference's checkpoint of the step before.
 PLANTED = {
-    "fork_batch_stats": (1, "tokens forward"),
-    "fork_aux_local": (1, "router grad"),
-    "fork_rank_noise": (2, "noise forward"),
+    "fork_batch_stats": (1, "loss", "tokens forward"),
+    "fork_aux_local": (1, "loss", "router grad"),
+    "fork_rank_noise": (1, "gradient", "noise.gate reduced grad"),
+    "fork_late_noise": (2, "loss", "noise forward"),
+    "fork_mlp_noise": (1, "gradient", "layers.0.down forward"),  # passes the loss verdict at step 1
+    "fork_moe_local": (1, "loss term aux", "layers.1.router grad"),  # the loss passes; its term does not
 }
 FORK = (
     "--config", "train_configs/debug_model.toml",
-    "--model.import_module", "fork_planted",
     "--model.flavor", "tiny",
     "--training.global_batch_size", "4",
     "--training.local_batch_size", "4",
@@ -197,21 +204,47 @@ FORK = (
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model",
-    [pytest.param("fork_batch_stats", marks=pytest.mark.long), pytest.param("fork_aux_local", marks=pytest.mark.long),
-     "fork_rank_noise"],
+    [*(pytest.param(m, marks=pytest.mark.long) for m in ("fork_batch_stats", "fork_aux_local", "fork_rank_noise")),
+     "fork_late_noise", "fork_mlp_noise", "fork_moe_local"],
 )  # fmt: skip
 def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
     """A failing comparison offers --localize; with it, the runs in --out are reused and the first
-    parting step is rerun from the same state (after step 1: the reference's checkpoint of the step
-    before, resharded to each layout), naming the planted bug's module."""
-    step, where = PLANTED[model]
-    cmd = [sys.executable, "scripts/invariance.py", *FORK, "--model.name", model, "--dp", "1", "2"]
-    cmd += ["--steps", str(step), *QUIET, "--out", str(tmp_path / "inv")]
+    parting step is compared module by module from the same state, naming the planted bug's
+    module. The loss-only verdict passes fork_mlp_noise at step 1 and the per-microbatch
+    load-balancing loss everywhere; the gradient verdict fails both at step 1."""
+    step, what, where = PLANTED[model]
+    module = "fork_moe" if model.startswith("fork_moe") else "fork_planted"
+    cmd = [
+        sys.executable,
+        "scripts/invariance.py",
+        *FORK,
+        "--model.name",
+        model,
+        "--model.import_module",
+        module,
+    ]
+    if model == "fork_mlp_noise":  # equal microbatches (2 x accum 2 against 2 x 1): only the noise differs
+        cmd += ["--training.local_batch_size", "2"]
+    cmd += ["--dp", "1", "2", "--steps", str(step + 1), *QUIET, "--out", str(tmp_path / "inv")]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
     failed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     print(failed.stdout[-2000:], failed.stderr[-2000:])
-    assert failed.returncode == 1 and f"first step beyond rtol 1e-05: {step} " in failed.stdout
-    assert "to find where they part, add --localize" in failed.stdout
+    assert (
+        failed.returncode == 1 and f"to find where they part, add --localize: step {step} " in failed.stdout
+    )
+    gradient = next(
+        ln for ln in failed.stdout.splitlines() if ln.startswith(("PASS gradient", "FAIL gradient"))
+    )
+    assert gradient.startswith("FAIL gradient at step 1:") == (what == "gradient" or step == 1), gradient
+    (cmp,) = json.loads((tmp_path / "inv" / "compare" / "compare.json").read_text())["comparisons"]
+    loss_rel = {r["step"]: r["rel"] for r in cmp["rows"]}
+    if what == "gradient" or model == "fork_moe_local":  # a loss-only verdict would pass this step
+        assert loss_rel[step] <= 1e-5, loss_rel
+    if what == "gradient":  # the curves pass at the step the gradient fails
+        assert f"first step beyond rtol 1e-05: {step} " not in failed.stdout
+    else:
+        assert f"first step beyond rtol 1e-05: {step} " in failed.stdout
+        assert (", loss term aux)" in failed.stdout) == (what == "loss term aux")
     found = subprocess.run(
         [*cmd, "--localize"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
@@ -220,6 +253,54 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
     (line,) = [ln for ln in found.stdout.splitlines() if ln.startswith("first divergence: ")]
     assert line.startswith(f"first divergence: {where} at step {step}: "), line
     assert ("[base]" in found.stdout) == (step > 1)
+    assert ("from their own fingerprints" in found.stdout) == (step == 1)
+
+
+@pytest.mark.slow
+def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_path):
+    """tests/fork_moe.py (load-balancing loss over the whole step, z-loss) at dp=1 (local batch
+    4: the loss in chunks of 32 positions) and dp=2 (local batch 2: the whole sequence): one loss
+    path, so the same curves and the same terms, each logged per step (metrics.jsonl, the
+    console, the summary, TensorBoard after the four main curves); the gradient at step 1 agrees."""
+    cmd = [
+        sys.executable,
+        "scripts/invariance.py",
+        *FORK,
+        "--model.name",
+        "fork_moe",
+        "--model.import_module",
+        "fork_moe",
+    ]
+    cmd += ["--loss.chunk_logits_mib", "1", "--dp", "1", "2", "--steps", "3", "--out", str(tmp_path / "inv")]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 0 and "(and the loss terms aux, z) <= rtol 1e-05" in proc.stdout
+    assert "PASS gradient at step 1: " in proc.stdout
+    assert (loss_chunk(1, 4, 64, 2048), loss_chunk(1, 2, 64, 2048)) == (
+        32,
+        0,
+    )  # the debug config's vocabulary
+    for run in ("fsdp-1x1-lb4", "fsdp-1x2-lb2"):
+        folder = tmp_path / "inv" / run
+        rows = [
+            r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "terms" in r
+        ]
+        assert [r["step"] for r in rows] == [1, 2, 3] and all(set(r["terms"]) == {"aux", "z"} for r in rows)
+        assert all(
+            r["loss_total"] == pytest.approx(r["loss"] + sum(r["terms"].values()), rel=1e-12) for r in rows
+        )
+        # transformers' coefficient 0.001 times E * sum_e f_e P_e, which is 1 when routing is even
+        assert all(0.0009 < r["terms"]["aux"] < 0.004 for r in rows), rows
+        log = "\n".join(f.read_text() for f in folder.glob("logs/**/*") if f.is_file())
+        assert re.search(r"step 3/3 \| loss [\d.]+ \| aux [\d.e-]+, z [\d.e-]+, total [\d.]+ \|", log), log[
+            -2000:
+        ]
+        assert "loss terms at step 3: aux " in log and "(the loss above is the cross entropy)" in log
+        scalars, _ = tensorboard_items(folder / "tb" / run)
+        for r in rows:
+            got = {name: scalars[(f"5_loss_terms/{name}", r["step"])] for name in ("aux", "z", "total")}
+            assert got == pytest.approx({**r["terms"], "total": r["loss_total"]}, rel=1e-6)
 
 
 # tests/fork_cp.py (context parallelism from outside the package) through the trainer: packed

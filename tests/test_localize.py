@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fork_model import ForkArgs, ForkLM
+from fork_moe import MoEArgs, MoELM
 from fork_planted import AuxLocalLM, BatchStatsLM
 
 from titanlite.analysis.localize import first_divergence, walk
@@ -18,6 +19,7 @@ from titanlite.components.fingerprints import Recorder, summary
 from titanlite.components.loss import sequence_losses
 from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.param_init import ParamInit
+from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 ROWS, SEQ, VOCAB = 4, 16, 64
@@ -39,16 +41,19 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return tokens, labels
 
 
-def _fingerprints(cls: type, cuts: list[int]) -> dict:
+def _fingerprints(cls: type, cuts: list[int], args_cls: type = ForkArgs) -> dict:
     """One step of `cls` on the batch cut into microbatches at `cuts`, fingerprinted."""
-    model = cls(ForkArgs(vocab_size=VOCAB, max_seq_len=SEQ))
+    model = cls(args_cls(vocab_size=VOCAB, max_seq_len=SEQ))
     model.init_weights(ParamInit(model, 0))
     tokens, labels = _batch()
     bounds = [0, *cuts, ROWS]
     rec = Recorder(model, lambda m, n: list(range(bounds[m], bounds[m] + n)))
     losses, total, logged = rec.losses(sequence_losses), (labels != IGNORE_INDEX).sum(), 0.0
     for lo, hi in zip(bounds, bounds[1:], strict=False):
-        loss = losses(model, Microbatch(tokens[lo:hi], labels[lo:hi]), 5).sum() / total
+        loss = (
+            losses(model, Microbatch(tokens[lo:hi], labels[lo:hi]), LossPath(own=True, chunk=5)).ce.sum()
+            / total
+        )
         loss.backward()
         logged += loss.detach()
     rec.parameters(model)
@@ -65,6 +70,21 @@ def test_a_layout_change_parts_at_the_planted_module_only(one_rank, cls, where):
     if found:
         assert found.line().startswith(f"first divergence: {where} at step 1: ")
     assert first_divergence(whole, whole, 0.0) is None
+
+
+def test_a_token_major_output_is_fingerprinted_per_sequence(one_rank):
+    """A router reads the tokens flattened ([B*S, dim] -> [B*S, experts]): its output and the
+    gradient into it are summed per sequence like any other, the same over any cut of the batch,
+    so --localize can name a router."""
+    whole, halves = _fingerprints(MoELM, [], MoEArgs), _fingerprints(MoELM, [1, 3], MoEArgs)
+    routers = [k for k in whole["order"] if ".router " in k]
+    forward, backward = (
+        [f"layers.{i}.router forward" for i in (0, 1)],
+        [f"layers.{i}.router grad" for i in (1, 0)],
+    )
+    assert routers == forward + backward, routers
+    assert len(whole["records"]["layers.0.router forward"]) == ROWS
+    assert first_divergence(whole, halves, 1e-5) is None
 
 
 def test_the_walk_is_forwards_then_gradients_then_reductions_then_the_output():

@@ -3,19 +3,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers import REPO
 
-from titanlite.components.loss import LossBalancer
+from titanlite.components.loss import LossBalancer, sequence_losses
 from titanlite.config import JobConfig
 from titanlite.config.layout import loss_chunk, loss_chunks
+from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.param_init import ParamInit
-from titanlite.errors import UserError
+from titanlite.errors import TrainingError, UserError
 from titanlite.models.llama3 import Llama3, Llama3Args
-from titanlite.models.registry import build_meta_model
+from titanlite.models.registry import build_meta_model, get_model_spec, register_model
+from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import (
     IGNORE_INDEX,
     chunked_cross_entropy_per_sample,
@@ -171,3 +174,80 @@ def test_loss_memory_benchmark_shows_the_saving(tmp_path):
     assert whole["estimated_logits_mib"] == 128 and chunked["estimated_logits_mib"] == 24
     assert whole["estimated_activations_mib"] - chunked["estimated_activations_mib"] >= 64  # traced logits
     assert whole["peak_mib"] - chunked["peak_mib"] > 48, (whole, chunked)
+
+
+class _Returns(torch.nn.Module):
+    """A labels path that returns `out` as it is: the contract's shapes, checked."""
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, tokens, labels=None, loss_chunk=0):
+        return self.out
+
+
+B = 3
+GOOD_CE = torch.ones(B)
+
+
+@pytest.mark.parametrize(
+    "out, says",
+    [
+        (torch.ones(B, 5), "returned Tensor"),
+        (torch.ones(()), "returned Tensor"),
+        ([GOOD_CE], "returned list"),
+        ((GOOD_CE, [torch.ones(B)]), "returned tuple"),
+        ((GOOD_CE, {"aux": torch.ones(B, 1)}), "returned term 'aux' as torch.Size([3, 1])"),
+        ((GOOD_CE, {"aux": 0.5}), "returned term 'aux' as float"),
+        ((GOOD_CE, {"loss": torch.ones(B)}), "named a term 'loss'"),
+        ((GOOD_CE, {"total": torch.ones(B)}), "named a term 'total'"),
+        ((GOOD_CE, {"z loss": torch.ones(B)}), "named a term 'z loss'"),
+    ],
+)
+def test_a_labels_path_returning_anything_else_is_one_line(out, says):
+    """What a model's labels path returns is checked from its shapes (no host read): each
+    sequence's cross entropy [B], or that and a dict of named [B] terms; anything else is one
+    line naming what came back and what the contract wants."""
+    batch = Microbatch(torch.zeros(B, 4, dtype=torch.long), torch.zeros(B, 4, dtype=torch.long))
+    with pytest.raises(TrainingError, match="the model's labels path ") as e:
+        sequence_losses(_Returns(out), batch, LossPath(own=True))
+    assert says in str(e.value) and "\n" not in str(e.value)
+    got = sequence_losses(_Returns((GOOD_CE, {"aux": torch.ones(B)})), batch, LossPath(own=True))
+    assert got.ce is GOOD_CE and list(got.terms) == ["aux"]
+
+
+def test_a_model_with_a_labels_path_always_computes_its_own_loss():
+    """One loss path: chunk 0 (the whole sequence) goes through the model's labels path as a
+    chunked loss does, so the terms it adds are never dropped; a model without one gets logits,
+    then the cross entropy."""
+    calls = []
+
+    class Spy(torch.nn.Module):
+        def forward(self, tokens, labels=None, loss_chunk=0):
+            calls.append((labels is not None, loss_chunk))
+            return (
+                (torch.zeros(len(tokens)), {"aux": torch.ones(len(tokens))}) if labels is not None else None
+            )
+
+    batch = Microbatch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    for chunk in (0, 3):
+        assert sequence_losses(Spy(), batch, LossPath(own=True, chunk=chunk)).terms.keys() == {"aux"}
+    assert calls == [(True, 0), (True, 3)]
+    logits = torch.randn(2, 8, 5)
+    plain = sequence_losses(lambda tokens: logits, batch, LossPath())
+    assert torch.equal(plain.ce, cross_entropy_per_sample(logits, batch.labels)) and plain.terms == {}
+
+
+def test_step_statistics_need_a_forward_that_takes_the_step():
+    import fork_moe  # noqa: F401  (registers the forks)
+
+    cfg = JobConfig()
+    cfg.model.name, cfg.model.flavor = "fork_moe", "tiny"
+    assert build_meta_model(cfg, 64).loss_path() == LossPath(own=True, chunk=0, step=True, statistics=True)
+    assert build_meta_model(cfg, 64).loss_path(evaluating=True) == LossPath(own=True)
+    spec = get_model_spec("fork_moe")
+    register_model(replace(spec, name="fork_moe_stepless", model_cls=_Returns))
+    cfg.model.name = "fork_moe_stepless"
+    with pytest.raises(UserError, match="asks for step statistics .* but its forward takes no step"):
+        build_meta_model(cfg, 64)

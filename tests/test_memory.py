@@ -10,10 +10,11 @@ import torch
 import titanlite.tools.memory as memory
 from titanlite.config import parse_args
 from titanlite.config.layout import resolve_layout
+from titanlite.distributed.param_init import ParamInit
 from titanlite.errors import UserError
 from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import cross_entropy_per_sample
-from titanlite.tools.activations import saved_activations
+from titanlite.tools.activations import ACTIVATION_FALLBACK, ROUGH_RANGE, saved_activations
 
 ACCUM4 = ["--training.global_batch_size", "16", "--training.local_batch_size", "1"]  # 4 ranks
 P, BLOCK = 1000, 100
@@ -146,3 +147,75 @@ def test_traced_activations_are_what_a_real_forward_keeps(name, flavor, dtype, c
     assert len(saved.blocks) == len(meta.model.layers) and min(saved.blocks) > 0
     real = meta.spec.model_cls(meta.args).to(dtype)
     assert sum(saved.blocks) + saved.rest == _kept_by_a_real_forward(real, seq, chunk)
+
+
+def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so():
+    """A mixture of experts dispatched on the tokens that chose them (torch.nonzero) cannot run on
+    fake tensors: the estimate takes the model's own activation_bytes and says so; without one,
+    the rough per-layer figure, saying how rough. A traced model's says "traced"."""
+    import fork_moe
+
+    cfg, _ = parse_args(
+        [
+            "--config",
+            "train_configs/debug_model.toml",
+            "--model.import_module",
+            "fork_moe",
+            "--model.flavor",
+            "tiny",
+        ]
+        + ["--model.name", "fork_moe_sparse", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+    )
+    layout = resolve_layout(cfg, 2)
+    meta = build_meta_model(cfg, 256)
+    with pytest.raises(Exception, match="nonzero|data-dependent|Dynamic"):
+        saved_activations(meta.model, 64, torch.float32, 0, True)
+    est = memory.job_estimate(meta, cfg, layout, torch.float32, 1e12)
+    blocks, rest = meta.model.activation_bytes(64, torch.float32)
+    assert est.activations_from == "the model's own activation_bytes()"
+    assert (
+        est.activation_bytes == 2 * (sum(blocks) + rest)
+        and "(the model's own activation_bytes())" in est.summary()
+    )
+    own = fork_moe.SparseMoELM.activation_bytes
+    del fork_moe.SparseMoELM.activation_bytes
+    try:
+        rough = memory.job_estimate(meta, cfg, layout, torch.float32, 1e12)
+    finally:
+        fork_moe.SparseMoELM.activation_bytes = own
+    assert rough.activations_from.startswith(
+        "rough: 34 x dim per token per layer, 0.9 to 1.6x the traced figure"
+    )
+    cfg.model.name = "fork_moe"
+    assert (
+        memory.job_estimate(build_meta_model(cfg, 256), cfg, layout, torch.float32, 1e12).activations_from
+        == "traced"
+    )
+    dense, sparse = (
+        fork_moe.MoELM(meta.args),
+        fork_moe.SparseMoELM(meta.args),
+    )  # one model, dispatched two ways
+    dense.init_weights(ParamInit(dense, 0))
+    sparse.load_state_dict(dense.state_dict())
+    tokens = torch.randint(0, 256, (2, 64))
+    assert torch.allclose(dense(tokens), sparse(tokens), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "name, flavor", [("llama3", "debugmodel"), ("llama3", "1B"), ("fork_lm", "tiny"), ("fork_moe", "tiny")]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_rough_activation_figure_is_as_rough_as_it_says(name, flavor, dtype):
+    """The per-layer figure used where nothing better exists, against the trace of titanlite's
+    Llamas and the tests' forks (a mixture of experts' included): within ROUGH_RANGE, which the
+    start-up line states."""
+    import fork_model  # noqa: F401
+    import fork_moe  # noqa: F401
+
+    cfg, _ = parse_args(
+        ["--config", "train_configs/debug_model.toml", "--model.name", name, "--model.flavor", flavor]
+    )
+    meta = build_meta_model(cfg, 2048)
+    saved = saved_activations(meta.model, 256, dtype, 0, True)
+    rough = 256 * ACTIVATION_FALLBACK * meta.args.dim * dtype.itemsize * len(saved.blocks)
+    assert ROUGH_RANGE[0] <= rough / sum(saved.blocks) <= ROUGH_RANGE[1]

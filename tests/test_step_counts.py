@@ -34,7 +34,7 @@ def counts(step_counts):
 
 def test_no_host_sync_outside_log_steps(counts):
     results = counts["host_syncs"]
-    assert set(results) == {"fsdp_sketch", "ddp_exact_skip"}
+    assert set(results) == {"fsdp_sketch", "ddp_exact_skip", "fsdp_moe"}
     for case, phases in results.items():
         assert phases.get("non_log", {}) == {}, (case, phases)
         # The instrument works: each of the 4 log steps (1, 3, 6, 7) reads the trainer's metrics
@@ -71,16 +71,22 @@ def expected(case: str, c: dict) -> dict:
             "diagnostics": exact_probe,
         },
         "hsdp_sketch": {"main": {**fsdp, "allreduce": m * u + 1}, "diagnostics": sketch_probe},
+        # tests/fork_moe.py: the step-statistics pass's sums join the token count's all-reduce; its
+        # forwards (no gradient) gather what the step's first forward would have, and once more
+        # per microbatch each block that frees its parameters after forward
+        "fsdp_moe": {"main": fsdp},
+        "fsdp_moe_reshard": {"main": {**fsdp, "_allgather_base": gathers + m * c["resharding"]}},
+        "ddp_moe": {"main": {"allreduce": 1 + c.get("buckets", 0)}},
     }[case]
 
 
 def test_collectives_per_step_are_exactly_the_designed_ones(counts):
     results = counts["collectives"]
-    assert len(results) == 11
+    assert len(results) == 14
     # auto keeps this small model's params gathered from forward to backward; always does not
     resharding = {case: c["resharding"] for case, c in results.items() if "buckets" not in c}
     assert resharding == {
-        case: c["layers"] - 1 if case == "fsdp_reshard" else 0
+        case: c["layers"] - 1 if case in ("fsdp_reshard", "fsdp_moe_reshard") else 0
         for case, c in results.items()
         if "buckets" not in c
     }

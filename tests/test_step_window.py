@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
+import torch.distributed as dist
 
-from titanlite.components.step_window import RunRates, WindowRecord
+from titanlite.components.step_window import RunRates, StepWindow, WindowRecord
 from titanlite.distributed.utils import first_error
+from titanlite.errors import TrainingError
 from titanlite.tools.readback import readback
 
 
@@ -87,3 +90,40 @@ def test_the_log_rows_reader_keeps_the_rows_with_the_windows_figures(tmp_path):
     assert [r["step"] for r in metrics_rows(path)] == [1, 2, 3, 10]
     logged = metrics_rows(path, logged=True)
     assert [r["step"] for r in logged] == [3, 10] and all("tokens_per_s" in r for r in logged)
+
+
+@pytest.fixture
+def one_process(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_the_models_loss_terms_are_read_with_the_loss_and_get_their_rows(one_process):
+    """StepWindow keeps each step's shares of the terms beside its loss share (one all-reduce,
+    one read at the log step); each row gets the terms and the total the step minimised (none
+    for a skipped step); a model whose terms change names between steps is one line."""
+    w = StepWindow()
+    for step, (loss, share) in enumerate([(8.0, 0.25), (7.0, 0.5)], start=1):
+        aux = torch.tensor(share)
+        terms = {"aux": aux, "z": torch.tensor(0.125)}
+        skip = torch.tensor(step == 2)
+        w.add(step, torch.tensor(loss), torch.tensor(10), torch.tensor(1.0), skip, 1e-3, terms=terms)
+    record = w.read(None)
+    assert record.terms == [{"aux": 0.25, "z": 0.125}, {"aux": 0.5, "z": 0.125}]
+    rates = RunRates(64, 1, 10, 0, torch.device("cpu"), torch.float32)
+    rows = record.rows(window_s=1.0, elapsed_s=1.0, run=rates)
+    assert (rows[0]["terms"], rows[0]["loss_total"]) == ({"aux": 0.25, "z": 0.125}, 8.375)
+    assert (rows[1]["terms"], rows[1]["loss_total"]) == (None, None)
+    changed = r"step 3: the model's loss terms are \['aux'\], not \['aux', 'z'\] as before"
+    with pytest.raises(TrainingError, match=changed):
+        w.add(
+            3,
+            torch.tensor(6.0),
+            torch.tensor(10),
+            torch.tensor(1.0),
+            torch.tensor(False),
+            1e-3,
+            terms={"aux": aux},
+        )

@@ -81,9 +81,10 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
         self.losses = self.faults.losses(sequence_losses)
+        self.loss_path = meta.loss_path()  # the model's labels path when it has one, chunked or whole
         self.memory_estimate = check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
-        self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.eval_loss_chunk)
+        self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.loss_path(evaluating=True))
         cuda, data_rank = self.device.type == "cuda", self.faults.data_rank
         self.dataloader = build_dataloader(
             cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed, read_rank=data_rank
@@ -143,8 +144,8 @@ class Trainer:
         fingerprints = Recorder.at(step, self.cfg.debug.fingerprint_step, self.model, sampler)
         losses = fingerprints.losses(self.losses) if fingerprints else self.losses
         parts = (self.model, micro, self.balancer, self.dims)
-        loss_total, sample_sums = forward_backward(
-            *parts, skip_grad_sync=skip_sync, loss_chunk=self.meta.loss_chunk, losses=losses
+        loss_total, sample_sums, terms = forward_backward(
+            *parts, skip_grad_sync=skip_sync, path=self.loss_path, losses=losses
         )
         if fingerprints:  # debug.fingerprint_step: host work on that step only
             fingerprints.finish(self.model, loss_total, self.run_dir)
@@ -166,7 +167,7 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.diagnostics.after_update(step)
-        self.window.add(step, loss_total, tokens, grad_norm, skip, lr, guard)
+        self.window.add(step, loss_total, tokens, grad_norm, skip, lr, guard, terms)
 
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is

@@ -108,7 +108,7 @@ def run_case(
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
     measured = diag.begin_step(1)
     skip = diag.skip_grad_sync(layout.skip_grad_sync, measured)
-    _, sums = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip)
+    _, sums, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip)
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices

@@ -12,7 +12,7 @@ restarting per record) against the reference of every record run as a sequence o
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
 model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
-cases (titanlite.analysis.model_check).
+cases (titanlite.analysis.model_check); "moe_checks": tests/fork_moe.py's loss terms the same way.
 "golden_elsewhere" (world 4): scripts/golden_losses.py's first case run here, without its numerics
 pins, as another CPU runs it (tests/test_golden.py).
 "dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
@@ -47,6 +47,7 @@ from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args
+from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from titanlite.ops.dropout import sample_keys
 
@@ -148,7 +149,7 @@ def eval_case(world: int, batch_size: int) -> dict:
     _, dims, model = build(cfg, world, "fsdp", 1)
     tokens, labels, positions = packed_global_batch()
     items = [(tokens[i].numpy(), labels[i].numpy(), positions[i].numpy()) for i in range(GLOBAL_BATCH - 3)]
-    result = Evaluator(items, dims, batch_size, loss_chunk=0).loss(model)
+    result = Evaluator(items, dims, batch_size, LossPath(own=True)).loss(model)
     return {"world": world, "batch": batch_size, **result, "training": model.training}
 
 
@@ -185,8 +186,9 @@ def run_case(
         ]
     balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
     torch.manual_seed(SEED)  # dropout from torch's RNG: every rank draws one stream (the seed rule)
-    share, _ = forward_backward(
-        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=loss_chunk
+    path = LossPath(own=True, chunk=loss_chunk)  # Llama's labels path, whole or in chunks
+    share, *_ = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, path=path
     )
     dist.all_reduce(share)
     grads = full_grads(model)
@@ -275,6 +277,14 @@ def main() -> None:
     )
     # ... and tests/fork_cp.py's context parallelism, which adds the cp axis's cases
     context = check(["--model.name", "fork_cp", "--model.import_module", "fork_cp", "--model.flavor", "tiny"])
+    # ... and tests/fork_moe.py's loss terms: the load-balancing loss over the whole step (at
+    # transformers' coefficient and at 0.1) with a z-loss, and the per-microbatch formula (the control)
+    moe = {
+        f"{name}/{flavor}": check(
+            ["--model.name", name, "--model.import_module", "fork_moe", "--model.flavor", flavor]
+        )
+        for name, flavor in (("fork_moe", "tiny"), ("fork_moe", "strong"), ("fork_moe_local", "tiny"))
+    }
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
     drop = dataclasses.replace(ARGS, dropout=0.3)
@@ -324,6 +334,7 @@ def main() -> None:
                     "packed_cases": packed,
                     "fork_check": forked,
                     "context_check": context,
+                    "moe_checks": moe,
                     "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,

@@ -11,7 +11,8 @@ collectives: per case, the collectives of one ordinary step (step 3: DDP rebuild
     holds when each later microbatch of that step starts, and what the memory estimate counts.
 
 metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 7; steps 2 and
-    5 have no valid token, so their updates are skipped).
+    5 have no valid token, so their updates are skipped). The "moe" cases: tests/fork_moe.py, its
+    loss terms and its step-statistics pass.
 golden: first, before anything is counted, the golden-curve cases of scripts/golden_losses.py
     (this torchrun is launched with its pins) and the deliberately reordered case, with the
     identity (torch, machine, data, the kernels' hashes) that decides a bitwise comparison.
@@ -39,6 +40,8 @@ HOST = HostSyncCounter()
 DIAG_EVERY_STEP = ["--diagnostics.measure_first", "1000"]
 DDP = ["--parallelism.dp_replicate", "4"]
 HSDP = ["--parallelism.dp_replicate", "2"]
+# tests/fork_moe.py: loss terms, and the step-statistics pass, whose sums join the normaliser's all-reduce
+MOE = ["--model.name", "fork_moe", "--model.import_module", "fork_moe", "--model.flavor", "tiny"]
 
 
 def trainer(out_dir: str, name: str, *overrides: str) -> Trainer:
@@ -153,6 +156,7 @@ def main() -> None:
         "host_syncs": {
             "fsdp_sketch": host_syncs(out_dir, "h-fsdp", *sft, "--diagnostics.method", "sketch"),
             "ddp_exact_skip": host_syncs(out_dir, "h-ddp", *DDP, "--debug.ignore_all_labels_steps", "2,5"),
+            "fsdp_moe": host_syncs(out_dir, "h-moe", *MOE),
         },
         "collectives": {
             name: collectives(out_dir, f"c-{name}", *extra)
@@ -173,6 +177,15 @@ def main() -> None:
                 "hsdp_sketch": [*DIAG_EVERY_STEP, *HSDP],
                 "fsdp_unmeasured": ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
                 "fsdp_auto_accum4": [*DIAG_EVERY_STEP, "--training.global_batch_size", "16"],
+                "fsdp_moe": ["--diagnostics.enable", "false", *MOE],
+                "fsdp_moe_reshard": [
+                    "--diagnostics.enable",
+                    "false",
+                    *MOE,
+                    "--parallelism.reshard_after_forward",
+                    "always",
+                ],
+                "ddp_moe": ["--diagnostics.enable", "false", *MOE, *DDP],
             }.items()
         },
     }

@@ -17,14 +17,17 @@ default tolerance is a function of the horizon k, the updates since the first co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from titanlite.analysis.gradients import GradientCheck, gradient_check
 from titanlite.analysis.plots import plot_invariance
-from titanlite.analysis.tolerance import Tolerance
+from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
+from titanlite.components.fingerprints import FILE
 from titanlite.config.identity import IDENTITY_KEYS
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import mesh_text
@@ -65,6 +68,7 @@ class Run:
     metrics: dict[int, dict]  # step -> metrics record
     diag: dict[int, dict]  # step -> diagnostics record
     evals: dict[int, dict] = field(default_factory=dict)  # step -> held-out eval record
+    fingerprints: dict | None = None  # fingerprints.json (debug.fingerprint_step), if written
 
     @property
     def name(self) -> str:
@@ -123,7 +127,8 @@ def load_run(path: str | Path) -> Run:
     diag = {r["step"]: r for r in read_records(diag_file) if "step" in r}
     eval_file = path / "eval.jsonl"
     evals = {r["step"]: r for r in read_records(eval_file) if "step" in r}
-    return Run(path, config, resolved, metrics, diag, evals)
+    prints = read_json(path / FILE, "it is written whole by the run") if (path / FILE).is_file() else None
+    return Run(path, config, resolved, metrics, diag, evals, prints)
 
 
 @dataclass
@@ -167,6 +172,17 @@ class Row:
     rel: float | None  # |a - b| / |a|; None where a loss is missing (skipped step)
     grad_norm_rel: float | None
     diag: dict[str, tuple[float | None, float | None]]
+    # each loss term the model adds: name -> (a, b), None where a run has not logged it
+    terms: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
+
+    def parted(self, tol: float) -> str | None:
+        """The first curve of this step beyond `tol` (the loss, then each term by name), or
+        logged by one run only; None when every curve agrees."""
+        for name, (a, b) in [("loss", self.loss), *sorted(self.terms.items())]:
+            rel = _rel(a, b)
+            if (a is None) != (b is None) or (rel is not None and not rel <= tol):
+                return name
+        return None
 
     @property
     def abs(self) -> float | None:
@@ -187,18 +203,27 @@ class Comparison:
     rows: list[Row]
     rtol: Tolerance
     diff: ConfigDiff
+    gradient: GradientCheck | None = None  # None: a run recorded no fingerprints
 
     def rtol_at(self, row: Row) -> float:
         return self.rtol.at(row.step - self.rows[0].step)
 
     @property
     def first_bad(self) -> Row | None:
-        """The first step whose losses part beyond its rtol, or where only one run has a loss."""
+        """The first step where a curve (the loss, a loss term) parts beyond its rtol, or where
+        only one run has it."""
         for row in self.rows:
-            a, b = row.loss
-            if (a is None) != (b is None) or (row.rel is not None and not row.rel <= self.rtol_at(row)):
+            if row.parted(self.rtol_at(row)):
                 return row
         return None
+
+    @property
+    def first_bad_step(self) -> int | None:
+        """The first step that fails a verdict: a curve, or the gradient of its step."""
+        steps = [r.step for r in (self.first_bad,) if r is not None]
+        if self.gradient is not None and not self.gradient.passed:
+            steps.append(self.gradient.step)
+        return min(steps, default=None)
 
     @property
     def max_rel(self) -> tuple[float, int]:
@@ -210,22 +235,35 @@ class Comparison:
 
     @property
     def passed(self) -> bool:
-        return self.first_bad is None
+        return self.first_bad_step is None
 
     def verdict(self) -> str:
+        """The curves' verdict line, then the gradient's (when the runs recorded fingerprints)."""
         worst, at = self.max_rel
+        terms = sorted({n for r in self.rows for n in r.terms})
+        also = f" (and the loss terms {', '.join(terms)})" if terms else ""
         head = f"{self.other.name} vs {self.ref.name}: {len(self.rows)} steps, max relative loss difference {worst:.3g} (step {at})"
         bad = self.first_bad
         if bad is None:
-            return f"PASS {head} <= rtol {self.rtol}"
-        a, b = bad.loss
-        why = f"{a} vs {b}" if bad.rel is None else f"{a:.8g} vs {b:.8g}, relative {bad.rel:.3g}"
-        return f"FAIL {head}; first step beyond rtol {self.rtol_at(bad):.3g}: {bad.step} ({why})"
+            line = f"PASS {head}{also} <= rtol {self.rtol}"
+        else:
+            curve = bad.parted(self.rtol_at(bad))
+            a, b = bad.loss if curve == "loss" else bad.terms[curve]
+            rel = _rel(a, b)
+            why = f"{a} vs {b}" if rel is None else f"{a:.8g} vs {b:.8g}, relative {rel:.3g}"
+            what = "" if curve == "loss" else f", loss term {curve}"
+            line = f"FAIL {head}; first step beyond rtol {self.rtol_at(bad):.3g}: {bad.step} ({why}{what})"
+        return line if self.gradient is None else f"{line}\n{self.gradient.line()}"
 
 
-def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = None) -> Comparison:
+def compare(
+    ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = None, grad_tol: float | None = None
+) -> Comparison:
     """Step-by-step comparison of `other` against `ref` over their common logged steps (the
-    first `steps` if given). A run that stops early is an error, not a silent partial pass."""
+    first `steps` if given): the loss and every loss term the model adds; and, when both runs
+    recorded fingerprints of the same step, every parameter's reduced gradient there, within
+    `grad_tol` (default: titanlite.analysis.tolerance's for their dtype). A run that stops early
+    is an error, not a silent partial pass."""
     diff = config_diff(ref, other)
     if diff.refused:
         raise UserError(
@@ -257,10 +295,20 @@ def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = N
                 _rel(ma.get("loss"), mb.get("loss")),
                 _rel(ma.get("grad_norm"), mb.get("grad_norm")),
                 {k: (da.get(k), db.get(k)) for k in DIAG_KEYS},
+                {n: ((ma.get("terms") or {}).get(n), (mb.get("terms") or {}).get(n)) for n in _terms(ma, mb)},
             )
         )
     tol = rtol if isinstance(rtol, Tolerance) else Tolerance(rtol)
-    return Comparison(ref, other, rows, tol, diff)
+    gradient = None
+    if ref.fingerprints is not None and other.fingerprints is not None:
+        limit = grad_tol if grad_tol is not None else gradient_tolerance([ref, other])
+        gradient = gradient_check(ref.fingerprints, other.fingerprints, limit)
+    return Comparison(ref, other, rows, tol, diff, gradient)
+
+
+def _terms(a: dict, b: dict) -> set[str]:
+    """The loss terms either record holds (a skipped step's are None in both)."""
+    return {n for m in (a, b) for n in (m.get("terms") or {})}
 
 
 def table(cmp: Comparison, max_rows: int | None = None) -> str:
@@ -318,12 +366,20 @@ def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 
                 "steps": len(c.rows),
                 "max_rel": c.max_rel[0],
                 "max_rel_step": c.max_rel[1],
-                "first_bad_step": c.first_bad.step if c.first_bad else None,
+                "first_bad_step": c.first_bad_step,
                 "passed": c.passed,
+                "gradient": None if c.gradient is None else dataclasses.asdict(c.gradient),
                 "config_changed": c.diff.changed,
                 "layout_changed": c.diff.layout,
                 "rows": [
-                    {"step": r.step, "loss": list(r.loss), "rel": r.rel, "rtol": c.rtol_at(r)} for r in c.rows
+                    {
+                        "step": r.step,
+                        "loss": list(r.loss),
+                        "rel": r.rel,
+                        "rtol": c.rtol_at(r),
+                        **({"terms": {n: list(v) for n, v in r.terms.items()}} if r.terms else {}),
+                    }
+                    for r in c.rows
                 ],
             }
             for c in comparisons

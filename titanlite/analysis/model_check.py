@@ -19,9 +19,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import math
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.components.checkpoint.hf_export import export_hf
 from titanlite.components.checkpoint.hf_load import DERIVED_BUFFERS, load_hf_weights
-from titanlite.components.loss import LossBalancer, forward_backward
+from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses, step_statistics
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
@@ -128,17 +129,30 @@ def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, labels, positions
 
 
-def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], float]:
-    """One process, unsharded: the gradient and token-mean loss of the whole batch (packed: of
-    every document run as a sequence of its own)."""
+def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """One process, unsharded, one microbatch (packed: every document run as a sequence of its
+    own): the gradient and the token-mean cross entropy and terms of the whole batch, through
+    the model's own loss path (its labels path with every term it adds; the statistics pass
+    over the whole batch where it asks for one)."""
     meta = build_meta_model(cfg, 0)
     model = meta.spec.model_cls(meta.args)
     model.init_weights(ParamInit(model, SEED))
     pairs = [(x[None], y[None]) for x, y in documents()] if packed else [unequal_batch()]
-    total = sum(int((y != IGNORE_INDEX).sum()) for _, y in pairs)
-    loss = sum(cross_entropy_sum(model(x), y) for x, y in pairs) / total
-    loss.backward()
-    return {canonical_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}, loss.item()
+    micro = [Microbatch(x, y) for x, y in pairs]
+    path = replace(meta.loss_path(), chunk=0)
+    balancer = LossBalancer("global", None, 1, len(micro))
+    balancer.begin_step(
+        [b.labels for b in micro], step_statistics(model, micro, balancer) if path.statistics else None
+    )
+    sums: dict[str, torch.Tensor] = {}
+    for m, b in enumerate(micro):
+        out = sequence_losses(model, b, path, balancer.context(m))
+        for name, t in {"loss": out.ce, **out.terms}.items():
+            sums[name] = sums[name] + t.sum() if name in sums else t.sum()
+    total = sum(int((b.labels != IGNORE_INDEX).sum()) for b in micro)
+    (sum(sums.values()) / total).backward()
+    grads = {canonical_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
+    return grads, {name: (t / total).item() for name, t in sums.items()}
 
 
 def weights_hash(model: torch.nn.Module) -> str:
@@ -174,10 +188,12 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
         for m in range(case.accum)
     ]
     balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
-    share, _ = forward_backward(
-        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, loss_chunk=case.loss_chunk
+    path = replace(meta.loss_path(), chunk=case.loss_chunk)
+    share, _, terms = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, path=path
     )
-    dist.all_reduce(share)
+    logged = torch.stack([share, *terms.values()])
+    dist.all_reduce(logged)
     rel, whole = 0.0, torch.stack([g.norm() for g in ref.values()]).norm()
     for name, p in unwrap(model).named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
@@ -188,7 +204,7 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
         **asdict(case),
         "world": world,
         "max_rel_err": rel,
-        "logged_loss": share.item(),
+        "logged": dict(zip(["loss", *terms], logged.tolist(), strict=True)),
         "init_hash": init,
     }
 
@@ -200,7 +216,7 @@ def check(argv: list[str]) -> dict:
     refs = {packed: reference(cfg, packed) for packed in (False, True)}
     results = [run_case(check_config(argv), c, world, refs[c.packed][0]) for c in cases(cfg, world)]
     for r in results:
-        r["ref_loss"] = refs[r["packed"]][1]
+        r["ref"] = refs[r["packed"]][1]
     meta = build_meta_model(cfg, 0)
     alone = meta.spec.model_cls(meta.args)
     alone.init_weights(ParamInit(alone, SEED))
@@ -214,20 +230,23 @@ def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
     for res in results:
         for c in res["cases"]:
             split = c.get("axis") and f" x {c['axis']}=2"
-            what = (
-                f"gradient dp={res['world'] // (2 if split else 1)}{split or ''} {c['mode']} accum={c['accum']}"
+            where = (
+                f"dp={res['world'] // (2 if split else 1)}{split or ''} {c['mode']} accum={c['accum']}"
                 + (" packed" if c["packed"] else " unequal tokens")
                 + (f" loss in chunks of {c['loss_chunk']}" if c["loss_chunk"] else "")
             )
-            loss_err = abs(c["logged_loss"] - c["ref_loss"]) / abs(c["ref_loss"])
-            ok = c["max_rel_err"] <= TOL and loss_err <= TOL
+            tol = f"off one process's (tolerance {TOL:g})"
+            errs = {name: _rel(c["logged"].get(name), want) for name, want in c["ref"].items()}
+            ok = c["max_rel_err"] <= TOL and errs["loss"] <= TOL
             out.append(
-                (
-                    what,
-                    ok,
-                    f"gradient {c['max_rel_err']:.1e}, loss {loss_err:.1e} off one process's (tolerance {TOL:g})",
-                )
+                (f"gradient {where}", ok, f"gradient {c['max_rel_err']:.1e}, loss {errs['loss']:.1e} {tol}")
             )
+            for name in sorted(set(c["ref"]) - {"loss"}):  # each term the model adds, on its own line
+                out.append((f"term {name} {where}", errs[name] <= TOL, f"{errs[name]:.1e} {tol}"))
+            for name in sorted(set(c["logged"]) - set(c["ref"])):
+                out.append(
+                    (f"term {name} {where}", False, "logged here but not returned by one process's forward")
+                )
     ref = results[0]["ref_hash"] if results else ""
     differ = sorted(
         {f"dp={res['world']} {c['mode']}" for res in results for c in res["cases"] if c["init_hash"] != ref}
@@ -237,6 +256,13 @@ def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
          f"differ from one process's at {', '.join(differ)}: init_weights must fill each parameter through ParamInit")
     )  # fmt: skip
     return out
+
+
+def _rel(got: float | None, want: float) -> float:
+    """Relative difference; a term this layout did not log is infinitely off."""
+    if got is None:
+        return math.inf
+    return abs(got - want) / abs(want) if want else abs(got)
 
 
 def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
@@ -268,10 +294,15 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     loss_err = abs((losses[0] - losses[1]) / losses[1]).item()
     for loss in losses:
         loss.backward()
-    hf_grads = {n: p.grad for n, p in theirs.named_parameters()}
+    hf_grads = saved_gradients(theirs)
     grad_err, worst = 0.0, ""
     for name, p in ours.named_parameters():
         hf_name, grad = meta.spec.hf.to_hf(name, p.grad, meta.args)
+        if hf_name not in hf_grads:
+            raise UserError(
+                f"the adapter's to_hf maps {name} to '{hf_name}', which transformers does not save "
+                f"(it saves e.g. {next(iter(hf_grads))}); map to the names of the folder's safetensors"
+            )
         err = ((grad - hf_grads[hf_name]).norm() / hf_grads[hf_name].norm()).item()
         grad_err, worst = max((grad_err, worst), (err, hf_name))
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,6 +324,26 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
         ("hf export round trip", not differ, f"{len(written)} tensors written back as read" if not differ else
          f"{len(differ)} tensors differ or are missing from the export, first {differ[0]}"),
     ]  # fmt: skip
+
+
+def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's gradients under the names its safetensors use: saved by
+    transformers itself, each parameter's gradient in its place, so its own conversion mapping
+    applies (transformers 5 keeps a mixture's experts fused in memory, one tensor per expert on
+    disk), and the parameters restored after."""
+    from safetensors.torch import load_file
+
+    params = dict(model.named_parameters())
+    kept = {n: p.detach().clone() for n, p in params.items()}
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        try:
+            for p in params.values():
+                p.copy_(p.grad if p.grad is not None else torch.zeros_like(p))
+            model.save_pretrained(tmp)
+        finally:
+            for n, p in params.items():
+                p.copy_(kept[n])
+        return {k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def main() -> None:

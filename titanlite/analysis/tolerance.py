@@ -64,3 +64,22 @@ def default_tolerance(runs: list[Any]) -> Tolerance:
     """The loosest tolerance of the runs' parameter dtypes (`param_dtype`; unknown counts as bf16)."""
     bf16 = DEFAULT_TOLERANCE["bfloat16"]
     return max((DEFAULT_TOLERANCE.get(r.param_dtype, bf16) for r in runs), key=lambda t: t.at(1_000_000))
+
+
+# The gradient verdict: each parameter's reduced gradient at the first compared step, where both
+# layouts start from the same weights, so only the step's own rounding parts them. A gradient's
+# fingerprint (sum, sum of squares, sum of |x|; titanlite.analysis.localize.apart) is compared
+# relative to its scale.
+# - fp32: 1e-5, about 170 units of fp32 roundoff (u = 2^-24): far above what healthy layouts part
+#   by, and far below what the defects the tests plant move (a load-balancing loss by each
+#   microbatch's own formula, noise seeded by the rank); scripts/README.md ("Invariance") has
+#   the measurements and the margins.
+# - bf16: 16 u (u = 2^-8): each layout's bf16 gradient is within 8 u of the fp32 one
+#   (tests/test_distributed.py, the bf16 cases), so two layouts are within 16 u of each other.
+#   Defects as small as the ones above hide under bf16's rounding; check them in fp32.
+GRADIENT_TOLERANCE = {"float32": 1e-5, "bfloat16": 16 * 2.0**-8}
+
+
+def gradient_tolerance(runs: list[Any]) -> float:
+    """The loosest gradient tolerance of the runs' parameter dtypes (unknown counts as bf16)."""
+    return max(GRADIENT_TOLERANCE.get(r.param_dtype, GRADIENT_TOLERANCE["bfloat16"]) for r in runs)

@@ -1,7 +1,8 @@
 """Held-out evaluation: the exact token-mean loss of the whole eval set, and its perplexity.
 
 The maths is training's (titanlite.components.loss.sequence_losses: summed cross entropy over valid
-tokens), summed in float64 and all-reduced with the valid-token count over the data-parallel
+tokens, through the model's labels path when it has one; the terms a model adds are training's,
+not the eval's), summed in float64 and all-reduced with the valid-token count over the data-parallel
 ranks, so the result does not depend on dp or the eval batch. Rank r of dp reads the items
 r*B .. r*B + B-1 of every round of dp*B, a fixed order independent of the training data's;
 every rank runs the same number of forwards (FSDP gathers in each), the last round padded with
@@ -30,6 +31,7 @@ from titanlite.datasets.build import build_eval_dataset
 from titanlite.datasets.records import prompt_format
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.readback import readback
 from titanlite.tools.seeds import sample_seed
@@ -37,15 +39,15 @@ from titanlite.tools.seeds import sample_seed
 logger = logging.getLogger("titanlite")
 
 
-def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, loss_chunk: int) -> Evaluator | None:
+def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, path: LossPath) -> Evaluator | None:
     """The run's evaluator ([eval]), None without an eval set; rank 0 says what it evaluates.
-    `loss_chunk`: at eval's batch (MetaModel.eval_loss_chunk)."""
+    `path`: the model's loss path at eval's batch (MetaModel.loss_path(evaluating=True))."""
     data = build_eval_dataset(cfg, tokenizer)
     if data is None:
         return None
     e = cfg.eval
     batch = e.local_batch_size or cfg.training.local_batch_size
-    evaluator = Evaluator(data, dims, batch, loss_chunk, cfg, tokenizer)
+    evaluator = Evaluator(data, dims, batch, path, cfg, tokenizer)
     if dims.dp_rank == 0:
         where = f"'{e.path}'" if e.path else f"{e.fraction:g} of the data, held out"
         when = ["before the first step"] * e.at_start + [f"every {e.every} steps"] * bool(e.every)
@@ -64,14 +66,14 @@ class Evaluator:
         dataset,
         dims: ParallelDims,
         batch_size: int,
-        loss_chunk: int,
+        path: LossPath,
         cfg: JobConfig | None = None,
         tokenizer=None,
     ) -> None:
         self.dataset = dataset
         self.dims = dims
         self.batch_size = batch_size
-        self.loss_chunk = loss_chunk  # see sequence_losses
+        self.path = path  # see sequence_losses
         self.cfg = cfg
         self.tokenizer = tokenizer
 
@@ -130,7 +132,7 @@ class Evaluator:
             for r in range(rounds):
                 batch = self._batch(r)
                 with self.dims.autocast():
-                    per_sequence = sequence_losses(model, batch, self.loss_chunk)
+                    per_sequence = sequence_losses(model, batch, self.path).ce
                 totals[0] += per_sequence.double().sum()
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
         finally:

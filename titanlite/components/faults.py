@@ -142,8 +142,9 @@ class Faults:
             return fn
         factors = {d.spike_step: d.spike_scale, d.nan_loss_step: float("nan")}
 
-        def faulty(*args, **kwargs) -> torch.Tensor:
-            return fn(*args, **kwargs) * factors.get(self._step, 1.0)
+        def faulty(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            return out._replace(ce=out.ce * factors.get(self._step, 1.0))
 
         return faulty
 

@@ -3,7 +3,8 @@ titanlite.analysis.localize compares between two layouts to name where they part
 
 A fingerprint summarises a tensor per sequence by (sum, sum of squares, sum of |x|) over the
 sequence's elements: each module's forward output, and the gradient that backward brings to
-it. Sums add over any split of a sequence's elements, so the pieces of a sequence that ranks
+it; an output whose first dimension is the microbatch's tokens ([B*S, ...], a router reading
+the tokens flattened) is read as [B, S, ...]. Sums add over any split of a sequence's elements, so the pieces of a sequence that ranks
 hold between them (context parallelism) add up to the whole sequence's fingerprint; a sequence
 is named by its place in the step's global batch (the sampler's stream position), which no
 layout changes. The reduced gradient of each parameter is summarised whole, as every rank holds
@@ -33,9 +34,10 @@ FILE = "fingerprints.json"
 logger = logging.getLogger("titanlite")
 
 
-def summary(t: torch.Tensor) -> list[list[float]]:
-    """(sum, sum of squares, sum of |x|) of each row of `t` (its first dimension), in float64."""
-    x = t.detach().reshape(t.shape[0], -1).double()
+def summary(t: torch.Tensor, rows: int | None = None) -> list[list[float]]:
+    """(sum, sum of squares, sum of |x|) of each of `rows` equal blocks of `t` along its first
+    dimension (default: each row), in float64."""
+    x = t.detach().reshape(rows or t.shape[0], -1).double()
     return torch.stack([x.sum(1), (x * x).sum(1), x.abs().sum(1)], 1).tolist()
 
 
@@ -58,6 +60,7 @@ class Recorder:
         self.order: list[str] = []
         self._rows: list[int] = []
         self._micro = 0
+        self._positions = 0  # the microbatch's sequence positions (a token-major output's rows per sequence)
         self._forward = False
         self._calls: Counter[str] = Counter()
         self._handles: list[RemovableHandle] = []
@@ -68,15 +71,16 @@ class Recorder:
     def losses(self, fn: Callable) -> Callable:
         """`fn` (sequence_losses' signature) with each call's sequences named for the hooks."""
 
-        def wrapped(model, batch, loss_chunk=0):
+        def wrapped(model, batch, path, step=None):
             self._rows, self._calls, self._forward = (
                 self.rows_of(self._micro, len(batch.inputs)),
                 Counter(),
                 True,
             )
+            self._positions = batch.inputs.shape[1]
             self._micro += 1
             try:
-                return fn(model, batch, loss_chunk)
+                return fn(model, batch, path, step)
             finally:
                 self._forward = False  # a recomputation in backward is not a forward of the step
 
@@ -88,14 +92,14 @@ class Recorder:
             if self._micro == 1:
                 self.order.append(key)
         table = self.records[key]
-        for row, vec in zip(rows, summary(t), strict=True):
+        for row, vec in zip(rows, summary(t, len(rows)), strict=True):
             table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
 
     def _hook(self, label: str):
         def hook(_module, _args, out) -> None:
             if not self._forward:
                 return
-            outs = [t for t in _tensors(out) if t.ndim >= 1 and t.shape[0] == len(self._rows)]
+            outs = [t for t in _tensors(out) if self._per_row(t)]
             for i, t in enumerate(t for t in outs if t.is_floating_point()):
                 name = label if len(outs) == 1 else f"{label}[{i}]"
                 self._calls[name] += 1
@@ -107,6 +111,13 @@ class Recorder:
                     t.register_hook(lambda g, rows=rows, key=key: self._add(key, rows, g))
 
         return hook
+
+    def _per_row(self, t: torch.Tensor) -> bool:
+        """Whether `t` has one row per sequence ([B, ...]), or is token-major ([B*S, ...], a
+        router's, which reads the tokens flattened), each sequence's tokens in a block of rows:
+        either is summarised per sequence (`summary` views it as [B, -1])."""
+        n = len(self._rows)
+        return t.ndim >= 1 and t.shape[0] in (n, n * self._positions)
 
     @classmethod
     def at(cls, step: int, wanted: int, model: torch.nn.Module, sampler) -> Recorder | None:

@@ -27,6 +27,12 @@ the mean over ranks and microbatches of per-microbatch token means. It weights a
 microbatch with few valid tokens more than one on a full microbatch, so it equals \nabla L only
 when every n_{r,m} is the same.
 
+A loss term a model adds (a router's load-balancing or z-loss) is a per-sequence sum A_{r,m}
+like S_{r,m}, and is divided by the same N: the step minimises (\sum S + \sum_k \sum A^k) / N.
+Each term is then exact when \sum_{r,m} A^k_{r,m} / N is the term of the whole global batch;
+titanlite.models.step says how a model makes it so (statistics of the whole step included).
+The logged loss stays the cross entropy; each term and the total are logged beside it.
+
 A step with N = 0 (every label ignored) has S_{r,m} = 0 everywhere; dividing by max(N, 1) keeps
 it finite (zero gradient) and the trainer skips its optimizer update on the device.
 
@@ -34,11 +40,13 @@ The loss path, in the order a step runs it
 ------------------------------------------
 1. titanlite.datasets.batch: the step's microbatches (tokens, labels with IGNORE_INDEX).
 2. here, LossBalancer.begin_step: n_{r,m} counted (titanlite.ops.cross_entropy.count_valid) and
-   N all-reduced, asynchronously, before the first forward ends.
-3. the model's forward (titanlite.models, e.g. llama3/model.py): the head and the loss in the
-   root module's forward, S_{r,m} per sequence (titanlite.ops.cross_entropy, in chunks of
-   loss_chunk positions at a large vocabulary).
-4. here, forward_backward: S_{r,m} / N backpropagated per microbatch.
+   N all-reduced, asynchronously, before the first forward ends; a model that asks for step
+   statistics has its no-grad counting pass first, whose sums join that all-reduce.
+3. the model's forward (titanlite.models, e.g. llama3/model.py), through its labels path when it
+   has one (LossPath): the head and the loss in the root module's forward, S_{r,m} per sequence
+   (titanlite.ops.cross_entropy, in chunks of loss_chunk positions at a large vocabulary) and
+   the model's named terms.
+4. here, forward_backward: (S_{r,m} + \sum_k A^k_{r,m}) / N backpropagated per microbatch.
 5. titanlite.distributed.parallelize: the gradients reduced with a plain SUM (FSDP's and DDP's
    division switched off); on a measured step the diagnostics' probe sees each rank's local
    gradient there first (titanlite.diagnostics.probe).
@@ -48,6 +56,8 @@ The loss path, in the order a step runs it
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -56,20 +66,80 @@ from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import grad_sync
+from titanlite.errors import TrainingError
+from titanlite.models.step import LossPath, StepContext
 from titanlite.ops.cross_entropy import count_valid, cross_entropy_per_sample
 
 
-def sequence_losses(model: torch.nn.Module, batch, loss_chunk: int = 0) -> torch.Tensor:
-    """Each sequence's summed cross entropy over its valid tokens, for a Microbatch
-    (titanlite.datasets.build): training's and eval's maths. `loss_chunk`: sequence positions per
-    chunk of the model's own loss path (0, or the whole sequence: the model returns logits and
-    the loss follows)."""
+class SequenceLosses(NamedTuple):
+    """A microbatch's losses per sequence: the summed cross entropy and each named term the
+    model adds (each a per-sequence sum, divided by the step's normaliser like the cross entropy)."""
+
+    ce: torch.Tensor  # [B]
+    terms: dict[str, torch.Tensor]  # name -> [B]
+
+
+RESERVED = ("loss", "total")  # the records' own names for the cross entropy and the sum
+
+
+def model_losses(out, batch: Microbatch) -> SequenceLosses:
+    """A labels path's output, checked against the contract (models/registry.py) from shapes
+    alone: a [B] tensor, or ([B] tensor, {name: [B] tensor})."""
+    n = batch.labels.shape[0]
+    ce, terms = (
+        (out, {}) if isinstance(out, torch.Tensor) else (out if isinstance(out, tuple) else (None, None))
+    )
+    bad = None
+    if not isinstance(ce, torch.Tensor) or ce.shape != (n,) or not isinstance(terms, dict):
+        bad = f"returned {type(out).__name__}"
+    else:
+        for name, t in terms.items():
+            if not (isinstance(name, str) and name.isidentifier() and name not in RESERVED):
+                bad = (
+                    f"named a term {name!r} (a term is a Python identifier other than {', '.join(RESERVED)})"
+                )
+            elif not isinstance(t, torch.Tensor) or t.shape != (n,):
+                bad = f"returned term {name!r} as {getattr(t, 'shape', type(t).__name__)}"
+    if bad:
+        raise TrainingError(
+            f"the model's labels path {bad}; it returns each sequence's summed cross entropy [{n}], "
+            "or that and a dict of named per-sequence terms (titanlite/models/registry.py)"
+        )
+    return SequenceLosses(ce, terms)
+
+
+def sequence_losses(
+    model: torch.nn.Module, batch: Microbatch, path: LossPath, step: StepContext | None = None
+) -> SequenceLosses:
+    """Each sequence's summed cross entropy over its valid tokens and the model's named terms,
+    for a Microbatch (titanlite.datasets.build): training's and eval's maths, through the model's
+    labels path whenever it has one (LossPath). `step`: the training step's context, for a model
+    that takes it."""
     extra = {} if batch.positions is None else {"positions": batch.positions}
     if batch.keys is not None:
         extra["sample_keys"] = batch.keys
-    if 0 < loss_chunk < batch.labels.shape[1]:
-        return model(batch.inputs, labels=batch.labels, loss_chunk=loss_chunk, **extra)
-    return cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels)
+    if step is not None and path.step:
+        extra["step"] = step
+    if path.own:
+        return model_losses(model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra), batch)
+    return SequenceLosses(cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels), {})
+
+
+def step_statistics(model: torch.nn.Module, micro: list[Microbatch], balancer: LossBalancer) -> torch.Tensor:
+    """The statistics pass (titanlite.models.step, pattern 2): this rank's sum over its
+    microbatches of what the model's counting forward returns, without gradient."""
+    total = None
+    with torch.no_grad():
+        for m, batch in enumerate(micro):
+            extra = {} if batch.positions is None else {"positions": batch.positions}
+            out = model(batch.inputs, step=balancer.context(m, counting=True), **extra)
+            if not isinstance(out, torch.Tensor) or out.ndim != 1:
+                raise TrainingError(
+                    f"the model's statistics pass returned {getattr(out, 'shape', type(out).__name__)}; with "
+                    "step.counting set its forward returns one 1-D tensor (titanlite/models/step.py)"
+                )
+            total = out.clone() if total is None else total + out
+    return total
 
 
 class LossBalancer:
@@ -91,34 +161,66 @@ class LossBalancer:
         self._ranks = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grad_accum = grad_accum
         self._global_count: torch.Tensor | None = None
-        self._work: dist.Work | None = None
+        self._statistics: torch.Tensor | None = None
+        self._works: list[dist.Work] = []
         self._local_counts: list[torch.Tensor] = []
 
-    def begin_step(self, labels: list[torch.Tensor]) -> None:
-        """Count this rank's valid tokens of every microbatch and start the global all-reduce."""
+    def begin_step(self, labels: list[torch.Tensor], statistics: torch.Tensor | None = None) -> None:
+        """Count this rank's valid tokens of every microbatch and start the global all-reduce;
+        `statistics` (the step-statistics pass's sum on this rank) joins it: one collective
+        when they are integers, as counts are, else a second one beside it."""
         if len(labels) != self.grad_accum:
             raise ValueError(f"expected {self.grad_accum} microbatches, got {len(labels)}")
         self._local_counts = [count_valid(y) for y in labels]
-        self._global_count = torch.stack(self._local_counts).sum()
-        self._work = None
+        count = torch.stack(self._local_counts).sum()
+        joined = statistics is not None and statistics.dtype == count.dtype
+        reduce = [torch.cat([count[None], statistics])] if joined else [count[None]]
+        if statistics is not None and not joined:
+            reduce.append(statistics.clone())
+        self._works = []
         if self._ranks > 1:
-            self._work = dist.all_reduce(self._global_count, group=self.dp_group, async_op=True)
+            self._works = [dist.all_reduce(t, group=self.dp_group, async_op=True) for t in reduce]
+        self._global_count = reduce[0][0]
+        self._statistics = None if statistics is None else (reduce[0][1:] if joined else reduce[1])
+
+    def _wait(self) -> None:
+        for work in self._works:
+            work.wait()  # on CUDA this orders the streams; it does not block the host
+        self._works = []
 
     def global_tokens(self) -> torch.Tensor:
         """N: valid tokens of the whole step over all ranks (device int64). Never read on host."""
         if self._global_count is None:
             raise RuntimeError("begin_step() must run first")
-        if self._work is not None:
-            self._work.wait()  # on CUDA this orders the streams; it does not block the host
-            self._work = None
+        self._wait()
         return self._global_count
 
+    def statistics(self) -> torch.Tensor | None:
+        """The step statistics summed over microbatches and ranks (None: the model has none)."""
+        self._wait()
+        return self._statistics
+
+    def context(self, micro: int, counting: bool = False) -> StepContext:
+        """Microbatch `micro`'s view of the step (titanlite.models.step)."""
+        return StepContext(
+            self.dp_group, self._ranks, micro, self.grad_accum, counting, self.global_tokens, self.statistics
+        )
+
     def scale(self, loss_sum: torch.Tensor, micro: int) -> torch.Tensor:
-        """The loss to backpropagate for microbatch `micro`, given its summed cross entropy."""
+        """The loss to backpropagate for microbatch `micro`, given its summed loss."""
         if self.normalization == "global":
             return loss_sum / self.global_tokens().clamp(min=1)
         local = self._local_counts[micro].clamp(min=1)
         return loss_sum / (local * (self.grad_accum * self.dp_size))
+
+
+class StepLosses(NamedTuple):
+    """What one rank's step leaves: its shares of the step's losses (each rank's sum to the
+    logged values) and its per-sequence cross entropy, in microbatch order, for the diagnostics."""
+
+    ce: torch.Tensor  # this rank's share of the logged loss (the cross entropy)
+    sample_sums: torch.Tensor  # [sequences] summed cross entropy
+    terms: dict[str, torch.Tensor]  # name -> this rank's share of the term
 
 
 def forward_backward(
@@ -128,28 +230,36 @@ def forward_backward(
     dims: ParallelDims,
     *,
     skip_grad_sync: bool,
-    loss_chunk: int = 0,
+    path: LossPath | None = None,
     losses=sequence_losses,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulate this rank's gradients for one step.
-
-    Returns (this rank's share of the step's loss, its summed cross entropy per sequence, in
-    microbatch order). The shares of all ranks sum to the logged loss (see
-    module doc); the per-sequence sums feed the diagnostics. `loss_chunk`: see
-    sequence_losses; `losses`: the per-sequence loss function (sequence_losses' signature).
+) -> StepLosses:
+    """Accumulate this rank's gradients for one step: every microbatch's cross entropy and named
+    terms divided by the step's normaliser, their total backpropagated (see module doc).
+    `path`: how the model computes its loss (None: logits, then the cross entropy here);
+    `losses`: the per-sequence loss function (sequence_losses' signature; the faults and the
+    fingerprints wrap it).
     """
+    path = path or LossPath()
     micro = [Microbatch(*batch) for batch in micro]
-    balancer.begin_step([batch.labels for batch in micro])
+    statistics = None
+    if path.statistics:
+        with dims.autocast(), phase("forward"):
+            statistics = step_statistics(model, micro, balancer)
+    balancer.begin_step([batch.labels for batch in micro], statistics)
     loss_total = torch.zeros((), device=dims.device)
+    terms: dict[str, torch.Tensor] = {}
     sample_sums = []
     for m, batch in enumerate(micro):
         sync = m == len(micro) - 1 or not skip_grad_sync
         with grad_sync(model, sync):
             with dims.autocast(), phase("forward"):
-                per_sample = losses(model, batch, loss_chunk)
-            loss = balancer.scale(per_sample.sum(), m)
+                out = losses(model, batch, path, balancer.context(m))
+            loss = balancer.scale(out.ce.sum(), m)
+            scaled = {name: balancer.scale(t.sum(), m) for name, t in out.terms.items()}
             with phase("backward"):
-                loss.backward()
+                (loss + sum(scaled.values()) if scaled else loss).backward()
         loss_total += loss.detach()
-        sample_sums.append(per_sample.detach())
-    return loss_total, torch.cat(sample_sums)
+        for name, t in scaled.items():
+            terms[name] = terms[name] + t.detach() if name in terms else t.detach()
+        sample_sums.append(out.ce.detach())
+    return StepLosses(loss_total, torch.cat(sample_sums), terms)

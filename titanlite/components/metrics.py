@@ -1,5 +1,5 @@
-"""Where numbers go: a progress line per log step, JSONL files (metrics.jsonl: a row per step),
-TensorBoard and, if enabled, Weights & Biases."""
+"""Where numbers go: a progress line per log step (components/console.py), JSONL files
+(metrics.jsonl: a row per step), TensorBoard and, if enabled, Weights & Biases."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from titanlite.components.console import diagnostics_line, progress_line
 from titanlite.components.run.files import RECORD_FILES, RunFiles
 from titanlite.components.run.plan import is_restart
 from titanlite.components.summary import RunTally, quiet_faults, summary_lines
@@ -22,47 +23,9 @@ from titanlite.config.job_config import JobConfig
 from titanlite.config.job_config import Metrics as MetricsConfig
 from titanlite.errors import TrainingError, UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes, disk_full
-from titanlite.tools.formatting import fmt, format_duration
 from titanlite.tools.records import read_records
 
 logger = logging.getLogger("titanlite")
-
-
-def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") -> str:
-    """The step line; `diag` = "short" adds the measured step's spread across ranks in plain words."""
-    width = len(str(total_steps))
-    parts = [
-        f"step {rec['step']:>{width}}/{total_steps}",
-        "loss skipped" if rec["loss"] is None else f"loss {rec['loss']:.4f}",
-        f"grad_norm {rec['grad_norm']:.3f}",
-        f"lr {rec['lr']:.2e}",
-        f"tok/s {rec['tokens_per_s']:,.0f}",
-        f"mem {rec['memory_gib']:.2f}GiB",
-    ]
-    if "mfu_pct" in rec:
-        parts.append(f"mfu {rec['mfu_pct']:.1f}%")
-    parts.append(f"eta {format_duration(rec['eta_s'])}")
-    d = rec.get("diag")
-    if diag == "short" and d and rec["loss"]:
-        spread = [f"loss ±{100 * d['loss_std'] / rec['loss']:.1f}%"] if "loss_std" in d else []
-        spread += [f"grad norm ±{100 * d['grad_norm_cv']:.0f}%"] if "grad_norm_cv" in d else []
-        parts.append(f"ranks {', '.join(spread)}")
-    return " | ".join(parts)
-
-
-def diagnostics_line(d: dict[str, Any]) -> str:
-    noise = d.get("noise_scale_tokens")  # below zero: not measurable (components/summary.py)
-    return " | ".join(
-        [
-            f"diag step {d['step']}",
-            f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
-            f"tokens {d['tokens_min']}..{d['tokens_max']}",
-            f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
-            f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
-            f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
-            f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
-        ]
-    )
 
 
 class _TensorBoard:
@@ -205,16 +168,30 @@ FIRST_TAGS = {
 }
 
 
+# The loss terms a model adds (a training row's "terms") and their sum with the loss, next after them.
+TERM_TAGS = "5_loss_terms"
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
     """tag -> value for every number of a record but its step and format version (None, a bool,
-    a nested dict or list are not scalars): `<prefix>/<key>`, or its FIRST_TAGS name. What every
-    sink gets, so their keys are equal."""
+    a nested dict or list are not scalars): `<prefix>/<key>`, or its FIRST_TAGS name; a training
+    row's loss terms as `5_loss_terms/<name>` and `5_loss_terms/total`. What every sink gets, so
+    their keys are equal."""
     tags = {
         f"{prefix}/{key}": value
         for key, value in rec.items()
-        if key not in ("step", "version") and isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key not in ("step", "version", "loss_total") and _scalar(value)
     }
-    return {FIRST_TAGS.get(tag, tag): value for tag, value in tags.items()}
+    out = {FIRST_TAGS.get(tag, tag): value for tag, value in tags.items()}
+    if prefix == "train" and isinstance(rec.get("terms"), dict):
+        out.update({f"{TERM_TAGS}/{name}": v for name, v in rec["terms"].items() if _scalar(v)})
+        if _scalar(rec.get("loss_total")):
+            out[f"{TERM_TAGS}/total"] = rec["loss_total"]
+    return out
 
 
 class MetricsWriter:

@@ -1,6 +1,6 @@
 """The steps since the last log step: kept as device tensors, read on the host once, there.
 
-Per step: this rank's share of the loss, whether the update was skipped (no valid token in the
+Per step: this rank's share of the loss (and of each loss term the model adds), whether the update was skipped (no valid token in the
 global batch, a non-finite gradient norm, or a spike; decided on the device, the same on every
 rank), the gradient norm, the global valid-token count, the learning rate (a host number the
 scheduler already holds) and the spike guard's verdict when it is on. The log step sums the
@@ -39,6 +39,8 @@ class WindowRecord:
     lrs: list[float]  # each step's learning rate
     # The spike guard's [spike, value, threshold, spikes in a row] per step (None: guard off).
     guard: list[list[float] | None] | None = None
+    # each step's named loss terms the model adds, global like the loss ({}: none)
+    terms: list[dict[str, float]] | None = None
 
     @property
     def trained_losses(self) -> list[float]:
@@ -83,6 +85,10 @@ class WindowRecord:
                 self.steps, self.losses, self.skipped, self.grad_norms, self.tokens, self.lrs, strict=True
             )
         ]
+        for row, terms in zip(rows, self.terms or (), strict=False):
+            if terms:  # the model's own loss terms, and the loss it trained on: the sum
+                row["terms"] = None if row["skipped"] else terms
+                row["loss_total"] = None if row["skipped"] else row["loss"] + sum(terms.values())
         n = len(self.steps)
         tps = run.tokens_per_rank_step * n / max(window_s, 1e-9)
         log = rows[-1]
@@ -125,6 +131,7 @@ class StepWindow:
         self._norms: list[torch.Tensor] = []  # per step: [grad norm, valid tokens]
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
+        self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
 
     def add(
         self,
@@ -135,10 +142,23 @@ class StepWindow:
         skipped: torch.Tensor,
         lr: float,
         guard: torch.Tensor | None = None,
+        terms: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Record a step; every tensor stays on the device."""
+        """Record a step; every tensor stays on the device. `terms`: this rank's shares of the
+        model's named loss terms (the same names every step)."""
+        terms = terms or {}
+        if self._terms is None:  # the first step tells
+            self._terms = list(terms)
+        elif list(terms) != self._terms:
+            raise TrainingError(
+                f"step {step}: the model's loss terms are {list(terms)}, not {self._terms} as before; "
+                "a model returns the same named terms every training step"
+            )
         self._steps.append(step)
-        self._shares.append(torch.stack([loss_share, (~torch.isfinite(loss_share)).to(loss_share.dtype)]))
+        flag = (~torch.isfinite(loss_share)).to(loss_share.dtype)
+        self._shares.append(
+            torch.stack([loss_share, flag, *(terms[n].to(loss_share.dtype) for n in self._terms)])
+        )
         self._flags.append(torch.stack([tokens == 0, skipped]))
         self._norms.append(torch.stack([grad_norm.double(), tokens.double()]))
         self._lrs.append(lr)
@@ -156,14 +176,15 @@ class StepWindow:
         shared, flags, norms, *guard = readback([shared, torch.stack(self._flags), norms, *guarded])
         record = WindowRecord(
             steps=list(self._steps),
-            losses=[loss for loss, _ in shared],
-            nonfinite_ranks=[int(bad) for _, bad in shared],
+            losses=[loss for loss, *_ in shared],
+            nonfinite_ranks=[int(bad) for _, bad, *_ in shared],
             empty=[bool(e) for e, _ in flags],
             skipped=[bool(s) for _, s in flags],
             guard=guard[0] if guard else None,
             grad_norms=[norm for norm, _ in norms],
             tokens=[int(t) for _, t in norms],
             lrs=list(self._lrs),
+            terms=[dict(zip(self._terms, row[2:], strict=True)) for row in shared],
         )
         self.clear()
         return record

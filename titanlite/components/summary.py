@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import complete_steps, step_dir
+from titanlite.components.console import terms_text
 from titanlite.config.job_config import JobConfig
 from titanlite.diagnostics.alerts import history_note
 from titanlite.tools.formatting import fmt
@@ -99,6 +100,10 @@ def summary_lines(
         n = rec.get("loss_window_steps", 0)
         window = f" (mean over the last {n} steps {mean})" if n > 1 else ""
         lines.append(f"final loss {loss} at step {rec['step']}{window}")
+        if rec.get("terms"):
+            lines.append(
+                f"loss terms at step {rec['step']}: {terms_text(rec)} (the loss above is the cross entropy)"
+            )
     e, e0 = tally.last_eval, tally.start_eval
     if e is not None and e0 is not None and e is not e0:
         lines.append(

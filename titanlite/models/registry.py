@@ -19,11 +19,26 @@ contract for a registered model:
 - `model(tokens[B, S]) -> logits[B, S, vocab]`; for data.packing and data.document_mask also
   `model(tokens, positions=positions[B, S])`, each token's position within its document (0
   starts one; see titanlite.models.attention), else build_meta_model refuses those options;
-- for the loss in chunks (loss.chunk_logits_mib, which a large vocabulary needs):
+- the labels path, the one way a model that has it is trained and evaluated:
   `model(tokens, labels=labels[B, S], loss_chunk=n, positions=...)` -> each sequence's summed
-  cross entropy [B], the output projection run n positions at a time (0: all at once; see
+  cross entropy [B], the output projection run n positions at a time (0: the whole sequence as
+  one chunk; loss.chunk_logits_mib sets n at a large vocabulary; see
   titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample). A model without `labels` gets
   logits only, and a config whose logits would be chunked is refused in one line;
+- named loss terms: the labels path may return `(ce[B], {"aux": a[B], "z": z[B]})`, each term a
+  per-sequence sum that the trainer divides by the step's normaliser like the cross entropy,
+  adds to the loss it backpropagates and logs by name (metrics.jsonl, TensorBoard, the console,
+  the summary); the logged loss stays the cross entropy. A term is exact at every layout when
+  its sum over the step's sequences, divided by the step's valid tokens, is the term of the
+  whole global batch: titanlite.models.step gives the three patterns (per-token sums, statistics
+  of the whole step, the previous step's statistics) with an example each;
+- the step context: a forward that takes `step` gets a titanlite.models.step.StepContext in
+  training (the normaliser's group, the microbatch index, the accumulation count, the step's
+  valid tokens as a device tensor, a counted SUM all-reduce); None elsewhere. With
+  `step_statistics=True` in its ModelSpec the trainer first runs the forward without gradient
+  on every microbatch of the step with `step.counting` set, expecting this microbatch's
+  statistics (a 1-D tensor), and hands their sum over the step to every training forward as
+  `step.statistics`;
 - the root rule: the output head and the loss run inside the root module's own forward (as
   above), never in a submodule FSDP wraps on its own or in a function after forward returns:
   FSDP gathers the root's parameters (embedding, final norm, head) for the root's forward and
@@ -83,6 +98,7 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import extra_axes, loss_chunks
 from titanlite.errors import UserError
 from titanlite.models.hf_files import read_config
+from titanlite.models.step import LossPath
 from titanlite.tools.records import read_json
 
 
@@ -114,6 +130,9 @@ class ModelSpec:
     # the extra mesh axes (parallelism.axes) the model splits its sequences over (the contract's
     # sequence-split rule); an axis a config names and the model does not is refused
     axes: tuple[str, ...] = ()
+    # the step-statistics pass: the forward, without gradient and with step.counting set, on
+    # every microbatch before the step's first training forward (titanlite.models.step)
+    step_statistics: bool = False
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -152,8 +171,19 @@ class MetaModel:
     args: Any  # the flavor with vocab_size, max_seq_len (and dropout) filled in
     model: nn.Module
     flops_per_token: int  # training FLOPs per token; 0 if the model does not say
-    loss_chunk: int = 0  # training's loss chunk in positions (0: logits then loss); the plan's loss_chunks
+    loss_chunk: int = 0  # training's loss chunk in positions (0: the whole sequence); the plan's loss_chunks
     eval_loss_chunk: int = 0  # the same at eval's local batch
+
+    def loss_path(self, evaluating: bool = False) -> LossPath:
+        """How training (or eval) calls the model for its loss: the labels path whenever the
+        forward has one, the chunk a parameter of it."""
+        takes = inspect.signature(self.spec.model_cls.forward).parameters
+        return LossPath(
+            own={"labels", "loss_chunk"} <= takes.keys(),
+            chunk=self.eval_loss_chunk if evaluating else self.loss_chunk,
+            step="step" in takes and not evaluating,
+            statistics=self.spec.step_statistics and not evaluating,
+        )
 
 
 def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
@@ -241,6 +271,11 @@ def _check_capabilities(spec: ModelSpec, cfg: JobConfig, chunked: bool) -> None:
             f"parallelism.axes: model '{spec.name}' splits no sequence over '{undeclared[0]}' "
             f"(its ModelSpec.axes: {list(spec.axes)}); remove the axis, or declare it and split "
             "attention over it in the model (the sequence-split rule in titanlite/models/registry.py)"
+        )
+    if spec.step_statistics and "step" not in takes:
+        raise UserError(
+            f"model '{spec.name}' asks for step statistics (ModelSpec.step_statistics) but its forward takes "
+            "no step; give it forward(tokens, ..., step=None) (titanlite/models/step.py), or drop the flag"
         )
     if chunked and not {"labels", "loss_chunk"} <= takes.keys():
         raise UserError(

@@ -52,12 +52,12 @@ def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def saved_activations(
-    model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int
+    model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int, labels_path: bool = False
 ) -> SavedActivations:
     """What one sequence's forward and loss save for backward, traced on a copy of the meta
     model made of fake CPU tensors (no memory, no arithmetic): autograd's saved-tensor hooks see
     every tensor kept, counted once per storage and charged to the block running when it was
-    first saved. The kernels are those a CPU picks, so SDPA's flash kernel keeps no attention
+    first saved; through the model's labels path where it has one (`labels_path`). The kernels are those a CPU picks, so SDPA's flash kernel keeps no attention
     matrix, as flash kernels on a GPU do not. A fork's model is traced the same way; nothing
     about its layers is assumed but that its blocks are `model.layers`."""
     blocks = list(getattr(model, "layers", []))
@@ -94,8 +94,10 @@ def saved_activations(
         ]
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if 0 < loss_chunk < seq_len:
-                fake(tokens, labels=tokens, loss_chunk=loss_chunk)
+            if (
+                labels_path or 0 < loss_chunk < seq_len
+            ):  # the model's one loss path (titanlite.models.step.LossPath)
+                fake(tokens, labels=tokens, loss_chunk=loss_chunk if loss_chunk < seq_len else 0)
             else:
                 cross_entropy_per_sample(fake(tokens), tokens)
         for h in handles:
@@ -111,6 +113,13 @@ def saved_activations(
 
 
 ACTIVATION_FALLBACK = 34  # values per token per layer, x dim, where a forward cannot be traced
+# How rough that is, against the traced figure of titanlite's Llamas and the tests' forks:
+# tests/test_memory.py holds it to ROUGH_RANGE.
+ROUGH_RANGE = (0.9, 1.6)
+ROUGH = (
+    f"rough: {ACTIVATION_FALLBACK} x dim per token per layer, {ROUGH_RANGE[0]} to {ROUGH_RANGE[1]}x "
+    "the traced figure of the models it is checked on; the model's own activation_bytes() would replace it"
+)
 
 
 def activation_bytes(
@@ -121,24 +130,29 @@ def activation_bytes(
     checkpoint: str,
     dim: int,
     n_layers: int,
-) -> float:
-    """One sequence's activations kept for backward, under activation checkpointing `checkpoint`:
-    traced (saved_activations), or ACTIVATION_FALLBACK x dim values per token per layer (QKV,
-    attention out, norms, SwiGLU's projections) where the model's forward cannot run on fake
-    tensors (a data-dependent branch, a kernel with no fake implementation); that is logged."""
+    labels_path: bool = False,
+) -> tuple[float, str]:
+    """One sequence's activations kept for backward, under activation checkpointing `checkpoint`,
+    and where the figure comes from: traced (saved_activations); where the model's forward
+    cannot run on fake tensors (data-dependent shapes such as a router's dispatch, a kernel with
+    no fake implementation), the model's own `activation_bytes(seq_len, dtype) -> (bytes per
+    block, the rest)`, else ROUGH. Either of the last two is logged with the trace's error."""
     try:
-        saved = saved_activations(model, seq_len, dtype, loss_chunk)
-        blocks, rest, block_input = saved.blocks, saved.rest, saved.block_input
+        saved = saved_activations(model, seq_len, dtype, loss_chunk, labels_path)
+        blocks, rest, block_input, source = saved.blocks, saved.rest, saved.block_input, "traced"
     except Exception as e:  # a fork's forward; the estimate still stands, a little coarser
-        logger.info(
-            f"memory estimate: activations from {ACTIVATION_FALLBACK} x dim per token per layer "
-            f"(the forward did not trace on fake tensors: {type(e).__name__}: {e})"
-        )
-        blocks, rest = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers, 0
         block_input = seq_len * dim * dtype.itemsize
+        if hasattr(model, "activation_bytes"):
+            blocks, rest = model.activation_bytes(seq_len, dtype)
+            source = "the model's own activation_bytes()"
+        else:
+            blocks, rest, source = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers, 0, ROUGH
+        logger.info(
+            f"memory estimate: activations from {source} (the forward did not trace on fake tensors: {type(e).__name__}: {e})"
+        )
     one = max(blocks, default=0)
     if checkpoint == "full":  # each block's input, and one block's recomputed activations
-        return len(blocks) * block_input + one + rest
+        return len(blocks) * block_input + one + rest, source
     if checkpoint == "selective":  # matmul/attention outputs kept: about half, plus one block's rest
-        return (sum(blocks) + one) / 2 + rest
-    return sum(blocks) + rest
+        return (sum(blocks) + one) / 2 + rest, source
+    return sum(blocks) + rest, source

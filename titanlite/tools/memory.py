@@ -57,6 +57,7 @@ class MemoryEstimate:
     held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
     diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
     diagnostics_after_backward: bool = False  # exact's buffers peak once a unit's backward is done
+    activations_from: str = "traced"  # how the activations were estimated (tools/activations.py)
 
     @property
     def total_bytes(self) -> float:
@@ -70,7 +71,8 @@ class MemoryEstimate:
     def summary(self) -> str:
         return (
             f"{self.total_bytes / GiB:.2f} GiB (params+grads+AdamW {self.states_bytes / GiB:.2f}, "
-            f"gathered {self.gathered_bytes / GiB:.2f}, activations {self.activation_bytes / GiB:.2f}, "
+            f"gathered {self.gathered_bytes / GiB:.2f}, activations {self.activation_bytes / GiB:.2f} "
+            f"({self.activations_from}), "
             f"logits {self.logits_bytes / GiB:.2f}, held unsharded grads {self.held_grads_bytes / GiB:.2f}, "
             f"diagnostics {self.diagnostics_bytes / GiB:.2f}"
             + (", once backward is done)" if self.diagnostics_after_backward else ")")
@@ -139,6 +141,7 @@ def estimate_memory(
     diagnostics_bytes: float = 0.0,
     loss_positions: int | None = None,
     keep_gathered: bool = False,
+    labels_path: bool = False,
 ) -> MemoryEstimate:
     params = sum(p.numel() for p in model.parameters())
     param_bytes = param_dtype.itemsize
@@ -161,13 +164,30 @@ def estimate_memory(
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     positions = loss_positions or seq_len
     chunked = positions < seq_len
-    activations = local_batch * activation_bytes(
-        model, seq_len, param_dtype, positions if chunked else 0, activation_checkpoint, dim, n_layers
+    one, source = activation_bytes(
+        model,
+        seq_len,
+        param_dtype,
+        positions if chunked else 0,
+        activation_checkpoint,
+        dim,
+        n_layers,
+        labels_path,
     )
+    activations = local_batch * one
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
     logits = local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
-    return MemoryEstimate(params, states, gathered, activations, logits, held_grads_bytes, diagnostics_bytes)
+    return MemoryEstimate(
+        params,
+        states,
+        gathered,
+        activations,
+        logits,
+        held_grads_bytes,
+        diagnostics_bytes,
+        activations_from=source,
+    )
 
 
 def available_bytes(device: torch.device) -> tuple[float, str]:
@@ -229,6 +249,7 @@ def job_estimate(
         diagnostics_bytes=diag,
         loss_positions=min(meta.loss_chunk or piece, piece),
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
+        labels_path=meta.loss_path().own,
     )
     return dataclasses.replace(est, diagnostics_after_backward=layout.diagnostics_method == "exact")
 
