@@ -7,12 +7,14 @@
 For each world size, one torchrun of CPU ranks (gloo) runs every case inside one process group
 (titanlite/analysis/model_check.py): FSDP, DDP and HSDP at gradient accumulation 1 and 2 on a
 batch whose sequences hold very unequal numbers of valid labels, and packed documents with the
-loss in chunks where the model takes positions and labels. Each case's reduced gradient and
-logged loss are compared with one process's on the whole batch (packed: every document run on
-its own), and the initial weights with one process's. With --hf DIR, the model read from that
-Hugging Face folder through its adapter is compared with transformers' AutoModelForCausalLM of
-the folder in fp32 (logits, summed loss, every gradient), and its export must give back the
-folder's tensors bitwise. One verdict line per check.
+loss in chunks where the model takes positions and labels. Each case's reduced gradient, logged
+loss and every loss term the model adds (a line per term) are compared with one process's on
+the whole batch, through the model's own loss path (packed: every document run on its own), and
+the initial weights with one process's. With --hf DIR, the model read from that Hugging Face
+folder through its adapter is compared with transformers' AutoModelForCausalLM of the folder in
+fp32 (logits, summed loss, every gradient, by the names transformers saves: its experts fused in
+memory are one tensor each on disk), and its export must give back the folder's tensors bitwise.
+One verdict line per check.
 
 model.import_module is imported in every rank as Python finds it: on PYTHONPATH, to which this
 script adds the current directory. Exit status: 0 every check passed, 1 one failed (named),

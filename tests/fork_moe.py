@@ -95,8 +95,6 @@ class MoELM(nn.Module):
     """Token embedding, MoE blocks, final norm, head. The load-balancing loss: step statistics
     (pattern 2 of titanlite/models/step.py)."""
 
-    balance = "step"
-
     def __init__(self, args: MoEArgs) -> None:
         super().__init__()
         self.args = args

@@ -78,3 +78,31 @@ def test_an_hf_folder_matches_transformers_and_exports_back(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for check in ("hf logits", "hf summed loss", "hf gradients", "hf export round trip"):
         assert f"PASS  {check}: " in r.stdout, r.stdout
+
+
+def test_transformers_gradients_come_under_the_names_its_folders_use():
+    """transformers 5 keeps a mixture's experts fused in memory ([experts, 2 x hidden, dim]) and
+    saves one tensor per expert: check_model.py --hf compares gradients by the saved names (an
+    adapter's to_hf maps to those), through transformers' own conversion, and leaves the model's
+    weights as they were."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from titanlite.analysis.model_check import saved_gradients
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, 64, (2, 8))
+    model(tokens, labels=tokens).loss.backward()
+    grads = saved_gradients(model)
+    fused = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"].grad
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in grads
+    for e in range(4):
+        assert torch.equal(grads[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"], fused[e, :8])
+        assert torch.equal(grads[f"model.layers.0.mlp.experts.{e}.up_proj.weight"], fused[e, 8:])
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())

@@ -303,6 +303,11 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
                 f"the adapter's to_hf maps {name} to '{hf_name}', which transformers does not save "
                 f"(it saves e.g. {next(iter(hf_grads))}); map to the names of the folder's safetensors"
             )
+        if grad.shape != hf_grads[hf_name].shape:
+            raise UserError(
+                f"the adapter's to_hf gives {name} as {list(grad.shape)} but transformers saves '{hf_name}' as "
+                f"{list(hf_grads[hf_name].shape)}; to_hf must write the folder's layout (permutations, splits)"
+            )
         err = ((grad - hf_grads[hf_name]).norm() / hf_grads[hf_name].norm()).item()
         grad_err, worst = max((grad_err, worst), (err, hf_name))
     with tempfile.TemporaryDirectory() as tmp:

@@ -115,14 +115,20 @@ def sequence_losses(
     for a Microbatch (titanlite.datasets.build): training's and eval's maths, through the model's
     labels path whenever it has one (LossPath). `step`: the training step's context, for a model
     that takes it."""
-    extra = {} if batch.positions is None else {"positions": batch.positions}
-    if batch.keys is not None:
-        extra["sample_keys"] = batch.keys
+    extra = _inputs(batch)
     if step is not None and path.step:
         extra["step"] = step
     if path.own:
         return model_losses(model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra), batch)
     return SequenceLosses(cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels), {})
+
+
+def _inputs(batch: Microbatch) -> dict[str, torch.Tensor]:
+    """What a forward takes beside the tokens: packed positions, dropout keys."""
+    extra = {} if batch.positions is None else {"positions": batch.positions}
+    if batch.keys is not None:
+        extra["sample_keys"] = batch.keys
+    return extra
 
 
 def step_statistics(model: torch.nn.Module, micro: list[Microbatch], balancer: LossBalancer) -> torch.Tensor:
@@ -131,8 +137,8 @@ def step_statistics(model: torch.nn.Module, micro: list[Microbatch], balancer: L
     total = None
     with torch.no_grad():
         for m, batch in enumerate(micro):
-            extra = {} if batch.positions is None else {"positions": batch.positions}
-            out = model(batch.inputs, step=balancer.context(m, counting=True), **extra)
+            # the same inputs as the training forward: with dropout keyed by sample, the same masks
+            out = model(batch.inputs, step=balancer.context(m, counting=True), **_inputs(batch))
             if not isinstance(out, torch.Tensor) or out.ndim != 1:
                 raise TrainingError(
                     f"the model's statistics pass returned {getattr(out, 'shape', type(out).__name__)}; with "
