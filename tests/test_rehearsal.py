@@ -71,9 +71,14 @@ def test_tensor_memory_falls_with_w_as_the_estimate_says(runs):
     for name, report in r.items():  # the estimate stays above the peak, and within 20% of it
         if name not in ("cp2-8", "cp4-8"):  # (a model's own sequence exchange is not traced: see its test)
             assert report["peak_bytes"] < report["estimate_bytes"] <= 1.2 * report["peak_bytes"], name
-    # the activations it traced are those the tracker finds alive at a real 2-rank step's peak
+    # the activations it traced are those the tracker finds alive at a real 2-rank step's peak. The
+    # tracker files a gathered weight that no module's own forward reads (Llama's head, used by the
+    # loss inside the root's forward) under Activation: what Parameter lacks of the params kept
+    # gathered whole plus this rank's shard (world 2: no padding) goes back to Parameter.
     traced = r["2"]["estimate_parts"]["activation_bytes"]
-    assert traced == pytest.approx(runs["real"]["peak_parts"]["Activation"], rel=0.01)
+    real = runs["real"]["peak_parts"]
+    misfiled = runs["padded"]["2"] * 4 * (1 + 1 / 2) - real["Parameter"]
+    assert 0 <= misfiled <= params * 4 and traced == pytest.approx(real["Activation"] - misfiled, rel=0.01)
 
 
 def test_a_step_of_several_microbatches_is_tracked(runs):
