@@ -7,7 +7,8 @@ Run under torchrun at one world size: `python -m titanlite.analysis.model_check 
 VALUE ...]` loops over every case inside one process group and writes rank 0's results to OUT.
 Each case builds the model as the trainer does (build_meta_model, the spec's parallelize_fn,
 materialize), runs the production forward_backward on this rank's share of a fixed global batch,
-and compares the full reduced gradient with one process's on the whole batch. The batch's
+and compares the full reduced gradient, the logged loss and each loss term the model adds with
+one process's on the whole batch, through the model's own loss path. The batch's
 sequences hold very unequal numbers of valid labels (none to all), so a loss normalised by any
 local count is caught; packed cases put 2-4 documents in a sequence, whose reference runs each
 document as a sequence of its own, so attention leaking across documents is caught; the loss in

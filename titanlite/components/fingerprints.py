@@ -2,14 +2,15 @@
 titanlite.analysis.localize compares between two layouts to name where they part.
 
 A fingerprint summarises a tensor per sequence by (sum, sum of squares, sum of |x|) over the
-sequence's elements: each module's forward output, and the gradient that backward brings to
-it; an output whose first dimension is the microbatch's tokens ([B*S, ...], a router reading
-the tokens flattened) is read as [B, S, ...]. Sums add over any split of a sequence's elements, so the pieces of a sequence that ranks
-hold between them (context parallelism) add up to the whole sequence's fingerprint; a sequence
-is named by its place in the step's global batch (the sampler's stream position), which no
-layout changes. The reduced gradient of each parameter is summarised whole, as every rank holds
-it after the reduction. Rank 0 gathers all ranks' records, summing the pieces of a sequence, and
-writes them with the order in which its first microbatch's forward and backward reached them.
+sequence's elements: each module's forward output, and the gradient that backward brings to it;
+an output whose first dimension is the microbatch's tokens ([B*S, ...], a router reading the
+tokens flattened) is read as [B, S, ...]. Sums add over any split of a sequence's elements, so
+the pieces of a sequence that ranks hold between them (context parallelism) add up to the whole
+sequence's fingerprint; a sequence is named by its place in the step's global batch (the
+sampler's stream position), which no layout changes. The reduced gradient of each parameter is
+summarised whole, as every rank holds it after the reduction. Rank 0 gathers all ranks' records,
+summing the pieces of a sequence, and writes them with the order in which its first microbatch's
+forward and backward reached them.
 
 Recording is host work on one debug step only: it reads every fingerprint as it is made.
 """

@@ -81,7 +81,7 @@ class Debug:
     fingerprint_step: int = opt(
         -1,
         "write per-module fingerprints of this step into <run folder>/fingerprints.json "
-        "(scripts/invariance.py --localize compares two layouts' files)",
+        "(scripts/invariance.py records step 1's: its gradient verdict and --localize compare two layouts' files)",
     )
     stop_after_step: int = opt(
         -1,
