@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import REPO
 
@@ -251,3 +252,27 @@ def test_step_statistics_need_a_forward_that_takes_the_step():
     cfg.model.name = "fork_moe_stepless"
     with pytest.raises(UserError, match="asks for step statistics .* but its forward takes no step"):
         build_meta_model(cfg, 64)
+
+
+def test_the_step_contexts_all_reduce_is_a_counted_collective_on_the_normalisers_group():
+    """StepContext.all_reduce is a SUM over the normaliser's group that the instrument (and so the
+    rehearsal's meter) counts; with one rank it is no collective. On torch's fake group of 4."""
+    from titanlite.distributed.groups import FAKE, fake_store
+    from titanlite.tools.instrument import CollectiveCounter
+
+    dist.init_process_group(FAKE, store=fake_store(), rank=0, world_size=4)
+    try:
+        balancer = LossBalancer("global", dist.group.WORLD, 4, 2)
+        balancer.begin_step([torch.zeros(1, 3, dtype=torch.long)] * 2)
+        step = balancer.context(1)
+        assert (step.ranks, step.micro, step.accum, step.counting, step.statistics) == (4, 1, 2, False, None)
+        with CollectiveCounter() as counted:
+            step.all_reduce(torch.ones(3))
+        assert sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == 1
+        alone = LossBalancer("global", None, 1, 1)
+        alone.begin_step([torch.zeros(1, 3, dtype=torch.long)])
+        with CollectiveCounter() as counted:
+            assert torch.equal(alone.context(0).all_reduce(torch.ones(3)), torch.ones(3))
+        assert not counted.counts
+    finally:
+        dist.destroy_process_group()
