@@ -269,6 +269,13 @@ def test_the_step_contexts_all_reduce_is_a_counted_collective_on_the_normalisers
         with CollectiveCounter() as counted:
             step.all_reduce(torch.ones(3))
         assert sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == 1
+        # step statistics ride the token count's all-reduce when they are integers (counts), and
+        # take a second one beside it otherwise
+        for stats, reductions in ((torch.ones(3, dtype=torch.long), 1), (torch.ones(3), 2)):
+            with CollectiveCounter() as counted:
+                balancer.begin_step([torch.zeros(1, 3, dtype=torch.long)] * 2, stats)
+            assert sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == reductions
+            assert balancer.statistics().shape == (3,) and balancer.global_tokens().shape == ()
         alone = LossBalancer("global", None, 1, 1)
         alone.begin_step([torch.zeros(1, 3, dtype=torch.long)])
         with CollectiveCounter() as counted:

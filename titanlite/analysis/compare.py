@@ -253,7 +253,13 @@ class Comparison:
             why = f"{a} vs {b}" if rel is None else f"{a:.8g} vs {b:.8g}, relative {rel:.3g}"
             what = "" if curve == "loss" else f", loss term {curve}"
             line = f"FAIL {head}; first step beyond rtol {self.rtol_at(bad):.3g}: {bad.step} ({why}{what})"
-        return line if self.gradient is None else f"{line}\n{self.gradient.line()}"
+        if self.gradient is not None:
+            return f"{line}\n{self.gradient.line()}"
+        lacking = [r.name for r in (self.ref, self.other) if r.fingerprints is None]
+        return (
+            f"{line}\n(gradient not judged: {' and '.join(lacking)} recorded no fingerprints; "
+            "scripts/invariance.py has every run record step 1's)"
+        )
 
 
 def compare(
