@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Train with torchrun.  ./run_train.sh [--config FILE] [--section.key value ...]
+#   relative paths (the config's, the flags') mean the folder you run it from
 #   --help        every config key with its type, default and doc
 #   --rehearse W  rehearse the run as one rank of W on this machine: per-rank memory, compute,
 #                 traffic and diagnostics cost, no training (README: "Plan a cluster run")
@@ -11,27 +12,14 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node (static rendezvous; name the run)
 # Ctrl-C / SIGTERM: the step finishes, a checkpoint is written, exit 128+signal; twice: at once.
 set -euo pipefail
+caller="$PWD"  # relative paths in the words below mean this folder (titanlite/config/paths.py)
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source scripts/env.sh
 
-for arg in "$@"; do
-    case "$arg" in -h | --help) exec "$PY" -m titanlite.preflight --help ;; esac
-done
-
-args=()
-while (($#)); do  # --rehearse W: the cluster rehearsal, --rehearsal.world W (titanlite/rehearsal)
-    case "$1" in
-        --rehearse) args+=(--rehearsal.world "${2:-}"); shift $(($# > 1 ? 2 : 1)) ;;
-        --rehearse=*) args+=(--rehearsal.world "${1#--rehearse=}"); shift ;;
-        *) args+=("$1"); shift ;;
-    esac
-done
-case " ${args[*]} " in
-    *" --config "* | *" --config="*) ;;
-    *) args=(--config train_configs/debug_model.toml "${args[@]}") ;;
-esac
-
-# The launcher reads NGPU, NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, LOG_RANK,
-# MAX_RESTARTS (titanlite/components/run/environment.py: one line, exit 2, if one is wrong),
-# checks the config, fixes the run folder, locks it, then runs torchrun's agent: titanlite/launch.py.
-exec "$PY" -m titanlite.launch --from-env "${args[@]}"
+# The words go to Python untouched: which config applies (the default
+# train_configs/debug_model.toml, one --config), --rehearse W and every override are read in one
+# place, titanlite/config/command_line.py. The launcher reads NGPU, NPROC, NNODES, NODE_RANK,
+# MASTER_ADDR, MASTER_PORT, LOG_RANK, MAX_RESTARTS (titanlite/components/run/environment.py: one
+# line, exit 2, if one is wrong), checks the config, fixes the run folder, locks it, then runs
+# torchrun's agent: titanlite/launch.py.
+exec "$PY" -m titanlite.launch --from-env --caller-cwd "$caller" "$@"

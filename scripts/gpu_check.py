@@ -387,7 +387,8 @@ def check_determinism(shapes: Shapes, out: Path, steps: int) -> dict:
 
 def check_accum(shapes: Shapes, out: Path) -> dict:
     """Accumulation 1 vs 4 over the same global batch of 4 sequences, built-in data."""
-    from titanlite.analysis.compare import compare, load_run
+    from titanlite.analysis.compare import compare
+    from titanlite.analysis.runs import load_run
     from titanlite.analysis.tolerance import default_tolerance
 
     common = ["--training.global_batch_size", "4", "--training.steps", str(shapes.accum_steps)]

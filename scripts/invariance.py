@@ -52,8 +52,9 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
-from titanlite.analysis.compare import compare, load_run, report  # noqa: E402
+from titanlite.analysis.compare import compare, report  # noqa: E402
 from titanlite.analysis.localize import base_flags, first_divergence, read, step_flags  # noqa: E402
+from titanlite.analysis.runs import load_run  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402

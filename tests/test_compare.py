@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from helpers import load_script
 
-from titanlite.analysis.compare import compare, load_run
+from titanlite.analysis.compare import compare
+from titanlite.analysis.runs import load_run
 from titanlite.analysis.tolerance import DEFAULT_TOLERANCE, Tolerance, default_tolerance
 from titanlite.config import load_config
 from titanlite.config.manager import to_toml

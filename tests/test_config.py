@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanlite.analysis.compare import load_run
+from titanlite.analysis.runs import load_run
 from titanlite.config import load_config, parse_args
 from titanlite.config.job_config import Alerts, JobConfig
 from titanlite.config.layout import resolve_layout

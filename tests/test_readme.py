@@ -63,8 +63,10 @@ COMMANDS = {
         "NPROC=4 ./run_train.sh --parallelism.dp_replicate 2 --training.local_batch_size 2": f"short: {TRAIN}",
         "sbatch --nodes 4 scripts/train.slurm --config train_configs/llama_1b.toml": "skip: a SLURM cluster "
         "(tests/test_operations.py runs scripts/train.slurm's two tasks here)",
-        "./run_train.sh --rehearse 64": "skip: tests/test_rehearsal.py runs ./run_train.sh --rehearse 16",
-        "./run_train.sh --rehearse 1024 --config train_configs/llama_8b.toml": GPU,
+        "./run_train.sh --rehearse 64": "short: --rehearsal.steps 3",
+        # the README's 8B command at a size a CPU holds: its 1,024 ranks, config and data, a small model
+        "./run_train.sh --rehearse 1024 --config train_configs/llama_8b.toml": "short: --model.flavor debugmodel "
+        "--model.builtin_vocab_size 2048 --training.seq_len 512 --rehearsal.steps 3",
     },
     "scripts/README.md": {
         "./scripts/invariance.py --config train_configs/debug_sft.toml --dp 8 16 --steps 30 "
@@ -195,6 +197,8 @@ def test_readme_commands_run_from_a_fresh_copy(tmp_path):
                 ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300
             )
             assert proc.returncode == 0, f"{readme}: {command}\nexit {proc.returncode}\n{proc.stderr[-3000:]}"
+            if "--rehearse" in command:  # a rehearsal ends in its verdict
+                assert re.search(r"fits an? [\d.]+ GB device: (yes|no)", proc.stderr), proc.stderr[-2000:]
             ran += 1
     assert ran >= 12
     assert (root / "outputs/same-data/events.jsonl").read_text().count("identical_data") >= 1

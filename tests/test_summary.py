@@ -152,10 +152,8 @@ def test_startup_notes_name_what_is_on(tmp_path: Path):
     assert startup_notes(cfg, 4) == []
     # 100 steps: too few for the trend rule at dp=4 (at dp=2 the dp=2 note names it)
     (trend,) = startup_notes(load_config(None, ["--training.steps", "100"]), 4)
-    assert trend.startswith(
-        "diagnostics: this run is short for some alerts: 100 measured step(s) are too few"
-    )
-    assert "of dispersion_rising_loss_falling from measured step 120 " in trend, trend
+    assert trend.startswith("diagnostics: 100 measured step(s) are too few for some alerts"), trend
+    assert ": dispersion_rising_loss_falling from measured step 120;" in trend, trend
     (short,) = startup_notes(load_config(None, ["--training.steps", "20"]), 4)
     assert "identical_data" in short and "from measured step 21" in short, short
     notes = startup_notes(
@@ -163,9 +161,10 @@ def test_startup_notes_name_what_is_on(tmp_path: Path):
     )
     assert notes[0].startswith("[debug] is set (corrupt_labels_rank = 1): ")
     assert notes[1].startswith(
-        "diagnostics: at dp=2 the alerts dispersion_spike, dispersion_rising_loss_falling"
+        "diagnostics: with 2 data-parallel ranks the alerts that compare ranks with each other "
+        "(dispersion_spike, dispersion_rising_loss_falling"
     )
-    assert "a rank whose loss or gradient norm leaves its own history is still named" in notes[1]
+    assert "each rank is still checked against its own history" in notes[1]
     assert len(notes) == 2
     # one sequence per rank per step (the debug config's batch of 8 at dp=8): the rank test cannot fire
     (few,) = startup_notes(cfg, 8)

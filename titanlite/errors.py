@@ -8,7 +8,11 @@ exit 4    LostRank       a rank stopped responding: a restart (MAX_RESTARTS) may
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
+import traceback
+from collections.abc import Iterator
 
 EXIT_USER, EXIT_TRAINING, EXIT_LOST_RANK = 2, 3, 4
 # how a stop by signal before the loop ends its line; the launcher then removes what the launch made
@@ -54,3 +58,28 @@ def first_line(e: BaseException) -> str:
     """An exception's first message line, for one-line errors (its type when it has no message)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+# Set (to anything) to see the traceback behind a one-line error from code or files titanlite
+# does not own (`foreign`); a worker's also lands in its log in the run folder.
+TRACEBACK_ENV = "TITANLITE_TRACEBACK"
+
+
+@contextlib.contextmanager
+def foreign(origin: str, fix: str) -> Iterator[None]:
+    """The boundary to what titanlite does not own (a fork's module and model, a file a script
+    reads, a value's parse): any exception inside, or an exit, becomes one UserError naming
+    `origin`, what it raised, and `fix`. KeyboardInterrupt passes: it is a stop, not a fault."""
+    try:
+        yield
+    except ENDINGS:
+        raise
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the boundary: anything a user's code raises
+        if os.environ.get(TRACEBACK_ENV):
+            traceback.print_exc()
+        what = (
+            f"exited with code {e.code}"
+            if isinstance(e, SystemExit)
+            else f"raised {type(e).__name__}: {first_line(e)}"
+        )
+        raise UserError(f"{origin} {what}; {fix} (set {TRACEBACK_ENV}=1 for its traceback)") from None

@@ -1,6 +1,9 @@
 """torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
-[train args]`, or (run_train.sh) `python -m titanlite.launch --from-env [train args]`, torchrun's
-arguments then read from NPROC, NNODES, ... (titanlite.components.run.environment).
+[train args]`, or (run_train.sh) `python -m titanlite.launch --from-env --caller-cwd DIR [train
+args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.environment).
+The train args are the command line's words (titanlite.config.command_line: the default config,
+one --config, --rehearse); `--caller-cwd` is the folder the user ran the command in, which
+relative paths mean (titanlite.config.paths) and where a fork's module may live.
 
 Before any worker starts: every check that needs no worker (titanlite.preflight), the run
 folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
@@ -38,6 +41,16 @@ def _stopped_while_importing(signum: int, frame) -> None:
 for _sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_sig, _stopped_while_importing)
 
+if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before torch is imported
+    from titanlite.config.command_line import wants_help
+    from titanlite.config.manager import config_help
+
+    if wants_help(sys.argv[2:][2 if sys.argv[2:3] == ["--caller-cwd"] else 0 :]):
+        from titanlite.preflight import USAGE
+
+        print(config_help(USAGE))
+        sys.exit(0)
+
 # the rest after the handler: importing torch takes seconds
 import contextlib
 import logging
@@ -57,7 +70,9 @@ from titanlite.components.run.environment import torchrun_args
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
 from titanlite.config import JobConfig
+from titanlite.config.command_line import launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
+from titanlite.config.paths import CALLER_ENV
 from titanlite.errors import ENDINGS, EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError, report
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
@@ -255,6 +270,26 @@ def _standalone(args) -> None:
         args.master_port = 29500
 
 
+def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
+    """(--from-env given, the rest) after the launcher's own leading options; --caller-cwd DIR
+    becomes the workers' caller folder (relative paths are read there; a fork's module may live
+    there)."""
+    from_env = False
+    while argv[:1] in (["--from-env"], ["--caller-cwd"]):
+        if argv[0] == "--from-env":
+            from_env, argv = True, argv[1:]
+            continue
+        if len(argv) < 2 or not Path(argv[1]).is_dir():
+            raise UserError(f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}")
+        caller = str(Path(argv[1]).absolute())
+        os.environ[CALLER_ENV] = caller
+        if caller not in sys.path:  # a fork's module beside the user's config (model.import_module)
+            sys.path.append(caller)
+            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), caller) if p)
+        argv = argv[2:]
+    return from_env, argv
+
+
 def main(argv: list[str]) -> int:
     init_logging()  # the launcher's own warnings (a stale run lock taken over) look like the workers'
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -264,11 +299,13 @@ def main(argv: list[str]) -> int:
     launcher_api.LocalElasticAgent = _Agent
     lock, made, log_dir, code, early = None, None, None, 1, False
     try:
-        if argv[:1] == ["--from-env"]:  # run_train.sh: torchrun's arguments from the environment
+        from_env, argv = _launcher_options(argv)
+        if from_env:  # run_train.sh: torchrun's arguments from the environment
             rdzv, env = torchrun_args(os.environ)
             os.environ.update(env)
-            argv = [*rdzv, "-m", "titanlite.train", *argv[1:]]
+            argv = [*rdzv, "-m", "titanlite.train", *argv]
         args = get_args_parser().parse_args(argv)
+        args.training_script_args = launcher_words(args.training_script_args)
         world, nnodes = _world_size(args)
 
         def hold(cfg: JobConfig, run_dir: Path) -> None:

@@ -31,8 +31,17 @@ from titanlite.components.run.plan import (
     run_folder,
 )
 from titanlite.config import JobConfig
-from titanlite.config.manager import NOTES_SHOWN_ENV, config_help, parse_args, wants_help
-from titanlite.datasets.spec import check_data_files, check_data_tokenizer, data_identity
+from titanlite.config.command_line import parse_args, wants_help
+from titanlite.config.fields import whole_number
+from titanlite.config.layout import mesh_text
+from titanlite.config.manager import NOTES_SHOWN_ENV, config_help
+from titanlite.datasets.spec import (
+    check_data_files,
+    check_data_tokenizer,
+    data_identity,
+    eval_is_training_data,
+    parse_data_path,
+)
 from titanlite.diagnostics.alerts import history_note
 from titanlite.diagnostics.rules import silent_rules_note
 from titanlite.errors import UserError
@@ -41,7 +50,9 @@ from titanlite.tools.records import read_json
 from titanlite.validation import validate
 
 USAGE = """usage: ./run_train.sh [--config FILE] [--section.key VALUE ...]
-Trains with torchrun on this node (default config: train_configs/debug_model.toml).
+Trains with torchrun on this node (default config: train_configs/debug_model.toml); a relative
+path (a flag's, the config's) means the folder you run it from. --rehearse W: a rehearsal of the
+run as rank 0 of W ranks (1 to 65,536), no training.
 Environment: NGPU / NPROC ranks on this node (default: the GPU count, else 2 CPU ranks);
 LOG_RANK local ranks that print (default 0, e.g. 0,1; every rank's log is in <run>/logs);
 MAX_RESTARTS restarts of a failed worker group, which resume from the last checkpoint (one node);
@@ -72,7 +83,8 @@ def plan_run(
     """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock) once its name is fixed;
     without it, a folder a live run holds is refused. Either way that comes before its
     checkpoints are read, which a live run may be writing and pruning."""
-    cfg, path = parse_args(argv)
+    config_notes: list[str] = []  # said after the run's own lines, once every check passed
+    cfg, path = parse_args(argv, config_notes)
     layout = validate(cfg, cfg.rehearsal.world or world_size)  # a rehearsal's world is the one it rehearses
     check_data_files(cfg)
     check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
@@ -97,9 +109,49 @@ def plan_run(
         if check_space:
             check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
     if not os.environ.get(NOTES_SHOWN_ENV):  # once every check passed: a refusal stays one line
-        for note in startup_notes(cfg, layout.dp):
+        print(f"titanlite: {plan_line(cfg, layout, n, world_size)}", file=sys.stderr)
+        print(f"titanlite: reads {'; '.join(inputs(cfg, path))}", file=sys.stderr)
+        for note in config_notes + startup_notes(cfg, layout.dp):
             print(f"titanlite: note: {note}", file=sys.stderr)
     return RunPlan(cfg, run_dir, resume)
+
+
+def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
+    """The run in one line, first on the console: the model, the mesh, the ranks and where they run."""
+    model = f"{cfg.model.name} {'from ' + cfg.model.hf_assets_path if cfg.model.hf_assets_path else cfg.model.flavor}"
+    model += f" ({params / 1e6:,.1f}M parameters)"
+    mesh = mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))
+    if cfg.rehearsal.world:
+        return f"rehearsing {model} on {mesh} as rank 0 of {cfg.rehearsal.world:,} ranks, in one process here"
+    ranks = f"{world_size} GPU rank(s)" if _has_cuda() else f"{world_size} CPU rank(s) (no GPU here)"
+    return f"training {model} on {mesh}: {ranks}, {cfg.training.steps:,} step(s)"
+
+
+def inputs(cfg: JobConfig, path: str | None) -> list[str]:
+    """What the run reads, each by its absolute path (relative ones are the caller's folder's:
+    titanlite.config.paths)."""
+
+    def where(value: str) -> str:
+        return str(Path(value).expanduser().absolute())
+
+    data = ", ".join(where(n) + (f" ({w:.0%})" if w != 1 else "") for n, w in parse_data_path(cfg.data.path))
+    out = [
+        f"config {where(path) if path else '(built-in defaults)'}",
+        f"data {data or '(built-in stdlib text)'}",
+    ]
+    if cfg.eval.path:
+        out.append(f"eval data {where(cfg.eval.path)}")
+    if cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path:
+        out.append(f"initial weights {where(cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path)}")
+    if cfg.model.tokenizer_path:
+        out.append(f"tokenizer {where(cfg.model.tokenizer_path)}")
+    return out
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
@@ -115,7 +167,12 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         notes.append(f"diagnostics: {silent}")
     measured = cfg.diagnostics.measured_steps(cfg.training.steps)
     if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):
-        notes.append(f"diagnostics: this run is short for some alerts: {short}")
+        notes.append(f"diagnostics: {short}")
+    if cfg.eval.path and (same := eval_is_training_data(cfg)) is not None:
+        notes.append(
+            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a "
+            "held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
+        )
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
         trained = read_json(config).get("max_position_embeddings") or 0
@@ -177,7 +234,7 @@ def main(argv: list[str]) -> int:
         print(config_help(USAGE))
         return 0
     try:
-        if len(argv) < 2 or argv[0] != "--world-size" or not argv[1].isdigit():
+        if len(argv) < 2 or argv[0] != "--world-size" or not whole_number(argv[1]):
             raise UserError("usage: python -m titanlite.preflight --world-size N [--config FILE] [overrides]")
         plan_run(argv[2:], int(argv[1]), check_space=False)
     except UserError as e:

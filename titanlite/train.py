@@ -29,9 +29,8 @@ from titanlite.components.run.plan import checkpoint_folder, trace_folder
 from titanlite.components.run.stop import StopSignals
 from titanlite.components.spike_guard import SpikeGuard
 from titanlite.components.step_window import RunRates, StepWindow
-from titanlite.config import JobConfig, parse_args
+from titanlite.config import JobConfig, config_help, parse_args, wants_help
 from titanlite.config.fields import due
-from titanlite.config.manager import config_help, wants_help
 from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.datasets.spec import check_data_files

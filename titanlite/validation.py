@@ -130,6 +130,11 @@ def check_documents_and_eval(cfg: JobConfig) -> None:
         )
     if not 0.0 <= e.fraction <= 0.5:
         raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
+    if e.path and e.fraction:
+        raise UserError(
+            f"eval.path and eval.fraction = {e.fraction:g} are both set: the eval set is eval.path's, so the "
+            "fraction would leave training data unused; set one of them"
+        )
     if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
         raise UserError(
             "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"

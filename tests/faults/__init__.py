@@ -8,6 +8,7 @@ from faults import (  # noqa: F401 - each module registers its cases
     cases_checkpoint,
     cases_config,
     cases_data,
+    cases_doors,
     cases_hf,
     cases_run_folder,
     cases_scripts,

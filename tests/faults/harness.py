@@ -71,9 +71,9 @@ class Live:
     """A command running in a session of its own (so a signal to its group is a Ctrl-C), its
     output collected as it comes."""
 
-    def __init__(self, cmd: list[str], env: dict) -> None:
+    def __init__(self, cmd: list[str], env: dict, cwd: Path = REPO) -> None:
         self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,
         )  # fmt: skip
         self.out: list[str] = []
@@ -139,20 +139,55 @@ class Catalogue:
         return ["--job.dump_folder", str(dump), "--job.run_name", run_name, *SMALL, *args]
 
     def start(
-        self, dump: Path, args: tuple[str, ...], run_name: str = "run", env: dict | None = None
+        self,
+        dump: Path,
+        args: tuple[str, ...],
+        run_name: str = "run",
+        env: dict | None = None,
+        cwd: Path = REPO,
     ) -> Live:
-        """./run_train.sh with the case's arguments, as a user starts it."""
-        return Live(["./run_train.sh", *self.argv(dump, run_name, args)], {**self.env, **(env or {})})
+        """run_train.sh with the case's arguments, as a user starts it (from `cwd`)."""
+        cmd = [str(REPO / "run_train.sh"), *self.argv(dump, run_name, args)]
+        return Live(cmd, {**self.env, **(env or {})}, cwd)
 
     def run(
-        self, dump: Path, args: tuple[str, ...], run_name: str = "run", env: dict | None = None
+        self,
+        dump: Path,
+        args: tuple[str, ...],
+        run_name: str = "run",
+        env: dict | None = None,
+        cwd: Path = REPO,
     ) -> Result:
-        """One launch, to its end: through ./run_train.sh, or for a cheap catalogue in this
+        """One launch, to its end: through run_train.sh, or for a cheap catalogue in this
         process (a launch that would start workers is then BROKE: the preflight should have
         stopped it)."""
         if self.cheap and not env:
-            return in_process(self.argv(dump, run_name, args), self.nproc)
-        return self.start(dump, args, run_name, env).finish()
+            return in_process(self.argv(dump, run_name, args), self.nproc, cwd)
+        return self.start(dump, args, run_name, env, cwd).finish()
+
+    def planned(self, name: str, args: tuple[str, ...], cwd: Path = REPO) -> tuple[Result, dict]:
+        """The config a launch runs with, {"section.key": value} ({} if it ran none), and what it
+        printed: for a cheap catalogue what the launcher hands its workers (in this process,
+        stopped there); else a one-step run's config.toml."""
+        from titanlite.config import load_config, parse_args
+        from titanlite.config.paths import CALLER_ENV
+
+        dump = self.dump(name)
+        argv = self.argv(dump, "run", args)
+        if self.cheap:
+            r, workers_argv = in_process(argv, self.nproc, cwd, stop_at_workers=True)
+            os.environ[CALLER_ENV] = str(cwd)  # as the workers have it
+            try:
+                cfg = parse_args(workers_argv)[0] if workers_argv is not None else None
+            finally:
+                os.environ.pop(CALLER_ENV)
+        else:
+            r = Live([str(REPO / "run_train.sh"), *argv, "--training.steps", "1"], self.env, cwd).finish()
+            saved = dump / "run" / "config.toml"
+            cfg = load_config(str(saved)) if r.code == 0 and saved.is_file() else None
+        if cfg is None:
+            return r, {}
+        return r, {f"{s}.{k}": v for s, table in vars(cfg).items() for k, v in vars(table).items()}
 
     def script(self, name: str, *args: str, env: dict | None = None, timeout: float = 300) -> Result:
         """scripts/<name>.py with `args`, to its end, as a user runs it."""
@@ -169,25 +204,31 @@ class Catalogue:
         return self._made[key]
 
 
-def in_process(args: list[str], nproc: int) -> Result:
-    """titanlite.launch's main as run_train.sh calls it, in this process, stopped where it would
-    start the workers."""
+def in_process(args: list[str], nproc: int, cwd: Path = REPO, stop_at_workers: bool = False):
+    """titanlite.launch's main as run_train.sh calls it from `cwd`, in this process, stopped
+    where it would start the workers (that is BROKE, or with `stop_at_workers` the point: then
+    (Result, the workers' arguments or None) is returned)."""
     import torch.distributed.launcher.api as launcher_api
 
     from titanlite import launch
 
-    if "--config" not in args:
-        args = ["--config", "train_configs/debug_model.toml", *args]
-    argv = ["--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "0", "-m", "titanlite.train"]
+    argv = ["--caller-cwd", str(cwd), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "0"]
+    argv += ["-m", "titanlite.train"]
+    seen: dict[str, list[str]] = {}
 
-    def reached(*_a, **_k):
-        raise RuntimeError("reached the workers")
+    def reached(config, entrypoint):
+        def launch_with(*cmd_args):
+            seen["argv"] = list(cmd_args)[list(cmd_args).index("titanlite.train") + 1 :]
+            raise RuntimeError("reached the workers")
+
+        return launch_with
 
     err, out = io.StringIO(), io.StringIO()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    saved_env, saved_path = dict(os.environ), list(sys.path)  # the launcher's caller folder
     real = launcher_api.elastic_launch
     launcher_api.elastic_launch = reached
-    cwd = os.getcwd()
+    here = os.getcwd()
     try:
         os.chdir(REPO)
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
@@ -195,13 +236,19 @@ def in_process(args: list[str], nproc: int) -> Result:
     except RuntimeError as e:
         if "reached the workers" not in str(e):
             raise
-        raise Broke("not stopped before the workers (the preflight let it through)") from None
+        if not stop_at_workers:
+            raise Broke("not stopped before the workers (the preflight let it through)") from None
+        code = 0
     finally:
-        os.chdir(cwd)
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.path[:] = saved_path
         launcher_api.elastic_launch = real
         for s, h in handlers.items():
             signal.signal(s, h)
-    return Result(code, out.getvalue(), err.getvalue())
+    r = Result(code, out.getvalue(), err.getvalue())
+    return (r, seen.get("argv")) if stop_at_workers else r
 
 
 # ---- what a promise is -----------------------------------------------------------------------------

@@ -22,19 +22,14 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from titanlite.analysis.gradients import GradientCheck, gradient_check
 from titanlite.analysis.plots import plot_invariance
+from titanlite.analysis.runs import Run
 from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
-from titanlite.components.fingerprints import FILE
 from titanlite.config.identity import IDENTITY_KEYS
-from titanlite.config.job_config import JobConfig
-from titanlite.config.layout import mesh_text
-from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
-from titanlite.tools.records import read_json, read_records
 
 # Expected to differ between the runs of an invariance comparison.
 LAYOUT = (
@@ -58,77 +53,6 @@ DIAG_KEYS = ("loss_std", "cos_mean_pairwise")
 
 def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
     return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
-
-
-@dataclass
-class Run:
-    path: Path
-    config: dict[str, Any]  # flat "section.key" -> value
-    resolved: dict[str, Any]  # run.json ({} if the run predates it)
-    metrics: dict[int, dict]  # step -> metrics record
-    diag: dict[int, dict]  # step -> diagnostics record
-    evals: dict[int, dict] = field(default_factory=dict)  # step -> held-out eval record
-    fingerprints: dict | None = None  # fingerprints.json (debug.fingerprint_step), if written
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def layout(self) -> str:
-        r = self.resolved
-        if not r:
-            return "?"
-        return (
-            f"{mesh_text(r['mode'], r['dp_replicate'], r['dp_shard'], r.get('axes'))}, local batch {r['local_batch_size']}"
-            f" x accum {r['grad_accum']}, {r['param_dtype']}"
-        )
-
-    @property
-    def param_dtype(self) -> str:
-        if self.resolved:
-            return self.resolved["param_dtype"]
-        choice = self.config.get("training.mixed_precision_param", "auto")
-        return (
-            choice
-            if choice != "auto"
-            else ("float32" if self.config.get("training.device") == "cpu" else "?")
-        )
-
-    def last_step(self) -> int:
-        return max(self.metrics)
-
-
-def load_run(path: str | Path) -> Run:
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"{path}: no such run folder")
-    cfg_file, metrics_file = path / "config.toml", path / "metrics.jsonl"
-    if not cfg_file.is_file():
-        raise UserError(f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)")
-    if not metrics_file.is_file():
-        raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
-    try:
-        raw = tomllib.loads(cfg_file.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{cfg_file}: not valid TOML ({e})") from None
-    raw, _ = migrate(raw, str(cfg_file))
-    # A key added to titanlite after the run was written had its default value then.
-    defaults = tomllib.loads(to_toml(JobConfig()))
-    merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
-    config = {f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()}
-    resolved = (
-        read_json(path / "run.json", "it is written as a run starts") if (path / "run.json").is_file() else {}
-    )
-    metrics = {r["step"]: r for r in read_records(metrics_file, cut_off="refuse") if "step" in r}
-    if not metrics:
-        raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
-    diag_file = path / "diagnostics.jsonl"
-    diag = {r["step"]: r for r in read_records(diag_file) if "step" in r}
-    eval_file = path / "eval.jsonl"
-    evals = {r["step"]: r for r in read_records(eval_file) if "step" in r}
-    prints = read_json(path / FILE, "it is written whole by the run") if (path / FILE).is_file() else None
-    return Run(path, config, resolved, metrics, diag, evals, prints)
 
 
 @dataclass
@@ -188,6 +112,17 @@ class Row:
     def abs(self) -> float | None:
         a, b = self.loss
         return None if a is None or b is None else abs(a - b)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """[1, 2, 3, 7] as "1-3, 7"."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def _rel(a: float | None, b: float | None) -> float | None:
@@ -285,6 +220,13 @@ def compare(
             f"killed?); pass --steps {short.last_step()} to compare the steps both have"
         )
     end = short.last_step() if steps is None else steps
+    for run in (ref, other):  # every step from the first: a verdict over steps a run lacks is no verdict
+        lacking = sorted(set(range(1, end + 1)) - set(run.metrics))
+        if lacking and run.logs_every_step():
+            raise UserError(
+                f"{run.path}: metrics.jsonl lacks step(s) {_steps_text(lacking)} of 1-{end}; compare runs that "
+                "hold every step from the first (rerun it, or pass --steps to compare fewer)"
+            )
     common = sorted(s for s in set(ref.metrics) & set(other.metrics) if s <= end)
     if not common:
         raise UserError(

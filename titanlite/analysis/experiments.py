@@ -11,8 +11,8 @@ import json
 import string
 from pathlib import Path
 
-from titanlite.analysis.compare import Run
 from titanlite.analysis.plots import plot_runs
+from titanlite.analysis.runs import Run
 from titanlite.tools.formatting import fmt
 
 # Keys that name or place a run rather than change what it computes.

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from titanlite.analysis.compare import Comparison, Run
+    from titanlite.analysis.compare import Comparison
+    from titanlite.analysis.runs import Run
 
 
 def _pyplot() -> Any:

@@ -1,6 +1,8 @@
-"""TOML configuration: dataclasses (job_config), loading and overrides (manager)."""
+"""TOML configuration: dataclasses (job_config), loading and overrides (manager), the command
+line's words (command_line) and what paths in a config mean (paths)."""
 
+from titanlite.config.command_line import parse_args, wants_help
 from titanlite.config.job_config import JobConfig
-from titanlite.config.manager import load_config, parse_args
+from titanlite.config.manager import config_help, load_config
 
-__all__ = ["JobConfig", "load_config", "parse_args"]
+__all__ = ["JobConfig", "config_help", "load_config", "parse_args", "wants_help"]

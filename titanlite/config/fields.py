@@ -8,6 +8,16 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Any
 
+# The longest history or window in steps a field may ask for: beyond any run titanlite plans,
+# and small enough that what it holds per step fits any machine.
+STEPS_MAX = 1_000_000
+
+
+def whole_number(text: str) -> bool:
+    """`text` is a whole number in ASCII digits (str.isdigit also takes '²', which int() refuses,
+    and '٢', which int() reads as 2)."""
+    return text.isascii() and text.isdigit()
+
 
 def opt(
     default: Any,
@@ -18,10 +28,19 @@ def opt(
     above: float | None = None,
     at_most: float | None = None,
     below: float | None = None,
+    path: str | None = None,
+    whole_items: bool = False,
 ) -> Any:
     """A dataclass field with its one-line doc and, for strings, the allowed values; for numbers,
-    the bounds a value must keep (checked with every config: titanlite.config.manager.check_values)."""
+    the bounds a value must keep (checked with every config: titanlite.config.manager.check_values);
+    for paths, `path` "file" (one path) or "mixture" (data.path's), read from the caller's folder
+    (titanlite.config.paths); for lists whose items may hold commas (prompts), `whole_items`: a
+    command-line value is one item unless it is a JSON list."""
     meta: dict[str, Any] = {"help": help}
+    if whole_items:
+        meta["whole_items"] = True
+    if path is not None:
+        meta["path"] = path
     if choices is not None:
         meta["choices"] = choices
     bounds = {">=": at_least, ">": above, "<=": at_most, "<": below}

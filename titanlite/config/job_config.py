@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from titanlite.config.fields import opt, schedule
+from titanlite.config.fields import STEPS_MAX, opt, schedule
 from titanlite.config.monitor_config import Alerts, Debug, Diagnostics
 
 __all__ = ["Alerts", "Debug", "Diagnostics", "JobConfig", "opt"]
@@ -19,7 +19,7 @@ __all__ = ["Alerts", "Debug", "Diagnostics", "JobConfig", "opt"]
 @dataclass
 class Job:
     description: str = opt("", "free text, copied into the run folder's config")
-    dump_folder: str = opt("./outputs", "folder that holds one run folder per run")
+    dump_folder: str = opt("./outputs", "folder that holds one run folder per run", path="file")
     run_name: str = opt(
         "", "run folder inside dump_folder (sweep/run-1 nests one); empty: <config name>-<date>-<time>"
     )
@@ -30,13 +30,17 @@ class Model:
     name: str = opt("llama3", "registered model name (see titanlite.models.registry)")
     flavor: str = opt("debugmodel", "size preset of the model, e.g. debugmodel, 1B, 8B")
     tokenizer_path: str = opt(
-        "", "SentencePiece .model or HF tokenizer.json; empty: hf_assets_path's, else built-in stdlib"
+        "",
+        "SentencePiece .model or HF tokenizer.json; empty: hf_assets_path's, else built-in stdlib",
+        path="file",
     )
     hf_assets_path: str = opt(
-        "", "Hugging Face model folder: shapes (config.json), tokenizer, pretrained weights; flavor unused"
+        "",
+        "Hugging Face model folder: shapes (config.json), tokenizer, pretrained weights; flavor unused",
+        path="file",
     )
     builtin_vocab_size: int = opt(
-        2048, "vocabulary of the built-in tokenizer (trained, cached)", at_least=256
+        2048, "vocabulary of the built-in tokenizer (trained, cached)", at_least=256, at_most=1 << 18
     )
     vocab_size: int = opt(
         0,
@@ -83,8 +87,8 @@ class SpikeGuard:
         choices=("off", "grad_norm", "loss"),
     )
     k: float = opt(6.0, "standard deviations above the recent mean that make a spike", above=0.0)
-    window: int = opt(100, "applied steps whose values form the history", at_least=1)
-    min_history: int = opt(20, "values it needs before it judges a step", at_least=1)
+    window: int = opt(100, "applied steps whose values form the history", at_least=1, at_most=STEPS_MAX)
+    min_history: int = opt(20, "values it needs before it judges a step", at_least=1, at_most=STEPS_MAX)
     max_consecutive: int = opt(3, "skips in a row allowed; one more stops the run", at_least=0)
 
 
@@ -155,10 +159,13 @@ class Data:
         "",
         "prepared folder, or raw .txt/.jsonl/.jsonl.gz/.parquet/.arrow file or folder; mixture: "
         "'a:0.7,b:0.3'; empty: built-in stdlib data",
+        path="mixture",
     )
     text_field: str = opt("text", "the field (jsonl) or column (parquet, arrow) that holds a document's text")
-    cache_dir: str = opt("", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite")
-    num_workers: int = opt(0, "StatefulDataLoader worker processes per rank", at_least=0)
+    cache_dir: str = opt(
+        "", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite", path="file"
+    )
+    num_workers: int = opt(0, "StatefulDataLoader worker processes per rank", at_least=0, at_most=64)
     packing: bool = opt(
         False, "sft: pack several records per sequence; attention and RoPE positions restart at each record"
     )
@@ -176,7 +183,9 @@ class Eval:
     fraction: float = opt(
         0.0, "hold out this fraction of the data's sequences (sft: records) as the eval set; never trained on"
     )
-    path: str = opt("", "eval data of its own (prepared folder or raw files, no mixture); wins over fraction")
+    path: str = opt(
+        "", "eval data of its own (prepared folder or raw files, no mixture); not with fraction", path="file"
+    )
     every: int = schedule(0, "evaluate")
     at_end: bool = opt(True, "also evaluate after the last step")
     at_start: bool = opt(
@@ -190,7 +199,9 @@ class Eval:
         0, "sequences per eval forward per rank; 0: training.local_batch_size", at_least=0
     )
     prompts: list[str] = opt(
-        [], "at each eval, decode these prompts into <run>/samples.jsonl and TensorBoard (CLI: a JSON list)"
+        [],
+        "at each eval, decode these prompts into <run>/samples.jsonl and TensorBoard (CLI: one prompt, or a JSON list)",
+        whole_items=True,
     )
     prompt_format: str = opt(
         "auto",
@@ -198,7 +209,7 @@ class Eval:
         "turn); auto: sft data: chat if the tokenizer has a chat template, else alpaca; pretrain: text",
         choices=("auto", "text", "alpaca", "chat"),
     )
-    sample_tokens: int = opt(64, "new tokens decoded per prompt", at_least=1)
+    sample_tokens: int = opt(64, "new tokens decoded per prompt", at_least=1, at_most=1 << 16)
     temperature: float = opt(0.0, "sampling temperature of the prompts; 0: greedy", at_least=0.0)
     top_p: float = opt(
         0.9, "nucleus sampling: the smallest set of tokens with this much probability", above=0.0, at_most=1.0
@@ -259,7 +270,7 @@ class Checkpoint:
         "float32", "dtype of the exported Hugging Face weights", choices=("float32", "bfloat16")
     )
     initial_load_path: str = opt(
-        "", "a new run starts from this Hugging Face folder or titanlite step folder (read only)"
+        "", "a new run starts from this Hugging Face folder or titanlite step folder (read only)", path="file"
     )
     initial_load_model_only: bool = opt(
         True, "initial_load_path: weights only; false: also AdamW state and LR schedule position"
@@ -286,7 +297,13 @@ class Comm:
         2000,
         "NCCL flight recorder: collectives kept per rank, dumped into <run>/comm_trace on a timeout; 0: off",
         at_least=0,
+        at_most=STEPS_MAX,
     )
+
+
+# The most ranks a rehearsal plans for: the largest clusters titanlite's users train on, and a
+# preflight whose work grows with the world stays seconds long.
+REHEARSAL_WORLD_MAX = 65536
 
 
 @dataclass
@@ -296,15 +313,22 @@ class Rehearsal:
         "rehearse the run as rank 0 of this many ranks, in one process, with torch's fake process group "
         "(./run_train.sh --rehearse W): per-rank memory, compute, traffic and diagnostics cost; 0: train",
         at_least=0,
+        at_most=REHEARSAL_WORLD_MAX,
     )
     steps: int = opt(
         7,
         "steps a rehearsal runs: the first builds the optimizer state (and compiles), two are watched "
         "(memory, bytes, host reads), the rest timed (3: memory and bytes only, for a model slow here)",
         at_least=3,
+        at_most=1000,
     )
     link_gbps: float = opt(
         400.0, "each rank's network bandwidth in Gbit/s, for the communication time per step", above=0.0
+    )
+    device_gb: float = opt(
+        80.0,
+        "the memory of the devices rehearsed for, in GB (10^9 bytes): the report's fits-or-not verdict",
+        above=0.0,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titanlite.config.fields import whole_number
 from titanlite.config.job_config import JobConfig
 from titanlite.errors import UserError
 
@@ -85,7 +86,7 @@ def extra_axes(entries: list[str]) -> tuple[tuple[str, int], ...]:
     for entry in entries:
         name, _, degree = str(entry).partition("=")
         name = name.strip()
-        if not name.isidentifier() or not degree.strip().isdigit() or int(degree) < 1:
+        if not name.isidentifier() or not whole_number(degree.strip()) or int(degree) < 1:
             raise UserError(
                 f'parallelism.axes entry {entry!r} is not name=degree (e.g. "cp=2": a name and a degree >= 1)'
             )

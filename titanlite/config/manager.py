@@ -38,8 +38,9 @@ def _field_types(section: Any) -> dict[str, Any]:
     return {f.name: (hints[f.name], f) for f in fields(section)}
 
 
-def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
-    """Check (TOML) or parse (CLI string) one value against the field's declared type."""
+def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) -> Any:
+    """Check (TOML) or parse (CLI string) one value against the field's declared type; a list
+    from the CLI is a JSON list, else comma-separated (`split`) or one item."""
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
@@ -48,6 +49,8 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool) -> Any:
                 value = json.loads(value)
             except ValueError:
                 raise UserError(f"config key '{key}' is not a valid JSON list: {value!r}") from None
+        elif from_cli and not split:
+            value = [value] if value.strip() else []
         elif from_cli:
             value = [v for v in value.split(",") if v.strip()] if value.strip() else []
         if not isinstance(value, list):
@@ -92,7 +95,7 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
             f"unknown config key '{dotted}'" + _closest(key, list(types)).replace("'", f"'{section_name}.", 1)
         )
     typ, f = types[key]
-    value = _coerce(dotted, value, typ, from_cli)
+    value = _coerce(dotted, value, typ, from_cli, split=not f.metadata.get("whole_items"))
     choices = f.metadata.get("choices")
     if choices and value not in choices:
         raise UserError(f"config key '{dotted}' is {value!r}; choose one of {', '.join(choices)}")
@@ -141,13 +144,11 @@ def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, table in out.items() for k, v in table.items()}
 
 
-def _deprecated(found: list[str]) -> None:
-    if found and not os.environ.get(NOTES_SHOWN_ENV):
-        moved = ", ".join(f"{old} -> {MOVED_KEYS[old]}" for old in dict.fromkeys(found))
-        print(
-            f"titanlite: note: config keys renamed (old names still load; use the new ones): {moved}",
-            file=sys.stderr,
-        )
+def _deprecated(found: list[str]) -> str | None:
+    if not found:
+        return None
+    moved = ", ".join(f"{old} -> {MOVED_KEYS[old]}" for old in dict.fromkeys(found))
+    return f"config keys renamed (old names still load; use the new ones): {moved}"
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -181,8 +182,12 @@ def check_values(cfg: JobConfig) -> None:
                 raise UserError(f"{sf.name}.{f.name} is {value}; it must be {_bounds_text(bounds)}")
 
 
-def load_config(path: str | None, overrides: list[str] | None = None) -> JobConfig:
-    """Defaults, then the TOML file (if any), then `--section.key value` overrides."""
+def load_config(
+    path: str | None, overrides: list[str] | None = None, notes: list[str] | None = None
+) -> JobConfig:
+    """Defaults, then the TOML file (if any), then `--section.key value` overrides. What a user
+    should know of it (renamed keys, what a rehearsal changes) goes into `notes`, or without
+    it is printed (once per launch: not by the workers)."""
     cfg, found = JobConfig(), []
     if path:
         p = Path(path)
@@ -208,18 +213,28 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> JobConf
                 _set(cfg, section_name + ".x", None, False)  # raises with a suggestion
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
+    typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
     for dotted, value in _pairs(overrides or []):
         entry = MOVED_KEYS.get(dotted)
-        if entry is None:
-            _set(cfg, dotted, value, True)
-            continue
-        found.append(dotted)
-        for new, now in _moved(dotted, value, True).items():
-            _set(cfg, new, now, from_cli=isinstance(entry, str))  # a split's values are typed
-    _deprecated(found)
-    rehearsal = apply_rehearsal(cfg)  # what a rehearsal sets, whoever reads the config
-    if rehearsal and not os.environ.get(NOTES_SHOWN_ENV):
-        print(f"titanlite: note: {rehearsal}", file=sys.stderr)
+        if entry is not None:
+            found.append(dotted)
+        targets = {dotted: value} if entry is None else _moved(dotted, value, True)
+        for key, now in targets.items():
+            _set(cfg, key, now, from_cli=entry is None or isinstance(entry, str))  # a split's are typed
+            section, _, name = key.partition(".")
+            got = getattr(getattr(cfg, section), name)
+            if key in typed and typed[key][0] != dotted and typed[key][1] != got:
+                raise UserError(
+                    f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; "
+                    f"keep only '{key}'"
+                )
+            typed[key] = (dotted, got)
+    said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]  # a rehearsal's, whoever reads it
+    if notes is not None:
+        notes += said
+    elif not os.environ.get(NOTES_SHOWN_ENV):
+        for note in said:
+            print(f"titanlite: note: {note}", file=sys.stderr)
     return cfg
 
 
@@ -242,22 +257,6 @@ def _pairs(args: list[str]) -> list[tuple[str, str]]:
             raise UserError(f"unknown flag '--{name}'; overrides look like --section.key value")
         out.append((name, value))
     return out
-
-
-def parse_args(argv: list[str]) -> tuple[JobConfig, str | None]:
-    """`--config FILE` plus overrides, in any order. Returns the config and the file path."""
-    path, rest, i = None, [], 0
-    while i < len(argv):
-        if argv[i] == "--config":
-            if i + 1 >= len(argv):
-                raise UserError("--config has no value; write --config path/to/file.toml")
-            path, i = argv[i + 1], i + 2
-        elif argv[i].startswith("--config="):
-            path, i = argv[i].split("=", 1)[1], i + 1
-        else:
-            rest.append(argv[i])
-            i += 1
-    return load_config(path, rest), path
 
 
 def _toml_value(v: Any) -> str:
@@ -283,13 +282,6 @@ def to_toml(cfg: JobConfig) -> str:
             lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}")
         lines.append("")
     return "\n".join(lines)
-
-
-HELP_FLAGS = ("-h", "--help")
-
-
-def wants_help(argv: list[str]) -> bool:
-    return any(a in HELP_FLAGS for a in argv)
 
 
 def _type_name(typ: Any) -> str:

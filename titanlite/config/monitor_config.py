@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from titanlite.config.fields import due, opt, schedule
+from titanlite.config.fields import STEPS_MAX, due, opt, schedule
 
 
 @dataclass
@@ -131,7 +131,10 @@ class Diagnostics:
         choices=("auto", "exact", "sketch"),
     )
     sketch_dim: int = opt(
-        1024, "k, dimensions of each local gradient's sketch (rounded down to a prime)", at_least=16
+        1024,
+        "k, dimensions of each local gradient's sketch (rounded down to a prime)",
+        at_least=16,
+        at_most=1 << 20,
     )
     noise_scale_ema: float = opt(
         0.9, "EMA decay of the gradient-noise-scale estimate", at_least=0.0, below=1.0
@@ -163,19 +166,33 @@ class Diagnostics:
 class Alerts:
     """The thresholds of the named alerts' rules (titanlite.diagnostics.rules)."""
 
-    window: int = opt(20, "measured steps that persistence rules look back on; alert cooldown", at_least=3)
+    window: int = opt(
+        20,
+        "measured steps that persistence rules look back on; alert cooldown",
+        at_least=3,
+        at_most=STEPS_MAX,
+    )
     min_steps: int = opt(
-        10, "burn-in: measured steps ignored before alerts, then history they need", at_least=1
+        10,
+        "burn-in: measured steps ignored before alerts, then history they need",
+        at_least=1,
+        at_most=STEPS_MAX,
     )
     spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median", above=1.0)
     smooth_loss_tol: float = opt(
         0.05, "dispersion_spike: global loss within this fraction of its recent median", above=0.0
     )
     trend_burn_in: int = opt(
-        100, "dispersion_rising_loss_falling: measured steps before it is armed", at_least=0
+        100,
+        "dispersion_rising_loss_falling: measured steps before it is armed",
+        at_least=0,
+        at_most=STEPS_MAX,
     )
     trend_window: int = opt(
-        100, "dispersion_rising_loss_falling: measured steps it looks back on (medians of thirds)", at_least=3
+        100,
+        "dispersion_rising_loss_falling: measured steps it looks back on (medians of thirds)",
+        at_least=3,
+        at_most=STEPS_MAX,
     )
     trend_rise: float = opt(
         1.0,
@@ -210,7 +227,10 @@ class Alerts:
         above=1.0,
     )
     own_recent: int = opt(
-        3, "faulty_worker: measured steps whose median norm is compared with the rank's history", at_least=1
+        3,
+        "faulty_worker: measured steps whose median norm is compared with the rank's history",
+        at_least=1,
+        at_most=STEPS_MAX,
     )
     rank_test_alpha: float = opt(
         1e-5,
@@ -219,10 +239,16 @@ class Alerts:
         below=1.0,
     )
     rank_test_window: int = opt(
-        10, "single_rank_outlier's per-sample rank test: measured steps it combines", at_least=1
+        10,
+        "single_rank_outlier's per-sample rank test: measured steps it combines",
+        at_least=1,
+        at_most=STEPS_MAX,
     )
     slow_window: int = opt(
-        10, "slow_rank: measured steps it looks back on (persist_frac of them the same rank)", at_least=2
+        10,
+        "slow_rank: measured steps it looks back on (persist_frac of them the same rank)",
+        at_least=2,
+        at_most=STEPS_MAX,
     )
     slow_margin: float = opt(
         0.1, "slow_rank: the rank's lateness at the step start, as a share of the step time", above=0.0
@@ -233,5 +259,8 @@ class Alerts:
         above=1.0,
     )
     advice_steps: int = opt(
-        50, "batch_size_advice: measured steps the ratio must stay beyond advice_ratio", at_least=1
+        50,
+        "batch_size_advice: measured steps the ratio must stay beyond advice_ratio",
+        at_least=1,
+        at_most=STEPS_MAX,
     )

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -222,16 +223,19 @@ def build_dataloader(
         layout.dp,
         cfg.training.seed if seed is None else seed,
         dataset.weights,
+        repeats=cfg.rehearsal.world > 0,
     )
     if dp_rank == 0:
         logger.info(sampler.epochs_line(cfg.training.steps))
-    return StatefulDataLoader(
-        dataset,
-        batch_sampler=sampler,
-        num_workers=cfg.data.num_workers,
-        collate_fn=collate,
-        pin_memory=pin_memory,
-        # Its own generator: creating an iterator draws a seed, which must not move the global
-        # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
-        generator=torch.Generator().manual_seed(cfg.training.seed),
-    )
+    with warnings.catch_warnings():  # torchdata calls torch.set_vital, which torch has deprecated
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StatefulDataLoader(
+            dataset,
+            batch_sampler=sampler,
+            num_workers=cfg.data.num_workers,
+            collate_fn=collate,
+            pin_memory=pin_memory,
+            # Its own generator: creating an iterator draws a seed, which must not move the global
+            # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
+            generator=torch.Generator().manual_seed(cfg.training.seed),
+        )

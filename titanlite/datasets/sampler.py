@@ -100,8 +100,11 @@ class GlobalBatchSampler:
         dp_size: int,
         seed: int,
         weights: list[float] | None = None,
+        repeats: bool = False,
     ) -> None:
-        if sum(sizes) < global_batch_size or min(sizes) < 1:
+        """`repeats`: a step may hold a sequence more than once, when the data is smaller than
+        the global batch (a rehearsal's, whose values nobody reads); else that is refused."""
+        if (sum(sizes) < global_batch_size and not repeats) or min(sizes) < 1:
             raise UserError(
                 f"the data has {sum(sizes)} sequences (per dataset: {sizes}) but training.global_batch_size "
                 f"is {global_batch_size}; lower the batch or seq_len, or add data"

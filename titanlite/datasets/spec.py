@@ -8,24 +8,19 @@ use, up to RAW_LIMIT_BYTES: larger inputs are prepared once, with every core, by
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
+from titanlite.config.paths import mixture_items
 from titanlite.errors import UserError
 
 RAW_LIMIT_BYTES = 2 << 30
-_WEIGHTED = re.compile(r"^(.*):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
 
 
 def parse_data_path(path: str) -> list[tuple[str, float]]:
     """[(path, weight)]: [] for the built-in data, weights normalised to sum to 1."""
-    if not path.strip():
+    parts = mixture_items(path)
+    if not parts:
         return []
-    parts = []
-    for item in path.split(","):
-        m = _WEIGHTED.match(item.strip())
-        name, weight = (m.group(1), float(m.group(2))) if m else (item.strip(), None)
-        parts.append((name, weight))
     if len(parts) == 1:
         return [(parts[0][0], 1.0)]
     if any(w is None or w <= 0 for _, w in parts) or any(not name for name, _ in parts):
@@ -89,6 +84,22 @@ def data_identity(cfg, tok=None) -> list[dict] | None:
     folder's content key; raw inputs and the built-in data through the folder they are prepared
     into in the cache). None where that cannot be told before the data is prepared (raw inputs
     not in the cache yet, no tokenizer `tok` given) or for synthetic data."""
+    return _identity(cfg, cfg.data.path, tok)
+
+
+def eval_is_training_data(cfg) -> str | None:
+    """The dataset of data.path whose content eval.path holds too (by content key, wherever each
+    lives: its eval loss is then no held-out loss), else None."""
+    held = _identity(cfg, cfg.eval.path) if cfg.eval.path else None
+    trained = data_identity(cfg) or []
+    if held:
+        for d in trained:
+            if d["content"] == held[0]["content"]:
+                return d["path"]
+    return None
+
+
+def _identity(cfg, path: str, tok=None) -> list[dict] | None:
     from titanlite.datasets.prepare import data_key
     from titanlite.datasets.prepared import Prepared, is_prepared
     from titanlite.datasets.sources import discover
@@ -97,7 +108,7 @@ def data_identity(cfg, tok=None) -> list[dict] | None:
     if cfg.data.mode == "synthetic":
         return None
     out = []
-    for name, weight in parse_data_path(cfg.data.path) or [("", 1.0)]:
+    for name, weight in parse_data_path(path) or [("", 1.0)]:
         folder = Path(name).expanduser() if name else None
         if folder is None or not is_prepared(folder):
             if tok is None or folder is None:  # the built-in data's files: found by the worker

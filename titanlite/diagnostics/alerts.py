@@ -248,7 +248,7 @@ def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
         by_step.setdefault(judged, []).append(name)
     parts = [f"{', '.join(names)} from measured step {judged}" for judged, names in sorted(by_step.items())]
     return (
-        f"{measured} measured step(s) are too few for the statistical rules of {'; '.join(parts)} "
-        f"(the first alerts.min_steps = {cfg.min_steps} are a burn-in, then as many are their history); "
-        "the exact checks judge from the first"
+        f"{measured} measured step(s) are too few for some alerts, which judge only after a burn-in of "
+        f"alerts.min_steps = {cfg.min_steps} steps and as many of history: {'; '.join(parts)}; the checks "
+        "that need no history judge from the first step"
     )

@@ -25,8 +25,8 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
     notes = []
     if world == 2:
         notes.append(
-            f"at dp=2 the alerts {', '.join(NEED_SPREAD)} need {SPREAD_RANKS} or more ranks and stay silent; "
-            "a rank whose loss or gradient norm leaves its own history is still named"
+            f"with 2 data-parallel ranks the alerts that compare ranks with each other ({', '.join(NEED_SPREAD)}) "
+            f"need {SPREAD_RANKS} or more and stay off; each rank is still checked against its own history"
         )
     if world >= 2 and not rank_sum.reachable(per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha):
         notes.append(

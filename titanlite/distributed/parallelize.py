@@ -111,7 +111,7 @@ def reduce_scatter(
     native reduce-scatter.
     """
     if dist.get_backend(group) != "gloo" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     world = group.size()
     received = torch.empty_like(input)
     dist.all_to_all_single(received, input, group=group)

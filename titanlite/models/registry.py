@@ -83,6 +83,7 @@ contract for a registered model:
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
@@ -96,7 +97,7 @@ import torch.nn as nn
 
 from titanlite.config import JobConfig
 from titanlite.config.layout import extra_axes, loss_chunks
-from titanlite.errors import UserError
+from titanlite.errors import UserError, foreign
 from titanlite.models.hf_files import read_config
 from titanlite.models.step import LossPath
 from titanlite.tools.records import read_json
@@ -219,12 +220,16 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
             f"set it to {vocab_size} or more, or 0 for the tokenizer's own"
         )
     if m.import_module:
-        try:
-            importlib.import_module(m.import_module)
-        except ImportError as e:
-            raise UserError(
-                f"model.import_module '{m.import_module}' cannot be imported ({e}); check the module path and PYTHONPATH"
-            ) from None
+        with foreign(f"model.import_module '{m.import_module}'", "fix the module, or name another"):
+            try:
+                importlib.import_module(m.import_module)
+            except ModuleNotFoundError as e:
+                if e.name is None or not m.import_module.startswith(e.name):
+                    raise  # the module was found; something it imports was not
+                raise UserError(
+                    f"model.import_module '{m.import_module}' cannot be imported ({e}); check the module path "
+                    "and PYTHONPATH (the folder you run from is searched too)"
+                ) from None
     import titanlite.models  # noqa: F401  (registers the built-in models)
 
     spec = get_model_spec(m.name)
@@ -239,7 +244,9 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
         args = replace(args, dropout=m.dropout)
     chunks = loss_chunks(cfg, args.vocab_size)
     _check_capabilities(spec, cfg, any(chunks))
-    with torch.device("meta"):
+    where = spec.model_cls.__module__
+    fork = foreign(f"model '{m.name}' ({where})", "fix the model's code")
+    with torch.device("meta"), contextlib.nullcontext() if where.startswith("titanlite.") else fork:
         model = spec.model_cls(args)
     flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
     return MetaModel(spec, args, model, flops, *chunks)

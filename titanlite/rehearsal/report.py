@@ -72,6 +72,7 @@ def summarize(
         },
         "peak_bytes": plain.peak_bytes,
         "peak_parts": plain.peak_parts,
+        "device_bytes": cfg.rehearsal.device_gb * 1e9,
         "estimate_bytes": estimate.total_bytes,
         "estimate": estimate.summary(),
         "estimate_parts": asdict(estimate),
@@ -130,8 +131,41 @@ def table(r: dict[str, Any]) -> str:
     if d is not None:
         sent = " + ".join(f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items())) or "nothing"
         lines.append(
-            f"  diagnostics ({lay['diagnostics']})  per measured step: {fmt(d['step_s'], '+.3f')} s on the device, "
+            f"  diagnostics ({lay['diagnostics']})  per measured step: {_cost(d['step_s'])} on the device, "
             f"{_mib(d['peak_bytes'])} more memory, {sent} more sent; rank 0's host work "
             f"{fmt(d['host_s'], '.3f')} s, record {d['record_bytes'] / 1024:,.1f} KiB"
         )
+    lines.append(verdict(r))
     return "\n".join(lines)
+
+
+def _cost(seconds: float | None) -> str:
+    """A measured step's extra time: below zero it is the steps' own noise, not a saving."""
+    if seconds is None:
+        return "n/a"
+    if seconds <= 0:
+        return f"no time above the steps' noise ({seconds:+.3f} s)"
+    return f"{seconds:+.3f} s"
+
+
+# What a device holds beside the tensors: the CUDA context and the allocator's slack.
+DEVICE_OVERHEAD_BYTES = 2 * GiB
+
+
+def verdict(r: dict[str, Any]) -> str:
+    """Whether rank 0's peak tensor memory, plus the context and slack a device adds, fits the
+    devices rehearsed for (rehearsal.device_gb), and by how much."""
+    device = r.get("device_bytes", 80e9)
+    need = r["peak_bytes"] + DEVICE_OVERHEAD_BYTES
+    size = f"{device / 1e9:g}"
+    name = f"fits {'an' if size.startswith(('8', '11', '18')) else 'a'} {size} GB device"
+    basis = (
+        f"peak tensor memory {r['peak_bytes'] / GiB:.2f} GiB + {DEVICE_OVERHEAD_BYTES / GiB:.0f} GiB for the "
+        f"CUDA context and allocator, of {device / GiB:.1f} GiB; rehearsal.device_gb sets the device"
+    )
+    if need <= device:
+        return f"{name}: yes, with {(device - need) / GiB:.1f} GiB to spare ({basis})"
+    return (
+        f"{name}: no, {(need - device) / GiB:.1f} GiB over ({basis}); shard over more ranks, lower "
+        "training.local_batch_size, or set training.activation_checkpoint"
+    )

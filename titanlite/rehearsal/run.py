@@ -20,6 +20,7 @@ from titanlite.config import JobConfig
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
 from titanlite.rehearsal.report import summarize, table
 from titanlite.tools.logging import init_logging
+from titanlite.tools.phases import heartbeat
 from titanlite.train import Trainer
 
 logger = init_logging()
@@ -27,14 +28,21 @@ WATCHED = (2, 3)  # the steps whose memory, bytes and host reads are counted
 
 
 def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
-    """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json."""
-    trainer = Trainer(cfg, config_path)
+    """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json.
+    Every phase says it is still going (titanlite.tools.phases.heartbeat): a large model's steps
+    may take minutes where the rehearsal runs."""
+    with heartbeat(
+        lambda s: logger.info(f"rehearsal: still building the model and its optimizer ({s:.0f}s)")
+    ):
+        trainer = Trainer(cfg, config_path)
     try:
-        costs = [
-            _step(trainer, meter, step)
-            for meter in [_meter(trainer)]
-            for step in range(1, cfg.training.steps + 1)
-        ]
+        meter, costs = _meter(trainer), []
+        for step in range(1, cfg.training.steps + 1):
+            began = time.perf_counter()
+            say = f"rehearsal: step {step}/{cfg.training.steps}"
+            with heartbeat(lambda s, say=say: logger.info(f"{say} still running ({s:.0f}s)")):
+                costs.append(_step(trainer, meter, step))
+            logger.info(f"{say} done in {time.perf_counter() - began:.1f}s")
         report = summarize(
             cfg,
             trainer.layout,

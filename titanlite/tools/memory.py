@@ -83,16 +83,17 @@ def measured_step_bytes(cfg: JobConfig, layout: Layout, params: int, unit_params
     """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
     one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients).
     exact's probe holds the largest unit's fp32 gradient, its copy sent in the all-to-all and the
-    buffer received."""
+    buffer received; both hold the dp x dp Gram, which at tens of thousands of ranks is the most."""
     held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
     d = cfg.diagnostics
     if not d.enable or layout.dp < 2:
         return held, 0.0
+    gram = 8.0 * layout.dp**2  # either method's float64 Gram of the ranks' gradients
     if layout.diagnostics_method == "sketch":
-        return held, 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
+        return held, gram + 4.0 * (2 * 2**20 + 2 * layout.dp * d.sketch_dim)
     if holds_unsharded_grads(dataclasses.replace(layout, skip_grad_sync=True)):
         held = 4.0 * params  # a measured exact step reduces on its last microbatch only
-    return held, 3 * 4.0 * unit_params
+    return held, gram + 3 * 4.0 * unit_params
 
 
 KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered up to this share

@@ -7,8 +7,14 @@ records): readers skip it, or, when a verdict depends on every record, refuse it
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python < 3.11
+    import tomli as tomllib
 
 from titanlite.errors import UserError
 
@@ -59,6 +65,18 @@ def read_json(path: Path, what: str = "") -> dict[str, Any]:
             f"{path} holds a JSON {type(data).__name__}, not an object{f'; {what}' if what else ''}"
         )
     return data
+
+
+def read_toml(path: Path, what: str = "") -> dict[str, Any]:
+    """A TOML file (a run folder's config.toml), or one UserError naming it and `what` it should be."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing{f'; {what}' if what else ''}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}){f'; {what}' if what else ''}") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise UserError(f"{path} is not valid TOML ({e}){f'; {what}' if what else ''}") from None
 
 
 def metrics_rows(path: Path, logged: bool = False) -> list[dict]:

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from titanlite.components.checkpoint.format import MARKER
 from titanlite.config import JobConfig
+from titanlite.config.fields import whole_number
 from titanlite.errors import UserError
 from titanlite.tools.cache import first_cause
 
@@ -45,7 +46,7 @@ def complete_steps(folder: Path) -> list[int]:
     steps = []
     for d in folder.iterdir():
         name = d.name
-        if name.startswith("step-") and name[5:].isdigit() and (d / MARKER).is_file():
+        if name.startswith("step-") and whole_number(name[5:]) and (d / MARKER).is_file():
             steps.append(int(name[5:]))
     return sorted(steps)
 
@@ -86,7 +87,7 @@ def damage(path: Path) -> str | None:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as e:
         return f"state.json is unreadable ({e})"
-    if path.name[5:].isdigit() and state.get("step") != int(path.name[5:]):
+    if whole_number(path.name[5:]) and state.get("step") != int(path.name[5:]):
         return f"state.json says step {state.get('step')}, its folder step {int(path.name[5:])}"
     files, exact = state.get("files"), True
     if files is None:  # written before steps recorded their files: what .metadata promises

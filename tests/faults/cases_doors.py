@@ -1,0 +1,262 @@
+"""The doors between components: the launcher's words before the config reads them, paths typed
+in a folder of the user's own, exceptions from code and files titanlite does not own, sizes
+that grow without bound, settings compared or reused across runs, and what a new user meets
+in the first hour. Each case is a user's command; most stop before any worker (cheap)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from faults.fixtures import data, prepared, shared_run
+from faults.harness import (
+    REPO,
+    Bent,
+    Broke,
+    Catalogue,
+    Result,
+    case,
+    expect,
+    listing,
+    unchanged,
+)
+
+DEBUG_WARMUP = 10  # train_configs/debug_model.toml's lr_scheduler.warmup_steps (the default's is 200)
+MY_TOML = """[training]
+global_batch_size = 8
+local_batch_size = 4
+[lr_scheduler]
+warmup_steps = 3
+"""
+
+
+def _refused(family: str, name: str, args: tuple[str, ...], says: str, cwd=None, cheap: bool = True) -> None:
+    """Exit 2 in one line holding `says`, nothing written (`cwd(c)`: the caller's folder)."""
+
+    @case(family, name, cheap=cheap)
+    def _(c: Catalogue) -> None:
+        dump = c.dump(name)
+        where = cwd(c) if cwd else REPO
+        before = listing(where) if cwd else {}
+        # two steps at most: a launch that should have been refused is over soon
+        expect(c.run(dump, ("--training.steps", "2", *args), cwd=where), 2, says)
+        unchanged({}, dump)
+        if cwd:
+            unchanged(before, where)
+
+
+def _plans(family: str, name: str, args, check, cwd=None) -> None:
+    """The launch runs (exit 0) with a config `check(c, cfg, result)` accepts."""
+
+    @case(family, name, cheap=True)
+    def _(c: Catalogue) -> None:
+        r, cfg = c.planned(name, args(c) if callable(args) else args, cwd(c) if cwd else REPO)
+        expect(r, 0)
+        if not cfg:
+            raise Broke("no config reached the workers")
+        check(c, cfg, r)
+
+
+def _default_config(c: Catalogue, cfg: dict, r: Result) -> None:
+    if cfg["lr_scheduler.warmup_steps"] != DEBUG_WARMUP:
+        raise Broke("the default config (train_configs/debug_model.toml) was not applied")
+
+
+# ---- the launcher's words ------------------------------------------------------------------------
+W = "doors/launcher words"
+_refused(W, "--config= (an empty value)", ("--config=",), "--config")
+_refused(W, "--config '' (an empty word)", ("--config", ""), "--config")
+_refused(W, "--config twice", ("--config", "train_configs/debug_model.toml", "--config", "train_configs/debug_sft.toml"), "--config")  # fmt: skip
+_refused(W, "--config=A --config B", ("--config=train_configs/debug_model.toml", "--config", "train_configs/debug_model.toml"), "--config")  # fmt: skip
+for _value in ("0", "-3", "abc", "1.5", "100000000", "65537"):
+    _refused(W, f"--rehearse {_value}", ("--rehearse", _value), "--rehearse")
+_refused(W, "--rehearse= (no value)", ("--rehearse=",), "--rehearse")
+_refused(W, "--rehearse 8 and --rehearsal.world 16", ("--rehearse", "8", "--rehearsal.world", "16"), "--rehearse")  # fmt: skip
+_refused(W, "--rehearsal.world 70000", ("--rehearsal.world", "70000"), "rehearsal.world")
+_refused(W, "--checkpoint.every 2 --checkpoint.interval 3", ("--checkpoint.every", "2", "--checkpoint.interval", "3"), "checkpoint.interval")  # fmt: skip
+_refused(W, "--metrics.log_every 2 --metrics.log_freq 5", ("--metrics.log_every", "2", "--metrics.log_freq", "5"), "metrics.log_freq")  # fmt: skip
+_plans(
+    W,
+    "a value holding ' --config '",
+    ("--job.description", "tried --config other.toml first"),
+    _default_config,
+)
+_plans(W, "a value that is '--config'", ("--job.description", "--config"), _default_config)
+_plans(W, "a value holding '--config='", ("--job.description=see --config=x.toml",), _default_config)
+
+
+def _agreeing(c: Catalogue, cfg: dict, r: Result) -> None:
+    if cfg["eval.every"] != 3:
+        raise Broke(f"eval.every {cfg['eval.every']}, asked 3 twice (old and new name)")
+
+
+_plans(
+    W, "--eval.interval 3 --eval.every 3 (agreeing)", ("--eval.interval", "3", "--eval.every", "3"), _agreeing
+)
+
+
+# ---- paths mean what the user typed, from the user's own folder ------------------------------------
+P = "doors/paths"
+
+
+def home(c: Catalogue) -> Path:
+    """A user's own folder outside the checkout, holding a config, data and a README.md of its own."""
+
+    def make() -> Path:
+        h = c.work / "home"
+        h.mkdir(parents=True, exist_ok=True)
+        shutil.copy(data(c) / "good.jsonl", h / "mine.jsonl")
+        (h / "my.toml").write_text(MY_TOML)
+        return h
+
+    return c.once("home", make)  # type: ignore[return-value]
+
+
+def _empty_home(c: Catalogue) -> Path:
+    h = c.work / "empty-home"
+    h.mkdir(parents=True, exist_ok=True)
+    return h
+
+
+for _key, _value in (
+    ("--data.path", "README.md"),  # the checkout has one; the user's folder does not
+    ("--eval.path", "README.md"),
+    ("--checkpoint.initial_load_path", "train_configs"),
+    ("--model.hf_assets_path", "train_configs"),
+    ("--model.tokenizer_path", "README.md"),
+    ("--data.path", "README.md:0.5,pyproject.toml:0.5"),
+):
+    _refused(P, f"{_key} {_value} from a folder without it", (_key, _value), "empty-home", _empty_home)
+_refused(P, "--config train_configs/debug_model.toml from a folder without it", ("--config", "train_configs/debug_model.toml"), "empty-home", _empty_home)  # fmt: skip
+
+
+def _own_config(c: Catalogue, cfg: dict, r: Result) -> None:
+    if cfg["lr_scheduler.warmup_steps"] != 3:
+        raise Broke("the config file in the user's folder was not the one applied")
+
+
+def _own_data(c: Catalogue, cfg: dict, r: Result) -> None:
+    want = str(home(c) / "mine.jsonl")
+    if cfg["data.path"] != want:
+        raise Broke(f"data.path reached the workers as {cfg['data.path']!r}, not {want!r}")
+    if want not in r.err + r.out:
+        raise Bent("no start-up line names the absolute path of the data read")
+
+
+_plans(P, "--config my.toml from the user's folder", ("--config", "my.toml"), _own_config, home)
+_plans(P, "--data.path mine.jsonl from the user's folder", ("--data.path", "mine.jsonl"), _own_data, home)
+
+
+def _names_config(c: Catalogue, cfg: dict, r: Result) -> None:
+    if str(REPO / "train_configs" / "debug_model.toml") not in r.err + r.out:
+        raise Bent("no start-up line names the absolute path of the config read")
+
+
+_plans(P, "start-up names the config it reads", (), _names_config)
+
+
+# ---- exceptions at the boundary: one line ------------------------------------------------------------
+E = "doors/exceptions"
+
+
+def _fork(c: Catalogue, name: str, body: str) -> Path:
+    """A user's fork module `name` in a folder of its own (that folder is the caller's)."""
+    folder = c.work / f"fork-{name}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.py").write_text(body)
+    return folder
+
+
+for _mod, _body, _says in (
+    ("raises_runtime", "raise RuntimeError('registry offline')\n", "registry offline"),
+    ("raises_key", "{}['missing']\n", "KeyError"),
+    ("bad_syntax", "def broken(:\n", "SyntaxError"),
+    ("exits", "import sys\nsys.exit(7)\n", "exited with code 7"),
+):
+    _refused(E, f"a fork module that fails on import ({_mod})", ("--model.import_module", _mod), _says, lambda c, m=_mod, b=_body: _fork(c, m, b))  # fmt: skip
+for _axes in ('["cp=²"]', '["cp=٢"]', '["cp=2.0"]', '["cp=0x2"]', '["=2"]'):
+    _refused(E, f"--parallelism.axes {_axes}", ("--parallelism.axes", _axes), "parallelism.axes")
+
+
+@case(E, "check_model.py on a fork that fails on import")
+def _(c: Catalogue) -> None:
+    folder = _fork(c, "fails_in_check", "raise ValueError('half-written fork')\n")
+    env = {"PYTHONPATH": str(folder)}
+    args = ("--model.name", "x", "--model.import_module", "fails_in_check")
+    r = c.script("check_model", *args, env=env, timeout=120)
+    expect(r, 2, "fails_in_check")
+
+
+@case(E, "compare_runs.py on a run whose config.toml is not UTF-8")
+def _(c: Catalogue) -> None:
+    run = Path(shutil.copytree(shared_run(c), c.dump("nonutf8-config") / "run"))
+    (run / "config.toml").write_bytes(b'[job]\ndescription = "caf\xe9"\n')
+    r = c.script("compare_runs", str(run), str(shared_run(c)), "--out", str(run.parent / "cmp"), timeout=120)
+    expect(r, 2, "config.toml")
+
+
+# ---- sizes a machine can plan for ------------------------------------------------------------------
+Z = "doors/sizes"
+for _key, _value in (
+    ("--data.num_workers", "100000"),
+    ("--rehearsal.steps", "100000000"),
+    ("--eval.sample_tokens", "100000000"),
+    ("--alerts.window", "1000000000"),
+    ("--spike_guard.window", "1000000000"),
+):
+    _refused(Z, f"{_key} {_value}", (_key, _value), _key[2:])
+
+
+# ---- settings compared or reused -----------------------------------------------------------------
+R = "doors/settings"
+
+
+def _names_overlap(c: Catalogue, cfg: dict, r: Result) -> None:
+    if not any("eval.path" in ln and "held-out" in ln for ln in r.err.splitlines()):
+        raise Broke("an eval set equal to the training data is not named at start-up")
+
+
+_plans(R, "eval.path equal to data.path", lambda c: ("--data.path", str(prepared(c)), "--eval.path", str(prepared(c))), _names_overlap)  # fmt: skip
+_refused(R, "eval.path and eval.fraction both set", ("--eval.path", "README.md", "--eval.fraction", "0.1"), "eval.fraction")  # fmt: skip
+
+
+def _one_prompt(c: Catalogue, cfg: dict, r: Result) -> None:
+    if cfg["eval.prompts"] != ["Hello, world"]:
+        raise Broke(f"eval.prompts 'Hello, world' became {cfg['eval.prompts']}")
+
+
+_plans(R, "--eval.prompts 'Hello, world' is one prompt", ("--eval.fraction", "0.1", "--eval.prompts", "Hello, world"), _one_prompt)  # fmt: skip
+
+
+@case(R, "compare_runs --invariance of a run missing its first steps")
+def _(c: Catalogue) -> None:
+    run = Path(shutil.copytree(shared_run(c), c.dump("missing-steps") / "run"))
+    rows = [
+        ln for ln in (run / "metrics.jsonl").read_text().splitlines() if json.loads(ln).get("step", 0) > 2
+    ]
+    (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    out = run.parent / "cmp"
+    r = c.script("compare_runs", str(run), str(shared_run(c)), "--invariance", "--out", str(out), timeout=120)
+    expect(r, 2, "step")
+
+
+# ---- the first hour --------------------------------------------------------------------------------
+F = "doors/first hour"
+
+
+@case(F, "NGPU=2 without a GPU says it means CPU ranks")
+def _(c: Catalogue) -> None:
+    dump = c.dump("ngpu-cpu")
+    r = c.run(dump, ("--training.steps", "1"), env={"NGPU": "2"})
+    expect(r, 0)
+    if "CPU rank" not in r.err:
+        raise Bent("nothing says NGPU=2 means 2 CPU ranks on a machine without a GPU")
+
+
+@case(F, "the first start-up lines are the run's, not the alert rules'", cheap=True)
+def _(c: Catalogue) -> None:
+    r, _ = c.planned("first-lines", ())
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("titanlite:")]
+    if lines and "alert" in lines[0]:
+        raise Bent(f"the first line is about alert rules: {lines[0][:120]}")

@@ -1,0 +1,180 @@
+"""The command line's words, read in one place (titanlite.config.command_line), and what paths
+in a config mean (titanlite.config.paths), each class by generated cases: values that hold
+`--config` in any form, --config given several times or empty, --rehearse at and past its
+bounds in any script's digits, every moved key beside its new name, every path field from a
+folder that is not the checkout's."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from titanlite.config import JobConfig, parse_args
+from titanlite.config.command_line import DEFAULT_CONFIG, ROOT, launcher_words, wants_help
+from titanlite.config.job_config import REHEARSAL_WORLD_MAX
+from titanlite.config.manager import check_values
+from titanlite.config.moved import MOVED_KEYS, Split
+from titanlite.config.paths import CALLER_ENV, mixture_items
+from titanlite.errors import UserError
+
+TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30)
+TRICKY = st.sampled_from(
+    ["--config", " --config other.toml ", "--config=x.toml", "--rehearse", "-h", "--help", ""]
+)
+
+
+def _config_of(words: list[str]) -> str:
+    return words[words.index("--config") + 1]
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(st.lists(st.one_of(TEXT, TRICKY), max_size=4))
+def test_a_value_is_a_value_whatever_it_holds(values: list[str]) -> None:
+    """Without --config the default config applies, and every value reaches the config as typed."""
+    argv = [w for v in values for w in ("--job.description", v)]
+    words = launcher_words(argv)
+    assert _config_of(words) == str(ROOT / DEFAULT_CONFIG)
+    cfg, _ = parse_args(words)
+    assert cfg.job.description == (values[-1] if values else "debug Llama 3, stdlib pretraining")
+    assert not wants_help(argv)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("form", ["space", "equals"])
+def test_config_given_twice_or_empty_is_refused(n: int, form: str) -> None:
+    one = "train_configs/debug_model.toml"
+    argv = [w for _ in range(n) for w in (["--config", one] if form == "space" else [f"--config={one}"])]
+    for entry in (launcher_words, parse_args):
+        with pytest.raises(UserError, match=f"--config is given {n} times"):
+            entry(argv)
+    for empty in (["--config="], ["--config", ""], ["--config", "  "]):
+        with pytest.raises(UserError, match="--config is empty"):
+            launcher_words(empty)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    st.one_of(
+        st.integers(-10, 2 * REHEARSAL_WORLD_MAX).map(str),
+        TEXT,
+        st.sampled_from(["²", "٢", "८", "1e3", "0x10"]),
+    )
+)
+def test_rehearse_takes_a_whole_number_within_its_bounds(value: str) -> None:
+    v = value.strip()
+    ok = v.isascii() and v.isdigit() and 1 <= int(v) <= REHEARSAL_WORLD_MAX
+    if ok:
+        words = launcher_words(["--rehearse", value])
+        assert words[words.index("--rehearsal.world") + 1] == str(int(value))
+    else:
+        with pytest.raises(UserError, match="^--rehearse "):
+            launcher_words(["--rehearse", value])
+        with pytest.raises(UserError, match="^--rehearse "):
+            launcher_words([f"--rehearse={value}"])
+
+
+def test_rehearse_beside_rehearsal_world_is_refused() -> None:
+    with pytest.raises(UserError, match="--rehearse and --rehearsal.world"):
+        launcher_words(["--rehearse", "8", "--rehearsal.world", "8"])
+    with pytest.raises(UserError, match=f"<= {REHEARSAL_WORLD_MAX}"):
+        check_values(parse_args(launcher_words(["--rehearsal.world", str(REHEARSAL_WORLD_MAX + 1)]))[0])
+
+
+def _example(typ: type) -> tuple[str, str]:
+    return {int: ("3", "5"), float: ("0.3", "0.5"), bool: ("true", "false"), str: ("warn", "stop")}[typ]
+
+
+@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+def test_a_moved_key_beside_its_new_name_on_the_command_line(old: str) -> None:
+    """Disagreeing: refused in one line naming both, as in a file; agreeing: taken."""
+    entry = MOVED_KEYS[old]
+    cfg = JobConfig()
+    if isinstance(entry, Split):
+        new = next(iter(entry.to(entry.typ())))
+        a, b = "3", "5"
+    else:
+        new = entry
+        section, _, key = new.partition(".")
+        a, b = _example(type(getattr(getattr(cfg, section), key)))
+        if new == "spike_guard.skip":
+            a, b = "off", "loss"
+    with pytest.raises(UserError, match=f"sets both '{new}' and '{old}'"):
+        parse_args([f"--{new}", a, f"--{old}", b])
+    if not isinstance(entry, Split):
+        parse_args([f"--{old}", a, f"--{new}", a])
+
+
+def _path_fields() -> list[tuple[str, str]]:
+    cfg = JobConfig()
+    return [
+        (f"{sf.name}.{f.name}", f.metadata["path"])
+        for sf in fields(cfg)
+        for f in fields(getattr(cfg, sf.name))
+        if "path" in f.metadata
+    ]
+
+
+def test_the_path_fields_are_the_ones_that_hold_paths() -> None:
+    """Every field whose doc speaks of a file or folder says it is a path (or is relative to the
+    run folder by design)."""
+    found = dict(_path_fields())
+    assert found.pop("data.path") == "mixture"
+    assert set(found) == {
+        "job.dump_folder",
+        "model.tokenizer_path",
+        "model.hf_assets_path",
+        "data.cache_dir",
+        "eval.path",
+        "checkpoint.initial_load_path",
+    }
+
+
+NAME = st.text(
+    st.characters(whitelist_categories=("Ll", "Lu", "Nd"), whitelist_characters="_-."),
+    min_size=1,
+    max_size=12,
+).filter(lambda s: s not in (".", ".."))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.sampled_from(_path_fields()), st.lists(NAME, min_size=1, max_size=3))
+def test_relative_paths_mean_the_callers_folder(
+    tmp_path_factory, field: tuple[str, str], parts: list[str]
+) -> None:
+    key, kind = field
+    caller = tmp_path_factory.mktemp("caller")
+    rel = os.path.join(*parts)
+    before = os.environ.get(CALLER_ENV)
+    os.environ[CALLER_ENV] = str(caller)
+    try:
+        if kind == "mixture":
+            value = f"{rel}:0.25,{rel}-b:0.75"
+            got = parse_args([f"--{key}", value])[0].data.path
+            assert mixture_items(got) == [(str(caller / rel), 0.25), (str(caller / f"{rel}-b"), 0.75)]
+        else:
+            section, _, name = key.partition(".")
+            got = getattr(getattr(parse_args([f"--{key}", rel])[0], section), name)
+            assert Path(got) == caller / rel
+            absolute = str(Path("/somewhere") / rel)
+            assert getattr(getattr(parse_args([f"--{key}", absolute])[0], section), name) == absolute
+        # the config file's own path, typed relative, is the caller's too
+        (caller / "my.toml").write_text("[training]\nsteps = 3\n")
+        cfg, path = parse_args(["--config", "my.toml"])
+        assert path == str(caller / "my.toml") and cfg.training.steps == 3
+    finally:
+        if before is None:
+            os.environ.pop(CALLER_ENV)
+        else:
+            os.environ[CALLER_ENV] = before
+
+
+def test_the_working_folder_as_caller_changes_nothing() -> None:
+    """Run from the checkout (the usual case), a relative path stays as typed."""
+    os.environ.pop(CALLER_ENV, None)
+    cfg, _ = parse_args(["--data.path", "outputs/data/docs:0.5,x:0.5", "--eval.path", "e.jsonl"])
+    assert cfg.data.path == "outputs/data/docs:0.5,x:0.5" and cfg.eval.path == "e.jsonl"

@@ -1,0 +1,119 @@
+"""The command line's words, read in one place: which config file applies, what `--rehearse`
+means, and the `--section.key value` overrides, each word taken in its position (a value that
+holds `--config` is a value). run_train.sh hands its words here untouched (through
+titanlite.launch); the workers, the preflight and the analysis harness read the launcher's
+canonical words with `parse_args`.
+
+    ./run_train.sh                      train_configs/debug_model.toml (DEFAULT_CONFIG)
+    ./run_train.sh --config FILE        FILE; a second --config, or an empty one, is refused
+    ./run_train.sh --rehearse W         --rehearsal.world W, W from 1 to REHEARSAL_WORLD_MAX
+    ./run_train.sh --help | -h          every config key
+
+Relative paths, typed or in a config file, mean the folder the command was run in
+(titanlite.config.paths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from titanlite.config.fields import whole_number
+from titanlite.config.job_config import REHEARSAL_WORLD_MAX, JobConfig
+from titanlite.config.manager import load_config
+from titanlite.config.paths import resolve_paths, resolved
+from titanlite.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout
+DEFAULT_CONFIG = "train_configs/debug_model.toml"  # of the checkout: the config when none is named
+HELP_FLAGS = ("-h", "--help")
+REHEARSE = "--rehearse"
+
+
+def words(argv: list[str]) -> list[tuple[str, str | None]]:
+    """[(name, value)] in order: `--name value` and `--name=value` as pairs, -h / --help alone;
+    a word in a value's place is that value, whatever it holds."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in HELP_FLAGS:
+            out.append((arg, None))
+            i += 1
+            continue
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if eq:
+            out.append((name, value))
+            i += 1
+        elif i + 1 < len(argv):
+            out.append((name, argv[i + 1]))
+            i += 2
+        elif name == "config":
+            raise UserError("--config has no value; write --config path/to/file.toml")
+        elif arg == REHEARSE:
+            raise UserError("--rehearse has no value; write --rehearse W (the number of ranks to rehearse)")
+        else:
+            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
+    return out
+
+
+def wants_help(argv: list[str]) -> bool:
+    """-h or --help in a flag's place (not as another flag's value)."""
+    i = 0
+    while i < len(argv):
+        if argv[i] in HELP_FLAGS:
+            return True
+        i += 1 if "=" in argv[i] or not argv[i].startswith("--") else 2
+    return False
+
+
+def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
+    files = [v for n, v in pairs if n == "config"]
+    if len(files) > 1:
+        raise UserError(
+            f"--config is given {len(files)} times ({', '.join(repr(f) for f in files)}); pass one file"
+        )
+    if files and not (files[0] or "").strip():
+        raise UserError("--config is empty; pass a .toml file, or leave --config out for the default config")
+    return files[0] if files else None
+
+
+def _rehearse(value: str) -> str:
+    if not whole_number(value.strip()) or not 1 <= int(value) <= REHEARSAL_WORLD_MAX:
+        raise UserError(
+            f"--rehearse {value!r}: give the number of ranks to rehearse, a whole number from 1 to "
+            f"{REHEARSAL_WORLD_MAX:,} (or leave --rehearse out to train)"
+        )
+    return str(int(value))
+
+
+def launcher_words(argv: list[str]) -> list[str]:
+    """The launcher's words as the workers read them: `--config FILE` first (the default config
+    when none is named, every file as an absolute path), `--rehearse W` as `--rehearsal.world W`,
+    the overrides as typed."""
+    pairs = words(argv)
+    path = _config_file(pairs)
+    if any(n == "rehearse" for n, _ in pairs) and any(n == "rehearsal.world" for n, _ in pairs):
+        raise UserError("--rehearse and --rehearsal.world are the same setting; give only --rehearse W")
+    out = ["--config", resolved(path) if path is not None else str(ROOT / DEFAULT_CONFIG)]
+    for name, value in pairs:
+        if name in HELP_FLAGS or name == "config":
+            continue
+        if name == "rehearse":
+            out += ["--rehearsal.world", _rehearse(value or "")]
+        else:
+            out += [f"--{name}", value or ""]
+    return out
+
+
+def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConfig, str | None]:
+    """`--config FILE` (at most one) plus overrides, in any order; relative paths are the
+    caller's (titanlite.config.paths). Returns the config and the file's path; `notes` as
+    titanlite.config.manager.load_config's."""
+    pairs = words(argv)
+    path = _config_file(pairs)
+    if path is not None:
+        path = resolved(path)
+    overrides = [w for n, v in pairs if n != "config" and n not in HELP_FLAGS for w in (f"--{n}", v or "")]
+    cfg = load_config(path, overrides, notes)
+    resolve_paths(cfg)
+    return cfg, path
