@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +41,7 @@ from titanlite.analysis.model_check import GLOBAL_BATCH, check_config, hf_verdic
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.models.registry import build_meta_model  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.process import run_child  # noqa: E402
 
 SCRIPT = Script("check_model", __doc__, overrides="every rank's model config")
 SCRIPT.arg(
@@ -73,7 +74,12 @@ def body(args) -> int:
             out = Path(tmp) / f"world{world}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
             cmd += ["-m", "titanlite.analysis.model_check", str(out), *overrides]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            began = time.monotonic()
+
+            def say(seconds: float, w: int = world) -> None:
+                print(f"check_model: {w} rank(s) still running ({seconds:.0f}s)", file=sys.stderr, flush=True)
+
+            proc = run_child(cmd, env=env, say=say)
             if proc.returncode or not out.exists():
                 lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
                 error = next(
@@ -83,6 +89,11 @@ def body(args) -> int:
                     f"the check at {world} rank(s) failed (exit {proc.returncode}): {error.strip()}"
                 )
             results.append(json.loads(out.read_text()))
+            print(
+                f"check_model: {world} rank(s) done in {time.monotonic() - began:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
     checks = verdicts(results) + (hf_verdicts(overrides, args.hf) if args.hf else [])
     for what, ok, detail in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {what}: {detail}")

@@ -104,6 +104,31 @@ def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
     return [*argv, "--job.dump_folder", str(args.out), "--job.run_name", name]
 
 
+def progress(out: Path, names: list[str], steps: int):
+    """What the runs are at, from their run folders (their output is kept for the tables): the
+    scenario running and its last logged step."""
+
+    def say(seconds: float) -> None:
+        started = [n for n in names if (out / n / "metrics.jsonl").is_file()]
+        if not started:
+            print(
+                f"diagnose_scenarios: starting the {len(names)} run(s) ({seconds:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        rows = read_records(out / started[-1] / "metrics.jsonl")
+        step = max((r["step"] for r in rows if "step" in r), default=0)
+        print(
+            f"diagnose_scenarios: run {len(started)}/{len(names)} ({started[-1]}) at step {step}/{steps} "
+            f"({seconds:.0f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return say
+
+
 def worker(args, overrides: list[str]) -> None:
     from titanlite.analysis import harness
     from titanlite.errors import TrainingError
@@ -652,7 +677,8 @@ def run(args) -> int:
         *args.scenarios,
         *overrides,
     ]
-    harness.check(harness.launch(__file__, args.dp, flags), "the runs", str(args.out))
+    say = progress(args.out, args.scenarios, args.steps)
+    harness.check(harness.launch(__file__, args.dp, flags, say=say), "the runs", str(args.out))
     status = read_json(args.out / "status.json")
     status["onset"] = args.onset
     (args.out / "status.json").write_text(json.dumps(status))

@@ -39,6 +39,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -56,11 +57,14 @@ from titanlite.analysis.compare import compare, report  # noqa: E402
 from titanlite.analysis.localize import base_flags, first_divergence, read, step_flags  # noqa: E402
 from titanlite.analysis.runs import load_run  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
+from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
-from titanlite.config import parse_args  # noqa: E402
+from titanlite.config import load_config, parse_args  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
+from titanlite.config.paths import absolute, resolve_paths  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
+from titanlite.tools.process import stop_child  # noqa: E402
 
 
 def plan(cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest") -> dict[str, int | str]:
@@ -94,7 +98,10 @@ def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[i
     returns the exit code and the output's last lines (for a failure's report)."""
     start, shown = time.monotonic(), -PROGRESS_S
     tail: collections.deque[str] = collections.deque(maxlen=15)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # a session of its own: a stop of this script reaches the run once, passed on from here
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         for line in proc.stdout:
             tail.append(line.rstrip())
@@ -103,8 +110,8 @@ def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[i
             if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
                 print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
                 shown = now
-    except BaseException:  # a Ctrl-C reached the run too: let it checkpoint and stop, then go
-        proc.communicate()
+    except BaseException as e:  # the run checkpoints and stops, then this script does
+        stop_child(proc, getattr(e, "signum", signal.SIGINT))
         raise
     return proc.wait(), list(tail)
 
@@ -166,9 +173,9 @@ SCRIPT.arg(
 FIRST_STEP = ["--debug.fingerprint_step", "1"]
 
 
-def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
-    """One run of layout `p` into out/name (--dry-run: print its command)."""
-    cmd = [str(REPO / "run_train.sh"), "--config", str(args.config), *args.overrides]
+def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list[str]:
+    """run_train.sh's arguments for one run of layout `p` into out/name."""
+    cmd = ["--config", str(args.config), *args.overrides]
     cmd += ["--training.steps", str(args.steps), "--metrics.log_every", "1"]
     cmd += ["--parallelism.mode", p["mode"], "--parallelism.dp_replicate", str(p["dp_replicate"])]
     cmd += [
@@ -177,7 +184,27 @@ def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
         "--training.local_batch_size",
         str(p["local_batch_size"]),
     ]
-    cmd += ["--job.dump_folder", str(out), "--job.run_name", name, *(extra or FIRST_STEP)]
+    return [*cmd, "--job.dump_folder", str(out), "--job.run_name", name, *(extra or FIRST_STEP)]
+
+
+def check_reused(args, p: dict, out: Path, name: str) -> None:
+    """A run --localize reuses ran what this command asks of it, key by key; else one line
+    naming the keys that differ (a verdict on other runs' settings is no verdict)."""
+    asked, ran = parse_args(run_args(args, p, out, name))[0], load_config(str(out / name / "config.toml"))
+    for cfg in (asked, ran):  # a path typed relative, recorded absolute: compared as the files they name
+        resolve_paths(cfg, absolute)
+    asked, ran = flat_config(asked), flat_config(ran)
+    differ = [f"{k} {ran[k]!r} (asked {v!r})" for k, v in asked.items() if k in ran and ran[k] != v]
+    if differ:
+        raise UserError(
+            f"--localize reuses the runs in {out}, but {name} ran with {'; '.join(differ[:4])}"
+            f"{' ...' if len(differ) > 4 else ''}; pass another --out to run them as asked"
+        )
+
+
+def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
+    """One run of layout `p` into out/name (--dry-run: print its command)."""
+    cmd = [str(REPO / "run_train.sh"), *run_args(args, p, out, name, extra)]
     world = p["dp_replicate"] * p["dp_shard"]
     if args.dry_run:
         print(f"NPROC={world} " + shlex.join(cmd), flush=True)
@@ -243,6 +270,8 @@ def run(args) -> int:
     if not args.dry_run and any(done) and not reuse:
         raise UserError(f"{out} already holds these runs; pass another --out")
     if reuse:
+        for p, name in zip(plans, names, strict=True):
+            check_reused(args, p, out, name)
         print(f"the runs in {out} are compared again (--localize)", flush=True)
     for p, name in zip(plans, names, strict=True):
         if not reuse:

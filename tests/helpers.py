@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# What a launch says before its workers start, once every check passed (titanlite.preflight):
+# the run, what it reads, then its notes. Anything else of titanlite's is a stop or an error.
+STARTUP = ("titanlite: note:", "titanlite: training ", "titanlite: rehearsing ", "titanlite: reads ")
 # bf16 keeps an 8-bit significand: each rounding is off by at most u = 2^-8 relative. Rounding
 # errors in a chain of n operations add up like a random walk, about sqrt(n) u (Higham and Mary,
 # "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019).

@@ -346,6 +346,37 @@ def test_a_state_saved_before_the_registry_resumes_the_same():
     assert rest[0] == rest[1] and rest[0], rest
 
 
+def test_a_resume_at_another_layout_starts_the_rules_history_again():
+    """Half the sequences per rank after a resume: the spread of per-rank losses rises by
+    construction (a sqrt(2) here). Continued at the same layout that reads as a dispersion
+    rising while the loss falls (the control); at the new layout the rules start their history
+    again, with a note, and stay quiet."""
+    cfg = Alerts()
+    cfg.trend_burn_in, cfg.trend_window = 20, 36
+    hosts = [f"host{r}" for r in range(WORLD)]
+    rng = random.Random(5)
+
+    def stream(steps, spread):
+        return [
+            record(t, [8 - 3 * t / 160 + rng.gauss(0, spread) for _ in range(WORLD)], norms=[1.0] * WORLD)
+            for t in steps
+        ]
+
+    before, after = stream(range(1, 81), 0.1), stream(range(81, 161), 0.1 * 2**0.5)
+    first = AlertMonitor(cfg, hosts, per_rank=4)
+    for rec in before:
+        first.update(rec)
+    fired = {}
+    for per_rank in (4, 2):
+        mon = AlertMonitor(cfg, hosts, per_rank=per_rank)
+        note = mon.load_state_dict(first.state_dict())
+        assert (note is None) == (per_rank == 4), note
+        fired[per_rank] = {a.name for rec in after for a in mon.update(rec) if a.is_alert}
+    assert "dispersion_rising_loss_falling" in fired[4], fired
+    assert not fired[2], fired
+    assert "dp=4 with 2 sequence(s) per rank" in note and "had dp=4 with 4" in note
+
+
 def _spec(**change) -> AlertSpec:
     base = {"name": "mine", "cause": "why", "checks": (Check(lambda ctx: None),)}
     return AlertSpec(**{**base, **change})

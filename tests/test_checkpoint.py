@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import check, read_metrics, train
+from helpers import STARTUP, check, read_metrics, train
 
 from titanlite.components.checkpoint.index import damage, file_record, find, quarantine_damaged
 from titanlite.errors import UserError
@@ -146,7 +146,7 @@ def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
     proc = run(ref, "stopped", *CKPT, "--debug.signal_step", "3", ok=False)
     assert proc.returncode == 130, proc.stderr[-3000:]
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite:")]
-    lines = sorted({ln for ln in said if not ln.startswith("titanlite: note:")})  # every rank's stop line
+    lines = sorted({ln for ln in said if not ln.startswith(STARTUP)})  # every rank's stop line
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     stop = int(lines[0].split("after step ")[1].split(";")[0])
     assert stop in (3, 4, 5) and f"checkpoint step-{stop} (saved in " in lines[0]

@@ -88,3 +88,51 @@ def test_a_run_folder_reads_its_own_checkpoint_folder(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="holds no complete checkpoint"):
         step_to_read(tmp_path / "empty")
+
+
+def _llama(flavor: str):
+    from dataclasses import replace
+
+    import titanlite.models  # noqa: F401  (registers llama3)
+    from titanlite.models.registry import get_flavor, get_model_spec
+
+    spec = get_model_spec("llama3")
+    return spec.model_cls(replace(get_flavor(spec, flavor), vocab_size=256))
+
+
+@pytest.mark.parametrize(
+    "source, target, extra, drop, refused",
+    [
+        ("debugmodel", "debugmodel", False, [], None),
+        ("debugmodel", "debugmodel_tied", False, [], "output.weight"),  # the trained head, unread
+        ("debugmodel", "debugmodel_tied", False, ["output.weight"], None),  # ... by choice
+        ("debugmodel_tied", "debugmodel_tied", False, [], None),
+        ("debugmodel", "debugmodel", True, [], "extra.weight"),  # a tensor this model has none of
+        ("debugmodel", "debugmodel", True, ["extra.weight"], None),
+    ],
+)
+def test_a_new_runs_initial_weights_are_taken_both_ways(tmp_path, source, target, extra, drop, refused):
+    """checkpoint.initial_load_path: each of the model's tensors in the checkpoint (check_fits),
+    and each of the checkpoint's taken by a tensor of its own, but those named in
+    checkpoint.initial_load_drop."""
+    from dataclasses import asdict
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.components.checkpoint.resume import check_initial_fits
+
+    model = _llama(source)
+    state = dict(model.state_dict())
+    if extra:
+        state["extra.weight"] = torch.zeros(3)
+    path = tmp_path / "step-00000004"
+    dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
+    (path / "state.json").write_text(json.dumps({"step": 4, "model_args": asdict(model.args)}, default=str))
+    with torch.device("meta"):
+        ours = _llama(target)
+    if refused is None:
+        check_initial_fits(path, ours, drop)
+    else:
+        with pytest.raises(UserError, match=f"holds {refused}.*initial_load_drop"):
+            check_initial_fits(path, ours, drop)

@@ -286,9 +286,11 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
         with (broken / "model.safetensors").open("r+b") as f:
             cut(f)
         with pytest.raises(UserError, match=re.escape(needle)):
-            preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(broken)]))
+            preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(broken)]), None)
         assert preflight.main(["--world-size", "1", "--model.hf_assets_path", str(broken)]) == 2
-    preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(assets / "untied")]))
+    preflight.check_initial_weights(
+        load_config(None, ["--model.hf_assets_path", str(assets / "untied")]), None
+    )
     other = copy("other-arch")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
@@ -570,10 +572,19 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
         assert preflight.main(["--world-size", "1", "--checkpoint.initial_load_path", *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
-    assert (
-        preflight.main(["--world-size", "1", "--checkpoint.initial_load_path", str(ckpts / "step-00000002")])
-        == 0
-    )
+    step2 = ["--world-size", "1", "--checkpoint.initial_load_path", str(ckpts / "step-00000002")]
+    own = [
+        "--model.hf_assets_path",
+        str(assets / "untied"),
+        "--data.mode",
+        "sft",
+        "--data.path",
+        str(assets / "chat.jsonl"),
+    ]
+    assert preflight.main([*step2, *own]) == 0  # its own model takes every tensor it holds
+    capsys.readouterr()
+    assert preflight.main(step2) == 2  # the debug model's shapes do not fit it: refused before any worker
+    assert "has shape" in capsys.readouterr().err
     # a checkpoint of another model: the first tensor that does not fit, from .metadata alone
     with pytest.raises(
         UserError,

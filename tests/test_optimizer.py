@@ -79,7 +79,9 @@ def test_resume_restores_hparams_unless_told_and_says_which():
         "resume: optimizer.beta2",
         "resume: metrics.log_every",
     ]
-    assert "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied")
+    assert (
+        "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied from step 7")
+    )
     opt, sched = _resumed(kept, optimizer.state_dict(), scheduler.state_dict())
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and sched.base_lrs == [8e-4, 8e-4]
 
@@ -154,3 +156,32 @@ def test_the_seed_rule_gives_every_rank_one_stream_unless_a_fault_says_otherwise
     assert [rank_seed(7, r, "rank0_differs") != 7 for r in range(3)] == [True, False, False]
     streams = {reshard_seed(7, step, r, s) for step in (3, 4) for r in range(8) for s in range(3)}
     assert len(streams) == 2 * 8 * 3  # resharded per-rank streams never share a seed
+
+
+def test_a_resume_with_a_longer_schedule_moves_the_lr_of_its_first_step():
+    """The step after the checkpoint already runs the new schedule (its lr, not the old one's,
+    and the resume line gives both); an unchanged schedule keeps the lr bit for bit."""
+    import torch
+
+    from titanlite.components.checkpoint.resume import flat_config, resume_changes
+    from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, realign_schedule
+
+    old = _cfg("cosine", steps=10)
+    optimizer = build_optimizer(torch.nn.Linear(4, 4), old)
+    scheduler = build_lr_scheduler(optimizer, old)
+    for _ in range(6):
+        optimizer.step()
+        scheduler.step()
+    saved = optimizer.state_dict(), scheduler.state_dict()
+    same = realign_schedule(*_resumed(old, *saved), old, 6)
+    assert same[0] == same[1] == 8e-4 * lr_factor(6, old)
+    longer = _cfg("cosine", steps=40)
+    opt, sched = _resumed(longer, *saved)
+    before, after = realign_schedule(opt, sched, longer, 6)
+    assert before == 8e-4 * lr_factor(6, old) and after == 8e-4 * lr_factor(6, longer) > before
+    assert all(g["lr"] == after for g in opt.param_groups) and sched.get_last_lr() == [after] * 2
+    (line,) = resume_changes({"step": 6, "config": flat_config(old)}, longer, (before, after))
+    assert (
+        line.startswith("resume: training.steps was 10, now 40: applied from step 7")
+        and f"{after:.3g}" in line
+    )

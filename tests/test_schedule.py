@@ -140,8 +140,8 @@ def test_a_resume_compares_old_settings_by_their_new_names(monkeypatch):
         None, ["--checkpoint.every", "10", "--checkpoint.at_end", "true", "--metrics.log_every", "1"]
     )
     assert resume_changes(state, later) == [
-        "resume: metrics.log_every was 10, now 1: applied",
-        "resume: checkpoint.every was 5, now 10: applied",
+        "resume: metrics.log_every was 10, now 1: applied from step 5",
+        "resume: checkpoint.every was 5, now 10: applied from step 5",
     ]
 
 

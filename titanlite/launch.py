@@ -65,7 +65,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import config_from_args, get_args_parser
 
-from titanlite.components.checkpoint.index import quarantine_damaged
+from titanlite.components.checkpoint.index import quarantine_damaged, set_aside_abandoned
 from titanlite.components.run.environment import torchrun_args
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
@@ -73,7 +73,7 @@ from titanlite.config import JobConfig
 from titanlite.config.command_line import launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.config.paths import CALLER_ENV
-from titanlite.errors import ENDINGS, EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, UserError, report
+from titanlite.errors import ENDINGS, EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, Stopped, UserError, report
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
 from titanlite.tools.paths import existing_parent
@@ -330,13 +330,17 @@ def main(argv: list[str]) -> int:
             try:
                 rehearse(plan.cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
+                early = isinstance(e, Stopped)  # its report never came: the run folder goes too
                 return report(e)
             return 0
         if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
         if lock is not None:
-            # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside
-            quarantine_damaged(checkpoint_folder(plan.cfg, run_dir), plan.cfg.metrics.enable_wandb)
+            # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside,
+            # and after a rewind (checkpoint.load_step) the abandoned ones
+            folder = checkpoint_folder(plan.cfg, run_dir)
+            quarantine_damaged(folder, plan.cfg.metrics.enable_wandb)
+            set_aside_abandoned(folder, plan.cfg.checkpoint.load_step)
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import step_to_read
-from titanlite.components.checkpoint.resume import check_same_model
+from titanlite.components.checkpoint.resume import check_initial_fits, check_same_model
 from titanlite.components.run.lock import RunLock
 from titanlite.components.run.plan import (
     check_checkpoint_space,
@@ -101,7 +101,7 @@ def plan_run(
     meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
     n, what = model_size(cfg, meta)
     if resume is None:
-        check_initial_weights(cfg)
+        check_initial_weights(cfg, meta.model)
     else:
         check_same_model(folder, resume, meta, cfg)
     if cfg.checkpoint.saves:
@@ -199,7 +199,7 @@ def model_size(cfg: JobConfig, meta: Any) -> tuple[int, str]:
     return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
 
 
-def check_initial_weights(cfg: JobConfig) -> None:
+def check_initial_weights(cfg: JobConfig, model: Any) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
     whole: every safetensors file holds what its header describes; a titanlite step folder is
     intact (a resume never reads them)."""
@@ -213,7 +213,8 @@ def check_initial_weights(cfg: JobConfig) -> None:
     if initial_load_kind(path) == "hf":
         weight_files(path)
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
-        step_to_read(path, flag="checkpoint.initial_load_path")
+        step = step_to_read(path, flag="checkpoint.initial_load_path")
+        check_initial_fits(step, model, cfg.checkpoint.initial_load_drop)  # every tensor taken, both ways
 
 
 def _vocab_size(cfg: JobConfig) -> int:

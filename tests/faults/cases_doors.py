@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import time
 from pathlib import Path
 
-from faults.fixtures import data, prepared, shared_run
+from faults.fixtures import base, data, prepared, shared_run
 from faults.harness import (
+    CKPT,
     REPO,
+    RESUME6,
     Bent,
     Broke,
     Catalogue,
@@ -19,6 +23,7 @@ from faults.harness import (
     case,
     expect,
     listing,
+    records,
     unchanged,
 )
 
@@ -196,6 +201,87 @@ def _(c: Catalogue) -> None:
     expect(r, 2, "config.toml")
 
 
+# ---- one checkpoint reader, checked both ways -------------------------------------------------------
+K = "doors/checkpoint reader"
+
+
+def _untied_step(c: Catalogue) -> str:
+    return str(shared_run(c) / "checkpoints" / "step-00000004")  # the debug model: a head of its own
+
+
+@case(K, "initial_load_path of an untied run into a tied model")
+def _(c: Catalogue) -> None:
+    dump = c.dump("untied-into-tied")
+    args = ("--model.flavor", "debugmodel_tied", "--checkpoint.initial_load_path", _untied_step(c))
+    expect(c.run(dump, ("--training.steps", "2", *args)), 2, "output.weight")
+    unchanged({}, dump)
+
+
+@case(K, "... with --checkpoint.initial_load_drop output.weight")
+def _(c: Catalogue) -> None:
+    dump = c.dump("untied-into-tied-dropped")
+    args = ("--model.flavor", "debugmodel_tied", "--checkpoint.initial_load_path", _untied_step(c))
+    expect(
+        c.run(dump, ("--training.steps", "2", *args, "--checkpoint.initial_load_drop", "output.weight")), 0
+    )
+
+
+@case(K, "a rewind, then a plain resume, follows one timeline")
+def _(c: Catalogue) -> None:
+    dump = base(c, "rewind")
+    expect(c.run(dump, ("--training.steps", "3", *CKPT, "--checkpoint.load_step", "2")), 0)
+    run = dump / "run"
+    if not (run / "checkpoints" / "step-00000004.abandoned").is_dir():
+        raise Broke("the abandoned step 4 was not set aside as step-00000004.abandoned")
+    expect(c.run(dump, RESUME6), 0)
+    steps = [r["step"] for r in records(run / "metrics.jsonl") if "step" in r]
+    if steps != list(range(1, 7)):
+        raise Broke(f"metrics.jsonl holds steps {steps}, not one timeline 1-6")
+
+
+# ---- stops reach what a script started -----------------------------------------------------------
+S = "doors/stops"
+
+
+def _alive(text: str) -> list[int]:
+    """Pids of live processes whose command line holds `text`."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            found = d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes()
+            if found and (d / "stat").read_text().split(") ")[-1][:1] != "Z":  # not a zombie
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@case(S, "SIGTERM to diagnose_scenarios.py stops its runs too")
+def _(c: Catalogue) -> None:
+    out = c.dump("scenarios-term") / "out"
+    live = c.start_script(
+        "diagnose_scenarios", "--dp", "2", "--steps", "40", "--scenarios", "healthy", "--out", str(out)
+    )
+    live.wait_for(lambda: (out / "healthy" / "metrics.jsonl").is_file(), timeout=240)
+    live.proc.send_signal(signal.SIGTERM)  # the script alone, as a scheduler or `kill` sends it
+    r = live.finish(timeout=240)
+    if r.code != 128 + signal.SIGTERM:
+        raise Broke(f"exit {r.code}, promised {128 + signal.SIGTERM}: {r.last[:200]}")
+    time.sleep(1)
+    if left := _alive(str(out)):
+        raise Broke(f"its runs train on without it: pids {left}")
+
+
+@case(S, "SIGTERM in the middle of a rehearsal's steps")
+def _(c: Catalogue) -> None:
+    dump = c.dump("rehearsal-term")
+    live = c.start(dump, ("--rehearse", "8", "--rehearsal.steps", "30"))
+    live.wait_for(lambda: live.saw("rehearsal: step 2/30 done"), timeout=240)
+    live.signal(signal.SIGTERM)
+    expect(live.finish(timeout=240), 128 + signal.SIGTERM, "nothing was kept")
+    unchanged({}, dump)
+
+
 # ---- sizes a machine can plan for ------------------------------------------------------------------
 Z = "doors/sizes"
 for _key, _value in (
@@ -227,6 +313,28 @@ def _one_prompt(c: Catalogue, cfg: dict, r: Result) -> None:
 
 
 _plans(R, "--eval.prompts 'Hello, world' is one prompt", ("--eval.fraction", "0.1", "--eval.prompts", "Hello, world"), _one_prompt)  # fmt: skip
+
+
+@case(R, "invariance.py --localize reuses runs made with other settings")
+def _(c: Catalogue) -> None:
+    out = c.dump("localize-reuse") / "out"
+    base_args = [
+        "--config",
+        "train_configs/debug_model.toml",
+        "--dp",
+        "1",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        str(out),
+    ]
+    base_args += ["--training.seq_len", "128"]
+    expect(c.script("invariance", *base_args, timeout=300), 0)
+    before = listing(out)
+    r = c.script("invariance", *base_args, "--localize", "--optimizer.lr", "1e-3", timeout=300)
+    expect(r, 2, "optimizer.lr")
+    unchanged(before, out)
 
 
 @case(R, "compare_runs --invariance of a run missing its first steps")

@@ -16,19 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.errors import UserError
+from titanlite.tools.process import run_child
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def launch(
-    script: str | Path, nproc: int, args: list[str], env: dict | None = None
+    script: str | Path,
+    nproc: int,
+    args: list[str],
+    env: dict | None = None,
+    say: Callable[[float], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc script ARGS` from the repository, one thread
-    per rank, output captured. torchrun itself: titanlite.launch is for titanlite.train (its
-    preflight reads train flags)."""
+    per rank, output captured, `say(seconds)` every 30 s while it runs; a stop of the script
+    stops it (titanlite.tools.process.run_child). torchrun itself: titanlite.launch is for
+    titanlite.train (its preflight reads train flags)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return subprocess.run([*cmd, str(script), *args], cwd=REPO, env=full_env, capture_output=True, text=True)
+    return run_child([*cmd, str(script), *args], cwd=REPO, env=full_env, say=say)
 
 
 def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:

@@ -33,6 +33,7 @@ from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX
+from titanlite.tools.phases import heartbeat
 from titanlite.tools.readback import readback
 from titanlite.tools.seeds import sample_seed
 
@@ -87,14 +88,16 @@ class Evaluator:
         """The eval's record ({"step", "loss", "perplexity", "tokens", "sequences", "seconds"})
         and the decoded eval.prompts ({"prompt", "text"}); every rank calls it in lockstep."""
         began = time.perf_counter()
-        rec = {"step": step, **self.loss(model), "seconds": time.perf_counter() - began}
+        with heartbeat(lambda t: logger.info(f"eval step {step}: still scoring the eval set ({t:.0f}s)")):
+            rec = {"step": step, **self.loss(model), "seconds": time.perf_counter() - began}
         e = self.cfg.eval
         if not e.prompts:
             return rec, []
         generator = torch.Generator(device=self.dims.device).manual_seed(
             sample_seed(self.cfg.training.seed, step)
         )
-        with self.dims.autocast():
+        say = f"eval step {step}: still decoding {len(e.prompts)} prompt(s) of {e.sample_tokens} tokens"
+        with self.dims.autocast(), heartbeat(lambda t: logger.info(f"{say} ({t:.0f}s)")):
             texts = sample_text(
                 model,
                 self.tokenizer,

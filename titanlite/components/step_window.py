@@ -12,6 +12,7 @@ metrics.jsonl and its point in TensorBoard at no extra cost.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from titanlite.distributed.utils import peak_flops
 from titanlite.errors import TrainingError
 from titanlite.tools.memory import peak_memory_gib
+from titanlite.tools.phases import HEARTBEAT_S
 from titanlite.tools.readback import readback
 
 logger = logging.getLogger("titanlite")
@@ -132,6 +134,7 @@ class StepWindow:
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
+        self._said = time.monotonic()  # the last line the console showed of the steps
 
     def add(
         self,
@@ -164,9 +167,13 @@ class StepWindow:
         self._lrs.append(lr)
         if guard is not None:
             self._guard.append(guard)
+        if time.monotonic() - self._said >= HEARTBEAT_S:  # a host clock: no device read
+            logger.info(f"at step {step}; its figures show at the next log step (metrics.log_every)")
+            self._said = time.monotonic()
 
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""
+        self._said = time.monotonic()
         if not self._steps:
             raise RuntimeError("StepWindow.read() on an empty window")
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values

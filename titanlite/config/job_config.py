@@ -272,6 +272,10 @@ class Checkpoint:
     initial_load_path: str = opt(
         "", "a new run starts from this Hugging Face folder or titanlite step folder (read only)", path="file"
     )
+    initial_load_drop: list[str] = opt(
+        [],
+        "tensors of initial_load_path's checkpoint this run leaves unread (any other it cannot take is refused)",
+    )
     initial_load_model_only: bool = opt(
         True, "initial_load_path: weights only; false: also AdamW state and LR schedule position"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -49,20 +50,22 @@ def mixture_items(path: str) -> list[tuple[str, float | None]]:
     return out
 
 
-def _resolved_mixture(path: str) -> str:
-    items = mixture_items(path)
-    if [resolved(name) for name, _ in items] == [name for name, _ in items]:
-        return path
-    return ",".join(resolved(name) + (f":{w!r}" if w is not None else "") for name, w in items)
-
-
-def resolve_paths(cfg: Any) -> None:
-    """Every path field of `cfg` (a JobConfig) as read from the caller's folder, in place."""
+def resolve_paths(cfg: Any, how: Callable[[str], str] = resolved) -> None:
+    """Every path field of `cfg` (a JobConfig) as read from the caller's folder (`how` of each
+    path), in place."""
     for sf in fields(cfg):
         section = getattr(cfg, sf.name)
         for f in fields(section):
             kind, value = f.metadata.get("path"), getattr(section, f.name)
             if kind == "file":
-                setattr(section, f.name, resolved(value))
+                setattr(section, f.name, how(value))
             elif kind == "mixture":
-                setattr(section, f.name, _resolved_mixture(value))
+                items = mixture_items(value)
+                if any(how(n) != n for n, _ in items):  # else as typed, weights and all
+                    joined = ",".join(how(n) + (f":{w!r}" if w is not None else "") for n, w in items)
+                    setattr(section, f.name, joined)
+
+
+def absolute(value: str) -> str:
+    """A path as an absolute one, from this process's working folder (empty stays empty)."""
+    return str(Path(value).expanduser().absolute()) if value.strip() else value

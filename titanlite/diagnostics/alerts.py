@@ -92,10 +92,13 @@ class AlertMonitor:
     rank; `batch_unit`: sequences the global batch moves by with the layout kept (dp x local
     batch), for the batch-size advice's flag."""
 
-    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0) -> None:
+    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0) -> None:
         self.cfg = cfg
         self.hosts = hosts
         self.world = len(hosts)
+        self.per_rank = (
+            per_rank  # sequences each rank scores per step: the spread of its losses scales with it
+        )
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
         unit = batch_unit or self.world
         self.states = {s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None}
@@ -110,6 +113,8 @@ class AlertMonitor:
     def state_dict(self) -> dict:
         return {
             "version": STATE_VERSION,
+            "world": self.world,
+            "per_rank": self.per_rank,
             "history": [asdict(p) for p in self.history],
             "trend": [list(t) for t in self.trend],
             "seen": self.seen,
@@ -119,19 +124,33 @@ class AlertMonitor:
             "alerts": {name: state.state_dict() for name, state in self.states.items()},
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        # A run resumed at another dp keeps the rules' history but not its per-rank vectors,
-        # which stand for other ranks (an alert's own state drops what it cannot use likewise).
+    def load_state_dict(self, state: dict) -> str | None:
+        """Continue from a checkpoint's state; at another layout, start the rules' history again
+        and return the note that says so (None otherwise)."""
+        self.named = {name: set(ranks) for name, ranks in state.get("named", {}).items()}
         points = [Point(**p) for p in state["history"]]
-        for p in points:
-            if p.rank_loss is not None and len(p.rank_loss) != self.world:
-                p.rank_loss = p.rank_norm = p.rank_noise = p.rank_wait = p.rank_load = None
+        world = state.get("world") or next((len(p.rank_loss) for p in points if p.rank_loss), self.world)
+        per_rank = state.get("per_rank") or self.per_rank
+        if (world, per_rank) != (self.world, self.per_rank):
+            # The spread of per-rank losses and norms, the gaps and the cosines scale with the
+            # ranks and the sequences each scores: a history from another layout would read as
+            # a drift that the layout made (a dispersion that rose by construction).
+            return (
+                f"diagnostics: resumed at dp={self.world} with {self.per_rank} sequence(s) per rank per step, where "
+                f"the checkpoint's run had dp={world} with {per_rank}; the alert rules' statistics depend on both, "
+                f"so their history starts again here (a burn-in of alerts.min_steps = {self.cfg.min_steps} "
+                "measured steps)"
+            )
+        self._load_history(state, points)
+        return None
+
+    def _load_history(self, state: dict, points: list[Point]) -> None:
+        """The rules' history and the alerts' own states, kept across a resume at the same layout."""
         self.history = deque(points, maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state.get("trend", [])), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
         self._data_failed = {(name, rank): seen for name, rank, seen in state.get("data_failed", [])}
-        self.named = {name: set(ranks) for name, ranks in state.get("named", {}).items()}
         own = state.get("alerts")
         if own is None:  # version 1: the built-in alerts' states under keys of their own
             own = {name: state.get(key) for name, key in _V1_STATE.items()}

@@ -126,7 +126,8 @@ class Diagnostics:
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit)
+        per_rank = layout.global_batch // max(layout.dp, 1)
+        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit, per_rank)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
@@ -173,7 +174,8 @@ class Diagnostics:
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and state:
             self.noise.trace_ema, self.noise.gsq_ema = state["noise"]["trace_ema"], state["noise"]["gsq_ema"]
-            self.monitor.load_state_dict(state["monitor"])
+            if note := self.monitor.load_state_dict(state["monitor"]):
+                logger.info(note)
 
     def generators(self) -> dict[str, torch.Generator]:
         """RNG streams a checkpoint must carry (the gradient-noise fault's)."""

@@ -11,12 +11,14 @@ alerts it raises are dropped (fake gathers make every rank look alike).
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import torch
 
 from titanlite.components.run.plan import REHEARSAL_FILE
 from titanlite.config import JobConfig
+from titanlite.errors import Stopped
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
 from titanlite.rehearsal.report import summarize, table
 from titanlite.tools.logging import init_logging
@@ -25,6 +27,9 @@ from titanlite.train import Trainer
 
 logger = init_logging()
 WATCHED = (2, 3)  # the steps whose memory, bytes and host reads are counted
+# What a stopped rehearsal leaves: its report comes whole at the end, so the launcher removes the
+# run folder it made for it.
+UNKEPT = "nothing was kept (a rehearsal's report comes whole at its end; rerun it)"
 
 
 def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
@@ -37,12 +42,18 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         trainer = Trainer(cfg, config_path)
     try:
         meter, costs = _meter(trainer), []
+        trainer.stops.armed = True  # a signal now ends the rehearsal between steps, not inside one
         for step in range(1, cfg.training.steps + 1):
             began = time.perf_counter()
             say = f"rehearsal: step {step}/{cfg.training.steps}"
             with heartbeat(lambda s, say=say: logger.info(f"{say} still running ({s:.0f}s)")):
                 costs.append(_step(trainer, meter, step))
             logger.info(f"{say} done in {time.perf_counter() - began:.1f}s")
+            if signum := trainer.stops.received:
+                name = signal.Signals(signum).name
+                raise Stopped(
+                    signum, f"stopped by {name} after rehearsal step {step} of {cfg.training.steps}; {UNKEPT}"
+                )
         report = summarize(
             cfg,
             trainer.layout,

@@ -1,11 +1,16 @@
-"""Worker processes die with their launcher."""
+"""Worker processes die with their launcher; a script's children stop with the script."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
+from collections.abc import Callable
+
+from titanlite.tools.phases import heartbeat
 
 _PR_SET_PDEATHSIG = 1
 AGENT_PID_ENV = "TITANLITE_AGENT_PID"  # set by titanlite.launch: the pid the workers' parent must have
@@ -22,3 +27,46 @@ def die_with_parent() -> None:
     expected = int(os.environ.pop(AGENT_PID_ENV, parent))  # popped: not for runs this one starts
     if parent != expected or os.getppid() != parent:  # the launcher died before the prctl
         os._exit(128 + int(signal.SIGKILL))
+
+
+# How long a stopped child gets to finish its step and checkpoint before it is killed.
+CHILD_GRACE_S = 120
+
+
+def run_child(
+    cmd: list[str], *, cwd=None, env: dict | None = None, say: Callable[[float], None] | None = None
+) -> subprocess.CompletedProcess:
+    """`cmd` to its end, its output captured; `say(seconds so far)` every 30 s meanwhile. The
+    child runs in a session of its own, so a stop of this script reaches it once, from here: a
+    Ctrl-C or SIGTERM (raised here as an exception with its `signum`, or KeyboardInterrupt) is
+    passed on, the child is waited for (a run finishes its step and checkpoints; killed after
+    CHILD_GRACE_S), and the stop goes on. Nothing the script started trains on without it."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        with heartbeat(say) if say else contextlib.nullcontext():
+            out, err = proc.communicate()
+    except BaseException as e:
+        stop_child(proc, getattr(e, "signum", signal.SIGINT))
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def stop_child(proc: subprocess.Popen, signum: int) -> None:
+    """Pass `signum` on to a live child and wait for it; kill it after CHILD_GRACE_S."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signum)
+    try:
+        proc.communicate(timeout=CHILD_GRACE_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -49,7 +50,7 @@ from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import complete_steps, file_record, quarantine, step_dir
 from titanlite.components.checkpoint.resume import (
     OPTIMIZER_GROUPS,
-    check_fits,
+    check_initial_fits,
     check_same_model,
     flat_config,
     hf_config,
@@ -59,7 +60,7 @@ from titanlite.components.checkpoint.resume import (
 )
 from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.faults import Faults, FullDiskWriter
-from titanlite.components.optimizer import continue_schedule
+from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due
 from titanlite.config.identity import identity
@@ -141,13 +142,16 @@ class Checkpointer:
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
+            if self.cfg.checkpoint.restore_hparams:
+                lr = realign_schedule(self.optimizer, self.scheduler, self.cfg, resume)
+            else:
+                continue_schedule(self.optimizer, self.scheduler, self.cfg, resume)
+                lr = None
             if self.rank == 0:
-                for line in resume_changes(state, self.cfg):
+                for line in resume_changes(state, self.cfg, lr):
                     logger.info(line)
             for name, part in self.parts.items():
                 part.load_state_dict(state.get(name, {}))
-            if not self.cfg.checkpoint.restore_hparams:
-                continue_schedule(self.optimizer, self.scheduler, self.cfg, resume)
             return resume + 1
         c = self.cfg.checkpoint
         source = c.initial_load_path or self.cfg.model.hf_assets_path
@@ -356,10 +360,12 @@ class Checkpointer:
         if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
             raise UserError(optimizer_groups_error(path))  # its optimizer state has another layout
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
+        drop = self.cfg.checkpoint.initial_load_drop if check else []
         if check:
-            check_fits(path, state["model"])
+            check_initial_fits(path, self.model, drop)
+            state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
         dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["model"])
+        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not drop))
         if with_optimizer:
             set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         return host

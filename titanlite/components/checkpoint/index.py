@@ -30,6 +30,7 @@ from titanlite.errors import UserError
 from titanlite.tools.cache import first_cause
 
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
+ABANDONED = ".abandoned"  # a rewind's newer steps, set aside (set_aside_abandoned)
 DAMAGED = ".damaged"  # suffix of a step folder set aside
 
 logger = logging.getLogger("titanlite")
@@ -241,15 +242,22 @@ def read_checkpoint(
             failed.append(int(chosen.name[5:]))
 
 
-def quarantine(path: Path, why: str, wandb: bool = False) -> None:
-    """Set the damaged step folder `path` aside as `<name>.damaged` (never resumed nor pruned),
-    with one line naming what is wrong."""
-    target = path.with_name(path.name + DAMAGED)
+def _set_aside(path: Path, suffix: str) -> Path:
+    """Rename the step folder `path` to `<name><suffix>` (the first free one): a name no reader
+    takes for a step, so it is never resumed nor pruned, and nothing is deleted."""
+    target = path.with_name(path.name + suffix)
     n = 1
     while target.exists():
         n += 1
-        target = path.with_name(f"{path.name}{DAMAGED}-{n}")
+        target = path.with_name(f"{path.name}{suffix}-{n}")
     path.rename(target)
+    return target
+
+
+def quarantine(path: Path, why: str, wandb: bool = False) -> None:
+    """Set the damaged step folder `path` aside as `<name>.damaged` (never resumed nor pruned),
+    with one line naming what is wrong."""
+    target = _set_aside(path, DAMAGED)
     again = "; steps after it are logged again in the same W&B run, which cannot rewind" if wandb else ""
     logger.warning(
         f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back{again}"
@@ -264,6 +272,21 @@ def quarantine_damaged(folder: Path, wandb: bool = False) -> None:
         if why is None:
             return
         quarantine(step_dir(folder, step), why, wandb)
+
+
+def set_aside_abandoned(folder: Path, load_step: int) -> None:
+    """A rewind (checkpoint.load_step below the newest step) abandons the steps after it: set
+    them aside as `<name>.abandoned`, named in one line, so the run folder follows one timeline
+    and a later plain resume continues the new one, not the abandoned."""
+    if load_step < 0 or load_step not in complete_steps(folder):
+        return  # no rewind, or a step the preflight refuses
+    newer = [s for s in complete_steps(folder) if s > load_step]
+    targets = [_set_aside(step_dir(folder, s), ABANDONED).name for s in newer]
+    if targets:
+        logger.warning(
+            f"checkpoint: resuming from step {load_step} (checkpoint.load_step) abandons the newer step(s) "
+            f"{', '.join(map(str, newer))}: set aside as {', '.join(targets)} (kept; delete them when done)"
+        )
 
 
 def read_state(folder: Path, step: int) -> dict[str, Any]:

@@ -21,6 +21,12 @@ from titanlite.tools.records import read_json
 # Optimizer hyperparameters that a resume restores from the checkpoint (AdamW's param groups and
 # the scheduler's base lr) unless checkpoint.restore_hparams is false.
 RESTORED = ("optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay")
+# What only a fresh run does: set on a resume, they change nothing, and the resume says why.
+FRESH_ONLY = {
+    "eval.at_start": "a resumed run does not evaluate before its first step (step 0 was the first run's)",
+    "checkpoint.initial_load_path": "a resume continues from its own checkpoint",
+    "checkpoint.initial_load_model_only": "a resume continues from its own checkpoint",
+}
 
 # The optimizer state's layout in a checkpoint: AdamW's weight-decay groups, each marked with
 # whether it decays (components/optimizer.py: param_groups). Checkpoints before them had none.
@@ -109,8 +115,10 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
     return out
 
 
-def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
-    """One line per config value that differs from the checkpoint's run, with what takes effect."""
+def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None) -> list[str]:
+    """One line per config value that differs from the checkpoint's run, with what takes effect
+    and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
+    (titanlite.components.optimizer.realign_schedule)."""
     before, step = state.get("config"), state["step"]
     if not before:  # written before state.json kept the config
         return []
@@ -121,7 +129,9 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
             lines.append(f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content")
         if key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before or before[key] == now:
             continue
-        if key in RESTORED and cfg.checkpoint.restore_hparams:
+        if key in FRESH_ONLY:
+            effect = f"not applicable: {FRESH_ONLY[key]}"
+        elif key in RESTORED and cfg.checkpoint.restore_hparams:
             effect = (
                 "not applied: the checkpoint's value is restored "
                 "(--checkpoint.restore_hparams false applies this config's)"
@@ -129,9 +139,10 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig) -> list[str]:
         elif key in RESTORED:
             effect = f"applied from step {step + 1} (checkpoint.restore_hparams = false)"
         elif key.startswith("lr_scheduler.") or key == "training.steps":
-            effect = f"applied: the schedule continues at step {step + 1} under the new setting"
+            moved = f"; its lr {lr[0]:.3g} -> {lr[1]:.3g}" if lr and lr[0] != lr[1] else ""
+            effect = f"applied from step {step + 1}: the schedule continues under the new setting{moved}"
         else:
-            effect = "applied"
+            effect = f"applied from step {step + 1}"
         lines.append(f"resume: {key} was {before[key]!r}, now {now!r}: {effect}")
     return lines
 
@@ -155,6 +166,36 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
 
 # Model args a resume may change: model.dropout is a training setting, like the optimizer's.
 _MAY_CHANGE = frozenset({"dropout"})
+
+
+def check_initial_fits(path: Path, model: Any, drop: list[str]) -> None:
+    """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
+    each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
+    a tensor of its own in the model, but those `drop` names (checkpoint.initial_load_drop). A
+    tensor the model lacks, or one the model ties to another (a head tied to the embedding, from
+    a run whose head was its own), would go unread: one UserError names them."""
+    import torch.distributed.checkpoint as dcp
+
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(name)
+    ours = model.state_dict()
+    check_fits(path, {n: t for n, t in ours.items() if n not in drop})
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    saved = [k for k in saved if k not in drop]
+    lacking = [k for k in saved if k not in ours]
+    record = read_json(path / "state.json", "it is written with every checkpoint").get("model_args") or {}
+    tied_then = record.get("tie_embeddings")
+    tied_now = [names[1:] for names in by_tensor.values() if len(names) > 1]
+    if tied_then is False and tied_now:  # the source had a tensor for each of these names
+        lacking += [n for names in tied_now for n in names if n in saved]
+    if lacking:
+        raise UserError(
+            f"checkpoint.initial_load_path '{path}' holds {', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}, "
+            "which this model would leave unread (it has no such tensor, or ties it to another); start from a "
+            "checkpoint of this model, or name them in --checkpoint.initial_load_drop to leave them unread"
+        )
 
 
 def model_record(args: Any) -> dict[str, Any]:
