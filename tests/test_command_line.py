@@ -79,8 +79,9 @@ def test_rehearse_takes_a_whole_number_within_its_bounds(value: str) -> None:
 
 
 def test_rehearse_beside_rehearsal_world_is_refused() -> None:
-    with pytest.raises(UserError, match="--rehearse and --rehearsal.world"):
-        launcher_words(["--rehearse", "8", "--rehearsal.world", "8"])
+    for twice in (["--rehearse", "8", "--rehearsal.world", "8"], ["--rehearse", "8", "--rehearse=16"]):
+        with pytest.raises(UserError, match="given more than once"):
+            launcher_words(twice)
     with pytest.raises(UserError, match=f"<= {REHEARSAL_WORLD_MAX}"):
         check_values(parse_args(launcher_words(["--rehearsal.world", str(REHEARSAL_WORLD_MAX + 1)]))[0])
 

@@ -337,6 +337,23 @@ def _(c: Catalogue) -> None:
     unchanged(before, out)
 
 
+@case(R, "a resume with a longer schedule runs its first step at the new schedule's lr")
+def _(c: Catalogue) -> None:
+    from titanlite.components.optimizer import lr_factor
+    from titanlite.config import parse_args
+
+    dump = base(c, "longer-schedule")  # 4 steps, checkpoints at 2 and 4
+    r = c.run(dump, ("--training.steps", "8", *CKPT))
+    expect(r, 0)
+    cfg = parse_args(["--config", "train_configs/debug_model.toml", "--training.steps", "8"])[0]
+    want = cfg.optimizer.lr * lr_factor(4, cfg)
+    got = {row["step"]: row.get("lr") for row in records(dump / "run" / "metrics.jsonl")}.get(5)
+    if got is None or abs(got - want) > 1e-12 * want:
+        raise Broke(f"step 5 ran at lr {got}, the new schedule's is {want}")
+    if f"{want:.3g}" not in r.err:
+        raise Bent("the resume line does not give the lr its first step runs at")
+
+
 @case(R, "compare_runs --invariance of a run missing its first steps")
 def _(c: Catalogue) -> None:
     run = Path(shutil.copytree(shared_run(c), c.dump("missing-steps") / "run"))

@@ -170,11 +170,12 @@ class Catalogue:
         printed: for a cheap catalogue what the launcher hands its workers (in this process,
         stopped there); else a one-step run's config.toml."""
         from titanlite.config import load_config, parse_args
-        from titanlite.config.paths import CALLER_ENV
 
         dump = self.dump(name)
         argv = self.argv(dump, "run", args)
         if self.cheap:
+            from titanlite.config.paths import CALLER_ENV
+
             r, workers_argv = in_process(argv, self.nproc, cwd, stop_at_workers=True)
             os.environ[CALLER_ENV] = str(cwd)  # as the workers have it
             try:

@@ -88,12 +88,13 @@ def _rehearse(value: str) -> str:
 
 def launcher_words(argv: list[str]) -> list[str]:
     """The launcher's words as the workers read them: `--config FILE` first (the default config
-    when none is named, every file as an absolute path), `--rehearse W` as `--rehearsal.world W`,
-    the overrides as typed."""
+    when none is named; a file typed relative, as the caller's folder means it), `--rehearse W`
+    as `--rehearsal.world W`, the overrides as typed."""
     pairs = words(argv)
     path = _config_file(pairs)
-    if any(n == "rehearse" for n, _ in pairs) and any(n == "rehearsal.world" for n, _ in pairs):
-        raise UserError("--rehearse and --rehearsal.world are the same setting; give only --rehearse W")
+    rehearse = [n for n, _ in pairs if n in ("rehearse", "rehearsal.world")]
+    if len(rehearse) > 1:
+        raise UserError("--rehearse (or --rehearsal.world) is given more than once; give one --rehearse W")
     out = ["--config", resolved(path) if path is not None else str(ROOT / DEFAULT_CONFIG)]
     for name, value in pairs:
         if name in HELP_FLAGS or name == "config":

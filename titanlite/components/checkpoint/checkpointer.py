@@ -142,6 +142,8 @@ class Checkpointer:
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
+            for name, part in self.parts.items():  # the scheduler's position among them
+                part.load_state_dict(state.get(name, {}))
             if self.cfg.checkpoint.restore_hparams:
                 lr = realign_schedule(self.optimizer, self.scheduler, self.cfg, resume)
             else:
@@ -150,8 +152,6 @@ class Checkpointer:
             if self.rank == 0:
                 for line in resume_changes(state, self.cfg, lr):
                     logger.info(line)
-            for name, part in self.parts.items():
-                part.load_state_dict(state.get(name, {}))
             return resume + 1
         c = self.cfg.checkpoint
         source = c.initial_load_path or self.cfg.model.hf_assets_path
