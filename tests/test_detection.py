@@ -334,17 +334,20 @@ def test_ongoing_faults_start_at_fault_from_step():
     assert added[:2] == [0.0, 0.0] and added[2] >= 2 * 0.05, added
 
 
-def test_a_run_resumed_at_another_dp_keeps_its_history_without_the_old_ranks():
-    first = AlertMonitor(Alerts(), ["host0", "host1"])
+def test_a_run_resumed_at_another_dp_starts_its_history_again():
+    """The rules' statistics depend on the ranks and the sequences each scores: at dp=4 with 2 per
+    rank, a history from dp=2 with 4 would read as a drift the layout made. The resumed rules
+    start again (a note says so), keep the ranks named so far, and still name a noisy gradient."""
+    first = AlertMonitor(Alerts(), ["host0", "host1"], per_rank=4)
     for rec in itertools.islice(stream(2, 4), 30):
         first.update(rec)
-    resumed = AlertMonitor(Alerts(), [f"host{r}" for r in range(4)])
-    resumed.load_state_dict(first.state_dict())
-    assert resumed.seen == 30 and len(resumed.history) == len(first.history)
-    assert (
-        all(p.rank_loss is None for p in resumed.history) and not resumed.states["single_rank_outlier"].scores
-    )
-    # at dp=4 from step 31: the rules read the new ranks only, and a noisy gradient is still named
+    first.named["faulty_worker"] = {1}
+    resumed = AlertMonitor(Alerts(), [f"host{r}" for r in range(4)], per_rank=2)
+    note = resumed.load_state_dict(first.state_dict())
+    assert "resumed at dp=4 with 2 sequence(s) per rank per step" in note and "dp=2 with 4" in note
+    assert resumed.seen == 0 and not resumed.history and not resumed.states["single_rank_outlier"].scores
+    assert resumed.named == {"faulty_worker": {1}}
+    # at dp=4 from step 31: after the burn-in, a noisy gradient is still named
     later = [rec for rec in stream(4, 2, fault=_noisy(3)) if rec["step"] > 30]
     alerts = [a for rec in later for a in resumed.update(rec)]
     assert named(alerts, "faulty_worker")[0][1] == [3], alerts

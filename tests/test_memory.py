@@ -18,8 +18,9 @@ from titanlite.tools.activations import ACTIVATION_FALLBACK, ROUGH_RANGE, saved_
 
 ACCUM4 = ["--training.global_batch_size", "16", "--training.local_batch_size", "1"]  # 4 ranks
 P, BLOCK = 1000, 100
-SKETCH_BYTES = 4.0 * (2 * 2**20 + 2 * 4 * 1024)
-EXACT_BYTES = 3 * 4.0 * BLOCK
+GRAM = 8.0 * 4 * 4  # either method's float64 dp x dp Gram, at dp = 4
+SKETCH_BYTES = GRAM + 4.0 * (2 * 2**20 + 2 * 4 * 1024)
+EXACT_BYTES = GRAM + 3 * 4.0 * BLOCK
 
 
 def config(*argv: str):

@@ -29,7 +29,7 @@ def launch(
     say: Callable[[float], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc script ARGS` from the repository, one thread
-    per rank, output captured, `say(seconds)` every 30 s while it runs; a stop of the script
+    per rank, output captured, `say(seconds)` every HEARTBEAT_S while it runs; a stop of the script
     stops it (titanlite.tools.process.run_child). torchrun itself: titanlite.launch is for
     titanlite.train (its preflight reads train flags)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

@@ -36,7 +36,7 @@ CHILD_GRACE_S = 120
 def run_child(
     cmd: list[str], *, cwd=None, env: dict | None = None, say: Callable[[float], None] | None = None
 ) -> subprocess.CompletedProcess:
-    """`cmd` to its end, its output captured; `say(seconds so far)` every 30 s meanwhile. The
+    """`cmd` to its end, its output captured; `say(seconds so far)` every HEARTBEAT_S meanwhile. The
     child runs in a session of its own, so a stop of this script reaches it once, from here: a
     Ctrl-C or SIGTERM (raised here as an exception with its `signum`, or KeyboardInterrupt) is
     passed on, the child is waited for (a run finishes its step and checkpoints; killed after
