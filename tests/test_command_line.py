@@ -179,3 +179,30 @@ def test_the_working_folder_as_caller_changes_nothing() -> None:
     os.environ.pop(CALLER_ENV, None)
     cfg, _ = parse_args(["--data.path", "outputs/data/docs:0.5,x:0.5", "--eval.path", "e.jsonl"])
     assert cfg.data.path == "outputs/data/docs:0.5,x:0.5" and cfg.eval.path == "e.jsonl"
+
+
+def test_every_size_key_has_a_bound_a_machine_can_plan_for():
+    """The class of sizes that grow work or memory without a refusal: every integer field whose
+    doc speaks of a history, a window, processes, tokens decoded, dimensions or ranks carries an
+    explicit at_most (the rest fall back to the INT_LIMIT every whole number has)."""
+    words = (
+        "history",
+        "window",
+        "look back",
+        "looks back",
+        "processes",
+        "new tokens",
+        "dimensions",
+        "ranks, in one",
+    )
+    cfg = JobConfig()
+    unbounded = [
+        f"{sf.name}.{f.name}"
+        for sf in fields(cfg)
+        for f in fields(getattr(cfg, sf.name))
+        if isinstance(getattr(getattr(cfg, sf.name), f.name), int)
+        and not isinstance(getattr(getattr(cfg, sf.name), f.name), bool)
+        and any(w in f.metadata["help"] for w in words)
+        and "<=" not in f.metadata["bounds"]
+    ]
+    assert not unbounded, unbounded

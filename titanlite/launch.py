@@ -45,7 +45,10 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before 
     from titanlite.config.command_line import wants_help
     from titanlite.config.manager import config_help
 
-    if wants_help(sys.argv[2:][2 if sys.argv[2:3] == ["--caller-cwd"] else 0 :]):
+    _words = sys.argv[2:]
+    if _words[:1] == ["--caller-cwd"]:  # run_train.sh's own option, before the user's words
+        _words = _words[2:]
+    if wants_help(_words):
         from titanlite.preflight import USAGE
 
         print(config_help(USAGE))

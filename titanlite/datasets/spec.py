@@ -89,7 +89,8 @@ def data_identity(cfg, tok=None) -> list[dict] | None:
 
 def eval_is_training_data(cfg) -> str | None:
     """The dataset of data.path whose content eval.path holds too (by content key, wherever each
-    lives: its eval loss is then no held-out loss), else None."""
+    lives: its eval loss is then no held-out loss), else None; raw inputs not yet prepared into
+    the cache have no key before the workers prepare them, so they are not compared here."""
     held = _identity(cfg, cfg.eval.path) if cfg.eval.path else None
     trained = data_identity(cfg) or []
     if held:

@@ -278,9 +278,10 @@ def set_aside_abandoned(folder: Path, load_step: int) -> None:
     """A rewind (checkpoint.load_step below the newest step) abandons the steps after it: set
     them aside as `<name>.abandoned`, named in one line, so the run folder follows one timeline
     and a later plain resume continues the new one, not the abandoned."""
-    if load_step < 0 or load_step not in complete_steps(folder):
+    steps = complete_steps(folder)
+    if load_step < 0 or load_step not in steps:
         return  # no rewind, or a step the preflight refuses
-    newer = [s for s in complete_steps(folder) if s > load_step]
+    newer = [s for s in steps if s > load_step]
     targets = [_set_aside(step_dir(folder, s), ABANDONED).name for s in newer]
     if targets:
         logger.warning(
