@@ -437,8 +437,8 @@ def test_the_launcher_blames_the_cause_in_every_combination_of_failures():
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from titanlite.components.run.failures import NO_RESTART, cause
     from titanlite.errors import EXIT_LOST_RANK
-    from titanlite.launch import NO_RESTART, _cause
 
     codes = (2, 3, 130, 143, 1, -9, -15, EXIT_LOST_RANK)
 
@@ -452,8 +452,38 @@ def test_the_launcher_blames_the_cause_in_every_combination_of_failures():
                 r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=c, error_file="")
                 for r, c in enumerate(exits)
             }
-            rank, first = _cause(failures, stopped)
+            rank, first = cause(failures, stopped)
             assert first is failures[rank]
             own = [r for r in range(3) if r not in stopped] or list(range(3))
             assert rank in own, (exits, stopped)
             assert kind(exits[rank]) == min(kind(exits[r]) for r in own), (exits, stopped)
+
+
+def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_path, capsys):
+    """A rank's log is its stderr: on a full disk its one line may not land. Every combination of
+    the failed rank's log holding its line or not, another rank's holding one or not, and rank 0
+    on the console or not: the launcher's output holds one line saying why, never none."""
+    import itertools
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titanlite.components.run.failures import report_failure
+
+    line = "titanlite: stopped: writing metrics.jsonl failed: disk full"
+    for i, (own, other, shown) in enumerate(itertools.product((True, False), (True, False), (None, {1}))):
+        logs = tmp_path / str(i)
+        for rank, holds in ((0, own), (1, other)):
+            (logs / "attempt_0" / str(rank)).mkdir(parents=True)
+            (logs / "attempt_0" / str(rank) / "stderr.log").write_text(
+                "[titanlite r0] step 1/9\n" + (line + "\n" if holds else "")
+            )
+        failure = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file="")
+        assert report_failure(ChildFailedError("titanlite.train", {0: failure}), logs, shown, set()) == 3
+        printed = capsys.readouterr().err.splitlines()
+        if own and (shown is None or other):  # on the console already: rank 0's, or rank 1's alike
+            assert printed == [], (own, other, shown)
+        elif own or other:
+            assert printed == [f"[rank0]: {line}" if own else line], (own, other, shown, printed)
+        else:
+            assert len(printed) == 1 and "rank 0 failed with exit code 3 and its log " in printed[0], printed
+            assert "is the disk under it full?" in printed[0], printed

@@ -272,6 +272,10 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     def copy(name: str) -> Path:
         return Path(shutil.copytree(assets / "untied", tmp_path / name))
 
+    def check_weights(folder: Path) -> None:  # the preflight's check, on the meta model
+        cfg = load_config(None, ["--model.hf_assets_path", str(folder)])
+        preflight.check_initial_weights(cfg, preflight._meta_model(cfg))
+
     no_tok = copy("no-tokenizer")
     (no_tok / "tokenizer.json").unlink()
     assert preflight.main(["--world-size", "1", "--model.hf_assets_path", str(no_tok)]) == 2
@@ -286,11 +290,9 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
         with (broken / "model.safetensors").open("r+b") as f:
             cut(f)
         with pytest.raises(UserError, match=re.escape(needle)):
-            preflight.check_initial_weights(load_config(None, ["--model.hf_assets_path", str(broken)]), None)
+            check_weights(broken)
         assert preflight.main(["--world-size", "1", "--model.hf_assets_path", str(broken)]) == 2
-    preflight.check_initial_weights(
-        load_config(None, ["--model.hf_assets_path", str(assets / "untied")]), None
-    )
+    check_weights(assets / "untied")
     other = copy("other-arch")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
@@ -317,6 +319,38 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
         save_file(broken, folder / "model.safetensors")
         with pytest.raises(UserError, match=needle):
             load_hf_weights(Llama3(args), folder, LLAMA3_HF, args)
+        with pytest.raises(UserError, match=needle):  # the preflight says it before any worker starts
+            check_weights(folder)
+    # Shards and their index agree both ways, checked from the headers before any worker starts:
+    # every index that loses, moves or invents a name is refused naming it.
+    names = sorted(weights)
+    halves = {"model-1.safetensors": names[::2], "model-2.safetensors": names[1::2]}
+
+    def sharded(name: str, weight_map: dict[str, str]) -> Path:
+        folder = copy(name)
+        (folder / "model.safetensors").unlink()
+        for file, part in halves.items():
+            save_file({k: weights[k] for k in part}, folder / file)
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        return folder
+
+    whole = {k: f for f, part in halves.items() for k in part}
+    check_weights(sharded("sharded", whole))
+    for i, victim in enumerate(names[:: max(1, len(names) // 6)]):
+        other = "model-1.safetensors" if whole[victim] == "model-2.safetensors" else "model-2.safetensors"
+        for how, weight_map, needle in (
+            (
+                "lost",
+                {k: f for k, f in whole.items() if k != victim},
+                f"holds {victim}, which .* does not list",
+            ),
+            ("moved", {**whole, victim: other}, f"{victim}.* the index and the shards disagree"),
+            ("invented", {**whole, victim + ".extra": whole[victim]}, f"lists {victim}.extra in"),
+        ):
+            folder = sharded(f"{how}-{i}", weight_map)
+            with pytest.raises(UserError, match=re.escape(needle).replace(re.escape(".*"), ".*")):
+                check_weights(folder)
     # Rotary inv_freq buffers (older transformers saved one per layer) are skipped for any model:
     # its adapter never sees them, and the weights load as they do without them.
     layers = sorted({k.split(".")[2] for k in weights if k.startswith("model.layers.")})

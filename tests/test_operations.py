@@ -267,7 +267,10 @@ def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
     run_train.sh with NNODES=2, one rank per node, static rendezvous on localhost. The same
     losses, bitwise, as one node with two ranks."""
     steps = ("--training.steps", "4")
-    assert finish(launch(tmp_path, "one-node", *steps))[0] == 0
+    temp = tmp_path / "temp"  # the launcher's TMPDIR: torchrun makes a folder there unless told not to
+    temp.mkdir()
+    assert finish(launch(tmp_path, "one-node", *steps, env={"TMPDIR": str(temp)}))[0] == 0
+    assert not list(temp.glob("torchelastic_*")), list(temp.iterdir())
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(FAKE_SRUN)
@@ -427,3 +430,33 @@ def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record
         text = (tmp_path / "full" / name).read_text() if (tmp_path / "full" / name).exists() else ""
         assert all(json.loads(line) for line in text.splitlines()), name
     assert "Traceback" not in err
+
+
+def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing():
+    """Generated heartbeat records (each peer behind, at the step in this rank's phase or in
+    another, or never seen): a connection lost is a peer that ended; the line says so at once
+    (no wait: the launcher may stop this rank), names the peers behind or elsewhere, and never
+    calls them still computing or hung."""
+    import random
+
+    from titanlite.distributed import liveness
+
+    rng = random.Random(0)
+    for case in range(300):
+        beat = object.__new__(liveness.Heartbeat)
+        beat.rank, beat.world, beat.timeout_s, beat._period = 0, rng.randint(2, 12), 5.0, 0.0
+        seen = {0: (5, 1, "eval")}
+        for r in range(1, beat.world):
+            seen[r] = rng.choice([None, (4, 1, "eval"), (5, 1, "eval"), (5, 1, "forward"), (5, 1, "data")])
+        beat._read = lambda seen=seen: dict(seen)
+        liveness._current[0] = "eval"
+        began = time.monotonic()
+        line = beat.explain(5, "lost")
+        assert time.monotonic() - began < 1.0, case
+        assert "a peer ended" in line and "still computing" not in line and "hung" not in line, line
+        odd = [r for r in range(1, beat.world) if seen[r] != (5, 1, "eval")]
+        if odd:
+            assert f"most likely among rank(s) {', '.join(map(str, odd[:8]))}" in line, (seen, line)
+        else:
+            assert "most likely" not in line, line
+    liveness._current[0] = "set-up"

@@ -8,14 +8,17 @@ user's umask gives. The whole-run versions are catalogue cases (tests/faults/cas
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import stat
+import threading
 
 import pytest
 
-from titanlite.components.metrics import MetricsWriter, tensorboard_dir
+from titanlite.components.metrics import MetricsWriter
 from titanlite.components.run.files import RunFiles
+from titanlite.components.sinks import tensorboard_dir
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_json, read_records
@@ -71,6 +74,22 @@ def test_a_file_removed_under_the_run_is_written_again_and_a_folder_in_its_place
         files.check()
 
 
+def test_a_run_folder_moved_under_the_run_stops_it_naming_where_it_went(tmp_path):
+    run, moved = tmp_path / "run", tmp_path / "elsewhere"
+    (run / "checkpoints" / "step-00000002").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000002" / "complete").write_text("2\n")
+    files = RunFiles(run, checkpoints=run / "checkpoints")
+    files.append("metrics.jsonl", [_rec(3)])
+    run.rename(moved)
+    with pytest.raises(TrainingError) as stop:
+        files.check()
+    assert str(stop.value) == (
+        f"the run folder {run} was moved to {moved} while the run wrote to it; the run stopped: its records up "
+        f"to step 3 are whole, its newest checkpoint is step 2; move it back to {run}, then rerun the same "
+        "command to resume"
+    )
+
+
 def test_tensorboard_made_again_after_tb_is_removed_and_a_full_disk_stops_the_run(tmp_path):
     full = {"on": False}
     writer = MetricsWriter(
@@ -82,9 +101,30 @@ def test_tensorboard_made_again_after_tb_is_removed_and_a_full_disk_stops_the_ru
     writer.write_scalars("train", {"step": 2, "loss": 1.5})  # the thread's failure, recovered
     assert list(tensorboard_dir(tmp_path).glob("events.out.tfevents.*"))
     full["on"] = True
-    with pytest.raises(TrainingError, match="TensorBoard's writer .* disk full"):
+    with pytest.raises(
+        TrainingError, match="TensorBoard's writer .* disk full.*; the run stopped: .* make room"
+    ):
         writer.write_scalars("train", {"step": 3, "loss": 1.0})
     writer.close()
+
+
+def test_a_failure_in_tensorboards_writer_thread_is_one_line_without_the_threads_traceback(
+    tmp_path, monkeypatch
+):
+    printed = []  # what Python's hook for a thread's uncaught exception would print
+    monkeypatch.setattr(threading, "excepthook", lambda args: printed.append(args.exc_value))
+    writer = MetricsWriter(tmp_path, 10, True)
+    writer.write_scalars("train", {"step": 1, "loss": 2.0})
+    records = writer._sinks[0]._writer._get_file_writer().event_writer._async_writer._writer
+
+    def full(data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    records.write = full  # as the disk under tb/ filling: the failure is in the writer's own thread
+    with pytest.raises(TrainingError, match="TensorBoard's writer .* disk full"):
+        writer.write_scalars("train", {"step": 2, "loss": 1.0})
+    writer.close()
+    assert printed == []
 
 
 def test_files_get_the_mode_the_umask_gives(tmp_path):
@@ -113,3 +153,32 @@ def test_the_reader_skips_a_cut_last_line_or_refuses_it_and_names_a_damaged_file
         (tmp_path / "run.json").write_text(text)
         with pytest.raises(UserError, match=says):
             read_json(tmp_path / "run.json")
+
+
+def test_run_json_keeps_the_layout_every_step_ran_at_through_resumes_and_rewinds(tmp_path):
+    """Generated session histories (resumes at other world sizes, rewinds to an older step):
+    run.json rewritten by each start still answers, for every step of the surviving timeline,
+    the layout it ran at (what scripts/inspect_step.py splits a step's batch by)."""
+    import random
+
+    from titanlite.components.run.folder import _with_earlier, layout_at
+
+    rng = random.Random(0)
+    for case in range(200):
+        run_dir = tmp_path / f"case{case}"
+        run_dir.mkdir()
+        timeline: dict[int, int] = {}  # step -> the world it ran at
+        last, resume = 0, None
+        for _ in range(rng.randint(1, 5)):
+            world = rng.choice([1, 2, 4, 8])
+            info = _with_earlier(run_dir, {"world_size": world, "local_batch_size": 8 // world}, resume)
+            (run_dir / "run.json").write_text(json.dumps(info))
+            start = (resume or 0) + 1
+            last = start + rng.randint(0, 6)
+            timeline = {s: w for s, w in timeline.items() if s < start} | dict.fromkeys(
+                range(start, last + 1), world
+            )
+            resume = rng.randint(1, last) if rng.random() < 0.3 else last  # a rewind, or the newest step
+        info = json.loads((run_dir / "run.json").read_text())
+        got = {s: layout_at(info, s)["world_size"] for s in timeline}
+        assert got == timeline, (case, info)

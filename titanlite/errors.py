@@ -47,11 +47,16 @@ ENDINGS = (UserError, TrainingError, LostRank, Stopped)
 def report(e: Exception) -> int:
     """Print `e`'s one line to stderr; returns its exit code (see the module doc)."""
     if isinstance(e, Stopped):
-        print(f"titanlite: {e}", file=sys.stderr, flush=True)
-        return 128 + e.signum
-    user = isinstance(e, UserError)
-    print(f"titanlite: {'error' if user else 'stopped'}: {e}", file=sys.stderr, flush=True)
-    return EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
+        line, code = f"titanlite: {e}", 128 + e.signum
+    else:
+        user = isinstance(e, UserError)
+        line = f"titanlite: {'error' if user else 'stopped'}: {e}"
+        code = EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
+    with contextlib.suppress(
+        OSError
+    ):  # a worker's stderr is its log: a full disk takes the line, not the code
+        print(line, file=sys.stderr, flush=True)
+    return code
 
 
 def first_line(e: BaseException) -> str:

@@ -65,30 +65,27 @@ import torch.distributed.elastic.multiprocessing.api as mp_api
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.checkpoint.index import quarantine_damaged, set_aside_abandoned
 from titanlite.components.run.environment import torchrun_args
+from titanlite.components.run.failures import NO_RESTART, STOP_SIGNALS, cause, how, printed_by, report_failure
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
 from titanlite.config import JobConfig
 from titanlite.config.command_line import launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.config.paths import CALLER_ENV
-from titanlite.errors import ENDINGS, EXIT_LOST_RANK, EXIT_TRAINING, EXIT_USER, Stopped, UserError, report
+from titanlite.errors import ENDINGS, EXIT_TRAINING, Stopped, UserError, report
 from titanlite.preflight import plan_run
 from titanlite.tools.logging import init_logging
 from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Exits a restart cannot fix: bad input, a training error, a stop by signal.
-NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}
 # After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
 # waiting on the dead peer in a collective, which no grace can finish).
 FAILURE_GRACE_S = 5
-TAIL_LINES = 20
 
 _stop = {"signal": 0}
 
@@ -110,8 +107,8 @@ class _Agent(LocalElasticAgent):
             codes = {f.exitcode for f in result.failures.values()}
             if _stop["signal"] or codes & NO_RESTART:
                 self._remaining_restarts = 0
-            rank, first = _cause(result.failures, self.stopped)
-            self.last_failure = f"rank {rank} {_how(first.exitcode)}"
+            rank, first = cause(result.failures, self.stopped)
+            self.last_failure = f"rank {rank} {how(first.exitcode)}"
         return result
 
     def _start_workers(self, worker_group):
@@ -167,6 +164,11 @@ def _on_signal(signum: int, frame) -> None:
     raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
+def _late(signum: int, frame) -> None:
+    """A stop signal once the workers finished: the run is whole; main says so (exit 128 + n)."""
+    _stop["signal"] = _stop["signal"] or signum
+
+
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -189,67 +191,6 @@ class _NoTag(str):
 
     def __bool__(self) -> bool:
         return True
-
-
-def _how(exitcode: int) -> str:
-    if exitcode < 0:
-        return f"was killed by {signal.Signals(-exitcode).name}"
-    return f"failed with exit code {exitcode}"
-
-
-def _stderr_log(log_dir: Path, local_rank: int) -> Path | None:
-    attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    return attempts[-1] / str(local_rank) / "stderr.log" if attempts else None
-
-
-def _printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
-    """Whether one of `ranks` (None: any) printed a line holding `text` in this attempt (e.g. an
-    error every rank finds alike, which a rank on the console has already shown)."""
-    attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    logs = list(attempts[-1].glob("*/stderr.log")) if attempts else []
-    return any(
-        text in line
-        for log in logs
-        if ranks is None or int(log.parent.name) in ranks
-        for line in log.read_text(errors="replace").splitlines()
-    )
-
-
-def _cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
-    """The failure that caused the others: a rank that stopped the run itself (bad input, a
-    training error, a signal), else one that crashed, before the ranks that then lost it (exit 4),
-    and before all of them the ranks torchrun stopped after the first failure (`stopped`, local
-    ranks); the earliest among equals."""
-    return min(
-        failures.items(),
-        key=lambda kv: (
-            kv[1].local_rank in stopped,
-            kv[1].exitcode not in NO_RESTART,
-            kv[1].exitcode == EXIT_LOST_RANK,
-            kv[1].timestamp,
-        ),
-    )
-
-
-def _report(e: ChildFailedError, log_dir: Path, shown: set[int] | None) -> int:
-    """The exit code for a failed launch, with what the console has not shown: the failed rank's
-    one-line error, or a crashed rank's last lines and its log file, for the cause (_cause)."""
-    rank, first = _cause(e.failures, _Agent.current.stopped if _Agent.current else set())
-    code = first.exitcode
-    log = _stderr_log(log_dir, first.local_rank)
-    lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []
-    on_console = shown is None or first.local_rank in shown
-    if code in NO_RESTART or code == EXIT_LOST_RANK:
-        own = [ln for ln in lines if ln.startswith("titanlite: ")]
-        if own and not on_console and not _printed_by(own[-1], log_dir, shown or set()):
-            print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
-        return code
-    if not on_console:
-        for line in lines[-TAIL_LINES:]:
-            print(f"[rank{rank}]: {line}", file=sys.stderr)
-    said = "its last lines are above" if lines else "it printed nothing"
-    print(f"titanlite: rank {rank} {_how(code)}; {said}; its full log: {log}", file=sys.stderr, flush=True)
-    return 1
 
 
 def _world_size(args) -> tuple[int, int]:
@@ -349,17 +290,18 @@ def main(argv: list[str]) -> int:
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
         shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
         _standalone(args)
+        args.log_dir = os.devnull  # torchrun's default would make an empty temp folder; _RunLogs replaces it
         config, cmd, cmd_args = config_from_args(args)
         config.logs_specs = _RunLogs(log_dir, shown)
         config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
-            for sig in STOP_SIGNALS:  # the workers finished: a late signal changes nothing
-                signal.signal(sig, signal.SIG_IGN)
+            for sig in STOP_SIGNALS:  # the workers finished: a signal from here on is only noted
+                signal.signal(sig, _late)
         except ChildFailedError as e:
-            code = _report(e, log_dir, shown)
-            early = code in {128 + s for s in STOP_SIGNALS} and _printed_by(BEFORE_FIRST_STEP, log_dir, None)
+            code = report_failure(e, log_dir, shown, _Agent.current.stopped if _Agent.current else set())
+            early = code in {128 + s for s in STOP_SIGNALS} and printed_by(BEFORE_FIRST_STEP, log_dir, None)
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         code = 2
@@ -388,6 +330,14 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 log_dir.parent.rmdir()  # logs/, if this launch's were its only ones
+    if code == 0 and _stop["signal"]:  # it came as the workers ended, after their last look: never exit 0
+        name = signal.Signals(_stop["signal"]).name
+        print(
+            f"titanlite: stopped by {name} as the run ended: its workers had done every step and export "
+            "before it came; nothing is left to run",
+            file=sys.stderr,
+        )
+        code = 128 + _stop["signal"]
     return code
 
 

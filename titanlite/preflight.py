@@ -101,7 +101,7 @@ def plan_run(
     meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
     n, what = model_size(cfg, meta)
     if resume is None:
-        check_initial_weights(cfg, meta.model)
+        check_initial_weights(cfg, meta)
     else:
         check_same_model(folder, resume, meta, cfg)
     if cfg.checkpoint.saves:
@@ -199,22 +199,28 @@ def model_size(cfg: JobConfig, meta: Any) -> tuple[int, str]:
     return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
 
 
-def check_initial_weights(cfg: JobConfig, model: Any) -> None:
+def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
-    whole: every safetensors file holds what its header describes; a titanlite step folder is
-    intact (a resume never reads them)."""
+    whole and fit the model (`meta`, on the meta device) both ways: every safetensors file holds
+    what its header describes and its index lists, every tensor has a parameter of that shape
+    and every parameter a tensor; a titanlite step folder is intact and taken whole (a resume
+    never reads them)."""
     from titanlite.components.checkpoint.format import initial_load_kind
-    from titanlite.components.checkpoint.hf_load import weight_files
+    from titanlite.components.checkpoint.hf_load import hf_plan
+    from titanlite.distributed.param_init import canonical_name
 
     source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
     if not source:
         return
     path = Path(source).expanduser()
     if initial_load_kind(path) == "hf":
-        weight_files(path)
+        shapes = {canonical_name(n): tuple(p.shape) for n, p in meta.model.named_parameters()}
+        hf_plan(shapes, path, meta.spec.hf, meta.args)
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
         step = step_to_read(path, flag="checkpoint.initial_load_path")
-        check_initial_fits(step, model, cfg.checkpoint.initial_load_drop)  # every tensor taken, both ways
+        check_initial_fits(
+            step, meta.model, cfg.checkpoint.initial_load_drop
+        )  # every tensor taken, both ways
 
 
 def _vocab_size(cfg: JobConfig) -> int:

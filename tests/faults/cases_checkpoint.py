@@ -106,6 +106,11 @@ _resume_refused(
     "a resume with --model.flavor debugmodel_tied", ("--model.flavor", "debugmodel_tied"), "model.flavor"
 )
 _resume_refused(
+    "a resume with training.steps 3, below the checkpoint's step 4",
+    ("--training.steps", "3"),
+    "raise --training.steps to 4",
+)
+_resume_refused(
     "a resume with --model.builtin_vocab_size 1024",
     ("--model.builtin_vocab_size", "1024"),
     "builtin_vocab_size",

@@ -71,6 +71,14 @@ for _name, _args, _says in (
     ("--checkpoint.keep_latest_k -1", ("--checkpoint.keep_latest_k", "-1"), "keep_latest_k"),
 ):
     bad_input("config", _name, _args, _says)
+for _value in ("always", "never"):  # under ddp, by name and by "auto" with replicas only
+    for _mode in (("--parallelism.mode", "ddp"), ()):
+        bad_input(
+            "config",
+            f"{'ddp' if _mode else 'auto (ddp)'} + reshard_after_forward {_value}",
+            (*_mode, "--parallelism.dp_replicate", "2", "--parallelism.reshard_after_forward", _value),
+            "reshard_after_forward",
+        )
 # the memory estimate needs the device, which the workers hold: one line from them
 bad_input("config", "--training.seq_len 10000000", ("--training.seq_len", "10000000"), "memory", cheap=False)
 bad_input(

@@ -165,6 +165,14 @@ def _(c: Catalogue) -> None:
     expect(r, 0)
 
 
+@case(S, "inspect_step.py --step 999 of a 4-step run")
+def _(c: Catalogue) -> None:
+    r = c.script("inspect_step", _run(c), "--step", "999", "--rank", "0")
+    expect(r, 0)
+    if "step 999 never ran" not in r.err or "metrics end at step 4" not in r.err:
+        raise Broke(f"the step that never ran is not named: {r.err[-300:]}")
+
+
 @case(S, "compare_runs on a run whose run.json is garbage")
 def _(c: Catalogue) -> None:
     run = _damaged_copy(c, "compare-runjson", lambda s: None)

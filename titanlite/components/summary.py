@@ -87,7 +87,7 @@ def summary_lines(
     newest complete step is named); `exports`: what export_run wrote; `quiet`: why no alert
     fired (quiet_faults)."""
     if first > last:
-        head = f"done: the checkpoint is at step {last} already (training.steps); nothing ran (raise --training.steps to train on)"
+        head = f"done: the checkpoint is at step {first - 1} already, the last to run; nothing ran (raise --training.steps to train on)"
     else:
         resumed = f", resumed after step {first - 1}" if first > 1 else ""
         n = last - first + 1

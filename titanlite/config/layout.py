@@ -141,6 +141,11 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "parallelism.skip_grad_sync 'off' cannot be exact with ddp (it re-reduces the "
             "accumulated gradient); use 'auto' or 'on', or mode fsdp/hsdp"
         )
+    if mode == "ddp" and p.reshard_after_forward != "auto":
+        raise UserError(
+            f"parallelism.reshard_after_forward '{p.reshard_after_forward}' is for fsdp/hsdp, which shard "
+            "parameters; ddp holds them whole: leave it 'auto', or use mode fsdp/hsdp"
+        )
     for name in ("seq_len", "steps"):
         if getattr(t, name) < 1:
             raise UserError(f"training.{name} is {getattr(t, name)}; it must be >= 1")

@@ -182,6 +182,8 @@ class Heartbeat:
             head = f"a collective lost its connection to a peer at step {top}"
         second = first
         others = [r for r in range(self.world) if r != self.rank and first[r]]
+        if how == "lost":  # a broken connection is a peer that ended, not one still computing
+            return f"{head}: {self._ended(first, behind)}"
         if how == "timeout":  # a frozen rank comes first, whether or not it reached the step
             time.sleep(2.5 * BEAT_S)
             second = self._read()
@@ -218,6 +220,23 @@ class Heartbeat:
         return (
             f"{head}; every rank reached that step and is alive in {where}, so the wait is inside a "
             "collective; raise comm.timeout_s if the step is legitimately that slow"
+        )
+
+    def _ended(self, seen: dict[int, tuple[int, int, str] | None], behind: dict[int, int | None]) -> str:
+        """A lost connection's cause, said at once (the launcher may stop this rank any moment):
+        a peer ended; the likeliest are those behind this step or in another phase than this
+        rank's, a few of them named with where they were last seen."""
+        mine = _current[0]
+        odd = [r for r in range(self.world) if r != self.rank and (r in behind or seen[r][2] != mine)]
+        where = [
+            f"rank {r} last seen in {seen[r][2]} of step {seen[r][0]}" if seen[r] else f"rank {r} never seen"
+            for r in odd[:8]
+        ]
+        names = ", ".join(map(str, odd[:8])) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")
+        likely = f", most likely among rank(s) {names} ({'; '.join(where)})" if odd else ""
+        return (
+            f"a peer ended (it crashed, was killed, or stopped on an error of its own){likely}; the launcher "
+            "names it, and its log in the run folder's logs/ says why"
         )
 
     def close(self) -> None:

@@ -33,10 +33,11 @@ logger = logging.getLogger("titanlite")
 DERIVED_BUFFERS = (".rotary_emb.inv_freq",)
 
 
-def safetensors_names(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, from its header alone, after checking the file
-    holds every byte the header describes (an 8-byte little-endian header length, the JSON header,
-    then each tensor at its data_offsets): a truncated or damaged file is one UserError."""
+def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's name and shape in a safetensors file, from its header alone, after checking
+    the file holds every byte the header describes (an 8-byte little-endian header length, the
+    JSON header, then each tensor at its data_offsets): a truncated or damaged file is one
+    UserError."""
     again = "download it again"
     if not path.is_file():
         raise UserError(f"'{path}' is missing; {again}")
@@ -48,72 +49,100 @@ def safetensors_names(path: Path) -> list[str]:
             raise UserError(f"'{path}' is not a safetensors file or is cut short ({size:,} bytes); {again}")
         try:
             header = json.loads(f.read(length))
-            ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"]
-        except (ValueError, KeyError, TypeError, IndexError):
+            tensors = {n: t for n, t in header.items() if n != "__metadata__"}
+            ends = [t["data_offsets"][1] for t in tensors.values()]
+            shapes = {n: tuple(int(d) for d in t["shape"]) for n, t in tensors.items()}
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
             raise UserError(f"'{path}' has a damaged safetensors header; {again}") from None
     need = 8 + length + max(ends, default=0)
     if size < need:
         raise UserError(
             f"'{path}' is cut short: {size:,} of the {need:,} bytes its header describes; {again}"
         )
-    return [name for name in header if name != "__metadata__"]
+    return shapes
 
 
-def weight_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it, every file checked whole
-    (safetensors_names): the preflight calls it before any worker starts."""
+def weight_files(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """HF tensor name -> (the safetensors file that holds it, its shape), every file checked
+    whole (safetensors_header) and, with a shard index, the index and the shards' headers
+    agreeing both ways: a name the index lists that its file lacks, or one a shard holds that the
+    index does not list, is one UserError (the preflight calls it before any worker starts)."""
     index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise UserError(f"'{index}' is not a safetensors index ({e}); download it again") from None
-        for file in sorted(set(weight_map.values())):
-            safetensors_names(folder / file)
-        return {name: folder / file for name, file in weight_map.items()}
-    path = folder / "model.safetensors"
-    return dict.fromkeys(safetensors_names(path), path)
+    if not index.is_file():
+        path = folder / "model.safetensors"
+        return {name: (path, shape) for name, shape in safetensors_header(path).items()}
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError("its weight_map is not names to files")
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"'{index}' is not a safetensors index ({e}); download it again") from None
+    again = f"the index and the shards disagree: download {index.name} and the shards again"
+    out = {}
+    for file in sorted(set(weight_map.values())):
+        held = safetensors_header(folder / file)
+        listed = {name for name, f in weight_map.items() if f == file}
+        if lost := sorted(listed - set(held)):
+            raise UserError(f"'{index}' lists {_some(lost)} in {file}, which does not hold them; {again}")
+        if unlisted := sorted(set(held) - listed):
+            raise UserError(
+                f"'{folder / file}' holds {_some(unlisted)}, which '{index}' does not list; {again}"
+            )
+        out.update({name: (folder / file, held[name]) for name in sorted(listed)})
+    return out
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def hf_plan(
+    params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
+) -> list[tuple[str, str]]:
+    """(HF name, parameter name) for every weight the model takes from `folder`, from the
+    files' headers alone (nothing is read): `params` (canonical name -> shape) must be covered
+    exactly; a tensor the model has no parameter for, a shape that differs, or a parameter no
+    tensor fills is one UserError. The preflight runs it on the meta model; the load again."""
+    if adapter is None:
+        raise UserError(f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them")
+    plan = []
+    for hf_name, (_, shape) in weight_files(folder).items():
+        if hf_name.endswith(DERIVED_BUFFERS):
+            continue
+        mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
+        if mapped is None:
+            continue
+        name, converted = mapped
+        if name not in params:
+            raise UserError(f"'{folder}' holds '{hf_name}', which this model has no parameter for")
+        if tuple(converted.shape) != tuple(params[name]):
+            raise UserError(
+                f"'{hf_name}' in '{folder}' has shape {shape}, the model's '{name}' "
+                f"{tuple(params[name])}; the folder's config.json does not match its weights"
+            )
+        plan.append((hf_name, name))
+    missing = sorted(set(params) - {name for _, name in plan})
+    if missing:
+        raise UserError(
+            f"'{folder}' lacks weights for {_some(missing)}; download the folder again, or point "
+            "model.hf_assets_path at the model its config.json describes"
+        )
+    return plan
 
 
 def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, args: Any) -> None:
-    """Every parameter of `model` from `folder`'s weights; a missing, unexpected or mis-shaped
-    tensor is one UserError naming it."""
+    """Every parameter of `model` from `folder`'s weights, after hf_plan checked them all."""
     from safetensors import safe_open
 
-    if adapter is None:
-        raise UserError(f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them")
     start = time.perf_counter()
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
+    plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, folder, adapter, args)
     files = weight_files(folder)
     with ExitStack() as stack:
-        handles = {}
-        for path in sorted(set(files.values())):
-            if not path.is_file():
-                raise UserError(f"'{path}' is missing; the folder's weights are incomplete")
-            handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-        plan = []  # (HF name, titanlite name) in file order
-        for hf_name, path in files.items():
-            if hf_name.endswith(DERIVED_BUFFERS):
-                continue
-            shape = handles[path].get_slice(hf_name).get_shape()
-            mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
-            if mapped is None:
-                continue
-            name, converted = mapped
-            if name not in params:
-                raise UserError(f"'{folder}' holds '{hf_name}', which this model has no parameter for")
-            if tuple(converted.shape) != tuple(params[name].shape):
-                raise UserError(
-                    f"'{hf_name}' in '{folder}' has shape {tuple(shape)}, the model's '{name}' "
-                    f"{tuple(params[name].shape)}; the folder's config.json does not match its weights"
-                )
-            plan.append((hf_name, name))
-        missing = sorted(set(params) - {name for _, name in plan})
-        if missing:
-            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-            raise UserError(f"'{folder}' lacks weights for {', '.join(missing[:3])}{more}")
+        paths = sorted({path for path, _ in files.values()})
+        handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in paths}
         for hf_name, name in plan:
-            tensor = handles[files[hf_name]].get_tensor(hf_name)
+            tensor = handles[files[hf_name][0]].get_tensor(hf_name)
             _, converted = adapter.from_hf(hf_name, tensor, args)
             copy_full_(params[name], converted)
     logger.info(f"loaded {len(plan)} pretrained tensors from {folder} in {time.perf_counter() - start:.1f}s")

@@ -95,13 +95,10 @@ class RunFiles:
         if here is not None and stat.S_ISDIR(here.st_mode):
             raise TrainingError(
                 f"{path} is a folder now (something replaced the run's file while it ran); "
-                + self._what_was_kept(f"move that folder away from {path}")
+                + self.what_was_kept(f"move that folder away from {path}")
             )
         if not self.run_dir.is_dir():
-            raise TrainingError(
-                f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
-                "records and checkpoints went with it"
-            )
+            raise TrainingError(self._gone())
         if fd is not None:
             os.close(fd)
             logger.warning(
@@ -130,13 +127,36 @@ class RunFiles:
             if e.errno in NO_ROOM
             else "mend that"
         )
-        return f"writing {path} failed: {why}; {self._what_was_kept(fix)}"
+        return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
-    def _what_was_kept(self, fix: str = "mend that") -> str:
-        """The rest of the stop line: what the run leaves, and how to go on."""
+    def _gone(self) -> str:
+        """The stop line of a run folder that is gone: moved (a record file still open says where
+        it is now, through /proc on Linux) or removed."""
+        for fd in self._fds.values():
+            try:
+                now = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                continue
+            if not now.endswith(" (deleted)"):
+                moved = Path(now).parent
+                checkpoints = self.checkpoints
+                if checkpoints is not None and checkpoints.is_relative_to(self.run_dir):
+                    checkpoints = moved / checkpoints.relative_to(self.run_dir)
+                return f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; " + (
+                    self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
+                )
+        return (
+            f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
+            "records and checkpoints went with it"
+        )
+
+    def what_was_kept(self, fix: str = "mend that", checkpoints: Path | None = None) -> str:
+        """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not
+        the folder they were written to), and how to go on."""
         step = self.kept.get("metrics.jsonl")
         records = f"its records up to step {step} are whole" if step else "the records written are whole"
-        steps = complete_steps(self.checkpoints) if self.checkpoints is not None else []
+        checkpoints = checkpoints or self.checkpoints
+        steps = complete_steps(checkpoints) if checkpoints is not None else []
         saved = f", its newest checkpoint is step {steps[-1]}" if steps else ", and it has no checkpoint"
         return f"the run stopped: {records}{saved}; {fix}, then rerun the same command to resume"
 

@@ -60,6 +60,35 @@ def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dic
     }
 
 
+LAYOUT_KEYS = ("world_size", "mode", "dp_replicate", "dp_shard", "axes", "local_batch_size", "grad_accum")
+
+
+def layout_at(info: dict, step: int) -> dict:
+    """The layout step `step` ran at, from run.json: a resume at another layout keeps the earlier
+    sessions' layouts ("earlier", each with the first step it ran), so a step's ranks are read
+    the way it was split (scripts/inspect_step.py)."""
+    for earlier in reversed(info.get("earlier", [])):
+        if earlier.get("from_step", 1) <= step < info.get("from_step", 1):
+            return earlier
+    return info
+
+
+def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
+    """run.json of a resume: the previous run.json's layout joins "earlier" (entries from a
+    rewound timeline, past `resume`, are dropped)."""
+    try:
+        before = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        before = None
+    if not resume or not isinstance(before, dict):
+        return info
+    first = before.get("from_step", 1)
+    kept = [e for e in before.get("earlier", []) if isinstance(e, dict) and e.get("from_step", 1) <= resume]
+    if first <= resume:
+        kept.append({"from_step": first, **{k: before[k] for k in LAYOUT_KEYS if k in before}})
+    return {**info, "from_step": resume + 1, "earlier": kept}
+
+
 def open_run_folder(
     cfg: JobConfig, config_path: str | None, info: dict, data: list[dict] | None = None
 ) -> tuple[Path, int | None, RunLock | None]:
@@ -117,6 +146,7 @@ def _write(cfg: JobConfig, run_dir: Path, info: dict, resume: int | None) -> Non
     if resume is not None or is_restart():  # a restarted attempt without a checkpoint starts over
         truncate_after(run_dir, resume or 0)
     (run_dir / "config.toml").write_text(to_toml(cfg))
+    info = _with_earlier(run_dir, info, resume)
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     if cfg.rehearsal.world:  # the mark that no training run may resume here (REHEARSAL_FILE)
         (run_dir / REHEARSAL_FILE).write_text(

@@ -86,6 +86,12 @@ def resume_plan(
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
     metrics = run_dir / "metrics.jsonl"
+    if resume is not None and resume > cfg.training.steps:
+        raise UserError(
+            f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step "
+            f"{resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step "
+            "(an earlier step of that folder)"
+        )
     if resume is not None:
         return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
     if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
