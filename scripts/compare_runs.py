@@ -8,7 +8,7 @@ By default the runs are experiments, whatever their seed, data, batch or learnin
 gives its own figures): prints their layouts, every config key that differs and how each ended
 (final, lowest and eval loss), and writes runs.txt, runs.json and runs.png (loss, eval loss,
 learning rate and gradient norm against the step) to --out (default: next to RUN,
-compare-<A>[-vs-<B>]). Exit 0; 2 for a folder that is not a run.
+compare-<A>[-vs-<B>[-vs-<C>]], or compare-<A>-vs-<B>-and-<N>-more). Exit 0; 2 for a folder that is not a run.
 
 --invariance (implied by --rtol) judges instead: every run against RUN_A over their logged steps
 (log every step for a full curve: metrics.log_every = 1). Prints a per-step table (loss, absolute
@@ -69,8 +69,9 @@ def run(args) -> int:
     if judge and len(args.runs) < 2:
         raise UserError("--invariance needs at least two run folders: the reference first")
     runs = [load_run(r) for r in args.runs]
-    out = args.out or runs[0].path.parent / "-vs-".join(
-        ["compare-" + runs[0].name, *(r.name for r in runs[1:2])]
+    more = f"-and-{len(runs) - 2}-more" if len(runs) > 3 else ""
+    out = args.out or runs[0].path.parent / (
+        "compare-" + "-vs-".join(r.name for r in runs[: 2 if more else 3]) + more
     )
     if not judge:
         print(overview(runs, out))

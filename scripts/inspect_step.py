@@ -9,6 +9,8 @@ stdlib:<module> for the built-in data), token and target counts and the head of 
 text. When the step was measured (diagnostics.jsonl), each rank's own report is used: the indices
 it read and each sequence's token-mean loss; a rank that read other sequences than the config
 assigns it (a data-loading fault) is flagged. Alerts in events.jsonl name the same samples.
+A step split over the ranks the way it ran (a run resumed at another layout keeps the earlier
+ones in run.json); one the run never reached, or a rehearsal's folder, is said first.
 """
 
 from __future__ import annotations

@@ -28,7 +28,9 @@ resharded), with per-module fingerprints. The first module whose forward output 
 differs is named. Runs already in --out are reused.
 
 --dry-run prints the commands instead (to launch them elsewhere, e.g. dp=16 over two 8-GPU
-nodes with your scheduler, then compare the run folders with scripts/compare_runs.py).
+nodes with your scheduler, then compare the run folders with scripts/compare_runs.py); with
+--localize, on an --out that holds those runs, it compares them and prints the commands that
+localize where they part.
 Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input or a run failed.
 """
 
@@ -60,6 +62,7 @@ from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import load_config, parse_args  # noqa: E402
+from titanlite.config.command_line import words  # noqa: E402
 from titanlite.config.layout import fitting_local_batch  # noqa: E402
 from titanlite.config.paths import absolute, resolve_paths  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
@@ -173,6 +176,26 @@ SCRIPT.arg(
 FIRST_STEP = ["--debug.fingerprint_step", "1"]
 
 
+# The keys this script sets in every run, and what sets them instead of an override.
+OWNED = {
+    "training.steps": "--steps",
+    "metrics.log_every": "the script: every run logs every step",
+    "parallelism.mode": "--modes",
+    "parallelism.dp_replicate": "--dp and --replicas",
+    "parallelism.dp_shard": "--dp",
+    "job.dump_folder": "--out",
+    "job.run_name": "--prefix",
+    "debug.fingerprint_step": "the script: step 1 in every run, and the step --localize reruns",
+}
+
+
+def check_owned(overrides: list[str]) -> None:
+    """An override of a key the script sets would be replaced without a word: refused."""
+    for name, _ in words(overrides):
+        if name in OWNED:
+            raise UserError(f"--{name} is set by {OWNED[name]} in every run; remove it from the overrides")
+
+
 def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list[str]:
     """run_train.sh's arguments for one run of layout `p` into out/name."""
     cmd = ["--config", str(args.config), *args.overrides]
@@ -245,9 +268,15 @@ def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
         launch(args, plans[0], folder, "base", base_flags(step))
         saved = f"checkpoints/step-{step - 1:08d}"
         for name in (names[0], names[other]):
-            shutil.copytree(folder / "base" / saved, folder / name / saved)
+            if args.dry_run:
+                print(shlex.join(["mkdir", "-p", str((folder / name / saved).parent)]))
+                print(shlex.join(["cp", "-r", str(folder / "base" / saved), str(folder / name / saved)]))
+            else:
+                shutil.copytree(folder / "base" / saved, folder / name / saved)
         for i in (0, other):
             launch(args, plans[i], folder, names[i], step_flags(step))
+        if args.dry_run:
+            return f"the commands above localize step {step}; compare their fingerprints with --localize once they ran"
         found = first_divergence(*(read(folder / names[i]) for i in (0, other)), tol)
         where = f"fingerprints: {folder}"
     if found is None:
@@ -257,6 +286,7 @@ def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
 
 def run(args) -> int:
     overrides = args.overrides
+    check_owned(overrides)
     cfg, _ = parse_args(["--config", str(args.config), *overrides, "--training.steps", str(args.steps)])
     out = args.out or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
     plans = [plan(cfg, dp, mode, args.replicas, args.microbatch) for dp in args.dp for mode in args.modes]
@@ -276,7 +306,11 @@ def run(args) -> int:
     for p, name in zip(plans, names, strict=True):
         if not reuse:
             launch(args, p, out, name)
-    if args.dry_run:
+    if args.dry_run and not reuse:
+        if args.localize:  # the step to rerun is known once the runs are compared
+            print(
+                f"# --localize: once these runs are done, the same command prints the commands that localize where they part, from {out}"
+            )
         return 0
     runs = [load_run(out / n) for n in names]
     rtol = args.rtol if args.rtol is not None else default_tolerance(runs)

@@ -28,6 +28,7 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
     assert good.returncode == 0, good.stdout + good.stderr
     lines = good.stdout.splitlines()
     assert lines[-1].startswith("PASS: ") and sum(ln.startswith("PASS  gradient dp=2") for ln in lines) == 9
+    assert "1 rank only" not in lines[-1], lines[-1]
     assert "PASS  initial weights" in good.stdout
     bad = _check(
         "--model.name",
@@ -78,6 +79,10 @@ def test_an_hf_folder_matches_transformers_and_exports_back(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     for check in ("hf logits", "hf summed loss", "hf gradients", "hf export round trip"):
         assert f"PASS  {check}: " in r.stdout, r.stdout
+    # one rank splits no batch: the verdict says what was not checked
+    assert r.stdout.splitlines()[-1].endswith(
+        "at 1 rank only, which splits no batch: add --worlds 2 4 to check data parallelism"
+    )
 
 
 def test_transformers_gradients_come_under_the_names_its_folders_use():

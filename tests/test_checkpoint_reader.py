@@ -111,16 +111,20 @@ def _llama(flavor: str):
         ("debugmodel", "debugmodel", True, ["extra.weight"], None),
     ],
 )
-def test_a_new_runs_initial_weights_are_taken_both_ways(tmp_path, source, target, extra, drop, refused):
+@pytest.mark.parametrize("recorded", ["tied", "args"])
+def test_a_new_runs_initial_weights_are_taken_both_ways(
+    tmp_path, source, target, extra, drop, refused, recorded
+):
     """checkpoint.initial_load_path: each of the model's tensors in the checkpoint (check_fits),
     and each of the checkpoint's taken by a tensor of its own, but those named in
-    checkpoint.initial_load_drop."""
+    checkpoint.initial_load_drop. Which tensors the source tied: its state.json's groups (any
+    model's), or for a checkpoint without them its Llama args."""
     from dataclasses import asdict
 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from titanlite.components.checkpoint.resume import check_initial_fits
+    from titanlite.components.checkpoint.resume import check_initial_fits, tied_groups
 
     model = _llama(source)
     state = dict(model.state_dict())
@@ -128,7 +132,8 @@ def test_a_new_runs_initial_weights_are_taken_both_ways(tmp_path, source, target
         state["extra.weight"] = torch.zeros(3)
     path = tmp_path / "step-00000004"
     dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
-    (path / "state.json").write_text(json.dumps({"step": 4, "model_args": asdict(model.args)}, default=str))
+    record = {"tied": tied_groups(model)} if recorded == "tied" else {"model_args": asdict(model.args)}
+    (path / "state.json").write_text(json.dumps({"step": 4, **record}, default=str))
     with torch.device("meta"):
         ours = _llama(target)
     if refused is None:
@@ -136,3 +141,33 @@ def test_a_new_runs_initial_weights_are_taken_both_ways(tmp_path, source, target
     else:
         with pytest.raises(UserError, match=f"holds {refused}.*initial_load_drop"):
             check_initial_fits(path, ours, drop)
+
+
+@pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_tied"])
+def test_a_new_run_refuses_initial_weights_trained_with_another_tokenizer(tmp_path, flavor):
+    """Token ids of another tokenizer index the same rows for other tokens: a start from a
+    checkpoint whose state.json names another tokenizer is refused, unless the tables a token id
+    indexes (the embedding, an untied head) start afresh; an unknown fingerprint on either side
+    (an older checkpoint, a built-in tokenizer not trained yet) is not judged."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from titanlite.components.checkpoint.resume import check_initial_fits, token_tables
+
+    model = _llama(flavor)
+    path = tmp_path / "step-00000004"
+    dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(path), no_dist=True)
+    (path / "state.json").write_text(json.dumps({"step": 4, "tokenizer": "aaaa"}))
+    with torch.device("meta"):
+        ours = _llama(flavor)
+    tables = token_tables(ours)
+    assert tables == ["tok_embeddings.weight", "output.weight"]  # tied, the head's name loads it too
+    for tokenizer in ("aaaa", None):
+        check_initial_fits(path, ours, [], tokenizer)
+    with pytest.raises(UserError, match="trained with another tokenizer .*initial_load_drop"):
+        check_initial_fits(path, ours, [], "bbbb")
+    with pytest.raises(UserError, match="another tokenizer"):  # the head would still load
+        check_initial_fits(path, ours, tables[:1], "bbbb")
+    check_initial_fits(path, ours, tables, "bbbb")
+    (path / "state.json").write_text(json.dumps({"step": 4}))  # a checkpoint that names no tokenizer
+    check_initial_fits(path, ours, [], "bbbb")

@@ -174,8 +174,8 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     before, after = (f"{e['loss']:.4f}" for e in evals)
     assert f"eval loss {before} -> {after}, perplexity " in proc.stderr + proc.stdout
     # TensorBoard: every step, read back with its own event reader; loss, eval loss, lr and grad
-    # norm sort before the rest; the run is labelled by its name, as a real server shows it.
-    scalars, _ = tensorboard_items(run / "tb" / "r")
+    # norm sort before the rest; the run is the log dir's own (".") as a real server shows it.
+    scalars, _ = tensorboard_items(run / "tb")
     tags = sorted({tag for tag, _ in scalars})
     assert tags[:4] == ["1_loss", "2_eval_loss", "3_lr", "4_grad_norm"] and "diag/loss_std" in tags, tags
     assert sorted(s for tag, s in scalars if tag == "1_loss") == [1, 3, 4]  # step 2 trained on no token
@@ -184,9 +184,9 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     with SummaryWriter(run / "tb" / "long") as long:  # more points than TensorBoard shows by default
         for step in range(1, 1501):
             long.add_scalar("1_loss", 1.0 / step, step)
-    served = served_scalars(run / "tb", [("r", "1_loss"), ("long", "1_loss")])
-    assert [s for s, _ in served[("r", "1_loss")]] == [1, 3, 4]
-    assert [v for _, v in served[("r", "1_loss")]] == pytest.approx(
+    served = served_scalars(run / "tb", [(".", "1_loss"), ("long", "1_loss")])
+    assert [s for s, _ in served[(".", "1_loss")]] == [1, 3, 4]
+    assert [v for _, v in served[(".", "1_loss")]] == pytest.approx(
         [recs[i]["loss"] for i in (0, 2, 3)], rel=1e-6
     )
     assert [s for s, _ in served[("long", "1_loss")]] == list(range(1, 1501))

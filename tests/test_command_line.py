@@ -44,6 +44,20 @@ def test_a_value_is_a_value_whatever_it_holds(values: list[str]) -> None:
     assert not wants_help(argv)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(st.lists(st.sampled_from(["--training.steps", "--optimizer.lr", "--job.description"]), max_size=6))
+def test_a_key_given_more_than_once_is_said_and_the_last_applies(keys: list[str]) -> None:
+    values = {"--training.steps": "7", "--optimizer.lr": "0.002", "--job.description": "x"}
+    argv = [w for i, k in enumerate(keys) for w in (k, values[k] if k != "--training.steps" else str(i + 1))]
+    notes: list[str] = []
+    cfg, _ = parse_args(argv, notes)
+    said = sorted(n.split(" is given")[0] for n in notes if " times on the command line" in n)
+    assert said == sorted(k for k in set(keys) if keys.count(k) > 1), (keys, notes)
+    if "--training.steps" in keys:
+        last = max(i for i, k in enumerate(keys) if k == "--training.steps") + 1
+        assert cfg.training.steps == last
+
+
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("form", ["space", "equals"])
 def test_config_given_twice_or_empty_is_refused(n: int, form: str) -> None:

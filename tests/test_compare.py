@@ -60,6 +60,13 @@ def test_experiments_are_overlaid_without_a_verdict(tmp_path, capsys):
     code, out, _ = run_cli(capsys, a)
     assert code == 0 and "config differences" not in out
     assert (tmp_path / "compare-a/runs.png").is_file()
+    # A run equal to another is named as such (its curve lies on the other's); the default
+    # folder names every run, or the first two and how many more.
+    d = make_run(tmp_path, "d", overrides=("--job.description", "a again"))
+    code, out, _ = run_cli(capsys, a, b, d)
+    assert code == 0 and "C has A's training loss at every step" in out and "B has" not in out, out
+    assert (tmp_path / "compare-a-vs-b-vs-d/runs.png").is_file()
+    assert run_cli(capsys, a, b, c, d)[0] == 0 and (tmp_path / "compare-a-vs-b-and-2-more/runs.png").is_file()
     # The verdict comes only on request: --rtol alone asks for it too.
     assert judge(capsys, a, c, "--out", tmp_path / "j")[0] == 2
     assert run_cli(capsys, a, b, "--rtol", "1e-5", "--out", tmp_path / "j")[0] == 1

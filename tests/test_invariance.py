@@ -157,6 +157,11 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
         (["--dp", "8"], "one layout has nothing to compare with"),
         (["--dp", "8", "--modes", "hsdp", "--replicas", "8"], "hsdp at dp=8 needs --replicas"),
         (["--dp", "8", "16", "--training.sed", "1"], "training.sed"),
+        (
+            ["--dp", "8", "16", "--debug.fingerprint_step", "3"],
+            "--debug.fingerprint_step is set by the script",
+        ),
+        (["--dp", "8", "16", "--training.steps=5"], "--training.steps is set by --steps"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -174,6 +179,14 @@ def test_dry_run_prints_one_command_per_layout(tmp_path):
     assert "--parallelism.dp_replicate 2 --parallelism.dp_shard 8" in lines[-1]
     assert "--training.local_batch_size 2" in lines[0] and "--training.local_batch_size 1" in lines[-1]
     assert not (tmp_path / "inv").exists()
+    # with --localize: the step to rerun is known once the runs are compared, which it says
+    proc, _ = invariance(tmp_path, "--dp", "8", "16", "--dry-run", "--localize", *batch(2), timeout=120)
+    lines = proc.stdout.strip().splitlines()
+    assert (
+        proc.returncode == 0
+        and len(lines) == 3
+        and lines[-1].startswith("# --localize: once these runs are done")
+    )
 
 
 # Planted invariance bugs (tests/fork_planted.py, tests/fork_moe.py), each at dp=1 (one microbatch
@@ -245,6 +258,16 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
     else:
         assert f"first step beyond rtol 1e-05: {step} " in failed.stdout
         assert (", loss term aux)" in failed.stdout) == (what == "loss term aux")
+    if step > 1:  # --dry-run: the commands that would rerun the step from the same state, nothing run
+        dry = subprocess.run(
+            [*cmd, "--localize", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        )
+        lines = dry.stdout.splitlines()
+        assert dry.returncode == 1 and sum(ln.startswith("NPROC=") for ln in lines) == 3, dry.stdout
+        assert sum(ln.startswith("cp -r ") for ln in lines) == 2 and lines[-1].startswith(
+            f"the commands above localize step {step}"
+        ), dry.stdout
+        assert not (tmp_path / "inv" / f"localize-step{step}").exists()
     found = subprocess.run(
         [*cmd, "--localize"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
     )
@@ -297,7 +320,7 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
             -2000:
         ]
         assert "loss terms at step 3: aux " in log and "(the loss above is the cross entropy)" in log
-        scalars, _ = tensorboard_items(folder / "tb" / run)
+        scalars, _ = tensorboard_items(folder / "tb")
         for r in rows:
             got = {name: scalars[(f"5_loss_terms/{name}", r["step"])] for name in ("aux", "z", "total")}
             assert got == pytest.approx({**r["terms"], "total": r["loss_total"]}, rel=1e-6)

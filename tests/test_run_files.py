@@ -182,3 +182,30 @@ def test_run_json_keeps_the_layout_every_step_ran_at_through_resumes_and_rewinds
         info = json.loads((run_dir / "run.json").read_text())
         got = {s: layout_at(info, s)["world_size"] for s in timeline}
         assert got == timeline, (case, info)
+
+
+def test_a_run_folder_renamed_between_launches_stays_one_tensorboard_run(tmp_path):
+    """TensorBoard names a run by its folder: events in <run>/tb, never in a folder named after
+    the run, so a renamed run folder (and one whose events an earlier version kept in
+    tb/<run name>/) resumes into the same TensorBoard run, its repeated steps purged."""
+    from helpers import tensorboard_items
+    from torch.utils.tensorboard import SummaryWriter
+
+    first, renamed = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    writer = MetricsWriter(first, 10, True)
+    for step in (1, 2, 3):
+        writer.write_scalars("train", {"step": step, "loss": 1.0 / step})
+    writer.close()
+    first.rename(renamed)
+    with SummaryWriter(renamed / "tb" / "b") as earlier:  # where an earlier version wrote: step 4
+        earlier.add_scalar("1_loss", 0.25, 4)
+    writer = MetricsWriter(renamed, 10, True, purge_step=3)  # resumed from the step-2 checkpoint
+    writer.write_scalars("train", {"step": 3, "loss": 0.3})
+    writer.close()
+    assert sorted(p.name for p in (renamed / "tb").iterdir() if p.is_dir()) == ["b"]
+    assert not list((renamed / "tb" / "b").iterdir())
+    scalars, _ = tensorboard_items(renamed / "tb")
+    assert {s: v for (tag, s), v in scalars.items() if tag == "1_loss"} == pytest.approx(
+        {1: 1.0, 2: 0.5, 3: 0.3}
+    )

@@ -207,6 +207,7 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     never reads them)."""
     from titanlite.components.checkpoint.format import initial_load_kind
     from titanlite.components.checkpoint.hf_load import hf_plan
+    from titanlite.datasets.build import tokenizer_key
     from titanlite.distributed.param_init import canonical_name
 
     source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
@@ -218,9 +219,8 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
         hf_plan(shapes, path, meta.spec.hf, meta.args)
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
         step = step_to_read(path, flag="checkpoint.initial_load_path")
-        check_initial_fits(
-            step, meta.model, cfg.checkpoint.initial_load_drop
-        )  # every tensor taken, both ways
+        # every tensor taken, both ways, and token ids that mean what they meant
+        check_initial_fits(step, meta.model, cfg.checkpoint.initial_load_drop, tokenizer_key(cfg))
 
 
 def _vocab_size(cfg: JobConfig) -> int:

@@ -37,6 +37,20 @@ def differences(runs: list[Run]) -> list[str]:
     return lines
 
 
+def same_curves(runs: list[Run]) -> list[str]:
+    """A line for each run whose training loss equals an earlier run's at every logged step
+    (its curve lies on that run's in runs.png, dashed)."""
+    names, seen, lines = labels(runs), {}, []
+    for name, run in zip(names, runs, strict=True):
+        curve = tuple((s, r.get("loss")) for s, r in sorted(run.metrics.items()))
+        first = seen.setdefault(curve, name)
+        if first != name:
+            lines.append(
+                f"  {name} has {first}'s training loss at every step (runs.png draws it on {first}'s)"
+            )
+    return lines
+
+
 def outcome(run: Run) -> dict:
     """How a run ended: its last logged step and loss, its lowest loss, its last eval."""
     logged = [(s, r["loss"]) for s, r in sorted(run.metrics.items()) if r.get("loss") is not None]
@@ -68,6 +82,7 @@ def overview(runs: list[Run], out_dir: Path) -> str:
             f"{n:<4} {e['last_step']:>9} {fmt(e['final_loss'], '.4f'):>11} {fmt(e.get('min_loss'), '.4f'):>12} "
             f"{fmt(e.get('min_loss_step'), 'd'):>8} {fmt(e.get('eval_loss'), '.4f'):>10}"
         )
+    lines += same_curves(runs)
     (out_dir / "runs.txt").write_text("\n".join(lines) + "\n")
     record = [{"run": str(r.path), "label": n, **e} for n, r, e in zip(names, runs, ends, strict=True)]
     (out_dir / "runs.json").write_text(json.dumps({"runs": record, "differences": diff}, indent=1))

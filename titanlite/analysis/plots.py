@@ -46,6 +46,9 @@ PANELS = (
 )
 
 
+DASHES = ("-", "--", ":", "-.")  # run i's line style, in turn
+
+
 def plot_runs(runs: list[Run], path: Path) -> None:
     """Each run's loss, eval loss, learning rate and gradient norm against the step, overlaid."""
     plt = _pyplot()
@@ -54,10 +57,16 @@ def plot_runs(runs: list[Run], path: Path) -> None:
     rows = (len(panels) + 1) // 2
     fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
     for ax, (title, where, key) in zip(axes.flat, panels, strict=False):
-        for run in runs:
+        drawn: dict[tuple, str] = {}  # a curve already drawn -> the run that drew it
+        for i, run in enumerate(runs):
             steps, values = _series(getattr(run, where), key)
-            if steps:
-                ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=run.name)
+            if not steps:
+                continue
+            same = drawn.setdefault((tuple(steps), tuple(values)), run.name)
+            label = run.name if same == run.name else f"{run.name} (= {same})"
+            # each run's own dash, the later ones thinner: a curve equal to another's shows on it
+            style = {"ls": DASHES[i % len(DASHES)], "lw": max(0.8, 2.4 - 0.5 * i)}
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label, **style)
         ax.set_title(title, fontsize=10)
         _whole_steps(ax)
         if key == "lr":

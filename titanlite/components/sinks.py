@@ -21,9 +21,9 @@ logger = logging.getLogger("titanlite")
 
 
 class TensorBoard:
-    """A sink: TensorBoard events in <run folder>/tb/<run name>, so `tensorboard --logdir
-    <run folder>/tb` labels the run by its name (TensorBoard names a run by its folder under the
-    log dir; `--logdir <dump folder>` shows every run there). `purge_step`: a resumed run drops
+    """A sink: TensorBoard events in <run folder>/tb, one TensorBoard run per run folder
+    whatever the folder is called later (TensorBoard names a run by its folder under the log dir:
+    `--logdir <dump folder>` shows each as `<run name>/tb`). `purge_step`: a resumed run drops
     the events of the steps it repeats. Its writer appends from a thread of its own; each log
     step flushes it, so a failure shows there: tb/ removed under the run is made again (with one
     line), a full disk stops the run (exit 3)."""
@@ -43,6 +43,10 @@ class TensorBoard:
     def _open(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        # events in tb/<run name>/, where earlier versions wrote them, join the run's own
+        with contextlib.suppress(OSError):
+            for old in (self.log_dir / self.run_dir.name).glob("events.out.tfevents.*"):
+                old.rename(self.log_dir / old.name)
         return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def _events(self) -> Path:
@@ -105,7 +109,7 @@ def _quiet_writer_thread() -> None:
 
 def tensorboard_dir(run_dir: Path) -> Path:
     """Where a run's TensorBoard events go (see TensorBoard)."""
-    return run_dir / "tb" / run_dir.name
+    return run_dir / "tb"
 
 
 def _cause(e: BaseException, folder: Path) -> str:

@@ -14,6 +14,7 @@ Relative paths, typed or in a config file, mean the folder the command was run i
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from titanlite.config.fields import whole_number
@@ -115,6 +116,11 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     if path is not None:
         path = resolved(path)
     overrides = [w for n, v in pairs if n != "config" and n not in HELP_FLAGS for w in (f"--{n}", v or "")]
+    given = Counter(n for n, _ in pairs if n != "config" and n not in HELP_FLAGS)
+    for name, times in given.items():  # the last applies, as with any command line: said, not silent
+        if times > 1 and notes is not None:
+            last = next(v for n, v in reversed(pairs) if n == name)
+            notes.append(f"--{name} is given {times} times on the command line: the last, {last!r}, applies")
     cfg = load_config(path, overrides, notes)
     resolve_paths(cfg)
     return cfg, path

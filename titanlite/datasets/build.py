@@ -96,6 +96,17 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
+def tokenizer_key(cfg: JobConfig) -> str | None:
+    """The fingerprint of the tokenizer `cfg` names (what its token ids mean), without training
+    one: None for synthetic data, or a built-in tokenizer not trained yet on this machine."""
+    if cfg.data.mode == "synthetic":
+        return None
+    if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
+        return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path).fingerprint
+    path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
+    return Tokenizer(path.read_bytes(), f"builtin:{path.name}").fingerprint if path.is_file() else None
+
+
 def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Path:
     """Raw inputs (or the built-in data for name "") prepared into the cache, once per node."""
     cache, mode = cache_dir(cfg.data.cache_dir), cfg.data.mode

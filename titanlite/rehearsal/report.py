@@ -113,7 +113,8 @@ def table(r: dict[str, Any]) -> str:
         f"({lay['local_batch']} x {lay['seq_len']} tokens x accumulation {lay['grad_accum']} per rank)",
         f"  peak tensor memory   {r['peak_bytes'] / GiB:.2f} GiB; the estimate: {r['estimate']}",
         f"  step compute         {fmt(r['compute_s'], '.3f')} s; {fmt(r['tokens_per_s'], ',.0f')} tokens/s "
-        "per rank (compute only: an upper bound)",
+        "per rank (compute only: an upper bound"
+        + ("; this CPU's, which says nothing of a GPU's time)" if r["device"] == "cpu" else ")"),
     ]
     for group, b in sorted(r["traffic_bytes"].items()):
         lines.append(f"  sent per step        {_mib(b)} on {group}")

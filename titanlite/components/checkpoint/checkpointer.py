@@ -57,6 +57,7 @@ from titanlite.components.checkpoint.resume import (
     model_record,
     optimizer_groups_error,
     resume_changes,
+    tied_groups,
 )
 from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.faults import Faults, FullDiskWriter
@@ -64,6 +65,7 @@ from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due
 from titanlite.config.identity import identity
+from titanlite.datasets.build import tokenizer_key
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
@@ -118,8 +120,10 @@ class Checkpointer:
         self._pending: tuple[int, Path, Future] | None = None
         self._staged_s = 0.0  # the newest async save's staging time
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
+        self.tied: list[list[str]] = []  # its parameter names that share a tensor (restore sets it)
         self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
         self.data = data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
+        self.tokenizer = tokenizer_key(cfg)  # what its token ids mean: a start from the checkpoint compares
 
     def track(self, parts: dict[str, HostState], generators: dict[str, torch.Generator]) -> None:
         """Register host-stateful parts (saved in state.json under their names) and RNG streams
@@ -139,6 +143,7 @@ class Checkpointer:
         under this run's settings. A fresh run starts from checkpoint.initial_load_path, else
         model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
         self.model_args = model_record(meta.args)
+        self.tied = tied_groups(meta.model)
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
@@ -232,8 +237,10 @@ class Checkpointer:
                 "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
                 "optimizer_groups": OPTIMIZER_GROUPS,
                 "model_args": self.model_args,
+                "tied": self.tied,
                 "hf_config": self.hf_config,
                 "data": self.data,
+                "tokenizer": self.tokenizer,
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
@@ -362,7 +369,7 @@ class Checkpointer:
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
         drop = self.cfg.checkpoint.initial_load_drop if check else []
         if check:
-            check_initial_fits(path, self.model, drop)
+            check_initial_fits(path, self.model, drop, self.tokenizer)
             state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not drop))

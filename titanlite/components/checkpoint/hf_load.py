@@ -25,6 +25,7 @@ from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name, copy_full_
 from titanlite.errors import UserError
 from titanlite.models.registry import HFAdapter
+from titanlite.tools.phases import heartbeat
 
 logger = logging.getLogger("titanlite")
 
@@ -138,11 +139,19 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
     plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, folder, adapter, args)
     files = weight_files(folder)
-    with ExitStack() as stack:
+    done = 0
+
+    def say(seconds: float) -> None:
+        logger.info(
+            f"loading pretrained weights from {folder}: {done} of {len(plan)} tensors ({seconds:.0f}s)"
+        )
+
+    with ExitStack() as stack, heartbeat(say):
         paths = sorted({path for path, _ in files.values()})
         handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in paths}
         for hf_name, name in plan:
             tensor = handles[files[hf_name][0]].get_tensor(hf_name)
             _, converted = adapter.from_hf(hf_name, tensor, args)
             copy_full_(params[name], converted)
+            done += 1
     logger.info(f"loaded {len(plan)} pretrained tensors from {folder} in {time.perf_counter() - start:.1f}s")

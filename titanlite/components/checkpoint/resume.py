@@ -15,6 +15,7 @@ from titanlite.components.checkpoint.index import read_state, step_dir
 from titanlite.config import JobConfig
 from titanlite.config.identity import IDENTITY_KEYS, identity
 from titanlite.config.manager import migrate_flat
+from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
 from titanlite.tools.records import read_json
 
@@ -168,34 +169,66 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
 _MAY_CHANGE = frozenset({"dropout"})
 
 
-def check_initial_fits(path: Path, model: Any, drop: list[str]) -> None:
+def check_initial_fits(path: Path, model: Any, drop: list[str], tokenizer: str | None = None) -> None:
     """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
     each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
     a tensor of its own in the model, but those `drop` names (checkpoint.initial_load_drop). A
     tensor the model lacks, or one the model ties to another (a head tied to the embedding, from
-    a run whose head was its own), would go unread: one UserError names them."""
+    a run whose head was its own), would go unread: one UserError names them. So is a checkpoint
+    trained with another tokenizer (`tokenizer`: this run's fingerprint, if known), whose
+    embedding rows stand for other tokens of the same count."""
     import torch.distributed.checkpoint as dcp
 
-    by_tensor: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(param), []).append(name)
+    state = read_json(path / "state.json", "it is written with every checkpoint")
+    then = state.get("tokenizer")
+    if then and tokenizer and then != tokenizer and not set(token_tables(model)) <= set(drop):
+        raise UserError(
+            f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {then}, this "
+            f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
+            f"config.toml names it), or start {', '.join(token_tables(model))} afresh: name them in "
+            "--checkpoint.initial_load_drop"
+        )
+
     ours = model.state_dict()
     check_fits(path, {n: t for n, t in ours.items() if n not in drop})
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
     saved = [k for k in saved if k not in drop]
     lacking = [k for k in saved if k not in ours]
-    record = read_json(path / "state.json", "it is written with every checkpoint").get("model_args") or {}
-    tied_then = record.get("tie_embeddings")
-    tied_now = [names[1:] for names in by_tensor.values() if len(names) > 1]
-    if tied_then is False and tied_now:  # the source had a tensor for each of these names
-        lacking += [n for names in tied_now for n in names if n in saved]
+    then = state.get("tied")
+    if then is None:  # a checkpoint that recorded no tied groups: its model's args may say
+        then = [] if (state.get("model_args") or {}).get("tie_embeddings") is False else None
+    together = {name: set(group) for group in then or [] for name in group}
+    for names in tied_groups(model) if then is not None else []:  # names[0] is read, the rest share it
+        lacking += [n for n in names[1:] if n in saved and n not in together.get(names[0], ())]
     if lacking:
         raise UserError(
             f"checkpoint.initial_load_path '{path}' holds {', '.join(lacking[:4])}{' ...' if len(lacking) > 4 else ''}, "
             "which this model would leave unread (it has no such tensor, or ties it to another); start from a "
             "checkpoint of this model, or name them in --checkpoint.initial_load_drop to leave them unread"
         )
+
+
+def token_tables(model: Any) -> list[str]:
+    """The parameters a token id indexes: each embedding table, and the output head (the last
+    linear layer with as many outputs as a table has rows; a tied one too, as its name loads)."""
+    import torch.nn as nn
+
+    modules = list(model.named_modules())
+    rows = {m.num_embeddings for _, m in modules if isinstance(m, nn.Embedding)}
+    heads = [name for name, m in modules if isinstance(m, nn.Linear) and m.out_features in rows]
+    tables = [name for name, m in modules if isinstance(m, nn.Embedding)] + heads[-1:]
+    return [canonical_name(f"{name}.weight") for name in tables]
+
+
+def tied_groups(model: Any) -> list[list[str]]:
+    """The parameter names that share one tensor (a head tied to the embedding), in groups of two
+    or more, each in the model's order: state.json records them, so a start from the checkpoint
+    knows which of its tensors a model that ties them would leave unread."""
+    by_tensor: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(param), []).append(canonical_name(name))
+    return [names for names in by_tensor.values() if len(names) > 1]
 
 
 def model_record(args: Any) -> dict[str, Any]:
