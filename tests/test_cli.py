@@ -487,3 +487,9 @@ def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_pa
         else:
             assert len(printed) == 1 and "rank 0 failed with exit code 3 and its log " in printed[0], printed
             assert "is the disk under it full?" in printed[0], printed
+    # the logs removed with the run folder (rm -rf): the console's line stands, nothing is guessed
+    failure = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file="")
+    assert (
+        report_failure(ChildFailedError("titanlite.train", {0: failure}), tmp_path / "gone", None, set()) == 3
+    )
+    assert capsys.readouterr().err == ""

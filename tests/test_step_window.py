@@ -127,3 +127,30 @@ def test_the_models_loss_terms_are_read_with_the_loss_and_get_their_rows(one_pro
             1e-3,
             terms={"aux": aux},
         )
+
+
+@pytest.mark.parametrize("step_s", [1.0, 7.0, 15.0, 29.0])
+def test_a_long_log_interval_says_it_is_going_before_a_step_would_pass_the_heartbeat(
+    monkeypatch, caplog, step_s
+):
+    """Steps of step_s seconds between log steps: a line comes before the next step would end
+    past HEARTBEAT_S since the last one, so the console is never silent longer (host clock only)."""
+    import logging
+
+    from titanlite.components import step_window
+    from titanlite.tools.phases import HEARTBEAT_S
+
+    clock = [0.0]
+    monkeypatch.setattr(step_window.time, "monotonic", lambda: clock[0])
+    window = step_window.StepWindow()
+    said = [0.0]
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        for step in range(1, 60):
+            clock[0] += step_s
+            before = len(caplog.records)
+            one = torch.tensor(1.0)
+            window.add(step, one, torch.tensor(4), one, torch.tensor(False), 1e-3)
+            if len(caplog.records) > before:
+                said.append(clock[0])
+    gaps = [b - a for a, b in zip(said, said[1:], strict=False)]
+    assert gaps and max(gaps) <= HEARTBEAT_S, gaps

@@ -52,9 +52,8 @@ def report(e: Exception) -> int:
         user = isinstance(e, UserError)
         line = f"titanlite: {'error' if user else 'stopped'}: {e}"
         code = EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
-    with contextlib.suppress(
-        OSError
-    ):  # a worker's stderr is its log: a full disk takes the line, not the code
+    # a worker's stderr is its log in the run folder: a full disk may take the line, not the code
+    with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)
     return code
 

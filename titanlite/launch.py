@@ -164,11 +164,6 @@ def _on_signal(signum: int, frame) -> None:
     raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
-def _late(signum: int, frame) -> None:
-    """A stop signal once the workers finished: the run is whole; main says so (exit 128 + n)."""
-    _stop["signal"] = _stop["signal"] or signum
-
-
 def _kill(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -297,8 +292,10 @@ def main(argv: list[str]) -> int:
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
-            for sig in STOP_SIGNALS:  # the workers finished: a signal from here on is only noted
-                signal.signal(sig, _late)
+            for (
+                sig
+            ) in STOP_SIGNALS:  # the workers finished after their last look: a late signal changes nothing
+                signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
             code = report_failure(e, log_dir, shown, _Agent.current.stopped if _Agent.current else set())
             early = code in {128 + s for s in STOP_SIGNALS} and printed_by(BEFORE_FIRST_STEP, log_dir, None)
@@ -330,14 +327,6 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 log_dir.parent.rmdir()  # logs/, if this launch's were its only ones
-    if code == 0 and _stop["signal"]:  # it came as the workers ended, after their last look: never exit 0
-        name = signal.Signals(_stop["signal"]).name
-        print(
-            f"titanlite: stopped by {name} as the run ended: its workers had done every step and export "
-            "before it came; nothing is left to run",
-            file=sys.stderr,
-        )
-        code = 128 + _stop["signal"]
     return code
 
 

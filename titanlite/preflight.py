@@ -229,10 +229,8 @@ def _vocab_size(cfg: JobConfig) -> int:
     m = cfg.model
     if cfg.data.mode == "synthetic":
         return 0  # no tokenizer: model.vocab_size (or the folder's config.json) gives it
-    if m.tokenizer_path:
-        return load_tokenizer(m.tokenizer_path).vocab_size
-    if m.hf_assets_path:
-        return 0  # the folder's config.json gives the vocabulary
+    if m.tokenizer_path or m.hf_assets_path:  # the folder's config.json must hold the tokenizer's ids
+        return load_tokenizer(m.tokenizer_path or m.hf_assets_path).vocab_size
     return m.builtin_vocab_size
 
 

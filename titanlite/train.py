@@ -249,10 +249,11 @@ class Trainer:
             raise
         self.faults.interrupt("export")
         exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
+        stop = self.stops.finish() or stop  # the last look: a signal after it (after "done:") is void
         self.metrics.finish(
             self.start_step, steps, time.perf_counter() - start, self.checkpointer.folder, exports
         )
-        if stop := self.stops.finish() or stop:  # in the last step or after: the run did all, but says so
+        if stop:  # in the last step or the exports: the run did all, but says so
             self.checkpointer.stop(steps, stop, finished=True)
 
     def close(self) -> None:

@@ -66,8 +66,14 @@ _under_a_live_run("rm -rf <run>/logs", lambda run: shutil.rmtree(run / "logs"), 
 
 def _folder_instead(name: str) -> Callable[[Path], None]:
     def act(run: Path) -> None:
-        (run / name).unlink()
-        (run / name).mkdir()
+        for _ in range(100):  # the run may write the file again between the two calls: again
+            (run / name).unlink(missing_ok=True)
+            try:
+                (run / name).mkdir()
+                return
+            except FileExistsError:
+                continue
+        raise Broke(f"{name} could not be replaced by a folder: the run kept writing it again")
 
     return act
 

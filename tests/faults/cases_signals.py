@@ -237,12 +237,22 @@ def _late_stop(name: str, wait: Callable[[Path, Live], bool], sig: int, args: tu
 _EVAL = ("--training.steps", "6", *CKPT, "--eval.fraction", "0.002")
 _late_stop("Ctrl-C in the last step", lambda d, live: metrics_step(d, 5)(), signal.SIGINT, RESUME6)
 _late_stop("Ctrl-C during the final eval", lambda d, live: metrics_step(d, 6)(), signal.SIGINT, _EVAL)
-_late_stop(
-    "SIGTERM during the Hugging Face export at the end",
-    lambda d, live: (d / "run" / "hf").exists() or any((d / "run").glob(".hf*")),
-    signal.SIGTERM,
-    ("--training.steps", "4", "--checkpoint.export_hf", "true"),
-)
+
+
+@case("signals/faults", "Ctrl-C during the Hugging Face export at the end (debug.signal_phase export)")
+def _(c: Catalogue) -> None:
+    """In the exports, not after them: the moment the signal lands is the run's own (a signal
+    from outside may land after the run's last look, when "done:" says all is done: exit 0)."""
+    dump = c.dump("export-ctrl-c")
+    at_export = ("--debug.signal_step", "4", "--debug.signal_phase", "export")
+    expect(
+        c.start(dump, ("--training.steps", "4", "--checkpoint.export_hf", "true", *at_export)).finish(),
+        130,
+        "as the run ended",
+    )
+    if not (dump / "run" / "hf" / "model.safetensors").is_file():
+        raise Broke("the export the run was in is not whole")
+    no_orphans(dump)
 
 
 @case("signals/faults", "Ctrl-C to generate.py while it generates")

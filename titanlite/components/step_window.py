@@ -134,7 +134,7 @@ class StepWindow:
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
-        self._said = time.monotonic()  # the last line the console showed of the steps
+        self._said = self._added = time.monotonic()  # the last line the console showed; the last step added
 
     def add(
         self,
@@ -167,13 +167,16 @@ class StepWindow:
         self._lrs.append(lr)
         if guard is not None:
             self._guard.append(guard)
-        if time.monotonic() - self._said >= HEARTBEAT_S:  # a host clock: no device read
+        # a host clock, no device read: said before the next step would end past HEARTBEAT_S
+        now = time.monotonic()
+        last, self._added = now - self._added, now
+        if now - self._said + last >= HEARTBEAT_S:
             logger.info(f"at step {step}; its figures show at the next log step (metrics.log_every)")
-            self._said = time.monotonic()
+            self._said = now
 
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""
-        self._said = time.monotonic()
+        self._said = self._added = time.monotonic()
         if not self._steps:
             raise RuntimeError("StepWindow.read() on an empty window")
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values

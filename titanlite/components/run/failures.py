@@ -91,7 +91,7 @@ def report_failure(e: ChildFailedError, log_dir: Path, shown: set[int] | None, s
         own = [ln for ln in lines if ln.startswith("titanlite: ")]
         if own and not on_console and not printed_by(own[-1], log_dir, shown or set()):
             print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
-        if not own:  # its log could not take its line: the run folder's disk is full, most likely
+        if not own and log is not None and log.is_file():  # its log could not take its line: a full disk
             said = said_by_any(log_dir)
             print(
                 said
