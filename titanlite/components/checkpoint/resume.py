@@ -179,22 +179,21 @@ def check_initial_fits(path: Path, model: Any, drop: list[str], tokenizer: str |
     embedding rows stand for other tokens of the same count."""
     import torch.distributed.checkpoint as dcp
 
-    state = read_json(path / "state.json", "it is written with every checkpoint")
-    then = state.get("tokenizer")
-    if then and tokenizer and then != tokenizer and not set(token_tables(model)) <= set(drop):
-        raise UserError(
-            f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {then}, this "
-            f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
-            f"config.toml names it), or start {', '.join(token_tables(model))} afresh: name them in "
-            "--checkpoint.initial_load_drop"
-        )
-
     ours = model.state_dict()
     check_fits(path, {n: t for n, t in ours.items() if n not in drop})
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
     saved = [k for k in saved if k not in drop]
     lacking = [k for k in saved if k not in ours]
+    state = read_json(path / "state.json", "it is written with every checkpoint")
+    trained_with = state.get("tokenizer")  # shapes fit, checked above: do the token ids mean the same?
+    if trained_with and tokenizer and trained_with != tokenizer and not set(token_tables(model)) <= set(drop):
+        raise UserError(
+            f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {trained_with}, this "
+            f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
+            f"config.toml names it), or start {', '.join(token_tables(model))} afresh: name them in "
+            "--checkpoint.initial_load_drop"
+        )
     then = state.get("tied")
     if then is None:  # a checkpoint that recorded no tied groups: its model's args may say
         then = [] if (state.get("model_args") or {}).get("tie_embeddings") is False else None
