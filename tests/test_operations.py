@@ -109,12 +109,14 @@ def test_one_live_run_per_folder_and_no_orphans(tmp_path):
     os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group, as a scheduler would
     first.wait()
     assert no_workers_within(tmp_path, 10) == []
+    folders = (tmp_path / "held" / "checkpoints").glob("step-*")
+    newest = max(int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / "complete").is_file())
     code, out, err = finish(
         launch(
             tmp_path,
             "held",
             "--training.steps",
-            "3",
+            str(newest + 1),  # one step past wherever the killed run's checkpoints reached
             "--checkpoint.every",
             "2",
             "--checkpoint.at_end",

@@ -13,6 +13,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 
 import pytest
 
@@ -198,8 +199,10 @@ def test_a_run_folder_renamed_between_launches_stays_one_tensorboard_run(tmp_pat
         writer.write_scalars("train", {"step": step, "loss": 1.0 / step})
     writer.close()
     first.rename(renamed)
+    time.sleep(1.1)  # event files sort by their second: each writer's comes after the one before
     with SummaryWriter(renamed / "tb" / "b") as earlier:  # where an earlier version wrote: step 4
         earlier.add_scalar("1_loss", 0.25, 4)
+    time.sleep(1.1)
     writer = MetricsWriter(renamed, 10, True, purge_step=3)  # resumed from the step-2 checkpoint
     writer.write_scalars("train", {"step": 3, "loss": 0.3})
     writer.close()
