@@ -212,3 +212,13 @@ def test_a_run_folder_renamed_between_launches_stays_one_tensorboard_run(tmp_pat
     assert {s: v for (tag, s), v in scalars.items() if tag == "1_loss"} == pytest.approx(
         {1: 1.0, 2: 0.5, 3: 0.3}
     )
+
+
+def test_an_unreadable_run_json_on_resume_is_said_and_a_missing_one_is_not(tmp_path, caplog):
+    from titanlite.components.run.folder import _with_earlier
+
+    info = {"world_size": 4}
+    assert _with_earlier(tmp_path, info, 6) == info and "unreadable" not in caplog.text  # copied checkpoint
+    (tmp_path / "run.json").write_text("{garbage")
+    assert _with_earlier(tmp_path, info, 6) == info
+    assert "run.json is unreadable: the layouts of the steps before 7 are not kept" in caplog.text

@@ -206,7 +206,7 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     and every parameter a tensor; a titanlite step folder is intact and taken whole (a resume
     never reads them)."""
     from titanlite.components.checkpoint.format import initial_load_kind
-    from titanlite.components.checkpoint.hf_load import hf_plan
+    from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
     from titanlite.datasets.build import tokenizer_key
     from titanlite.distributed.param_init import canonical_name
 
@@ -216,7 +216,7 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     path = Path(source).expanduser()
     if initial_load_kind(path) == "hf":
         shapes = {canonical_name(n): tuple(p.shape) for n, p in meta.model.named_parameters()}
-        hf_plan(shapes, path, meta.spec.hf, meta.args)
+        hf_plan(shapes, weight_files(path), path, meta.spec.hf, meta.args)
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
         step = step_to_read(path, flag="checkpoint.initial_load_path")
         # every tensor taken, both ways, and token ids that mean what they meant

@@ -98,16 +98,21 @@ def _some(names: list[str]) -> str:
 
 
 def hf_plan(
-    params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
+    params: dict[str, tuple[int, ...]],
+    files: dict[str, tuple[Path, tuple[int, ...]]],
+    folder: Path,
+    adapter: HFAdapter | None,
+    args: Any,
 ) -> list[tuple[str, str]]:
-    """(HF name, parameter name) for every weight the model takes from `folder`, from the
-    files' headers alone (nothing is read): `params` (canonical name -> shape) must be covered
-    exactly; a tensor the model has no parameter for, a shape that differs, or a parameter no
-    tensor fills is one UserError. The preflight runs it on the meta model; the load again."""
+    """(HF name, parameter name) for every weight the model takes from `folder` (`files`: its
+    weight_files), from the files' headers alone (nothing is read): `params` (canonical name ->
+    shape) must be covered exactly; a tensor the model has no parameter for, a shape that
+    differs, or a parameter no tensor fills is one UserError. The preflight runs it on the meta
+    model; the load again."""
     if adapter is None:
         raise UserError(f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them")
     plan = []
-    for hf_name, (_, shape) in weight_files(folder).items():
+    for hf_name, (_, shape) in files.items():
         if hf_name.endswith(DERIVED_BUFFERS):
             continue
         mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
@@ -137,8 +142,8 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
 
     start = time.perf_counter()
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
-    plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, folder, adapter, args)
-    files = weight_files(folder)
+    files = weight_files(folder)  # the headers, read once for the plan and the load
+    plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, files, folder, adapter, args)
     done = 0
 
     def say(seconds: float) -> None:

@@ -76,11 +76,19 @@ def layout_at(info: dict, step: int) -> dict:
 def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
     """run.json of a resume: the previous run.json's layout joins "earlier" (entries from a
     rewound timeline, past `resume`, are dropped)."""
+    if not resume:
+        return info
     try:
         before = json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:  # a checkpoint copied into a new folder: its steps ran elsewhere
+        return info
     except (OSError, ValueError):
         before = None
-    if not resume or not isinstance(before, dict):
+    if not isinstance(before, dict):  # said, not silent: the history is advisory, the resume goes on
+        logger.warning(
+            f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept "
+            "(scripts/inspect_step.py splits those steps at this run's layout)"
+        )
         return info
     first = before.get("from_step", 1)
     kept = [e for e in before.get("earlier", []) if isinstance(e, dict) and e.get("from_step", 1) <= resume]
