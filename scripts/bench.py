@@ -162,12 +162,14 @@ class PlainStep:
         import torch.nn.functional as F
         from torch.profiler import record_function
 
+        from titanlite.components.loss import sequence_losses
         from titanlite.distributed.parallelize import grad_sync
         from titanlite.ops.cross_entropy import IGNORE_INDEX
+        from titanlite.tools.hooks import Step
 
         t = self.t
         with record_function("titanlite.data"):
-            micro = t.next_microbatches(step)
+            micro = t.next_microbatches(Step(step, t.layout.skip_grad_sync, sequence_losses))
         for m, batch in enumerate(micro):  # the baseline runs unpacked data, without dropout
             inputs, labels = batch.inputs, batch.labels
             with grad_sync(t.model, m == len(micro) - 1 or not t.layout.skip_grad_sync):

@@ -9,7 +9,7 @@
 
 Scenarios (train_configs/debug_model.toml by default: debug Llama, built-in pretraining data,
 whose packed sequences give every rank the same token count, so a rank's loss is comparable;
-[debug] switches, see titanlite/components/faults.py):
+[faults] switches, see titanlite/faults/switches.py):
     healthy          no fault
     healthy_sft      no fault, built-in SFT data (unequal token counts), 2 microbatches per rank
     same_data        every rank reads rank 0's share
@@ -449,9 +449,9 @@ def detection_markdown(figures: dict) -> str:
         (("corrupt_labels",), "one rank's labels shuffled"),
         (
             ("grad_noise",),
-            f"one rank's gradient + {_setting('grad_noise', '--debug.grad_noise_scale')}x its RMS in noise",
+            f"one rank's gradient + {_setting('grad_noise', '--faults.grad_noise_scale')}x its RMS in noise",
         ),
-        (("slow_rank",), f"one rank's steps {_setting('slow_rank', '--debug.slow_factor')}x as long"),
+        (("slow_rank",), f"one rank's steps {_setting('slow_rank', '--faults.slow_factor')}x as long"),
         (("replica_flip",), "one bit of one rank's weights"),
         (("stuck_loader",), "one rank's loader stuck on a batch"),
         (("S1-2", "S1-3"), "per-rank shuffle seeds, S1-2 / S1-3"),

@@ -29,6 +29,7 @@ import numpy as np  # noqa: E402
 
 from titanlite.components.run.folder import layout_at  # noqa: E402
 from titanlite.config import load_config  # noqa: E402
+from titanlite.config.layout import rank_share  # noqa: E402
 from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402
 from titanlite.datasets.corpus import source_name  # noqa: E402
 from titanlite.datasets.trace import trace_step  # noqa: E402
@@ -74,7 +75,7 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
     dataset = build_dataset(cfg, tok)
     rows = trace_step(cfg, step, dp, rank, dataset)
     ranks = reported(run_dir, step)
-    per_rank = cfg.training.global_batch_size // dp
+    per_rank = rank_share(cfg, dp)
     out = []
     for row in rows:
         r, i = row["rank"], row["position"] % per_rank

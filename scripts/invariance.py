@@ -63,7 +63,7 @@ from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
 from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
 from titanlite.config import load_config, parse_args  # noqa: E402
 from titanlite.config.command_line import words  # noqa: E402
-from titanlite.config.layout import fitting_local_batch  # noqa: E402
+from titanlite.config.layout import fitting_local_batch, rank_share  # noqa: E402
 from titanlite.config.paths import absolute, resolve_paths  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
@@ -75,7 +75,7 @@ def plan(cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest") ->
     largest that fits the config's, or all of it: --microbatch)."""
     local = fitting_local_batch(cfg, dp)
     if microbatch == "whole":
-        local = cfg.training.global_batch_size // dp
+        local = rank_share(cfg, dp)
     if mode == "hsdp" and (dp % replicas or dp // replicas < 2 or replicas < 2):
         raise UserError(f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2")
     rep, shard = {"fsdp": (1, dp), "ddp": (dp, 1), "hsdp": (replicas, dp // replicas)}[mode]
@@ -84,7 +84,7 @@ def plan(cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest") ->
         "dp_replicate": rep,
         "dp_shard": shard,
         "local_batch_size": local,
-        "accum": cfg.training.global_batch_size // dp // local,
+        "accum": rank_share(cfg, dp) // local,
     }
 
 

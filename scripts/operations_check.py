@@ -154,16 +154,23 @@ def check(a) -> int:
             "y", "--checkpoint.every", "5", "--checkpoint.at_end", "true", "--checkpoint.folder", str(blocker)
         ),
     )
-    crash = ("--training.steps", "50", "--debug.sigkill_step", "3", "--debug.sigkill_rank", str(a.nproc - 1))
+    crash = (
+        "--training.steps",
+        "50",
+        "--faults.sigkill_step",
+        "3",
+        "--faults.sigkill_rank",
+        str(a.nproc - 1),
+    )
     r.record("worker SIGKILLed, LOG_RANK=0", r.start("crash", *crash))
     hang = (
         "--training.steps",
         "50",
         "--comm.timeout_s",
         "5",
-        "--debug.hang_step",
+        "--faults.hang_step",
         "3",
-        "--debug.hang_rank",
+        "--faults.hang_rank",
         "0",
     )
     p = r.start("hang", *hang)

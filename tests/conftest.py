@@ -1,6 +1,16 @@
+import json
 import os
+import time
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
+
+# The committed baseline of each test file's seconds (tests/durations.json), beside which every
+# run prints its own: what moved, and where the suite's time goes.
+BASELINE = Path(__file__).with_name("durations.json")
+_seconds: dict[str, float] = defaultdict(float)  # per test id: setup + call + teardown
+_started = [time.perf_counter()]
 
 
 def pytest_addoption(parser):
@@ -85,3 +95,41 @@ def step_counts(tmp_path_factory):
     pins = load_script("golden_losses").ENV
     check(torchrun(4, "tests/workers/step_counts.py", str(tmp / "out.json"), str(tmp / "runs"), env=pins))
     return json.loads((tmp / "out.json").read_text())
+
+
+def pytest_sessionstart(session):
+    _started[0] = time.perf_counter()
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid] += report.duration
+
+
+def per_file(seconds: dict[str, float]) -> dict[str, float]:
+    """Seconds per test file (a session fixture's torchrun counts in its first test's setup)."""
+    files: dict[str, float] = defaultdict(float)
+    for nodeid, s in seconds.items():
+        files[nodeid.split("::", 1)[0]] += s
+    return dict(files)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Every run ends with its durations per test file beside the baseline's; TITANLITE_DURATIONS
+    names a file that receives them as JSON (how tests/durations.json is made)."""
+    if not _seconds:
+        return
+    files, wall = per_file(_seconds), time.perf_counter() - _started[0]
+    base = json.loads(BASELINE.read_text()) if BASELINE.is_file() else {"files": {}}
+    old = base["files"]
+    tr = terminalreporter
+    tr.section("durations per test file (seconds; the baseline's from tests/durations.json)")
+    tr.write_line(f"{'file':44} {'now':>8} {'baseline':>9}")
+    for name, s in sorted(files.items(), key=lambda kv: -kv[1]):
+        was = f"{old[name]:9.1f}" if name in old else f"{'-':>9}"
+        tr.write_line(f"{name:44} {s:8.1f} {was}")
+    total_was = f"{base['wall_s']:9.1f}" if "wall_s" in base else f"{'-':>9}"
+    tr.write_line(f"{'all (wall clock)':44} {wall:8.1f} {total_was}")
+    if out := os.environ.get("TITANLITE_DURATIONS"):
+        slow = {k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1]) if v >= 5}
+        record = {"wall_s": round(wall, 1), "files": {k: round(v, 1) for k, v in files.items()}}
+        Path(out).write_text(json.dumps({**record, "tests_over_5s": slow}, indent=1) + "\n")

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 # What a launch says before its workers start, once every check passed (titanlite.preflight):
@@ -143,3 +144,10 @@ def served_scalars(
     finally:
         server.kill()
         server.wait()
+
+
+def every_section() -> list[tuple[str, Any]]:
+    """(name, defaults) of every config section, the plugins' (titanlite.faults) included."""
+    from titanlite.config.job_config import sections, with_plugins
+
+    return sections(with_plugins())

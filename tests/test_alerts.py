@@ -311,7 +311,7 @@ def test_the_recordings_replay_to_the_alerts_they_raised(path):
         got = [a.to_dict() for a in replay(run["records"], Alerts(**run["alerts"]), run["batch_unit"])]
         assert compared(got) == compared(run["raised"]), name
         world = len(run["records"][0]["rank_loss"])
-        want = expected(world, run["debug"]["fault_from_step"])[name]
+        want = expected(world, run["faults"].get("fault_from_step", 1))[name]
         found = detection([a for a in got + run["kept"] if a["level"] == "alert"], want)
         assert found["expected"] == "none" or found["detected_step"] is not None, (name, found)
         assert all(a["name"] == (want or ("-",))[0] for a in found["other_alerts"]), (name, found)

@@ -91,7 +91,7 @@ def ref(tmp_path_factory, prepared_sft):
 def test_worker_killed_mid_run_is_restarted_and_resumes_bitwise(ref):
     """Killed at step 2 the restart starts over (no checkpoint yet); at 4 or 5 it resumes from 3."""
     step = random.randint(2, 5)
-    kill = ("--debug.sigkill_step", str(step), "--debug.sigkill_rank", "1")
+    kill = ("--faults.sigkill_step", str(step), "--faults.sigkill_rank", "1")
     proc = run(ref, "restarted", *CKPT, *kill, restarts=1)
     assert "titanlite: rank 1 was killed by SIGKILL; restarting the workers" in proc.stderr, (
         step,
@@ -108,7 +108,7 @@ def test_worker_killed_mid_run_is_restarted_and_resumes_bitwise(ref):
 
 @pytest.mark.slow
 def test_killed_rank_is_named_and_the_same_command_continues(ref):
-    kill = ("--debug.sigkill_step", "5", "--debug.sigkill_rank", "1")
+    kill = ("--faults.sigkill_step", "5", "--faults.sigkill_rank", "1")
     proc = run(ref, "ddp-resumed", *DDP, *DROPOUT, *TOY, *CKPT, *kill, ok=False)
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = proc.stderr.strip().splitlines()[-1]
@@ -130,7 +130,7 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
     shutil.copytree(
         ref / "ddp-resumed/checkpoints/step-00000003", ref / "dp4-seeds/checkpoints/step-00000003"
     )
-    same = ("--parallelism.dp_replicate", "4", "--debug.same_data", "true")
+    same = ("--parallelism.dp_replicate", "4", "--faults.same_data", "true")
     run(ref, "dp4-seeds", *DROPOUT, *TOY, *same, nproc=4)
     records = [json.loads(x) for x in (ref / "dp4-seeds/diagnostics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [4, 5, 6]
@@ -143,7 +143,7 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
 def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
     """The SIGINT reaches the launcher as step 3 starts; the ranks agree to stop after step 3 (at
     its log step's end, where they settle), or 4 or 5 (the flag read one step late)."""
-    proc = run(ref, "stopped", *CKPT, "--debug.signal_step", "3", ok=False)
+    proc = run(ref, "stopped", *CKPT, "--faults.signal_step", "3", ok=False)
     assert proc.returncode == 130, proc.stderr[-3000:]
     said = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite:")]
     lines = sorted({ln for ln in said if not ln.startswith(STARTUP)})  # every rank's stop line
@@ -179,7 +179,7 @@ def test_reshard_dp2_to_dp4_and_fsdp_to_ddp(ref):
 @pytest.mark.slow
 def test_kill_inside_save_keeps_the_previous_checkpoint(ref):
     ckpt = ("--checkpoint.every", "3", "--checkpoint.at_end", "true")
-    proc = run(ref, "save-killed", *ckpt, "--debug.sigkill_in_save", "6", ok=False)
+    proc = run(ref, "save-killed", *ckpt, "--faults.sigkill_in_save", "6", ok=False)
     assert proc.returncode != 0
     folder = ref / "save-killed" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", "step-00000006.tmp"]
@@ -232,7 +232,7 @@ def test_full_disk_fails_the_save_loudly_and_keeps_the_previous(tmp_path):
         "3",
         "--checkpoint.at_end",
         "true",
-        "--debug.fail_save_step",
+        "--faults.fail_save_step",
         "6",
         ok=False,
     )
@@ -250,7 +250,7 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     restart resumes from step 2, itself written in the background, and ends bitwise equal; a
     full disk in the background write of step 4 fails the run at the next save, exit 3."""
     ckpt = ("--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.async_mode", "async")
-    assert run(ref, "async", *ckpt, "--debug.sigkill_in_save", "4", ok=False).returncode != 0
+    assert run(ref, "async", *ckpt, "--faults.sigkill_in_save", "4", ok=False).returncode != 0
     folder = ref / "async" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.tmp"]
     proc = run(ref, "async", *ckpt)
@@ -261,7 +261,7 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     assert losses(ref, "async") == losses(ref, "fsdp")
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
 
-    proc = run(tmp_path, "async-full", *ckpt, "--debug.fail_save_step", "4", ok=False)
+    proc = run(tmp_path, "async-full", *ckpt, "--faults.fail_save_step", "4", ok=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert f"checkpoint save at step 4 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]

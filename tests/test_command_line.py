@@ -7,14 +7,15 @@ folder that is not the checkout's."""
 from __future__ import annotations
 
 import os
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+from helpers import every_section
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanlite.config import JobConfig, parse_args
+from titanlite.config import parse_args
 from titanlite.config.command_line import DEFAULT_CONFIG, ROOT, launcher_words, wants_help
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX
 from titanlite.config.manager import check_values
@@ -100,22 +101,27 @@ def test_rehearse_beside_rehearsal_world_is_refused() -> None:
         check_values(parse_args(launcher_words(["--rehearsal.world", str(REHEARSAL_WORLD_MAX + 1)]))[0])
 
 
-def _example(typ: type) -> tuple[str, str]:
-    return {int: ("3", "5"), float: ("0.3", "0.5"), bool: ("true", "false"), str: ("warn", "stop")}[typ]
+def _example(default: object, choices: tuple[str, ...] | None) -> tuple[str, str]:
+    if choices:
+        return choices[0], choices[1]
+    examples = {int: ("3", "5"), float: ("0.3", "0.5"), bool: ("true", "false"), list: ("1", "2")}
+    return examples[type(default)]
 
 
 @pytest.mark.parametrize("old", sorted(MOVED_KEYS))
 def test_a_moved_key_beside_its_new_name_on_the_command_line(old: str) -> None:
     """Disagreeing: refused in one line naming both, as in a file; agreeing: taken."""
     entry = MOVED_KEYS[old]
-    cfg = JobConfig()
     if isinstance(entry, Split):
         new = next(iter(entry.to(entry.typ())))
         a, b = "3", "5"
     else:
         new = entry
         section, _, key = new.partition(".")
-        a, b = _example(type(getattr(getattr(cfg, section), key)))
+        (f,) = [f for f in fields(dict(every_section())[section]) if f.name == key]
+        a, b = _example(
+            f.default if f.default_factory is MISSING else f.default_factory(), f.metadata.get("choices")
+        )
         if new == "spike_guard.skip":
             a, b = "off", "loss"
     with pytest.raises(UserError, match=f"sets both '{new}' and '{old}'"):
@@ -125,11 +131,10 @@ def test_a_moved_key_beside_its_new_name_on_the_command_line(old: str) -> None:
 
 
 def _path_fields() -> list[tuple[str, str]]:
-    cfg = JobConfig()
     return [
-        (f"{sf.name}.{f.name}", f.metadata["path"])
-        for sf in fields(cfg)
-        for f in fields(getattr(cfg, sf.name))
+        (f"{name}.{f.name}", f.metadata["path"])
+        for name, section in every_section()
+        for f in fields(section)
         if "path" in f.metadata
     ]
 
@@ -209,13 +214,12 @@ def test_every_size_key_has_a_bound_a_machine_can_plan_for():
         "dimensions",
         "ranks, in one",
     )
-    cfg = JobConfig()
     unbounded = [
-        f"{sf.name}.{f.name}"
-        for sf in fields(cfg)
-        for f in fields(getattr(cfg, sf.name))
-        if isinstance(getattr(getattr(cfg, sf.name), f.name), int)
-        and not isinstance(getattr(getattr(cfg, sf.name), f.name), bool)
+        f"{name}.{f.name}"
+        for name, section in every_section()
+        for f in fields(section)
+        if isinstance(getattr(section, f.name), int)
+        and not isinstance(getattr(section, f.name), bool)
         and any(w in f.metadata["help"] for w in words)
         and "<=" not in f.metadata["bounds"]
     ]

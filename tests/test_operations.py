@@ -157,7 +157,7 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
 def test_hung_rank_is_named_and_the_others_stop(tmp_path):
     """Rank 0 hangs as step 3 starts; rank 1 waits in step 3's first collective until the 5 s
     timeout. LOG_RANK=0 hides rank 1, so its line comes from its log file, via the launcher."""
-    hang = ("--comm.timeout_s", "5", "--debug.hang_step", "3", "--debug.hang_rank", "0")
+    hang = ("--comm.timeout_s", "5", "--faults.hang_step", "3", "--faults.hang_rank", "0")
     proc = launch(tmp_path, "hung", "--training.steps", "50", *hang)
     wait_for_step(tmp_path / "hung", 2, proc)
     began = time.monotonic()
@@ -178,7 +178,7 @@ def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
     """Rank 1 stops itself (SIGSTOP) as it enters the backward of step 3: it reached the step, so
     no rank is behind; its heartbeat stops with it, which names it (catalogue: the other points
     of the step, scripts/fault_catalogue.py)."""
-    freeze = ("--comm.timeout_s", "5", "--debug.freeze_step", "3", "--debug.freeze_phase", "backward")
+    freeze = ("--comm.timeout_s", "5", "--faults.freeze_step", "3", "--faults.freeze_phase", "backward")
     proc = launch(tmp_path, "frozen", "--training.steps", "50", *freeze)
     wait_for_step(tmp_path / "frozen", 2, proc)
     code, _, err = finish(proc, timeout=120)
@@ -396,13 +396,13 @@ def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkey
 @pytest.mark.slow
 @pytest.mark.parametrize("phase, step", [("eval", 2), ("save", 3), ("start", 3)])
 def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, step):
-    """A Ctrl-C raised deterministically (debug.signal_phase) in an eval, a save or the last step:
+    """A Ctrl-C raised deterministically (faults.signal_phase) in an eval, a save or the last step:
     exit 130 with the stop line, at most one step late (here none: the host waits in these
     phases anyway, so the ranks settle there). In the exports that end a run: the catalogue."""
     proc = launch(
         tmp_path, f"stop-{phase}", "--training.steps", "3", "--checkpoint.every", "1", "--checkpoint.at_end", "true",
         "--eval.fraction", "0.002", "--eval.every", "1",
-        "--debug.signal_step", str(step), "--debug.signal_phase", phase,
+        "--faults.signal_step", str(step), "--faults.signal_phase", phase,
     )  # fmt: skip
     code, out, err = finish(proc)
     last = err.strip().splitlines()[-1]
@@ -416,11 +416,11 @@ def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, s
 
 @pytest.mark.slow
 def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record_whole(tmp_path):
-    """The run folder's writes fail as on a full disk from step 3 (debug.write_error, injected at
+    """The run folder's writes fail as on a full disk from step 3 (faults.write_error, injected at
     the writer: half a record lands, then ENOSPC): exit 3, one line naming the disk and what was
     kept, no half record in any file."""
     proc = launch(tmp_path, "full", "--training.steps", "5", "--checkpoint.every", "2", "--checkpoint.at_end", "true",
-                  "--debug.write_error", "full", "--debug.write_error_step", "3")  # fmt: skip
+                  "--faults.write_error", "full", "--faults.write_error_step", "3")  # fmt: skip
     code, out, err = finish(proc)
     last = err.strip().splitlines()[-1]
     assert code == 3 and last.startswith("titanlite: stopped: writing ") and "disk full under" in last, err[

@@ -49,7 +49,7 @@ COMMANDS = {
         "assets/hf/Llama-3.2-1B --data.path /data/alpaca.jsonl": GPU,
         "./scripts/invariance.py --config train_configs/debug_sft.toml --dp 8 16 --steps 30 "
         "--training.global_batch_size 16": "short: --dry-run",
-        "./run_train.sh --job.run_name same-data --debug.same_data true --training.steps 3": "run",
+        "./run_train.sh --job.run_name same-data --faults.same_data true --training.steps 3": "run",
         "./scripts/inspect_step.py outputs/same-data --step 1 --rank 1": "run",
         "./scripts/diagnose_scenarios.py --quick": "help",
         "cd tests && ../scripts/check_model.py --model.name fork_lm --model.import_module fork_model "

@@ -21,7 +21,10 @@ from pathlib import Path
 
 from helpers import REPO, load_script
 
+# Line budgets: review triggers, not walls. A file over its budget is listed in OVER_BUDGET with
+# the reason it is let through; no code is packed to stay under one.
 TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 400
+OVER_BUDGET: dict[str, str] = {}
 # A figures file (by the start of its name) -> the script and function that render it: the
 # script writes the file, a README holds its rendering between
 # `<!-- figures: PATH -->` and `<!-- end figures -->` (PATH relative to the README).
@@ -50,13 +53,20 @@ def _tracked(pattern: str) -> list[Path]:
 
 
 def test_size_budgets():
-    assert _lines(REPO / "titanlite/train.py") <= TRAIN_LINES
+    """Every file over its budget is listed with its reason, and every listed one is over."""
     modules = sorted(REPO.glob("titanlite/**/*.py"))
     assert len(modules) > 50  # the glob found the package
-    over = {str(p.relative_to(REPO)): n for p in modules if (n := _lines(p)) > MODULE_LINES}
-    assert not over, f"modules over {MODULE_LINES} lines: {over}; split them by concern"
-    readme = _lines(REPO / "README.md")
-    assert readme <= README_LINES, f"README.md has {readme} lines; reference text goes beside its code"
+    budgets = {str(p.relative_to(REPO)): MODULE_LINES for p in modules}
+    budgets |= {"titanlite/train.py": TRAIN_LINES, "README.md": README_LINES}
+    over = {path: n for path, limit in budgets.items() if (n := _lines(REPO / path)) > limit}
+    unlisted = {path: n for path, n in over.items() if path not in OVER_BUDGET}
+    assert not unlisted, (
+        f"over their line budgets: {unlisted}; split by concern (reference text goes beside its code), "
+        "or list the file in OVER_BUDGET with the reason"
+    )
+    assert not set(OVER_BUDGET) - set(over), (
+        f"listed in OVER_BUDGET but within budget: {set(OVER_BUDGET) - set(over)}"
+    )
 
 
 def test_every_readme_link_resolves():
@@ -95,7 +105,7 @@ RAN = re.compile(
 # (file, figure) -> why it is no measurement: a constant the code defines, or arithmetic.
 NOT_MEASURED = {
     ("titanlite/components/checkpoint/index.py", "96 GB"): "8B parameters x 12 bytes (weights, two moments)",
-    ("titanlite/components/faults.py", "0.5 s"): "liveness' heartbeat period, a default of its own",
+    ("titanlite/faults/inject.py", "0.5 s"): "liveness' heartbeat period, a default of its own",
     ("titanlite/distributed/liveness.py", "0.5 s"): "the heartbeat's default period, defined there",
     ("titanlite/datasets/build.py", "2 GiB"): "the data size BUILD_WAIT is sized for, a design bound",
     ("titanlite/diagnostics/replicas.py", "128 MiB"): "_CHUNK = 2**24 int64 values",

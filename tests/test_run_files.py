@@ -1,7 +1,7 @@
 """The run folder's one writer (titanlite.components.run.files, and TensorBoard's through
 titanlite.components.metrics) and its one reader (titanlite.tools.records), in process: every
 record whole or not at all on a full or read-only disk (the error injected at the writer, as
-debug.write_error does, not with mounts), a file removed under the run written again, one
+faults.write_error does, not with mounts), a file removed under the run written again, one
 replaced by a folder or a run folder gone stopping the run in one line, and the modes the
 user's umask gives. The whole-run versions are catalogue cases (tests/faults/cases_run_folder.py)."""
 
@@ -42,11 +42,8 @@ def test_a_failed_append_leaves_every_record_whole_and_says_what_was_kept(tmp_pa
     (tmp_path / "checkpoints" / "step-00000002").mkdir(parents=True)
     (tmp_path / "checkpoints" / "step-00000002" / "complete").write_text("2\n")
     failing = {"on": False}
-    files = RunFiles(
-        tmp_path,
-        lambda name: OSError(code, os.strerror(code)) if failing["on"] else None,
-        tmp_path / "checkpoints",
-    )
+    files = RunFiles(tmp_path, tmp_path / "checkpoints")
+    files.fail_write = lambda name: OSError(code, os.strerror(code)) if failing["on"] else None
     files.append("metrics.jsonl", [_rec(1), _rec(2)])
     failing["on"] = True
     with pytest.raises(TrainingError) as e:
@@ -93,9 +90,8 @@ def test_a_run_folder_moved_under_the_run_stops_it_naming_where_it_went(tmp_path
 
 def test_tensorboard_made_again_after_tb_is_removed_and_a_full_disk_stops_the_run(tmp_path):
     full = {"on": False}
-    writer = MetricsWriter(
-        tmp_path, 10, True, inject=lambda name: OSError(errno.ENOSPC, "no space") if full["on"] else None
-    )
+    writer = MetricsWriter(tmp_path, 10, True)
+    writer.fail_write = lambda name: OSError(errno.ENOSPC, "no space") if full["on"] else None
     writer.write_scalars("train", {"step": 1, "loss": 2.0})
     shutil.rmtree(tmp_path / "tb")
     writer.check()

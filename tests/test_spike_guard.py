@@ -74,7 +74,7 @@ def test_state_round_trip_decides_the_same_even_with_another_window():
 
 STEPS = ["--training.steps", "10", "--checkpoint.every", "5", "--checkpoint.at_end", "true"]
 GUARD = ["--spike_guard.skip", "grad_norm", "--spike_guard.min_history", "4"]
-SPIKE = ["--debug.spike_step", "7"]
+SPIKE = ["--faults.spike_step", "7"]
 
 
 def _run(tmp_path, name: str, *args: str):
@@ -100,7 +100,7 @@ def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides
     assert "samples: r0 #" in proc.stderr
 
     # The same data and LR schedule with step 7 empty instead: bitwise the same weights after.
-    _, empty = _run(tmp_path, "empty", "--debug.ignore_all_labels_steps", "7")
+    _, empty = _run(tmp_path, "empty", "--faults.ignore_all_labels_steps", "7")
     assert all(guarded[s] == empty[s] for s in (8, 9, 10)), (guarded, empty)
     _, applied = _run(tmp_path, "applied", *SPIKE)  # without the guard the spike is applied
     assert applied[8] != guarded[8] and applied[6] == guarded[6]

@@ -108,7 +108,7 @@ def test_summary_gives_the_eval_before_and_after(tmp_path):
 
 def test_silence_with_faults_on_is_explained():
     diag = {"rank_loss": [1.0] * 4}  # a measured step at dp=4
-    short = load_config(None, ["--debug.corrupt_labels_rank", "1", "--training.steps", "20"])
+    short = load_config(None, ["--faults.corrupt_labels_rank", "1", "--training.steps", "20"])
     line = quiet_faults(short, 20, diag)
     assert line.startswith("fault switches on (corrupt_labels_rank = 1): 20 measured step(s) are too few"), (
         line
@@ -117,14 +117,14 @@ def test_silence_with_faults_on_is_explained():
     assert "dispersion_rising_loss_falling from measured step 120" in line
     at_dp2 = quiet_faults(short, 20, {"rank_loss": [1.0, 2.0]})
     assert "dispersion_spike" not in at_dp2 and "cosine_drop" in at_dp2  # the dp=2 note names those
-    long = load_config(None, ["--debug.same_data", "true", "--training.steps", "400"])
+    long = load_config(None, ["--faults.same_data", "true", "--training.steps", "400"])
     assert (
         quiet_faults(long, 400, diag)
         == "fault switches on (same_data = True), and every alert had the history to judge"
     )
     assert "measured no step" in quiet_faults(long, 400, None)
     assert (
-        quiet_faults(load_config(None, ["--debug.nan_loss_step", "3"]), 20, diag) is None
+        quiet_faults(load_config(None, ["--faults.nan_loss_step", "3"]), 20, diag) is None
     )  # no alert names it
     lines = summary_lines(
         RunTally(), 1, 20, 1.0, Path("r"), Path("c"), [], False, quiet_faults(short, 20, diag)
@@ -158,9 +158,9 @@ def test_startup_notes_name_what_is_on(tmp_path: Path):
     (short,) = startup_notes(load_config(None, ["--training.steps", "20"]), 4)
     assert "identical_data" in short and "from measured step 21" in short, short
     notes = startup_notes(
-        load_config(None, ["--debug.corrupt_labels_rank", "1", "--training.steps", "200"]), 2
+        load_config(None, ["--faults.corrupt_labels_rank", "1", "--training.steps", "200"]), 2
     )
-    assert notes[0].startswith("[debug] is set (corrupt_labels_rank = 1): ")
+    assert notes[0].startswith("[faults] is set (corrupt_labels_rank = 1): ")
     assert notes[1].startswith(
         "diagnostics: with 2 data-parallel ranks the alerts that compare ranks with each other "
         "(dispersion_spike, dispersion_rising_loss_falling"

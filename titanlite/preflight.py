@@ -33,7 +33,7 @@ from titanlite.components.run.plan import (
 from titanlite.config import JobConfig
 from titanlite.config.command_line import parse_args, wants_help
 from titanlite.config.fields import whole_number
-from titanlite.config.layout import mesh_text
+from titanlite.config.layout import mesh_text, rank_share
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help
 from titanlite.datasets.spec import (
     check_data_files,
@@ -158,12 +158,10 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
     """What is on that a user may not know of: fault switches, rules this dp cannot run, a
     sequence longer than the model's trained context."""
     notes = []
-    if on := cfg.debug.switches_on():
-        notes.append(
-            f"[debug] is set ({', '.join(on)}): switches for tests and fault scenarios, not a real run"
-        )
-    per_rank = cfg.training.global_batch_size // max(dp, 1)  # sequences each rank scores per step
-    if cfg.diagnostics.enable and (silent := silent_rules_note(dp, per_rank, cfg.alerts)):
+    if cfg.faults is not None:
+        on = ", ".join(cfg.faults.switches_on()) or "every switch off"
+        notes.append(f"[faults] is set ({on}): fault injection for tests and fault scenarios, not a real run")
+    if cfg.diagnostics.enable and (silent := silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)):
         notes.append(f"diagnostics: {silent}")
     measured = cfg.diagnostics.measured_steps(cfg.training.steps)
     if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):

@@ -19,8 +19,7 @@ import torch.distributed as dist
 from titanlite.components.checkpoint.checkpointer import Checkpointer
 from titanlite.components.checkpoint.export import export_run
 from titanlite.components.evaluate import build_evaluator
-from titanlite.components.faults import Faults
-from titanlite.components.fingerprints import Recorder
+from titanlite.components.fingerprints import FingerprintStep
 from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses
 from titanlite.components.metrics import MetricsWriter, scalar_tags
 from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, set_skip
@@ -42,10 +41,10 @@ from titanlite.distributed.parallelize import materialize
 from titanlite.distributed.utils import clip_grad_norm_, set_deterministic
 from titanlite.errors import ENDINGS, LostRank, TrainingError, report
 from titanlite.models.registry import build_meta_model
+from titanlite.tools.hooks import Hooks, Step
 from titanlite.tools.logging import init_logging
 from titanlite.tools.memory import check_memory
 from titanlite.tools.process import die_with_parent
-from titanlite.tools.seeds import rank_seed
 from titanlite.validation import validate
 
 logger = init_logging()
@@ -68,29 +67,27 @@ class Trainer:
         check_data_files(cfg)
         precision = (t.mixed_precision_param, t.mixed_precision_reduce)
         self.dims = dims = ParallelDims.build(layout, self.device, *precision)
-        seed = rank_seed(t.seed, self.rank, cfg.debug.seed_mode)
+        # Fault injection (titanlite.faults) only when the config names its [faults] section.
+        self.faults = cfg.faults.injector(t.seed, self.rank, dims.dp_size) if cfg.faults else None
+        seed = self.faults.seed if self.faults else t.seed
         torch.manual_seed(seed)  # dropout (the rule: titanlite.tools.seeds); init has its own seeds
         keyed = cfg.model.dropout > 0 and cfg.model.dropout_masks == "sample"
         self.dropout_seed = seed if keyed else None
         if t.deterministic:
             set_deterministic()
-        self.faults = Faults(cfg.debug, t.seed, self.rank, dims.dp_size)
 
         # The model is checked (name, flavor, capabilities, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
-        self.losses = self.faults.losses(sequence_losses)
         self.loss_path = meta.loss_path()  # the model's labels path when it has one, chunked or whole
         self.memory_estimate = check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
         self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.loss_path(evaluating=True))
-        cuda, data_rank = self.device.type == "cuda", self.faults.data_rank
-        self.dataloader = build_dataloader(
-            cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed, read_rank=data_rank
-        )
+        cuda = self.device.type == "cuda"
+        self.dataloader = build_dataloader(cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed)
+        sampler = self.dataloader.batch_sampler
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
-        noise = self.faults.grad_noise_scale
-        self.diagnostics = Diagnostics.for_job(cfg, self.model, dims, self.layout, noise, dataset.trace)
+        self.diagnostics = Diagnostics.for_job(cfg, self.model, dims, self.layout, sampler, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
@@ -99,12 +96,27 @@ class Trainer:
         info = run_info(cfg, dims, self.diagnostics.method_used)
         self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info, dataset.identity)
         folder = checkpoint_folder(cfg, self.run_dir)  # a failed write of rank 0's stops every rank:
-        self.metrics = MetricsWriter.for_run(cfg, self.run_dir, resume, folder, self.faults, self.stops.fail)
-        parts = (self.model, self.optimizer, self.scheduler, self.faults)
-        self.checkpointer = Checkpointer(cfg, folder, *parts, self.run_dir, data=dataset.identity)
+        self.metrics = MetricsWriter.for_run(cfg, self.run_dir, resume, folder, self.stops.fail)
+        self.checkpointer = Checkpointer(
+            cfg, folder, self.model, self.optimizer, self.scheduler, self.run_dir, data=dataset.identity
+        )
+        if self.faults:
+            self.faults.attach(self)  # through the parts' seams, before a restore or a batch
         self.checkpointer.track(
-            {"diagnostics": self.diagnostics, "spike_guard": self.guard},
-            {"labels": self.faults.label_generator, **self.diagnostics.generators()},
+            {"diagnostics": self.diagnostics, "spike_guard": self.guard}, self.diagnostics.generators()
+        )
+        # The step's side concerns, in the order the trainer calls them (titanlite.tools.hooks).
+        fingerprints = cfg.debug.fingerprint_step
+        self.hooks = Hooks(
+            [
+                self.faults,
+                self.heartbeat,
+                self.diagnostics,
+                FingerprintStep(fingerprints, self.model, sampler, self.run_dir)
+                if fingerprints > 0
+                else None,
+                self.guard if self.guard.enabled else None,
+            ]
         )
         self.start_step = self.checkpointer.restore(resume, meta)
         done = (self.start_step - 1) * self.layout.grad_accum  # the data position is the step's
@@ -116,57 +128,44 @@ class Trainer:
         self.last_step = min(t.steps, s) if (s := cfg.debug.stop_after_step) > 0 else t.steps
 
     # ---- the step -------------------------------------------------------------------------------
-    def next_microbatches(self, step: int) -> list[Microbatch]:
-        self.faults.slow_loader(step)
+    def next_microbatches(self, s: Step) -> list[Microbatch]:
         micro = []
         for m in range(self.layout.grad_accum):
-            batch = next(self._batches)
-            batch = batch._replace(labels=self.faults.labels(step, batch.labels))
+            batch = self.hooks.microbatch(s, m, next(self._batches))
             if self.dropout_seed is not None:  # masks keyed by sample (titanlite.ops.dropout)
                 batch = self.dataloader.batch_sampler.keyed(
-                    batch, self.dropout_seed, step - 1, m, self.device
+                    batch, self.dropout_seed, s.step - 1, m, self.device
                 )
             micro.append(self.dims.piece(batch.to(self.device)))
-        return self.faults.stuck_batch(step, micro)
+        return micro
 
     def train_step(self, step: int) -> None:
-        """One optimizer step. Its parts are named for torch.profiler (titanlite.data, .forward,
-        .backward, .clip, .optimizer: scripts/bench.py's step-time breakdown)."""
-        measured = self.diagnostics.begin_step(step)
+        """One optimizer step; its side concerns are hooks (titanlite.tools.hooks: the order of the
+        calls). Its parts are named for torch.profiler (titanlite.data, .forward, .backward, .clip,
+        .optimizer: scripts/bench.py's step-time breakdown)."""
+        s = Step(step, self.layout.skip_grad_sync, sequence_losses)
+        self.hooks.begin(s)
         with phase("data"):
-            micro = self.next_microbatches(step)
-        self.heartbeat.reached(step)
-        self.diagnostics.arrive()
-        # Decided before the forward: a measured `exact` step reduces its whole gradient at once.
-        skip_sync = self.diagnostics.skip_grad_sync(self.layout.skip_grad_sync, measured)
-        sampler = self.dataloader.batch_sampler
-        fingerprints = Recorder.at(step, self.cfg.debug.fingerprint_step, self.model, sampler)
-        losses = fingerprints.losses(self.losses) if fingerprints else self.losses
-        parts = (self.model, micro, self.balancer, self.dims)
-        loss_total, sample_sums, terms = forward_backward(
-            *parts, skip_grad_sync=skip_sync, path=self.loss_path, losses=losses
-        )
-        if fingerprints:  # debug.fingerprint_step: host work on that step only
-            fingerprints.finish(self.model, loss_total, self.run_dir)
+            s.micro = self.next_microbatches(s)
+        self.hooks.ready(s)  # the plan is decided before the forward
+        s.loss, s.sample_sums, s.terms = forward_backward(
+            self.model, s.micro, self.balancer, self.dims,
+            skip_grad_sync=s.skip_grad_sync, path=self.loss_path, losses=s.losses,
+        )  # fmt: skip
+        self.hooks.backward(s)
         with phase("clip"):
-            grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
-        self.diagnostics.end_training_step(step, micro, sample_sums, sampler, grad_norm)
-        tokens = self.balancer.global_tokens()
-        # Decided on the device before optimizer.step: no token, a non-finite norm, a spike.
-        skip = (tokens == 0) | ~torch.isfinite(grad_norm)
-        if self.cfg.rehearsal.world:  # fake collectives make values meaningless; the update's cost counts
-            skip = torch.zeros_like(skip)
-        guard = self.guard.check(loss_total, grad_norm, skip) if self.guard.enabled else None
-        if guard is not None:
-            skip = skip | guard[0].bool()
-        lr = self.scheduler.get_last_lr()[0]  # a host number: the rate this step's update uses
+            s.grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        s.tokens = self.balancer.global_tokens()
+        s.skip = (s.tokens == 0) | ~torch.isfinite(s.grad_norm)  # decided on the device; hooks add
+        self.hooks.before_update(s)
+        s.lr = self.scheduler.get_last_lr()[0]  # a host number: the rate this step's update uses
         with phase("optimizer"):
-            set_skip(self.optimizer, skip)
+            set_skip(self.optimizer, s.skip)
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        self.diagnostics.after_update(step)
-        self.window.add(step, loss_total, tokens, grad_norm, skip, lr, guard, terms)
+        self.hooks.after_update(s)
+        self.window.add(step, s.loss, s.tokens, s.grad_norm, s.skip, s.lr, s.guard, s.terms)
 
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is
@@ -218,7 +217,6 @@ class Trainer:
             self.evaluate(0)  # the model as loaded; a resumed run has it in eval.jsonl already
         try:
             for step in range(self.start_step, steps + 1):
-                self.faults.at_step(step, self.model)
                 # From the second step: the first compiles (training.compile, FlexAttention's
                 # kernels), and compiling and autotuning wait on the device by design.
                 if sync_debug and step > self.start_step:
@@ -232,7 +230,6 @@ class Trainer:
                     now = time.perf_counter()
                     self._log(step, now - window_start, now - start)
                     if self.is_eval_step(step):
-                        self.faults.interrupt("eval")
                         self.evaluate(step)
                     if self.checkpointer.due(step):
                         self.checkpointer.save(step)
@@ -247,7 +244,6 @@ class Trainer:
             if how:
                 raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
-        self.faults.interrupt("export")
         exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
         stop = self.stops.finish() or stop  # the last look: a signal after it (after "done:") is void
         self.metrics.finish(
@@ -257,7 +253,7 @@ class Trainer:
             self.checkpointer.stop(steps, stop, finished=True)
 
     def close(self) -> None:
-        self.heartbeat.close()
+        self.hooks.close()
         self.checkpointer.close()
         self.metrics.close()
         if self.run_lock is not None:

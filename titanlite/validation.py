@@ -22,20 +22,8 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     check_values(cfg)
     check_run_name(cfg.job.run_name)
     layout = resolve_layout(cfg, world_size)
-    ranks = ["corrupt_labels_rank", "grad_noise_rank", "sigkill_rank", "hang_rank"]
-    ranks += ["flip_bit_rank"] if cfg.debug.flip_bit_step >= 0 else []
-    ranks += ["stuck_loader_rank"] if cfg.debug.stuck_loader_step >= 0 else []
-    ranks += ["freeze_rank"] if cfg.debug.freeze_step >= 0 else []
-    for key in ranks:
-        if getattr(cfg.debug, key) >= world_size:
-            raise UserError(
-                f"debug.{key} is {getattr(cfg.debug, key)} but there are {world_size} ranks; use -1 or a rank below {world_size}"
-            )
-    if cfg.debug.grad_noise_rank >= 0 and not (cfg.diagnostics.enable and world_size > 1):
-        raise UserError(
-            "debug.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
-            "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
-        )
+    if cfg.faults is not None:  # the fault plugin's own rules (titanlite.faults.switches)
+        cfg.faults.check(cfg.diagnostics.enable, world_size)
     if layout.axes and cfg.eval.prompts:
         raise UserError(
             "eval.prompts with parallelism.axes: decoding runs whole prompts on every rank, which a model "

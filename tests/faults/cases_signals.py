@@ -192,30 +192,33 @@ def fault(
 
 
 fault(
-    "debug.sigkill_step 3 of rank 1", ("--debug.sigkill_step", "3", "--debug.sigkill_rank", "1"), 1, "rank 1"
+    "faults.sigkill_step 3 of rank 1",
+    ("--faults.sigkill_step", "3", "--faults.sigkill_rank", "1"),
+    1,
+    "rank 1",
 )
 fault(
-    "debug.sigkill_step 3 of rank 1 with MAX_RESTARTS=1",
-    ("--debug.sigkill_step", "3", "--debug.sigkill_rank", "1"),
+    "faults.sigkill_step 3 of rank 1 with MAX_RESTARTS=1",
+    ("--faults.sigkill_step", "3", "--faults.sigkill_rank", "1"),
     0,
     "",
     env={"MAX_RESTARTS": "1"},
     then=False,
 )
-fault("debug.signal_step 3", ("--debug.signal_step", "3"), 130, "SIGINT")
+fault("faults.signal_step 3", ("--faults.signal_step", "3"), 130, "SIGINT")
 fault(
-    "debug.hang_step 3 of rank 1, comm.timeout_s 5",
-    ("--debug.hang_step", "3", "--debug.hang_rank", "1", "--comm.timeout_s", "5"),
+    "faults.hang_step 3 of rank 1, comm.timeout_s 5",
+    ("--faults.hang_step", "3", "--faults.hang_rank", "1", "--comm.timeout_s", "5"),
     4,
     "rank(s) 1 did not arrive",
 )
-fault("debug.sigkill_in_save 4", ("--debug.sigkill_in_save", "4"), 1, "rank 0")
-fault("debug.fail_save_step 4", ("--debug.fail_save_step", "4"), 3, "disk full")
-fault("debug.nan_loss_step 3", ("--debug.nan_loss_step", "3"), 3, "non-finite", then=False)
+fault("faults.sigkill_in_save 4", ("--faults.sigkill_in_save", "4"), 1, "rank 0")
+fault("faults.fail_save_step 4", ("--faults.fail_save_step", "4"), 3, "disk full")
+fault("faults.nan_loss_step 3", ("--faults.nan_loss_step", "3"), 3, "non-finite", then=False)
 for _phase in ("data", "forward", "backward", "optimizer", "checkpoint"):
     fault(
         f"a rank frozen (SIGSTOP) in {_phase}",
-        ("--debug.freeze_step", "4", "--debug.freeze_phase", _phase, "--comm.timeout_s", "8"),
+        ("--faults.freeze_step", "4", "--faults.freeze_phase", _phase, "--comm.timeout_s", "8"),
         4,
         f"rank(s) 1 stopped responding (rank 1 last seen in {_phase} of step",
     )
@@ -239,12 +242,12 @@ _late_stop("Ctrl-C in the last step", lambda d, live: metrics_step(d, 5)(), sign
 _late_stop("Ctrl-C during the final eval", lambda d, live: metrics_step(d, 6)(), signal.SIGINT, _EVAL)
 
 
-@case("signals/faults", "Ctrl-C during the Hugging Face export at the end (debug.signal_phase export)")
+@case("signals/faults", "Ctrl-C during the Hugging Face export at the end (faults.signal_phase export)")
 def _(c: Catalogue) -> None:
     """In the exports, not after them: the moment the signal lands is the run's own (a signal
     from outside may land after the run's last look, when "done:" says all is done: exit 0)."""
     dump = c.dump("export-ctrl-c")
-    at_export = ("--debug.signal_step", "4", "--debug.signal_phase", "export")
+    at_export = ("--faults.signal_step", "4", "--faults.signal_phase", "export")
     expect(
         c.start(dump, ("--training.steps", "4", "--checkpoint.export_hf", "true", *at_export)).finish(),
         130,

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microbatches
 
-from titanlite.components.faults import Faults
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
@@ -25,8 +24,10 @@ from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_
+from titanlite.faults.switches import FaultSwitches
 from titanlite.models.llama3 import Llama3
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
+from titanlite.tools.hooks import Step
 
 
 def reference(world: int) -> dict:
@@ -106,9 +107,10 @@ def run_case(
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED + sketch_seed)
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
-    measured = diag.begin_step(1)
-    skip = diag.skip_grad_sync(layout.skip_grad_sync, measured)
-    _, sums, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip)
+    s = Step(1, layout.skip_grad_sync, None)
+    diag.begin(s)
+    diag.ready(s)  # a measured `exact` step reduces its whole gradient at once
+    _, sums, _ = forward_backward(model, micro, balancer, dims, skip_grad_sync=s.skip_grad_sync)
     grad_norm = clip_grad_norm_(model.parameters(), 0.0)
     tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
@@ -143,16 +145,17 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     alerts collected after each step."""
     cfg = JobConfig()
     cfg.diagnostics.replica_check_every = 1
-    cfg.debug.flip_bit_step, cfg.debug.flip_bit_rank = 2, flip_rank
     layout, dims, model = build(cfg, world, mode, accum=1)
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)
-    faults = Faults(cfg.debug, SEED, dist.get_rank(), world)
+    faults = FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank).injector(SEED, dist.get_rank(), world)
+    faults.model = model
     alerts = []
     for step in (1, 2, 3):
-        faults.flip_bit(step, model)
-        diag.after_update(step)
+        faults.begin(Step(step, False, None))
+        diag.after_update(Step(step, False, None))
         _, raised = diag.collect()
         alerts.append([(a.name, a.step, a.ranks, a.values.get("parameter")) for a in raised])
+    faults.close()
     first = canonical_name(next(iter(unwrap(model).named_parameters()))[0])
     return {"world": world, "mode": mode, "flip_rank": flip_rank, "alerts": alerts, "first": first}
 

@@ -155,7 +155,7 @@ def main() -> None:
     results = {
         "host_syncs": {
             "fsdp_sketch": host_syncs(out_dir, "h-fsdp", *sft, "--diagnostics.method", "sketch"),
-            "ddp_exact_skip": host_syncs(out_dir, "h-ddp", *DDP, "--debug.ignore_all_labels_steps", "2,5"),
+            "ddp_exact_skip": host_syncs(out_dir, "h-ddp", *DDP, "--faults.ignore_all_labels_steps", "2,5"),
             "fsdp_moe": host_syncs(out_dir, "h-moe", *MOE),
         },
         "collectives": {

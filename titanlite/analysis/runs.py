@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.fingerprints import FILE
-from titanlite.config.job_config import JobConfig
+from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
 from titanlite.config.manager import migrate, to_toml, tomllib
 from titanlite.errors import UserError
@@ -72,7 +72,7 @@ def load_run(path: str | Path) -> Run:
     raw = read_toml(cfg_file, "a run writes it whole as it starts")
     raw, _ = migrate(raw, str(cfg_file))
     # A key added to titanlite after the run was written had its default value then.
-    defaults = tomllib.loads(to_toml(JobConfig()))
+    defaults = tomllib.loads(to_toml(with_plugins()))
     merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
     config = {f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()}
     resolved = (

@@ -1,2 +1,2 @@
-"""Trainer components: loss, optimizer + LR schedule, tokenizer, metrics, the log step's window,
-the run folder, checkpoints, pretrained Hugging Face weights, fault injection."""
+"""Trainer components: loss, optimizer + LR schedule, metrics, the log step's window, the spike
+guard, fingerprints, eval, the run folder, checkpoints, pretrained Hugging Face weights."""

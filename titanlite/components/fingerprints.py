@@ -120,14 +120,6 @@ class Recorder:
         n = len(self._rows)
         return t.ndim >= 1 and t.shape[0] in (n, n * self._positions)
 
-    @classmethod
-    def at(cls, step: int, wanted: int, model: torch.nn.Module, sampler) -> Recorder | None:
-        """The trainer's recorder for `step` if it is debug.fingerprint_step (`wanted`); a row is
-        named by its position in the data stream (datasets/sampler.py), the same at any layout."""
-        if step != wanted:
-            return None
-        return cls(model, lambda m, n: [sampler.stream_position(step - 1, m) + i for i in range(n)], step)
-
     def finish(self, model: torch.nn.Module, loss_share: torch.Tensor, folder: Path) -> None:
         """After backward, before clipping: the reduced gradients, then everything gathered and
         written by rank 0 into `folder`."""
@@ -166,3 +158,25 @@ class Recorder:
                 for row, vec in table.items():
                     into[row] = [a + b for a, b in zip(into[row], vec, strict=True)] if row in into else vec
         return {"order": self.order, "records": merged, "loss": float(loss)}
+
+
+class FingerprintStep:
+    """The trainer's hook (titanlite.tools.hooks) that records debug.fingerprint_step: a row is
+    named by its position in the data stream (datasets/sampler.py), the same at any layout."""
+
+    def __init__(self, step: int, model: torch.nn.Module, sampler, folder: Path) -> None:
+        self.step, self.model, self.sampler, self.folder = step, model, sampler, folder
+        self.recorder: Recorder | None = None
+
+    def ready(self, s) -> None:
+        if s.step == self.step:
+            at = self.sampler.stream_position
+            self.recorder = Recorder(
+                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)], s.step
+            )
+            s.losses = self.recorder.losses(s.losses)
+
+    def backward(self, s) -> None:
+        if self.recorder is not None:  # host work on that step only
+            self.recorder.finish(self.model, s.loss, self.folder)
+            self.recorder = None

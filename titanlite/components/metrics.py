@@ -67,7 +67,7 @@ class MetricsWriter:
     TensorBoard and W&B are sinks fed through write_scalars and _text only, so they hold the same
     keys at the same steps. A write that fails (a full disk, a file replaced by a folder) is one
     line: `on_failure(line)` hears it (the trainer stops every rank there), or it is raised;
-    either way nothing more is written. `inject`: debug.write_error's failure, or None."""
+    either way nothing more is written."""
 
     def __init__(
         self,
@@ -76,7 +76,6 @@ class MetricsWriter:
         tensorboard: bool,
         purge_step: int | None = None,
         cfg: JobConfig | None = None,
-        inject: Callable[[str], OSError | None] | None = None,
         checkpoints: Path | None = None,
         on_failure: Callable[[str], None] | None = None,
     ) -> None:
@@ -85,26 +84,38 @@ class MetricsWriter:
         self.run_dir, self.tensorboard, self.cfg = run_dir, tensorboard, cfg
         self.diag_console = cfg.diagnostics.console if cfg is not None else "full"
         self.tally = RunTally()
-        self.files = RunFiles(run_dir, inject, checkpoints) if run_dir is not None else None
+        self.files = RunFiles(run_dir, checkpoints) if run_dir is not None else None
         self._sinks: list[TensorBoard | WandB] = []
         if run_dir is None:
             return
         self.files.open()
         if tensorboard:
-            self._sinks.append(TensorBoard(run_dir, purge_step, inject, self.files.what_was_kept))
+            self._sinks.append(TensorBoard(run_dir, purge_step, self.files.what_was_kept))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(WandB(run_dir, cfg.metrics, asdict(cfg)))
 
+    @property
+    def fail_write(self) -> Callable[[str], OSError | None] | None:
+        return self.files.fail_write if self.files is not None else None
+
+    @fail_write.setter
+    def fail_write(self, fail: Callable[[str], OSError | None] | None) -> None:
+        """A test seam (titanlite.faults's write_error): `fail(name)` is an OSError that the
+        write of the run folder's file `name` meets instead of the disk, or None."""
+        for part in [self.files, *self._sinks]:
+            if hasattr(part, "fail_write"):
+                part.fail_write = fail
+
     @classmethod
     def for_run(
-        cls, cfg: JobConfig, run_dir: Path, resume: int | None, checkpoints: Path, faults, on_failure
+        cls, cfg: JobConfig, run_dir: Path, resume: int | None, checkpoints: Path, on_failure
     ) -> MetricsWriter:
         """The trainer's writer: rank 0's writes into `run_dir` (the other ranks' write nothing);
         a resumed or restarted run has TensorBoard drop the events of the steps it repeats."""
         purge = resume + 1 if resume is not None else 1 if is_restart() else None
         rank0 = run_dir if dist.get_rank() == 0 else None
         tb = cfg.metrics.enable_tensorboard
-        writer = cls(rank0, cfg.training.steps, tb, purge, cfg, faults.write_error, checkpoints, on_failure)
+        writer = cls(rank0, cfg.training.steps, tb, purge, cfg, checkpoints, on_failure)
         if rank0 is not None and resume is not None:  # the summary's "before", evaluated by the first launch
             starts = [r for r in read_records(run_dir / "eval.jsonl") if r.get("step") == 0]
             writer.tally.start_eval = starts[-1] if starts else None

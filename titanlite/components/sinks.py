@@ -32,10 +32,10 @@ class TensorBoard:
         self,
         run_dir: Path,
         purge_step: int | None,
-        inject: Callable[[str], OSError | None] | None,
         kept: Callable[[str], str],
     ) -> None:
-        self.run_dir, self.log_dir, self.inject = run_dir, tensorboard_dir(run_dir), inject
+        self.run_dir, self.log_dir = run_dir, tensorboard_dir(run_dir)
+        self.fail_write: Callable[[str], OSError | None] | None = None  # RunFiles' seam, for tb/
         self.kept = kept  # the stop line's end: what the run leaves (RunFiles.what_was_kept)
         _quiet_writer_thread()
         self._writer = self._open(purge_step)
@@ -54,7 +54,7 @@ class TensorBoard:
 
     def _call(self, write: Callable[[Any], None]) -> None:
         try:
-            error = self.inject("tb") if self.inject else None
+            error = self.fail_write("tb") if self.fail_write else None
             if error is not None:
                 raise error
             if not self._events().is_file():  # tb/ or its event file removed under the run

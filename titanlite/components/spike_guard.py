@@ -70,6 +70,11 @@ class SpikeGuard:
         self.consecutive.copy_(torch.where(spike, self.consecutive + 1, 0))
         return torch.stack([spike.double(), value, threshold, self.consecutive.double()])
 
+    def before_update(self, s) -> None:
+        """The trainer's hook (titanlite.tools.hooks): a spike's update is skipped with the rest."""
+        s.guard = self.check(s.loss, s.grad_norm, s.skip)
+        s.skip = s.skip | s.guard[0].bool()
+
     @staticmethod
     def spikes(steps: list[int], rows: list[list[float]] | None) -> list[tuple[int, SpikeVerdict]]:
         """The spikes among a log window's steps, from check()'s rows read on the host."""

@@ -51,7 +51,7 @@ class RunTally:
 def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str | None:
     """Why a run with fault switches on that the alerts should name raised none (`last`: its last
     step; `diag`: its newest measured step's record, None if it measured none)."""
-    faults = cfg.debug.diagnosed_faults()
+    faults = cfg.faults.diagnosed() if cfg.faults is not None else []
     if not faults:
         return None
     on = f"fault switches on ({', '.join(faults)})"

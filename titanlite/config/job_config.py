@@ -1,6 +1,7 @@
 """The configuration schema. Every field carries a one-line doc in its metadata ("help") and,
-for numbers, its bounds. The sections of the diagnostics, alerts and fault switches are in
-titanlite.config.monitor_config.
+for numbers, its bounds. The sections of the diagnostics, alerts and debugging switches are in
+titanlite.config.monitor_config. A plugin adds a section of its own (PLUGIN_SECTIONS), which a
+config has only when it names it.
 
 This module imports nothing heavy (no torch) so the launcher can validate a config before it
 starts any worker process.
@@ -8,7 +9,9 @@ starts any worker process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import importlib
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from titanlite.config.fields import STEPS_MAX, opt, schedule
 from titanlite.config.monitor_config import Alerts, Debug, Diagnostics
@@ -355,3 +358,27 @@ class JobConfig:
     alerts: Alerts = field(default_factory=Alerts)
     debug: Debug = field(default_factory=Debug)
     rehearsal: Rehearsal = field(default_factory=Rehearsal)
+    # [faults] (titanlite.faults), a plugin's section: None, and in no --help or config.toml,
+    # until a config or a flag names it
+    faults: Any = None
+
+
+# The sections plugins add: name -> "module:dataclass", imported once a config names the section.
+PLUGIN_SECTIONS = {"faults": "titanlite.faults.switches:FaultSwitches"}
+
+
+def plugin_section(name: str) -> Any:
+    """A plugin section's defaults (its module imported now)."""
+    module, _, cls = PLUGIN_SECTIONS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def with_plugins() -> JobConfig:
+    """The defaults of every section, the plugins' included: what a run that named none of them
+    ran with (a comparison of runs reads a missing section so)."""
+    return JobConfig(**{name: plugin_section(name) for name in PLUGIN_SECTIONS})
+
+
+def sections(cfg: JobConfig) -> list[tuple[str, Any]]:
+    """(name, section) of every section `cfg` has: the core's, and the plugins' it names."""
+    return [(f.name, getattr(cfg, f.name)) for f in fields(cfg) if getattr(cfg, f.name) is not None]

@@ -52,6 +52,11 @@ class Layout:
         return self.seq_len * self.local_batch * self.grad_accum
 
     @property
+    def rank_share(self) -> int:
+        """Sequences each data-parallel rank scores per step: local batch x accumulation."""
+        return self.local_batch * self.grad_accum
+
+    @property
     def batch_unit(self) -> int:
         """Sequences the global batch moves by with the layout kept (dp x the local batch): the
         step of the batch-size advice."""
@@ -216,13 +221,18 @@ def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
     )
 
 
-def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
-    """The largest local batch <= the config's that carries this rank's share of the global
-    batch (global / dp) in whole microbatches: how the tools keep the global batch at any dp."""
+def rank_share(cfg: JobConfig, dp: int) -> int:
+    """Sequences each of `dp` data-parallel ranks scores per step: the global batch split evenly."""
     gb = cfg.training.global_batch_size
-    if gb % dp:
+    if gb % max(dp, 1):
         raise UserError(
             f"global batch {gb} does not split over dp={dp}; pick a global_batch_size divisible by {dp}"
         )
-    share = gb // dp
+    return gb // max(dp, 1)
+
+
+def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
+    """The largest local batch <= the config's that carries this rank's share of the global
+    batch in whole microbatches: how the tools keep the global batch at any dp."""
+    share = rank_share(cfg, dp)
     return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
-from titanlite.config.job_config import JobConfig
+from titanlite.config.job_config import PLUGIN_SECTIONS, JobConfig, plugin_section, sections
 from titanlite.config.moved import MOVED_KEYS, Split, new_values
 from titanlite.config.rehearsal import apply_rehearsal
 from titanlite.errors import UserError
@@ -84,10 +84,13 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) 
 
 
 def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
+    """Set one key; a plugin's section (PLUGIN_SECTIONS) comes with its first key."""
     section_name, _, key = dotted.partition(".")
-    sections = [f.name for f in fields(cfg)]
-    if section_name not in sections or not key:
-        raise UserError(f"unknown config section '{section_name}'{_closest(section_name, sections)}")
+    names = [f.name for f in fields(cfg)]
+    if section_name not in names or not key:
+        raise UserError(f"unknown config section '{section_name}'{_closest(section_name, names)}")
+    if getattr(cfg, section_name) is None:
+        setattr(cfg, section_name, plugin_section(section_name))
     section = getattr(cfg, section_name)
     types = _field_types(section)
     if key not in types:
@@ -120,6 +123,8 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
         value = table.pop(old_key)
         for new, now in _moved(old, value, False).items():
             new_sec, new_key = new.split(".")
+            if new_sec in PLUGIN_SECTIONS and now == getattr(plugin_section(new_sec), new_key):
+                continue  # an old file's switch at its default asks for no plugin
             target = out.setdefault(new_sec, {})
             if isinstance(target, dict) and target.setdefault(new_key, now) != now:
                 raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
@@ -147,8 +152,15 @@ def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
 def _deprecated(found: list[str]) -> str | None:
     if not found:
         return None
-    moved = ", ".join(f"{old} -> {MOVED_KEYS[old]}" for old in dict.fromkeys(found))
-    return f"config keys renamed (old names still load; use the new ones): {moved}"
+    moved, sections_moved = [], {}
+    for old in dict.fromkeys(found):
+        new = str(MOVED_KEYS[old])
+        if old.split(".")[1] == new.partition(".")[2]:  # the same key in another section
+            sections_moved.setdefault((old.split(".")[0], new.split(".")[0]), []).append(old.split(".")[1])
+        else:
+            moved.append(f"{old} -> {new}")
+    moved += [f"[{a}] {', '.join(keys)} -> [{b}]" for (a, b), keys in sections_moved.items()]
+    return f"config keys renamed (old names still load; use the new ones): {'; '.join(moved)}"
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -167,19 +179,18 @@ def check_values(cfg: JobConfig) -> None:
     """Every number finite and within its field's bounds (titanlite.config.fields.opt; a whole
     number at most INT_LIMIT unless its field allows more): one line naming the key, the value
     and the bounds."""
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
+    for name, section in sections(cfg):
         for f in fields(section):
             value, bounds = getattr(section, f.name), dict(f.metadata.get("bounds", {}))
             if isinstance(value, int) and not isinstance(value, bool) and "<=" not in bounds:
                 bounds["<="] = INT_LIMIT
             if isinstance(value, float) and not math.isfinite(value):
                 rule = f" {_bounds_text(bounds)}" if bounds else ""
-                raise UserError(f"{sf.name}.{f.name} is {value}; it must be a finite number{rule}")
+                raise UserError(f"{name}.{f.name} is {value}; it must be a finite number{rule}")
             if isinstance(value, (int, float)) and not all(
                 _COMPARE[op](value, b) for op, b in bounds.items()
             ):
-                raise UserError(f"{sf.name}.{f.name} is {value}; it must be {_bounds_text(bounds)}")
+                raise UserError(f"{name}.{f.name} is {value}; it must be {_bounds_text(bounds)}")
 
 
 def load_config(
@@ -274,10 +285,9 @@ def _toml_value(v: Any) -> str:
 def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML, one commented key per line; load_config reads it back."""
     lines = []
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
+    for name, section in sections(cfg):
         assert is_dataclass(section)
-        lines.append(f"[{sf.name}]")
+        lines.append(f"[{name}]")
         for f in fields(section):
             lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}")
         lines.append("")
@@ -300,15 +310,18 @@ def config_help(usage: str) -> str:
         "A TOML file (--config) sets [section] key = value; a flag --section.key VALUE (or",
         "--section.key=VALUE) overrides it. Lists are comma-separated on the command line.",
     ]
-    cfg = JobConfig()
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
-        lines += ["", f"[{sf.name}]"]
-        for name, (typ, f) in _field_types(section).items():
-            default = _toml_value(getattr(section, name))
+    for name, section in sections(JobConfig()):
+        lines += ["", f"[{name}]"]
+        for key, (typ, f) in _field_types(section).items():
+            default = _toml_value(getattr(section, key))
             choices, bounds = f.metadata.get("choices"), f.metadata.get("bounds")
             doc = f.metadata["help"] + (f" (one of: {', '.join(choices)})" if choices else "")
             doc += f" ({_bounds_text(bounds)})" if bounds else ""
-            lines.append(f"  --{sf.name}.{name} {_type_name(typ)} = {default}")
+            lines.append(f"  --{name}.{key} {_type_name(typ)} = {default}")
             lines.append(f"        {doc}")
+    plugins = ", ".join(f"[{name}] ({PLUGIN_SECTIONS[name].split(':')[0]})" for name in PLUGIN_SECTIONS)
+    lines += [
+        "",
+        f"Plugin sections, loaded when a config or a flag names one; their modules document the keys: {plugins}",
+    ]
     return "\n".join(lines)

@@ -1,83 +1,23 @@
-"""The config sections of the diagnostics, their alerts and the fault switches that test them.
+"""The config sections of the diagnostics, their alerts and the debugging switches.
 
 Imports nothing heavy, like titanlite.config.job_config, which assembles them into JobConfig.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from titanlite.config.fields import STEPS_MAX, due, opt, schedule
 
 
 @dataclass
 class Debug:
-    ignore_all_labels_steps: list[int] = opt(
-        [], "steps whose labels are all set to IGNORE_INDEX (tests the zero-token skip)"
-    )
-    nan_loss_step: int = opt(-1, "step at which the loss is made NaN (tests the non-finite stop)")
     sync_debug: bool = opt(
         False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps, from the second step"
     )
     skip_memory_check: bool = opt(
         False, "start even if the memory estimate says the job does not fit (to find where it really stops)"
     )
-    same_data: bool = opt(False, "fault: every rank reads rank 0's share of the batch")
-    corrupt_labels_rank: int = opt(-1, "fault: this rank's labels are shuffled within each sequence")
-    grad_noise_rank: int = opt(-1, "fault: this rank's gradient gets noise before the reduction")
-    grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS", at_least=0.0)
-    slow_rank: int = opt(-1, "fault: this rank's data loading is slowed (a straggler)")
-    slow_factor: float = opt(
-        3.0, "slow_rank's steps take this many times their own time (extra host work)", above=1.0
-    )
-    fault_from_step: int = opt(
-        1, "the step from which corrupt_labels_rank, grad_noise_rank and slow_rank act", at_least=1
-    )
-    sigkill_step: int = opt(
-        -1, "fault: rank sigkill_rank is killed (SIGKILL) as this step starts, in a run's first attempt"
-    )
-    sigkill_rank: int = opt(0, "the rank that sigkill_step kills")
-    signal_step: int = opt(
-        -1, "fault: in signal_phase of this step, rank 0 sends SIGINT to its launcher, as a Ctrl-C would"
-    )
-    signal_phase: str = opt(
-        "start",
-        "the moment of signal_step: as it starts, in its eval, in its checkpoint save, or in the exports "
-        "that end the run",
-        choices=("start", "eval", "save", "export"),
-    )
-    hang_step: int = opt(-1, "fault: rank hang_rank stops responding as this step starts (comm timeout)")
-    hang_rank: int = opt(0, "the rank that hang_step hangs")
-    freeze_step: int = opt(-1, "fault: rank freeze_rank stops itself (SIGSTOP) in freeze_phase of this step")
-    freeze_rank: int = opt(1, "the rank that freeze_step freezes")
-    freeze_phase: str = opt(
-        "forward",
-        "the part of the step where freeze_step freezes",
-        choices=("data", "forward", "backward", "clip", "optimizer", "checkpoint"),
-    )
-    fail_save_step: int = opt(
-        -1, "fault: the last rank's checkpoint write at this step fails as on a full disk"
-    )
-    write_error: str = opt(
-        "none",
-        "fault: from write_error_step on, rank 0's writes into the run folder fail as on a full or read-only disk",
-        choices=("none", "full", "read_only"),
-    )
-    write_error_step: int = opt(1, "the step whose log step write_error starts at", at_least=1)
-    sigkill_in_save: int = opt(
-        -1, "fault: rank 0 is killed inside this step's checkpoint save, before it is published"
-    )
-    spike_step: int = opt(-1, "fault: rank 0's loss is multiplied by spike_scale at this step (a spike)")
-    spike_scale: float = opt(1000.0, "the factor of spike_step", above=0.0)
-    flip_bit_step: int = opt(
-        -1, "fault: as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)"
-    )
-    flip_bit_rank: int = opt(1, "the rank whose parameter flip_bit_step flips")
-    stuck_loader_step: int = opt(
-        -1,
-        "fault: from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)",
-    )
-    stuck_loader_rank: int = opt(1, "the rank whose loader stuck_loader_step freezes")
     fingerprint_step: int = opt(
         -1,
         "write per-module fingerprints of this step into <run folder>/fingerprints.json "
@@ -88,35 +28,6 @@ class Debug:
         "end the run after this step, as after its last (checkpoint saved if due); the schedule still "
         "runs to training.steps",
     )
-    seed_mode: str = opt(
-        "shared",
-        "seeds of dropout and data order (S1-1/2/3 of arXiv 2602.14462); shared is the normal one",
-        choices=("shared", "rank0_differs", "per_rank"),
-    )
-
-    def switches_on(self, names: tuple[str, ...] | None = None) -> list[str]:
-        """The switches (of `names`; default every one) set away from their default, as
-        "name = value"."""
-        default = Debug()
-        names = names if names is not None else tuple(f.name for f in fields(Debug))
-        return [f"{n} = {v!r}" for n in names if (v := getattr(self, n)) != getattr(default, n)]
-
-    def diagnosed_faults(self) -> list[str]:
-        """The switches on whose faults the diagnostics' alerts are there to name."""
-        return self.switches_on(DIAGNOSED_FAULTS)
-
-
-# The [debug] faults an alert names (titanlite.components.faults); the others test the loop.
-DIAGNOSED_FAULTS = (
-    "same_data",
-    "corrupt_labels_rank",
-    "grad_noise_rank",
-    "slow_rank",
-    "flip_bit_step",
-    "stuck_loader_step",
-    "spike_step",
-    "seed_mode",
-)
 
 
 @dataclass

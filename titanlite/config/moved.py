@@ -43,7 +43,41 @@ _ALERTS = (
     "norm_outlier_factor",
 )
 
+# The fault switches that [debug] held, now the [faults] plugin's section (titanlite.faults)
+_FAULTS = (
+    "ignore_all_labels_steps",
+    "nan_loss_step",
+    "same_data",
+    "corrupt_labels_rank",
+    "grad_noise_rank",
+    "grad_noise_scale",
+    "slow_rank",
+    "slow_factor",
+    "fault_from_step",
+    "sigkill_step",
+    "sigkill_rank",
+    "signal_step",
+    "signal_phase",
+    "hang_step",
+    "hang_rank",
+    "freeze_step",
+    "freeze_rank",
+    "freeze_phase",
+    "fail_save_step",
+    "write_error",
+    "write_error_step",
+    "sigkill_in_save",
+    "spike_step",
+    "spike_scale",
+    "flip_bit_step",
+    "flip_bit_rank",
+    "stuck_loader_step",
+    "stuck_loader_rank",
+    "seed_mode",
+)
+
 MOVED_KEYS: dict[str, str | Split] = {
+    **{f"debug.{k}": f"faults.{k}" for k in _FAULTS},
     "diagnostics.alert_window": "alerts.window",
     "diagnostics.alert_min_steps": "alerts.min_steps",
     **{f"diagnostics.{k}": f"alerts.{k}" for k in _ALERTS},

@@ -18,6 +18,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from titanlite.config.job_config import sections
+
 CALLER_ENV = "TITANLITE_CALLER_CWD"
 # one dataset of a mixture: a path, then its weight after the last colon
 _WEIGHTED = re.compile(r"^(.*):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
@@ -53,8 +55,7 @@ def mixture_items(path: str) -> list[tuple[str, float | None]]:
 def resolve_paths(cfg: Any, how: Callable[[str], str] = resolved) -> None:
     """Every path field of `cfg` (a JobConfig) as read from the caller's folder (`how` of each
     path), in place."""
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
+    for _, section in sections(cfg):
         for f in fields(section):
             kind, value = f.metadata.get("path"), getattr(section, f.name)
             if kind == "file":

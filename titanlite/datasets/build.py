@@ -221,16 +221,14 @@ def build_dataloader(
     pin_memory: bool,
     *,
     seed: int | None = None,
-    read_rank: int | None = None,
 ) -> StatefulDataLoader:
-    """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data order (default training.seed; see
-    titanlite.tools.seeds); `read_rank`: whose share of each global batch it reads (default its
-    own; the same_data fault reads rank 0's)."""
+    """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data
+    order (default training.seed; see titanlite.tools.seeds)."""
     sampler = GlobalBatchSampler(
         dataset.sizes,
         layout.global_batch,
         layout.local_batch,
-        dp_rank if read_rank is None else read_rank,
+        dp_rank,
         layout.dp,
         cfg.training.seed if seed is None else seed,
         dataset.weights,

@@ -5,6 +5,7 @@ nor a GPU is needed. Used by scripts/trace_batch.py and scripts/inspect_step.py.
 from __future__ import annotations
 
 from titanlite.config import JobConfig
+from titanlite.config.layout import rank_share
 from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.errors import UserError
@@ -18,7 +19,7 @@ def trace_step(cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, 
         raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
     dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
     sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
-    per_rank = g // dp
+    per_rank = rank_share(cfg, dp)
     out = []
     for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
         if rank is None or j // per_rank == rank:

@@ -1,5 +1,5 @@
-"""The diagnostics component: the trainer calls begin_step (before the data), arrive (after it)
-and end_step around each step, and collect() on log steps.
+"""The diagnostics component, one of the trainer's hooks (titanlite.tools.hooks: begin,
+ready, before_update, after_update), and collect() on log steps.
 
 Measured steps are every step for the first `measure_first`, then every `every` steps. On a
 measured step each rank times its data loading and its wait at a one-value barrier as the step
@@ -40,6 +40,7 @@ from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep,
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
+from titanlite.tools.hooks import Step
 from titanlite.tools.readback import readback
 
 logger = logging.getLogger("titanlite")
@@ -77,9 +78,8 @@ class _Measured:
 class Diagnostics:
     """Off (dp = 1 or diagnostics.enable = false) it measures nothing and builds nothing but the
     alert runner (the spike guard's alerts go through it); `group`, `probe`, `replicas` and
-    `arrival` are None then. `grad_noise_scale`: the grad_noise fault on this rank
-    (titanlite.components.faults), injected by the probe from debug.fault_from_step
-    (`fault_from_step`). The method and the batch-size advice's unit are the plan's (`layout`)."""
+    `arrival` are None then. The method and the batch-size advice's unit are the plan's
+    (`layout`); `sampler` (datasets/sampler.py GlobalBatchSampler) names each rank's sequences."""
 
     def __init__(
         self,
@@ -89,8 +89,7 @@ class Diagnostics:
         layout: Layout,
         *,
         seed: int,
-        grad_noise_scale: float = 0.0,
-        fault_from_step: int = 1,
+        sampler=None,
         timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
         alerts: AlertsConfig | None = None,
@@ -111,7 +110,7 @@ class Diagnostics:
         self.replicas: ReplicaCheck | None = None
         self.arrival: Arrival | None = None
         self._times = [float("nan")] * 3  # this measured step's Arrival times
-        self.noise_scale, self.fault_from_step = grad_noise_scale, fault_from_step
+        self.sampler = sampler
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
         self.method = layout.diagnostics_method
@@ -126,12 +125,11 @@ class Diagnostics:
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        per_rank = layout.global_batch // max(layout.dp, 1)
-        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit, per_rank)
+        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit, layout.rank_share)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
-            self.probe = GradProbe(self.method, ranks, cfg.sketch_dim, seed, dims.device, grad_noise_scale)
+            self.probe = GradProbe(self.method, ranks, cfg.sketch_dim, seed, dims.device)
             install(model, self.probe)
 
     @classmethod
@@ -141,19 +139,17 @@ class Diagnostics:
         model: torch.nn.Module,
         dims: ParallelDims,
         layout: Layout,
-        grad_noise_scale: float,
+        sampler,
         trace: Callable[[int], list[dict]] | None,
     ) -> Diagnostics:
         """The trainer's diagnostics, from the job's config."""
-        t = cfg.training
         return cls(
             cfg.diagnostics,
             model,
             dims,
             layout,
-            seed=t.seed,
-            grad_noise_scale=grad_noise_scale,
-            fault_from_step=cfg.debug.fault_from_step,
+            seed=cfg.training.seed,
+            sampler=sampler,
             timeout_s=cfg.comm.timeout_s,
             trace=trace,
             alerts=cfg.alerts,
@@ -184,49 +180,44 @@ class Diagnostics:
     def is_measured(self, step: int) -> bool:
         return self.cfg.measures(step)
 
-    def begin_step(self, step: int) -> bool:
-        """As the step starts, before its data: arm the probe and start the step's clock; True if
-        the step is measured."""
-        self.measuring = self.enabled and self.is_measured(step)
+    def begin(self, s: Step) -> None:
+        """As the step starts, before its data: arm the probe and start the step's clock."""
+        self.measuring = self.enabled and self.is_measured(s.step)
         if self.enabled:
             self.probe.start(self.measuring, self.per_microbatch)
-            self.probe.noise_scale = self.noise_scale if step >= self.fault_from_step else 0.0
             self.arrival.start()
-        return self.measuring
 
-    def arrive(self) -> None:
-        """Measured steps, once the data is loaded: time it and wait for the other ranks at a
-        one-value barrier (stragglers.py); the times go out with the step's gather."""
+    def ready(self, s: Step) -> None:
+        """The data loaded. A measured step times it and waits for the other ranks at a
+        one-value barrier (stragglers.py; the times go out with the step's gather); a measured
+        `exact` step skips the earlier microbatches' reduction, so that the probe sees each
+        rank's whole-step gradient at once."""
         if self.measuring:
             self._times = self.arrival.arrive()
+            s.skip_grad_sync = s.skip_grad_sync or self.whole_step
 
-    def skip_grad_sync(self, layout_skips: bool, measured: bool) -> bool:
-        """Whether the step's earlier microbatches skip the reduction: as the layout says, and on
-        measured `exact` steps, whose probe must see each rank's whole-step gradient at once."""
-        return layout_skips or (measured and self.whole_step)
-
-    def end_training_step(
-        self, step: int, micro: list, sample_sums: torch.Tensor, sampler, grad_norm
-    ) -> None:
-        """end_step's inputs from the trainer's step: its microbatches (titanlite.datasets.build's
-        Microbatch), per-sequence loss sums, the data sampler (GlobalBatchSampler) and the pre-clip
-        gradient norm. Host values go to the device without a wait."""
+    def before_update(self, s: Step) -> None:
+        """end_step's inputs from the trainer's step: its microbatches (datasets/batch.py
+        Microbatch), per-sequence loss sums and the pre-clip gradient norm; the sequences' indices
+        from the sampler. Host values go to the device without a wait."""
         if not self.measuring:
             return
-        tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in micro])
-        content = content_fingerprint(torch.cat([batch.inputs for batch in micro]))
-        host = np.append(sampler.rank_share(step - 1), [sampler.order_hash(step - 1), *self._times])
+        tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in s.micro])
+        content = content_fingerprint(torch.cat([batch.inputs for batch in s.micro]))
+        index = self.sampler.rank_share(s.step - 1)
         # indices and the hash are integers below 2**53: exact in float64
+        host = np.concatenate([index, [self.sampler.order_hash(s.step - 1)], self._times])
         host = torch.from_numpy(host.astype(np.float64)).to(content.device, non_blocking=True)
+        sequence_index, order, times = host.split([len(index), 1, len(self._times)])
         self.end_step(
-            step,
-            grad_norm,
-            sequence_loss_sums=sample_sums,
+            s.step,
+            s.grad_norm,
+            sequence_loss_sums=s.sample_sums,
             sequence_tokens=tokens,
-            sequence_index=host[:-4],
+            sequence_index=sequence_index,
             sequence_content=content,
-            order=host[-4:-3],
-            times=host[-3:],
+            order=order,
+            times=times,
         )
 
     def end_step(
@@ -275,10 +266,10 @@ class Diagnostics:
             _Pending(step, per_rank, directions, grad_norm.detach().double().clone(), works, exact)
         )
 
-    def after_update(self, step: int) -> None:
+    def after_update(self, s: Step) -> None:
         """After the optimizer step: start the replica check if one is due. Reads nothing."""
-        if self.replicas is not None and self.replicas.due(step):
-            self.replicas.start(step)
+        if self.replicas is not None and self.replicas.due(s.step):
+            self.replicas.start(s.step)
 
     def _read(self) -> tuple[list[_Measured], list[tuple[int, list]]]:
         """Wait for the pending gathers and read them all with one host read: the measured
@@ -287,15 +278,14 @@ class Diagnostics:
             for w in p.works:
                 w.wait()
         checks = self.replicas.take() if self.replicas is not None else []
-        tensors = [t for p in self._pending for t in (p.per_rank, p.gram(), p.global_norm)]
-        host = readback(tensors + [c.hashes for c in checks])
+        steps = [{"per_rank": p.per_rank, "gram": p.gram(), "norm": p.global_norm} for p in self._pending]
+        steps, hashes = readback((steps, [c.hashes for c in checks]))
         measured = []
-        for i, p in enumerate(self._pending):
-            per_rank, gram, global_norm = host[3 * i : 3 * i + 3]
-            per_rank, gram = fold_replicas(per_rank, gram, self.split, not self.per_microbatch)
-            measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, global_norm))
+        for p, got in zip(self._pending, steps, strict=True):
+            per_rank, gram = fold_replicas(got["per_rank"], got["gram"], self.split, not self.per_microbatch)
+            measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, got["norm"]))
         self._pending.clear()
-        return measured, [(c.step, h) for c, h in zip(checks, host[len(tensors) :], strict=True)]
+        return measured, [(c.step, h) for c, h in zip(checks, hashes, strict=True)]
 
     def _replica_alerts(self, checks: list[tuple[int, list]]) -> list[Alert]:
         """replica_drift (catalogue.py): each replica check, compared."""

@@ -39,13 +39,12 @@ class GradProbe:
         sketch_dim: int,
         seed: int,
         device: torch.device,
-        noise_scale: float = 0.0,
     ) -> None:
         self.method = method
         self.world = world
         self.measuring = False
         self.per_microbatch = False
-        self.noise_scale = noise_scale  # > 0 only on the rank of the grad_noise fault
+        self.noise_scale = 0.0  # > 0 only on the grad_noise fault's rank (titanlite.faults sets it)
         self.noise_generator = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)

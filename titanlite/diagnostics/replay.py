@@ -84,7 +84,7 @@ def recorded(run_dir: Path) -> dict:
     world = len(records[0]["rank_loss"]) if records else 1
     return {
         "alerts": asdict(cfg.alerts),
-        "debug": asdict(cfg.debug),  # the fault switches: what the alerts should name
+        "faults": asdict(cfg.faults) if cfg.faults else {},  # what the alerts should name
         "batch_unit": resolve_layout(cfg, world).batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],

@@ -1,7 +1,7 @@
 """The fault scenarios and the alert that must name each: the table scripts/diagnose_scenarios.py
 runs, tests/test_scenarios.py and tests/test_alerts.py (the recordings) check, and the
 diagnostics README's detection table states. Each scenario is a set of trainer overrides: the
-[debug] fault switches of titanlite/components/faults.py (and the seed settings of "Silent
+[faults] switches of the fault plugin (titanlite.faults) (and the seed settings of "Silent
 Inconsistency in Data-Parallel Full Fine-Tuning", arXiv 2602.14462, for S1-1 to S1-3)."""
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ from __future__ import annotations
 
 def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
     """Per scenario, its trainer overrides at `dp` ranks; the ongoing faults start at `onset`."""
-    dropout = ["--model.dropout", "0.1", "--debug.seed_mode"]
-    start = ["--debug.fault_from_step", str(onset)]
+    dropout = ["--model.dropout", "0.1", "--faults.seed_mode"]
+    start = ["--faults.fault_from_step", str(onset)]
     return {
         "healthy": [],
         "healthy_sft": ["--data.mode", "sft", "--training.local_batch_size", "1"],  # 2 microbatches
-        "same_data": ["--debug.same_data", "true"],
-        "corrupt_labels": ["--debug.corrupt_labels_rank", str(dp // 2), *start],
-        "grad_noise": ["--debug.grad_noise_rank", "1", "--debug.grad_noise_scale", "10", *start],
-        "slow_rank": ["--debug.slow_rank", str(dp - 1), "--debug.slow_factor", "3", *start],
+        "same_data": ["--faults.same_data", "true"],
+        "corrupt_labels": ["--faults.corrupt_labels_rank", str(dp // 2), *start],
+        "grad_noise": ["--faults.grad_noise_rank", "1", "--faults.grad_noise_scale", "10", *start],
+        "slow_rank": ["--faults.slow_rank", str(dp - 1), "--faults.slow_factor", "3", *start],
         "replica_flip": [  # DDP: every rank a replica; one bit of rank dp-1's weights flips at step 5
             *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_every", "1"),
-            *("--debug.flip_bit_step", "5", "--debug.flip_bit_rank", str(dp - 1)),
+            *("--faults.flip_bit_step", "5", "--faults.flip_bit_rank", str(dp - 1)),
         ],
-        "stuck_loader": ["--debug.stuck_loader_step", "5", "--debug.stuck_loader_rank", str(dp - 1)],
+        "stuck_loader": ["--faults.stuck_loader_step", "5", "--faults.stuck_loader_rank", str(dp - 1)],
         "S1-1": [*dropout, "shared"],
         "S1-2": [*dropout, "rank0_differs"],
         "S1-3": [*dropout, "per_rank"],

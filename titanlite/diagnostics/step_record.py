@@ -92,12 +92,16 @@ def fold_replicas(
         col = dict(zip(SCALARS, zip(*(r[: len(SCALARS)] for r in part), strict=True), strict=True))
         cross = sum(gram[i][j] for i in block for j in block if i != j)
         own = sum(col["norm_sq"]) if exact_norms else sum(gram[i][i] for i in block)
-        times = [
-            max(col["load_s"], key=lambda t: -math.inf if math.isnan(t) else t),
-            min(col["wait_s"], key=lambda t: math.inf if math.isnan(t) else t),
-            max(col["step_s"], key=lambda t: -math.inf if math.isnan(t) else t),
-        ]
-        row = [sum(col["loss_sum"]), sum(col["tokens"]), own + cross, part[0][3], *times]
+        head = {
+            "loss_sum": sum(col["loss_sum"]),
+            "tokens": sum(col["tokens"]),
+            "norm_sq": own + cross,
+            "order": col["order"][0],
+            "load_s": max(col["load_s"], key=lambda t: -math.inf if math.isnan(t) else t),
+            "wait_s": min(col["wait_s"], key=lambda t: math.inf if math.isnan(t) else t),
+            "step_s": max(col["step_s"], key=lambda t: -math.inf if math.isnan(t) else t),
+        }
+        row = [head[name] for name in SCALARS]
         rest = [r[len(SCALARS) :] for r in part]
         for f, field in enumerate(PER_SEQUENCE):
             span = slice(f * n, (f + 1) * n)

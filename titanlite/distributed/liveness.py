@@ -43,7 +43,7 @@ _KEY = "titanlite/reached/"
 # period (0.5 s, the phase moving within a step): at 1,000 ranks up to 2,000 small writes a second.
 BEAT_S = 2.0
 _current = ["set-up"]  # the phase this rank is in
-_on_phase: list[Callable[[str], None]] = []  # fault injection (titanlite.components.faults)
+_on_phase: list[Callable[[str], None]] = []  # fault injection (titanlite.faults)
 
 
 @contextmanager
@@ -60,9 +60,11 @@ def phase(name: str) -> Iterator[None]:
         _current[0] = before
 
 
-def on_phase(hook: Callable[[str], None]) -> None:
-    """Call `hook(name)` as this rank enters each phase (fault injection)."""
+def on_phase(hook: Callable[[str], None]) -> Callable[[], None]:
+    """Call `hook(name)` as this rank enters each phase (fault injection); returns the call that
+    stops it."""
     _on_phase.append(hook)
+    return lambda: _on_phase.remove(hook)
 
 
 def in_phase(name: str) -> Callable[[Callable], Callable]:
@@ -128,6 +130,10 @@ class Heartbeat:
 
     def reached(self, step: int) -> None:
         self.step, self.busy, self._since = step, True, time.monotonic()
+
+    def ready(self, s) -> None:
+        """The trainer's hook (titanlite.tools.hooks): the step has its batch."""
+        self.reached(s.step)
 
     def idle(self) -> None:
         """Between steps' work (log, save): not watched."""

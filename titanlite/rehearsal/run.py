@@ -40,6 +40,7 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         lambda s: logger.info(f"rehearsal: still building the model and its optimizer ({s:.0f}s)")
     ):
         trainer = Trainer(cfg, config_path)
+    trainer.hooks.add(EveryUpdate())
     try:
         meter, costs = _meter(trainer), []
         trainer.stops.armed = True  # a signal now ends the rehearsal between steps, not inside one
@@ -68,6 +69,14 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         return report
     finally:
         trainer.close()
+
+
+class EveryUpdate:
+    """A hook (titanlite.tools.hooks): no update is skipped. Fake collectives make the values
+    meaningless, and the update's cost is what the rehearsal measures."""
+
+    def before_update(self, s) -> None:
+        s.skip = torch.zeros_like(s.skip)
 
 
 def _meter(trainer: Trainer) -> StepMeter:

@@ -1,2 +1,2 @@
-"""Small utilities: caches, logging, memory estimates, host reads, formatting, run comparison,
-host-sync and collective accounting."""
+"""Small utilities: the step's hook protocol, caches, logging, memory estimates, host reads,
+formatting, host-sync and collective accounting, the scripts' front door."""

@@ -14,7 +14,7 @@ integer hash per element instead of the fused kernel's RNG (scripts/bench.py --o
 measures it; scripts/README.md has the figures). The key is derived from the rank's seed below,
 so the seed faults perturb keyed masks too.
 
-debug.seed_mode injects the seed faults of "Silent Inconsistency in Data-Parallel Full
+faults.seed_mode injects the seed faults of "Silent Inconsistency in Data-Parallel Full
 Fine-Tuning" (arXiv 2602.14462): "shared" (S1-1) is the rule above; "rank0_differs" (S1-2) and
 "per_rank" (S1-3) give the named ranks a seed of their own, for dropout and data order alike,
 which the diagnostics must detect. A resume at another world size reseeds them per rank.

@@ -60,7 +60,6 @@ from titanlite.components.checkpoint.resume import (
     tied_groups,
 )
 from titanlite.components.checkpoint.rng import load_rng, save_rng
-from titanlite.components.faults import Faults, FullDiskWriter
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due
@@ -99,7 +98,6 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        faults: Faults | None = None,
         run_dir: Path | None = None,
         data: list[dict] | None = None,
     ):
@@ -113,7 +111,10 @@ class Checkpointer:
         self.generators: dict[str, torch.Generator] = {}  # saved per rank with torch's RNG
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
-        self.faults = faults or Faults(cfg.debug, cfg.training.seed, self.rank, self.world)
+        # seams for fault injection (titanlite.faults)
+        self.storage_writer = lambda step, path: dcp.FileSystemWriter(path)  # a step's DCP writer
+        self.written: Callable[[int], None] | None = None  # rank 0: DCP wrote; before the publish
+        self.per_rank_torch = False  # each rank's torch stream its own: a resharded resume reseeds it
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
@@ -208,7 +209,6 @@ class Checkpointer:
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
         partial folder, keep the older checkpoints, and raise on every rank."""
-        self.faults.interrupt("save")
         self.wait()
         start = time.perf_counter()
         final = step_dir(self.folder, step)
@@ -244,7 +244,7 @@ class Checkpointer:
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
-        writer = (FullDiskWriter if self.faults.save_fails(step) else dcp.FileSystemWriter)(str(tmp))
+        writer = self.storage_writer(step, str(tmp))
         if not self.is_async:
             error = self._write(
                 step, tmp, lambda: dcp.save(self._dcp_state(), storage_writer=writer), state, start
@@ -270,7 +270,8 @@ class Checkpointer:
             return error
         final = step_dir(self.folder, step)
         if self.rank == 0:
-            self.faults.kill_in_save(step)
+            if self.written is not None:
+                self.written(step)
             try:
                 # what damage() checks: every file's size, the small ones' CRC32
                 state = json.dumps({**json.loads(state), "files": file_record(tmp)})
@@ -342,9 +343,9 @@ class Checkpointer:
         try:
             host = self._load_state(path, with_optimizer=True)
             saved_world = host["world_size"]
-            per_rank = self.cfg.debug.seed_mode != "shared"
             resharded = saved_world != self.world
-            load_rng(path, self.rank, self.generators, resharded, self.cfg.training.seed, step, per_rank)
+            seed = self.cfg.training.seed
+            load_rng(path, self.rank, self.generators, resharded, seed, step, self.per_rank_torch)
         except UserError:
             raise
         except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed

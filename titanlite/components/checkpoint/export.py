@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from titanlite.components.checkpoint.hf_export import export_hf
 from titanlite.config import JobConfig
+from titanlite.distributed.liveness import in_phase
 from titanlite.tools.cache import atomic_write_bytes
 
 logger = logging.getLogger("titanlite")
@@ -29,6 +30,7 @@ def export_weights(model: torch.nn.Module, path: Path) -> None:
         logger.info(f"exported full weights to {path}")
 
 
+@in_phase("export")
 def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path) -> list[Path]:
     """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
     MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF

@@ -14,6 +14,7 @@ from typing import Any
 from titanlite.components.checkpoint.index import read_state, step_dir
 from titanlite.config import JobConfig
 from titanlite.config.identity import IDENTITY_KEYS, identity
+from titanlite.config.job_config import sections
 from titanlite.config.manager import migrate_flat
 from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
@@ -108,12 +109,7 @@ def data_change(saved: list[dict], now: list[dict]) -> str | None:
 
 def flat_config(cfg: JobConfig) -> dict[str, Any]:
     """{"section.key": value} of every field: what state.json keeps of the config."""
-    out = {}
-    for sf in fields(cfg):
-        section = getattr(cfg, sf.name)
-        for f in fields(section):
-            out[f"{sf.name}.{f.name}"] = getattr(section, f.name)
-    return out
+    return {f"{name}.{f.name}": getattr(s, f.name) for name, s in sections(cfg) for f in fields(s)}
 
 
 def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None) -> list[str]:

@@ -43,7 +43,7 @@ def load_rng(
     per_rank_torch: bool = False,
 ) -> None:
     """`resharded`: the step was written at another world size. `per_rank_torch`: a seed fault
-    (debug.seed_mode) gives each rank a torch stream of its own, reseeded here too."""
+    (faults.seed_mode) gives each rank a torch stream of its own, reseeded here too."""
     if not resharded:
         _set_states(torch.load(folder / f"rng-rank{rank}.pt", weights_only=True), generators)
         return

@@ -35,16 +35,12 @@ NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
 
 
 class RunFiles:
-    """Rank 0's appends to the run folder's record files. `inject(name)`: an OSError to raise
-    instead of writing (debug.write_error), or None."""
+    """Rank 0's appends to the run folder's record files. `fail_write(name)`, a test seam
+    (titanlite.faults's write_error): an OSError to meet instead of the disk, or None."""
 
-    def __init__(
-        self,
-        run_dir: Path,
-        inject: Callable[[str], OSError | None] | None = None,
-        checkpoints: Path | None = None,
-    ) -> None:
-        self.run_dir, self.inject, self.checkpoints = run_dir, inject, checkpoints
+    def __init__(self, run_dir: Path, checkpoints: Path | None = None) -> None:
+        self.run_dir, self.checkpoints = run_dir, checkpoints
+        self.fail_write: Callable[[str], OSError | None] | None = None
         self._fds: dict[str, int] = {}
         self.kept: dict[str, int] = {}  # file -> the last step whose records it holds
 
@@ -57,7 +53,7 @@ class RunFiles:
         fd = self._fd(name)
         end = os.fstat(fd).st_size
         try:
-            error = self.inject(name) if self.inject else None
+            error = self.fail_write(name) if self.fail_write else None
             if error is not None:  # as a disk that fills mid-record would: half of it lands
                 os.write(fd, data[: len(data) // 2])
                 raise error
