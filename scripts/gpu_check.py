@@ -114,8 +114,8 @@ SMOKE = Shapes(
     batch=2,
     steps=6,
     log_every=2,
-    max_batch=2,
-    compile_kinds=("selective",),  # one compiled run: compile on a CPU costs ~20 s a run
+    max_batch=1,  # the search's first probe: its code runs, and each run costs seconds here
+    compile_kinds=(),  # compile on a CPU costs ~20 s a run; the exactness suite compiles
     accum_steps=6,
     hf=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
     hf_tokens=32,

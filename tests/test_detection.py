@@ -317,17 +317,18 @@ def test_ongoing_faults_start_at_fault_from_step():
     import torch
 
     from titanlite.datasets.batch import Microbatch
+    from titanlite.faults.inject import Faults
     from titanlite.faults.switches import FaultSwitches
     from titanlite.tools.hooks import Step
 
     labels = torch.arange(64).reshape(2, 32)
     batch = Microbatch(labels, labels)
-    faults = FaultSwitches(corrupt_labels_rank=1, fault_from_step=3).injector(seed=0, rank=1, world=2)
+    faults = Faults(FaultSwitches(corrupt_labels_rank=1, fault_from_step=3), seed=0, rank=1, world=2)
     assert torch.equal(faults.microbatch(Step(2, False, None), 0, batch).labels, labels)
     shuffled = faults.microbatch(Step(3, False, None), 0, batch).labels
     assert not torch.equal(shuffled, labels) and torch.equal(shuffled.sort(-1).values, labels)
     faults.close()
-    slow = FaultSwitches(slow_rank=0, slow_factor=3.0, fault_from_step=3).injector(seed=0, rank=0, world=2)
+    slow = Faults(FaultSwitches(slow_rank=0, slow_factor=3.0, fault_from_step=3), seed=0, rank=0, world=2)
     added = []
     for step in (1, 2, 3):
         slow.slow_loader(step)

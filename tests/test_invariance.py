@@ -2,9 +2,9 @@
 one run per layout and gives scripts/compare_runs.py's verdict; compare_runs.py itself).
 
 Debug Llama, the built-in SFT set prepared by scripts/prepare_data.py (valid tokens differ
-between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 10 steps (past the
+between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 7 steps (past the
 warmup of 5, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
-once for the module (dp8_dp16); the dp=8 run's checkpoint of step 7, copied into a new run folder,
+once for the module (dp8_dp16); the dp=8 run's checkpoint of step 5, copied into a new run folder,
 continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8 run's curve
 (with --long). The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
 steps, must fail the verdict and name the step. --localize names the module of each bug planted
@@ -52,7 +52,7 @@ def _max_rel(summary: dict) -> dict[str, float]:
     return {c["other"].rsplit("/", 1)[-1]: c["max_rel"] for c in summary["comparisons"]}
 
 
-STEPS, SAVED = 10, 7  # the shared runs' steps; the dp=8 checkpoint continued at dp=16
+STEPS, SAVED = 7, 5  # the shared runs' steps; the dp=8 checkpoint continued at dp=16
 
 
 def shared(data: str) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ from titanlite.components.spike_guard import SpikeGuard
 from titanlite.components.step_window import RunRates, StepWindow
 from titanlite.config import JobConfig, config_help, parse_args, wants_help
 from titanlite.config.fields import due
+from titanlite.config.job_config import plugin_hook
 from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.build import build_dataloader, build_dataset, build_tokenizer
 from titanlite.datasets.spec import check_data_files
@@ -68,7 +69,7 @@ class Trainer:
         precision = (t.mixed_precision_param, t.mixed_precision_reduce)
         self.dims = dims = ParallelDims.build(layout, self.device, *precision)
         # Fault injection (titanlite.faults) only when the config names its [faults] section.
-        self.faults = cfg.faults.injector(t.seed, self.rank, dims.dp_size) if cfg.faults else None
+        self.faults = plugin_hook(cfg, "faults", t.seed, self.rank, dims.dp_size)
         seed = self.faults.seed if self.faults else t.seed
         torch.manual_seed(seed)  # dropout (the rule: titanlite.tools.seeds); init has its own seeds
         keyed = cfg.model.dropout > 0 and cfg.model.dropout_masks == "sample"

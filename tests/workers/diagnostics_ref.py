@@ -24,6 +24,7 @@ from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_
+from titanlite.faults.inject import Faults
 from titanlite.faults.switches import FaultSwitches
 from titanlite.models.llama3 import Llama3
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
@@ -147,7 +148,7 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     cfg.diagnostics.replica_check_every = 1
     layout, dims, model = build(cfg, world, mode, accum=1)
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)
-    faults = FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank).injector(SEED, dist.get_rank(), world)
+    faults = Faults(FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank), SEED, dist.get_rank(), world)
     faults.model = model
     alerts = []
     for step in (1, 2, 3):

@@ -363,14 +363,25 @@ class JobConfig:
     faults: Any = None
 
 
-# The sections plugins add: name -> "module:dataclass", imported once a config names the section.
-PLUGIN_SECTIONS = {"faults": "titanlite.faults.switches:FaultSwitches"}
+# The sections plugins add: name -> (the section's dataclass, the hook a trainer builds from it),
+# each "module:name", imported once a config names the section.
+PLUGIN_SECTIONS = {"faults": ("titanlite.faults.switches:FaultSwitches", "titanlite.faults.inject:Faults")}
+
+
+def _load(ref: str) -> Any:
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def plugin_section(name: str) -> Any:
     """A plugin section's defaults (its module imported now)."""
-    module, _, cls = PLUGIN_SECTIONS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)()
+    return _load(PLUGIN_SECTIONS[name][0])()
+
+
+def plugin_hook(cfg: JobConfig, name: str, *args: Any) -> Any:
+    """The hook of plugin `name` built from its section and `args`; None when `cfg` has none."""
+    section = getattr(cfg, name)
+    return None if section is None else _load(PLUGIN_SECTIONS[name][1])(section, *args)
 
 
 def with_plugins() -> JobConfig:

@@ -319,7 +319,7 @@ def config_help(usage: str) -> str:
             doc += f" ({_bounds_text(bounds)})" if bounds else ""
             lines.append(f"  --{name}.{key} {_type_name(typ)} = {default}")
             lines.append(f"        {doc}")
-    plugins = ", ".join(f"[{name}] ({PLUGIN_SECTIONS[name].split(':')[0]})" for name in PLUGIN_SECTIONS)
+    plugins = ", ".join(f"[{name}] ({PLUGIN_SECTIONS[name][0].split(':')[0]})" for name in PLUGIN_SECTIONS)
     lines += [
         "",
         f"Plugin sections, loaded when a config or a flag names one; their modules document the keys: {plugins}",

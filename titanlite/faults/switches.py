@@ -4,7 +4,6 @@ that the launcher checks them before any worker starts."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
 
 from titanlite.config.fields import opt
 from titanlite.errors import UserError
@@ -104,12 +103,6 @@ class FaultSwitches:
                 "faults.grad_noise_rank: the diagnostics' gradient probe injects that noise, and they are off "
                 "(diagnostics.enable = false or one rank); turn them on with 2 or more ranks, or set it to -1"
             )
-
-    def injector(self, seed: int, rank: int, world: int) -> Any:
-        """This rank's injector (titanlite.faults.inject.Faults)."""
-        from titanlite.faults.inject import Faults
-
-        return Faults(self, seed, rank, world)
 
 
 # The faults an alert names; the others test the loop.
