@@ -183,10 +183,9 @@ def test_run_json_keeps_the_layout_every_step_ran_at_through_resumes_and_rewinds
 
 def test_a_run_folder_renamed_between_launches_stays_one_tensorboard_run(tmp_path):
     """TensorBoard names a run by its folder: events in <run>/tb, never in a folder named after
-    the run, so a renamed run folder (and one whose events an earlier version kept in
-    tb/<run name>/) resumes into the same TensorBoard run, its repeated steps purged."""
+    the run, so a renamed run folder resumes into the same TensorBoard run, its repeated steps
+    purged."""
     from helpers import tensorboard_items
-    from torch.utils.tensorboard import SummaryWriter
 
     first, renamed = tmp_path / "a", tmp_path / "b"
     first.mkdir()
@@ -196,14 +195,10 @@ def test_a_run_folder_renamed_between_launches_stays_one_tensorboard_run(tmp_pat
     writer.close()
     first.rename(renamed)
     time.sleep(1.1)  # event files sort by their second: each writer's comes after the one before
-    with SummaryWriter(renamed / "tb" / "b") as earlier:  # where an earlier version wrote: step 4
-        earlier.add_scalar("1_loss", 0.25, 4)
-    time.sleep(1.1)
     writer = MetricsWriter(renamed, 10, True, purge_step=3)  # resumed from the step-2 checkpoint
     writer.write_scalars("train", {"step": 3, "loss": 0.3})
     writer.close()
-    assert sorted(p.name for p in (renamed / "tb").iterdir() if p.is_dir()) == ["b"]
-    assert not list((renamed / "tb" / "b").iterdir())
+    assert not [p for p in (renamed / "tb").iterdir() if p.is_dir()]
     scalars, _ = tensorboard_items(renamed / "tb")
     assert {s: v for (tag, s), v in scalars.items() if tag == "1_loss"} == pytest.approx(
         {1: 1.0, 2: 0.5, 3: 0.3}

@@ -170,6 +170,7 @@ class Catalogue:
         printed: for a cheap catalogue what the launcher hands its workers (in this process,
         stopped there); else a one-step run's config.toml."""
         from titanlite.config import load_config, parse_args
+        from titanlite.config.job_config import sections
 
         dump = self.dump(name)
         argv = self.argv(dump, "run", args)
@@ -188,7 +189,7 @@ class Catalogue:
             cfg = load_config(str(saved)) if r.code == 0 and saved.is_file() else None
         if cfg is None:
             return r, {}
-        return r, {f"{s}.{k}": v for s, table in vars(cfg).items() for k, v in vars(table).items()}
+        return r, {f"{s}.{k}": v for s, table in sections(cfg) for k, v in vars(table).items()}
 
     def script(self, name: str, *args: str, env: dict | None = None, timeout: float = 300) -> Result:
         """scripts/<name>.py with `args`, to its end, as a user runs it."""

@@ -43,10 +43,6 @@ class TensorBoard:
     def _open(self, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
-        # events in tb/<run name>/, where earlier versions wrote them, join the run's own
-        with contextlib.suppress(OSError):
-            for old in (self.log_dir / self.run_dir.name).glob("events.out.tfevents.*"):
-                old.rename(self.log_dir / old.name)
         return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
     def _events(self) -> Path:

@@ -24,16 +24,7 @@ from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Context, cause
 from titanlite.diagnostics.rules import SPREAD_ONLY
 from titanlite.diagnostics.window import Finding, Point, Window, point
 
-STATE_VERSION = (
-    2  # of AlertMonitor.state_dict (1: the built-in alerts' states under keys of their own; still read)
-)
-# Where version 1 kept the state that is now an alert's own.
-_V1_STATE = {
-    "stale_batch": "data",
-    "single_rank_outlier": "scores",
-    "slow_rank": "recent",
-    "batch_size_advice": "advisor",
-}
+STATE_VERSION = 2  # of AlertMonitor.state_dict; a checkpoint's of another starts the history again
 
 
 @dataclass
@@ -127,10 +118,15 @@ class AlertMonitor:
     def load_state_dict(self, state: dict) -> str | None:
         """Continue from a checkpoint's state; at another layout, start the rules' history again
         and return the note that says so (None otherwise)."""
-        self.named = {name: set(ranks) for name, ranks in state.get("named", {}).items()}
+        if state.get("version") != STATE_VERSION:
+            return (
+                f"diagnostics: the checkpoint's alert history is of another format (version "
+                f"{state.get('version', 1)}, this titanlite's {STATE_VERSION}); the alert rules start again "
+                f"(a burn-in of alerts.min_steps = {self.cfg.min_steps} measured steps)"
+            )
+        self.named = {name: set(ranks) for name, ranks in state["named"].items()}
         points = [Point(**p) for p in state["history"]]
-        world = state.get("world") or next((len(p.rank_loss) for p in points if p.rank_loss), self.world)
-        per_rank = state.get("per_rank") or self.per_rank
+        world, per_rank = state["world"], state["per_rank"]
         if (world, per_rank) != (self.world, self.per_rank):
             # The spread of per-rank losses and norms, the gaps and the cosines scale with the
             # ranks and the sequences each scores: a history from another layout would read as
@@ -147,17 +143,11 @@ class AlertMonitor:
     def _load_history(self, state: dict, points: list[Point]) -> None:
         """The rules' history and the alerts' own states, kept across a resume at the same layout."""
         self.history = deque(points, maxlen=self.cfg.window)
-        self.trend = deque((tuple(t) for t in state.get("trend", [])), maxlen=self.cfg.trend_window)
+        self.trend = deque((tuple(t) for t in state["trend"]), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
-        self._data_failed = {(name, rank): seen for name, rank, seen in state.get("data_failed", [])}
-        own = state.get("alerts")
-        if own is None:  # version 1: the built-in alerts' states under keys of their own
-            own = {name: state.get(key) for name, key in _V1_STATE.items()}
-            own = {
-                n: s if isinstance(s, dict) else {_V1_STATE[n]: s} for n, s in own.items() if s is not None
-            }
-        for name, alert_state in own.items():
+        self._data_failed = {(name, rank): seen for name, rank, seen in state["data_failed"]}
+        for name, alert_state in state["alerts"].items():
             if name in self.states:  # an alert no longer registered leaves its state behind
                 self.states[name].load_state_dict(alert_state)
 
