@@ -66,8 +66,9 @@ class Trainer:
         self.heartbeat = Heartbeat(cfg.comm.timeout_s, watch=self.device.type == "cuda")
         self.layout = layout = validate(cfg, dist.get_world_size())
         check_data_files(cfg)
-        precision = (t.mixed_precision_param, t.mixed_precision_reduce)
-        self.dims = dims = ParallelDims.build(layout, self.device, *precision)
+        self.dims = dims = ParallelDims.build(
+            layout, self.device, t.mixed_precision_param, t.mixed_precision_reduce
+        )
         # Fault injection (titanlite.faults) only when the config names its [faults] section.
         self.faults = plugin_hook(cfg, "faults", t.seed, self.rank, dims.dp_size)
         seed = self.faults.seed if self.faults else t.seed
@@ -107,24 +108,21 @@ class Trainer:
             {"diagnostics": self.diagnostics, "spike_guard": self.guard}, self.diagnostics.generators()
         )
         # The step's side concerns, in the order the trainer calls them (titanlite.tools.hooks).
-        fingerprints = cfg.debug.fingerprint_step
-        self.hooks = Hooks(
-            [
-                self.faults,
-                self.heartbeat,
-                self.diagnostics,
-                FingerprintStep(fingerprints, self.model, sampler, self.run_dir)
-                if fingerprints > 0
-                else None,
-                self.guard if self.guard.enabled else None,
-            ]
-        )
+        fingerprints = FingerprintStep.at(cfg.debug.fingerprint_step, self.model, sampler, self.run_dir)
+        guard = self.guard if self.guard.enabled else None
+        self.hooks = Hooks([self.faults, self.heartbeat, self.diagnostics, fingerprints, guard])
         self.start_step = self.checkpointer.restore(resume, meta)
         done = (self.start_step - 1) * self.layout.grad_accum  # the data position is the step's
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": done})
         self._batches = iter(self.dataloader)
-        speed = (meta.flops_per_token, self.device, dims.param_dtype)
-        self.rates = RunRates(self.layout.tokens_per_rank_step, dims.dp_size, t.steps, *speed)
+        self.rates = RunRates(
+            layout.tokens_per_rank_step,
+            dims.dp_size,
+            t.steps,
+            meta.flops_per_token,
+            self.device,
+            dims.param_dtype,
+        )
         self.window = StepWindow()
         self.last_step = min(t.steps, s) if (s := cfg.debug.stop_after_step) > 0 else t.steps
 

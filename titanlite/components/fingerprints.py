@@ -168,6 +168,11 @@ class FingerprintStep:
         self.step, self.model, self.sampler, self.folder = step, model, sampler, folder
         self.recorder: Recorder | None = None
 
+    @classmethod
+    def at(cls, step: int, model: torch.nn.Module, sampler, folder: Path) -> FingerprintStep | None:
+        """The hook for debug.fingerprint_step `step`; None when it is off (-1)."""
+        return cls(step, model, sampler, folder) if step > 0 else None
+
     def ready(self, s) -> None:
         if s.step == self.step:
             at = self.sampler.stream_position

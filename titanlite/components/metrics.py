@@ -219,8 +219,10 @@ class MetricsWriter:
         """The run's closing lines (components/summary.py), on rank 0; one line elsewhere."""
         if self.run_dir is not None:
             quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
-            parts = (self.run_dir, checkpoints, exports, self.tensorboard, quiet)
-            for line in summary_lines(self.tally, first, last, seconds, *parts):
+            lines = summary_lines(
+                self.tally, first, last, seconds, self.run_dir, checkpoints, exports, self.tensorboard, quiet
+            )
+            for line in lines:
                 logger.info(line)
         else:  # another node's console ends here too, and says where the rest is
             logger.info(
