@@ -19,7 +19,7 @@ from titanlite.config import parse_args
 from titanlite.config.command_line import DEFAULT_CONFIG, ROOT, launcher_words, wants_help
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX
 from titanlite.config.manager import check_values
-from titanlite.config.moved import MOVED_KEYS, Split
+from titanlite.config.moved import MOVED_KEYS
 from titanlite.config.paths import CALLER_ENV, mixture_items
 from titanlite.errors import UserError
 
@@ -111,23 +111,14 @@ def _example(default: object, choices: tuple[str, ...] | None) -> tuple[str, str
 @pytest.mark.parametrize("old", sorted(MOVED_KEYS))
 def test_a_moved_key_beside_its_new_name_on_the_command_line(old: str) -> None:
     """Disagreeing: refused in one line naming both, as in a file; agreeing: taken."""
-    entry = MOVED_KEYS[old]
-    if isinstance(entry, Split):
-        new = next(iter(entry.to(entry.typ())))
-        a, b = "3", "5"
-    else:
-        new = entry
-        section, _, key = new.partition(".")
-        (f,) = [f for f in fields(dict(every_section())[section]) if f.name == key]
-        a, b = _example(
-            f.default if f.default_factory is MISSING else f.default_factory(), f.metadata.get("choices")
-        )
-        if new == "spike_guard.skip":
-            a, b = "off", "loss"
+    new = MOVED_KEYS[old]
+    section, _, key = new.partition(".")
+    (f,) = [f for f in fields(dict(every_section())[section]) if f.name == key]
+    default = f.default if f.default_factory is MISSING else f.default_factory()
+    a, b = _example(default, f.metadata.get("choices"))
     with pytest.raises(UserError, match=f"sets both '{new}' and '{old}'"):
         parse_args([f"--{new}", a, f"--{old}", b])
-    if not isinstance(entry, Split):
-        parse_args([f"--{old}", a, f"--{new}", a])
+    parse_args([f"--{old}", a, f"--{new}", a])
 
 
 def _path_fields() -> list[tuple[str, str]]:

@@ -6,11 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanlite.analysis.runs import load_run
 from titanlite.config import load_config, parse_args
-from titanlite.config.job_config import Alerts, JobConfig
+from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import resolve_layout
-from titanlite.config.manager import NOTES_SHOWN_ENV, to_toml
+from titanlite.config.manager import to_toml
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.spec import check_data_files
 from titanlite.errors import UserError
@@ -284,40 +283,6 @@ def test_help_lists_every_key_with_type_default_and_doc():
     assert "linear warmup steps from lr/warmup_steps to lr (>= 0)\n" in text
 
 
-OLD_DIAGNOSTICS = """
-[diagnostics]
-on_alert = "stop"
-alert_window = 7
-cos_low = 0.2
-"""
-
-
-def test_alert_thresholds_named_under_diagnostics_still_load_with_one_note(tmp_path, capsys, monkeypatch):
-    """A config.toml written before [alerts] existed (an old run folder): resume, compare_runs
-    and --replay load it, and its --diagnostics.* overrides, mapped to [alerts]."""
-    monkeypatch.delenv(NOTES_SHOWN_ENV, raising=False)
-    old = tmp_path / "old.toml"
-    old.write_text(OLD_DIAGNOSTICS)
-    cfg = load_config(str(old), ["--diagnostics.spike_factor", "2.5"])
-    assert (cfg.alerts.window, cfg.alerts.cos_low, cfg.alerts.spike_factor) == (7, 0.2, 2.5)
-    assert cfg.diagnostics.on_alert == "stop" and cfg.alerts.persist_frac == Alerts().persist_frac
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "diagnostics.alert_window -> alerts.window" in err[0], err
-    assert "[diagnostics] cos_low, spike_factor -> [alerts]" in err[0], err  # keys that kept their names
-    # The workers load what the launcher already reported on: no second note.
-    monkeypatch.setenv(NOTES_SHOWN_ENV, "1")
-    assert load_config(str(old)).alerts.window == 7 and capsys.readouterr().err == ""
-    # A run folder's comparison record maps them too.
-    (tmp_path / "config.toml").write_text(OLD_DIAGNOSTICS)
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
-    config = load_run(tmp_path).config
-    assert config["alerts.window"] == 7 and "diagnostics.alert_window" not in config
-    # Both names, with different values: which one was meant?
-    old.write_text(OLD_DIAGNOSTICS + "\n[alerts]\nwindow = 9\n")
-    with pytest.raises(UserError, match="sets both 'diagnostics.alert_window' and 'alerts.window'"):
-        load_config(str(old))
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -335,6 +300,10 @@ def test_alert_thresholds_named_under_diagnostics_still_load_with_one_note(tmp_p
         (["--job.run_name", "../escaped"], "job.run_name '../escaped' would write outside"),
         (["--job.run_name", "/tmp/absrun"], "job.run_name '/tmp/absrun' would write outside"),
         (["--job.run_name", "x" * 300], "is 300 bytes; file systems allow 255"),
+        (
+            ["--faults.hang_rank", "5"],
+            "faults.hang_rank is 5 but there are 1 ranks; use -1 or a rank below 1",
+        ),
     ],
 )
 def test_every_value_is_checked_before_any_worker(argv, message):

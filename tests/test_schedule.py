@@ -7,68 +7,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields
-from types import SimpleNamespace
 
 import pytest
 from helpers import every_section
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from titanlite.components.checkpoint.checkpointer import Checkpointer
 from titanlite.components.checkpoint.resume import flat_config, resume_changes
-from titanlite.components.evaluate import Evaluator
 from titanlite.config import load_config
 from titanlite.config.job_config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.config.moved import MOVED_KEYS, Split, new_values
-from titanlite.diagnostics.component import Diagnostics
-from titanlite.diagnostics.replicas import ReplicaCheck
+from titanlite.config.moved import MOVED_KEYS
 from titanlite.errors import UserError
-
-# What each periodic action did under its old key, written out once as the reference.
-OLD_RULES = {
-    "checkpoint.interval": lambda step, n, last: n > 0 and (step % n == 0 or step == last),
-    "eval.interval": lambda step, n, last: step == last or (n > 0 and step % n == 0),
-    "diagnostics.interval": lambda step, n, last, first=0: step <= first or step % n == 0,
-    "diagnostics.replica_check_interval": lambda step, n, last: n > 0 and step % n == 0,
-}
-
-
-def _due(key: str, cfg: JobConfig, step: int) -> bool:
-    """The new code's decision for the action `key` named, at `step` of cfg."""
-    if key == "checkpoint.interval":
-        return Checkpointer.due(SimpleNamespace(cfg=cfg), step)
-    if key == "eval.interval":
-        return Evaluator.due(SimpleNamespace(cfg=cfg), step)
-    if key == "diagnostics.interval":
-        return Diagnostics.is_measured(SimpleNamespace(cfg=cfg.diagnostics), step)
-    check = SimpleNamespace(enabled=cfg.diagnostics.replica_check_every > 0)
-    check.every = cfg.diagnostics.replica_check_every
-    return ReplicaCheck.due(check, step)
-
-
-@settings(derandomize=True, database=None, max_examples=150, deadline=None)
-@given(
-    key=st.sampled_from(sorted(OLD_RULES)),
-    n=st.integers(0, 12),
-    first=st.integers(0, 6),
-    last=st.integers(1, 40),
-    as_flag=st.booleans(),
-)
-def test_an_old_schedule_key_saves_evaluates_and_measures_at_the_same_steps(key, n, first, last, as_flag):
-    """Any old value, from a file or a flag: the same steps act as under the old rule."""
-    if key == "diagnostics.interval":
-        n = max(n, 1)  # the old key refused 0
-    section, name = key.split(".")
-    steps = ["--training.steps", str(last), "--diagnostics.measure_first", str(first)]
-    if as_flag:
-        cfg = load_config(None, [*steps, f"--{key}", str(n)])
-    else:
-        cfg = _from_toml(f"[{section}]\n{name} = {n}\n", steps)
-    old = OLD_RULES[key]
-    for step in range(1, last + 1):
-        was = old(step, n, last, first) if key == "diagnostics.interval" else old(step, n, last)
-        assert _due(key, cfg, step) == was, (key, n, step, last)
 
 
 def _from_toml(text: str, overrides: list[str]) -> JobConfig:
@@ -88,14 +36,11 @@ def test_every_moved_key_lands_with_one_note(tmp_path, capsys, monkeypatch):
     defaults = dict(every_section())
     sections: dict[str, list[str]] = {}
     expected = {}
-    for old, entry in MOVED_KEYS.items():
+    for old, new in MOVED_KEYS.items():
         section, name = old.split(".")
-        new = next(iter(new_values(old, 1 if isinstance(entry, Split) else None)))
         value = _other_value(defaults, new)
-        if isinstance(entry, Split):
-            value = 7
         sections.setdefault(section, []).append(f"{name} = {_toml(value)}")
-        expected.update(new_values(old, value))
+        expected[new] = value
     text = "\n".join(f"[{s}]\n" + "\n".join(lines) for s, lines in sections.items())
     (tmp_path / "old.toml").write_text(text)
     cfg = load_config(str(tmp_path / "old.toml"))
@@ -103,16 +48,15 @@ def test_every_moved_key_lands_with_one_note(tmp_path, capsys, monkeypatch):
     assert {k: flat[k] for k in expected} == expected
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    for old in MOVED_KEYS:  # by name, or among the keys that moved section under their names
-        (sec, key), new = old.split("."), str(MOVED_KEYS[old])
-        group = rf"\[{sec}\] [^;]*\b{key}\b[^;]* -> \[{new.split('.')[0]}\]"
-        assert f"{old} -> " in err[0] or re.search(group, err[0]), old
-    assert "checkpoint.interval -> checkpoint.every + checkpoint.at_end" in err[0]
-    (tmp_path / "both.toml").write_text("[checkpoint]\ninterval = 5\nat_end = false\n")
-    with pytest.raises(UserError, match="sets both 'checkpoint.interval' and 'checkpoint.at_end'"):
+    for old, new in MOVED_KEYS.items():
+        (sec, key), new_sec = old.split("."), new.split(".")[0]
+        assert re.search(rf"\[{sec}\] [^;]*\b{key}\b[^;]* -> \[{new_sec}\]", err[0]), old
+    (tmp_path / "both.toml").write_text("[debug]\nspike_step = 5\n[faults]\nspike_step = 6\n")
+    with pytest.raises(UserError, match="sets both 'debug.spike_step' and 'faults.spike_step'"):
         load_config(str(tmp_path / "both.toml"))
-    with pytest.raises(UserError, match="checkpoint.interval"):
-        load_config(None, ["--checkpoint.interval", "often"])
+    # an old run folder's switches at their defaults ask for no plugin
+    (tmp_path / "quiet.toml").write_text("[debug]\nspike_step = -1\nsync_debug = false\n")
+    assert load_config(str(tmp_path / "quiet.toml")).faults is None
 
 
 def _other_value(defaults: dict, key: str):
@@ -133,25 +77,16 @@ def _toml(value) -> str:
 
 def test_a_resume_compares_old_settings_by_their_new_names(monkeypatch):
     """A checkpoint whose state.json kept the old names: the same settings report nothing; a
-    changed one is reported under its new name; a split one by each key it changed."""
+    changed one is reported under its new name."""
     monkeypatch.setenv(NOTES_SHOWN_ENV, "1")
-    now = load_config(
-        None, ["--checkpoint.every", "5", "--checkpoint.at_end", "true", "--faults.same_data", "false"]
-    )
+    now = load_config(None, ["--faults.spike_step", "5", "--faults.seed_mode", "per_rank"])
     before = flat_config(now)
-    for old in MOVED_KEYS:
-        for new in new_values(old, 5 if isinstance(MOVED_KEYS[old], Split) else 0):
-            value = before.pop(new)
-        before[old] = 5 if isinstance(MOVED_KEYS[old], Split) else value
+    for old, new in MOVED_KEYS.items():
+        before[old] = before.pop(new)
     state = {"config": before, "step": 4}
     assert resume_changes(state, now) == []
-    later = load_config(
-        None, ["--checkpoint.every", "10", "--checkpoint.at_end", "true", "--metrics.log_every", "1"]
-    )
-    assert resume_changes(state, later) == [
-        "resume: metrics.log_every was 10, now 1: applied from step 5",
-        "resume: checkpoint.every was 5, now 10: applied from step 5",
-    ]
+    later = load_config(None, ["--faults.spike_step", "6", "--faults.seed_mode", "per_rank"])
+    assert resume_changes(state, later) == ["resume: faults.spike_step was 5, now 6: applied from step 5"]
 
 
 def test_every_periodic_key_is_a_schedule_field():

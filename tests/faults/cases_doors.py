@@ -79,8 +79,7 @@ for _value in ("0", "-3", "abc", "1.5", "100000000", "65537"):
 _refused(W, "--rehearse= (no value)", ("--rehearse=",), "--rehearse")
 _refused(W, "--rehearse 8 and --rehearsal.world 16", ("--rehearse", "8", "--rehearsal.world", "16"), "--rehearse")  # fmt: skip
 _refused(W, "--rehearsal.world 70000", ("--rehearsal.world", "70000"), "rehearsal.world")
-_refused(W, "--checkpoint.every 2 --checkpoint.interval 3", ("--checkpoint.every", "2", "--checkpoint.interval", "3"), "checkpoint.interval")  # fmt: skip
-_refused(W, "--metrics.log_every 2 --metrics.log_freq 5", ("--metrics.log_every", "2", "--metrics.log_freq", "5"), "metrics.log_freq")  # fmt: skip
+_refused(W, "--faults.nan_loss_step 2 --debug.nan_loss_step 3 (a moved key)", ("--faults.nan_loss_step", "2", "--debug.nan_loss_step", "3"), "debug.nan_loss_step")  # fmt: skip
 _plans(
     W,
     "a value holding ' --config '",
@@ -92,12 +91,17 @@ _plans(W, "a value holding '--config='", ("--job.description=see --config=x.toml
 
 
 def _agreeing(c: Catalogue, cfg: dict, r: Result) -> None:
-    if cfg["eval.every"] != 3:
-        raise Broke(f"eval.every {cfg['eval.every']}, asked 3 twice (old and new name)")
+    if cfg.get("faults.nan_loss_step") != 3:
+        raise Broke(
+            f"faults.nan_loss_step {cfg.get('faults.nan_loss_step')}, asked 3 twice (old and new name)"
+        )
 
 
 _plans(
-    W, "--eval.interval 3 --eval.every 3 (agreeing)", ("--eval.interval", "3", "--eval.every", "3"), _agreeing
+    W,
+    "--debug.nan_loss_step 3 --faults.nan_loss_step 3 (a moved key, agreeing)",
+    ("--debug.nan_loss_step", "3", "--faults.nan_loss_step", "3"),
+    _agreeing,
 )
 
 

@@ -23,7 +23,7 @@ else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
 from titanlite.config.job_config import PLUGIN_SECTIONS, JobConfig, plugin_section, sections
-from titanlite.config.moved import MOVED_KEYS, Split, new_values
+from titanlite.config.moved import MOVED_KEYS
 from titanlite.config.rehearsal import apply_rehearsal
 from titanlite.errors import UserError
 
@@ -111,8 +111,8 @@ NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the keys of MOVED_KEYS under their new names and meanings
-    (titanlite.config.moved), and the old names found."""
+    """A parsed config with the keys of MOVED_KEYS under their new names (titanlite.config.moved),
+    and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
     for old in MOVED_KEYS:
@@ -120,23 +120,15 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
         table = out.get(old_sec)
         if not isinstance(table, dict) or old_key not in table:
             continue
-        value = table.pop(old_key)
-        for new, now in _moved(old, value, False).items():
-            new_sec, new_key = new.split(".")
-            if new_sec in PLUGIN_SECTIONS and now == getattr(plugin_section(new_sec), new_key):
-                continue  # an old file's switch at its default asks for no plugin
-            target = out.setdefault(new_sec, {})
-            if isinstance(target, dict) and target.setdefault(new_key, now) != now:
-                raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
+        value, new = table.pop(old_key), MOVED_KEYS[old]
         found.append(old)
+        new_sec, new_key = new.split(".")
+        if new_sec in PLUGIN_SECTIONS and value == getattr(plugin_section(new_sec), new_key):
+            continue  # an old file's switch at its default asks for no plugin
+        target = out.setdefault(new_sec, {})
+        if isinstance(target, dict) and target.setdefault(new_key, value) != value:
+            raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
     return out, found
-
-
-def _moved(old: str, value: Any, from_cli: bool) -> dict[str, Any]:
-    """{new key: value} that old key `old` set to `value` means (a split key's value checked as
-    its old type first; a renamed key's is checked by its new field)."""
-    entry = MOVED_KEYS[old]
-    return new_values(old, _coerce(old, value, entry.typ, from_cli) if isinstance(entry, Split) else value)
 
 
 def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
@@ -152,15 +144,12 @@ def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
 def _deprecated(found: list[str]) -> str | None:
     if not found:
         return None
-    moved, sections_moved = [], {}
+    moved: dict[tuple[str, str], list[str]] = {}  # (old section, new section) -> the keys
     for old in dict.fromkeys(found):
-        new = str(MOVED_KEYS[old])
-        if old.split(".")[1] == new.partition(".")[2]:  # the same key in another section
-            sections_moved.setdefault((old.split(".")[0], new.split(".")[0]), []).append(old.split(".")[1])
-        else:
-            moved.append(f"{old} -> {new}")
-    moved += [f"[{a}] {', '.join(keys)} -> [{b}]" for (a, b), keys in sections_moved.items()]
-    return f"config keys renamed (old names still load; use the new ones): {'; '.join(moved)}"
+        (old_sec, key), new_sec = old.split("."), MOVED_KEYS[old].split(".")[0]
+        moved.setdefault((old_sec, new_sec), []).append(key)
+    said = "; ".join(f"[{a}] {', '.join(keys)} -> [{b}]" for (a, b), keys in moved.items())
+    return f"config keys moved (the old names still load; use the new ones): {said}"
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -226,20 +215,17 @@ def load_config(
                 _set(cfg, f"{section_name}.{key}", value, False)
     typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
     for dotted, value in _pairs(overrides or []):
-        entry = MOVED_KEYS.get(dotted)
-        if entry is not None:
+        key = MOVED_KEYS.get(dotted, dotted)
+        if key != dotted:
             found.append(dotted)
-        targets = {dotted: value} if entry is None else _moved(dotted, value, True)
-        for key, now in targets.items():
-            _set(cfg, key, now, from_cli=entry is None or isinstance(entry, str))  # a split's are typed
-            section, _, name = key.partition(".")
-            got = getattr(getattr(cfg, section), name)
-            if key in typed and typed[key][0] != dotted and typed[key][1] != got:
-                raise UserError(
-                    f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; "
-                    f"keep only '{key}'"
-                )
-            typed[key] = (dotted, got)
+        _set(cfg, key, value, from_cli=True)
+        section, _, name = key.partition(".")
+        got = getattr(getattr(cfg, section), name)
+        if key in typed and typed[key][0] != dotted and typed[key][1] != got:
+            raise UserError(
+                f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"
+            )
+        typed[key] = (dotted, got)
     said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]  # a rehearsal's, whoever reads it
     if notes is not None:
         notes += said
