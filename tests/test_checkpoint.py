@@ -192,7 +192,16 @@ def test_kill_inside_save_keeps_the_previous_checkpoint(ref):
 
 @pytest.mark.slow
 def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
-    """Each refusal is one line from the launcher (no worker started: no rank-tagged output)."""
+    """Each refusal is one line from the launcher, run in this process and stopped where it would
+    start the workers (tests/faults/harness.py in_process): none is reached."""
+    from faults.harness import in_process
+
+    def refused(tmp: Path, name: str, *extra: str):
+        where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
+        r = in_process([*BASE, *DATA, *where, *extra], nproc=2)
+        assert r.code == 2 and r.err.startswith("titanlite: error: ") and len(r.err.splitlines()) == 1, r
+        return r.err
+
     folder = ref / "fsdp" / "checkpoints"
     before = listing(ref / "fsdp")
     cases = [
@@ -203,13 +212,9 @@ def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
         ("other", ("--checkpoint.folder", str(folder)), "holds the checkpoints of run '"),
     ]
     for name, extra, needle in cases:
-        proc = run(ref, name, *extra, ok=False)
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.startswith("titanlite: error: ") and len(proc.stderr.splitlines()) == 1, (
-            proc.stderr
-        )
-        assert needle in proc.stderr and "[titanlite r" not in proc.stdout + proc.stderr
-    assert "checkpoint.initial_load_path = '" + str(folder / "step-00000006") in proc.stderr
+        err = refused(ref, name, *extra)
+        assert needle in err, err
+    assert "checkpoint.initial_load_path = '" + str(folder / "step-00000006") in err
     assert listing(ref / "fsdp") == before and not (ref / "other").exists()
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
@@ -217,8 +222,8 @@ def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
         (blocker, "is a file; point checkpoint.folder at a folder"),
         (blocker / "ck", "is a file"),
     ):
-        proc = run(tmp_path, "unwritable", *CKPT, "--checkpoint.folder", str(ck), ok=False)
-        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr[-2000:]
+        err = refused(tmp_path, "unwritable", *CKPT, "--checkpoint.folder", str(ck))
+        assert needle in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
