@@ -334,6 +334,7 @@ def test_ongoing_faults_start_at_fault_from_step():
         slow.slow_loader(step)
         added.append(slow._slept)
         time.sleep(0.05)  # the rank's own work of the step
+    slow.close()
     # before fault_from_step nothing; then (slow_factor - 1) x its own step time, which is >= 0.05 s
     assert added[:2] == [0.0, 0.0] and added[2] >= 2 * 0.05, added
 
