@@ -213,3 +213,15 @@ def test_an_unreadable_run_json_on_resume_is_said_and_a_missing_one_is_not(tmp_p
     (tmp_path / "run.json").write_text("{garbage")
     assert _with_earlier(tmp_path, info, 6) == info
     assert "run.json is unreadable: the layouts of the steps before 7 are not kept" in caplog.text
+
+
+def test_tensorboard_meeting_a_removed_run_folder_says_the_run_folder(tmp_path):
+    """Whichever writer meets it first, a run folder removed under a live run is named as such."""
+    run = tmp_path / "run"
+    run.mkdir()
+    writer = MetricsWriter(run, 10, True)
+    writer.write_scalars("train", {"step": 1, "loss": 2.0})
+    shutil.rmtree(run)
+    with pytest.raises(TrainingError, match=f"the run folder {run} was removed while the run wrote to it"):
+        writer.write_scalars("train", {"step": 2, "loss": 1.5})
+    writer.close()

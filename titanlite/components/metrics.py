@@ -90,7 +90,7 @@ class MetricsWriter:
             return
         self.files.open()
         if tensorboard:
-            self._sinks.append(TensorBoard(run_dir, purge_step, self.files.what_was_kept))
+            self._sinks.append(TensorBoard(run_dir, purge_step, self.files))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(WandB(run_dir, cfg.metrics, asdict(cfg)))
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from titanlite.components.run.files import NO_ROOM
+from titanlite.components.run.files import NO_ROOM, RunFiles
 from titanlite.config.job_config import Metrics as MetricsConfig
 from titanlite.errors import TrainingError, UserError, first_line
 from titanlite.tools.cache import atomic_write_bytes, disk_full
@@ -32,11 +32,11 @@ class TensorBoard:
         self,
         run_dir: Path,
         purge_step: int | None,
-        kept: Callable[[str], str],
+        files: RunFiles,
     ) -> None:
         self.run_dir, self.log_dir = run_dir, tensorboard_dir(run_dir)
         self.fail_write: Callable[[str], OSError | None] | None = None  # RunFiles' seam, for tb/
-        self.kept = kept  # the stop line's end: what the run leaves (RunFiles.what_was_kept)
+        self.files = files  # the run folder's writer: the stop lines' words of what the run leaves
         _quiet_writer_thread()
         self._writer = self._open(purge_step)
 
@@ -58,11 +58,13 @@ class TensorBoard:
             write(self._writer)
             self._writer.flush()
         except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            if not isinstance(e, FileNotFoundError) or not self.run_dir.is_dir():
+            if isinstance(e, FileNotFoundError) and not self.run_dir.is_dir():
+                raise TrainingError(self.files.gone()) from None  # the run folder itself, moved or removed
+            if not isinstance(e, FileNotFoundError):
                 room = isinstance(e, OSError) and e.errno in NO_ROOM
                 raise TrainingError(
                     f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
-                    + self.kept(
+                    + self.files.what_was_kept(
                         "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
                     )
                 ) from None

@@ -94,7 +94,7 @@ class RunFiles:
                 + self.what_was_kept(f"move that folder away from {path}")
             )
         if not self.run_dir.is_dir():
-            raise TrainingError(self._gone())
+            raise TrainingError(self.gone())
         if fd is not None:
             os.close(fd)
             logger.warning(
@@ -125,7 +125,7 @@ class RunFiles:
         )
         return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
-    def _gone(self) -> str:
+    def gone(self) -> str:
         """The stop line of a run folder that is gone: moved (a record file still open says where
         it is now, through /proc on Linux) or removed."""
         for fd in self._fds.values():
