@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 from helpers import REPO, read_metrics
 
-from titanlite.components.checkpoint.format import MARKER as CHECKPOINT_MARKER
+from titanlite.components.checkpoint.index import MARKER as CHECKPOINT_MARKER
 from titanlite.components.run.lock import STALE_S, RunLock
 from titanlite.components.run.plan import check_checkpoint_space, run_name
 from titanlite.config import load_config

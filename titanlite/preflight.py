@@ -203,8 +203,8 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     what its header describes and its index lists, every tensor has a parameter of that shape
     and every parameter a tensor; a titanlite step folder is intact and taken whole (a resume
     never reads them)."""
-    from titanlite.components.checkpoint.format import initial_load_kind
     from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
+    from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.datasets.build import tokenizer_key
     from titanlite.distributed.param_init import canonical_name
 

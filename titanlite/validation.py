@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from titanlite.components.checkpoint.format import initial_load_kind
+from titanlite.components.checkpoint.index import initial_load_kind
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout, resolve_layout
 from titanlite.config.manager import check_values

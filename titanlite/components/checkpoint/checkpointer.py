@@ -45,9 +45,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titanlite.components.checkpoint.format import MARKER, initial_load_kind
 from titanlite.components.checkpoint.hf_load import load_hf_weights
-from titanlite.components.checkpoint.index import complete_steps, file_record, quarantine, step_dir
+from titanlite.components.checkpoint.index import (
+    MARKER,
+    complete_steps,
+    file_record,
+    initial_load_kind,
+    quarantine,
+    step_dir,
+)
 from titanlite.components.checkpoint.resume import (
     OPTIMIZER_GROUPS,
     check_initial_fits,

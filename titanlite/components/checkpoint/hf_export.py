@@ -254,7 +254,7 @@ def export_checkpoint(
     tokenizer, sequence length; components/checkpoint/model.py), then every tensor is read from
     DCP on its own, so memory is bounded by one shard. Only reads `step_folder`. Returns the
     number of shards."""
-    from titanlite.components.checkpoint.format import initial_load_kind
+    from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.components.checkpoint.model import read_tensors, rebuild
     from titanlite.errors import UserError
 

@@ -1,14 +1,14 @@
-"""Which checkpoints a folder holds and whether they are intact (whether this run may resume from
-one: components/checkpoint/resume.py). Torch-free for checkpoints that record their files: the
-launcher's preflight asks it before any worker starts, the trainer again in rank 0.
+"""What a checkpoint looks like on disk, which steps a folder holds and whether they are intact
+(whether this run may resume from one: resume.py). Torch-free: the launcher's preflight asks it
+before any worker starts, the trainer again in rank 0.
 
-A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
-config, the run folder that wrote it, and every other file of the step with its size (and, for
-files up to CHECKSUM_MAX_BYTES, a CRC32); see components/checkpoint/checkpointer.py for the
-layout. Sizes catch a truncated or missing file; the checksum, on the small files only, a
-damaged one. The DCP shards get sizes alone: checking an 8B model's 96 GB (bf16 weights would be
-less; fp32 weights and AdamW's two moments) would cost every launch a CRC32 over every byte, a
-full read of the checkpoint.
+A step folder is complete once MARKER is in it (written last, checkpointer.py). Its state.json
+records what the run trained on (titanlite.config.identity), the whole config, the run folder
+that wrote it, and every other file of the step with its size (and, for files up to
+CHECKSUM_MAX_BYTES, a CRC32). Sizes catch a truncated or missing file; the checksum, on the
+small files only, a damaged one. The DCP shards get sizes alone: checking an 8B model's 96 GB
+(bf16 weights would be less; fp32 weights and AdamW's two moments) would cost every launch a
+CRC32 over every byte, a full read of the checkpoint.
 A damaged step is set aside as `step-N.damaged` (never resumed, never pruned) and the run falls
 back to the newest intact one.
 """
@@ -23,12 +23,13 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar
 
-from titanlite.components.checkpoint.format import MARKER
 from titanlite.config import JobConfig
 from titanlite.config.fields import whole_number
 from titanlite.errors import UserError
+from titanlite.models.hf_files import check_hf_folder
 from titanlite.tools.cache import first_cause
 
+MARKER = "complete"  # written last into a step folder: its presence means complete
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
 ABANDONED = ".abandoned"  # a rewind's newer steps, set aside (set_aside_abandoned)
 DAMAGED = ".damaged"  # suffix of a step folder set aside
@@ -159,6 +160,31 @@ def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
     """checkpoint.folder; a relative one lives inside the run folder."""
     folder = Path(cfg.checkpoint.folder).expanduser()
     return folder if folder.is_absolute() else run_dir / folder
+
+
+def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") -> str:
+    """Whether `path` is a Hugging Face model folder ("hf") or a complete checkpoint step folder
+    ("titanlite"); anything else is one UserError that says what to point `flag` at."""
+    what = "point it at a Hugging Face model folder or a titanlite step folder (<run>/checkpoints/step-N)"
+    if not path.is_dir():
+        raise UserError(f"{flag} '{path}' is not a folder; {what}")
+    if (path / "config.json").is_file():
+        check_hf_folder(path, need_tokenizer=False)
+        return "hf"
+    if (path / ".metadata").is_file():
+        if not (path / MARKER).is_file() or not (path / "state.json").is_file():
+            raise UserError(
+                f"checkpoint '{path}' is incomplete (its save never finished); point {flag} at a "
+                "complete step folder"
+            )
+        return "titanlite"
+    steps = sorted(p for p in path.glob("step-*") if (p / MARKER).is_file())
+    if steps:
+        raise UserError(
+            f"'{path}' is a checkpoint folder; point {flag} at one of its step folders, e.g. the "
+            f"newest: '{steps[-1]}'"
+        )
+    raise UserError(f"{flag} '{path}' holds no config.json nor a checkpoint; {what}")
 
 
 def is_step_folder(path: Path) -> bool:
