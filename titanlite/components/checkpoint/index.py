@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import zipfile
 import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -72,43 +71,27 @@ def file_record(path: Path) -> dict[str, list]:
     return out
 
 
-def _dcp_extents(path: Path) -> dict[str, int]:
-    """Bytes each DCP shard file must hold, from .metadata (file, offset, length of every item):
-    how a checkpoint that records no file sizes is checked (imports torch)."""
-    import torch.distributed.checkpoint as dcp
-
-    ends: dict[str, int] = {}
-    for info in dcp.FileSystemReader(str(path)).read_metadata().storage_data.values():
-        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
-    return ends
-
-
 def damage(path: Path) -> str | None:
-    """What is wrong with the complete step folder `path`, naming the file; None if it is intact."""
+    """What is wrong with the complete step folder `path`, naming the file; None if it is intact.
+    A step whose state.json records no files (an older titanlite's) is refused in one line."""
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as e:
         return f"state.json is unreadable ({e})"
     if whole_number(path.name[5:]) and state.get("step") != int(path.name[5:]):
         return f"state.json says step {state.get('step')}, its folder step {int(path.name[5:])}"
-    files, exact = state.get("files"), True
-    if files is None:  # written before steps recorded their files: what .metadata promises
-        if not (path / ".metadata").is_file():
-            return ".metadata is missing"
-        try:
-            files, exact = {name: [end, None] for name, end in _dcp_extents(path).items()}, False
-        except Exception as e:  # noqa: BLE001 - an unreadable .metadata is damage, whatever the error
-            return f".metadata is unreadable ({type(e).__name__})"
-        files.update({f"rng-rank{r}.pt": [None, None] for r in range(state.get("world_size", 1))})
-    for name, (size, crc) in files.items():
+    if state.get("files") is None:
+        raise UserError(
+            f"checkpoint '{path}' records no file sizes in its state.json: an older titanlite wrote "
+            "it, which this one does not read; continue or export it with that version"
+        )
+    for name, (size, crc) in state["files"].items():
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
         have = f.stat().st_size
-        if size is not None and (have != size if exact else have < size):
-            return f"{name} holds {have:,} bytes, {'' if exact else 'at least '}{size:,} were written"
-        if size is None and not zipfile.is_zipfile(f):  # an older step's RNG states (torch.save: a zip)
-            return f"{name} is cut short or damaged"
+        if have != size:
+            return f"{name} holds {have:,} bytes, {size:,} were written"
         if crc is not None and _crc32(f) != crc:
             return f"{name} does not match the checksum it was written with"
     return None

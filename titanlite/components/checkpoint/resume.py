@@ -116,10 +116,8 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float
     """One line per config value that differs from the checkpoint's run, with what takes effect
     and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
     (titanlite.components.optimizer.realign_schedule)."""
-    before, step = state.get("config"), state["step"]
-    if not before:  # written before state.json kept the config
-        return []
-    before = migrate_flat(before)  # moved keys compared under their new names (config/moved.py)
+    step = state["step"]
+    before = migrate_flat(state["config"])  # moved keys under their new names (config/moved.py)
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):
@@ -242,15 +240,17 @@ def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
 
 def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:
     """The model this run builds (`meta`: a MetaModel) is the one checkpoint `step` trained: its
-    args against those state.json recorded, else (older checkpoints) its parameter shapes against
-    DCP's .metadata. A model.hf_assets_path's config.json is read anew by every launch, so an
-    edit to it would otherwise reach the load as a size-mismatch traceback, or go unseen."""
+    args against those state.json recorded. A model.hf_assets_path's config.json is read anew by
+    every launch, so an edit to it would otherwise reach the load as a size-mismatch traceback,
+    or go unseen."""
     path = step_dir(folder, step)
     state = read_state(folder, step)
     saved = state.get("model_args")
     if saved is None:
-        check_fits(path, dict(meta.model.named_parameters()))
-        return
+        raise UserError(
+            f"checkpoint {path} records no model args (an older titanlite wrote it), so it cannot "
+            f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
+        )
     ours = model_record(meta.args)
     diff = [
         f"{k} {saved[k]!r}, now {v!r}"
