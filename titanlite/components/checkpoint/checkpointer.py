@@ -3,27 +3,22 @@
 A checkpoint of step N is the folder `<folder>/step-<N>`:
     DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
                              replicas); DCP reshards on load, so dp degree and mode may change
-    state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
-                             what it was trained on (titanlite.config.identity), the whole
-                             config and the run folder that wrote it (components/checkpoint/resume.py)
-    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; the rule for a
-                             resume at another world size: components/checkpoint/rng.py)
+    state.json               the step, the host-side parts registered with track() under their
+                             names (LR schedule, diagnostics' history, spike guard: a new one is
+                             one line there), and what resume.py checks (identity, config, ...)
+    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; _load_rng)
     complete                 the marker, written last
-Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it: a run
-killed mid-save leaves a `.tmp` folder that loading ignores (and the next save removes), never a
-half checkpoint that looks complete. With async_mode = "async" the step waits only while DCP
-copies the state to host memory; the write and the publish follow on a background thread.
-The dataloader state is the step itself: the data order is a function of (seed, global batch,
-step) only (datasets/sampler.py), which holds at any dp. The host-side parts of the training
-state (the LR schedule, the diagnostics' history, the spike guard) are registered with track()
-and saved into state.json under their names: a new stateful part is one line there.
+Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it
+(index.publish): a run killed mid-save leaves a `.tmp` folder that loading ignores (and the next
+save removes), never a half checkpoint that looks complete. The dataloader state is the step
+itself: the data order is a function of (seed, global batch, step) only (datasets/sampler.py),
+which holds at any dp.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import signal
 import time
@@ -31,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,13 +39,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import (
-    MARKER,
     complete_steps,
-    file_record,
     initial_load_kind,
+    publish,
     quarantine,
     step_dir,
 )
@@ -65,7 +60,6 @@ from titanlite.components.checkpoint.resume import (
     resume_changes,
     tied_groups,
 )
-from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due
@@ -75,17 +69,10 @@ from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
-from titanlite.tools.cache import disk_full, first_cause, fsync_dir
+from titanlite.tools.cache import disk_full, first_cause
+from titanlite.tools.seeds import reshard_seed
 
 logger = logging.getLogger("titanlite")
-
-
-class HostState(Protocol):
-    """A part of the training state that lives on the host (read at a log step)."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Checkpointer:
@@ -113,7 +100,7 @@ class Checkpointer:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler  # a tracked part; restore() also continues its schedule
-        self.parts: dict[str, HostState] = {"scheduler": scheduler}  # saved in state.json
+        self.parts: dict[str, Stateful] = {"scheduler": scheduler}  # saved in state.json
         self.generators: dict[str, torch.Generator] = {}  # saved per rank with torch's RNG
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
@@ -132,9 +119,10 @@ class Checkpointer:
         self.data = data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
         self.tokenizer = tokenizer_key(cfg)  # what its token ids mean: a start from the checkpoint compares
 
-    def track(self, parts: dict[str, HostState], generators: dict[str, torch.Generator]) -> None:
-        """Register host-stateful parts (saved in state.json under their names) and RNG streams
-        (saved per rank) beside the model and the optimizer."""
+    def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
+        """Register the parts of the training state that live on the host (read at a log step;
+        saved in state.json under their names) and RNG streams (saved per rank) beside the model
+        and the optimizer."""
         self.parts.update(parts)
         self.generators.update(generators)
 
@@ -229,7 +217,7 @@ class Checkpointer:
                 error = f"cannot create {tmp}: {e}"
         self._settle(step, tmp, error)
         try:
-            save_rng(tmp, self.rank, self.generators)
+            torch.save(self._rng_states(), tmp / f"rng-rank{self.rank}.pt")
         except (OSError, RuntimeError) as e:  # RuntimeError: the zip writer's short write
             error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
@@ -279,18 +267,12 @@ class Checkpointer:
             if self.written is not None:
                 self.written(step)
             try:
-                # what damage() checks: every file's size, the small ones' CRC32
-                state = json.dumps({**json.loads(state), "files": file_record(tmp)})
-                (tmp / "state.json").write_text(state)
-                (tmp / MARKER).write_text(f"{step}\n")
-                fsync_dir(tmp)
-                if final.exists():  # a checkpoint of this step from an earlier attempt
-                    shutil.rmtree(final)
-                os.replace(tmp, final)
-                fsync_dir(self.folder)
+                publish(tmp, final, state)
             except OSError as e:
                 return str(e)
-            self._prune()
+            keep = self.cfg.checkpoint.keep_latest_k
+            for old in complete_steps(self.folder)[:-keep] if keep > 0 else []:
+                shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
         mode = f" (async: training waited {self._staged_s:.2f}s of it)" if self.is_async else ""
         logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}")
         return None
@@ -334,24 +316,14 @@ class Checkpointer:
             self._executor.shutdown(wait=True)
         self._pending = None
 
-    def _prune(self) -> None:
-        keep = self.cfg.checkpoint.keep_latest_k
-        steps = complete_steps(self.folder)
-        for old in steps[:-keep] if keep > 0 else []:
-            shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
-
     def load(self, step: int) -> dict[str, Any]:
-        """Model and optimizer (resharded by DCP to this run's layout) and the RNG states: at the
-        same world size this rank's; at another, rank 0's torch state on every rank (the seed rule
-        of titanlite.tools.seeds), the per-rank streams reseeded from (seed, step, rank). Returns
-        state.json."""
+        """Model and optimizer (resharded by DCP to this run's layout) and the RNG states
+        (_load_rng). Returns state.json."""
         path, error = step_dir(self.folder, step), None
         try:
             host = self._load_state(path, with_optimizer=True)
             saved_world = host["world_size"]
-            resharded = saved_world != self.world
-            seed = self.cfg.training.seed
-            load_rng(path, self.rank, self.generators, resharded, seed, step, self.per_rank_torch)
+            self._load_rng(path, step, resharded=saved_world != self.world)
         except UserError:
             raise
         except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
@@ -366,6 +338,30 @@ class Checkpointer:
             )
         logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
         return host
+
+    def _rng_states(self) -> dict[str, torch.Tensor]:
+        states = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state()
+        return states | {name: g.get_state() for name, g in self.generators.items()}
+
+    def _load_rng(self, path: Path, step: int, resharded: bool) -> None:
+        """At the world size the step was written at, this rank's RNG states; at another
+        (`resharded`), rank 0's torch state on every rank (the seed rule of titanlite.tools.seeds:
+        the ranks' streams are one) and every per-rank stream reseeded from (seed, step, rank),
+        torch's too under a seed fault that gives each rank its own (per_rank_torch)."""
+        states = torch.load(path / f"rng-rank{0 if resharded else self.rank}.pt", weights_only=True)
+        torch.set_rng_state(states["torch"])
+        if "cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["cuda"])
+        seed = self.cfg.training.seed
+        if resharded and self.per_rank_torch:
+            torch.manual_seed(reshard_seed(seed, step, self.rank, 0))
+        for i, (name, g) in enumerate(self.generators.items()):
+            if resharded:
+                g.manual_seed(reshard_seed(seed, step, self.rank, i + 1))
+            elif name in states:
+                g.set_state(states[name])
 
     def _load_state(self, path: Path, with_optimizer: bool, check: bool = False) -> dict[str, Any]:
         """The model (and optimizer) from the step folder `path`, resharded by DCP to this

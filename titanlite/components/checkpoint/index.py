@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -26,7 +28,7 @@ from titanlite.config import JobConfig
 from titanlite.config.fields import whole_number
 from titanlite.errors import UserError
 from titanlite.models.hf_files import check_hf_folder
-from titanlite.tools.cache import first_cause
+from titanlite.tools.cache import first_cause, fsync_dir
 
 MARKER = "complete"  # written last into a step folder: its presence means complete
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
@@ -69,6 +71,19 @@ def file_record(path: Path) -> dict[str, list]:
             size = f.stat().st_size
             out[f.name] = [size, _crc32(f) if size <= CHECKSUM_MAX_BYTES else None]
     return out
+
+
+def publish(tmp: Path, final: Path, state: str) -> None:
+    """A save's last act, rank 0's: state.json (`state`, with file_record's files added), the
+    marker, then one rename of the step's `.tmp` folder to `final` publishes it."""
+    record = {**json.loads(state), "files": file_record(tmp)}  # what damage() checks
+    (tmp / "state.json").write_text(json.dumps(record))
+    (tmp / MARKER).write_text(f"{record['step']}\n")
+    fsync_dir(tmp)
+    if final.exists():  # a checkpoint of this step from an earlier attempt
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def damage(path: Path) -> str | None:
