@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.components.checkpoint.checkpointer import Checkpointer
-from titanlite.components.checkpoint.export import export_run
+from titanlite.components.checkpoint.hf_export import export_run
 from titanlite.components.evaluate import build_evaluator
 from titanlite.components.fingerprints import FingerprintStep
 from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses

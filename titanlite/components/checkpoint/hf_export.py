@@ -1,5 +1,7 @@
-"""The model as a Hugging Face transformers folder: safetensors shards (+ index), config.json,
-and the tokenizer files, for `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.
+"""What a run leaves for use outside titanlite when it ends (export_run): the full weights as one
+torch.save file (checkpoint.export_weights), and a Hugging Face transformers folder
+(checkpoint.export_hf): safetensors shards (+ index), config.json and the tokenizer files, for
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.
 
 One full tensor at a time: each parameter is gathered (FSDP: an all-gather of that tensor only;
 DDP: already whole), converted by the model's HFAdapter (names; Llama's q/k row permutation
@@ -9,12 +11,13 @@ shard plan comes from the shapes first, so the file names (`model-00001-of-00003
 are known before any tensor moves. Everything is written under `<folder>.tmp` and published by
 one rename, so an interrupted export never leaves a folder that looks complete.
 
-`scripts/export_hf.py` does the same from a checkpoint folder, reading one tensor at a time
-from DCP instead of gathering it.
+`scripts/export_hf.py` does the same from a checkpoint folder (export_checkpoint), reading one
+tensor at a time from DCP instead of gathering it.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -27,14 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titanlite.config import JobConfig
+from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError
 from titanlite.models.registry import HFAdapter
-from titanlite.tools.cache import fsync_dir
+from titanlite.tools.cache import atomic_write_bytes, fsync_dir
 from titanlite.tools.records import read_json
 
 logger = logging.getLogger("titanlite")
@@ -240,6 +246,43 @@ def export_hf(
             f"exported a Hugging Face folder to {folder} ({len(shards)} shard(s), {dtype_name}) "
             f"in {time.perf_counter() - start:.1f}s"
         )
+
+
+def export_weights(model: torch.nn.Module, path: Path) -> None:
+    """The full, unsharded model weights as one torch.save file at `path` (for evaluation or
+    conversion); every rank takes part in the gather, rank 0 writes atomically."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        atomic_write_bytes(path, buf.getvalue())
+        logger.info(f"exported full weights to {path}")
+
+
+@in_phase("export")
+def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path) -> list[Path]:
+    """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
+    MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF
+    folder when it is a Hugging Face one). Returns what it wrote."""
+    c = cfg.checkpoint
+    written = []
+    if c.export_weights:
+        export_weights(model, run_dir / "weights.pt")
+        written.append(run_dir / "weights.pt")
+    if c.export_hf:
+        source = cfg.model.hf_assets_path
+        export_hf(
+            model,
+            run_dir / "hf",
+            meta.spec.hf,
+            meta.args,
+            c.export_dtype,
+            Path(source).expanduser() if source else None,
+            tokenizer,
+        )
+        written.append(run_dir / "hf")
+    return written
 
 
 def export_checkpoint(
