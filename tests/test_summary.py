@@ -7,8 +7,13 @@ import json
 from pathlib import Path
 
 from titanlite.components.checkpoint.index import MARKER as CHECKPOINT_MARKER
-from titanlite.components.console import progress_line
-from titanlite.components.summary import TENSORBOARD_ALL_POINTS, RunTally, quiet_faults, summary_lines
+from titanlite.components.summary import (
+    TENSORBOARD_ALL_POINTS,
+    RunTally,
+    progress_line,
+    quiet_faults,
+    summary_lines,
+)
 from titanlite.config import load_config
 from titanlite.preflight import startup_notes
 

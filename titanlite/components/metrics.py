@@ -1,4 +1,4 @@
-"""Where numbers go: a progress line per log step (components/console.py), JSONL files
+"""Where numbers go: a progress line per log step (components/summary.py), JSONL files
 (metrics.jsonl: a row per step), TensorBoard and, if enabled, Weights & Biases."""
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titanlite.components.console import diagnostics_line, progress_line
 from titanlite.components.run.files import RECORD_FILES, RunFiles
 from titanlite.components.run.plan import is_restart
 from titanlite.components.sinks import TensorBoard, WandB
-from titanlite.components.summary import RunTally, quiet_faults, summary_lines
+from titanlite.components.summary import (
+    RunTally,
+    diagnostics_line,
+    progress_line,
+    quiet_faults,
+    summary_lines,
+)
 from titanlite.config.job_config import JobConfig
 from titanlite.errors import TrainingError
 from titanlite.tools.cache import atomic_write_bytes

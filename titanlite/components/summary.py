@@ -1,9 +1,11 @@
-"""The lines a run ends with (rank 0): what this invocation did, how it ended, where to look.
+"""What the console says (rank 0): the progress line of a log step (loss, the model's loss terms,
+speed, memory, ETA, the ranks' spread), a measured step's diagnostics line, and the lines a run
+ends with: what this invocation did, how it ended, where to look.
 
-One fact per line, at most eight: the steps this invocation ran (a resumed run names where it
-resumed), the final loss and its window mean, the last eval, the alerts it raised, the steps it
-skipped, the batch against the gradient noise scale (diagnostics), the newest checkpoint and the
-exports, and the commands that open the figures.
+The closing lines hold one fact each, at most eight: the steps this invocation ran (a resumed
+run names where it resumed), the final loss and its window mean, the last eval, the alerts it
+raised, the steps it skipped, the batch against the gradient noise scale (diagnostics), the
+newest checkpoint and the exports, and the commands that open the figures.
 """
 
 from __future__ import annotations
@@ -17,13 +19,56 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import complete_steps, step_dir
-from titanlite.components.console import terms_text
 from titanlite.config.job_config import JobConfig
 from titanlite.diagnostics.alerts import history_note
-from titanlite.tools.formatting import fmt
+from titanlite.tools.formatting import fmt, format_duration
 
 # TensorBoard shows 1,000 points of a tag, sampled, unless told to keep more (0 keeps none).
 TENSORBOARD_ALL_POINTS = "--samples_per_plugin scalars=100000"
+
+
+def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") -> str:
+    """The step line; `diag` = "short" adds the measured step's spread across ranks in plain words."""
+    width = len(str(total_steps))
+    parts = [
+        f"step {rec['step']:>{width}}/{total_steps}",
+        "loss skipped" if rec["loss"] is None else f"loss {rec['loss']:.4f}",
+        *([terms_text(rec)] if rec.get("terms") else []),
+        f"grad_norm {rec['grad_norm']:.3f}",
+        f"lr {rec['lr']:.2e}",
+        f"tok/s {rec['tokens_per_s']:,.0f}",
+        f"mem {rec['memory_gib']:.2f}GiB",
+    ]
+    if "mfu_pct" in rec:
+        parts.append(f"mfu {rec['mfu_pct']:.1f}%")
+    parts.append(f"eta {format_duration(rec['eta_s'])}")
+    d = rec.get("diag")
+    if diag == "short" and d and rec["loss"]:
+        spread = [f"loss ±{100 * d['loss_std'] / rec['loss']:.1f}%"] if "loss_std" in d else []
+        spread += [f"grad norm ±{100 * d['grad_norm_cv']:.0f}%"] if "grad_norm_cv" in d else []
+        parts.append(f"ranks {', '.join(spread)}")
+    return " | ".join(parts)
+
+
+def diagnostics_line(d: dict[str, Any]) -> str:
+    noise = d.get("noise_scale_tokens")  # below zero: not measurable (summary_lines)
+    return " | ".join(
+        [
+            f"diag step {d['step']}",
+            f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
+            f"tokens {d['tokens_min']}..{d['tokens_max']}",
+            f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
+            f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
+            f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
+            f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
+        ]
+    )
+
+
+def terms_text(rec: dict[str, Any]) -> str:
+    """A row's loss terms beside its loss (the cross entropy), and what the step minimised."""
+    terms = ", ".join(f"{name} {value:.4g}" for name, value in rec["terms"].items())
+    return f"{terms}, total {rec['loss_total']:.4f}"
 
 
 @dataclass
