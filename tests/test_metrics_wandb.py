@@ -14,8 +14,7 @@ from typing import Any
 import pytest
 from helpers import REPO, tensorboard_items
 
-from titanlite.components.metrics import MetricsWriter
-from titanlite.components.sinks import WANDB_ID_FILE, WANDB_STEP, tensorboard_dir
+from titanlite.components.metrics import WANDB_ID_FILE, WANDB_STEP, MetricsWriter, tensorboard_dir
 from titanlite.config import JobConfig, parse_args
 from titanlite.diagnostics.alerts import Alert
 from titanlite.errors import UserError

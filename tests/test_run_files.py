@@ -17,9 +17,8 @@ import time
 
 import pytest
 
-from titanlite.components.metrics import MetricsWriter
+from titanlite.components.metrics import MetricsWriter, tensorboard_dir
 from titanlite.components.run.files import RunFiles
-from titanlite.components.sinks import tensorboard_dir
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_json, read_records

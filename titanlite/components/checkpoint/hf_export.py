@@ -38,7 +38,7 @@ from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
-from titanlite.errors import TrainingError
+from titanlite.errors import TrainingError, UserError
 from titanlite.models.registry import HFAdapter
 from titanlite.tools.cache import atomic_write_bytes, fsync_dir
 from titanlite.tools.records import read_json
@@ -177,36 +177,25 @@ def write_hf_folder(
         raise
     if writes and not error:
         try:
-            _finish(folder, tmp, config, weight_map, total, len(shards), files)
+            if len(shards) > 1:
+                weight_map = dict(sorted(weight_map.items()))
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            for name, what in files.items():
+                if isinstance(what, bytes):
+                    (tmp / name).write_bytes(what)
+                else:
+                    shutil.copy2(what, tmp / name)
+            fsync_dir(tmp)
+            if folder.exists():  # an export of this run from an earlier attempt
+                shutil.rmtree(folder)
+            os.replace(tmp, folder)
         except OSError as e:
             error = f"publishing {folder}: {e}"
     if error and writes:
         shutil.rmtree(tmp, ignore_errors=True)
     return error
-
-
-def _finish(
-    folder: Path,
-    tmp: Path,
-    config: dict,
-    weight_map: dict,
-    total: int,
-    n: int,
-    files: dict[str, Path | bytes],
-) -> None:
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name, what in files.items():
-        if isinstance(what, bytes):
-            (tmp / name).write_bytes(what)
-        else:
-            shutil.copy2(what, tmp / name)
-    fsync_dir(tmp)
-    if folder.exists():  # an export of this run from an earlier attempt
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
 
 
 def export_hf(
@@ -299,7 +288,6 @@ def export_checkpoint(
     number of shards."""
     from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.components.checkpoint.model import read_tensors, rebuild
-    from titanlite.errors import UserError
 
     if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":
         raise UserError(f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder")

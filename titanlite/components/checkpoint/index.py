@@ -227,8 +227,8 @@ def step_to_read(
     return step_dir(folder, found)
 
 
-def _passed_over(path: Path, why: str) -> None:
-    logger.warning(f"checkpoint {path} is damaged ({why}); reading the newest intact one before it")
+def _passed_over(path: Path, why: str, what: str = "is damaged") -> None:
+    logger.warning(f"checkpoint {path} {what} ({why}); reading the newest intact one before it")
 
 
 def _intact_beside(path: Path) -> str:
@@ -260,9 +260,7 @@ def read_checkpoint(
                 raise UserError(
                     f"checkpoint '{chosen}' failed to load ({why}); it is damaged: {_intact_beside(chosen)}"
                 ) from None
-            logger.warning(
-                f"checkpoint {chosen} failed to load ({why}); reading the newest intact one before it"
-            )
+            _passed_over(chosen, why, "failed to load")
             failed.append(int(chosen.name[5:]))
 
 

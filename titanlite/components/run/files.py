@@ -9,7 +9,7 @@ events.jsonl, eval.jsonl, samples.jsonl, and the TensorBoard folder's health.
   the next append or check (every log step) and written again from there, with one line saying
   so; one replaced by a folder, or a run folder that is gone, stops the run (exit 3).
 - Files get the modes the user's umask gives (created 0666 & ~umask), as every other file.
-titanlite.tools.records reads what this writes.
+titanlite.tools.records reads what this writes; a resume first cuts it back (truncate_after).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from titanlite.components.checkpoint.index import complete_steps
 from titanlite.errors import TrainingError
-from titanlite.tools.cache import disk_full
+from titanlite.tools.cache import atomic_write_bytes, disk_full
 
 logger = logging.getLogger("titanlite")
 
@@ -160,3 +160,21 @@ class RunFiles:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """A resumed run continues from `step`: drop the records of later steps (written before the
+    crash) from the JSONL files, and a line cut off by the crash; each file rewritten atomically."""
+    for name in RECORD_FILES:
+        path = run_dir / name
+        if not path.is_file():
+            continue
+        kept = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("step", 0) <= step:
+                kept.append(line + "\n")
+        atomic_write_bytes(path, "".join(kept).encode())

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.components.checkpoint.index import quarantine_damaged
-from titanlite.components.metrics import truncate_after
-from titanlite.components.run.files import RunFiles
+from titanlite.components.run.files import RunFiles, truncate_after
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import (
     REHEARSAL_FILE,
