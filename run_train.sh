@@ -19,7 +19,7 @@ source scripts/env.sh
 # The words go to Python untouched: which config applies (the default
 # train_configs/debug_model.toml, one --config), --rehearse W and every override are read in one
 # place, titanlite/config/command_line.py. The launcher reads NGPU, NPROC, NNODES, NODE_RANK,
-# MASTER_ADDR, MASTER_PORT, LOG_RANK, MAX_RESTARTS (titanlite/components/run/environment.py: one
+# MASTER_ADDR, MASTER_PORT, LOG_RANK, MAX_RESTARTS (titanlite/components/run/torchrun.py: one
 # line, exit 2, if one is wrong), checks the config, fixes the run folder, locks it, then runs
 # torchrun's agent: titanlite/launch.py.
 exec "$PY" -m titanlite.launch --from-env --caller-cwd "$caller" "$@"

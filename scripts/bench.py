@@ -73,7 +73,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.analysis import harness  # noqa: E402
-from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.config import parse_args  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 

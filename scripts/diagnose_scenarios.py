@@ -75,7 +75,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
-from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.diagnostics.scenarios import detection, expected, scenarios  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402

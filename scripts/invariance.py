@@ -60,7 +60,7 @@ from titanlite.analysis.localize import base_flags, first_divergence, read, step
 from titanlite.analysis.runs import load_run  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
-from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.config import load_config, parse_args  # noqa: E402
 from titanlite.config.command_line import words  # noqa: E402
 from titanlite.config.layout import fitting_local_batch, rank_share  # noqa: E402

@@ -29,7 +29,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
-from titanlite.components.run.environment import MAX_RANKS  # noqa: E402
+from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]

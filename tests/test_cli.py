@@ -438,7 +438,7 @@ def test_the_launcher_blames_the_cause_in_every_combination_of_failures():
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from titanlite.components.run.failures import NO_RESTART, cause
+    from titanlite.components.run.torchrun import NO_RESTART, cause
     from titanlite.errors import EXIT_LOST_RANK
 
     codes = (2, 3, 130, 143, 1, -9, -15, EXIT_LOST_RANK)
@@ -468,7 +468,7 @@ def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_pa
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from titanlite.components.run.failures import report_failure
+    from titanlite.components.run.torchrun import report_failure
 
     line = "titanlite: stopped: writing metrics.jsonl failed: disk full"
     for i, (own, other, shown) in enumerate(itertools.product((True, False), (True, False), (None, {1}))):

@@ -1,6 +1,6 @@
 """torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
 [train args]`, or (run_train.sh) `python -m titanlite.launch --from-env --caller-cwd DIR [train
-args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.environment).
+args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun).
 The train args are the command line's words (titanlite.config.command_line: the default config,
 one --config, --rehearse); `--caller-cwd` is the folder the user ran the command in, which
 relative paths mean (titanlite.config.paths) and where a fork's module may live.
@@ -69,10 +69,17 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.checkpoint.index import quarantine_damaged, set_aside_abandoned
-from titanlite.components.run.environment import torchrun_args
-from titanlite.components.run.failures import NO_RESTART, STOP_SIGNALS, cause, how, printed_by, report_failure
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
+from titanlite.components.run.torchrun import (
+    NO_RESTART,
+    STOP_SIGNALS,
+    cause,
+    how,
+    printed_by,
+    report_failure,
+    torchrun_args,
+)
 from titanlite.config import JobConfig
 from titanlite.config.command_line import launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV

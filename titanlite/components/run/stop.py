@@ -1,8 +1,5 @@
-"""Stopping on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) without losing work.
-
-A rank that fails at what only it does (rank 0's writes into the run folder) says so through
-the same agreement (fail()): every rank then stops with its line, never one rank alone while
-the others wait for it in the next collective.
+"""Stopping on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) without losing work, and on
+a failure of what only one rank does (fail()), which every rank then stops for with its line.
 
 The handler only records the signal. Ranks may receive it at different steps, or one rank only,
 so they agree on the stop step through a MAX all-reduce of the recorded signal on a gloo group
@@ -30,10 +27,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from titanlite.components.run.torchrun import STOP_SIGNALS
 from titanlite.distributed.groups import host_group
 from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # The flag's value for "a rank failed to write what only it writes" (rank 0: the run folder's
 # records): above every signal number, so it wins the MAX, and every rank stops with that line.
 FAILED = 1 << 16
