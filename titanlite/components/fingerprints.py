@@ -73,11 +73,8 @@ class Recorder:
         """`fn` (sequence_losses' signature) with each call's sequences named for the hooks."""
 
         def wrapped(model, batch, path, step=None):
-            self._rows, self._calls, self._forward = (
-                self.rows_of(self._micro, len(batch.inputs)),
-                Counter(),
-                True,
-            )
+            self._rows = self.rows_of(self._micro, len(batch.inputs))
+            self._calls, self._forward = Counter(), True
             self._positions = batch.inputs.shape[1]
             self._micro += 1
             try:

@@ -78,16 +78,11 @@ def generate(
 ) -> list[list[int]]:
     """The new tokens of each prompt: up to `max_new_tokens`, ending with a stop token where the
     model chose one (`eos_id`: one id or several, e.g. generation_config.json's list and a chat's
-    end of turn). Greedy at temperature 0, else nucleus sampling (see `choose`) with `generator`
-    (None: a fresh one seeded 0 on the model's device).
-
-    Input never exceeds the model's max_seq_len: at most max_seq_len - 1 new tokens, and a
-    prompt keeps only its last max_seq_len - (new tokens) tokens.
-
-    With torch.distributed initialized and `group` (None: the world) of more than one rank,
-    every rank of the group must call this with the same prompts (FSDP's forwards are
-    collective); each step's tokens are broadcast from the group's rank `src`, so all ranks
-    return the same. The model runs in eval mode; its training flag is restored after.
+    end of turn). Greedy at temperature 0, else nucleus sampling (`choose`) with `generator`
+    (None: a fresh one seeded 0 on the model's device). Input never exceeds the model's
+    max_seq_len: at most max_seq_len - 1 new tokens, after the prompt's last max_seq_len - (new
+    tokens) tokens. With a `group` (None: the world) of more than one rank, each step's tokens
+    are broadcast from its rank `src` (module doc). The model runs in eval mode, then as it was.
     """
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}")

@@ -5,11 +5,11 @@ Reference Manual recommend against single-step anomalies (a toxic batch, an over
 Decided on the device, with no host read, through the same found_inf path as the zero-token
 skip, so a skipped step consumes its data and its LR step like one. A step is a spike when at
 least `min_history` earlier values are known and its value exceeds their mean + k * std
-(population std over the last `window` applied steps; the [spike_guard] section). Skipped steps never enter the
-history, so a run of spikes cannot raise its own threshold. The log step reads what happened,
-logs every skip, and stops the run once more than `max_consecutive` steps in a row were
-skipped (the steps up to that log step are skipped too: nothing unsafe is applied meanwhile).
-The history is saved in checkpoints, so a resumed run decides as the uninterrupted one.
+(population std over the last `window` applied steps; [spike_guard]). Skipped steps never enter
+the history, so a run of spikes cannot raise its own threshold. The log step logs every skip and
+stops the run once more than `max_consecutive` were skipped in a row (the steps up to that log
+step are skipped too: nothing unsafe is applied meanwhile). The history is saved in checkpoints,
+so a resumed run decides as the uninterrupted one.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""The steps since the last log step: kept as device tensors, read on the host once, there.
-
-Per step: this rank's share of the loss (and of each loss term the model adds), whether the update was skipped (no valid token in the
-global batch, a non-finite gradient norm, or a spike; decided on the device, the same on every
-rank), the gradient norm, the global valid-token count, the learning rate (a host number the
-scheduler already holds) and the spike guard's verdict when it is on. The log step sums the
-shares over ranks (the logged loss is that sum, see titanlite.components.loss) with one
-all-reduce and reads everything with one host read, so every step gets its row in
-metrics.jsonl and its point in TensorBoard at no extra cost.
+"""The steps since the last log step (WindowRecord's fields), kept as device tensors and read on
+the host once, there: the log step sums the loss shares over ranks (the logged loss is that sum,
+see titanlite.components.loss) with one all-reduce and reads everything with one host read, so
+every step gets its row in metrics.jsonl and its point in TensorBoard at no extra cost.
 """
 
 from __future__ import annotations
@@ -200,9 +195,5 @@ class StepWindow:
         return record
 
     def clear(self) -> None:
-        self._steps.clear()
-        self._shares.clear()
-        self._flags.clear()
-        self._guard.clear()
-        self._norms.clear()
-        self._lrs.clear()
+        for kept in (self._steps, self._shares, self._flags, self._guard, self._norms, self._lrs):
+            kept.clear()

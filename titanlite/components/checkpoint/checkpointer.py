@@ -77,12 +77,10 @@ logger = logging.getLogger("titanlite")
 
 class Checkpointer:
     """Saves and loads the training state; every rank calls save(), wait() and load() together.
-
     async_mode = "async": save() returns once DCP has copied the state to host memory; the write
     and the publish run on a background thread, whose DCP collectives use a gloo group of their
     own so they never queue behind the training step's. The next save(), and wait() at the end
-    of training, settle it: a failure there raises on every rank, as a synchronous save would.
-    """
+    of training, settle it: a failure there raises on every rank, as a synchronous save would."""
 
     def __init__(
         self,

@@ -282,10 +282,9 @@ def export_checkpoint(
     import_module: str = "",
 ) -> int:
     """A titanlite checkpoint step folder as a Hugging Face folder, in one process with no
-    process group: the model is rebuilt from the checkpoint's identity (state.json: model,
-    tokenizer, sequence length; components/checkpoint/model.py), then every tensor is read from
-    DCP on its own, so memory is bounded by one shard. Only reads `step_folder`. Returns the
-    number of shards."""
+    process group: the model rebuilt from its state.json (components/checkpoint/model.py), every
+    tensor read from DCP on its own, so memory is bounded by one shard. Only reads
+    `step_folder`. Returns the number of shards."""
     from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 

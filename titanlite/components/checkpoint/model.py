@@ -1,9 +1,7 @@
-"""The model a checkpoint step folder holds, rebuilt offline: one process, no process group, no
-run config. The checkpoint's state.json says what the run trained (its identity: model, flavor
-or hf_assets_path, tokenizer, sequence length), which is enough to build the same model and
-tokenizer; the weights are then read from DCP. scripts/export_hf.py (through
-hf_export.export_checkpoint) and scripts/generate.py start here.
-"""
+"""The model a checkpoint step folder holds, rebuilt offline (one process, no process group, no
+run config) from what its state.json says the run trained (its identity: model, flavor or
+hf_assets_path, tokenizer, sequence length), the weights then read from DCP: where
+scripts/export_hf.py (hf_export.export_checkpoint) and scripts/generate.py start."""
 
 from __future__ import annotations
 

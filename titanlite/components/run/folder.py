@@ -1,11 +1,6 @@
-"""The run folder: where a run writes (config.toml, run.json, metrics, checkpoints, logs) and
-whether it resumes.
-
-`<job.dump_folder>/<job.run_name>` (components/run/plan.py names it). A folder that holds a
-complete checkpoint (in checkpoint.folder) is resumed from it; one that holds a run without a
-checkpoint is refused, so two runs never mix in one metrics file; one that a live run holds
-(components/run/lock.py) is refused too. Everything is decided and checked before the first
-file is written.
+"""The run folder opened by the workers: where a run writes (config.toml, run.json, metrics,
+checkpoints, logs) and whether it resumes, as components/run/plan.py decides, under the run lock
+(components/run/lock.py); everything is decided and checked before the first file is written.
 """
 
 from __future__ import annotations
