@@ -111,9 +111,8 @@ class Recorder:
         return hook
 
     def _per_row(self, t: torch.Tensor) -> bool:
-        """Whether `t` has one row per sequence ([B, ...]), or is token-major ([B*S, ...], a
-        router's, which reads the tokens flattened), each sequence's tokens in a block of rows:
-        either is summarised per sequence (`summary` views it as [B, -1])."""
+        """Whether `t` is [B, ...] or token-major [B*S, ...] (module doc): either is summarised
+        per sequence (`summary` views it as [B, -1])."""
         n = len(self._rows)
         return t.ndim >= 1 and t.shape[0] in (n, n * self._positions)
 

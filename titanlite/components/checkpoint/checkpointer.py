@@ -118,9 +118,8 @@ class Checkpointer:
         self.tokenizer = tokenizer_key(cfg)  # what its token ids mean: a start from the checkpoint compares
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
-        """Register the parts of the training state that live on the host (read at a log step;
-        saved in state.json under their names) and RNG streams (saved per rank) beside the model
-        and the optimizer."""
+        """Register the host-side parts of the training state (read at a log step; saved in
+        state.json under their names) and RNG streams (saved per rank)."""
         self.parts.update(parts)
         self.generators.update(generators)
 
@@ -379,9 +378,8 @@ class Checkpointer:
         return host
 
     def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
-        """Another run's step folder as the start of this one: the model (resharded to this
-        layout) and, `with_optimizer`, the optimizer state. Only reads `path`. Returns its
-        state.json."""
+        """Another run's step folder as the start of this one: the model and, `with_optimizer`,
+        the optimizer state, resharded to this layout. Only reads `path`; returns its state.json."""
         host, error = None, None
         try:
             host = self._load_state(path, with_optimizer, check=True)
