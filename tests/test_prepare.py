@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO, load_script
+from helpers import REPO, load_script, run_script
 
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_tokenizer
@@ -68,9 +68,8 @@ def tok():
     return build_tokenizer(_cfg())
 
 
-def _script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/prepare_data.py", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return run_script("prepare_data", *args)
 
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, needle: str) -> None:
