@@ -555,7 +555,7 @@ def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as
 
     from titanlite.datasets.chat import chat_segments, template_pieces
     from titanlite.datasets.records import record_tokens
-    from titanlite.datasets.sft import to_example
+    from titanlite.datasets.sequences import to_example
     from titanlite.datasets.tokenizer import load_tokenizer
     from titanlite.ops.cross_entropy import IGNORE_INDEX
 

@@ -1,4 +1,5 @@
-"""Build this rank's data loader: tokenizer, dataset (cached), sampler, StatefulDataLoader."""
+"""Build this rank's data loader: tokenizer, dataset (cached), sampler, StatefulDataLoader; and
+trace a step's sequences from the config alone (trace_step)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,21 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout
+from titanlite.config.layout import Layout, rank_share
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
-from titanlite.datasets.mixture import MixtureDataset
 from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
-from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler
-from titanlite.datasets.sft import PackedSFTDataset, SFTDataset
-from titanlite.datasets.sources import discover
+from titanlite.datasets.sequences import (
+    MixtureDataset,
+    PackedDataset,
+    PackedSFTDataset,
+    SFTDataset,
+    SyntheticDataset,
+)
 from titanlite.datasets.spec import parse_data_path
 from titanlite.datasets.split import HeldOut, Subset, spaced, split_part
-from titanlite.datasets.synthetic import SyntheticDataset
 from titanlite.datasets.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -111,7 +114,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
     """Raw inputs (or the built-in data for name "") prepared into the cache, once per node."""
     cache, mode = cache_dir(cfg.data.cache_dir), cfg.data.mode
     if name:
-        files = discover(name, logger.warning)
+        files = corpus.discover(name, logger.warning)
     elif mode == "sft":
         jsonl = cache / f"sft-stdlib-{corpus.corpus_fingerprint()}.jsonl"
 
@@ -248,3 +251,23 @@ def build_dataloader(
             # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
             generator=torch.Generator().manual_seed(cfg.training.seed),
         )
+
+
+def trace_step(cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None) -> list[dict]:
+    """One entry per sequence of step `step` (1-based): its position in the global batch, the
+    rank that reads it at `dp`, its index and its sources (file, row, token range). A step's
+    batch depends only on the seed, the global batch size, seq_len and the data (sampler.py), so
+    neither the run nor a GPU is needed (scripts/trace_batch.py, scripts/inspect_step.py)."""
+    g = cfg.training.global_batch_size
+    if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
+        raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
+    dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
+    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
+    per_rank = rank_share(cfg, dp)
+    out = []
+    for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
+        if rank is None or j // per_rank == rank:
+            out.append(
+                {"position": j, "rank": j // per_rank, "sequence": index, "sources": dataset.trace(index)}
+            )
+    return out

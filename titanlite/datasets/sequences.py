@@ -1,6 +1,12 @@
-"""Supervised fine-tuning: one prepared record per sequence (SFTDataset), or several packed into
-one (PackedSFTDataset); only their target tokens (the response, the assistant turns:
-titanlite.datasets.records) have labels."""
+"""The datasets the sampler indexes, sequence by sequence: pretraining windows of a prepared token
+stream (PackedDataset), SFT records one per sequence (SFTDataset) or packed (PackedSFTDataset),
+random tokens (SyntheticDataset), and several of them as one index space (MixtureDataset).
+
+Each gives sequence i as (inputs, labels[, positions]) of seq_len and `trace(i)`, its sources;
+but synthetic data, `content_slots(i)`, its slots that hold tokens rather than padding. Only
+targets have labels: every token of a window or of synthetic data, the response or assistant
+turns of an SFT record (titanlite.datasets.records).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,36 @@ from titanlite.datasets.packing import best_fit_decreasing, restart_positions
 from titanlite.datasets.prepared import Prepared
 from titanlite.errors import UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
+
+
+class PackedDataset:
+    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. A window spans
+    several documents: trace(i) names them all. With `document_mask` each item also carries its
+    tokens' positions within their documents (restarting at each document and at the window's
+    start), so attention stays inside a document."""
+
+    def __init__(self, data: Prepared, seq_len: int, document_mask: bool = False) -> None:
+        self.data = data
+        self.seq_len = seq_len
+        self.document_mask = document_mask
+
+    def __len__(self) -> int:
+        return max(0, (self.data.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        start = i * self.seq_len
+        window = self.data.tokens(start, start + self.seq_len + 1)
+        if not self.document_mask:
+            return window[:-1], window[1:]
+        starts = self.data.document_starts(start, start + self.seq_len) - start
+        return window[:-1], window[1:], restart_positions(starts, self.seq_len)
+
+    def content_slots(self, i: int) -> int:
+        return self.seq_len  # windows have no padding
+
+    def trace(self, i: int) -> list[dict]:
+        start = i * self.seq_len
+        return self.data.trace(start, start + self.seq_len + 1)
 
 
 def to_example(
@@ -47,7 +83,6 @@ class SFTDataset:
         return [{**self.data.source(i), "tokens": [0, min(len(ids), self.seq_len + 1)]}]
 
     def content_slots(self, i: int) -> int:
-        """Slots of sequence i that hold a record's tokens rather than padding."""
         return min(len(self.data.document(i)[0]), self.seq_len + 1) - 1
 
     def check_targets(self) -> str | None:
@@ -121,3 +156,66 @@ class PackedSFTDataset(SFTDataset):
 
     def content_slots(self, i: int) -> int:
         return int(self.slots[self.records(i)].sum())
+
+
+# Synthetic sequences in the index space: the sampler computes its permutation per step, never
+# stores it, so the size costs nothing, and no benchmark reads this far.
+SYNTHETIC_SIZE = 1 << 40
+
+
+class SyntheticDataset:
+    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): a model's real
+    vocabulary (128,256 for Llama 3) without its tokenizer or a corpus. Sequence i is seq_len + 1
+    tokens drawn uniformly from [0, vocab_size) by a generator seeded with (seed, i), so it
+    depends on its index alone, like a real dataset's: every rank, a resumed run and the
+    diagnostics' data checks see the same sequence for the same index."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return SYNTHETIC_SIZE
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        window = np.random.default_rng([self.seed, int(i)]).integers(
+            0, self.vocab_size, self.seq_len + 1, dtype=np.int64
+        )
+        return window[:-1], window[1:]
+
+    def trace(self, i: int) -> list[dict]:
+        return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": [0, self.seq_len + 1]}]
+
+
+class MixtureDataset:
+    """Datasets as one index space, with their weights: the sampler (titanlite.datasets.sampler)
+    decides how often each is read; this only maps a global index to a dataset and its own index."""
+
+    def __init__(self, parts: list, weights: list[float], identity: list[dict] | None = None) -> None:
+        self.parts = parts
+        self.weights = weights
+        # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
+        # says all of it (synthetic data, an eval set)
+        self.identity = identity
+        self.sizes = [len(p) for p in parts]
+        self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _find(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return k, i - int(self.starts[k])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        k, j = self._find(i)
+        return self.parts[k][j]
+
+    def trace(self, i: int) -> list[dict]:
+        k, j = self._find(i)
+        return self.parts[k].trace(j)
+
+    def content_slots(self, i: int) -> int:
+        k, j = self._find(i)
+        return self.parts[k].content_slots(j)
