@@ -17,8 +17,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from titanlite.datasets.chat import render
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
+from titanlite.datasets.records import render
 from titanlite.errors import UserError, first_line
 from titanlite.models.hf_files import read_generation_config, read_special_tokens_map, read_tokenizer_config
 from titanlite.tools.cache import atomic_write_bytes
