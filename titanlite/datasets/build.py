@@ -24,14 +24,17 @@ from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sequences import (
+    HeldOut,
     MixtureDataset,
     PackedDataset,
     PackedSFTDataset,
     SFTDataset,
+    Subset,
     SyntheticDataset,
+    spaced,
+    split_part,
 )
 from titanlite.datasets.spec import parse_data_path
-from titanlite.datasets.split import HeldOut, Subset, spaced, split_part
 from titanlite.datasets.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -43,7 +46,7 @@ from titanlite.distributed.groups import host_group
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir, disk_full
-from titanlite.tools.logging import init_logging
+from titanlite.tools.process import init_logging
 
 logger = init_logging()
 
@@ -153,7 +156,7 @@ def _open_prepared(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> P
 
 def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, part: str | None):
     """The sequences of one prepared dataset: all of them (part None), or the "train" or "eval"
-    part of eval.fraction's split (titanlite.datasets.split). SFT records are split before they
+    part of eval.fraction's split (titanlite.datasets.sequences). SFT records are split before they
     are packed, so no pack mixes the two."""
     seq_len, d = cfg.training.seq_len, cfg.data
     if d.mode == "sft":
