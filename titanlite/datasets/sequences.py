@@ -2,8 +2,8 @@
 stream (PackedDataset), SFT records one per sequence (SFTDataset) or packed (PackedSFTDataset),
 random tokens (SyntheticDataset), and several of them as one index space (MixtureDataset).
 
-Each gives sequence i as (inputs, labels[, positions]) of seq_len and `trace(i)`, its sources;
-but synthetic data, `content_slots(i)`, its slots that hold tokens rather than padding. Only
+Each gives sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources)
+and, synthetic data aside, `content_slots(i)` (its slots that hold tokens, not padding). Only
 targets have labels: every token of a window or of synthetic data, the response or assistant
 turns of an SFT record (titanlite.datasets.records).
 
@@ -233,7 +233,7 @@ class MixtureDataset:
         return self.parts[k].content_slots(j)
 
 
-BLOCK = 10_000
+BLOCK = 10_000  # the held-out split's block of items
 _SPLIT_STREAM = 0x73706C  # its key stream, apart from the sampler's
 
 
@@ -258,6 +258,10 @@ class HeldOut:
         offsets = self.offsets[part]
         block, k = np.divmod(np.asarray(i, dtype=np.int64), len(offsets))
         return block * BLOCK + offsets[k]
+
+    def subset(self, dataset, part: str) -> Subset:
+        """The "train" or "eval" part of `dataset`."""
+        return Subset(dataset, self.size(part), functools.partial(self.indices, part))
 
 
 class Subset:
@@ -284,11 +288,6 @@ class Subset:
 
     def content_slots(self, i: int) -> int:
         return self.dataset.content_slots(self._at(i))
-
-
-def split_part(dataset, held: HeldOut, part: str) -> Subset:
-    """The "train" or "eval" part of `dataset` under `held`."""
-    return Subset(dataset, held.size(part), functools.partial(held.indices, part))
 
 
 def spaced(total: int, count: int, i: int) -> int:

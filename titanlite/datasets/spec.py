@@ -100,11 +100,18 @@ def eval_is_training_data(cfg) -> str | None:
     return None
 
 
+def cache_folder(cfg, files: list[Path], tok) -> Path:
+    """The folder of the cache that raw inputs `files` are prepared into (datasets/build.py)."""
+    from titanlite.datasets.prepare import data_key
+    from titanlite.tools.cache import cache_dir
+
+    key = data_key(files, tok, cfg.data.mode, cfg.data.text_field)
+    return cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
+
+
 def _identity(cfg, path: str, tok=None) -> list[dict] | None:
     from titanlite.datasets.corpus import discover
-    from titanlite.datasets.prepare import data_key
     from titanlite.datasets.prepared import Prepared, is_prepared
-    from titanlite.tools.cache import cache_dir
 
     if cfg.data.mode == "synthetic":
         return None
@@ -114,8 +121,7 @@ def _identity(cfg, path: str, tok=None) -> list[dict] | None:
         if folder is None or not is_prepared(folder):
             if tok is None or folder is None:  # the built-in data's files: found by the worker
                 return None
-            key = data_key(discover(name), tok, cfg.data.mode, cfg.data.text_field)
-            folder = cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
+            folder = cache_folder(cfg, discover(name), tok)
             if not (folder / "meta.json").is_file():
                 return None
         out.append({"content": Prepared(folder).content, "weight": weight, "path": name})
