@@ -25,8 +25,8 @@ from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
-from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import MIX_BLOCK, GlobalBatchSampler, permute, stream_keys
+from titanlite.datasets.sequences import PackedDataset
 from titanlite.errors import TrainingError, UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 
@@ -451,7 +451,7 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
 
 def test_a_folder_says_what_it_left_out(tmp_path):
     """Files of no readable kind under a data folder are left out, and said so, by suffix."""
-    from titanlite.datasets.sources import discover
+    from titanlite.datasets.corpus import discover
 
     (tmp_path / "a.txt").write_text("text\n")
     (tmp_path / "sub").mkdir()

@@ -79,9 +79,8 @@ from titanlite.config.manager import NOTES_SHOWN_ENV
 from titanlite.config.paths import CALLER_ENV
 from titanlite.errors import ENDINGS, EXIT_TRAINING, Stopped, UserError, report
 from titanlite.preflight import plan_run
-from titanlite.tools.logging import init_logging
 from titanlite.tools.paths import existing_parent
-from titanlite.tools.process import AGENT_PID_ENV
+from titanlite.tools.process import AGENT_PID_ENV, init_logging
 
 # After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
 # waiting on the dead peer in a collective, which no grace can finish).
