@@ -3,8 +3,8 @@
 A run folder holds config.toml (the full config), run.json (what "auto" and the layout resolved
 to) and metrics.jsonl (one record per log step; invariance runs log every step), plus
 diagnostics.jsonl when the diagnostics measured. Two runs are comparable only if they train the
-same thing (titanlite.config.identity: model, data, seed, global batch, sequence length; a
-checkpoint resumes under the same rule). Layout settings (dp degrees, mode, local batch,
+same thing (titanlite.config.fields.IDENTITY_KEYS: model, data, seed, global batch, sequence
+length; a checkpoint resumes under the same rule). Layout settings (dp degrees, mode, local batch,
 accumulation, logging) are what an invariance comparison varies; anything else that differs
 (loss normalization, optimizer, precision, dropout, faults) is reported, and the verdict says
 whether it mattered.
@@ -27,7 +27,7 @@ from titanlite.analysis.gradients import GradientCheck, gradient_check
 from titanlite.analysis.plots import plot_invariance
 from titanlite.analysis.runs import Run
 from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
-from titanlite.config.identity import IDENTITY_KEYS
+from titanlite.config.fields import IDENTITY_KEYS
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 
