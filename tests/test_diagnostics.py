@@ -12,7 +12,7 @@ from helpers import BF16_GRAD_TOL, run_per_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanlite.diagnostics.sketch import CountSketch
+from titanlite.diagnostics.probe import CountSketch
 from titanlite.diagnostics.stats import PAIRS_KEPT, NoiseScale, rank_noise, step_metrics
 from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep, fold_replicas
 

@@ -20,9 +20,17 @@ from dataclasses import asdict, dataclass, field
 import titanlite.diagnostics.catalogue  # noqa: F401  (registers the built-in alerts)
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.datasets.corpus import source_name
-from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Context, cause
+from titanlite.diagnostics.registry import (
+    REGISTRY,
+    AlertSpec,
+    Context,
+    Finding,
+    Point,
+    Window,
+    cause,
+    point,
+)
 from titanlite.diagnostics.rules import SPREAD_ONLY
-from titanlite.diagnostics.window import Finding, Point, Window, point
 
 STATE_VERSION = 2  # of AlertMonitor.state_dict; a checkpoint's of another starts the history again
 

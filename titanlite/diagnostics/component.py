@@ -6,7 +6,7 @@ measured step each rank times its data loading and its wait at a one-value barri
 starts (stragglers.py), and the probe (see probe.py) watches the gradient reduction; at the end
 of the step each rank contributes (summed loss, valid tokens, local gradient norm^2, its
 sampler's hash of the global batch, those times; per sequence: its index, summed loss, valid
-tokens and a fingerprint of its tokens, so an alert can name the data behind it, data_checks.py
+tokens and a fingerprint of its tokens, so an alert can name the data behind it, rules.py
 can compare what ranks read and rank_sum.py can compare their losses) plus its
 partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
 so none of it queues behind, or delays, the gradient traffic. Every `replica_check_every`
@@ -32,11 +32,16 @@ from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
-from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
-from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep, fold_replicas
+from titanlite.diagnostics.step_record import (
+    RECORD_VERSION,
+    RankRow,
+    RankStep,
+    content_fingerprint,
+    fold_replicas,
+)
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX

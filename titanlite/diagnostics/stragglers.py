@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics.window import Finding, Point
+from titanlite.diagnostics.registry import Finding, Point
 
 
 class Arrival:
