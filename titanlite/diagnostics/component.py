@@ -41,6 +41,7 @@ from titanlite.diagnostics.step_record import (
     RankStep,
     content_fingerprint,
     fold_replicas,
+    unpack,
 )
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
@@ -287,8 +288,9 @@ class Diagnostics:
         steps, hashes = readback((steps, [c.hashes for c in checks]))
         measured = []
         for p, got in zip(self._pending, steps, strict=True):
-            per_rank, gram = fold_replicas(got["per_rank"], got["gram"], self.split, not self.per_microbatch)
-            measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, got["norm"]))
+            rows = [unpack(row) for row in got["per_rank"]]
+            rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
+            measured.append(_Measured(p.step, [RankRow.of(row) for row in rows], gram, got["norm"]))
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, hashes, strict=True)]
 
