@@ -128,11 +128,11 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     path = _config_file(pairs)
     if path is not None:
         path = resolved(path)
-    overrides = [w for n, v in pairs if n != "config" and n not in HELP_FLAGS for w in (f"--{n}", v or "")]
-    given = Counter(n for n, _ in pairs if n != "config" and n not in HELP_FLAGS)
-    for name, times in given.items():  # the last applies, as with any command line: said, not silent
+    given = [(n, v or "") for n, v in pairs if n != "config" and n not in HELP_FLAGS]
+    overrides = [w for n, v in given for w in (f"--{n}", v)]
+    for name, times in Counter(n for n, _ in given).items():  # the last applies: said, not silent
         if times > 1 and notes is not None:
-            last = next(v for n, v in reversed(pairs) if n == name)
+            last = next(v for n, v in reversed(given) if n == name)
             notes.append(f"--{name} is given {times} times on the command line: the last, {last!r}, applies")
     cfg = load_config(path, overrides, notes)
     resolve_paths(cfg)
