@@ -1,11 +1,6 @@
-"""What the config's keys are, apart from their sections (titanlite.config.job_config):
-- `opt`: a field with its one-line doc, its choices and its bounds, which the manager
-  (titanlite.config.manager) checks and prints in --help; `schedule`: a schedule field, with `due`
-  the one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
-  follows;
-- IDENTITY_KEYS: what makes two runs train the same thing;
-- MOVED_KEYS: keys that moved, and where they live now.
-"""
+"""What the config's keys are, apart from their sections (titanlite.config.job_config): how a
+field is declared (`opt`, `schedule`, and `due`, the one schedule rule), which keys make a run's
+identity (IDENTITY_KEYS) and which keys moved (MOVED_KEYS)."""
 
 from __future__ import annotations
 
@@ -35,11 +30,12 @@ def opt(
     path: str | None = None,
     whole_items: bool = False,
 ) -> Any:
-    """A dataclass field with its one-line doc and, for strings, the allowed values; for numbers,
-    the bounds a value must keep (checked with every config: titanlite.config.manager.check_values);
-    for paths, `path` "file" (one path) or "mixture" (data.path's), read from the caller's folder
-    (titanlite.config.command_line); for lists whose items may hold commas (prompts),
-    `whole_items`: a command-line value is one item unless it is a JSON list."""
+    """A dataclass field with its one-line doc (printed in --help) and, for strings, the allowed
+    values; for numbers, the bounds a value must keep (checked with every config:
+    titanlite.config.manager.check_values); for paths, `path` "file" (one path) or "mixture"
+    (data.path's), read from the caller's folder (titanlite.config.command_line); for lists whose
+    items may hold commas (prompts), `whole_items`: a command-line value is one item unless it is
+    a JSON list."""
     meta: dict[str, Any] = {"help": help}
     if whole_items:
         meta["whole_items"] = True
@@ -61,7 +57,9 @@ def schedule(default: int, what: str, note: str = "") -> Any:
 
 
 def due(step: int, every: int) -> bool:
-    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never."""
+    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never.
+    The one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
+    follows."""
     return every > 0 and step % every == 0
 
 
