@@ -16,7 +16,7 @@ import pytest
 from titanlite.components.checkpoint.index import file_record, step_dir
 from titanlite.components.checkpoint.resume import OPTIMIZER_GROUPS, check_resumable
 from titanlite.config import load_config
-from titanlite.config.identity import identity
+from titanlite.config.fields import identity
 from titanlite.datasets.corpus import discover
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared

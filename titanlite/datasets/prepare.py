@@ -77,7 +77,7 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
 def content_key(mode: str, tok: Any, shards: list[str | None]) -> str | None:
     """What a prepared folder trains on, computed once as it is prepared: every document's
     tokens (and SFT mask) in order, shard by shard, and the tokenizer's fingerprint; not where
-    the inputs were, nor when. A run's identity holds it (titanlite.config.identity), so a
+    the inputs were, nor when. A run's identity holds it (titanlite.config.fields), so a
     resume on other data is refused and the same data moved or copied elsewhere still resumes.
     None where a shard was prepared before shards recorded theirs."""
     if any(c is None for c in shards):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titanlite.config.paths import mixture_items
+from titanlite.config.command_line import mixture_items
 from titanlite.errors import UserError
 
 RAW_LIMIT_BYTES = 2 << 30

@@ -4,7 +4,7 @@ A checkpoint of step N is the folder `<folder>/step-<N>`:
     DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
                              replicas); DCP reshards on load, so dp degree and mode may change
     state.json               step, LR scheduler, diagnostics (noise-scale EMA, alert history),
-                             what it was trained on (titanlite.config.identity), the whole
+                             what it was trained on (config/fields.py IDENTITY_KEYS), the whole
                              config and the run folder that wrote it (components/checkpoint/resume.py)
     rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; the rule for a
                              resume at another world size: components/checkpoint/rng.py)
@@ -62,8 +62,7 @@ from titanlite.components.checkpoint.resume import (
 from titanlite.components.checkpoint.rng import load_rng, save_rng
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
-from titanlite.config.fields import due
-from titanlite.config.identity import identity
+from titanlite.config.fields import due, identity
 from titanlite.datasets.build import tokenizer_key
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase

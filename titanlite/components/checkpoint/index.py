@@ -2,7 +2,7 @@
 one: components/checkpoint/resume.py). Torch-free for checkpoints that record their files: the
 launcher's preflight asks it before any worker starts, the trainer again in rank 0.
 
-A step folder's state.json records what the run trained on (titanlite.config.identity), the whole
+A step folder's state.json records what the run trained on (titanlite.config.fields), the whole
 config, the run folder that wrote it, and every other file of the step with its size (and, for
 files up to CHECKSUM_MAX_BYTES, a CRC32); see components/checkpoint/checkpointer.py for the
 layout. Sizes catch a truncated or missing file; the checksum, on the small files only, a

@@ -13,7 +13,7 @@ from typing import Any
 
 from titanlite.components.checkpoint.index import read_state, step_dir
 from titanlite.config import JobConfig
-from titanlite.config.identity import IDENTITY_KEYS, identity
+from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
 from titanlite.config.manager import migrate_flat
 from titanlite.distributed.param_init import canonical_name
@@ -119,7 +119,7 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float
     before, step = state.get("config"), state["step"]
     if not before:  # written before state.json kept the config
         return []
-    before = migrate_flat(before)  # moved keys compared under their new names (config/moved.py)
+    before = migrate_flat(before)  # moved keys compared under their new names (config/fields.py)
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):
