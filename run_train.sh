@@ -12,7 +12,7 @@
 #   NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT   multi-node (static rendezvous; name the run)
 # Ctrl-C / SIGTERM: the step finishes, a checkpoint is written, exit 128+signal; twice: at once.
 set -euo pipefail
-caller="$PWD"  # relative paths in the words below mean this folder (titanlite/config/paths.py)
+caller="$PWD"  # relative paths in the words below mean this folder (config/command_line.py)
 cd "$(dirname "${BASH_SOURCE[0]}")"
 source scripts/env.sh
 

@@ -34,8 +34,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.analysis.compare import compare, report  # noqa: E402
-from titanlite.analysis.experiments import overview  # noqa: E402
-from titanlite.analysis.runs import load_run  # noqa: E402
+from titanlite.analysis.runs import load_run, overview  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402

@@ -172,8 +172,8 @@ def _read(run_dir: Path, name: str) -> list[dict]:
 def _lateness(rec: dict) -> tuple | None:
     """The latest rank at the step's start: (rank, seconds, share of the step, ...), as
     titanlite/diagnostics/stragglers.py's lateness gives it, or None without the times."""
+    from titanlite.diagnostics.registry import point
     from titanlite.diagnostics.stragglers import lateness
-    from titanlite.diagnostics.window import point
 
     p = point(rec)
     return lateness(p) if p else None
@@ -196,9 +196,10 @@ def _latest_rank(records: list[dict]) -> tuple[int | None, float, float | None]:
 
 def _advice_median(records: list[dict]) -> float | None:
     """batch_size_advice's statistic at its farthest from 1 (either way): the median, over its
-    advice_steps measured steps, of B_simple over the batch's mean tokens (titanlite/diagnostics/advisor.py)."""
+    advice_steps measured steps, of B_simple over the batch's mean tokens
+    (titanlite/diagnostics/rules.py BatchAdvisor)."""
     from titanlite.config.job_config import Alerts
-    from titanlite.diagnostics.advisor import BatchAdvisor
+    from titanlite.diagnostics.rules import BatchAdvisor
 
     cfg, best = Alerts(), None
     advisor = BatchAdvisor(cfg, 1)
@@ -231,8 +232,8 @@ def _noise_rise_max(records: list[dict]) -> float | None:
     """The largest rise of a rank's gradient noise per token over its own history and over the
     other ranks' (faulty_worker's own-history rule, titanlite/diagnostics/rules.py), as a factor."""
     from titanlite.config.job_config import Alerts
+    from titanlite.diagnostics.registry import Window, point
     from titanlite.diagnostics.rules import noise_rises
-    from titanlite.diagnostics.window import Window, point
 
     cfg, pts, best = Alerts(), [], None
     for rec in records:
@@ -513,7 +514,7 @@ def healthy_markdown(figures: dict) -> str:
 
 
 def notes_table(rows: dict[str, dict]) -> str:
-    """The batch-size advice each run was given (titanlite/diagnostics/advisor.py)."""
+    """The batch-size advice each run was given (titanlite/diagnostics/rules.py BatchAdvisor)."""
     lines = [
         f"{name:<16}step {n['step']}: noise scale {n['noise_scale_tokens']:,.0f} tokens, batch {n['batch_tokens']:,.0f} "
         f"tokens -> --training.global_batch_size {n['suggested_global_batch']}"

@@ -30,9 +30,8 @@ import numpy as np  # noqa: E402
 from titanlite.components.run.folder import layout_at  # noqa: E402
 from titanlite.config import load_config  # noqa: E402
 from titanlite.config.layout import rank_share  # noqa: E402
-from titanlite.datasets.build import build_dataset, build_tokenizer  # noqa: E402
+from titanlite.datasets.build import build_dataset, build_tokenizer, trace_step  # noqa: E402
 from titanlite.datasets.corpus import source_name  # noqa: E402
-from titanlite.datasets.trace import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402

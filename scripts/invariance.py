@@ -62,9 +62,12 @@ from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
 from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.config import load_config, parse_args  # noqa: E402
-from titanlite.config.command_line import words  # noqa: E402
+from titanlite.config.command_line import (  # noqa: E402
+    absolute,
+    resolve_paths,
+    words,  # noqa: E402
+)
 from titanlite.config.layout import fitting_local_batch, rank_share  # noqa: E402
-from titanlite.config.paths import absolute, resolve_paths  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import stop_child  # noqa: E402

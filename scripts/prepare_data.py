@@ -23,8 +23,8 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.datasets.corpus import discover  # noqa: E402
 from titanlite.datasets.prepare import prepare  # noqa: E402
-from titanlite.datasets.sources import discover  # noqa: E402
 from titanlite.datasets.tokenizer import (  # noqa: E402
     Tokenizer,
     builtin_tokenizer_path,

@@ -23,7 +23,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.config import parse_args  # noqa: E402
-from titanlite.datasets.trace import trace_step  # noqa: E402
+from titanlite.datasets.build import trace_step  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 

@@ -26,14 +26,52 @@ def pytest_addoption(parser):
     )
 
 
+# Test files that share a session fixture's torchrun run in one pytest-xdist worker, so that it
+# runs once (exactness: tests/workers/exactness.py; step_counts: tests/workers/step_counts.py).
+SHARED_WORKER = {"test_distributed": "workers", "test_golden": "workers", "test_step_counts": "workers"}
+
+
+def _scope(path: str) -> str:
+    """The unit a worker runs whole: a test file, or the files of one shared worker."""
+    stem = Path(path).stem
+    return SHARED_WORKER.get(stem, stem)
+
+
+class _ByScope:
+    """scripts/test.sh runs the suite in two workers (pytest-xdist): each scope whole in one (its
+    module and session fixtures' runs once), the longest first as the baseline measured them."""
+
+    @staticmethod
+    def pytest_xdist_make_scheduler(config, log):
+        from xdist.scheduler import LoadScopeScheduling
+
+        class ByScope(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                return _scope(nodeid.split("::", 1)[0])
+
+        config.option.loadscopereorder = False  # keep the collection's order (longest first)
+        return ByScope(config, log)
+
+
+def pytest_configure(config):
+    if config.pluginmanager.hasplugin("xdist"):  # its hook exists only with the plugin
+        config.pluginmanager.register(_ByScope())
+
+
 def pytest_collection_modifyitems(config, items):
     """The catalogue's long cases and the long scenarios are deselected (not skipped) unless
-    --catalogue or --long asks for them."""
+    --catalogue or --long asks for them. The rest run longest scope first (tests/durations.json),
+    so two workers finish together."""
     off = [m for m in ("catalogue", "long") if not config.getoption(f"--{m}")]
     kept = [item for item in items if not any(item.get_closest_marker(m) for m in off)]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+    seconds: dict[str, float] = defaultdict(float)
+    if BASELINE.is_file():
+        for path, s in json.loads(BASELINE.read_text())["files"].items():
+            seconds[_scope(path)] += s
+    items.sort(key=lambda item: -seconds[_scope(str(item.path))])  # stable: a file keeps its order
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -102,7 +140,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_logreport(report):
-    _seconds[report.nodeid] += report.duration
+    _seconds[report.nodeid.split("@", 1)[0]] += report.duration  # "@group": pytest-xdist's suffix
 
 
 def per_file(seconds: dict[str, float]) -> dict[str, float]:
@@ -116,7 +154,7 @@ def per_file(seconds: dict[str, float]) -> dict[str, float]:
 def pytest_terminal_summary(terminalreporter, config):
     """Every run ends with its durations per test file beside the baseline's; TITANLITE_DURATIONS
     names a file that receives them as JSON (how tests/durations.json is made)."""
-    if not _seconds:
+    if not _seconds or hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller reports
         return
     files, wall = per_file(_seconds), time.perf_counter() - _started[0]
     base = json.loads(BASELINE.read_text()) if BASELINE.is_file() else {"files": {}}

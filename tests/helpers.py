@@ -73,6 +73,25 @@ def load_script(name: str):
     return module
 
 
+def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
+    """scripts/<name>.py's main(args) in this process, from the repository, its output captured:
+    what `python scripts/<name>.py ARGS` does, without a new interpreter importing torch (seconds
+    each). For runs that end on their own; a test that signals or kills one starts a process."""
+    import contextlib
+    import io
+
+    module = sys.modules.get(name) or load_script(name)
+    err, out = io.StringIO(), io.StringIO()
+    here = os.getcwd()
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = module.main(list(args))
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess([name, *args], code, out.getvalue(), err.getvalue())
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 

@@ -15,11 +15,10 @@ import pytest
 from titanlite.config.job_config import Alerts
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.catalogue import BUILT_IN
-from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Check, cause, register
+from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Check, Finding, cause, register
 from titanlite.diagnostics.replay import compared, load_recording, replay
 from titanlite.diagnostics.scenarios import detection, expected, scenarios
 from titanlite.diagnostics.step_record import RECORD_VERSION
-from titanlite.diagnostics.window import Finding
 from titanlite.errors import UserError
 
 RECORDINGS = sorted((Path(__file__).parent / "recordings").glob("*.json.xz"))

@@ -1,7 +1,7 @@
 """Checkpoint, resume, restart and reshard through the launcher (2- and 4-rank CPU runs, debug
 model with its output head tied to the embedding as in Llama 3.2, the built-in SFT set prepared
 by scripts/prepare_data.py and read memory-mapped, 6 steps, checkpoints every 3; the untied
-model's reshard is in tests/test_invariance.py).
+model's reshard: tests/test_invariance.py, with --long).
 
 - a worker SIGKILLed at a random step, with one restart allowed (MAX_RESTARTS), is restarted by
   torchrun and the run resumes by itself: per-step losses bitwise equal to the run that never

@@ -42,6 +42,26 @@ def single(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     )
 
 
+def refused(*args: str) -> subprocess.CompletedProcess:
+    """titanlite.train's main(argv) in this process, as `python -m titanlite.train` runs it (one
+    rank): for input it refuses before any training, seconds cheaper than a new interpreter."""
+    import contextlib
+    import io
+    import signal
+
+    import titanlite.train
+
+    err, out = io.StringIO(), io.StringIO()
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            code = titanlite.train.main(list(args))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("titanlite: error:")]
@@ -61,7 +81,7 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, needle):
-    proc = single("--job.dump_folder", str(tmp_path / "out"), *args)
+    proc = refused("--job.dump_folder", str(tmp_path / "out"), *args)
     one_line_error(proc, needle)
     assert not (tmp_path / "out").exists()
 
@@ -69,10 +89,10 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, needle):
 def test_malformed_toml_and_bad_data_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[training]\nsteps = = 3\n")
-    one_line_error(single("--config", str(bad)), "is not valid TOML")
+    one_line_error(refused("--config", str(bad)), "is not valid TOML")
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\nnot json\n')
-    proc = single(
+    proc = refused(
         *SMALL, "--data.mode", "sft", "--data.path", str(data), "--job.dump_folder", str(tmp_path / "out")
     )
     one_line_error(proc, "line 2 is not valid JSON")

@@ -1,5 +1,5 @@
 """The command line's words, read in one place (titanlite.config.command_line), and what paths
-in a config mean (titanlite.config.paths), each class by generated cases: values that hold
+in a config mean (titanlite.config.command_line), each class by generated cases: values that hold
 `--config` in any form, --config given several times or empty, --rehearse at and past its
 bounds in any script's digits, every moved key beside its new name, every path field from a
 folder that is not the checkout's."""
@@ -16,11 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanlite.config import parse_args
-from titanlite.config.command_line import DEFAULT_CONFIG, ROOT, launcher_words, wants_help
+from titanlite.config.command_line import (
+    CALLER_ENV,
+    DEFAULT_CONFIG,
+    ROOT,
+    launcher_words,
+    mixture_items,
+    wants_help,
+)
+from titanlite.config.fields import MOVED_KEYS
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX
 from titanlite.config.manager import check_values
-from titanlite.config.moved import MOVED_KEYS
-from titanlite.config.paths import CALLER_ENV, mixture_items
 from titanlite.errors import UserError
 
 TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30)

@@ -145,7 +145,7 @@ def test_user_tokenizer_file(tmp_path):
 def test_chat_records_default_format_and_bad_records(tmp_path):
     """Without a chat template (the built-in SentencePiece tokenizer): the documented default,
     with each assistant turn and its EOS as the only targets."""
-    from titanlite.datasets.chat import default_segments
+    from titanlite.datasets.records import default_segments
 
     conversation = [
         {"role": "system", "content": "Be brief."},

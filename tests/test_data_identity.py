@@ -16,10 +16,10 @@ import pytest
 from titanlite.components.checkpoint.index import file_record, step_dir
 from titanlite.components.checkpoint.resume import OPTIMIZER_GROUPS, check_resumable
 from titanlite.config import load_config
-from titanlite.config.identity import identity
+from titanlite.config.fields import identity
+from titanlite.datasets.corpus import discover
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
-from titanlite.datasets.sources import discover
 from titanlite.datasets.spec import data_identity
 from titanlite.datasets.tokenizer import Tokenizer, builtin_tokenizer_path, train_builtin_tokenizer
 from titanlite.errors import UserError

@@ -12,9 +12,16 @@ from helpers import BF16_GRAD_TOL, run_per_world
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from titanlite.diagnostics.sketch import CountSketch
+from titanlite.diagnostics.probe import CountSketch
 from titanlite.diagnostics.stats import PAIRS_KEPT, NoiseScale, rank_noise, step_metrics
-from titanlite.diagnostics.step_record import PER_SEQUENCE, SCALARS, RankRow, RankStep, fold_replicas
+from titanlite.diagnostics.step_record import (
+    PER_SEQUENCE,
+    SCALARS,
+    RankRow,
+    RankStep,
+    fold_replicas,
+    unpack,
+)
 
 WORLDS = (2, 4)
 
@@ -242,7 +249,7 @@ def test_a_measured_step_row_unpacks_by_name_what_was_packed():
         sequence_index=torch.tensor([2.0**53 - 1, 5, 6], dtype=torch.float64),
         sequence_content=torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64),
     )
-    row = RankRow.unpack(step.pack().tolist())
+    row = RankRow.of(unpack(step.pack().tolist()))
     assert (row.loss_sum, row.tokens, row.norm_sq, row.order) == (7.5, 30, 2.25, 2**52 + 1)
     assert (row.load_s, row.wait_s, row.step_s) == (0.5, None, 1.25)
     assert row.sequences == [
@@ -348,13 +355,13 @@ def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
             ).pack().tolist()
         )  # fmt: skip
     for exact_norms in (True, False):
-        folded, fgram = fold_replicas(rows, gram, split, exact_norms)
+        folded, fgram = fold_replicas([unpack(r) for r in rows], gram, split, exact_norms)
         whole = grads.view(replicas, split, -1).sum(1)
         assert len(folded) == replicas and torch.allclose(
             torch.tensor(fgram, dtype=torch.float64), whole @ whole.T, rtol=1e-12
         )
         for a, row in enumerate(folded):
-            got, mine = RankRow.unpack(row), pieces[a * split : (a + 1) * split]
+            got, mine = RankRow.of(row), pieces[a * split : (a + 1) * split]
             loss, tokens = sum(p["loss"] for p in mine), sum(p["tokens"] for p in mine)
             assert math.isclose(got.loss_sum, float(loss.sum()), rel_tol=1e-12)
             assert got.tokens == float(tokens.sum()) and got.order == 1000 + a

@@ -553,9 +553,8 @@ def test_generation_stops_at_eos_the_end_of_a_turn_and_generation_configs_list(a
 def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(assets, name):
     from transformers import AutoTokenizer
 
-    from titanlite.datasets.chat import chat_segments, template_pieces
-    from titanlite.datasets.records import record_tokens
-    from titanlite.datasets.sft import to_example
+    from titanlite.datasets.records import chat_segments, record_tokens, template_pieces
+    from titanlite.datasets.sequences import to_example
     from titanlite.datasets.tokenizer import load_tokenizer
     from titanlite.ops.cross_entropy import IGNORE_INDEX
 

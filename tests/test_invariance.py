@@ -4,11 +4,11 @@ one run per layout and gives scripts/compare_runs.py's verdict; compare_runs.py 
 Debug Llama, the built-in SFT set prepared by scripts/prepare_data.py (valid tokens differ
 between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 7 steps (past the
 warmup of 5, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
-once for the module (dp8_dp16); the dp=8 run's checkpoint of step 5, copied into a new run folder,
-continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8 run's curve
-(with --long). The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
+once for the module (dp8_dp16). With --long: the dp=8 run's checkpoint of step 5, copied into a
+new run folder, continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8
+run's curve. The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
 steps, must fail the verdict and name the step. --localize names the module of each bug planted
-in tests/fork_planted.py (two of the three with --long). (Accumulation against a single process: tests/test_distributed.py.)
+in tests/fork_planted.py and tests/fork_moe.py (three of the six with --long). (Accumulation against a single process: tests/test_distributed.py.)
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def dp8_dp16(tmp_path_factory, prepared_sft) -> tuple[subprocess.CompletedProces
 
 
 @pytest.mark.slow
-def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
+def test_dp8_vs_dp16_same_curve(dp8_dp16):
     """On data prepared by scripts/prepare_data.py (the built-in SFT set), read memory-mapped."""
     proc, summary, inv = dp8_dp16
     assert proc.returncode == 0, proc.stderr
@@ -84,9 +84,14 @@ def test_dp8_vs_dp16_same_curve_and_dp8_checkpoint_continues_at_dp16(tmp_path, d
     assert "PASS" in proc.stdout and (inv / "compare/compare.png").exists()
     assert "local batch 1 x accum 2" in proc.stdout and "local batch 1 x accum 1" in proc.stdout
 
-    # Reshard: the dp=8 run's step-SAVED checkpoint (FSDP over 8), copied into a new run folder,
-    # continues as FSDP over 16.
-    dp8 = inv / "fsdp-1x8-lb1"
+
+@pytest.mark.slow
+@pytest.mark.long  # a reshard in CI: tests/test_checkpoint.py (dp=2 to dp=4, FSDP to DDP)
+def test_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
+    """The dp=8 run's step-SAVED checkpoint (FSDP over 8, the untied model), copied into a new
+    run folder, continues as FSDP over 16 on the same curve."""
+    dp8 = dp8_dp16[2] / "fsdp-1x8-lb1"
+    assert (dp8 / "metrics.jsonl").exists(), "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
     saved = f"checkpoints/step-{SAVED:08d}"
     shutil.copytree(dp8 / saved, tmp_path / "dp16-from-dp8" / saved)
     source = ("--checkpoint.load_step", str(SAVED))

@@ -19,14 +19,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO, load_script
+from helpers import REPO, load_script, run_script
 
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
-from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import MIX_BLOCK, GlobalBatchSampler, permute, stream_keys
+from titanlite.datasets.sequences import PackedDataset
 from titanlite.errors import TrainingError, UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 
@@ -68,9 +68,8 @@ def tok():
     return build_tokenizer(_cfg())
 
 
-def _script(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "scripts/prepare_data.py", *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+def _script(*args: str) -> subprocess.CompletedProcess:
+    return run_script("prepare_data", *args)
 
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, needle: str) -> None:
@@ -452,7 +451,7 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
 
 def test_a_folder_says_what_it_left_out(tmp_path):
     """Files of no readable kind under a data folder are left out, and said so, by suffix."""
-    from titanlite.datasets.sources import discover
+    from titanlite.datasets.corpus import discover
 
     (tmp_path / "a.txt").write_text("text\n")
     (tmp_path / "sub").mkdir()

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from titanlite.components.run.plan import REHEARSAL_FILE, resume_plan
 from titanlite.config import parse_args
 from titanlite.config.job_config import Diagnostics
+from titanlite.config.layout import rehearsal_batch
 from titanlite.config.manager import load_config, to_toml
-from titanlite.config.rehearsal import rehearsal_batch
-from titanlite.diagnostics.sketch import prev_prime
+from titanlite.diagnostics.probe import prev_prime
 from titanlite.distributed import groups
 from titanlite.errors import UserError
 from titanlite.rehearsal import meter

@@ -109,7 +109,7 @@ NOT_MEASURED = {
     ("titanlite/distributed/liveness.py", "0.5 s"): "the heartbeat's default period, defined there",
     ("titanlite/datasets/build.py", "2 GiB"): "the data size BUILD_WAIT is sized for, a design bound",
     ("titanlite/diagnostics/replicas.py", "128 MiB"): "_CHUNK = 2**24 int64 values",
-    ("titanlite/diagnostics/window.py", "6%"): "P(Binomial(20, 1/2) >= 14)",
+    ("titanlite/diagnostics/registry.py", "6%"): "P(Binomial(20, 1/2) >= 14)",
     ("titanlite/launch.py", "30 s"): "torchrun's shutdown grace, its constant",
     ("titanlite/models/attention.py", "16 MiB"): "B x S^2 bytes at B = 4, S = 2,048",
     ("titanlite/ops/cross_entropy.py", "1 GB"): "128,256 x 2,048 x 4 bytes",

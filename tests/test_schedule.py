@@ -1,7 +1,8 @@
 """One schedule rule (titanlite.config.fields.schedule/due: every N steps, 0: never; the end of a
 run a switch of its own) for checkpoints, evals, logs, measured steps and replica checks, and the
-keys it renamed (titanlite.config.moved): an old config, flag, config.toml or checkpoint state
-means what it meant, with one note, and a resume never reports a moved key as changed."""
+keys it renamed (titanlite.config.fields.MOVED_KEYS): an old config, flag, config.toml or
+checkpoint state means what it meant, with one note, and a resume never reports a moved key as
+changed."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ from helpers import every_section
 
 from titanlite.components.checkpoint.resume import flat_config, resume_changes
 from titanlite.config import load_config
+from titanlite.config.fields import MOVED_KEYS
 from titanlite.config.job_config import JobConfig
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.config.moved import MOVED_KEYS
 from titanlite.errors import UserError
 
 

@@ -53,10 +53,10 @@ def test_the_python_set_up_phases_do_the_same(capsys):
 def test_a_cache_file_built_once_says_what_and_how_long(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="titanlite")
     path = tmp_path / "tok.model"
-    _built_once(path, lambda: path.write_text("x"), True, "training the built-in tokenizer")
+    _built_once(path, lambda: path.write_text("x"), "training the built-in tokenizer")
     said = [r.getMessage() for r in caplog.records]
     assert said[0] == f"training the built-in tokenizer (once, into {tmp_path}) ..."
     assert said[1].startswith("training the built-in tokenizer: done in ") and said[1].endswith("s")
     caplog.clear()
-    _built_once(path, lambda: pytest.fail("built twice"), True, "training the built-in tokenizer")
+    _built_once(path, lambda: pytest.fail("built twice"), "training the built-in tokenizer")
     assert caplog.records == []  # there already: nothing to say

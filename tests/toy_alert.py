@@ -5,8 +5,7 @@ fires at the same step in a run resumed from a checkpoint only if that state was
 
 from __future__ import annotations
 
-from titanlite.diagnostics.registry import AlertSpec, Check, Context, register
-from titanlite.diagnostics.window import Finding
+from titanlite.diagnostics.registry import AlertSpec, Check, Context, Finding, register
 
 
 class Count:

@@ -3,7 +3,7 @@
 args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun).
 The train args are the command line's words (titanlite.config.command_line: the default config,
 one --config, --rehearse); `--caller-cwd` is the folder the user ran the command in, which
-relative paths mean (titanlite.config.paths) and where a fork's module may live.
+relative paths mean (titanlite.config.command_line) and where a fork's module may live.
 
 Before any worker starts: every check that needs no worker (titanlite.preflight), the run
 folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
@@ -81,14 +81,12 @@ from titanlite.components.run.torchrun import (
     torchrun_args,
 )
 from titanlite.config import JobConfig
-from titanlite.config.command_line import launcher_words
+from titanlite.config.command_line import CALLER_ENV, launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.config.paths import CALLER_ENV
 from titanlite.errors import ENDINGS, EXIT_TRAINING, Stopped, UserError, report
 from titanlite.preflight import plan_run
-from titanlite.tools.logging import init_logging
 from titanlite.tools.paths import existing_parent
-from titanlite.tools.process import AGENT_PID_ENV
+from titanlite.tools.process import AGENT_PID_ENV, init_logging
 
 # After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
 # waiting on the dead peer in a collective, which no grace can finish).

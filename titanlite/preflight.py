@@ -129,7 +129,7 @@ def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
 
 def inputs(cfg: JobConfig, path: str | None) -> list[str]:
     """What the run reads, each by its absolute path (relative ones are the caller's folder's:
-    titanlite.config.paths)."""
+    titanlite.config.command_line)."""
 
     def where(value: str) -> str:
         return str(Path(value).expanduser().absolute())

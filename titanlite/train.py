@@ -43,9 +43,8 @@ from titanlite.distributed.utils import clip_grad_norm_, set_deterministic
 from titanlite.errors import ENDINGS, LostRank, TrainingError, report
 from titanlite.models.registry import build_meta_model
 from titanlite.tools.hooks import Hooks, Step
-from titanlite.tools.logging import init_logging
 from titanlite.tools.memory import check_memory
-from titanlite.tools.process import die_with_parent
+from titanlite.tools.process import die_with_parent, init_logging
 from titanlite.validation import validate
 
 logger = init_logging()

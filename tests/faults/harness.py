@@ -175,7 +175,7 @@ class Catalogue:
         dump = self.dump(name)
         argv = self.argv(dump, "run", args)
         if self.cheap:
-            from titanlite.config.paths import CALLER_ENV
+            from titanlite.config.command_line import CALLER_ENV
 
             r, workers_argv = in_process(argv, self.nproc, cwd, stop_at_workers=True)
             os.environ[CALLER_ENV] = str(cwd)  # as the workers have it

@@ -19,7 +19,7 @@ from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microb
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
-from titanlite.diagnostics.data_checks import content_fingerprint
+from titanlite.diagnostics.step_record import content_fingerprint
 from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name

@@ -1,18 +1,11 @@
 """Compare training runs step by step: is it the same loss curve, and if not, where does it part.
 
-A run folder holds config.toml (the full config), run.json (what "auto" and the layout resolved
-to) and metrics.jsonl (one record per log step; invariance runs log every step), plus
-diagnostics.jsonl when the diagnostics measured. Two runs are comparable only if they train the
-same thing (titanlite.config.identity: model, data, seed, global batch, sequence length; a
-checkpoint resumes under the same rule). Layout settings (dp degrees, mode, local batch,
-accumulation, logging) are what an invariance comparison varies; anything else that differs
-(loss normalization, optimizer, precision, dropout, faults) is reported, and the verdict says
-whether it mattered.
-
-The verdict: every step's relative loss difference against the tolerance at that step.
-Layouts differ by rounding alone, and rounding differences compound as training goes on, so the
-default tolerance is a function of the horizon k, the updates since the first compared step
-(titanlite.analysis.tolerance, with the measurements behind it). --rtol X sets a flat tolerance.
+Two runs are comparable only if they train the same thing (titanlite.config.fields.IDENTITY_KEYS;
+a checkpoint resumes under the same rule). Layout settings (LAYOUT) are what an invariance
+comparison varies; anything else that differs (loss normalization, optimizer, precision,
+dropout, faults) is reported, and the verdict says whether it mattered: every step's relative
+loss difference against the tolerance at that step, a function of the updates since the first
+compared step (titanlite.analysis.tolerance); --rtol X sets a flat tolerance.
 """
 
 from __future__ import annotations
@@ -23,11 +16,11 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from titanlite.analysis.gradients import GradientCheck, gradient_check
+from titanlite.analysis.localize import GradientCheck, gradient_check
 from titanlite.analysis.plots import plot_invariance
 from titanlite.analysis.runs import Run
 from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
-from titanlite.config.identity import IDENTITY_KEYS
+from titanlite.config.fields import IDENTITY_KEYS
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 

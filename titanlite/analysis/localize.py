@@ -1,6 +1,13 @@
-"""Where two layouts part: the first module whose forward output, or the first gradient that
-backward brings to a module, differs between two layouts' fingerprints of the same step
-(titanlite.components.fingerprints; scripts/invariance.py --localize runs them).
+"""Two layouts' fingerprints of the same step compared (titanlite.components.fingerprints): the
+gradient verdict of an invariance comparison, and where two layouts part.
+
+The gradient verdict: each parameter's reduced gradient at one step of two runs
+(scripts/invariance.py has every run record its first step's) against the gradient tolerance
+(titanlite.analysis.tolerance.GRADIENT_TOLERANCE). The step's token mean can average a defect
+away from the loss; the gradient of the parameter the defect touches keeps it.
+
+Where two layouts part (scripts/invariance.py --localize): the first module whose forward output,
+or the first gradient that backward brings to a module, differs.
 
 Both layouts take the step from the same state: at step 1 from the same initial weights, which do
 not depend on the layout; later, from the reference layout's checkpoint of the step before,
@@ -19,6 +26,7 @@ tolerance at that step, relative to the sequence's scale.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +34,7 @@ from titanlite.components.fingerprints import FILE
 from titanlite.errors import UserError
 
 ROOT = "(model)"
+REDUCED = " reduced grad"  # a parameter's fingerprint key
 
 # What a localisation run changes besides its layout and step, none of which changes the step's
 # maths: no recomputation in backward (a checkpointed block's inner outputs are not in the graph),
@@ -119,3 +128,43 @@ def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
     a, b = ref["loss"], other["loss"]
     gap = abs(a - b) / max(abs(a), 1e-30)
     return Divergence("loss", step, 1, 1, gap, "-1", tol) if not gap <= tol else None
+
+
+@dataclass
+class GradientCheck:
+    """Each parameter's reduced gradient at one step of both runs (their fingerprints, `apart`),
+    against the gradient tolerance (module doc)."""
+
+    step: int
+    worst: float  # the largest relative difference of a parameter's gradient fingerprint
+    parameter: str  # where
+    tol: float
+    missing: list[str]  # parameters with a gradient in one run only
+
+    @property
+    def passed(self) -> bool:
+        return not self.missing and self.worst <= self.tol
+
+    def line(self) -> str:
+        head = f"gradient at step {self.step}: "
+        if self.missing:
+            return f"FAIL {head}{len(self.missing)} parameter(s) have a gradient in one run only, first {self.missing[0]}"
+        verdict = "PASS" if self.passed else "FAIL"
+        sign = "<=" if self.passed else "beyond"
+        return f"{verdict} {head}largest relative difference {self.worst:.3g} ({self.parameter}) {sign} {self.tol:g}"
+
+
+def gradient_check(ref: dict, other: dict, tol: float) -> GradientCheck:
+    """Two runs' fingerprints of the same step: every parameter's reduced gradient."""
+    if ref["step"] != other["step"]:
+        raise UserError(
+            f"the runs' fingerprints are of steps {ref['step']} and {other['step']}; record the same step"
+        )
+    mine, theirs = (
+        {k[: -len(REDUCED)]: v["-1"] for k, v in fp["records"].items() if k.endswith(REDUCED)}
+        for fp in (ref, other)
+    )
+    missing = sorted(mine.keys() ^ theirs.keys())
+    gaps = {name: apart(mine[name], theirs[name]) for name in mine.keys() & theirs.keys()}
+    worst = max(gaps, key=lambda n: gaps[n] if not math.isnan(gaps[n]) else math.inf, default="")
+    return GradientCheck(ref["step"], gaps.get(worst, 0.0), worst, tol, missing)

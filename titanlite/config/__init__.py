@@ -1,5 +1,5 @@
 """TOML configuration: dataclasses (job_config), loading and overrides (manager), the command
-line's words (command_line) and what paths in a config mean (paths)."""
+line's words and what paths in a config mean (command_line)."""
 
 from titanlite.config.command_line import parse_args, wants_help
 from titanlite.config.job_config import JobConfig

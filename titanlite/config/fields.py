@@ -1,7 +1,6 @@
-"""`opt`: a config field with its one-line doc, its choices and its bounds, which the manager
-(titanlite.config.manager) checks and prints in --help. `schedule`: a schedule field, with `due`
-the one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
-follows."""
+"""What the config's keys are, apart from their sections (titanlite.config.job_config): how a
+field is declared (`opt`, `schedule`, and `due`, the one schedule rule), which keys make a run's
+identity (IDENTITY_KEYS) and which keys moved (MOVED_KEYS)."""
 
 from __future__ import annotations
 
@@ -31,11 +30,12 @@ def opt(
     path: str | None = None,
     whole_items: bool = False,
 ) -> Any:
-    """A dataclass field with its one-line doc and, for strings, the allowed values; for numbers,
-    the bounds a value must keep (checked with every config: titanlite.config.manager.check_values);
-    for paths, `path` "file" (one path) or "mixture" (data.path's), read from the caller's folder
-    (titanlite.config.paths); for lists whose items may hold commas (prompts), `whole_items`: a
-    command-line value is one item unless it is a JSON list."""
+    """A dataclass field with its one-line doc (printed in --help) and, for strings, the allowed
+    values; for numbers, the bounds a value must keep (checked with every config:
+    titanlite.config.manager.check_values); for paths, `path` "file" (one path) or "mixture"
+    (data.path's), read from the caller's folder (titanlite.config.command_line); for lists whose
+    items may hold commas (prompts), `whole_items`: a command-line value is one item unless it is
+    a JSON list."""
     meta: dict[str, Any] = {"help": help}
     if whole_items:
         meta["whole_items"] = True
@@ -57,5 +57,86 @@ def schedule(default: int, what: str, note: str = "") -> Any:
 
 
 def due(step: int, every: int) -> bool:
-    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never."""
+    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never.
+    The one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
+    follows."""
     return every > 0 and step % every == 0
+
+
+# What makes two runs train the same thing: one definition, used by the checkpointer (a checkpoint
+# resumes only into a run that shares it) and by run comparison (two runs get an invariance
+# verdict only if they share it). Everything else may differ: the layout (dp degrees, mode, local
+# batch, accumulation), logging, and settings that change the curve without changing what is
+# trained (optimizer, precision, dropout), which run comparison reports and whose effect its
+# verdict shows.
+IDENTITY_KEYS = (
+    "model.name",
+    "model.flavor",
+    "model.builtin_vocab_size",
+    "model.vocab_size",
+    "model.tokenizer_path",
+    "model.hf_assets_path",
+    "data.mode",
+    "data.path",  # with a mixture's weights
+    "data.text_field",
+    "data.packing",  # which records share a sequence
+    "data.document_mask",  # what a token attends to
+    "eval.fraction",  # which sequences are held out of training
+    "training.seed",
+    "training.global_batch_size",
+    "training.seq_len",  # the data position is counted in sequences of this length
+    "optimizer.weight_decay_embeddings",  # which parameter group a table is in: the optimizer's layout
+    "checkpoint.initial_load_path",  # the weights a new run starts from
+    "checkpoint.initial_load_model_only",
+)
+
+
+def value_of(cfg: Any, dotted: str) -> Any:
+    """A JobConfig's value of "section.key"."""
+    section, key = dotted.split(".")
+    return getattr(getattr(cfg, section), key)
+
+
+def identity(cfg: Any) -> dict[str, Any]:
+    """The identity keys' values of a JobConfig, as {"section.key": value}."""
+    return {dotted: value_of(cfg, dotted) for dotted in IDENTITY_KEYS}
+
+
+# Config keys that moved, and where they live now: an older config file, a --section.key flag, a
+# run folder's config.toml and a checkpoint's state.json naming them still load and mean what they
+# meant, with one note that names the new keys (titanlite.config.manager); a resume compares old
+# settings by their new names, so a moved key is never reported as a changed setting.
+# The fault switches that [debug] held, now the [faults] plugin's section (titanlite.faults)
+_FAULTS = (
+    "ignore_all_labels_steps",
+    "nan_loss_step",
+    "same_data",
+    "corrupt_labels_rank",
+    "grad_noise_rank",
+    "grad_noise_scale",
+    "slow_rank",
+    "slow_factor",
+    "fault_from_step",
+    "sigkill_step",
+    "sigkill_rank",
+    "signal_step",
+    "signal_phase",
+    "hang_step",
+    "hang_rank",
+    "freeze_step",
+    "freeze_rank",
+    "freeze_phase",
+    "fail_save_step",
+    "write_error",
+    "write_error_step",
+    "sigkill_in_save",
+    "spike_step",
+    "spike_scale",
+    "flip_bit_step",
+    "flip_bit_rank",
+    "stuck_loader_step",
+    "stuck_loader_rank",
+    "seed_mode",
+)
+
+MOVED_KEYS: dict[str, str] = {f"debug.{k}": f"faults.{k}" for k in _FAULTS}

@@ -22,9 +22,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
+from titanlite.config.fields import MOVED_KEYS, value_of
 from titanlite.config.job_config import PLUGIN_SECTIONS, JobConfig, plugin_section, sections
-from titanlite.config.moved import MOVED_KEYS
-from titanlite.config.rehearsal import apply_rehearsal
+from titanlite.config.layout import apply_rehearsal
 from titanlite.errors import UserError
 
 
@@ -111,8 +111,8 @@ NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the keys of MOVED_KEYS under their new names (titanlite.config.moved),
-    and the old names found."""
+    """A parsed config with the keys of MOVED_KEYS under their new names, and the old names
+    found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
     for old in MOVED_KEYS:
@@ -219,8 +219,7 @@ def load_config(
         if key != dotted:
             found.append(dotted)
         _set(cfg, key, value, from_cli=True)
-        section, _, name = key.partition(".")
-        got = getattr(getattr(cfg, section), name)
+        got = value_of(cfg, key)
         if key in typed and typed[key][0] != dotted and typed[key][1] != got:
             raise UserError(
                 f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"

@@ -1,4 +1,5 @@
-"""Build this rank's data loader: tokenizer, dataset (cached), sampler, StatefulDataLoader."""
+"""Build this rank's data loader: tokenizer, dataset (cached), sampler, StatefulDataLoader; and
+trace a step's sequences from the config alone (trace_step)."""
 
 from __future__ import annotations
 
@@ -16,19 +17,23 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout
+from titanlite.config.layout import Layout, rank_share
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
-from titanlite.datasets.mixture import MixtureDataset
-from titanlite.datasets.prepare import META, data_key, prepare
+from titanlite.datasets.prepare import META, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
-from titanlite.datasets.pretrain import PackedDataset
 from titanlite.datasets.sampler import GlobalBatchSampler
-from titanlite.datasets.sft import PackedSFTDataset, SFTDataset
-from titanlite.datasets.sources import discover
-from titanlite.datasets.spec import parse_data_path
-from titanlite.datasets.split import HeldOut, Subset, spaced, split_part
-from titanlite.datasets.synthetic import SyntheticDataset
+from titanlite.datasets.sequences import (
+    HeldOut,
+    MixtureDataset,
+    PackedDataset,
+    PackedSFTDataset,
+    SFTDataset,
+    Subset,
+    SyntheticDataset,
+    spaced,
+)
+from titanlite.datasets.spec import cache_folder, parse_data_path
 from titanlite.datasets.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -40,7 +45,7 @@ from titanlite.distributed.groups import host_group
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 from titanlite.tools.cache import atomic_write_bytes, cache_dir, disk_full
-from titanlite.tools.logging import init_logging
+from titanlite.tools.process import init_logging
 
 logger = init_logging()
 
@@ -48,12 +53,13 @@ logger = init_logging()
 BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
 
 
-def _built_once(path: Path, build, is_builder: bool, what: str) -> None:
-    """One rank per node builds a missing cache file while the others wait; a bad-input error
-    met by the builder (a malformed data file, say) is raised on every rank alike. The builder
-    says `what` it does, where, and how long it took: a first run's set-up talks."""
+def _built_once(path: Path, build, what: str) -> None:
+    """One rank per node (local rank 0) builds a missing cache file while the others wait; a
+    bad-input error met by the builder (a malformed data file, say) is raised on every rank
+    alike. The builder says `what` it does, where, and how long it took: a first run's set-up
+    talks."""
     error = None
-    if is_builder and not path.exists():
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not path.exists():
         began = time.perf_counter()
         logger.info(f"{what} (once, into {path.parent}) ...")
         try:
@@ -74,10 +80,6 @@ def _built_once(path: Path, build, is_builder: bool, what: str) -> None:
         raise UserError(error)
 
 
-def _is_local_leader() -> bool:
-    return int(os.environ.get("LOCAL_RANK", "0")) == 0
-
-
 def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
     """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one;
     None for synthetic data, which has no text."""
@@ -85,14 +87,10 @@ def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
         return None
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
-    path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
-    train = lambda: train_builtin_tokenizer(path, cfg.model.builtin_vocab_size)  # noqa: E731
-    _built_once(
-        path,
-        train,
-        _is_local_leader(),
-        f"training the built-in tokenizer ({cfg.model.builtin_vocab_size:,} tokens)",
-    )
+    vocab = cfg.model.builtin_vocab_size
+    path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), vocab)
+    what = f"training the built-in tokenizer ({vocab:,} tokens)"
+    _built_once(path, lambda: train_builtin_tokenizer(path, vocab), what)
     return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
@@ -111,7 +109,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
     """Raw inputs (or the built-in data for name "") prepared into the cache, once per node."""
     cache, mode = cache_dir(cfg.data.cache_dir), cfg.data.mode
     if name:
-        files = discover(name, logger.warning)
+        files = corpus.discover(name, logger.warning)
     elif mode == "sft":
         jsonl = cache / f"sft-stdlib-{corpus.corpus_fingerprint()}.jsonl"
 
@@ -119,20 +117,18 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
             lines = (json.dumps(r) for r in corpus.stdlib_sft_records())
             atomic_write_bytes(jsonl, ("\n".join(lines) + "\n").encode())
 
-        _built_once(
-            jsonl, build, _is_local_leader(), "writing the built-in SFT set from the standard library"
-        )
+        _built_once(jsonl, build, "writing the built-in SFT set from the standard library")
         files = [jsonl]
     else:
         files = list(corpus.stdlib_files())
-    out = cache / f"prepared-{mode}-{data_key(files, tok, mode, cfg.data.text_field)}"
+    out = cache_folder(cfg, files, tok)
     size = sum(f.stat().st_size for f in files)
     workers = min(os.cpu_count() or 1, 8) if size > 256 << 20 else 1
+    what = f"preparing {len(files):,} file(s) of {size / 2**20:,.1f} MB into token shards"
     _built_once(
         out / META,
         lambda: prepare(files, out, tok, mode, cfg.data.text_field, workers, say=logger.info),
-        _is_local_leader(),
-        f"preparing {len(files):,} file(s) of {size / 2**20:,.1f} MB into token shards",
+        what,
     )
     return out
 
@@ -150,7 +146,7 @@ def _open_prepared(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> P
 
 def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, part: str | None):
     """The sequences of one prepared dataset: all of them (part None), or the "train" or "eval"
-    part of eval.fraction's split (titanlite.datasets.split). SFT records are split before they
+    part of eval.fraction's split (titanlite.datasets.sequences). SFT records are split before they
     are packed, so no pack mixes the two."""
     seq_len, d = cfg.training.seq_len, cfg.data
     if d.mode == "sft":
@@ -166,7 +162,7 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
     if d.packing:
         records = held.indices(part, np.arange(held.size(part)))
         return PackedSFTDataset(data, seq_len, tok.pad_id, records)
-    return split_part(dataset, held, part)
+    return held.subset(dataset, part)
 
 
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
@@ -182,13 +178,13 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_siz
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
     part = "train" if cfg.eval.fraction > 0 else None
     prepared = [_open_prepared(cfg, tok, name) for name, _ in parts]
-    mixture = MixtureDataset([_sequences(cfg, data, tok, part) for data in prepared], [w for _, w in parts])
     # what it trains on, by content (titanlite.datasets.spec.data_identity): a resume compares it
-    mixture.identity = [
+    identity = [
         {"content": data.content, "weight": w, "path": name}
         for data, (name, w) in zip(prepared, parts, strict=True)
     ]
-    return mixture
+    sequences = [_sequences(cfg, data, tok, part) for data in prepared]
+    return MixtureDataset(sequences, [w for _, w in parts], identity)
 
 
 def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> MixtureDataset | None:
@@ -248,3 +244,23 @@ def build_dataloader(
             # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
             generator=torch.Generator().manual_seed(cfg.training.seed),
         )
+
+
+def trace_step(cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None) -> list[dict]:
+    """One entry per sequence of step `step` (1-based): its position in the global batch, the
+    rank that reads it at `dp`, its index and its sources (file, row, token range). A step's
+    batch depends only on the seed, the global batch size, seq_len and the data (sampler.py), so
+    neither the run nor a GPU is needed (scripts/trace_batch.py, scripts/inspect_step.py)."""
+    g = cfg.training.global_batch_size
+    if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
+        raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
+    dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
+    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
+    per_rank = rank_share(cfg, dp)
+    out = []
+    for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
+        if rank is None or j // per_rank == rank:
+            out.append(
+                {"position": j, "rank": j // per_rank, "sequence": index, "sources": dataset.trace(index)}
+            )
+    return out

@@ -12,7 +12,7 @@ A prepared folder holds, per shard `shard-NNNNN`:
 and `meta.json`, written last of all: the format, the tokenizer, the sources and every shard.
 A folder without meta.json is incomplete and no run accepts it.
 
-Work is cut into shards of about `shard_bytes` of input (titanlite.datasets.sources' pieces,
+Work is cut into shards of about `shard_bytes` of input (titanlite.datasets.corpus' pieces,
 grouped in input order), so the document order does not depend on the number of workers.
 Every file is written under a temporary name and renamed; a shard whose .json carries the same
 key is not prepared again, so an interrupted preparation resumes where it stopped. A lock file
@@ -39,8 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from titanlite.datasets.corpus import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
 from titanlite.datasets.records import record_tokens, sft_format_key
-from titanlite.datasets.sources import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
 from titanlite.errors import TrainingError, UserError
 from titanlite.tools.cache import atomic_write_bytes, disk_full, fsync_dir
 
@@ -77,7 +77,7 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
 def content_key(mode: str, tok: Any, shards: list[str | None]) -> str | None:
     """What a prepared folder trains on, computed once as it is prepared: every document's
     tokens (and SFT mask) in order, shard by shard, and the tokenizer's fingerprint; not where
-    the inputs were, nor when. A run's identity holds it (titanlite.config.identity), so a
+    the inputs were, nor when. A run's identity holds it (titanlite.config.fields), so a
     resume on other data is refused and the same data moved or copied elsewhere still resumes.
     None where a shard was prepared before shards recorded theirs."""
     if any(c is None for c in shards):

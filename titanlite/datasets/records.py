@@ -2,17 +2,139 @@
 runs it in worker processes).
 
 Records are alpaca (`instruction`, optional `input`, `output`: rendered into the alpaca prompt,
-`<bos> prompt response <eos>`, the response and <eos> are targets) or chat (`messages`: see
-titanlite.datasets.chat, only the assistant turns are targets).
+`<bos> prompt response <eos>`, the response and <eos> are targets) or chat (`{"messages":
+[{"role": ..., "content": ...}, ...]}`, only the assistant turns are targets).
+
+With a chat template (the tokenizer folder's chat_template.jinja or tokenizer_config.json's
+"chat_template") the text is exactly what transformers' `apply_chat_template` renders: the same
+sandboxed Jinja environment and the same variables (messages, add_generation_prompt, bos_token,
+eos_token, ...). Targets are found by rendering prefixes: assistant turn i is what the
+conversation up to and including it adds to the conversation up to it with the generation
+prompt (for Llama 3: the content and <|eot_id|>, not the header). So a model trained on it
+generates from exactly the prompt it sees at inference. Each piece is tokenized on its own, as
+generation continues a tokenized prompt. One BOS: the template's, else titanlite's.
+`strftime_now` gives a fixed date (26 Jul 2024, Llama 3's own fallback), so the same record
+renders the same tokens on every day and a resumed run sees the same data.
+
+Without a template (a SentencePiece tokenizer, a folder without one) the default format is
+    <bos>### System:\\n{content}\\n\\n### User:\\n{content}\\n\\n### Assistant:\\n{content}<eos>...
+where each assistant content and its <eos> are the targets, and turns are separated by a blank line.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
+from datetime import datetime
 from typing import Any
 
-from titanlite.datasets.chat import Segment, chat_segments, check_messages
 from titanlite.errors import UserError
+
+Segment = tuple[list[int], bool]  # token ids, whether they are targets
+FIXED_DATE = datetime(2024, 7, 26)
+
+
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' tojson filter: plain json.dumps (Jinja's own escapes HTML characters)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=4)
+def compile_template(source: str):
+    """The template in a sandbox set up as transformers sets it up (trim_blocks, lstrip_blocks,
+    loop controls, tojson, raise_exception, strftime_now)."""
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = FIXED_DATE.strftime
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise UserError(f"the tokenizer's chat template does not parse ({e}); fix or remove it") from None
+
+
+def render(template: str, messages: list[dict], add_generation_prompt: bool, specials: dict[str, str]) -> str:
+    import jinja2
+
+    try:
+        return compile_template(template).render(
+            messages=messages,
+            tools=None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **specials,
+        )
+    except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
+        raise UserError(
+            f"the chat template fails on a record ({e}); fix the record or the template"
+        ) from None
+
+
+def template_pieces(template: str, messages: list[dict], specials: dict[str, str]) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is_target) pieces that concatenate to it."""
+    full = render(template, messages, False, specials)
+    pieces, done = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render(template, messages[:i], True, specials)
+        upto = render(template, messages[: i + 1], False, specials)
+        if not (full.startswith(upto) and upto.startswith(prompt) and len(prompt) >= done):
+            raise UserError(
+                "the chat template does not render a conversation as a prefix of its continuation, "
+                "so assistant turns cannot be told apart; use a template that does (Llama 3's does)"
+            )
+        pieces += [(full[done : len(prompt)], False), (full[len(prompt) : len(upto)], True)]
+        done = len(upto)
+    pieces.append((full[done:], False))
+    return [(text, target) for text, target in pieces if text]
+
+
+def chat_segments(messages: list[dict], tok: Any) -> list[Segment]:
+    """Token segments of one conversation for tokenizer `tok` (its chat_template, if any)."""
+    template = tok.chat_template
+    if template is None:
+        return default_segments(messages, tok)
+    segments = [
+        (tok.encode(text), target) for text, target in template_pieces(template, messages, tok.special_tokens)
+    ]
+    first = next((ids for ids, _ in segments if ids), [])
+    if first[:1] != [tok.bos_id]:
+        segments.insert(0, ([tok.bos_id], False))
+    return segments
+
+
+def default_segments(messages: list[dict], tok: Any) -> list[Segment]:
+    """The documented default format (module docstring)."""
+    segments: list[Segment] = [([tok.bos_id], False)]
+    for i, message in enumerate(messages):
+        header = ("\n\n" if i else "") + f"### {message['role'].capitalize()}:\n"
+        if message["role"] == "assistant":
+            segments += [(tok.encode(header), False), ([*tok.encode(message["content"]), tok.eos_id], True)]
+        else:
+            segments.append((tok.encode(header + message["content"]), False))
+    return segments
+
+
+def check_messages(messages: Any, where: str) -> list[dict]:
+    """A chat record's messages: a non-empty list of {"role": str, "content": str}."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f'{where} has "messages" that is not a non-empty list; chat records need one')
+    for j, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise UserError(f'{where} message {j} is not {{"role": str, "content": str}}; fix that message')
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further "

@@ -2,7 +2,7 @@
 
 `data.path` is empty (the built-in stdlib data), one path, or a mixture `a:0.7,b:0.3` of paths
 with weights. Each path is a prepared folder (scripts/prepare_data.py) or raw inputs (a file or a
-folder of titanlite.datasets.sources' kinds), which the trainer prepares into its cache on first
+folder of titanlite.datasets.corpus' kinds), which the trainer prepares into its cache on first
 use, up to RAW_LIMIT_BYTES: larger inputs are prepared once, with every core, by the script.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from titanlite.config.paths import mixture_items
+from titanlite.config.command_line import mixture_items
 from titanlite.errors import UserError
 
 RAW_LIMIT_BYTES = 2 << 30
@@ -34,8 +34,8 @@ def parse_data_path(path: str) -> list[tuple[str, float]]:
 def check_data(mode: str, path: str, key: str = "data.path") -> None:
     """Every dataset of data.path (or `key`'s) exists; a prepared one is complete, intact and of
     this mode; raw inputs are of known kinds and small enough to prepare on the fly."""
+    from titanlite.datasets.corpus import discover
     from titanlite.datasets.prepared import Prepared, is_prepared
-    from titanlite.datasets.sources import discover
 
     for name, _ in parse_data_path(path):
         p = Path(name).expanduser()
@@ -100,11 +100,18 @@ def eval_is_training_data(cfg) -> str | None:
     return None
 
 
-def _identity(cfg, path: str, tok=None) -> list[dict] | None:
+def cache_folder(cfg, files: list[Path], tok) -> Path:
+    """The folder of the cache that raw inputs `files` are prepared into (datasets/build.py)."""
     from titanlite.datasets.prepare import data_key
-    from titanlite.datasets.prepared import Prepared, is_prepared
-    from titanlite.datasets.sources import discover
     from titanlite.tools.cache import cache_dir
+
+    key = data_key(files, tok, cfg.data.mode, cfg.data.text_field)
+    return cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
+
+
+def _identity(cfg, path: str, tok=None) -> list[dict] | None:
+    from titanlite.datasets.corpus import discover
+    from titanlite.datasets.prepared import Prepared, is_prepared
 
     if cfg.data.mode == "synthetic":
         return None
@@ -114,8 +121,7 @@ def _identity(cfg, path: str, tok=None) -> list[dict] | None:
         if folder is None or not is_prepared(folder):
             if tok is None or folder is None:  # the built-in data's files: found by the worker
                 return None
-            key = data_key(discover(name), tok, cfg.data.mode, cfg.data.text_field)
-            folder = cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
+            folder = cache_folder(cfg, discover(name), tok)
             if not (folder / "meta.json").is_file():
                 return None
         out.append({"content": Prepared(folder).content, "weight": weight, "path": name})

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from titanlite.datasets.chat import render
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
+from titanlite.datasets.records import render
 from titanlite.errors import UserError, first_line
 from titanlite.models.hf_files import read_generation_config, read_special_tokens_map, read_tokenizer_config
 from titanlite.tools.cache import atomic_write_bytes
@@ -28,7 +28,9 @@ TRAINER_VERSION = 1  # bump when the training recipe below changes
 
 
 class Tokenizer:
-    # A SentencePiece model has no companion files: no chat template, nothing for an HF export.
+    """A SentencePiece model. It has no companion files: no chat template, nothing for an HF
+    export. Without a pad token, padding uses EOS; a completion ends at EOS."""
+
     folder: Path | None = None
     chat_template: str | None = None
     special_tokens: dict[str, str] = {}
@@ -38,31 +40,14 @@ class Tokenizer:
         self.model_proto = model_proto
         self.source = source
         self.fingerprint = hashlib.sha256(model_proto).hexdigest()[:16]
+        self.vocab_size: int = self.sp.get_piece_size()
+        self.bos_id: int = self.sp.bos_id()
+        self.eos_id: int = self.sp.eos_id()
+        self.pad_id: int = self.sp.pad_id() if self.sp.pad_id() >= 0 else self.eos_id
+        self.stop_ids = frozenset({self.eos_id})
 
     def __reduce__(self):  # data-preparation worker processes rebuild it from the model bytes
         return Tokenizer, (self.model_proto, self.source)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    @property
-    def bos_id(self) -> int:
-        return self.sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self.sp.eos_id()
-
-    @property
-    def pad_id(self) -> int:
-        pad = self.sp.pad_id()
-        return pad if pad >= 0 else self.eos_id
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """What ends a generated completion: EOS."""
-        return frozenset({self.eos_id})
 
     def encode(self, text: str) -> list[int]:
         return self.sp.encode(text)
@@ -104,7 +89,7 @@ class HFTokenizer:
         # What ends a generated completion: EOS, every EOS generation_config.json and config.json
         # name (a list, for chat models), and the chat template's end of a turn.
         self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent), *self._turn_end()})
-        self.max_id = max(self.tok.get_vocab(with_added_tokens=True).values())
+        self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         key = data + json.dumps(specials, sort_keys=True).encode()
         self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
 
@@ -134,10 +119,6 @@ class HFTokenizer:
         ids = self.encode(after)[:1] if after else []
         specials = {int(i) for i in self.tok.get_added_tokens_decoder()}
         return [i for i in ids if i in specials]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.max_id + 1
 
     def __reduce__(self):  # data-preparation worker processes reload it from its file
         return HFTokenizer, (self.path,)

@@ -20,9 +20,17 @@ from dataclasses import asdict, dataclass, field
 import titanlite.diagnostics.catalogue  # noqa: F401  (registers the built-in alerts)
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.datasets.corpus import source_name
-from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Context, cause
+from titanlite.diagnostics.registry import (
+    REGISTRY,
+    AlertSpec,
+    Context,
+    Finding,
+    Point,
+    Window,
+    cause,
+    point,
+)
 from titanlite.diagnostics.rules import SPREAD_ONLY
-from titanlite.diagnostics.window import Finding, Point, Window, point
 
 STATE_VERSION = 2  # of AlertMonitor.state_dict; a checkpoint's of another starts the history again
 
@@ -87,9 +95,8 @@ class AlertMonitor:
         self.cfg = cfg
         self.hosts = hosts
         self.world = len(hosts)
-        self.per_rank = (
-            per_rank  # sequences each rank scores per step: the spread of its losses scales with it
-        )
+        # sequences each rank scores per step: the spread of its losses scales with it
+        self.per_rank = per_rank
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
         unit = batch_unit or self.world
         self.states = {s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None}
@@ -198,28 +205,25 @@ class AlertMonitor:
         if p is None:
             return []
         self.seen += 1
-        measured = [s for s in self.specs if s.source == "measured"]
-        out = []
         history = list(self.history)
-        for spec in measured:
-            for check in spec.checks:
-                if not check.burn_in:
-                    ctx = self._context(spec, p.step, record=rec, point=p, history=history)
-                    out += self._raise(spec, p.step, check.fn(ctx))
+        out = self._measured(False, record=rec, point=p, history=history)
         if self.seen <= self.cfg.min_steps:
             return out  # burn-in: not even a baseline
         self.history.append(p)
         if len(history) < self.cfg.min_steps:
             return out
         self.trend.append((p.loss, p.loss_std))
-        window = Window(
-            self.cfg, p, history, list(self.trend), self.seen, self.world, self._explained, self.named
-        )
-        for spec in measured:
+        trend, named = list(self.trend), self.named
+        window = Window(self.cfg, p, history, trend, self.seen, self.world, self._explained, named)
+        return out + self._measured(True, record=rec, point=p, history=history, window=window)
+
+    def _measured(self, burn_in: bool, **seen_now) -> list[Alert]:
+        """The alerts of every measured-step check with this `burn_in`, in the registry's order."""
+        step, out = seen_now["point"].step, []
+        for spec in (s for s in self.specs if s.source == "measured"):
             for check in spec.checks:
-                if check.burn_in:
-                    ctx = self._context(spec, p.step, record=rec, point=p, history=history, window=window)
-                    out += self._raise(spec, p.step, check.fn(ctx))
+                if check.burn_in == burn_in:
+                    out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
         return out
 
     def observe(self, source: str, step: int, event: dict) -> list[Alert]:

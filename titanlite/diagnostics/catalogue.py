@@ -2,8 +2,8 @@
 first measured step in this order, then those past the burn-in in this order). Their sources:
 the anomaly tables of the Loss Dispersion and the Gradient Direction Consistency Reference
 Manuals (titanlite's source documents), which describe the metrics of "Silent Inconsistency in
-Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in data_checks.py,
-rank_sum.py, stragglers.py, advisor.py, rules.py, replicas.py and titanlite.components.spike_guard."""
+Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in rules.py,
+rank_sum.py, stragglers.py, replicas.py and titanlite.components.spike_guard."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ from collections import deque
 from dataclasses import asdict
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics import data_checks, rules
-from titanlite.diagnostics.advisor import BatchAdvisor
+from titanlite.diagnostics import rules
 from titanlite.diagnostics.rank_sum import rank_outlier, rank_scores
-from titanlite.diagnostics.registry import AlertSpec, Check, Context, register
+from titanlite.diagnostics.registry import AlertSpec, Check, Context, Finding, Point, register
 from titanlite.diagnostics.stragglers import slow_rank
-from titanlite.diagnostics.window import Finding, Point
 
 # the [alerts] fields every rule past the burn-in reads (the window and its persistence)
 _WINDOW = ("window", "min_steps", "persist_frac")
@@ -33,10 +31,10 @@ def _rule(fn, needs=None) -> Check:
 
 
 def _data_check(name: str, fn) -> Check:
-    """An exact data check of data_checks.py (no threshold, no burn-in)."""
+    """An exact data check of rules.py (no threshold, no burn-in)."""
 
     def check(ctx: Context) -> Finding | None:
-        now = data_checks.read(ctx.record)
+        now = rules.read(ctx.record)
         found = fn(ctx, now) if now is not None else None
         return Finding(name, *found) if found else None
 
@@ -57,7 +55,7 @@ class PreviousData:
 
 
 def _stale(ctx: Context, now: list) -> tuple | None:
-    found = data_checks.stale(now, ctx.state.prev)
+    found = rules.stale(now, ctx.state.prev)
     ctx.state.prev = now
     return found
 
@@ -151,7 +149,7 @@ BUILT_IN = (
         "identical_data",
         "ranks read the same data (rank not passed to the loader?): audit the sharding",
         (
-            _data_check("identical_data", lambda ctx, now: data_checks.identical(now)),
+            _data_check("identical_data", lambda ctx, now: rules.identical(now)),
             _rule(rules.identical_data),
         ),
         thresholds=(*_WINDOW, "identical_std", "identical_cos"),
@@ -171,7 +169,7 @@ BUILT_IN = (
         "some sequences are read twice and others never: give every rank's sampler the same seed",
         (
             _data_check(
-                "data_order_mismatch", lambda ctx, now: data_checks.order_mismatch(ctx.record["data_order"])
+                "data_order_mismatch", lambda ctx, now: rules.order_mismatch(ctx.record["data_order"])
             ),
         ),
         explains=True,
@@ -197,7 +195,7 @@ BUILT_IN = (
         (Check(lambda ctx: ctx.state.update(ctx.record)),),
         level="info",
         thresholds=("advice_ratio", "advice_steps"),
-        state=lambda cfg, world, unit: BatchAdvisor(cfg, unit or world),
+        state=lambda cfg, world, unit: rules.BatchAdvisor(cfg, unit or world),
         cooldown=False,  # the advisor says it again only when the ratio moves a further fold
     ),
     AlertSpec(

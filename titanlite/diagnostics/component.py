@@ -1,17 +1,14 @@
 """The diagnostics component, one of the trainer's hooks (titanlite.tools.hooks: begin,
 ready, before_update, after_update), and collect() on log steps.
 
-Measured steps are every step for the first `measure_first`, then every `every` steps. On a
-measured step each rank times its data loading and its wait at a one-value barrier as the step
-starts (stragglers.py), and the probe (see probe.py) watches the gradient reduction; at the end
-of the step each rank contributes (summed loss, valid tokens, local gradient norm^2, its
-sampler's hash of the global batch, those times; per sequence: its index, summed loss, valid
-tokens and a fingerprint of its tokens, so an alert can name the data behind it, data_checks.py
-can compare what ranks read and rank_sum.py can compare their losses) plus its
-partial Gram (`exact`) or sketch (`sketch`), gathered asynchronously on the component's own group,
-so none of it queues behind, or delays, the gradient traffic. Every `replica_check_every`
-steps the replicas' parameters are compared too (replicas.py). Results stay device tensors until
-collect(), which reads them all at once.
+On a measured step (DiagnosticsConfig.measures) each rank times its data loading and its wait
+at a one-value barrier as the step starts (stragglers.py), and the probe watches the gradient
+reduction (probe.py); at the end of the step each rank's row (step_record.RankStep: its loss,
+tokens, gradient norm, data order and times, and per sequence what an alert names and the data
+checks and the rank test compare) and its partial Gram (`exact`) or sketch (`sketch`) are
+gathered asynchronously on the component's own group, so none of it queues behind, or delays,
+the gradient traffic. Every `replica_check_every` steps the replicas' parameters are compared
+too (replicas.py). Results stay device tensors until collect(), which reads them all at once.
 """
 
 from __future__ import annotations
@@ -32,11 +29,17 @@ from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
-from titanlite.diagnostics.data_checks import content_fingerprint
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
-from titanlite.diagnostics.step_record import RECORD_VERSION, RankRow, RankStep, fold_replicas
+from titanlite.diagnostics.step_record import (
+    RECORD_VERSION,
+    RankRow,
+    RankStep,
+    content_fingerprint,
+    fold_replicas,
+    unpack,
+)
 from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -99,7 +102,7 @@ class Diagnostics:
         # consecutive ranks that split its sequences; every rank measures its piece, and the
         # pieces are summed into their replica as the step is read (step_record.fold_replicas).
         self.world, self.split = dims.dp_size, layout.seq_split
-        ranks = layout.world
+        self.ranks = layout.world  # every rank of the group: world x split
         self.trace = trace  # a sequence index -> its sources (file, row, token range)
         self.enabled = cfg.enable and self.world > 1
         self.measuring = False
@@ -119,9 +122,10 @@ class Diagnostics:
         self.whole_step = self.method == "exact"
         self.per_microbatch = self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
         # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
-        hosts: list = [socket.gethostname()] * ranks
+        hosts: list = [socket.gethostname()] * self.ranks
         if self.enabled:
-            self.group = dist.new_group(ranks=list(range(ranks)), timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            self.group = dist.new_group(ranks=list(range(self.ranks)), timeout=timeout)
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
@@ -129,7 +133,7 @@ class Diagnostics:
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
-            self.probe = GradProbe(self.method, ranks, cfg.sketch_dim, seed, dims.device)
+            self.probe = GradProbe(self.method, self.ranks, cfg.sketch_dim, seed, dims.device)
             install(model, self.probe)
 
     @classmethod
@@ -251,15 +255,15 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        ranks = self.world * self.split
-        per_rank = torch.empty(ranks, mine.numel(), dtype=torch.float64, device=mine.device)
+        per_rank = torch.empty(self.ranks, mine.numel(), dtype=torch.float64, device=mine.device)
         works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
         if self.method == "exact":
             directions = self.probe.gram.clone()
             works.append(dist.all_reduce(directions, group=self.group, async_op=True))
         else:
             sketch = self.probe.sketch.clone()
-            directions = torch.empty(ranks, sketch.numel(), dtype=sketch.dtype, device=sketch.device)
+            shape = (self.ranks, sketch.numel())
+            directions = torch.empty(shape, dtype=sketch.dtype, device=sketch.device)
             works.append(dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True))
         exact = self.method == "exact"
         self._pending.append(
@@ -282,8 +286,9 @@ class Diagnostics:
         steps, hashes = readback((steps, [c.hashes for c in checks]))
         measured = []
         for p, got in zip(self._pending, steps, strict=True):
-            per_rank, gram = fold_replicas(got["per_rank"], got["gram"], self.split, not self.per_microbatch)
-            measured.append(_Measured(p.step, [RankRow.unpack(row) for row in per_rank], gram, got["norm"]))
+            rows = [unpack(row) for row in got["per_rank"]]
+            rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
+            measured.append(_Measured(p.step, [RankRow.of(row) for row in rows], gram, got["norm"]))
         self._pending.clear()
         return measured, [(c.step, h) for c, h in zip(checks, hashes, strict=True)]
 

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from statistics import NormalDist
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics.window import Finding, Point
+from titanlite.diagnostics.registry import Finding, Point
 
 
 def rank_scores(samples: list[list[float]]) -> list[float | None]:

@@ -17,10 +17,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.config.layout import resolve_layout
+from titanlite.config.job_config import JobConfig
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.step_record import RECORD_VERSION
 from titanlite.errors import UserError
+from titanlite.tools.records import read_records
 
 NOT_REPLAYED = ("replica_drift", "spike_skipped")
 # What an alert is compared by: a replay raises the same alerts at the same steps, word for word.
@@ -56,16 +57,22 @@ def replay(
     return [a for rec in records for a in monitor.update(rec)]
 
 
+def _run(run_dir: Path, overrides: Iterable[str] = ()) -> tuple[JobConfig, list[dict], int]:
+    """A run folder's config (with `overrides`), its measured steps (the last record of each) and
+    its batch unit: the data-parallel ranks the records compare x the local batch."""
+    from titanlite.config import parse_args
+
+    cfg, _ = parse_args(["--config", str(run_dir / "config.toml"), *overrides])
+    records = last_per_step(read_records(run_dir / "diagnostics.jsonl"))
+    world = len(records[0]["rank_loss"]) if records else 1
+    return cfg, records, world * cfg.training.local_batch_size
+
+
 def replay_run(run_dir: Path, overrides: list[str] = ()) -> list[dict]:
     """A run folder's measured steps replayed with its config and `overrides` (`--alerts.key
     value`), plus the replica_drift and spike_skipped alerts its events.jsonl recorded, by step."""
-    from titanlite.config import parse_args
-    from titanlite.tools.records import read_records
-
-    cfg, _ = parse_args(["--config", str(run_dir / "config.toml"), *overrides])
-    records = read_records(run_dir / "diagnostics.jsonl")
-    world = len(records[0]["rank_loss"]) if records else 1
-    alerts = [a.to_dict() for a in replay(records, cfg.alerts, world * cfg.training.local_batch_size)]
+    cfg, records, batch_unit = _run(run_dir, overrides)
+    alerts = [a.to_dict() for a in replay(records, cfg.alerts, batch_unit)]
     kept = [e for e in read_records(run_dir / "events.jsonl") if e["name"] in NOT_REPLAYED]
     return sorted(alerts + kept, key=lambda a: a["step"])
 
@@ -74,18 +81,13 @@ def recorded(run_dir: Path) -> dict:
     """One run, kept replayable: its [alerts] thresholds, fault switches, batch unit, measured
     steps, the alerts it raised from them (what a later replay must raise again) and those it
     raised from what the records do not hold."""
-    from titanlite.config import parse_args
-    from titanlite.tools.records import read_records
-
-    cfg, _ = parse_args(["--config", str(run_dir / "config.toml")])
-    records = last_per_step(read_records(run_dir / "diagnostics.jsonl"))
+    cfg, records, batch_unit = _run(run_dir)
     steps = {r["step"] for r in records}
     events = [{k: e[k] for k in SAME} for e in read_records(run_dir / "events.jsonl") if e["step"] in steps]
-    world = len(records[0]["rank_loss"]) if records else 1
     return {
         "alerts": asdict(cfg.alerts),
         "faults": asdict(cfg.faults) if cfg.faults else {},  # what the alerts should name
-        "batch_unit": resolve_layout(cfg, world).batch_unit,
+        "batch_unit": batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],
         "kept": [e for e in events if e["name"] in NOT_REPLAYED],  # raised, but not from the records

@@ -1,19 +1,36 @@
-"""The statistical rules behind the named alerts: one small function per rule, each a check past
-the burn-in in one alert's record (titanlite.diagnostics.catalogue).
+"""The rules behind the named alerts, each a check in one alert's record
+(titanlite.diagnostics.catalogue); the runner (titanlite.diagnostics.alerts) adds the cooldown,
+the hosts and the cause.
 
-A rule reads a `Window` (the measured step reduced to a `Point`, the points before it, the
-thresholds of the [alerts] section) and returns a `Finding` or None; the runner
-(titanlite.diagnostics.alerts) adds the cooldown, the hosts and the cause.
+The exact data checks, from a measured step's per-sequence records. Each rank reports per
+sequence the dataset index its sampler assigned and a fingerprint of the tokens its loader
+delivered (step_record.content_fingerprint), plus a hash of the whole global batch as its sampler
+orders it. Three faults show as equalities, with no threshold and no burn-in:
+- identical_data: two ranks were handed the same sequences (the "rank not passed to the
+  loader" bug), at the first measured step;
+- stale_batch: a rank's tokens are those of its previous measured step although its sampler
+  assigned other sequences (a reader stuck on a stale buffer), at the second;
+- data_order_mismatch: the ranks' samplers order the global batch differently (per-rank shuffle
+  seeds: S1-2 / S1-3 of "Silent Inconsistency in Data-Parallel Full Fine-Tuning", arXiv
+  2602.14462), so some sequences are read twice and others never, at the first.
+Sequences that legitimately repeat do not trip them: a dataset's duplicate documents have other
+indices (identical_data compares indices), and stale_batch needs every sequence of a rank to
+repeat, under new indices, at two measured steps in a row.
+
+The statistical rules, past the burn-in: each reads a `Window` (the measured step reduced to a
+`Point`, the points before it, the thresholds of the [alerts] section) and returns a `Finding`
+or None.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections import deque
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics import rank_sum
-from titanlite.diagnostics.window import SPREAD_RANKS, Finding, Window
+from titanlite.diagnostics.registry import SPREAD_RANKS, Finding, Window
 
 NEED_SPREAD = ("dispersion_spike", "dispersion_rising_loss_falling", "faulty_worker (by direction)")
 SPREAD_ONLY = NEED_SPREAD[:2]  # the alerts that have no other check: silent at dp=2
@@ -35,6 +52,60 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
             "steps): a bad batch on one rank is named later, by persistence, if at all"
         )
     return "; ".join(notes) or None
+
+
+def read(rec: dict) -> list[list[list[float]]] | None:
+    """Per rank: [dataset indices, content fingerprints] of a measured step's sequences (None for a
+    record without them)."""
+    samples = rec.get("rank_samples")
+    if not samples or rec.get("data_order") is None:
+        return None
+    return [[[s["index"] for s in rank], [s["content"] for s in rank]] for rank in samples]
+
+
+def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
+    """identical_data: ranks handed the same sequences as a lower rank."""
+    copies = [r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))]
+    if not copies:
+        return None
+    first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
+    return copies, (
+        f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
+    )
+
+
+def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) -> tuple[list[int], str] | None:
+    """stale_batch: ranks whose tokens are their previous measured step's under new indices."""
+    if prev is None or len(prev) != len(now):
+        return None
+    ranks = [
+        r
+        for r, ((ids, content), (old_ids, old_content)) in enumerate(zip(now, prev, strict=True))
+        if content and content == old_content and ids != old_ids
+    ]
+    if not ranks:
+        return None
+    return ranks, (
+        f"rank(s) {ranks} trained on the same tokens as at their previous measured step "
+        "although their sampler assigned other sequences"
+    )
+
+
+def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
+    """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
+    (every rank when there is none)."""
+    counts: dict[float, int] = {}
+    for h in orders:
+        counts[h] = counts.get(h, 0) + 1
+    if len(counts) < 2:
+        return None
+    common, n = max(counts.items(), key=lambda kv: kv[1])
+    majority = n > len(orders) / 2
+    odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
+    return odd, (
+        f"the samplers of rank(s) {odd} order the global batch differently from "
+        f"{'the other ranks' if majority else 'each other'} ({len(counts)} different orders among {len(orders)} ranks)"
+    )
 
 
 def dispersion_spike(w: Window) -> Finding | None:
@@ -203,3 +274,102 @@ def faulty_worker_norm_pair(w: Window) -> Finding | None:
         "(the larger usually is: noise adds to a gradient); a run with a third rank would say"
     )
     return Finding("faulty_worker", [0, 1], msg, {"ratio": ratio})
+
+
+class BatchAdvisor:
+    """batch_size_advice: what the measured gradient noise scale says about the run's batch.
+
+    "An Empirical Model of Large-Batch Training" (McCandlish et al., arXiv 1812.06162) finds that
+    the critical batch, past which a larger batch stops buying fewer steps, is about the gradient
+    noise scale B_noise, estimated by B_simple (stats.NoiseScale, in tokens, EMA-smoothed). Well
+    below it a step's gradient is mostly noise: doubling the batch nearly halves the steps to a
+    given loss, for about the same tokens. Well above it the extra batch buys little: the same loss
+    costs more tokens. B_simple moves as training goes (it grows as the loss falls), so the advice
+    is given only when the ratio (to the batch's mean tokens over those steps: an SFT batch's vary
+    by step) stays past `advice_ratio` either way for `advice_steps` measured steps, and again only
+    when it has moved a further `advice_ratio`-fold the same way (the noise scale keeps growing over
+    a long run, and the batch it asks for with it). The batch is part of the run's identity (a
+    resumed run keeps it), so the advice is for the next run, with the flag that would set it.
+
+    `unit`: the sequences the global batch moves by with everything else kept (dp x the local
+    batch: only the accumulation changes), for the suggested flag."""
+
+    def __init__(self, cfg: AlertsConfig, unit: int) -> None:
+        self.cfg = cfg
+        self.unit = max(1, unit)
+        # B_simple over the batch's mean tokens in the window: an SFT batch's tokens vary by step
+        self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)
+        self.tokens: deque[float] = deque(maxlen=cfg.advice_steps)  # the batch's tokens per step
+        self.advised = 0.0  # the ratio last advised on (0: none since the ratio was in the band)
+
+    def state_dict(self) -> dict:
+        return {"ratios": list(self.ratios), "tokens": list(self.tokens), "advised_ratio": self.advised}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.ratios.extend(state.get("ratios", []))
+        self.tokens.extend(state.get("tokens", []))
+        self.advised = state.get("advised_ratio", 0.0)
+
+    def update(self, rec: dict) -> Finding | None:
+        """A measured-step record (component.Diagnostics.collect: noise_scale_tokens,
+        batch_tokens, batch_sequences): the advice, when it is due."""
+        noise, tokens, sequences = (
+            rec.get("noise_scale_tokens"),
+            rec.get("batch_tokens"),
+            rec.get("batch_sequences"),
+        )
+        # B_simple <= 0: the ranks' gradients agree beyond their noise (the same data, say), and
+        # the estimate says nothing about the batch
+        if noise is None or noise <= 0 or not tokens or not sequences:
+            return None
+        self.tokens.append(tokens)
+        tokens = statistics.fmean(self.tokens)
+        self.ratios.append(noise / tokens)
+        r, typical = self.cfg.advice_ratio, statistics.median(self.ratios)
+        side = 1 if typical >= r else -1 if typical <= 1 / r else 0
+        if side == 0:
+            self.advised = 0.0  # back in the band: a later excursion is advised again
+            return None
+        edge = r if side > 0 else 1 / r
+        if self.advised and (self.advised > 1) == (side > 0):  # advised on this side: a further fold
+            edge = self.advised * r if side > 0 else self.advised / r
+        past = all(x >= edge for x in self.ratios) if side > 0 else all(x <= edge for x in self.ratios)
+        if len(self.ratios) < self.cfg.advice_steps or not past:
+            return None
+        before, ratio = self.advised, statistics.median(self.ratios)
+        self.advised = ratio
+        per_seq = tokens / sequences
+        suggest = max(self.unit, round(ratio * sequences / self.unit) * self.unit)
+        flag = f"--training.global_batch_size {suggest}"
+        head = (
+            f"the gradient noise scale B_simple (McCandlish et al., arXiv 1812.06162) has been about "
+            f"{ratio * tokens:,.0f} tokens for the last {len(self.ratios)} measured steps, "
+        )
+        if side > 0:
+            msg = head + (
+                f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens{_since(before)}: its steps are dominated by gradient noise, "
+                "so a larger batch would reach a given loss in nearly proportionally fewer steps for about the "
+                f"same tokens, up to about that size ({suggest} sequences of ~{per_seq:,.0f} tokens)"
+            )
+        else:
+            msg = head + (
+                f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens{_since(before)}: past the noise scale extra batch "
+                "buys little, so each step spends more tokens than its gradient needs, and a smaller batch would "
+                f"reach a given loss with fewer tokens (in more steps): about {suggest} sequences"
+            )
+        msg += f"; the batch is part of the run's identity, so this is for the next run: {flag} (re-tune the learning rate)"
+        values = {
+            "noise_scale_tokens": ratio * tokens,
+            "batch_tokens": tokens,
+            "suggested_global_batch": suggest,
+        }
+        return Finding("batch_size_advice", [], msg, values)
+
+
+def _since(before: float) -> str:
+    """The ratio of an earlier advice in this excursion, as the message says it."""
+    if not before:
+        return ""
+    return (
+        f" (advised at {before:.0f}x before)" if before >= 1 else f" (advised at 1/{1 / before:.0f} before)"
+    )

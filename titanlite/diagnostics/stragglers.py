@@ -4,9 +4,7 @@ A late rank makes every other rank wait at the next collective, so the step time
 job is slow but not who is late. On a measured step each rank times its data loading and then
 waits at a one-value all-reduce on the diagnostics' own group, as the step starts: the last rank
 to arrive waits least, and the others wait about as long as it is late. The times travel in the
-measured step's gather (component.py); the `slow_rank` rule names a rank that waits least in
-most of the last `slow_window` measured steps, by at least `slow_margin` of a step, from the
-first measured step on.
+measured step's gather (component.py) to the `slow_rank` rule (slow_rank below).
 
 What it sees: lateness built up since the previous step's last collective (the optimizer step,
 data loading, anything the host does between steps). A device slow throughout also makes the
@@ -30,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.diagnostics.window import Finding, Point
+from titanlite.diagnostics.registry import Finding, Point
 
 
 class Arrival:

@@ -2,4 +2,4 @@
 ranks, in one process, on torch's fake process group, runs a few real steps and reports what each
 rank would need and do: memory, compute, traffic per group, host reads, the diagnostics' cost
 (run.py drives it, meter.py measures a step, report.py writes rehearsal.json and the table; the
-config it runs under: titanlite.config.rehearsal)."""
+config it runs under: titanlite.config.layout)."""

@@ -21,8 +21,8 @@ from titanlite.config import JobConfig
 from titanlite.errors import Stopped
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
 from titanlite.rehearsal.report import summarize, table
-from titanlite.tools.logging import init_logging
 from titanlite.tools.phases import heartbeat
+from titanlite.tools.process import init_logging
 from titanlite.train import Trainer
 
 logger = init_logging()

@@ -1,9 +1,11 @@
-"""Worker processes die with their launcher; a script's children stop with the script."""
+"""A process's set-up and its children: its log lines carry its rank, a worker dies with its
+launcher, and a script's children stop with the script."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -14,6 +16,19 @@ from titanlite.tools.phases import heartbeat
 
 _PR_SET_PDEATHSIG = 1
 AGENT_PID_ENV = "TITANLITE_AGENT_PID"  # set by titanlite.launch: the pid the workers' parent must have
+
+
+def init_logging() -> logging.Logger:
+    """The "titanlite" logger, on the console with the rank in each line."""
+    logger = logging.getLogger("titanlite")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        rank = os.environ.get("RANK", "0")
+        handler.setFormatter(logging.Formatter(f"[titanlite r{rank}] %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
 
 
 def die_with_parent() -> None:

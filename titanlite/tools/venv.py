@@ -42,6 +42,7 @@ DEV = (
     "gguf",
     "accelerate",
     "hypothesis",
+    "xdist",
 )
 _AGAIN = "TITANLITE_VENV_EXEC"  # set on the second execution: never a third
 

@@ -62,8 +62,7 @@ from titanlite.components.checkpoint.resume import (
 )
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
-from titanlite.config.fields import due
-from titanlite.config.identity import identity
+from titanlite.config.fields import due, identity
 from titanlite.datasets.build import tokenizer_key
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase

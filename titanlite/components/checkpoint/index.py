@@ -3,7 +3,7 @@
 before any worker starts, the trainer again in rank 0.
 
 A step folder is complete once MARKER is in it (written last, checkpointer.py). Its state.json
-records what the run trained on (titanlite.config.identity), the whole config, the run folder
+records what the run trained on (titanlite.config.fields), the whole config, the run folder
 that wrote it, and every other file of the step with its size (and, for files up to
 CHECKSUM_MAX_BYTES, a CRC32). Sizes catch a truncated or missing file; the checksum, on the
 small files only, a damaged one. The DCP shards get sizes alone: checking an 8B model's 96 GB

@@ -30,7 +30,7 @@ def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
     """Config, tokenizer and meta-device model of a complete titanlite step folder (the caller
     has checked that it is one: titanlite.components.checkpoint.index.initial_load_kind). Only reads it."""
     from titanlite.components.checkpoint.resume import check_fits
-    from titanlite.config.identity import IDENTITY_KEYS
+    from titanlite.config.fields import IDENTITY_KEYS
     from titanlite.datasets.build import build_tokenizer
     from titanlite.models.hf_files import check_hf_folder
     from titanlite.models.registry import build_meta_model

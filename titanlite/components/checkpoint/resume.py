@@ -13,7 +13,7 @@ from typing import Any
 
 from titanlite.components.checkpoint.index import read_state, step_dir
 from titanlite.config import JobConfig
-from titanlite.config.identity import IDENTITY_KEYS, identity
+from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
 from titanlite.config.manager import migrate_flat
 from titanlite.distributed.param_init import canonical_name
@@ -117,7 +117,7 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float
     and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
     (titanlite.components.optimizer.realign_schedule)."""
     step = state["step"]
-    before = migrate_flat(state["config"])  # moved keys under their new names (config/moved.py)
+    before = migrate_flat(state["config"])  # moved keys under their new names (config/fields.py)
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):

@@ -1,0 +1,295 @@
+"""The datasets the sampler indexes, sequence by sequence: pretraining windows of a prepared token
+stream (PackedDataset), SFT records one per sequence (SFTDataset) or packed (PackedSFTDataset),
+random tokens (SyntheticDataset), and several of them as one index space (MixtureDataset).
+
+Each gives sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources)
+and, synthetic data aside, `content_slots(i)` (its slots that hold tokens, not padding). Only
+targets have labels: every token of a window or of synthetic data, the response or assistant
+turns of an SFT record (titanlite.datasets.records).
+
+The held-out split (eval.fraction): which sequences (SFT: records) are kept for evaluation and
+never trained on, in O(1) memory for any data size. The index space is cut into blocks of
+BLOCK consecutive items; in every block the same round(BLOCK x fraction) offsets, drawn once
+from training.seed (titanlite.datasets.sampler's permutation), are held out. The eval set is
+spread over the whole data, the split depends on nothing but (size, fraction, seed), so every
+rank and every dp computes the same one, and the i-th training or eval item is found by
+arithmetic, never by a stored index list (HeldOut, Subset).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from titanlite.datasets.packing import best_fit_decreasing, restart_positions
+from titanlite.datasets.prepared import Prepared
+from titanlite.datasets.sampler import permute, stream_keys
+from titanlite.errors import UserError
+from titanlite.ops.cross_entropy import IGNORE_INDEX
+
+
+class PackedDataset:
+    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. A window spans
+    several documents: trace(i) names them all. With `document_mask` each item also carries its
+    tokens' positions within their documents (restarting at each document and at the window's
+    start), so attention stays inside a document."""
+
+    def __init__(self, data: Prepared, seq_len: int, document_mask: bool = False) -> None:
+        self.data = data
+        self.seq_len = seq_len
+        self.document_mask = document_mask
+
+    def __len__(self) -> int:
+        return max(0, (self.data.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        start = i * self.seq_len
+        window = self.data.tokens(start, start + self.seq_len + 1)
+        if not self.document_mask:
+            return window[:-1], window[1:]
+        starts = self.data.document_starts(start, start + self.seq_len) - start
+        return window[:-1], window[1:], restart_positions(starts, self.seq_len)
+
+    def content_slots(self, i: int) -> int:
+        return self.seq_len  # windows have no padding
+
+    def trace(self, i: int) -> list[dict]:
+        start = i * self.seq_len
+        return self.data.trace(start, start + self.seq_len + 1)
+
+
+def to_example(
+    ids: np.ndarray, target: np.ndarray, seq_len: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """A record's tokens and target mask -> (inputs, labels) of seq_len, truncated or padded.
+    Position j predicts token j+1; its label is that token if it is a target, else IGNORE_INDEX.
+    A record whose targets lie past the window has no valid token at all: the loss path handles
+    that."""
+    ids, target = ids[: seq_len + 1], target[: seq_len + 1]
+    inputs = np.full(seq_len, pad_id, dtype=np.int64)
+    labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+    inputs[: len(ids) - 1] = ids[:-1]
+    labels[: len(ids) - 1] = np.where(target[1:], ids[1:], IGNORE_INDEX)
+    return inputs, labels
+
+
+class SFTDataset:
+    """Prepared records, padded or truncated to seq_len."""
+
+    def __init__(self, data: Prepared, seq_len: int, pad_id: int) -> None:
+        self.data = data
+        self.seq_len = seq_len
+        self.pad_id = pad_id
+
+    def __len__(self) -> int:
+        return self.data.num_docs
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, target = self.data.document(i)
+        return to_example(ids, target, self.seq_len, self.pad_id)
+
+    def trace(self, i: int) -> list[dict]:
+        ids, _ = self.data.document(i)
+        return [{**self.data.source(i), "tokens": [0, min(len(ids), self.seq_len + 1)]}]
+
+    def content_slots(self, i: int) -> int:
+        return min(len(self.data.document(i)[0]), self.seq_len + 1) - 1
+
+    def check_targets(self) -> str | None:
+        """Raise if no record has a target token inside the window (every step would be skipped);
+        else a start-up line when some records have none, or None."""
+        first = self.data.first_targets()
+        # The label of position j is token j+1: a target at token t (1 <= t <= seq_len) is seen.
+        seen = (first >= 1) & (first <= self.seq_len)
+        missing = int(len(first) - seen.sum())
+        if missing == 0:
+            return None
+        where = f"SFT data '{self.data.folder}'"
+        if missing == len(first):
+            has = first[first >= 1]
+            if not len(has):
+                raise UserError(
+                    f"{where}: none of its {len(first):,} records has a target token; check the data"
+                )
+            raise UserError(
+                f"{where}: none of its {len(first):,} records has a target token within seq_len="
+                f"{self.seq_len} (the prompt alone fills it); seq_len >= {int(has.min())} gives some a "
+                f"target, >= {int(has.max())} all of them"
+            )
+        return (
+            f"{where}: {missing:,} of {len(first):,} records ({missing / len(first):.1%}) have no target "
+            f"token within seq_len={self.seq_len}; they add no valid tokens"
+        )
+
+
+class PackedSFTDataset(SFTDataset):
+    """Records packed into sequences of seq_len (titanlite.datasets.packing: the same plan on
+    every rank, so the sampler orders packs as it orders records). Each item carries positions
+    that restart at every record: attention never crosses a record boundary and RoPE sees each
+    record as if alone, so its loss and gradient are those of the record run by itself. A
+    record longer than the window is truncated, as unpacked; one of a single token is dropped
+    (it has no label to train). `records`: the records to pack (a split's part); None: all."""
+
+    def __init__(self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None) -> None:
+        super().__init__(data, seq_len, pad_id)
+        lengths = data.document_lengths()
+        self.slots = np.minimum(lengths, seq_len + 1) - 1  # input positions each record fills
+        kept = np.arange(len(lengths)) if records is None else np.asarray(records, dtype=np.int64)
+        kept = kept[self.slots[kept] > 0]
+        members, self.starts = best_fit_decreasing(self.slots[kept], seq_len)
+        self.members = kept[members]
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def records(self, i: int) -> np.ndarray:
+        """The record indices of pack i, in their order inside it."""
+        return self.members[self.starts[i] : self.starts[i + 1]]
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        starts, at = [], 0
+        for r in self.records(i).tolist():
+            n = int(self.slots[r])
+            ids, target = self.data.document(r)
+            inputs[at : at + n], labels[at : at + n] = to_example(ids, target, n, self.pad_id)
+            starts.append(at)
+            at += n
+        starts.append(at)  # the padding after the last record is a document of its own
+        return inputs, labels, restart_positions(np.asarray(starts), self.seq_len)
+
+    def trace(self, i: int) -> list[dict]:
+        return [
+            {**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]} for r in self.records(i).tolist()
+        ]
+
+    def content_slots(self, i: int) -> int:
+        return int(self.slots[self.records(i)].sum())
+
+
+# Synthetic sequences in the index space: the sampler computes its permutation per step, never
+# stores it, so the size costs nothing, and no benchmark reads this far.
+SYNTHETIC_SIZE = 1 << 40
+
+
+class SyntheticDataset:
+    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): a model's real
+    vocabulary (128,256 for Llama 3) without its tokenizer or a corpus. Sequence i is seq_len + 1
+    tokens drawn uniformly from [0, vocab_size) by a generator seeded with (seed, i), so it
+    depends on its index alone, like a real dataset's: every rank, a resumed run and the
+    diagnostics' data checks see the same sequence for the same index."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return SYNTHETIC_SIZE
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        window = np.random.default_rng([self.seed, int(i)]).integers(
+            0, self.vocab_size, self.seq_len + 1, dtype=np.int64
+        )
+        return window[:-1], window[1:]
+
+    def trace(self, i: int) -> list[dict]:
+        return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": [0, self.seq_len + 1]}]
+
+
+class MixtureDataset:
+    """Datasets as one index space, with their weights: the sampler (titanlite.datasets.sampler)
+    decides how often each is read; this only maps a global index to a dataset and its own index."""
+
+    def __init__(self, parts: list, weights: list[float], identity: list[dict] | None = None) -> None:
+        self.parts = parts
+        self.weights = weights
+        # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
+        # says all of it (synthetic data, an eval set)
+        self.identity = identity
+        self.sizes = [len(p) for p in parts]
+        self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def _find(self, i: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return k, i - int(self.starts[k])
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        k, j = self._find(i)
+        return self.parts[k][j]
+
+    def trace(self, i: int) -> list[dict]:
+        k, j = self._find(i)
+        return self.parts[k].trace(j)
+
+    def content_slots(self, i: int) -> int:
+        k, j = self._find(i)
+        return self.parts[k].content_slots(j)
+
+
+BLOCK = 10_000  # the held-out split's block of items
+_SPLIT_STREAM = 0x73706C  # its key stream, apart from the sampler's
+
+
+class HeldOut:
+    """The split of [0, n) into training and eval indices."""
+
+    def __init__(self, n: int, fraction: float, seed: int) -> None:
+        self.n = n
+        held = max(1, round(BLOCK * fraction))
+        order = permute(np.arange(BLOCK), BLOCK, stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64)))
+        in_eval = np.zeros(BLOCK, dtype=bool)
+        in_eval[order[:held]] = True
+        self.offsets = {"eval": np.flatnonzero(in_eval), "train": np.flatnonzero(~in_eval)}
+
+    def size(self, part: str) -> int:
+        offsets = self.offsets[part]
+        full, rest = divmod(self.n, BLOCK)
+        return full * len(offsets) + int(np.searchsorted(offsets, rest))
+
+    def indices(self, part: str, i: np.ndarray | int) -> np.ndarray:
+        """The indices into [0, n) of the part's items i ("train" or "eval")."""
+        offsets = self.offsets[part]
+        block, k = np.divmod(np.asarray(i, dtype=np.int64), len(offsets))
+        return block * BLOCK + offsets[k]
+
+    def subset(self, dataset, part: str) -> Subset:
+        """The "train" or "eval" part of `dataset`."""
+        return Subset(dataset, self.size(part), functools.partial(self.indices, part))
+
+
+class Subset:
+    """Items `index(i)` of a dataset, for i in [0, size): a split part, or an eval set's sample."""
+
+    def __init__(self, dataset, size: int, index: Callable[[int], int | np.ndarray]) -> None:
+        self.dataset = dataset
+        self.size = size
+        self.index = index
+
+    def __len__(self) -> int:
+        return self.size
+
+    def _at(self, i: int) -> int:
+        if not 0 <= i < self.size:
+            raise IndexError(i)
+        return int(self.index(i))
+
+    def __getitem__(self, i: int):
+        return self.dataset[self._at(i)]
+
+    def trace(self, i: int) -> list[dict]:
+        return self.dataset.trace(self._at(i))
+
+    def content_slots(self, i: int) -> int:
+        return self.dataset.content_slots(self._at(i))
+
+
+def spaced(total: int, count: int, i: int) -> int:
+    """The i-th of `count` indices spread evenly over [0, total)."""
+    return i * total // count
