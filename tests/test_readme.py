@@ -53,7 +53,7 @@ COMMANDS = {
         "./scripts/inspect_step.py outputs/same-data --step 1 --rank 1": "run",
         "./scripts/diagnose_scenarios.py --quick": "help",
         "cd tests && ../scripts/check_model.py --model.name fork_lm --model.import_module fork_model "
-        "--model.flavor tiny": "short: --worlds 1",
+        "--model.flavor tiny": "skip: tests/test_check_model.py runs it from tests/ (--worlds 2)",
         "./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true": f"short: {TRAIN}",
         "NPROC=4 ./run_train.sh --job.run_name my-run --checkpoint.every 50 --checkpoint.at_end true --training.local_batch_size 2 --training.steps 200": (
             f"short: {TRAIN}"
