@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import titanlite.tools.paths as paths
-from titanlite.components.run import environment
+from titanlite.components.run import torchrun
 from titanlite.errors import UserError
 from titanlite.tools.cli import NUMBERS, Arg, Script
 
@@ -179,7 +179,7 @@ NUMBER_ARGS = [
     for name, s in sorted(SCRIPTS.items())
     for a in s.args
     if a.kind in NUMBERS
-] + [pytest.param(a, id=f"environment {a.name}") for a in environment.VARS.values() if a.kind in NUMBERS]
+] + [pytest.param(a, id=f"environment {a.name}") for a in torchrun.VARS.values() if a.kind in NUMBERS]
 
 
 @pytest.mark.parametrize("arg", NUMBER_ARGS)
@@ -202,15 +202,15 @@ def test_a_number_is_taken_exactly_when_finite_and_in_bounds(arg: Arg, x):
             arg.check(text)
 
 
-@pytest.mark.parametrize("name", sorted(environment.VARS))
+@pytest.mark.parametrize("name", sorted(torchrun.VARS))
 def test_every_launcher_variable_refuses_each_bad_kind(name, tmp_path, monkeypatch):
-    a = environment.VARS[name]
+    a = torchrun.VARS[name]
     assets = Assets(tmp_path)
     monkeypatch.setattr(paths, "writable", lambda folder: assets.read_only not in (folder, *folder.parents))
-    environment.torchrun_args({"NGPU": "0", name: assets.good(a)} if a.kind != "text" else {"NGPU": "0"})
+    torchrun.torchrun_args({"NGPU": "0", name: assets.good(a)} if a.kind != "text" else {"NGPU": "0"})
     for mistake, value in assets.bad(a):
         with pytest.raises(UserError, match=name) as e:
-            environment.torchrun_args({"NGPU": "0", name: value})
+            torchrun.torchrun_args({"NGPU": "0", name: value})
         assert value[:40] in str(e.value), (mistake, str(e.value))
         assert "\n" not in str(e.value)
 
@@ -229,7 +229,7 @@ def test_every_launcher_variable_refuses_each_bad_kind(name, tmp_path, monkeypat
 )
 def test_launcher_variables_that_disagree_are_one_line(env, says):
     with pytest.raises(UserError, match=says):
-        environment.torchrun_args({"NGPU": "0", **env})
+        torchrun.torchrun_args({"NGPU": "0", **env})
 
 
 def test_a_master_port_in_use_is_refused_before_torchrun():
@@ -238,8 +238,8 @@ def test_a_master_port_in_use_is_refused_before_torchrun():
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(UserError, match=f"MASTER_PORT {port} is in use"):
-            environment.torchrun_args({"NGPU": "0", "MASTER_PORT": str(port)})
-    rdzv, env = environment.torchrun_args(
+            torchrun.torchrun_args({"NGPU": "0", "MASTER_PORT": str(port)})
+    rdzv, env = torchrun.torchrun_args(
         {"NGPU": "0", "NPROC": "3", "LOG_RANK": "2,0", "MASTER_PORT": str(port)}
     )
     assert rdzv[rdzv.index("--master_port") + 1] == str(port) and rdzv[-1] == "0,2" and env["OMP_NUM_THREADS"]
