@@ -78,6 +78,7 @@ class Shapes:
     steps: int
     log_every: int
     max_batch: int  # the batch search stops here
+    batch_kinds: tuple[str, ...]  # the AC kinds whose largest batch is searched
     compile_kinds: tuple[str, ...]  # AC kinds also timed with compile on
     accum_steps: int
     hf: dict  # LlamaConfig shapes
@@ -96,6 +97,7 @@ FULL = Shapes(
     steps=30,
     log_every=10,
     max_batch=64,
+    batch_kinds=("none", "selective", "full"),
     compile_kinds=("none", "selective", "full"),
     accum_steps=30,
     hf=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
@@ -115,6 +117,7 @@ SMOKE = Shapes(
     steps=6,
     log_every=2,
     max_batch=1,  # the search's first probe: its code runs, and each run costs seconds here
+    batch_kinds=("full",),  # one kind runs the search's code; the speed rows run all three
     compile_kinds=(),  # compile on a CPU costs ~20 s a run; the exactness suite compiles
     accum_steps=6,
     hf=dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2),
@@ -320,7 +323,7 @@ def check_batch(shapes: Shapes, out: Path) -> dict:
     """Largest local batch that runs two steps, per AC kind: doubling, then bisection."""
     avail = device_bytes()
     rows = []
-    for ac in ("none", "selective", "full"):
+    for ac in shapes.batch_kinds:
         tried: dict[int, bool] = {}
 
         def fits(b: int, ac: str = ac, tried: dict = tried) -> bool:

@@ -53,10 +53,13 @@ def refused(*args: str) -> subprocess.CompletedProcess:
 
     err, out = io.StringIO(), io.StringIO()
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    environ = dict(os.environ)  # a one-rank job sets MASTER_PORT and the rest for its group
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
             code = titanlite.train.main(list(args))
     finally:
+        os.environ.clear()
+        os.environ.update(environ)
         for s, h in handlers.items():
             signal.signal(s, h)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
@@ -355,11 +358,13 @@ def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_a
     del state["optimizer_groups"]  # nor did its state.json say how its optimizer state is laid out
     (step / "state.json").write_text(json.dumps(state))
     before = sorted(p.name for p in (tmp_path / "old").iterdir())
-    proc = single(*args, "--training.steps", "4", "--job.run_name", "old")
+    proc = refused(*args, "--training.steps", "4", "--job.run_name", "old")
     one_line_error(proc, f"checkpoint.initial_load_path = '{step}' (initial_load_model_only = true)")
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == before
     start = [*args, "--training.steps", "2", "--checkpoint.initial_load_path", str(step)]
-    proc = single(*start, "--job.run_name", "with-optimizer", "--checkpoint.initial_load_model_only", "false")
+    proc = refused(
+        *start, "--job.run_name", "with-optimizer", "--checkpoint.initial_load_model_only", "false"
+    )
     one_line_error(proc, "without titanlite's weight-decay groups")  # its optimizer state cannot come along
     proc = single(*start, "--job.run_name", "new")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -2,13 +2,14 @@
 one run per layout and gives scripts/compare_runs.py's verdict; compare_runs.py itself).
 
 Debug Llama, the built-in SFT set prepared by scripts/prepare_data.py (valid tokens differ
-between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 7 steps (past the
-warmup of 5, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
-once for the module (dp8_dp16). With --long: the dp=8 run's checkpoint of step 5, copied into a
+between ranks), CPU fp32, global batch 16, dropout with masks keyed by sample, 4 steps (past a
+warmup of 2, into the cosine decay): dp=8 (local batch 1 x accumulation 2) vs dp=16 (1 x 1), run
+once for the module (dp8_dp16). With --long: the dp=8 run's checkpoint of step 2, copied into a
 new run folder, continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8
 run's curve. The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
 steps, must fail the verdict and name the step. --localize names the module of each bug planted
-in tests/fork_planted.py and tests/fork_moe.py (three of the six with --long). (Accumulation against a single process: tests/test_distributed.py.)
+in tests/fork_planted.py and tests/fork_moe.py (three of the six with --long). (Accumulation
+against a single process: tests/test_distributed.py.)
 """
 
 from __future__ import annotations
@@ -52,12 +53,13 @@ def _max_rel(summary: dict) -> dict[str, float]:
     return {c["other"].rsplit("/", 1)[-1]: c["max_rel"] for c in summary["comparisons"]}
 
 
-STEPS, SAVED = 7, 5  # the shared runs' steps; the dp=8 checkpoint continued at dp=16
+STEPS, SAVED = 4, 2  # the shared runs' steps; the dp=8 checkpoint continued at dp=16
+WARMUP = ("--lr_scheduler.warmup_steps", "2")  # steps 3 and 4 in the cosine decay
 
 
 def shared(data: str) -> tuple[str, ...]:
     """What every run of dp8_dp16 and test_fsdp_ddp_hsdp_agree_at_dp8 trains: the same curve."""
-    return ("--steps", str(STEPS), *batch(1), "--data.path", data, *DROPOUT)
+    return ("--steps", str(STEPS), *batch(1), "--data.path", data, *DROPOUT, *WARMUP)
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,7 @@ def test_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
             *source,
             *where,
             *DROPOUT,
+            *WARMUP,
             "--data.path",
             prepared_sft,
         )
