@@ -140,7 +140,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_runtest_logreport(report):
-    _seconds[report.nodeid.split("@", 1)[0]] += report.duration  # "@group": pytest-xdist's suffix
+    _seconds[report.nodeid] += report.duration
 
 
 def per_file(seconds: dict[str, float]) -> dict[str, float]:
