@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, check, read_metrics, served_scalars, tensorboard_items, train
+from helpers import REPO, check, in_process, read_metrics, served_scalars, tensorboard_items, train
 from torch.utils.tensorboard import SummaryWriter
 
 from titanlite.config import load_config
@@ -44,25 +44,10 @@ def single(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def refused(*args: str) -> subprocess.CompletedProcess:
     """titanlite.train's main(argv) in this process, as `python -m titanlite.train` runs it (one
-    rank): for input it refuses before any training, seconds cheaper than a new interpreter."""
-    import contextlib
-    import io
-    import signal
-
+    rank): for input it refuses before any training."""
     import titanlite.train
 
-    err, out = io.StringIO(), io.StringIO()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    environ = dict(os.environ)  # a one-rank job sets MASTER_PORT and the rest for its group
-    try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            code = titanlite.train.main(list(args))
-    finally:
-        os.environ.clear()
-        os.environ.update(environ)
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    return in_process(titanlite.train.main, args)
 
 
 def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:

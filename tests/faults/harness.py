@@ -14,8 +14,6 @@ give them.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -28,6 +26,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--training.seq_len", "128", "--metrics.log_every", "1")
@@ -225,31 +225,23 @@ def in_process(args: list[str], nproc: int, cwd: Path = REPO, stop_at_workers: b
 
         return launch_with
 
-    err, out = io.StringIO(), io.StringIO()
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    saved_env, saved_path = dict(os.environ), list(sys.path)  # the launcher's caller folder
+    def main(argv: list[str]) -> int:
+        try:
+            return launch.main(argv)
+        except RuntimeError as e:
+            if "reached the workers" not in str(e):
+                raise
+            return 0
+
     real = launcher_api.elastic_launch
     launcher_api.elastic_launch = reached
-    here = os.getcwd()
     try:
-        os.chdir(REPO)
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            code = launch.main([*argv, *args])
-    except RuntimeError as e:
-        if "reached the workers" not in str(e):
-            raise
-        if not stop_at_workers:
-            raise Broke("not stopped before the workers (the preflight let it through)") from None
-        code = 0
+        done = helpers.in_process(main, [*argv, *args])
     finally:
-        os.chdir(here)
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.path[:] = saved_path
         launcher_api.elastic_launch = real
-        for s, h in handlers.items():
-            signal.signal(s, h)
-    r = Result(code, out.getvalue(), err.getvalue())
+    if "argv" in seen and not stop_at_workers:
+        raise Broke("not stopped before the workers (the preflight let it through)")
+    r = Result(done.returncode, done.stdout, done.stderr)
     return (r, seen.get("argv")) if stop_at_workers else r
 
 
