@@ -197,7 +197,9 @@ def build(name: str, args, dump: str):
     from titanlite.train import Trainer
 
     extra = [a.format(dp=args.world) for a in CONFIGS[name]]
-    if name.startswith("moe-"):  # the worked example of titanlite/models/step.py lives with the tests
+    if name.startswith(
+        "moe-"
+    ):  # the worked example of titanlite/models/step.py lives with the tests
         sys.path.insert(0, str(REPO / "tests"))
     cfg, _ = parse_args(
         [
@@ -249,7 +251,10 @@ def _probe_call_cost(model, probe, calls: int = 20000) -> tuple[float, int]:
     import titanlite.distributed.parallelize as parallelize
 
     units = sum(isinstance(m, FSDPModule) for m in model.modules())
-    hooks = {"probe": probe_mod.ProbingReduceScatter(probe, 0), "plain": parallelize.ReduceScatterComm()}
+    hooks = {
+        "probe": probe_mod.ProbingReduceScatter(probe, 0),
+        "plain": parallelize.ReduceScatterComm(),
+    }
     out, inp = torch.empty(4), torch.empty(4 * probe.world)
     real = probe_mod.reduce_scatter, parallelize.reduce_scatter
 
@@ -356,7 +361,9 @@ def data_stats(obj, steps: range) -> dict:
     dataset, sampler = t.dataloader.dataset, t.dataloader.batch_sampler
     seqs = np.concatenate([sampler.global_batch(step - 1) for step in steps]).tolist()
     slots = len(seqs) * t.cfg.training.seq_len
-    content = sum(dataset.content_slots(i) for i in seqs) if hasattr(dataset, "content_slots") else slots
+    content = (
+        sum(dataset.content_slots(i) for i in seqs) if hasattr(dataset, "content_slots") else slots
+    )
     targets = sum(int((np.asarray(dataset[i][1]) != IGNORE_INDEX).sum()) for i in seqs)
     tokens = t.layout.tokens_per_rank_step
     return {
@@ -470,7 +477,9 @@ def summarize(raw: dict) -> dict:
         rows = {}
         for n in others:
             if n in names:
-                rows[n] = {clock: ratio_stats(raw[clock][n], raw[clock][ref]) for clock in ("wall", "cpu")}
+                rows[n] = {
+                    clock: ratio_stats(raw[clock][n], raw[clock][ref]) for clock in ("wall", "cpu")
+                }
         if g == "diagnostics" and "diag-default" in rows and "diag-exact-every" in rows:
             # A measured step every INTERVAL: its extra cost spread over the interval.
             extra = rows["diag-exact-every"]["wall"]["ratio"] - 1
@@ -479,7 +488,12 @@ def summarize(raw: dict) -> dict:
             )
         if rows:
             groups[g] = {"reference": ref, "ratios": rows}
-    out = {"device": raw["device"], "configs": configs, "groups": groups, "breakdown": raw["breakdown"]}
+    out = {
+        "device": raw["device"],
+        "configs": configs,
+        "groups": groups,
+        "breakdown": raw["breakdown"],
+    }
     if "probe_call_us" in raw:
         share = raw["probe_call_us"] * raw["units"] / (configs["titanlite"]["step_ms"] * 1000)
         out["probe_hook"] = {
@@ -503,24 +517,34 @@ def table(dp: int, s: dict) -> str:
         if gpu:
             line += f"{r.get('tflops', 0):>9.1f}{r.get('mfu_pct', 0):>7.1f}{r.get('peak_mem_gib', 0):>10.2f}"
         lines.append(line)
-    lines.append(f"\n{'ratio (step time / reference)':<42}{'wall':>8}{'95% CI':>17}{'CPU':>8}{'95% CI':>17}")
+    lines.append(
+        f"\n{'ratio (step time / reference)':<42}{'wall':>8}{'95% CI':>17}{'CPU':>8}{'95% CI':>17}"
+    )
     for g, grp in s["groups"].items():
         for n, r in grp["ratios"].items():
             w, c = r["wall"], r["cpu"]
             label = f"{g}: {n} / {grp['reference']}"
             lines.append(
                 f"{label:<42}{w['ratio']:>8.3f}{_ci(w):>17}{c['ratio']:>8.3f}{_ci(c):>17}"
-                + (f"   amortized {r['amortized_wall_ratio']:.4f}" if "amortized_wall_ratio" in r else "")
+                + (
+                    f"   amortized {r['amortized_wall_ratio']:.4f}"
+                    if "amortized_wall_ratio" in r
+                    else ""
+                )
             )
     if s["breakdown"]:
         lines.append(
-            f"\n{'step-time breakdown, host ms per step':<42}" + "".join(f"{p:>11}" for p in BREAKDOWN)
+            f"\n{'step-time breakdown, host ms per step':<42}"
+            + "".join(f"{p:>11}" for p in BREAKDOWN)
         )
         for n, parts in s["breakdown"].items():
             total = sum(parts.values())
-            lines.append(f"{n:<32}{total:>10.1f}" + "".join(f"{parts[p]:>11.1f}" for p in BREAKDOWN))
             lines.append(
-                f"{'':<32}{'share':>10}" + "".join(f"{100 * parts[p] / total:>10.1f}%" for p in BREAKDOWN)
+                f"{n:<32}{total:>10.1f}" + "".join(f"{parts[p]:>11.1f}" for p in BREAKDOWN)
+            )
+            lines.append(
+                f"{'':<32}{'share':>10}"
+                + "".join(f"{100 * parts[p] / total:>10.1f}%" for p in BREAKDOWN)
             )
     if "probe_hook" in s:
         p = s["probe_hook"]
@@ -539,7 +563,10 @@ def _ci(r: dict) -> str:
 README_ROWS = {
     ("loss", "titanlite"): "exact loss balancing (titanlite) / plain baseline",
     ("diagnostics", "diag-default"): "diagnostics, default schedule past warmup / off",
-    ("diagnostics", "diag-sketch-every"): "diagnostics `sketch` (per microbatch), every step measured / off",
+    (
+        "diagnostics",
+        "diag-sketch-every",
+    ): "diagnostics `sketch` (per microbatch), every step measured / off",
     ("diagnostics", "diag-exact-every"): "diagnostics `exact`, every step measured / off",
     ("measuring", "diag-exact-every"): "`exact` measured / the same step unmeasured (skip-sync)",
     ("sync", "skip-sync"): "sync skipping on non-final microbatches / syncing each",
@@ -559,7 +586,9 @@ def markdown(report: dict) -> str:
     README_ROWS' ratios with their 95% intervals, wall and CPU time per dp degree. A row no dp
     degree measured is left out; a cell one did not measure is '-'."""
     dps = sorted(report["dp"], key=int)
-    head = ["ratio (step time / reference)"] + [f"dp={dp} {c}" for dp in dps for c in ("wall", "CPU")]
+    head = ["ratio (step time / reference)"] + [
+        f"dp={dp} {c}" for dp in dps for c in ("wall", "CPU")
+    ]
     rows = []
     for (group, name), label in README_ROWS.items():
         cells = []
@@ -585,7 +614,10 @@ def profile_markdown(report: dict) -> str:
             continue
         total = sum(parts.values())
         at = f" at dp={dp}" if len(report["dp"]) > 1 else ""
-        head = [f"titanlite's step{at}, {total:.0f} ms profiled", *(p.replace("_", "-") for p in BREAKDOWN)]
+        head = [
+            f"titanlite's step{at}, {total:.0f} ms profiled",
+            *(p.replace("_", "-") for p in BREAKDOWN),
+        ]
         rows = [
             ["ms", *(_ms(parts[p]) for p in BREAKDOWN)],
             ["share", *(f"{100 * parts[p] / total:.1f}%" for p in BREAKDOWN)],
@@ -602,9 +634,7 @@ def packing_markdown(report: dict) -> str:
         plain, packed = (report["dp"][dp]["configs"][n] for n in ("unpacked", "packed"))
         gain = packed["targets_per_s_per_rank"] / plain["targets_per_s_per_rank"]
         run = f"`scripts/bench.py --dp {dp} --reps {report['reps']} --only packing`"
-        head = (
-            f"built-in SFT set, debug model, seq 1,024, dp={dp}, 1 sequence x 2 microbatches per rank ({run})"
-        )
+        head = f"built-in SFT set, debug model, seq 1,024, dp={dp}, 1 sequence x 2 microbatches per rank ({run})"
         rows = [
             [
                 label,
@@ -612,7 +642,10 @@ def packing_markdown(report: dict) -> str:
                 f"{r['tokens_per_s_per_rank']:,.0f}",
                 f"{r['targets_per_s_per_rank']:,.0f}",
             ]
-            for label, r in (("one record per sequence", plain), ("packed (`data.packing = true`)", packed))
+            for label, r in (
+                ("one record per sequence", plain),
+                ("packed (`data.packing = true`)", packed),
+            )
         ]
         rows[1][3] += f" ({gain:.2f}x)"
         out.append(_table([head, "padding", "tokens/s per rank", "target tokens/s per rank"], rows))
@@ -629,17 +662,31 @@ SCRIPT.arg(
     at_most=MAX_RANKS,
     help="dp degrees, one torchrun each (default 4 8)",
 )
-SCRIPT.arg("--reps", kind="int", at_least=1, at_most=10**6, help="timed rounds (default 30; --quick 20)")
-SCRIPT.arg("--only", kind="choice", nargs="+", choices=tuple(GROUPS), help="measure only these groups")
 SCRIPT.arg(
-    "--config", kind="file", default="train_configs/debug_sft.toml", help="the config of every configuration"
+    "--reps", kind="int", at_least=1, at_most=10**6, help="timed rounds (default 30; --quick 20)"
+)
+SCRIPT.arg(
+    "--only", kind="choice", nargs="+", choices=tuple(GROUPS), help="measure only these groups"
+)
+SCRIPT.arg(
+    "--config",
+    kind="file",
+    default="train_configs/debug_sft.toml",
+    help="the config of every configuration",
 )
 SCRIPT.arg("--out", kind="out_file", default="bench.json", help="the report")
 SCRIPT.arg("--worker-out", kind="out_file", internal=True, help="one rank's measurements")
 SCRIPT.arg(
-    "--world", kind="int", at_least=1, at_most=MAX_RANKS, internal=True, help="the worker's world size"
+    "--world",
+    kind="int",
+    at_least=1,
+    at_most=MAX_RANKS,
+    internal=True,
+    help="the worker's world size",
 )
-SCRIPT.arg("--names", kind="text", nargs="+", internal=True, help="the configurations the worker builds")
+SCRIPT.arg(
+    "--names", kind="text", nargs="+", internal=True, help="the configurations the worker builds"
+)
 
 
 def run(args) -> int:
@@ -651,7 +698,9 @@ def run(args) -> int:
     reps = args.reps or (20 if args.quick else 30)
     groups = args.only or list(GROUPS)
     names = [n for n in CONFIGS if any(n == GROUPS[g][0] or n in GROUPS[g][1] for g in groups)]
-    parse_args(["--config", str(args.config), *overrides])  # the config file and overrides, in one line
+    parse_args(
+        ["--config", str(args.config), *overrides]
+    )  # the config file and overrides, in one line
     report = {"reps": reps, "config": str(args.config), "overrides": overrides, "dp": {}}
     for dp in dps:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:

@@ -125,7 +125,9 @@ def prepare(corpus: Path, out: Path, workers: int, env: dict, shard_mb: float) -
     cmd += ["--workers", str(workers), "--shard-mb", str(shard_mb), str(corpus)]
     row = watch(cmd, env)
     meta = json.loads((out / "meta.json").read_text())
-    row.update(tokens=meta["tokens"], docs=meta["docs"], shards=len(meta["shards"]), workers=workers)
+    row.update(
+        tokens=meta["tokens"], docs=meta["docs"], shards=len(meta["shards"]), workers=workers
+    )
     row["tokens_per_s"] = meta["tokens"] / row["wall_s"]
     return row
 
@@ -165,7 +167,9 @@ SCRIPT.arg(
     at_most=1 << 20,
     help="corpus sizes (MB of jsonl)",
 )
-SCRIPT.arg("--steps", kind="int", default=5, at_least=1, at_most=10**6, help="training steps per size")
+SCRIPT.arg(
+    "--steps", kind="int", default=5, at_least=1, at_most=10**6, help="training steps per size"
+)
 SCRIPT.arg(
     "--shard-mb",
     kind="float",
@@ -266,12 +270,17 @@ def markdown(report: dict) -> str:
     one, two = prep[f"{sizes[0]:g}-w1"], prep[f"{sizes[0]:g}-w2"]
     rest = [prep[f"{mb:g}"] for mb in sizes[1:]]
     mem = [train[f"{mb:g}"]["peak_anon_mib_largest_child"] for mb in sizes]
-    growth = f"**{mem[-1] / mem[0] - 1:+.1%}**; the benchmark fails above {report['max_growth']:+.0%}"
+    growth = (
+        f"**{mem[-1] / mem[0] - 1:+.1%}**; the benchmark fails above {report['max_growth']:+.0%}"
+    )
     rows = [
         ["", *(f"{_size(mb)} of jsonl" for mb in sizes)],
         ["---"] * (len(sizes) + 1),
         ["tokens", *(f"{r['tokens'] / 1e6:.1f}M" for r in [one, *rest])],
-        ["preparation, 1 worker", f"{_rate(one)}, peak anonymous memory {one['peak_anon_mib_total']:.0f} MiB"]
+        [
+            "preparation, 1 worker",
+            f"{_rate(one)}, peak anonymous memory {one['peak_anon_mib_total']:.0f} MiB",
+        ]
         + [""] * len(rest),
         [
             "preparation, 2 workers",

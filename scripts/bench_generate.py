@@ -52,10 +52,18 @@ SCRIPT.arg(
     help="llama3 flavor",
 )
 SCRIPT.arg("--vocab", kind="int", default=2048, at_least=2, at_most=1 << 20, help="vocabulary")
-SCRIPT.arg("--prompt-len", kind="int", default=32, at_least=1, at_most=1 << 16, help="tokens per prompt")
-SCRIPT.arg("--new", kind="int", default=64, at_least=1, at_most=1 << 16, help="tokens generated per prompt")
-SCRIPT.arg("--prompts", kind="int", default=2, at_least=1, at_most=1024, help="prompts decoded together")
-SCRIPT.arg("--rounds", kind="int", default=3, at_least=1, at_most=1000, help="alternating rounds timed")
+SCRIPT.arg(
+    "--prompt-len", kind="int", default=32, at_least=1, at_most=1 << 16, help="tokens per prompt"
+)
+SCRIPT.arg(
+    "--new", kind="int", default=64, at_least=1, at_most=1 << 16, help="tokens generated per prompt"
+)
+SCRIPT.arg(
+    "--prompts", kind="int", default=2, at_least=1, at_most=1024, help="prompts decoded together"
+)
+SCRIPT.arg(
+    "--rounds", kind="int", default=3, at_least=1, at_most=1000, help="alternating rounds timed"
+)
 
 
 def run(args) -> int:
@@ -68,7 +76,9 @@ def run(args) -> int:
         model = Llama3(shape)
     model.init_weights(ParamInit(model, seed=0))
     model.eval()
-    prompts = [torch.randint(0, args.vocab, (args.prompt_len,)).tolist() for _ in range(args.prompts)]
+    prompts = [
+        torch.randint(0, args.vocab, (args.prompt_len,)).tolist() for _ in range(args.prompts)
+    ]
     times: dict[str, list[float]] = {"cache": [], "cache-free": []}
     outs = {}
     for _ in range(args.rounds):

@@ -62,8 +62,12 @@ SCRIPT.arg(
 
 def body(args) -> int:
     overrides = args.overrides
-    if "--model.name" not in overrides and not any(o.startswith("--model.name=") for o in overrides):
-        raise UserError("name the model to check: --model.name NAME (and --model.import_module for a fork's)")
+    if "--model.name" not in overrides and not any(
+        o.startswith("--model.name=") for o in overrides
+    ):
+        raise UserError(
+            "name the model to check: --model.name NAME (and --model.import_module for a fork's)"
+        )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     sys.path.insert(0, os.getcwd())
@@ -72,18 +76,29 @@ def body(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             out = Path(tmp) / f"world{world}.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={world}",
+            ]
             cmd += ["-m", "titanlite.analysis.model_check", str(out), *overrides]
             began = time.monotonic()
 
             def say(seconds: float, w: int = world) -> None:
-                print(f"check_model: {w} rank(s) still running ({seconds:.0f}s)", file=sys.stderr, flush=True)
+                print(
+                    f"check_model: {w} rank(s) still running ({seconds:.0f}s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
             proc = run_child(cmd, env=env, say=say)
             if proc.returncode or not out.exists():
                 lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
                 error = next(
-                    (ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "no output"
+                    (ln for ln in reversed(lines) if "Error" in ln),
+                    lines[-1] if lines else "no output",
                 )
                 raise UserError(
                     f"the check at {world} rank(s) failed (exit {proc.returncode}): {error.strip()}"

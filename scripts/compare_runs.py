@@ -41,7 +41,9 @@ from titanlite.tools.cli import Script  # noqa: E402
 
 SCRIPT = Script("compare_runs", __doc__)
 SCRIPT.arg("runs", kind="folder", nargs="+", help="run folders; the first is the reference")
-SCRIPT.arg("--invariance", kind="switch", help="judge: the same loss curve as RUN_A, or where it parts")
+SCRIPT.arg(
+    "--invariance", kind="switch", help="judge: the same loss curve as RUN_A, or where it parts"
+)
 SCRIPT.arg(
     "--rtol",
     kind="float",
@@ -50,7 +52,11 @@ SCRIPT.arg(
     help="(implies --invariance) flat relative loss tolerance (default: 1e-5 fp32; bf16 grows with the step)",
 )
 SCRIPT.arg(
-    "--steps", kind="int", at_least=1, at_most=10**9, help="--invariance: compare only the first N steps"
+    "--steps",
+    kind="int",
+    at_least=1,
+    at_most=10**9,
+    help="--invariance: compare only the first N steps",
 )
 SCRIPT.arg("--out", kind="out_folder", help="folder for the table, the JSON and the plot")
 SCRIPT.arg(

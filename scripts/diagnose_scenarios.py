@@ -89,7 +89,14 @@ def scenario_argv(args, name: str, overrides: list[str]) -> list[str]:
     from titanlite.config import parse_args
     from titanlite.config.layout import fitting_local_batch
 
-    argv = ["--config", str(args.config), "--training.steps", str(args.steps), "--metrics.log_every", "1"]
+    argv = [
+        "--config",
+        str(args.config),
+        "--training.steps",
+        str(args.steps),
+        "--metrics.log_every",
+        "1",
+    ]
     argv += [
         "--diagnostics.measure_first",
         str(args.steps),
@@ -140,7 +147,9 @@ def worker(args, overrides: list[str]) -> None:
             return {"stopped": str(e)}
         return {"stopped": None}
 
-    status = harness.trainers(((n, scenario_argv(args, n, overrides)) for n in args.scenarios), train)
+    status = harness.trainers(
+        ((n, scenario_argv(args, n, overrides)) for n in args.scenarios), train
+    )
     if harness.is_first_rank():
         (args.out / "status.json").write_text(json.dumps(status))
     harness.finish()
@@ -219,7 +228,8 @@ def _rank_test_max(records: list[dict]) -> float | None:
     window, scores, best = Alerts().rank_test_window, [], None
     for rec in records:
         losses = [
-            [x["loss"] for x in rank if x.get("loss") is not None] for rank in rec.get("rank_samples") or []
+            [x["loss"] for x in rank if x.get("loss") is not None]
+            for rank in rec.get("rank_samples") or []
         ]
         scores = [*scores, rank_scores(losses)][-window:] if losses else scores
         for r in range(len(scores[-1]) if scores else 0):
@@ -241,7 +251,9 @@ def _noise_rise_max(records: list[dict]) -> float | None:
         pts = [*pts, p][-cfg.window :] if p else pts
         if len(pts) < cfg.window:
             continue
-        rises = noise_rises(Window(cfg, pts[-1], pts[:-1], [], 0, len(rec["rank_loss"]), lambda *_: False))
+        rises = noise_rises(
+            Window(cfg, pts[-1], pts[:-1], [], 0, len(rec["rank_loss"]), lambda *_: False)
+        )
         for r, x in enumerate(rises):
             others = [y for j, y in enumerate(rises) if j != r and y is not None]
             if x is not None and others:
@@ -250,11 +262,15 @@ def _noise_rise_max(records: list[dict]) -> float | None:
     return math.exp(best) if best is not None else None
 
 
-def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] | None = None) -> dict:
+def summarize(
+    run_dir: Path, stopped: str | None, want=None, alerts: list[dict] | None = None
+) -> dict:
     """One scenario's row from its run folder; `alerts`: replayed ones instead of events.jsonl's."""
     metrics = _read(run_dir, "metrics.jsonl")
     diag = [
-        d for d in _read(run_dir, "diagnostics.jsonl") if d["step"] > SKIP and d.get("loss_std") is not None
+        d
+        for d in _read(run_dir, "diagnostics.jsonl")
+        if d["step"] > SKIP and d.get("loss_std") is not None
     ]
     events = _read(run_dir, "events.jsonl") if alerts is None else alerts
     losses = [m["loss"] for m in metrics if m.get("loss") is not None]
@@ -296,7 +312,9 @@ def summarize(run_dir: Path, stopped: str | None, want=None, alerts: list[dict] 
         ),
         # notes (batch_size_advice): information, not alerts
         "notes": [
-            {"name": e["name"], "step": e["step"], **e["values"]} for e in events if e.get("level") == "info"
+            {"name": e["name"], "step": e["step"], **e["values"]}
+            for e in events
+            if e.get("level") == "info"
         ],
         **detection(alerts, want),
     }
@@ -333,7 +351,9 @@ def table(rows: dict[str, dict]) -> str:
             if r["loss_max_rank"] is not None
             else "-"
         )
-        alerts = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["alerts"]) or "none"
+        alerts = (
+            ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["alerts"]) or "none"
+        )
         if r["stopped"]:
             alerts += " (stopped)"
         lines.append(f"{name:<16}{r['steps']:>6}{cells}{low:>14}{top:>15}  {alerts}")
@@ -345,9 +365,14 @@ def detection_table(rows: dict[str, dict]) -> str:
         f"{'scenario':<16}{'expected alert (ranks)':<30}{'onset':>6}{'fired':>7}{'steps':>7}  other alerts"
     ]
     for name, r in rows.items():
-        wrong = ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["other_alerts"]) or "none"
+        wrong = (
+            ", ".join(f"{a['name']}@{a['step']}{a['ranks'] or ''}" for a in r["other_alerts"])
+            or "none"
+        )
         cells = [r["onset"], r["detected_step"], r["steps_to_detection"]]
-        shown = "".join(f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, (6, 7, 7), strict=True))
+        shown = "".join(
+            f"{'-' if v is None else v:>{w}}" for v, w in zip(cells, (6, 7, 7), strict=True)
+        )
         missed = " (not detected)" if r["onset"] is not None and r["detected_step"] is None else ""
         lines.append(f"{name:<16}{r['expected']:<30}{shown}  {wrong}{missed}")
     return "\n".join(lines)
@@ -401,7 +426,9 @@ def write_healthy_figures(
         raise UserError(
             f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; these runs hold neither"
         )
-    cfg = parse_args(["--config", str(folder / next(iter(runs)) / "config.toml"), *overrides])[0].alerts
+    cfg = parse_args(["--config", str(folder / next(iter(runs)) / "config.toml"), *overrides])[
+        0
+    ].alerts
     entry = {
         "source": source,
         "steps": max(r["steps"] for r in runs.values()),
@@ -452,7 +479,10 @@ def detection_markdown(figures: dict) -> str:
             ("grad_noise",),
             f"one rank's gradient + {_setting('grad_noise', '--faults.grad_noise_scale')}x its RMS in noise",
         ),
-        (("slow_rank",), f"one rank's steps {_setting('slow_rank', '--faults.slow_factor')}x as long"),
+        (
+            ("slow_rank",),
+            f"one rank's steps {_setting('slow_rank', '--faults.slow_factor')}x as long",
+        ),
         (("replica_flip",), "one bit of one rank's weights"),
         (("stuck_loader",), "one rank's loader stuck on a batch"),
         (("S1-2", "S1-3"), "per-rank shuffle seeds, S1-2 / S1-3"),
@@ -508,7 +538,9 @@ def healthy_markdown(figures: dict) -> str:
         run = figures["dp"][dp]
         for name, what in HEALTHY.items():
             if name in run["scenarios"]:
-                lines.append(_healthy_row(dp, what, run["scenarios"][name], run["thresholds"], first))
+                lines.append(
+                    _healthy_row(dp, what, run["scenarios"][name], run["thresholds"], first)
+                )
                 first = first or run["thresholds"]
     return "\n".join(lines) + "\n"
 
@@ -547,7 +579,9 @@ def plot(rows: dict[str, dict], path: Path) -> None:
         ax.bar(range(len(names)), [rows[n][key] or 0.0 for n in names], color=colors)
         ax.set_title(title, fontsize=9)
         ax.set_xticks(range(len(names)), names, rotation=45, fontsize=7)
-    fig.suptitle("fault scenarios: what the diagnostics measure (red: an alert was raised)", fontsize=10)
+    fig.suptitle(
+        "fault scenarios: what the diagnostics measure (red: an alert was raised)", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -566,17 +600,28 @@ def plot_noise_scale(out: Path, rows: dict[str, dict], path: Path) -> None:
     r = Alerts().advice_ratio
     fig, ax = plt.subplots(figsize=(8, 4))
     for name in rows:
-        recs = [d for d in _read(out / name, "diagnostics.jsonl") if (d.get("noise_to_batch") or 0) > 0]
-        line = ax.plot([d["step"] for d in recs], [d["noise_to_batch"] for d in recs], lw=0.8, label=name)
+        recs = [
+            d for d in _read(out / name, "diagnostics.jsonl") if (d.get("noise_to_batch") or 0) > 0
+        ]
+        line = ax.plot(
+            [d["step"] for d in recs], [d["noise_to_batch"] for d in recs], lw=0.8, label=name
+        )
         for n in rows[name]["notes"]:
-            ax.plot(n["step"], n["noise_scale_tokens"] / n["batch_tokens"], "o", color=line[0].get_color())
+            ax.plot(
+                n["step"],
+                n["noise_scale_tokens"] / n["batch_tokens"],
+                "o",
+                color=line[0].get_color(),
+            )
     advised = sum(len(row["notes"]) for row in rows.values())
     ax.axhspan(1 / r, r, color="tab:gray", alpha=0.15, label=f"no advice (1/{r:g} to {r:g})")
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("B_simple / global batch (a ratio of tokens)")
     said = (
-        f"dots: the {advised} batch_size_advice note(s)" if advised else "no batch_size_advice in these runs"
+        f"dots: the {advised} batch_size_advice note(s)"
+        if advised
+        else "no batch_size_advice in these runs"
     )
     ax.set_title(f"gradient noise scale over the batch ({said})", fontsize=10)
     ax.legend(fontsize=8)
@@ -588,12 +633,21 @@ def plot_noise_scale(out: Path, rows: dict[str, dict], path: Path) -> None:
 SCENARIOS = tuple(scenarios(2))
 QUICK_DP, QUICK_STEPS, QUICK_ONSET = 2, 60, 40  # --quick
 SCRIPT = Script(
-    "diagnose_scenarios", __doc__, overrides="every scenario's run (or, with --replay, the [alerts] rules)"
+    "diagnose_scenarios",
+    __doc__,
+    overrides="every scenario's run (or, with --replay, the [alerts] rules)",
 )
 SCRIPT.arg(
-    "--dp", kind="int", default=4, at_least=2, at_most=MAX_RANKS, help="ranks (the diagnostics compare ranks)"
+    "--dp",
+    kind="int",
+    default=4,
+    at_least=2,
+    at_most=MAX_RANKS,
+    help="ranks (the diagnostics compare ranks)",
 )
-SCRIPT.arg("--steps", kind="int", default=30, at_least=1, at_most=10**6, help="steps of every scenario")
+SCRIPT.arg(
+    "--steps", kind="int", default=30, at_least=1, at_most=10**6, help="steps of every scenario"
+)
 SCRIPT.arg(
     "--onset",
     kind="int",
@@ -613,7 +667,11 @@ SCRIPT.arg(
     help="where the run folders, tables and plots go (default: outputs/scenarios-<time>)",
 )
 SCRIPT.arg(
-    "--scenarios", kind="choice", nargs="+", choices=SCENARIOS, help="a subset, in this order (default: all)"
+    "--scenarios",
+    kind="choice",
+    nargs="+",
+    choices=SCENARIOS,
+    help="a subset, in this order (default: all)",
 )
 SCRIPT.arg(
     "--quick",
@@ -640,7 +698,9 @@ SCRIPT.arg(
     "this figures file, beside the other dps it holds (scripts/figures/diagnose_healthy-*.json: the "
     "diagnostics README's table of false alarms over long healthy runs)",
 )
-SCRIPT.arg("--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)")
+SCRIPT.arg(
+    "--worker", kind="switch", internal=True, help="one rank of the runs (the script launches it)"
+)
 
 
 def run(args) -> int:
@@ -653,7 +713,13 @@ def run(args) -> int:
         args.scenarios = [
             n for n, fault in expected(QUICK_DP, QUICK_ONSET).items() if fault or n == "healthy"
         ]
-        overrides = [*overrides, "--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
+        overrides = [
+            *overrides,
+            "--diagnostics.on_alert",
+            "stop",
+            "--metrics.enable_tensorboard",
+            "false",
+        ]
     if args.onset is not None and args.onset > args.steps:
         raise UserError(
             f"--onset is {args.onset} but the scenarios run {args.steps} steps; start the faults within them"
@@ -661,7 +727,9 @@ def run(args) -> int:
     args.onset = args.onset or max(1, args.steps // 2)
     args.scenarios = args.scenarios or list(SCENARIOS)
     if args.healthy_figures and not set(HEALTHY) & set(args.scenarios):
-        raise UserError(f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; run one of them")
+        raise UserError(
+            f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; run one of them"
+        )
     args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
     if args.worker:
         worker(args, overrides)
@@ -675,7 +743,15 @@ def run(args) -> int:
         raise UserError(f"{args.out} already holds scenarios; pass another --out")
     from titanlite.analysis import harness
 
-    flags = ["--worker", "--dp", str(args.dp), "--steps", str(args.steps), "--onset", str(args.onset)]
+    flags = [
+        "--worker",
+        "--dp",
+        str(args.dp),
+        "--steps",
+        str(args.steps),
+        "--onset",
+        str(args.onset),
+    ]
     flags += [
         "--config",
         str(args.config),
@@ -691,11 +767,16 @@ def run(args) -> int:
     status["onset"] = args.onset
     (args.out / "status.json").write_text(json.dumps(status))
     want = expected(args.dp, args.onset)
-    rows = {name: summarize(args.out / name, status[name]["stopped"], want[name]) for name in args.scenarios}
+    rows = {
+        name: summarize(args.out / name, status[name]["stopped"], want[name])
+        for name in args.scenarios
+    }
     (args.out / "scenarios.json").write_text(json.dumps(rows, indent=1))
     if args.figures:
         cmd = f"--dp {args.dp} --steps {args.steps} --onset {args.onset} --out {args.out}"
-        write_figures(args.figures, rows, args.dp, args.onset, f"scripts/diagnose_scenarios.py {cmd}")
+        write_figures(
+            args.figures, rows, args.dp, args.onset, f"scripts/diagnose_scenarios.py {cmd}"
+        )
     if args.healthy_figures:
         cmd = f"--dp {args.dp} --steps {args.steps} --out {args.out}"
         source = f"scripts/diagnose_scenarios.py {cmd}"

@@ -34,7 +34,11 @@ SCRIPT.arg(
 )
 SCRIPT.arg("out", kind="new_folder", help="the Hugging Face folder to write")
 SCRIPT.arg(
-    "--dtype", kind="choice", choices=tuple(sorted(DTYPES)), default="float32", help="dtype of the weights"
+    "--dtype",
+    kind="choice",
+    choices=tuple(sorted(DTYPES)),
+    default="float32",
+    help="dtype of the weights",
 )
 SCRIPT.arg(
     "--max-shard-gb",

@@ -30,7 +30,9 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
-use_project_venv(dev=True)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+use_project_venv(
+    dev=True
+)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from faults import CASES, Catalogue, verdict  # noqa: E402
 
@@ -38,8 +40,12 @@ from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
 SCRIPT = Script("fault_catalogue", __doc__)
-SCRIPT.arg("--cheap", kind="switch", help="only the cases stopped before any worker, in this process")
-SCRIPT.arg("-k", kind="text", default="", help="only the cases whose family or name holds this text")
+SCRIPT.arg(
+    "--cheap", kind="switch", help="only the cases stopped before any worker, in this process"
+)
+SCRIPT.arg(
+    "-k", kind="text", default="", help="only the cases whose family or name holds this text"
+)
 SCRIPT.arg("--out", kind="out_folder", help="work folder (default: a temporary one, removed after)")
 SCRIPT.arg("--nproc", kind="int", default=2, at_least=2, at_most=64, help="ranks of every run")
 
@@ -48,10 +54,14 @@ def run(args) -> int:
     work = args.out or Path(tempfile.mkdtemp(prefix="titanlite-catalogue-"))
     c = Catalogue(work.resolve(), args.nproc, args.cheap)
     chosen = [
-        k for k in CASES if (k.cheap or not args.cheap) and args.k.lower() in f"{k.family} {k.name}".lower()
+        k
+        for k in CASES
+        if (k.cheap or not args.cheap) and args.k.lower() in f"{k.family} {k.name}".lower()
     ]
     if not chosen:
-        raise UserError(f"no case matches -k {args.k!r}; see the families and names with --cheap, or drop -k")
+        raise UserError(
+            f"no case matches -k {args.k!r}; see the families and names with --cheap, or drop -k"
+        )
     counts = {"HELD": 0, "BENT": 0, "BROKE": 0, "SKIPPED": 0}
     began = time.monotonic()
     for k in chosen:
@@ -63,7 +73,9 @@ def run(args) -> int:
             flush=True,
         )
     took = time.monotonic() - began
-    print(f"{len(chosen)} cases in {took:.0f}s: " + ", ".join(f"{n} {v}" for v, n in counts.items()))
+    print(
+        f"{len(chosen)} cases in {took:.0f}s: " + ", ".join(f"{n} {v}" for v, n in counts.items())
+    )
     if args.out is None:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if counts["BROKE"] or counts["BENT"] else 0

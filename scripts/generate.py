@@ -42,7 +42,13 @@ SCRIPT.arg(
     at_most=10**12,
     help="the run's checkpoint of this step (default: newest)",
 )
-SCRIPT.arg("--prompt", kind="text", action="append", required=True, help="text to continue; repeat for more")
+SCRIPT.arg(
+    "--prompt",
+    kind="text",
+    action="append",
+    required=True,
+    help="text to continue; repeat for more",
+)
 SCRIPT.arg(
     "--max-new-tokens",
     kind="int",
@@ -52,14 +58,30 @@ SCRIPT.arg(
     help="tokens to add to each prompt at most",
 )
 SCRIPT.arg(
-    "--temperature", kind="float", default=0.0, at_least=0.0, at_most=100.0, help="0: greedy; > 0: sample"
+    "--temperature",
+    kind="float",
+    default=0.0,
+    at_least=0.0,
+    at_most=100.0,
+    help="0: greedy; > 0: sample",
 )
-SCRIPT.arg("--top-p", kind="float", default=1.0, above=0.0, at_most=1.0, help="nucleus sampling mass")
 SCRIPT.arg(
-    "--seed", kind="int", default=0, at_least=0, at_most=2**63 - 1, help="seed of the sampling generator"
+    "--top-p", kind="float", default=1.0, above=0.0, at_most=1.0, help="nucleus sampling mass"
 )
 SCRIPT.arg(
-    "--device", kind="choice", choices=("auto", "cpu", "cuda"), default="auto", help="where the model runs"
+    "--seed",
+    kind="int",
+    default=0,
+    at_least=0,
+    at_most=2**63 - 1,
+    help="seed of the sampling generator",
+)
+SCRIPT.arg(
+    "--device",
+    kind="choice",
+    choices=("auto", "cpu", "cuda"),
+    default="auto",
+    help="where the model runs",
 )
 SCRIPT.arg(
     "--format",
@@ -89,7 +111,9 @@ def complete(args) -> int:
         step=args.step,
     )
     if rebuilt.tokenizer is None:
-        raise UserError(f"checkpoint '{step_folder}' trained on synthetic data; it has no tokenizer for text")
+        raise UserError(
+            f"checkpoint '{step_folder}' trained on synthetic data; it has no tokenizer for text"
+        )
     completions = sample_text(
         model,
         rebuilt.tokenizer,
@@ -98,9 +122,13 @@ def complete(args) -> int:
         fmt=prompt_format(args.format, rebuilt.cfg.data.mode, rebuilt.tokenizer),
         temperature=args.temperature,
         top_p=args.top_p,
-        generator=torch.Generator().manual_seed(args.seed),  # on the CPU: the same draws on any device
+        generator=torch.Generator().manual_seed(
+            args.seed
+        ),  # on the CPU: the same draws on any device
     )
-    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-p {args.top_p}"
+    how = (
+        "greedy" if args.temperature == 0 else f"temperature {args.temperature}, top-p {args.top_p}"
+    )
     print(f"# {step_folder} ({how}, up to {args.max_new_tokens} new tokens)")
     for i, (prompt, completion) in enumerate(zip(args.prompt, completions, strict=True), 1):
         print(f"--- {i} ---\n{prompt}{completion}")

@@ -55,10 +55,22 @@ BATCH = ["--training.global_batch_size", "8", "--training.local_batch_size", "2"
 PRETRAIN = ["--config", "train_configs/debug_model.toml", "--training.seq_len", "128", *BATCH]
 CASES: dict[str, list[str]] = {
     "pretrain_fsdp": PRETRAIN,
-    "pretrain_ddp": [*PRETRAIN, "--parallelism.dp_replicate", "4", "--training.local_batch_size", "1"],
+    "pretrain_ddp": [
+        *PRETRAIN,
+        "--parallelism.dp_replicate",
+        "4",
+        "--training.local_batch_size",
+        "1",
+    ],
     "pretrain_hsdp": [*PRETRAIN, "--parallelism.dp_replicate", "2"],
     # seq 256, the config's own: shorter sequences leave most records without a target token
-    "sft_packed_fsdp": ["--config", "train_configs/debug_sft.toml", "--data.packing", "true", *BATCH],
+    "sft_packed_fsdp": [
+        "--config",
+        "train_configs/debug_sft.toml",
+        "--data.packing",
+        "true",
+        *BATCH,
+    ],
 }
 # A deliberate change of numerics the test runs beside the cases: pretrain_fsdp's global batch
 # summed in another order (two microbatches of one sequence per rank instead of one of two).
@@ -117,7 +129,10 @@ def tolerance(made: dict, here: dict) -> tuple[float, str]:
             f"{within} (other kernels on the files' CPU model, {made_on}: {kinds} round differently)",
         )
     if made_on != here["cpu"]:
-        return 0.0, f"bitwise (another CPU, {here['cpu']}, runs the kernels of the files' {made_on})"
+        return (
+            0.0,
+            f"bitwise (another CPU, {here['cpu']}, runs the kernels of the files' {made_on})",
+        )
     return 0.0, "bitwise"
 
 
@@ -213,7 +228,9 @@ SCRIPT.arg(
     help="with --check, KEY=VALUE: run under another pin (MKL_CBWR=AUTO: another CPU's GEMMs), as a "
     "measure of what other kernels do; may be given several times",
 )
-SCRIPT.arg("--worker", kind="text", nargs=2, internal=True, help="OUT RUNS: one rank of the reference runs")
+SCRIPT.arg(
+    "--worker", kind="text", nargs=2, internal=True, help="OUT RUNS: one rank of the reference runs"
+)
 
 
 def run(args) -> int:
@@ -230,24 +247,37 @@ def run(args) -> int:
     if args.write and not (args.why or "").strip():
         raise UserError("--write needs --why 'what changed the numerics, and why that is right'")
     if args.write and args.pin:
-        raise UserError("--pin is for --check: the golden files are made under the script's own pins")
+        raise UserError(
+            "--pin is for --check: the golden files are made under the script's own pins"
+        )
     env = pins(args.pin or [])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "curves.json"
         proc = launch(out, Path(tmp) / "runs", env)
         if proc.returncode != 0:
             print(proc.stdout[-3000:] + proc.stderr[-5000:], file=sys.stderr)
-            raise UserError(f"the reference runs failed (exit {proc.returncode}); their output is above")
+            raise UserError(
+                f"the reference runs failed (exit {proc.returncode}); their output is above"
+            )
         fresh = json.loads(out.read_text())
     if args.write:
         GOLDEN.mkdir(parents=True, exist_ok=True)
         for name, steps in fresh["curves"].items():
-            record = {"case": name, "overrides": CASES[name], "world": WORLD, "steps_run": STEPS, "env": ENV}
+            record = {
+                "case": name,
+                "overrides": CASES[name],
+                "world": WORLD,
+                "steps_run": STEPS,
+                "env": ENV,
+            }
             record.update(identity=fresh["identity"], why=args.why.strip(), steps=steps)
             (GOLDEN / f"{name}.json").write_text(json.dumps(record, indent=1) + "\n")
             print(f"wrote {GOLDEN / name}.json")
         return 0
-    results = [compare(name, load(name), steps, fresh["identity"]) for name, steps in fresh["curves"].items()]
+    results = [
+        compare(name, load(name), steps, fresh["identity"])
+        for name, steps in fresh["curves"].items()
+    ]
     for _, line in results:
         print(line)
     return 0 if all(ok for ok, _ in results) else 1

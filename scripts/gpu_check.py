@@ -57,7 +57,9 @@ sys.path.insert(0, str(REPO))
 
 from titanlite.tools.venv import use_project_venv  # noqa: E402
 
-use_project_venv(dev=True)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
+use_project_venv(
+    dev=True
+)  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
@@ -100,7 +102,9 @@ FULL = Shapes(
     batch_kinds=("none", "selective", "full"),
     compile_kinds=("none", "selective", "full"),
     accum_steps=30,
-    hf=dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8),
+    hf=dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8
+    ),
     hf_tokens=512,
     sft_seq=2048,
     # torchtitan's published 8 x H100 run of Llama 3.1 8B: local batch 2, seq 8192, selective AC
@@ -174,11 +178,21 @@ def check_rehearse(shapes: Shapes, out: Path) -> dict:
         for world in shapes.rehearsed_worlds
     ]
     sync = synthetic(
-        shapes, shapes.batch, 7, "--debug.sync_debug", "true", "--diagnostics.method", "exact", *steps
+        shapes,
+        shapes.batch,
+        7,
+        "--debug.sync_debug",
+        "true",
+        "--diagnostics.method",
+        "exact",
+        *steps,
     )
     rows.append(rehearse(out, "rehearse-sync", 8, "--config", shapes.config, *sync))
     for row in rows:
-        say(f"rehearse {row['name']}: " + (f"FAILED ({row['error']})" if row["rc"] else _rehearsed(row)))
+        say(
+            f"rehearse {row['name']}: "
+            + (f"FAILED ({row['error']})" if row["rc"] else _rehearsed(row))
+        )
     # the estimate the trainer starts on must stay above the peak it rehearses
     ok = all(r["rc"] == 0 and r["host_reads"] == 0 and r["peak_gib"] <= r["est_gib"] for r in rows)
     return {"rows": rows, "ok": ok}
@@ -221,10 +235,15 @@ def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float 
 def run_process(argv: list[str], timeout: float, env: dict | None = None) -> tuple[int, str]:
     """A run's exit code (124: timed out) and the last three lines of its stderr."""
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+        )
         rc, err = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, err = 124, e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        rc, err = (
+            124,
+            e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or ""),
+        )
     return rc, " | ".join([line for line in err.strip().splitlines() if line.strip()][-3:])
 
 
@@ -261,7 +280,11 @@ def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
     layout = validate(cfg, 1)
     meta = build_meta_model(cfg, 0)
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and has_gpu())
-    dtype = torch.bfloat16 if cuda and cfg.training.mixed_precision_param != "float32" else torch.float32
+    dtype = (
+        torch.bfloat16
+        if cuda and cfg.training.mixed_precision_param != "float32"
+        else torch.float32
+    )
     return job_estimate(meta, cfg, layout, dtype, device_bytes()).total_bytes / GiB
 
 
@@ -306,10 +329,20 @@ def check_speed(shapes: Shapes, out: Path, steps: int) -> dict:
         for ac in ("none", "selective", "full"):
             if compiled and ac not in shapes.compile_kinds:
                 continue
-            extra = ["--training.activation_checkpoint", ac, "--training.compile", str(compiled).lower()]
+            extra = [
+                "--training.activation_checkpoint",
+                ac,
+                "--training.compile",
+                str(compiled).lower(),
+            ]
             overrides = synthetic(shapes, shapes.batch, steps, *extra)
             run = train(shapes, out, f"speed-{ac}-{'compile' if compiled else 'eager'}", *overrides)
-            row = {"ac": ac, "compile": compiled, "rc": run["rc"], "est_gib": estimate_gib(shapes, overrides)}
+            row = {
+                "ac": ac,
+                "compile": compiled,
+                "rc": run["rc"],
+                "est_gib": estimate_gib(shapes, overrides),
+            }
             if run["rc"] == 0 and run["records"]:
                 row.update(window_figures(run["records"], shapes.log_every))
             else:
@@ -346,21 +379,41 @@ def check_batch(shapes: Shapes, out: Path) -> dict:
             if estimate_gib(shapes, overrides) * GiB > avail:
                 break
             admitted += 1
-        row = {"ac": ac, "largest": lo, "capped": hi is None, "estimate_admits": admitted, "tried": tried}
+        row = {
+            "ac": ac,
+            "largest": lo,
+            "capped": hi is None,
+            "estimate_admits": admitted,
+            "tried": tried,
+        }
         rows.append(row)
         cap = f" (the search stops at {shapes.max_batch})" if hi is None else ""
-        say(f"batch {ac:9s}: largest local batch that runs {lo}{cap}; the estimate admits {admitted}")
-    return {"rows": rows, "seq": shapes.seq, "device_gib": avail / GiB, "ok": all(r["largest"] for r in rows)}
+        say(
+            f"batch {ac:9s}: largest local batch that runs {lo}{cap}; the estimate admits {admitted}"
+        )
+    return {
+        "rows": rows,
+        "seq": shapes.seq,
+        "device_gib": avail / GiB,
+        "ok": all(r["largest"] for r in rows),
+    }
 
 
 def check_sync(shapes: Shapes, out: Path, steps: int) -> dict:
     if not has_gpu():
-        say("sync: skipped, set_sync_debug_mode is CUDA's (the CPU suite counts host syncs instead)")
+        say(
+            "sync: skipped, set_sync_debug_mode is CUDA's (the CPU suite counts host syncs instead)"
+        )
         return {"skipped": "no GPU", "ok": True}
     errors = {}
-    for compiled in ("false", "true"):  # the host-sync counter of the CPU suite cannot see compiled code
+    for compiled in (
+        "false",
+        "true",
+    ):  # the host-sync counter of the CPU suite cannot see compiled code
         extra = ["--debug.sync_debug", "true", "--training.compile", compiled]
-        run = train(shapes, out, f"sync-compile-{compiled}", *synthetic(shapes, shapes.batch, steps, *extra))
+        run = train(
+            shapes, out, f"sync-compile-{compiled}", *synthetic(shapes, shapes.batch, steps, *extra)
+        )
         errors[compiled] = None if run["rc"] == 0 else run["error"]
         verdict = "pass" if run["rc"] == 0 else "FAIL " + run["error"]
         say(f"sync: {steps} steps under sync_debug_mode('error'), compile {compiled}: {verdict}")
@@ -398,7 +451,9 @@ def check_accum(shapes: Shapes, out: Path) -> dict:
     common += ["--metrics.log_every", "1", "--training.seq_len", str(shapes.seq)]
     runs = {}
     for accum, local in ((1, 4), (4, 1)):
-        run = train(shapes, out, f"accum-{accum}", *common, "--training.local_batch_size", str(local))
+        run = train(
+            shapes, out, f"accum-{accum}", *common, "--training.local_batch_size", str(local)
+        )
         if run["rc"] != 0:
             say(f"accum: the run with accumulation {accum} failed: {run['error']}")
             return {"ok": False, "error": run["error"]}
@@ -407,7 +462,9 @@ def check_accum(shapes: Shapes, out: Path) -> dict:
     rels = [r.rel for r in cmp.rows if r.rel is not None]
     worst = max(rels) if rels else math.nan
     # The tightest margin: the step whose difference comes closest to that step's tolerance.
-    margin = min(((cmp.rtol_at(r) / r.rel, r.step) for r in cmp.rows if r.rel), default=(math.inf, None))
+    margin = min(
+        ((cmp.rtol_at(r) / r.rel, r.step) for r in cmp.rows if r.rel), default=(math.inf, None)
+    )
     ok = cmp.passed
     say(f"accum: accumulation 1 vs 4, {len(rels)} steps: largest relative loss difference {worst:.3g}, "
         f"{margin[0]:.3g}x under compare_runs' default tolerance at its closest (step {margin[1]}; "
@@ -419,7 +476,14 @@ def check_accum(shapes: Shapes, out: Path) -> dict:
 
 def check_packing(shapes: Shapes, out: Path, steps: int) -> dict:
     """Unpacked vs packed SFT on the built-in set; the packed run under sync_debug (on CUDA)."""
-    common = ["--data.mode", "sft", "--training.seq_len", str(shapes.sft_seq), "--training.steps", str(steps)]
+    common = [
+        "--data.mode",
+        "sft",
+        "--training.seq_len",
+        str(shapes.sft_seq),
+        "--training.steps",
+        str(steps),
+    ]
     common += [
         "--training.local_batch_size",
         str(shapes.batch),
@@ -629,7 +693,9 @@ def markdown(result: dict) -> str:
         lines += [f"Probe work per measured step: {cells}.", ""]
     for r in result.get("rehearse", {}).get("rows", []):
         lines.append(
-            f"Rehearsal {r['name']}: " + (f"failed: {r.get('error', '')}" if r["rc"] else _rehearsed(r)) + "."
+            f"Rehearsal {r['name']}: "
+            + (f"failed: {r.get('error', '')}" if r["rc"] else _rehearsed(r))
+            + "."
         )
     for key, what in (
         ("sync", "No host sync between log steps"),
@@ -654,7 +720,11 @@ def markdown(result: dict) -> str:
                     f"{what}: "
                     + ", ".join(
                         f"{x['dtype']} {x['max_rel']:.3g}"
-                        + (f" (transformers' own {x['hf_max_rel']:.3g})" if "hf_max_rel" in x else "")
+                        + (
+                            f" (transformers' own {x['hf_max_rel']:.3g})"
+                            if "hf_max_rel" in x
+                            else ""
+                        )
                         + f" (tol {x['tol']:.3g})"
                         for x in r["rows"]
                     )
@@ -679,7 +749,9 @@ SCRIPT.arg(
 def run(args) -> int:
     shapes = SMOKE if args.smoke else FULL
     if not args.smoke and not has_gpu():
-        raise UserError("no GPU here (nvidia-smi lists none); run it on a GPU machine, or --smoke on a CPU")
+        raise UserError(
+            "no GPU here (nvidia-smi lists none); run it on a GPU machine, or --smoke on a CPU"
+        )
     out = Path(args.out or REPO / "outputs" / time.strftime("gpu_check-%Y%m%d-%H%M%S")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
@@ -687,9 +759,15 @@ def run(args) -> int:
     steps = shapes.steps if args.steps is None else args.steps
     import torch
 
-    result: dict = {"device": device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    result: dict = {
+        "device": device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     result["smoke"] = args.smoke
-    result["shapes"] = f"{Path(shapes.config).stem} shapes, vocab {shapes.vocab:,}, seq {shapes.seq}"
+    result["shapes"] = (
+        f"{Path(shapes.config).stem} shapes, vocab {shapes.vocab:,}, seq {shapes.seq}"
+    )
     began = time.perf_counter()
     checks = {
         "speed": lambda: check_speed(shapes, out, steps),
@@ -726,7 +804,9 @@ def probe_base(result: dict, shapes: Shapes) -> float | None:
 def device_name() -> str:
     if has_gpu():
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
         )
         return out.stdout.strip().splitlines()[0]
     return f"CPU ({os.cpu_count()} cores)"

@@ -51,7 +51,9 @@ def not_run(run_dir: Path, step: int, steps: int) -> str | None:
     share on its own sampler, and a run's steps end at its last metrics record."""
     if (run_dir / "rehearsal.json").is_file():
         return f"{run_dir} is a rehearsal and trained no real step: below is what step {step} of a run with its config trains on"
-    done = [r["step"] for r in read_records(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+    done = [
+        r["step"] for r in read_records(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)
+    ]
     if step <= max(done, default=0):
         return None
     ran = f"its metrics end at step {max(done)}" if done else "it logged no step"
@@ -63,11 +65,17 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
         if not (run_dir / name).is_file():
             raise UserError(f"{run_dir} has no {name}; pass a run folder (outputs/<run>)")
     cfg = load_config(str(run_dir / "config.toml"))
-    dp = layout_at(read_json(run_dir / "run.json"), step).get("world_size")  # at a resume's layout, if so
+    dp = layout_at(read_json(run_dir / "run.json"), step).get(
+        "world_size"
+    )  # at a resume's layout, if so
     if not isinstance(dp, int) or dp < 1:
-        raise UserError(f"{run_dir / 'run.json'} names no world size; pass a run folder (outputs/<run>)")
+        raise UserError(
+            f"{run_dir / 'run.json'} names no world size; pass a run folder (outputs/<run>)"
+        )
     if rank is not None and rank >= dp:
-        raise UserError(f"--rank is {rank} but step {step} ran on {dp} ranks; give a rank from 0 to {dp - 1}")
+        raise UserError(
+            f"--rank is {rank} but step {step} ran on {dp} ranks; give a rank from 0 to {dp - 1}"
+        )
     if why := not_run(run_dir, step, cfg.training.steps):
         print(f"note: {why}", file=sys.stderr, flush=True)
     tok = build_tokenizer(cfg)
@@ -101,10 +109,17 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
 
 SCRIPT = Script("inspect_step", __doc__)
 SCRIPT.arg("run_dir", kind="folder", help="the run folder")
-SCRIPT.arg("--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1")
+SCRIPT.arg(
+    "--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1"
+)
 SCRIPT.arg("--rank", kind="int", at_least=0, at_most=1 << 20, help="only this dp rank's share")
 SCRIPT.arg(
-    "--chars", kind="int", default=100, at_least=1, at_most=10**6, help="characters of decoded text to show"
+    "--chars",
+    kind="int",
+    default=100,
+    at_least=1,
+    at_most=10**6,
+    help="characters of decoded text to show",
 )
 SCRIPT.arg("--json", kind="switch", help="one JSON object per sequence")
 

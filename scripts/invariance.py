@@ -73,14 +73,18 @@ from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import stop_child  # noqa: E402
 
 
-def plan(cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest") -> dict[str, int | str]:
+def plan(
+    cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest"
+) -> dict[str, int | str]:
     """The layout flags of one run: mesh degrees and a local batch that carries B / dp (the
     largest that fits the config's, or all of it: --microbatch)."""
     local = fitting_local_batch(cfg, dp)
     if microbatch == "whole":
         local = rank_share(cfg, dp)
     if mode == "hsdp" and (dp % replicas or dp // replicas < 2 or replicas < 2):
-        raise UserError(f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2")
+        raise UserError(
+            f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2"
+        )
     rep, shard = {"fsdp": (1, dp), "ddp": (dp, 1), "hsdp": (replicas, dp // replicas)}[mode]
     return {
         "mode": mode,
@@ -106,7 +110,12 @@ def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[i
     tail: collections.deque[str] = collections.deque(maxlen=15)
     # a session of its own: a stop of this script reaches the run once, passed on from here
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         for line in proc.stdout:
@@ -147,7 +156,12 @@ SCRIPT.arg(
     help="data-parallel modes",
 )
 SCRIPT.arg(
-    "--replicas", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="dp_replicate of the hsdp runs"
+    "--replicas",
+    kind="int",
+    default=2,
+    at_least=2,
+    at_most=MAX_RANKS,
+    help="dp_replicate of the hsdp runs",
 )
 SCRIPT.arg(
     "--microbatch",
@@ -196,7 +210,9 @@ def check_owned(overrides: list[str]) -> None:
     """An override of a key the script sets would be replaced without a word: refused."""
     for name, _ in words(overrides):
         if name in OWNED:
-            raise UserError(f"--{name} is set by {OWNED[name]} in every run; remove it from the overrides")
+            raise UserError(
+                f"--{name} is set by {OWNED[name]} in every run; remove it from the overrides"
+            )
 
 
 def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list[str]:
@@ -216,8 +232,14 @@ def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list
 def check_reused(args, p: dict, out: Path, name: str) -> None:
     """A run --localize reuses ran what this command asks of it, key by key; else one line
     naming the keys that differ (a verdict on other runs' settings is no verdict)."""
-    asked, ran = parse_args(run_args(args, p, out, name))[0], load_config(str(out / name / "config.toml"))
-    for cfg in (asked, ran):  # a path typed relative, recorded absolute: compared as the files they name
+    asked, ran = (
+        parse_args(run_args(args, p, out, name))[0],
+        load_config(str(out / name / "config.toml")),
+    )
+    for cfg in (
+        asked,
+        ran,
+    ):  # a path typed relative, recorded absolute: compared as the files they name
         resolve_paths(cfg, absolute)
     asked, ran = flat_config(asked), flat_config(ran)
     differ = [f"{k} {ran[k]!r} (asked {v!r})" for k, v in asked.items() if k in ran and ran[k] != v]
@@ -266,14 +288,21 @@ def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
             raise UserError(
                 f"{folder} already exists (an earlier localisation); remove it or pass another --out"
             )
-        print(f"localizing step {step}: {names[0]} against {names[other]}, from the same state", flush=True)
+        print(
+            f"localizing step {step}: {names[0]} against {names[other]}, from the same state",
+            flush=True,
+        )
         # the reference's state after the step before, copied into each layout's run
         launch(args, plans[0], folder, "base", base_flags(step))
         saved = f"checkpoints/step-{step - 1:08d}"
         for name in (names[0], names[other]):
             if args.dry_run:
                 print(shlex.join(["mkdir", "-p", str((folder / name / saved).parent)]))
-                print(shlex.join(["cp", "-r", str(folder / "base" / saved), str(folder / name / saved)]))
+                print(
+                    shlex.join(
+                        ["cp", "-r", str(folder / "base" / saved), str(folder / name / saved)]
+                    )
+                )
             else:
                 shutil.copytree(folder / "base" / saved, folder / name / saved)
         for i in (0, other):
@@ -290,11 +319,20 @@ def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
 def run(args) -> int:
     overrides = args.overrides
     check_owned(overrides)
-    cfg, _ = parse_args(["--config", str(args.config), *overrides, "--training.steps", str(args.steps)])
-    out = args.out or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
-    plans = [plan(cfg, dp, mode, args.replicas, args.microbatch) for dp in args.dp for mode in args.modes]
+    cfg, _ = parse_args(
+        ["--config", str(args.config), *overrides, "--training.steps", str(args.steps)]
+    )
+    out = (
+        args.out
+        or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
+    )
+    plans = [
+        plan(cfg, dp, mode, args.replicas, args.microbatch) for dp in args.dp for mode in args.modes
+    ]
     if len(plans) < 2:
-        raise UserError("one layout has nothing to compare with; give two or more --dp degrees or --modes")
+        raise UserError(
+            "one layout has nothing to compare with; give two or more --dp degrees or --modes"
+        )
     names = [run_name(args.prefix, p) for p in plans]
     if len(set(names)) < len(names):
         raise UserError("two of the requested layouts are the same run; list each dp and mode once")

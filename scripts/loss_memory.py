@@ -85,7 +85,9 @@ def one(args, budget: float) -> dict:
     else:
         before = _rss()
     start = time.perf_counter()
-    loss = model(tokens, labels=labels, loss_chunk=chunk if chunk < args.seq else 0).sum()  # the labels path
+    loss = model(
+        tokens, labels=labels, loss_chunk=chunk if chunk < args.seq else 0
+    ).sum()  # the labels path
     loss.backward()
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -105,7 +107,9 @@ def one(args, budget: float) -> dict:
 
 SCRIPT = Script("loss_memory", __doc__)
 SCRIPT.arg("--vocab", kind="int", default=32768, at_least=2, at_most=1 << 22, help="vocabulary")
-SCRIPT.arg("--seq", kind="int", default=2048, at_least=1, at_most=1 << 20, help="tokens per sequence")
+SCRIPT.arg(
+    "--seq", kind="int", default=2048, at_least=1, at_most=1 << 20, help="tokens per sequence"
+)
 SCRIPT.arg("--batch", kind="int", default=2, at_least=1, at_most=4096, help="sequences")
 SCRIPT.arg("--dim", kind="int", default=256, at_least=1, at_most=1 << 16, help="model width")
 SCRIPT.arg("--layers", kind="int", default=2, at_least=1, at_most=1024, help="blocks")
@@ -121,7 +125,12 @@ SCRIPT.arg(
 SCRIPT.arg("--device", kind="choice", choices=("cpu", "cuda"), default="cpu", help="where it runs")
 SCRIPT.arg("--out", kind="out_file", help="the rows as JSON")
 SCRIPT.arg(
-    "--one", kind="float", at_least=0.0, at_most=1 << 20, internal=True, help="one budget, in a fresh process"
+    "--one",
+    kind="float",
+    at_least=0.0,
+    at_most=1 << 20,
+    internal=True,
+    help="one budget, in a fresh process",
 )
 
 
@@ -137,13 +146,18 @@ def run(args) -> int:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            print(f"loss_memory: error: budget {budget:g} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+            print(
+                f"loss_memory: error: budget {budget:g} failed:\n{proc.stderr[-2000:]}",
+                file=sys.stderr,
+            )
             return 1
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     print(
         f"vocab {args.vocab}, {args.batch} x {args.seq} tokens, dim {args.dim}, {args.layers} layers, {args.device}"
     )
-    print(f"{'budget MiB':>10}{'chunk':>7}{'loss':>10}{'step s':>8}{'peak MiB':>10}{'est. logits MiB':>17}")
+    print(
+        f"{'budget MiB':>10}{'chunk':>7}{'loss':>10}{'step s':>8}{'peak MiB':>10}{'est. logits MiB':>17}"
+    )
     for r in rows:
         budget = "whole" if r["budget_mib"] <= 0 else f"{r['budget_mib']:g}"
         print(

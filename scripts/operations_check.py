@@ -32,7 +32,14 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 
-SMALL = ["--training.seq_len", "128", "--training.local_batch_size", "2", "--training.global_batch_size", "4"]
+SMALL = [
+    "--training.seq_len",
+    "128",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "4",
+]
 SMALL += [
     "--metrics.log_every",
     "1",
@@ -109,7 +116,9 @@ def orphans(out: Path) -> int:
 
 SCRIPT = Script("operations_check", __doc__)
 SCRIPT.arg("--out", kind="out_folder", help="dump folder (default: a temporary one)")
-SCRIPT.arg("--nproc", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="ranks of every run")
+SCRIPT.arg(
+    "--nproc", kind="int", default=2, at_least=2, at_most=MAX_RANKS, help="ranks of every run"
+)
 SCRIPT.arg("extra", kind="text", nargs="*", help="overrides for every run (after --)")
 
 
@@ -141,7 +150,10 @@ def check(a) -> int:
     p.wait()
     time.sleep(2)
     second["orphans after kill -9 of the first"] = orphans(out)
-    r.record("same command after kill -9 (to step 8)", r.start("killed", *long[2:], "--training.steps", "8"))
+    r.record(
+        "same command after kill -9 (to step 8)",
+        r.start("killed", *long[2:], "--training.steps", "8"),
+    )
 
     other = ("--checkpoint.folder", str(out / "killed" / "checkpoints"))
     r.record("checkpoint.folder of another run", r.start("other", *other))
@@ -151,7 +163,13 @@ def check(a) -> int:
     r.record(
         "checkpoint.folder is a file",
         r.start(
-            "y", "--checkpoint.every", "5", "--checkpoint.at_end", "true", "--checkpoint.folder", str(blocker)
+            "y",
+            "--checkpoint.every",
+            "5",
+            "--checkpoint.at_end",
+            "true",
+            "--checkpoint.folder",
+            str(blocker),
         ),
     )
     crash = (
@@ -179,7 +197,9 @@ def check(a) -> int:
 
     for row in r.rows:
         extra = {
-            k: v for k, v in row.items() if k not in ("case", "exit", "seconds", "tracebacks", "lines", "log")
+            k: v
+            for k, v in row.items()
+            if k not in ("case", "exit", "seconds", "tracebacks", "lines", "log")
         }
         took = f", {row['seconds']} s after the event" if row["seconds"] is not None else ""
         print(

@@ -50,14 +50,27 @@ def tokenizer(spec: str, vocab_size: int, cache: str):
 
 
 SCRIPT = Script(
-    "prepare_data", __doc__, stop_hint="run the same command again to resume: finished shards are kept"
-)
-SCRIPT.arg("inputs", kind="path", nargs="+", help="files or folders of .txt/.jsonl/.jsonl.gz/.parquet/.arrow")
-SCRIPT.arg(
-    "--out", kind="out_folder", required=True, help="the prepared folder (created; resumed if unfinished)"
+    "prepare_data",
+    __doc__,
+    stop_hint="run the same command again to resume: finished shards are kept",
 )
 SCRIPT.arg(
-    "--tokenizer", kind="text", required=True, help=".model, tokenizer.json, HF model folder, or 'builtin'"
+    "inputs",
+    kind="path",
+    nargs="+",
+    help="files or folders of .txt/.jsonl/.jsonl.gz/.parquet/.arrow",
+)
+SCRIPT.arg(
+    "--out",
+    kind="out_folder",
+    required=True,
+    help="the prepared folder (created; resumed if unfinished)",
+)
+SCRIPT.arg(
+    "--tokenizer",
+    kind="text",
+    required=True,
+    help=".model, tokenizer.json, HF model folder, or 'builtin'",
 )
 SCRIPT.arg(
     "--mode",
@@ -67,7 +80,10 @@ SCRIPT.arg(
     help="pretraining text or SFT records",
 )
 SCRIPT.arg(
-    "--text-field", kind="text", default="text", help="jsonl field / parquet, arrow column of the text"
+    "--text-field",
+    kind="text",
+    default="text",
+    help="jsonl field / parquet, arrow column of the text",
 )
 SCRIPT.arg(
     "--workers",
@@ -78,7 +94,12 @@ SCRIPT.arg(
     help="processes (default: every core)",
 )
 SCRIPT.arg(
-    "--shard-mb", kind="float", default=64.0, above=0.0, at_most=1 << 20, help="input megabytes per shard"
+    "--shard-mb",
+    kind="float",
+    default=64.0,
+    above=0.0,
+    at_most=1 << 20,
+    help="input megabytes per shard",
 )
 SCRIPT.arg(
     "--builtin-vocab-size",
@@ -99,9 +120,13 @@ def run(args) -> int:
     say = lambda line: print(f"prepare_data: note: {line}", file=sys.stderr)  # noqa: E731
     files = [f for path in args.inputs for f in discover(str(path), say)]
     if len(set(files)) != len(files):
-        raise UserError("an input file is named twice (a file and a folder that holds it?); name it once")
+        raise UserError(
+            "an input file is named twice (a file and a folder that holds it?); name it once"
+        )
     tok = tokenizer(args.tokenizer, args.builtin_vocab_size, str(args.cache_dir or ""))
-    prepare(files, args.out, tok, args.mode, args.text_field, args.workers, int(args.shard_mb * 2**20))
+    prepare(
+        files, args.out, tok, args.mode, args.text_field, args.workers, int(args.shard_mb * 2**20)
+    )
     print(f"train with: --data.path {args.out} --data.mode {args.mode}")
     return 0
 

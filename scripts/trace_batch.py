@@ -29,7 +29,9 @@ from titanlite.tools.cli import Script  # noqa: E402
 
 SCRIPT = Script("trace_batch", __doc__, overrides="the config the batch is traced with")
 SCRIPT.arg("--config", kind="file", help="the run's config (default: the built-in defaults)")
-SCRIPT.arg("--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1")
+SCRIPT.arg(
+    "--step", kind="int", required=True, at_least=1, at_most=10**12, help="training step, from 1"
+)
 SCRIPT.arg(
     "--dp",
     kind="int",
@@ -44,14 +46,17 @@ SCRIPT.arg("--json", kind="switch", help="one JSON object per sequence")
 
 def trace(args) -> int:
     if args.rank is not None and args.rank >= args.dp:
-        raise UserError(f"--rank is {args.rank} but --dp is {args.dp}; give a rank from 0 to {args.dp - 1}")
+        raise UserError(
+            f"--rank is {args.rank} but --dp is {args.dp}; give a rank from 0 to {args.dp - 1}"
+        )
     cfg, _ = parse_args([*(["--config", str(args.config)] if args.config else []), *args.overrides])
     for row in trace_step(cfg, args.step, args.dp, args.rank):
         if args.json:
             print(json.dumps(row))
             continue
         where = "; ".join(
-            f"{s['file']} row {s['row']} tokens {s['tokens'][0]}-{s['tokens'][1]}" for s in row["sources"]
+            f"{s['file']} row {s['row']} tokens {s['tokens'][0]}-{s['tokens'][1]}"
+            for s in row["sources"]
         )
         print(
             f"step {args.step} position {row['position']} rank {row['rank']} sequence {row['sequence']}: {where}"

@@ -28,7 +28,11 @@ def pytest_addoption(parser):
 
 # Test files that share a session fixture's torchrun run in one pytest-xdist worker, so that it
 # runs once (exactness: tests/workers/exactness.py; step_counts: tests/workers/step_counts.py).
-SHARED_WORKER = {"test_distributed": "workers", "test_golden": "workers", "test_step_counts": "workers"}
+SHARED_WORKER = {
+    "test_distributed": "workers",
+    "test_golden": "workers",
+    "test_step_counts": "workers",
+}
 
 
 def _scope(path: str) -> str:
@@ -131,7 +135,11 @@ def step_counts(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("step_counts")
     pins = load_script("golden_losses").ENV
-    check(torchrun(4, "tests/workers/step_counts.py", str(tmp / "out.json"), str(tmp / "runs"), env=pins))
+    check(
+        torchrun(
+            4, "tests/workers/step_counts.py", str(tmp / "out.json"), str(tmp / "runs"), env=pins
+        )
+    )
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -154,7 +162,9 @@ def per_file(seconds: dict[str, float]) -> dict[str, float]:
 def pytest_terminal_summary(terminalreporter, config):
     """Every run ends with its durations per test file beside the baseline's; TITANLITE_DURATIONS
     names a file that receives them as JSON (how tests/durations.json is made)."""
-    if not _seconds or hasattr(config, "workerinput"):  # a pytest-xdist worker: the controller reports
+    if not _seconds or hasattr(
+        config, "workerinput"
+    ):  # a pytest-xdist worker: the controller reports
         return
     files, wall = per_file(_seconds), time.perf_counter() - _started[0]
     base = json.loads(BASELINE.read_text()) if BASELINE.is_file() else {"files": {}}
@@ -168,6 +178,8 @@ def pytest_terminal_summary(terminalreporter, config):
     total_was = f"{base['wall_s']:9.1f}" if "wall_s" in base else f"{'-':>9}"
     tr.write_line(f"{'all (wall clock)':44} {wall:8.1f} {total_was}")
     if out := os.environ.get("TITANLITE_DURATIONS"):
-        slow = {k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1]) if v >= 5}
+        slow = {
+            k: round(v, 1) for k, v in sorted(_seconds.items(), key=lambda kv: -kv[1]) if v >= 5
+        }
         record = {"wall_s": round(wall, 1), "files": {k: round(v, 1) for k, v in files.items()}}
         Path(out).write_text(json.dumps({**record, "tests_over_5s": slow}, indent=1) + "\n")

@@ -83,7 +83,9 @@ class ForkLM(nn.Module):
     def init_weights(self, init) -> None:
         init.normal_(self.tokens.weight, 1.0)
         init.normal_(self.positions.weight, 0.1)
-        for norm in [self.norm] + [m for layer in self.layers for m in (layer.attn_norm, layer.mlp_norm)]:
+        for norm in [self.norm] + [
+            m for layer in self.layers for m in (layer.attn_norm, layer.mlp_norm)
+        ]:
             init.constant_(norm.weight, 1.0)
             init.constant_(norm.bias, 0.0)
         for layer in self.layers:

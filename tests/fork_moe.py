@@ -156,7 +156,9 @@ class MoELM(nn.Module):
 
     def init_weights(self, init) -> None:
         init.normal_(self.tokens.weight, 1.0)
-        for norm in [self.norm] + [m for layer in self.layers for m in (layer.attn_norm, layer.mlp_norm)]:
+        for norm in [self.norm] + [
+            m for layer in self.layers for m in (layer.attn_norm, layer.mlp_norm)
+        ]:
             init.constant_(norm.weight, 1.0)
             init.constant_(norm.bias, 0.0)
         for layer in self.layers:
@@ -209,11 +211,17 @@ class SparseMoELM(MoELM):
         and each chosen expert's gate, up, their product and output; the rest, the final norm."""
         a = self.args
         per_token = 8 * a.dim + 2 * a.dim + 2 * a.experts + a.top_k * (3 * a.hidden + a.dim)
-        return [seq_len * per_token * dtype.itemsize] * a.n_layers, 2 * seq_len * a.dim * dtype.itemsize
+        return [
+            seq_len * per_token * dtype.itemsize
+        ] * a.n_layers, 2 * seq_len * a.dim * dtype.itemsize
 
 
 FLAVORS = {"tiny": MoEArgs(), "strong": MoEArgs(balance_coef=0.1)}
 register_model(ModelSpec("fork_moe", MoELM, FLAVORS, parallelize_fork, step_statistics=True))
-register_model(ModelSpec("fork_moe_z", MoELM, {"tiny": MoEArgs(balance_coef=0.0)}, parallelize_fork))
+register_model(
+    ModelSpec("fork_moe_z", MoELM, {"tiny": MoEArgs(balance_coef=0.0)}, parallelize_fork)
+)
 register_model(ModelSpec("fork_moe_local", LocalBalanceLM, FLAVORS, parallelize_fork))
-register_model(ModelSpec("fork_moe_sparse", SparseMoELM, FLAVORS, parallelize_fork, step_statistics=True))
+register_model(
+    ModelSpec("fork_moe_sparse", SparseMoELM, FLAVORS, parallelize_fork, step_statistics=True)
+)

@@ -78,7 +78,9 @@ class RankNoise(nn.Module):
         self.gate = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        g = torch.Generator(device=x.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        g = torch.Generator(device=x.device).manual_seed(
+            dist.get_rank() if dist.is_initialized() else 0
+        )
         return x + self.gate * torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
 
 
@@ -106,9 +108,13 @@ class LateNoise(RankNoise):
         if not self.training:
             return x
         self.seen += 1
-        g = torch.Generator(device=x.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+        g = torch.Generator(device=x.device).manual_seed(
+            dist.get_rank() if dist.is_initialized() else 0
+        )
         noise = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype) * (self.seen > 1)
-        return x + self.gate * noise  # the gate has a gradient (zero) at step 1 too, so AdamW has its state
+        return (
+            x + self.gate * noise
+        )  # the gate has a gradient (zero) at step 1 too, so AdamW has its state
 
 
 class LateNoiseLM(RankNoiseLM):
@@ -132,7 +138,9 @@ for name, cls in (
 
 def _mlp_noise(_module: nn.Module, _args: tuple, out: torch.Tensor) -> torch.Tensor:
     """An MLP's output plus noise of scale 1e-3 from a generator seeded by the rank."""
-    g = torch.Generator(device=out.device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    g = torch.Generator(device=out.device).manual_seed(
+        dist.get_rank() if dist.is_initialized() else 0
+    )
     return out + 1e-3 * torch.randn(out.shape, generator=g, device=out.device, dtype=out.dtype)
 
 

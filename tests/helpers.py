@@ -14,7 +14,12 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 # What a launch says before its workers start, once every check passed (titanlite.preflight):
 # the run, what it reads, then its notes. Anything else of titanlite's is a stop or an error.
-STARTUP = ("titanlite: note:", "titanlite: training ", "titanlite: rehearsing ", "titanlite: reads ")
+STARTUP = (
+    "titanlite: note:",
+    "titanlite: training ",
+    "titanlite: rehearsing ",
+    "titanlite: reads ",
+)
 # bf16 keeps an 8-bit significand: each rounding is off by at most u = 2^-8 relative. Rounding
 # errors in a chain of n operations add up like a random walk, about sqrt(n) u (Higham and Mary,
 # "A New Approach to Probabilistic Rounding Error Analysis", SIAM J. Sci. Comput. 41(5), 2019).
@@ -37,10 +42,24 @@ def torchrun(
     """Run `torchrun --standalone --nproc_per_node nproc [launch] ARGS` and capture its output
     (launcher "titanlite.launch": with preflight, run lock and the workers' exit codes, as
     run_train.sh does)."""
-    cmd = [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *launch, *args]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    cmd = [
+        sys.executable,
+        "-m",
+        launcher,
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        *launch,
+        *args,
+    ]
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+    }
     full_env.update(env or {})
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def run_per_world(tmp_path_factory, script: str, worlds: tuple[int, ...]) -> dict[int, dict]:
@@ -61,7 +80,13 @@ def train(
     launch: tuple[str, ...] = (),
 ):
     return torchrun(
-        nproc, "-m", "titanlite.train", *overrides, timeout=timeout, launcher=launcher, launch=launch
+        nproc,
+        "-m",
+        "titanlite.train",
+        *overrides,
+        timeout=timeout,
+        launcher=launcher,
+        launch=launch,
     )
 
 
@@ -109,11 +134,15 @@ def run_script(name: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return [
+        json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line
+    ]
 
 
 def check(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
 
 
 def tensorboard_items(log_dir: Path) -> tuple[dict[tuple[str, int], float], set[tuple[str, int]]]:
@@ -124,7 +153,9 @@ def tensorboard_items(log_dir: Path) -> tuple[dict[tuple[str, int], float], set[
     acc.Reload()
     scalars = {(tag, e.step): e.value for tag in acc.Tags()["scalars"] for e in acc.Scalars(tag)}
     text = {
-        (tag.removesuffix("/text_summary"), e.step) for tag in acc.Tags()["tensors"] for e in acc.Tensors(tag)
+        (tag.removesuffix("/text_summary"), e.step)
+        for tag in acc.Tags()["tensors"]
+        for e in acc.Tensors(tag)
     }
     return scalars, text
 
@@ -165,7 +196,9 @@ def served_scalars(
         for run, tag in tags:
             query = urllib.parse.urlencode({"run": run, "tag": tag})
             url = f"http://127.0.0.1:{found.group(1)}/data/plugin/scalars/scalars?{query}"
-            for _ in range(120):  # the server loads the event files in the background after it starts
+            for _ in range(
+                120
+            ):  # the server loads the event files in the background after it starts
                 try:
                     with urllib.request.urlopen(url, timeout=30) as reply:  # noqa: S310 - loopback
                         points = json.loads(reply.read())

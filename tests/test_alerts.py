@@ -209,14 +209,18 @@ def test_a_rank_a_data_check_names_is_not_blamed_on_its_device():
         return rec
 
     alerts = run(healthy(5, stuck_and_apart))
-    assert {(a.name, tuple(a.ranks)) for a in alerts} == {("stale_batch", (2,))}, [a.line() for a in alerts]
+    assert {(a.name, tuple(a.ranks)) for a in alerts} == {("stale_batch", (2,))}, [
+        a.line() for a in alerts
+    ]
 
 
 def _legit_repeats(t, rec):
     """What healthy data may do: a tiny dataset hands a rank the same sequences again (same
     indices, same tokens), and two ranks get duplicate documents (same tokens, other indices)."""
     if t >= 20:
-        rec["rank_samples"][1] = [dict(x, index=i, content=0.5) for i, x in enumerate(rec["rank_samples"][1])]
+        rec["rank_samples"][1] = [
+            dict(x, index=i, content=0.5) for i, x in enumerate(rec["rank_samples"][1])
+        ]
         dup = rec["rank_samples"][2]
         rec["rank_samples"][3] = [
             dict(x, content=d["content"]) for x, d in zip(rec["rank_samples"][3], dup, strict=True)
@@ -307,7 +311,9 @@ def test_the_recordings_replay_to_the_alerts_they_raised(path):
     runs = load_recording(path)
     assert set(runs) == set(scenarios(2)), sorted(runs)
     for name, run in runs.items():
-        got = [a.to_dict() for a in replay(run["records"], Alerts(**run["alerts"]), run["batch_unit"])]
+        got = [
+            a.to_dict() for a in replay(run["records"], Alerts(**run["alerts"]), run["batch_unit"])
+        ]
         assert compared(got) == compared(run["raised"]), name
         world = len(run["records"][0]["rank_loss"])
         want = expected(world, run["faults"].get("fault_from_step", 1))[name]
@@ -342,7 +348,11 @@ def test_a_resume_at_another_layout_starts_the_rules_history_again():
 
     def stream(steps, spread):
         return [
-            record(t, [8 - 3 * t / 160 + rng.gauss(0, spread) for _ in range(WORLD)], norms=[1.0] * WORLD)
+            record(
+                t,
+                [8 - 3 * t / 160 + rng.gauss(0, spread) for _ in range(WORLD)],
+                norms=[1.0] * WORLD,
+            )
             for t in steps
         ]
 
@@ -396,7 +406,9 @@ def test_an_alert_is_named_by_its_record_whatever_its_finding_says():
     the record's cause: no KeyError at run time."""
     mon = AlertMonitor(Alerts(), ["h0", "h1"])
     alerts = mon._raise(REGISTRY["slow_rank"], 7, Finding("typo_name", [1], "late"))
-    assert [(a.name, a.cause, a.hosts) for a in alerts] == [("slow_rank", cause("slow_rank"), ["h1"])]
+    assert [(a.name, a.cause, a.hosts) for a in alerts] == [
+        ("slow_rank", cause("slow_rank"), ["h1"])
+    ]
 
 
 def test_a_record_from_a_newer_titanlite_is_refused_in_one_line():
@@ -427,7 +439,10 @@ def test_each_check_judges_from_the_measured_step_it_claims(seed):
 
     mon.specs = tuple(
         dataclasses.replace(
-            s, checks=tuple(dataclasses.replace(c, fn=spy((s.name, i), c.fn)) for i, c in enumerate(s.checks))
+            s,
+            checks=tuple(
+                dataclasses.replace(c, fn=spy((s.name, i), c.fn)) for i, c in enumerate(s.checks)
+            ),
         )
         for s in mon.specs
     )

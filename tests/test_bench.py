@@ -27,7 +27,9 @@ def test_bench_reports_ratios_and_counts(tmp_path):
         "packing",
         "dropout",
     ]
-    proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["dp"]["2"]
     diag = {"diag-default", "diag-sketch-every", "diag-exact-every"}
@@ -81,11 +83,14 @@ def test_bench_reports_ratios_and_counts(tmp_path):
             "data",
             "other",
         }
-        assert all(parts[p] > 0 for p in ("forward", "backward", "all_gather", "reduce", "optimizer")), parts
+        assert all(
+            parts[p] > 0 for p in ("forward", "backward", "all_gather", "reduce", "optimizer")
+        ), parts
         assert parts["other"] >= 0 and parts["backward"] > parts["forward"], parts
     assert "step-time breakdown, host ms per step" in proc.stdout
     assert (
-        "loss: titanlite / baseline" in proc.stdout and "reduce-scatter: titanlite / native-rs" in proc.stdout
+        "loss: titanlite / baseline" in proc.stdout
+        and "reduce-scatter: titanlite / native-rs" in proc.stdout
     )
 
 

@@ -12,13 +12,24 @@ import pytest
 from helpers import REPO
 
 SCRIPT = str(REPO / "scripts" / "check_model.py")
-FORK_LM = ("--model.name", "fork_lm", "--model.import_module", "fork_model", "--model.flavor", "tiny")
+FORK_LM = (
+    "--model.name",
+    "fork_lm",
+    "--model.import_module",
+    "fork_model",
+    "--model.flavor",
+    "tiny",
+)
 
 
 def _check(*flags: str) -> subprocess.CompletedProcess:
     # run from tests/, where the forks' modules are: the script puts the current directory on PYTHONPATH
     return subprocess.run(
-        [sys.executable, SCRIPT, *flags], cwd=REPO / "tests", capture_output=True, text=True, timeout=600
+        [sys.executable, SCRIPT, *flags],
+        cwd=REPO / "tests",
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
@@ -27,7 +38,10 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
     good = _check(*FORK_LM, "--worlds", "2")
     assert good.returncode == 0, good.stdout + good.stderr
     lines = good.stdout.splitlines()
-    assert lines[-1].startswith("PASS: ") and sum(ln.startswith("PASS  gradient dp=2") for ln in lines) == 9
+    assert (
+        lines[-1].startswith("PASS: ")
+        and sum(ln.startswith("PASS  gradient dp=2") for ln in lines) == 9
+    )
     assert "1 rank only" not in lines[-1], lines[-1]
     assert "PASS  initial weights" in good.stdout
     bad = _check(
@@ -43,7 +57,9 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
     assert bad.returncode == 1, bad.stdout + bad.stderr
     failed = [ln for ln in bad.stdout.splitlines() if ln.startswith("FAIL  ")]
     assert failed and all(ln.startswith("FAIL  gradient dp=2") for ln in failed), bad.stdout
-    assert "PASS  initial weights" in bad.stdout and bad.stdout.splitlines()[-1].startswith("FAIL: ")
+    assert "PASS  initial weights" in bad.stdout and bad.stdout.splitlines()[-1].startswith(
+        "FAIL: "
+    )
 
 
 @pytest.mark.parametrize(
@@ -51,9 +67,15 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
     [
         ([], "name the model to check: --model.name"),
         (["--model.name", "nope"], "nope"),
-        (["--model.name", "fork_lm", "--model.import_module", "no_such_module"], "cannot be imported"),
+        (
+            ["--model.name", "fork_lm", "--model.import_module", "no_such_module"],
+            "cannot be imported",
+        ),
         (["--model.name", "llama3", "--worlds", "0"], "--worlds"),
-        ([*FORK_LM, "--parallelism.axes", '["cp=2"]'], "model 'fork_lm' splits no sequence over 'cp'"),
+        (
+            [*FORK_LM, "--parallelism.axes", '["cp=2"]'],
+            "model 'fork_lm' splits no sequence over 'cp'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_before_any_rank(flags, says):

@@ -60,7 +60,9 @@ CKPT = ("--checkpoint.every", "3", "--checkpoint.at_end", "true")
 def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True, restarts: int = 0):
     where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
     launch = ("--max-restarts", str(restarts))
-    proc = train(nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch", launch=launch)
+    proc = train(
+        nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch", launch=launch
+    )
     if ok:
         check(proc)
     return proc
@@ -72,7 +74,8 @@ def losses(tmp: Path, name: str) -> dict[int, float]:
 
 def listing(folder: Path) -> list[tuple[str, int, int]]:
     return sorted(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
     )
 
 
@@ -101,7 +104,11 @@ def test_worker_killed_mid_run_is_restarted_and_resumes_bitwise(ref):
     folder = ref / "restarted" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", "step-00000006"]
     state = json.loads((folder / "step-00000006" / "state.json").read_text())
-    assert state["step"] == 6 and state["scheduler"]["last_epoch"] == 6 and state["diagnostics"]["monitor"]
+    assert (
+        state["step"] == 6
+        and state["scheduler"]["last_epoch"] == 6
+        and state["diagnostics"]["monitor"]
+    )
     assert state["run_folder"] == str((ref / "restarted").resolve())
     assert len(list((ref / "restarted" / "logs").glob("*/attempt_1/1/stderr.log"))) == 1
 
@@ -112,7 +119,10 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
     proc = run(ref, "ddp-resumed", *DDP, *DROPOUT, *TOY, *CKPT, *kill, ok=False)
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = proc.stderr.strip().splitlines()[-1]
-    assert summary.startswith("titanlite: rank 1 was killed by SIGKILL;") and "its full log: " in summary
+    assert (
+        summary.startswith("titanlite: rank 1 was killed by SIGKILL;")
+        and "its full log: " in summary
+    )
     assert Path(summary.split("its full log: ")[1]).is_file()
     run(ref, "ddp-resumed", *DDP, *DROPOUT, *TOY, *CKPT)
     assert losses(ref, "ddp-resumed") == losses(ref, "ddp")
@@ -132,7 +142,9 @@ def test_killed_rank_is_named_and_the_same_command_continues(ref):
     )
     same = ("--parallelism.dp_replicate", "4", "--faults.same_data", "true")
     run(ref, "dp4-seeds", *DROPOUT, *TOY, *same, nproc=4)
-    records = [json.loads(x) for x in (ref / "dp4-seeds/diagnostics.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(x) for x in (ref / "dp4-seeds/diagnostics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in records] == [4, 5, 6]
     for r in records:
         per_rank = [[x["loss"] for x in rank] for rank in r["rank_samples"]]
@@ -167,7 +179,9 @@ def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
 def test_reshard_dp2_to_dp4_and_fsdp_to_ddp(ref):
     """The step-3 checkpoint copied into a new run folder continues at another layout."""
     for name, nproc, extra in (("dp4", 4, ()), ("to-ddp", 2, DDP)):
-        shutil.copytree(ref / "fsdp/checkpoints/step-00000003", ref / name / "checkpoints/step-00000003")
+        shutil.copytree(
+            ref / "fsdp/checkpoints/step-00000003", ref / name / "checkpoints/step-00000003"
+        )
         run(ref, name, *extra, nproc=nproc)
     want = losses(ref, "fsdp")
     for name in ("dp4", "to-ddp"):
@@ -199,7 +213,9 @@ def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
     def refused(tmp: Path, name: str, *extra: str):
         where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
         r = in_process([*BASE, *DATA, *where, *extra], nproc=2)
-        assert r.code == 2 and r.err.startswith("titanlite: error: ") and len(r.err.splitlines()) == 1, r
+        assert (
+            r.code == 2 and r.err.startswith("titanlite: error: ") and len(r.err.splitlines()) == 1
+        ), r
         return r.err
 
     folder = ref / "fsdp" / "checkpoints"
@@ -208,7 +224,11 @@ def test_refusals_come_before_any_worker_and_touch_nothing(ref, tmp_path):
         ("fsdp", ("--training.seed", "7"), "trained on something else (training.seed"),
         ("fsdp", ("--model.flavor", "debugmodel"), "trained on something else (model.flavor"),
         ("fsdp", ("--training.seq_len", "128"), "trained on something else (training.seq_len"),
-        ("other", ("--checkpoint.folder", str(folder), "--checkpoint.load_step", "4"), "(complete: 3, 6)"),
+        (
+            "other",
+            ("--checkpoint.folder", str(folder), "--checkpoint.load_step", "4"),
+            "(complete: 3, 6)",
+        ),
         ("other", ("--checkpoint.folder", str(folder)), "holds the checkpoints of run '"),
     ]
     for name, extra, needle in cases:
@@ -243,10 +263,14 @@ def test_full_disk_fails_the_save_loudly_and_keeps_the_previous(tmp_path):
     )
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert f"checkpoint save at step 6 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]
+    assert f"checkpoint save at step 6 failed: disk full under '{tmp_path}/" in line, proc.stderr[
+        -2000:
+    ]
     assert "No space left on device" in line and "then rerun the same command" in line
     assert "the checkpoint of step 3 is intact" in proc.stderr
-    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == ["step-00000003"]
+    assert sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir()) == [
+        "step-00000003"
+    ]
 
 
 @pytest.mark.slow
@@ -254,7 +278,14 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     """Killed inside the background write of step 4 (DCP's files written, not yet published), the
     restart resumes from step 2, itself written in the background, and ends bitwise equal; a
     full disk in the background write of step 4 fails the run at the next save, exit 3."""
-    ckpt = ("--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.async_mode", "async")
+    ckpt = (
+        "--checkpoint.every",
+        "2",
+        "--checkpoint.at_end",
+        "true",
+        "--checkpoint.async_mode",
+        "async",
+    )
     assert run(ref, "async", *ckpt, "--faults.sigkill_in_save", "4", ok=False).returncode != 0
     folder = ref / "async" / "checkpoints"
     assert sorted(p.name for p in folder.iterdir()) == ["step-00000002", "step-00000004.tmp"]
@@ -269,10 +300,14 @@ def test_async_save_resumes_exactly_and_reports_failures(ref, tmp_path):
     proc = run(tmp_path, "async-full", *ckpt, "--faults.fail_save_step", "4", ok=False)
     assert proc.returncode == 3, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
-    assert f"checkpoint save at step 4 failed: disk full under '{tmp_path}/" in line, proc.stderr[-2000:]
+    assert f"checkpoint save at step 4 failed: disk full under '{tmp_path}/" in line, proc.stderr[
+        -2000:
+    ]
     assert "No space left on device" in line and "then rerun the same command" in line
     assert "the checkpoint of step 2 is intact" in proc.stderr
-    assert sorted(p.name for p in (tmp_path / "async-full" / "checkpoints").iterdir()) == ["step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "async-full" / "checkpoints").iterdir()) == [
+        "step-00000002"
+    ]
     assert max(losses(tmp_path, "async-full")) == 6  # reported at the next save, step 6
 
 
@@ -302,7 +337,10 @@ DAMAGE = {  # how a step folder gets damaged -> what the line names
         "rng-rank0.pt does not match",
     ),
     "state cut": (lambda d: _truncate(d / "state.json", 1000), "state.json is unreadable"),
-    "state step edited": (lambda d: _edit_state(d, step=40), "state.json says step 40, its folder step 6"),
+    "state step edited": (
+        lambda d: _edit_state(d, step=40),
+        "state.json says step 40, its folder step 6",
+    ),
 }
 
 
@@ -322,10 +360,15 @@ def test_damaged_checkpoints_are_found_before_the_run_folder_opens(ref, tmp_path
         with pytest.raises(UserError, match="checkpoint.load_step 6: .* is damaged"):
             find(folder, 6)
         quarantine_damaged(folder)
-        assert sorted(p.name for p in folder.iterdir()) == ["step-00000003", "step-00000006.damaged"], name
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "step-00000003",
+            "step-00000006.damaged",
+        ], name
     old = Path(shutil.copytree(src, tmp_path / "old"))
     _edit_state(old / "step-00000006", files=None)
-    with pytest.raises(UserError, match="records no file sizes in its state.json: an older titanlite"):
+    with pytest.raises(
+        UserError, match="records no file sizes in its state.json: an older titanlite"
+    ):
         find(old, -1)
 
 
@@ -350,7 +393,10 @@ def test_a_damaged_newest_checkpoint_falls_back_and_one_that_fails_to_load_is_se
         proc = run(ref, name, *CKPT, ok=name == "fallback")
         if name == "load-fails":
             assert proc.returncode == 3, proc.stderr[-3000:]
-            assert "failed to load" in proc.stderr and "set aside as step-00000006.damaged" in proc.stderr
+            assert (
+                "failed to load" in proc.stderr
+                and "set aside as step-00000006.damaged" in proc.stderr
+            )
             proc = run(ref, name, *CKPT)
         else:
             assert (

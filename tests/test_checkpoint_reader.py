@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from titanlite.components.checkpoint.index import file_record, read_checkpoint, step_dir, step_to_read
+from titanlite.components.checkpoint.index import (
+    file_record,
+    read_checkpoint,
+    step_dir,
+    step_to_read,
+)
 from titanlite.errors import UserError
 
 
@@ -53,9 +58,13 @@ def test_a_damaged_step_folder_is_refused_naming_the_intact_ones_beside_it(check
     with pytest.raises(UserError) as e:
         step_to_read(step_dir(checkpoints, 6), flag="STEP_FOLDER")
     line = str(e.value)
-    assert line.startswith(f"STEP_FOLDER '{step_dir(checkpoints, 6)}' is damaged (__0_0.distcp holds 3 bytes")
+    assert line.startswith(
+        f"STEP_FOLDER '{step_dir(checkpoints, 6)}' is damaged (__0_0.distcp holds 3 bytes"
+    )
     assert (
-        str(step_dir(checkpoints, 4)) in line and str(step_dir(checkpoints, 2)) in line and "\n" not in line
+        str(step_dir(checkpoints, 4)) in line
+        and str(step_dir(checkpoints, 2)) in line
+        and "\n" not in line
     )
     with pytest.raises(UserError, match="--step 6: .* is damaged"):
         step_to_read(checkpoints, step=6)
@@ -132,7 +141,9 @@ def test_a_new_runs_initial_weights_are_taken_both_ways(
         state["extra.weight"] = torch.zeros(3)
     path = tmp_path / "step-00000004"
     dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
-    record = {"tied": tied_groups(model)} if recorded == "tied" else {"model_args": asdict(model.args)}
+    record = (
+        {"tied": tied_groups(model)} if recorded == "tied" else {"model_args": asdict(model.args)}
+    )
     (path / "state.json").write_text(json.dumps({"step": 4, **record}, default=str))
     with torch.device("meta"):
         ours = _llama(target)
@@ -161,7 +172,10 @@ def test_a_new_run_refuses_initial_weights_trained_with_another_tokenizer(tmp_pa
     with torch.device("meta"):
         ours = _llama(flavor)
     tables = token_tables(ours)
-    assert tables == ["tok_embeddings.weight", "output.weight"]  # tied, the head's name loads it too
+    assert tables == [
+        "tok_embeddings.weight",
+        "output.weight",
+    ]  # tied, the head's name loads it too
     for tokenizer in ("aaaa", None):
         check_initial_fits(path, ours, [], tokenizer)
     with pytest.raises(UserError, match="trained with another tokenizer .*initial_load_drop"):
@@ -169,5 +183,7 @@ def test_a_new_run_refuses_initial_weights_trained_with_another_tokenizer(tmp_pa
     with pytest.raises(UserError, match="another tokenizer"):  # the head would still load
         check_initial_fits(path, ours, tables[:1], "bbbb")
     check_initial_fits(path, ours, tables, "bbbb")
-    (path / "state.json").write_text(json.dumps({"step": 4}))  # a checkpoint that names no tokenizer
+    (path / "state.json").write_text(
+        json.dumps({"step": 4})
+    )  # a checkpoint that names no tokenizer
     check_initial_fits(path, ours, [], "bbbb")

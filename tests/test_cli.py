@@ -65,7 +65,10 @@ def one_line_error(proc: subprocess.CompletedProcess, needle: str) -> None:
             "is not a multiple of local_batch_size",
         ),
         (["--training.stepz", "3"], "did you mean 'training.steps'"),
-        (["--data.path", "/nonexistent/data.jsonl"], "data.path '/nonexistent/data.jsonl' does not exist"),
+        (
+            ["--data.path", "/nonexistent/data.jsonl"],
+            "data.path '/nonexistent/data.jsonl' does not exist",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, args, needle):
@@ -81,7 +84,13 @@ def test_malformed_toml_and_bad_data_file(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text('{"instruction": "a", "output": "b"}\nnot json\n')
     proc = refused(
-        *SMALL, "--data.mode", "sft", "--data.path", str(data), "--job.dump_folder", str(tmp_path / "out")
+        *SMALL,
+        "--data.mode",
+        "sft",
+        "--data.path",
+        str(data),
+        "--job.dump_folder",
+        str(tmp_path / "out"),
     )
     one_line_error(proc, "line 2 is not valid JSON")
     assert not (tmp_path / "out").exists()
@@ -98,7 +107,11 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("titanlite: error: training.global_batch_size=6")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("titanlite: error: training.global_batch_size=6")
+    )
     assert "torch.distributed" not in proc.stderr
     blocker = tmp_path / "a-file"
     blocker.write_text("")
@@ -111,7 +124,10 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
-    assert f"job.dump_folder '{blocker}/runs/" in proc.stderr and f"'{blocker}' is a file" in proc.stderr
+    assert (
+        f"job.dump_folder '{blocker}/runs/" in proc.stderr
+        and f"'{blocker}' is a file" in proc.stderr
+    )
 
 
 def test_model_too_big_for_this_machine_is_refused(tmp_path):
@@ -121,7 +137,14 @@ def test_model_too_big_for_this_machine_is_refused(tmp_path):
         pytest.skip("this host could hold an 8B model's training state")
     # Through the launcher: the worker's one line and exit code 2, not torchrun's failure dump.
     proc = subprocess.run(
-        ["./run_train.sh", *SMALL[2:], "--model.flavor", "8B", "--job.dump_folder", str(tmp_path / "out")],
+        [
+            "./run_train.sh",
+            *SMALL[2:],
+            "--model.flavor",
+            "8B",
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+        ],
         cwd=REPO,
         env={**os.environ, "NPROC": "2"},
         capture_output=True,
@@ -169,13 +192,20 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     run = out / "r"
     assert load_config(str(run / "config.toml")).faults.ignore_all_labels_steps == [2]
     recs = read_metrics(run)
-    assert [(r["step"], r["row"]) for r in recs] == [(1, "log"), (2, "step"), (3, "log"), (4, "log")]
+    assert [(r["step"], r["row"]) for r in recs] == [
+        (1, "log"),
+        (2, "step"),
+        (3, "log"),
+        (4, "log"),
+    ]
     for key in ("loss", "grad_norm", "lr", "valid_tokens", "tokens_per_s", "memory_gib", "eta_s"):
         assert key in recs[0]
     assert recs[1]["loss"] is None and recs[1]["skipped"] and recs[1]["valid_tokens"] == 0
     assert recs[2]["skipped_steps"] == 1 and recs[2]["loss_window_steps"] == 1
     assert all(r["loss"] > 0 and r["valid_tokens"] > 0 for r in (recs[0], recs[2], recs[3]))
-    assert len({r["grad_norm"] for r in recs}) == 4 and recs[0]["lr"] < recs[1]["lr"]  # each step's own
+    assert (
+        len({r["grad_norm"] for r in recs}) == 4 and recs[0]["lr"] < recs[1]["lr"]
+    )  # each step's own
     assert "step 2: no valid token in the whole global batch" in proc.stderr + proc.stdout
     evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 4]
@@ -185,11 +215,19 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     # norm sort before the rest; the run is the log dir's own (".") as a real server shows it.
     scalars, _ = tensorboard_items(run / "tb")
     tags = sorted({tag for tag, _ in scalars})
-    assert tags[:4] == ["1_loss", "2_eval_loss", "3_lr", "4_grad_norm"] and "diag/loss_std" in tags, tags
-    assert sorted(s for tag, s in scalars if tag == "1_loss") == [1, 3, 4]  # step 2 trained on no token
+    assert (
+        tags[:4] == ["1_loss", "2_eval_loss", "3_lr", "4_grad_norm"] and "diag/loss_std" in tags
+    ), tags
+    assert sorted(s for tag, s in scalars if tag == "1_loss") == [
+        1,
+        3,
+        4,
+    ]  # step 2 trained on no token
     assert sorted(s for tag, s in scalars if tag == "3_lr") == [1, 2, 3, 4]
     assert sorted(s for tag, s in scalars if tag == "2_eval_loss") == [0, 4]
-    with SummaryWriter(run / "tb" / "long") as long:  # more points than TensorBoard shows by default
+    with SummaryWriter(
+        run / "tb" / "long"
+    ) as long:  # more points than TensorBoard shows by default
         for step in range(1, 1501):
             long.add_scalar("1_loss", 1.0 / step, step)
     served = served_scalars(run / "tb", [(".", "1_loss"), ("long", "1_loss")])
@@ -199,7 +237,10 @@ def test_run_folder_metrics_skip_and_export(tmp_path):
     )
     assert [s for s, _ in served[("long", "1_loss")]] == list(range(1, 1501))
     weights = torch.load(run / "weights.pt")
-    assert "tok_embeddings.weight" in weights and weights["tok_embeddings.weight"].shape == (2048, 256)
+    assert "tok_embeddings.weight" in weights and weights["tok_embeddings.weight"].shape == (
+        2048,
+        256,
+    )
     # The same name again would mix two runs in one file: refused, the folder untouched.
     before = (run / "metrics.jsonl").read_text()
     proc = single(*SMALL, "--job.dump_folder", str(out), "--job.run_name", "r")
@@ -294,7 +335,10 @@ def test_model_registered_from_outside_the_package_trains(tmp_path):
 
 @pytest.mark.parametrize(
     "cmd",
-    [["./run_train.sh", "--help"], [sys.executable, "-m", "titanlite.train", "--config", "x.toml", "-h"]],
+    [
+        ["./run_train.sh", "--help"],
+        [sys.executable, "-m", "titanlite.train", "--config", "x.toml", "-h"],
+    ],
 )
 def test_help_prints_every_config_key_and_exits_0(cmd):
     from dataclasses import fields
@@ -322,7 +366,9 @@ sys.exit(titanlite.train.main(sys.argv[1:]))
 """
 
 
-def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_and_its_weights_load(tmp_path):
+def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_and_its_weights_load(
+    tmp_path,
+):
     args = [
         *SMALL,
         "--checkpoint.every",
@@ -335,7 +381,16 @@ def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_a
         "false",
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    old = [sys.executable, "-c", _ONE_GROUP_TRAINER, *args, "--training.steps", "2", "--job.run_name", "old"]
+    old = [
+        sys.executable,
+        "-c",
+        _ONE_GROUP_TRAINER,
+        *args,
+        "--training.steps",
+        "2",
+        "--job.run_name",
+        "old",
+    ]
     proc = subprocess.run(old, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = tmp_path / "old" / "checkpoints" / "step-00000002"
@@ -344,13 +399,17 @@ def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_a
     (step / "state.json").write_text(json.dumps(state))
     before = sorted(p.name for p in (tmp_path / "old").iterdir())
     proc = refused(*args, "--training.steps", "4", "--job.run_name", "old")
-    one_line_error(proc, f"checkpoint.initial_load_path = '{step}' (initial_load_model_only = true)")
+    one_line_error(
+        proc, f"checkpoint.initial_load_path = '{step}' (initial_load_model_only = true)"
+    )
     assert sorted(p.name for p in (tmp_path / "old").iterdir()) == before
     start = [*args, "--training.steps", "2", "--checkpoint.initial_load_path", str(step)]
     proc = refused(
         *start, "--job.run_name", "with-optimizer", "--checkpoint.initial_load_model_only", "false"
     )
-    one_line_error(proc, "without titanlite's weight-decay groups")  # its optimizer state cannot come along
+    one_line_error(
+        proc, "without titanlite's weight-decay groups"
+    )  # its optimizer state cannot come along
     proc = single(*start, "--job.run_name", "new")
     assert proc.returncode == 0, proc.stderr[-3000:]
 
@@ -381,7 +440,13 @@ def test_run_train_environment_values_are_one_line(tmp_path, env, message):
 def test_the_model_is_checked_by_the_preflight(tmp_path):
     """An unknown flavor is one line from the launcher, before any worker or run folder."""
     proc = subprocess.run(
-        ["./run_train.sh", "--model.flavor", "gigantic_999b", "--job.dump_folder", str(tmp_path / "out")],
+        [
+            "./run_train.sh",
+            "--model.flavor",
+            "gigantic_999b",
+            "--job.dump_folder",
+            str(tmp_path / "out"),
+        ],
         cwd=REPO,
         env={**os.environ, "NPROC": "2"},
         capture_output=True,
@@ -390,7 +455,9 @@ def test_the_model_is_checked_by_the_preflight(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("titanlite: error: model.flavor 'gigantic_999b' is not a flavor of llama3"), line
+    assert line.startswith(
+        "titanlite: error: model.flavor 'gigantic_999b' is not a flavor of llama3"
+    ), line
     assert not (tmp_path / "out").exists()
 
 
@@ -481,7 +548,9 @@ def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_pa
     from titanlite.components.run.torchrun import report_failure
 
     line = "titanlite: stopped: writing metrics.jsonl failed: disk full"
-    for i, (own, other, shown) in enumerate(itertools.product((True, False), (True, False), (None, {1}))):
+    for i, (own, other, shown) in enumerate(
+        itertools.product((True, False), (True, False), (None, {1}))
+    ):
         logs = tmp_path / str(i)
         for rank, holds in ((0, own), (1, other)):
             (logs / "attempt_0" / str(rank)).mkdir(parents=True)
@@ -489,18 +558,26 @@ def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_pa
                 "[titanlite r0] step 1/9\n" + (line + "\n" if holds else "")
             )
         failure = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file="")
-        assert report_failure(ChildFailedError("titanlite.train", {0: failure}), logs, shown, set()) == 3
+        assert (
+            report_failure(ChildFailedError("titanlite.train", {0: failure}), logs, shown, set())
+            == 3
+        )
         printed = capsys.readouterr().err.splitlines()
         if own and (shown is None or other):  # on the console already: rank 0's, or rank 1's alike
             assert printed == [], (own, other, shown)
         elif own or other:
             assert printed == [f"[rank0]: {line}" if own else line], (own, other, shown, printed)
         else:
-            assert len(printed) == 1 and "rank 0 failed with exit code 3 and its log " in printed[0], printed
+            assert (
+                len(printed) == 1 and "rank 0 failed with exit code 3 and its log " in printed[0]
+            ), printed
             assert "is the disk under it full?" in printed[0], printed
     # the logs removed with the run folder (rm -rf): the console's line stands, nothing is guessed
     failure = ProcessFailure(local_rank=0, pid=100, exitcode=3, error_file="")
     assert (
-        report_failure(ChildFailedError("titanlite.train", {0: failure}), tmp_path / "gone", None, set()) == 3
+        report_failure(
+            ChildFailedError("titanlite.train", {0: failure}), tmp_path / "gone", None, set()
+        )
+        == 3
     )
     assert capsys.readouterr().err == ""

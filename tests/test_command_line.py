@@ -29,7 +29,9 @@ from titanlite.config.job_config import REHEARSAL_WORLD_MAX
 from titanlite.config.manager import check_values
 from titanlite.errors import UserError
 
-TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30)
+TEXT = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30
+)
 TRICKY = st.sampled_from(
     ["--config", " --config other.toml ", "--config=x.toml", "--rehearse", "-h", "--help", ""]
 )
@@ -52,10 +54,18 @@ def test_a_value_is_a_value_whatever_it_holds(values: list[str]) -> None:
 
 
 @settings(max_examples=100, deadline=None, derandomize=True)
-@given(st.lists(st.sampled_from(["--training.steps", "--optimizer.lr", "--job.description"]), max_size=6))
+@given(
+    st.lists(
+        st.sampled_from(["--training.steps", "--optimizer.lr", "--job.description"]), max_size=6
+    )
+)
 def test_a_key_given_more_than_once_is_said_and_the_last_applies(keys: list[str]) -> None:
     values = {"--training.steps": "7", "--optimizer.lr": "0.002", "--job.description": "x"}
-    argv = [w for i, k in enumerate(keys) for w in (k, values[k] if k != "--training.steps" else str(i + 1))]
+    argv = [
+        w
+        for i, k in enumerate(keys)
+        for w in (k, values[k] if k != "--training.steps" else str(i + 1))
+    ]
     notes: list[str] = []
     cfg, _ = parse_args(argv, notes)
     said = sorted(n.split(" is given")[0] for n in notes if " times on the command line" in n)
@@ -69,7 +79,9 @@ def test_a_key_given_more_than_once_is_said_and_the_last_applies(keys: list[str]
 @pytest.mark.parametrize("form", ["space", "equals"])
 def test_config_given_twice_or_empty_is_refused(n: int, form: str) -> None:
     one = "train_configs/debug_model.toml"
-    argv = [w for _ in range(n) for w in (["--config", one] if form == "space" else [f"--config={one}"])]
+    argv = [
+        w for _ in range(n) for w in (["--config", one] if form == "space" else [f"--config={one}"])
+    ]
     for entry in (launcher_words, parse_args):
         with pytest.raises(UserError, match=f"--config is given {n} times"):
             entry(argv)
@@ -100,11 +112,16 @@ def test_rehearse_takes_a_whole_number_within_its_bounds(value: str) -> None:
 
 
 def test_rehearse_beside_rehearsal_world_is_refused() -> None:
-    for twice in (["--rehearse", "8", "--rehearsal.world", "8"], ["--rehearse", "8", "--rehearse=16"]):
+    for twice in (
+        ["--rehearse", "8", "--rehearsal.world", "8"],
+        ["--rehearse", "8", "--rehearse=16"],
+    ):
         with pytest.raises(UserError, match="given more than once"):
             launcher_words(twice)
     with pytest.raises(UserError, match=f"<= {REHEARSAL_WORLD_MAX}"):
-        check_values(parse_args(launcher_words(["--rehearsal.world", str(REHEARSAL_WORLD_MAX + 1)]))[0])
+        check_values(
+            parse_args(launcher_words(["--rehearsal.world", str(REHEARSAL_WORLD_MAX + 1)]))[0]
+        )
 
 
 def _example(default: object, choices: tuple[str, ...] | None) -> tuple[str, str]:
@@ -172,13 +189,18 @@ def test_relative_paths_mean_the_callers_folder(
         if kind == "mixture":
             value = f"{rel}:0.25,{rel}-b:0.75"
             got = parse_args([f"--{key}", value])[0].data.path
-            assert mixture_items(got) == [(str(caller / rel), 0.25), (str(caller / f"{rel}-b"), 0.75)]
+            assert mixture_items(got) == [
+                (str(caller / rel), 0.25),
+                (str(caller / f"{rel}-b"), 0.75),
+            ]
         else:
             section, _, name = key.partition(".")
             got = getattr(getattr(parse_args([f"--{key}", rel])[0], section), name)
             assert Path(got) == caller / rel
             absolute = str(Path("/somewhere") / rel)
-            assert getattr(getattr(parse_args([f"--{key}", absolute])[0], section), name) == absolute
+            assert (
+                getattr(getattr(parse_args([f"--{key}", absolute])[0], section), name) == absolute
+            )
         # the config file's own path, typed relative, is the caller's too
         (caller / "my.toml").write_text("[training]\nsteps = 3\n")
         cfg, path = parse_args(["--config", "my.toml"])

@@ -21,14 +21,25 @@ compare_runs = load_script("compare_runs")
 LOSSES = [8.0 - 0.1 * i for i in range(20)]
 
 
-def make_run(root: Path, name: str, losses=LOSSES, dtype="float32", overrides=(), mode="fsdp") -> Path:
+def make_run(
+    root: Path, name: str, losses=LOSSES, dtype="float32", overrides=(), mode="fsdp"
+) -> Path:
     d = root / name
     d.mkdir()
     cfg = load_config(None, ["--training.global_batch_size", "16", *overrides])
     (d / "config.toml").write_text(to_toml(cfg))
-    resolved = {"mode": mode, "dp_replicate": 1, "dp_shard": 8, "local_batch_size": 2, "grad_accum": 1}
+    resolved = {
+        "mode": mode,
+        "dp_replicate": 1,
+        "dp_shard": 8,
+        "local_batch_size": 2,
+        "grad_accum": 1,
+    }
     (d / "run.json").write_text(json.dumps({**resolved, "param_dtype": dtype, "device": "cpu"}))
-    lines = [json.dumps({"step": i + 1, "loss": v, "grad_norm": 1.0 + v / 100}) for i, v in enumerate(losses)]
+    lines = [
+        json.dumps({"step": i + 1, "loss": v, "grad_norm": 1.0 + v / 100})
+        for i, v in enumerate(losses)
+    ]
     (d / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
@@ -52,10 +63,15 @@ def test_experiments_are_overlaid_without_a_verdict(tmp_path, capsys):
     (a / "eval.jsonl").write_text(json.dumps({"step": 10, "loss": 6.5, "perplexity": 665.1}) + "\n")
     code, out, err = run_cli(capsys, a, b, c, "--out", tmp_path / "exp")
     assert code == 0 and not err, err
-    assert "optimizer.lr: A 0.0008, B 0.0004, C 0.0008" in out and "training.seed: A 42, B 42, C 7" in out
+    assert (
+        "optimizer.lr: A 0.0008, B 0.0004, C 0.0008" in out
+        and "training.seed: A 42, B 42, C 7" in out
+    )
     assert "PASS" not in out and "FAIL" not in out
     rows = {r["label"]: r for r in json.loads((tmp_path / "exp/runs.json").read_text())["runs"]}
-    assert rows["B"]["final_loss"] == pytest.approx(LOSSES[-1] * 0.9) and rows["A"]["eval_loss"] == 6.5
+    assert (
+        rows["B"]["final_loss"] == pytest.approx(LOSSES[-1] * 0.9) and rows["A"]["eval_loss"] == 6.5
+    )
     assert (tmp_path / "exp/runs.png").stat().st_size > 10_000
     code, out, _ = run_cli(capsys, a)
     assert code == 0 and "config differences" not in out
@@ -66,7 +82,10 @@ def test_experiments_are_overlaid_without_a_verdict(tmp_path, capsys):
     code, out, _ = run_cli(capsys, a, b, d)
     assert code == 0 and "C has A's training loss at every step" in out and "B has" not in out, out
     assert (tmp_path / "compare-a-vs-b-vs-d/runs.png").is_file()
-    assert run_cli(capsys, a, b, c, d)[0] == 0 and (tmp_path / "compare-a-vs-b-and-2-more/runs.png").is_file()
+    assert (
+        run_cli(capsys, a, b, c, d)[0] == 0
+        and (tmp_path / "compare-a-vs-b-and-2-more/runs.png").is_file()
+    )
     # The verdict comes only on request: --rtol alone asks for it too.
     assert judge(capsys, a, c, "--out", tmp_path / "j")[0] == 2
     assert run_cli(capsys, a, b, "--rtol", "1e-5", "--out", tmp_path / "j")[0] == 1
@@ -80,7 +99,9 @@ def test_same_curve_passes_and_writes_table_json_plot(tmp_path, capsys):
     assert code == 0, out
     assert "PASS" in out and "layout differences: parallelism.dp_shard" in out
     summary = json.loads((tmp_path / "cmp/compare.json").read_text())
-    assert summary["passed"] and summary["comparisons"][0]["max_rel"] == pytest.approx(3e-7, rel=1e-3)
+    assert summary["passed"] and summary["comparisons"][0]["max_rel"] == pytest.approx(
+        3e-7, rel=1e-3
+    )
     assert (tmp_path / "cmp/compare.png").stat().st_size > 10_000
     assert len((tmp_path / "cmp/table.txt").read_text().splitlines()) > 20
 
@@ -95,7 +116,10 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
     assert "PASS c vs a" in out
     assert "FAIL b vs a" in out and "first step beyond rtol 1e-05: 7 " in out
     assert "differs beyond layout (may change the curve): loss.normalization" in out
-    assert json.loads((tmp_path / "cmp/compare.json").read_text())["comparisons"][1]["first_bad_step"] == 7
+    assert (
+        json.loads((tmp_path / "cmp/compare.json").read_text())["comparisons"][1]["first_bad_step"]
+        == 7
+    )
     # a looser tolerance accepts it
     assert run_cli(capsys, a, b, "--rtol", "1e-3", "--out", tmp_path / "cmp2")[0] == 0
     # Dropout runs at two layouts: masks from the ranks' RNG streams are named as a difference.
@@ -105,7 +129,10 @@ def test_parting_curve_fails_and_names_the_first_step(tmp_path, capsys):
     keyed = ("--model.dropout_masks", "sample")
     k8 = make_run(tmp_path, "k8", overrides=(*drop, *keyed))
     k16 = make_run(tmp_path, "k16", overrides=(*drop, *keyed, "--parallelism.dp_shard", "16"))
-    assert "model.dropout_masks = 'sample' keys them" in judge(capsys, d8, d16, "--out", tmp_path / "d")[1]
+    assert (
+        "model.dropout_masks = 'sample' keys them"
+        in judge(capsys, d8, d16, "--out", tmp_path / "d")[1]
+    )
     assert "dropout masks" not in judge(capsys, k8, k16, "--out", tmp_path / "k")[1]
 
 
@@ -202,7 +229,10 @@ def test_a_loss_term_is_a_curve_of_its_own(tmp_path, capsys):
     _with_terms(a, {"aux": AUX})
     _with_terms(b, {"aux": AUX[:3] + [AUX[3] * (1 + 1e-4)] + AUX[4:]})
     code, out, _ = judge(capsys, a, b)
-    assert code == 1 and "max relative loss difference 0 (step 1); first step beyond rtol 1e-05: 4 (" in out
+    assert (
+        code == 1
+        and "max relative loss difference 0 (step 1); first step beyond rtol 1e-05: 4 (" in out
+    )
     (verdict,) = [ln for ln in out.splitlines() if ln.startswith("FAIL b vs a: ")]
     assert verdict.endswith(", loss term aux)"), out
     _with_terms(c, {"aux": AUX})
@@ -235,7 +265,10 @@ def test_the_gradient_at_the_first_step_is_judged(tmp_path, capsys):
     )
     _with_gradients(d, {"head.weight": GRADS["head.weight"]})
     code, out, _ = judge(capsys, a, d)
-    assert code == 1 and "1 parameter(s) have a gradient in one run only, first layers.0.router.weight" in out
+    assert (
+        code == 1
+        and "1 parameter(s) have a gradient in one run only, first layers.0.router.weight" in out
+    )
     code, out, _ = judge(capsys, make_run(tmp_path, "e"), a)
     assert code == 0 and "gradient at step 1" not in out
     assert "(gradient not judged: e recorded no fingerprints;" in out  # said, not silently dropped

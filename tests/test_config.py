@@ -37,9 +37,15 @@ def test_overrides_types_and_lists():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--training.stpes", "4"], "unknown config key 'training.stpes' (did you mean 'training.steps'?)"),
+        (
+            ["--training.stpes", "4"],
+            "unknown config key 'training.stpes' (did you mean 'training.steps'?)",
+        ),
         (["--trainig.steps", "4"], "unknown config section 'trainig' (did you mean 'training'?)"),
-        (["--training.steps", "four"], "config key 'training.steps' must be an integer, got 'four'"),
+        (
+            ["--training.steps", "four"],
+            "config key 'training.steps' must be an integer, got 'four'",
+        ),
         (
             ["--loss.normalization", "mean"],
             "config key 'loss.normalization' is 'mean'; choose one of global, local_mean",
@@ -104,7 +110,9 @@ def test_layout_modes_and_accumulation():
         2,
         False,
     )
-    lay = _layout(8, parallelism__dp_replicate=8, training__global_batch_size=8, training__local_batch_size=1)
+    lay = _layout(
+        8, parallelism__dp_replicate=8, training__global_batch_size=8, training__local_batch_size=1
+    )
     assert (lay.mode, lay.dp_shard, lay.grad_accum, lay.skip_grad_sync) == ("ddp", 1, 1, True)
     lay = _layout(
         8, parallelism__dp_replicate=2, training__global_batch_size=16, training__local_batch_size=1
@@ -120,9 +128,18 @@ def test_layout_modes_and_accumulation():
     assert (lay.mode, lay.dp_replicate, lay.dp_shard) == ("hsdp", 2, 1)
     # extra axes split sequences: the data-parallel ranks are the world over their product
     lay = _layout(
-        8, parallelism__axes='["cp=2", "x=2"]', training__global_batch_size=8, training__local_batch_size=1
+        8,
+        parallelism__axes='["cp=2", "x=2"]',
+        training__global_batch_size=8,
+        training__local_batch_size=1,
     )
-    assert (lay.dp, lay.seq_split, lay.world, lay.grad_accum, lay.axes) == (2, 4, 8, 4, (("cp", 2), ("x", 2)))
+    assert (lay.dp, lay.seq_split, lay.world, lay.grad_accum, lay.axes) == (
+        2,
+        4,
+        8,
+        4,
+        (("cp", 2), ("x", 2)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -136,7 +153,11 @@ def test_layout_modes_and_accumulation():
         (4, dict(parallelism__dp_replicate=3), "dp_replicate=3 does not divide the 4 ranks"),
         (4, dict(parallelism__dp_shard=3), "dp_replicate x dp_shard = 1 x 3 != 4 ranks"),
         (2, dict(parallelism__mode="ddp", parallelism__dp_shard=2), "mode 'ddp' needs dp_shard 1"),
-        (2, dict(parallelism__dp_replicate=2, parallelism__skip_grad_sync="off"), "cannot be exact with ddp"),
+        (
+            2,
+            dict(parallelism__dp_replicate=2, parallelism__skip_grad_sync="off"),
+            "cannot be exact with ddp",
+        ),
         (1, dict(training__steps=0), "training.steps is 0"),
         (
             4,
@@ -177,7 +198,10 @@ def test_missing_files_are_named(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--data.mode", "synthetic"], "set model.vocab_size (e.g. 128256) or model.hf_assets_path"),
+        (
+            ["--data.mode", "synthetic"],
+            "set model.vocab_size (e.g. 128256) or model.hf_assets_path",
+        ),
         (
             ["--data.mode", "synthetic", "--model.vocab_size", "512", "--data.path", "x"],
             "leave data.path empty",
@@ -197,11 +221,20 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
         (["--data.packing", "true"], "data.packing packs SFT records but data.mode is 'pretrain'"),
         (["--data.mode", "sft", "--data.document_mask", "true"], "for SFT set data.packing = true"),
         (["--eval.fraction", "0.7"], "eval.fraction is 0.7; hold out between 0 and 0.5"),
-        (["--eval.path", "/nonexistent/val.jsonl"], "eval.path '/nonexistent/val.jsonl' does not exist"),
+        (
+            ["--eval.path", "/nonexistent/val.jsonl"],
+            "eval.path '/nonexistent/val.jsonl' does not exist",
+        ),
         (["--eval.path", "a:0.5,b:0.5"], "names several datasets; give one"),
         (["--eval.prompts", '["hi, there"]'], "there is none: set eval.fraction or eval.path"),
-        (["--eval.fraction", "0.1", "--eval.top_p", "0"], "eval.top_p is 0.0; it must be > 0.0 and <= 1.0"),
-        (["--eval.fraction", "0.1", "--eval.sample_tokens", "0"], "eval.sample_tokens is 0; it must be >= 1"),
+        (
+            ["--eval.fraction", "0.1", "--eval.top_p", "0"],
+            "eval.top_p is 0.0; it must be > 0.0 and <= 1.0",
+        ),
+        (
+            ["--eval.fraction", "0.1", "--eval.sample_tokens", "0"],
+            "eval.sample_tokens is 0; it must be >= 1",
+        ),
         (["--eval.prompts", "[not json"], "is not a valid JSON list"),
     ],
 )
@@ -217,18 +250,29 @@ def test_a_model_without_positions_or_keys_is_refused_with_packing_or_keyed_drop
     takes no sample_keys cannot key its dropout masks by sample."""
     from titanlite.models.registry import build_meta_model
 
-    toy = ["--model.name", "toy_mlp", "--model.import_module", "toy_model", "--model.flavor", "tiny"]
+    toy = [
+        "--model.name",
+        "toy_mlp",
+        "--model.import_module",
+        "toy_model",
+        "--model.flavor",
+        "tiny",
+    ]
     cfg, _ = parse_args([*toy, "--data.document_mask", "true"])
     with pytest.raises(UserError, match=re.escape("model 'toy_mlp' has no per-document attention")):
         build_meta_model(cfg, 2048)
     build_meta_model(parse_args(toy)[0], 2048)  # without it: built
     cfg, _ = parse_args([*toy, "--model.dropout", "0.1", "--model.dropout_masks", "sample"])
-    with pytest.raises(UserError, match=re.escape("model.dropout_masks 'sample': model 'toy_mlp' has no")):
+    with pytest.raises(
+        UserError, match=re.escape("model.dropout_masks 'sample': model 'toy_mlp' has no")
+    ):
         build_meta_model(cfg, 2048)
 
 
 def test_a_json_list_on_the_command_line_keeps_its_commas():
-    cfg, _ = parse_args(["--eval.prompts", '["a, b", "c"]', "--faults.ignore_all_labels_steps", "1,3"])
+    cfg, _ = parse_args(
+        ["--eval.prompts", '["a, b", "c"]', "--faults.ignore_all_labels_steps", "1,3"]
+    )
     assert cfg.eval.prompts == ["a, b", "c"] and cfg.faults.ignore_all_labels_steps == [1, 3]
 
 
@@ -256,7 +300,9 @@ def test_exact_diagnostics_under_hsdp_is_refused_before_any_worker(capsys):
 
     hsdp = ["--parallelism.dp_replicate", "2", "--training.local_batch_size", "1"]
     cfg, _ = parse_args([*hsdp, "--diagnostics.method", "exact"])
-    with pytest.raises(UserError, match=r"diagnostics.method 'exact' needs fsdp or ddp .* 'sketch'"):
+    with pytest.raises(
+        UserError, match=r"diagnostics.method 'exact' needs fsdp or ddp .* 'sketch'"
+    ):
         validate(cfg, 4)
     validate(cfg, 2)  # dp_replicate 2 of 2 ranks is ddp: exact is fine there
     cfg.diagnostics.enable = False
@@ -290,7 +336,10 @@ def test_help_lists_every_key_with_type_default_and_doc():
         (["--optimizer.lr", "inf"], "optimizer.lr is inf; it must be a finite number > 0.0"),
         (["--lr_scheduler.warmup_steps", "-3"], "lr_scheduler.warmup_steps is -3; it must be >= 0"),
         (["--optimizer.beta2", "1"], "optimizer.beta2 is 1.0; it must be >= 0.0 and < 1.0"),
-        (["--training.max_norm", "-inf"], "training.max_norm is -inf; it must be a finite number >= 0.0"),
+        (
+            ["--training.max_norm", "-inf"],
+            "training.max_norm is -inf; it must be a finite number >= 0.0",
+        ),
         (["--alerts.persist_frac", "0"], "alerts.persist_frac is 0.0; it must be > 0.0 and <= 1.0"),
         (
             ["--spike_guard.min_history", "200"],

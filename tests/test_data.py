@@ -174,7 +174,10 @@ def test_chat_records_default_format_and_bad_records(tmp_path):
     for line, needle in (
         ({"messages": []}, 'has "messages" that is not a non-empty list'),
         ({"messages": [{"role": "user"}]}, 'message 0 is not {"role": str, "content": str}'),
-        ({"text": "x"}, 'no string field "instruction"; records need "messages" (chat) or instruction'),
+        (
+            {"text": "x"},
+            'no string field "instruction"; records need "messages" (chat) or instruction',
+        ),
     ):
         data.write_text(json.dumps(line) + "\n")
         with pytest.raises(UserError, match=re.escape(needle)):

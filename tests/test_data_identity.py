@@ -49,8 +49,12 @@ def _prepared(tmp: Path, raw: Path, tok, name: str) -> Prepared:
 
 def test_the_content_key_is_what_the_data_holds_not_where_it_is(tmp_path, tok):
     a = _raw(tmp_path / "a", "datasets/README.md", "components/README.md")
-    b = Path(shutil.copytree(a, tmp_path / "elsewhere" / "b"))  # the same files, another path and time
-    keys = {name: _prepared(tmp_path, raw, tok, name).content for name, raw in (("pa", a), ("pb", b))}
+    b = Path(
+        shutil.copytree(a, tmp_path / "elsewhere" / "b")
+    )  # the same files, another path and time
+    keys = {
+        name: _prepared(tmp_path, raw, tok, name).content for name, raw in (("pa", a), ("pb", b))
+    }
     assert keys["pa"] and keys["pa"] == keys["pb"]
     (b / "more.md").write_text("another document\n" * 40)
     assert _prepared(tmp_path, b, tok, "pb-more").content != keys["pa"]
@@ -64,7 +68,12 @@ def _checkpoint(run: Path, cfg, data: list[dict]) -> Path:
     """A checkpoint's step folder with the state.json a save writes, recording `data`."""
     step = step_dir(run / "checkpoints", 2)
     step.mkdir(parents=True)
-    state = {"step": 2, "identity": identity(cfg), "optimizer_groups": OPTIMIZER_GROUPS, "data": data}
+    state = {
+        "step": 2,
+        "identity": identity(cfg),
+        "optimizer_groups": OPTIMIZER_GROUPS,
+        "data": data,
+    }
     (step / "state.json").write_text(json.dumps({**state, "files": file_record(step)}))
     (step / "complete").write_text("2\n")
     return run / "checkpoints"
@@ -87,10 +96,14 @@ def test_a_resume_compares_data_by_content(tmp_path, tok):
         check_resumable(folder, 2, cfg, run, data_identity(cfg))
     line = str(e.value)
     assert (
-        f"'{moved}' holds other data than the run trained on" in line and "--data.accept_change true" in line
+        f"'{moved}' holds other data than the run trained on" in line
+        and "--data.accept_change true" in line
     )
     cfg = load_config(None, ["--data.path", str(moved), "--data.accept_change", "true"])
-    assert "holds other data" in check_resumable(folder, 2, cfg, run, data_identity(cfg))["data_changed"]
+    assert (
+        "holds other data"
+        in check_resumable(folder, 2, cfg, run, data_identity(cfg))["data_changed"]
+    )
 
 
 def test_a_checkpoint_without_contents_is_compared_by_path_as_before(tmp_path, tok):

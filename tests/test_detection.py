@@ -14,7 +14,13 @@ import pytest
 
 from titanlite.config.job_config import Alerts
 from titanlite.diagnostics.alerts import AlertMonitor
-from titanlite.diagnostics.rank_sum import max_step_score, rank_scores, reachable, threshold, window_score
+from titanlite.diagnostics.rank_sum import (
+    max_step_score,
+    rank_scores,
+    reachable,
+    threshold,
+    window_score,
+)
 
 ONSET, STEPS = 40, 80
 
@@ -53,7 +59,9 @@ def _losses(rec):
     """The per-rank loss fields from the samples (what stats.step_metrics computes)."""
     rec["rank_loss"] = [sum(s["loss"] for s in rank) / len(rank) for rank in rec["rank_samples"]]
     mean = sum(rec["rank_loss"]) / len(rec["rank_loss"])
-    rec["loss_std"] = math.sqrt(sum((x - mean) ** 2 for x in rec["rank_loss"]) / len(rec["rank_loss"]))
+    rec["loss_std"] = math.sqrt(
+        sum((x - mean) ** 2 for x in rec["rank_loss"]) / len(rec["rank_loss"])
+    )
 
 
 def run(records, world, cfg=None):
@@ -85,11 +93,17 @@ def test_the_null_is_calibrated(world, per_rank):
     z_star = threshold(alpha, world)
     scores, hits, tests = [], 0, 0
     for _ in range(steps):
-        values = [rng.expovariate(1.0) for _ in range(world * per_rank)]  # skewed: rank-based is exact
-        scores.append(rank_scores([values[r * per_rank : (r + 1) * per_rank] for r in range(world)]))
+        values = [
+            rng.expovariate(1.0) for _ in range(world * per_rank)
+        ]  # skewed: rank-based is exact
+        scores.append(
+            rank_scores([values[r * per_rank : (r + 1) * per_rank] for r in range(world)])
+        )
         if len(scores) >= window:
             ranks = 1 if world == 2 else world
-            hits += sum(abs(window_score([s[r] for s in scores[-window:]])) > z_star for r in range(ranks))
+            hits += sum(
+                abs(window_score([s[r] for s in scores[-window:]])) > z_star for r in range(ranks)
+            )
             tests += 1
     rate = hits / tests
     assert 0.5 * alpha < rate < 1.5 * alpha, rate
@@ -167,7 +181,9 @@ def test_a_rank_with_bad_labels_is_named_within_10_steps(world, per_rank, rank):
 def test_at_dp2_a_fault_without_a_shared_history_names_both_ranks():
     alerts = run(stream(2, 4, fault=_shift(1, 2.0, start=1)), 2)
     first = next(a for a in alerts if a.name == "single_rank_outlier")
-    assert first.ranks == [0, 1] and "both named" in first.message and first.step <= 10, first.message
+    assert first.ranks == [0, 1] and "both named" in first.message and first.step <= 10, (
+        first.message
+    )
     # from a shared history, a rank that moved the other way (its loss fell) is named as well
     low = run(stream(2, 4, fault=_shift(0, -2.0)), 2)
     assert named(low, "single_rank_outlier")[0][1] == [0] and "lower losses" in low[0].message, low
@@ -199,7 +215,10 @@ def test_a_rank_handed_few_tokens_is_not_called_noisy(world):
     alone (the noise scales as 1/sqrt(tokens)); its noise per token is what it always was. Two
     such steps in a row put the median of a rank's last 3 norms at 4x its history."""
     rng = random.Random(world)
-    signal, trace = 0.05, 100.0  # |G|^2 and tr(Sigma) per token: noise-dominated, as in the recordings
+    signal, trace = (
+        0.05,
+        100.0,
+    )  # |G|^2 and tr(Sigma) per token: noise-dominated, as in the recordings
     short = {ONSET, ONSET + 1, ONSET + 20, ONSET + 21}
 
     def records():
@@ -217,7 +236,9 @@ def test_a_rank_handed_few_tokens_is_not_called_noisy(world):
                    "rank_grad_norm": norms, "cos_matrix": cos}  # fmt: skip
 
     recs = list(records())
-    assert recs[ONSET]["rank_grad_norm"][1] > 3 * recs[ONSET - 2]["rank_grad_norm"][1]  # the raw norm
+    assert (
+        recs[ONSET]["rank_grad_norm"][1] > 3 * recs[ONSET - 2]["rank_grad_norm"][1]
+    )  # the raw norm
     assert [a for a in run(recs, world) if a.name == "faulty_worker"] == []
     noisy = _noisy(1)  # the same steps with real noise on rank 1 are named
     assert named(run([noisy(r["step"], r) for r in records()], world), "faulty_worker")[0][1] == [1]
@@ -232,7 +253,9 @@ def test_at_dp2_norms_apart_from_the_start_name_both_ranks():
 def _late(rank, by, start=ONSET):
     def fault(t, rec):
         if t >= start:  # the others wait for it; it waits for no one
-            rec["rank_wait_s"] = [0.001 if r == rank else w + by for r, w in enumerate(rec["rank_wait_s"])]
+            rec["rank_wait_s"] = [
+                0.001 if r == rank else w + by for r, w in enumerate(rec["rank_wait_s"])
+            ]
             rec["rank_load_s"][rank] += by
             rec["step_s"] += by
         return rec
@@ -269,7 +292,9 @@ def test_the_batch_size_advice_is_a_note_for_the_next_run():
     notes = run(stream(4, 2, fault=_noise_scale(40.0)), 4, cfg)
     (note,) = notes
     assert note.name == "batch_size_advice" and not note.is_alert and note.step == cfg.advice_steps
-    assert note.line().startswith("NOTE batch_size_advice at step 50: the gradient noise scale B_simple")
+    assert note.line().startswith(
+        "NOTE batch_size_advice at step 50: the gradient noise scale B_simple"
+    )
     # 40x a batch of 8 sequences, in steps of dp x local batch = 4: 320 sequences
     assert "a larger batch" in note.message and "--training.global_batch_size 320" in note.message
     small = run(stream(4, 2, fault=_noise_scale(0.05)), 4)
@@ -278,7 +303,9 @@ def test_the_batch_size_advice_is_a_note_for_the_next_run():
         and "a smaller batch" in small[0].message
         and "global_batch_size 4 " in small[0].message
     )
-    assert run(stream(4, 2, fault=_noise_scale(2.0)), 4) == []  # within advice_ratio: nothing to say
+    assert (
+        run(stream(4, 2, fault=_noise_scale(2.0)), 4) == []
+    )  # within advice_ratio: nothing to say
 
 
 def test_the_advice_is_renewed_when_the_noise_scale_moves_a_further_fold():
@@ -294,7 +321,10 @@ def test_the_advice_is_renewed_when_the_noise_scale_moves_a_further_fold():
 
     notes = run(stream(4, 2, fault=growing(5)), 4, cfg)
     assert [n.step for n in notes] == [10, 39], notes
-    assert "(advised at 10x before)" in notes[1].message and "global_batch_size 400" in notes[1].message
+    assert (
+        "(advised at 10x before)" in notes[1].message
+        and "global_batch_size 400" in notes[1].message
+    )
     assert [n.step for n in run(stream(4, 2, fault=growing(2)), 4, cfg)] == [10]
 
 
@@ -323,12 +353,16 @@ def test_ongoing_faults_start_at_fault_from_step():
 
     labels = torch.arange(64).reshape(2, 32)
     batch = Microbatch(labels, labels)
-    faults = Faults(FaultSwitches(corrupt_labels_rank=1, fault_from_step=3), seed=0, rank=1, world=2)
+    faults = Faults(
+        FaultSwitches(corrupt_labels_rank=1, fault_from_step=3), seed=0, rank=1, world=2
+    )
     assert torch.equal(faults.microbatch(Step(2, False, None), 0, batch).labels, labels)
     shuffled = faults.microbatch(Step(3, False, None), 0, batch).labels
     assert not torch.equal(shuffled, labels) and torch.equal(shuffled.sort(-1).values, labels)
     faults.close()
-    slow = Faults(FaultSwitches(slow_rank=0, slow_factor=3.0, fault_from_step=3), seed=0, rank=0, world=2)
+    slow = Faults(
+        FaultSwitches(slow_rank=0, slow_factor=3.0, fault_from_step=3), seed=0, rank=0, world=2
+    )
     added = []
     for step in (1, 2, 3):
         slow.slow_loader(step)
@@ -350,7 +384,11 @@ def test_a_run_resumed_at_another_dp_starts_its_history_again():
     resumed = AlertMonitor(Alerts(), [f"host{r}" for r in range(4)], per_rank=2)
     note = resumed.load_state_dict(first.state_dict())
     assert "resumed at dp=4 with 2 sequence(s) per rank per step" in note and "dp=2 with 4" in note
-    assert resumed.seen == 0 and not resumed.history and not resumed.states["single_rank_outlier"].scores
+    assert (
+        resumed.seen == 0
+        and not resumed.history
+        and not resumed.states["single_rank_outlier"].scores
+    )
     assert resumed.named == {"faulty_worker": {1}}
     # at dp=4 from step 31: after the burn-in, a noisy gradient is still named
     later = [rec for rec in stream(4, 2, fault=_noisy(3)) if rec["step"] > 30]

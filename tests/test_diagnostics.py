@@ -78,7 +78,9 @@ def test_the_probe_works_on_compiled_blocks(results):
     bound (helpers.BF16_GRAD_TOL) of the fp32 per-rank reference."""
     (c,) = [c for c in results[2]["cases"] if c["compile"]]
     assert (c["mode"], c["method"]) == ("fsdp", "exact")
-    _matches_reference(c["record"], results[2]["reference"], 2, rel=BF16_GRAD_TOL, abs_=BF16_GRAD_TOL)
+    _matches_reference(
+        c["record"], results[2]["reference"], 2, rel=BF16_GRAD_TOL, abs_=BF16_GRAD_TOL
+    )
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -87,15 +89,22 @@ def test_sketch_error_is_bounded_and_shrinks_with_k(results, world):
     k = 4096 is well below that at k = 256 (its expected ratio is 4)."""
     ref = results[world]["reference"]
     errors: dict = {}
-    for c in (c for c in results[world]["cases"] if c["method"] == "sketch" and c["skip_sync"] == "auto"):
+    for c in (
+        c for c in results[world]["cases"] if c["method"] == "sketch" and c["skip_sync"] == "auto"
+    ):
         rec = c["record"]
         bound = 4 * math.sqrt(2 / c["k"])
         if c["mode"] == "ddp":  # the probe saw whole steps: exact norms
-            assert rec["norms"] == "exact" and _vec_close(rec["rank_grad_norm"], ref["rank_grad_norm"])
+            assert rec["norms"] == "exact" and _vec_close(
+                rec["rank_grad_norm"], ref["rank_grad_norm"]
+            )
         else:  # FSDP reduced each microbatch: norms from the summed sketch, |S g|^2 ~ |g|^2
             assert rec["norms"] == "sketch"
             for got, want in zip(rec["rank_grad_norm"], ref["rank_grad_norm"], strict=True):
-                assert (got is None and want is None) or abs((got / want) ** 2 - 1) <= bound, (got, want)
+                assert (got is None and want is None) or abs((got / want) ** 2 - 1) <= bound, (
+                    got,
+                    want,
+                )
         errs = [
             g - w
             for i, (grow, wrow) in enumerate(zip(rec["cos_matrix"], ref["cos_matrix"], strict=True))
@@ -105,9 +114,12 @@ def test_sketch_error_is_bounded_and_shrinks_with_k(results, world):
         assert max(abs(e) for e in errs) <= bound, (c["mode"], c["k"], errs)
         errors.setdefault((c["mode"], c["k"]), []).extend(errs)
     for mode in ("fsdp", "ddp"):
-        small, big = sorted(k for m, k in errors if m == mode)  # 251 and 4093: 256 and 4096 made prime
+        small, big = sorted(
+            k for m, k in errors if m == mode
+        )  # 251 and 4093: 256 and 4096 made prime
         rms = {
-            k: math.sqrt(sum(e * e for e in errors[(mode, k)]) / len(errors[(mode, k)])) for k in (small, big)
+            k: math.sqrt(sum(e * e for e in errors[(mode, k)]) / len(errors[(mode, k)]))
+            for k in (small, big)
         }
         assert rms[big] < rms[small] / 2, (mode, rms)
 
@@ -120,7 +132,11 @@ def test_sketch_summed_per_microbatch_equals_the_whole_step_sketch(results, worl
     cases = [c for c in results[world]["cases"] if c["mode"] == "fsdp" and c["method"] == "sketch"]
     for k in {c["k"] for c in cases}:
         summed, whole = (
-            next(c["record"] for c in cases if c["k"] == k and c["sketch_seed"] == 0 and c["skip_sync"] == s)
+            next(
+                c["record"]
+                for c in cases
+                if c["k"] == k and c["sketch_seed"] == 0 and c["skip_sync"] == s
+            )
             for s in ("auto", "on")
         )
         assert (summed["norms"], whole["norms"]) == ("sketch", "exact")
@@ -198,16 +214,24 @@ def test_rank_noise_takes_the_token_count_out():
             for n in tokens
         ]
         total = sum(tokens)
-        h = [g * n / total for g, n in zip(grads, tokens, strict=True)]  # what each rank contributes
+        h = [
+            g * n / total for g, n in zip(grads, tokens, strict=True)
+        ]  # what each rank contributes
         gram = [[float(a @ b) for b in h] for a in h]
         m = step_metrics([1.0] * world, tokens, [gram[r][r] for r in range(world)], gram)
         est = rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"])
         sums = [s + e**2 / 200 for s, e in zip(sums, est, strict=True)]
-        norms_0, norms_3 = norms_0 + m["rank_grad_norm"][0] / 200, norms_3 + m["rank_grad_norm"][3] / 200
+        norms_0, norms_3 = (
+            norms_0 + m["rank_grad_norm"][0] / 200,
+            norms_3 + m["rank_grad_norm"][3] / 200,
+        )
     trace = dim * sigma**2
     assert all(abs(s - trace) / trace < 0.05 for s in sums), (sums, trace)
     assert norms_0 > 5 * norms_3  # the norms alone: 10x apart
-    assert rank_noise([1.0, None], [10, 0], [[1.0, None], [None, None]]) == [None, None]  # one live rank
+    assert rank_noise([1.0, None], [10, 0], [[1.0, None], [None, None]]) == [
+        None,
+        None,
+    ]  # one live rank
 
 
 def test_step_metrics_leave_out_empty_ranks():
@@ -268,7 +292,8 @@ def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
     d = [math.sqrt(max(gram[r][r], 0.0)) for r in range(world)]
     ok = [tokens[r] > 0 and d[r] > 0 for r in range(world)]
     cos = [
-        [gram[i][j] / (d[i] * d[j]) if ok[i] and ok[j] else None for j in range(world)] for i in range(world)
+        [gram[i][j] / (d[i] * d[j]) if ok[i] and ok[j] else None for j in range(world)]
+        for i in range(world)
     ]
     pairs = [cos[i][j] for a, i in enumerate(live) for j in live[a + 1 :] if cos[i][j] is not None]
     total = sum(map(sum, gram))
@@ -276,7 +301,9 @@ def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
     for r in range(world):
         rest = [j for j in range(world) if j != r]
         sq = sum(gram[j][k] for j in rest for k in rest)
-        others.append(sum(gram[r][j] for j in rest) / (d[r] * math.sqrt(sq)) if ok[r] and sq > 0 else None)
+        others.append(
+            sum(gram[r][j] for j in rest) / (d[r] * math.sqrt(sq)) if ok[r] and sq > 0 else None
+        )
     medians = []
     for r in range(world):
         mine = [cos[r][j] for j in live if j != r and cos[r][j] is not None]
@@ -284,7 +311,8 @@ def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
     return {
         "cos_mean_pairwise": sum(pairs) / len(pairs) if pairs else None,
         "rank_cos_to_mean": [
-            sum(gram[r]) / (d[r] * math.sqrt(total)) if ok[r] and total > 0 else None for r in range(world)
+            sum(gram[r]) / (d[r] * math.sqrt(total)) if ok[r] and total > 0 else None
+            for r in range(world)
         ],
         "rank_cos_to_others": others,
         "rank_cos_median": medians,
@@ -295,7 +323,9 @@ def _reference(tokens: list[float], gram: list[list[float]]) -> dict:
 def _same(a, b) -> bool:
     if isinstance(a, list):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return (a is None) == (b is None) and (a is None or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
+    return (a is None) == (b is None) and (
+        a is None or math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -324,7 +354,9 @@ def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, see
     assert ("cos_matrix" in m) == (world <= PAIRS_KEPT)
     if world <= PAIRS_KEPT:
         assert _same(m["cos_matrix"], want["cos_matrix"])
-        assert _same(m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"]))
+        assert _same(
+            m["rank_noise"], rank_noise(m["rank_grad_norm"], m["rank_tokens"], m["cos_matrix"])
+        )
 
 
 @pytest.mark.parametrize("split, ranks", [(2, 4), (3, 6), (4, 4), (2, 10), (1, 3)])
@@ -343,7 +375,9 @@ def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
             "loss": torch.rand(n, generator=g, dtype=torch.float64),
             "tokens": torch.randint(0, 5, (n,), generator=g).double(),
             "content": torch.rand(n, generator=g, dtype=torch.float64),
-            "times": torch.tensor([float(r), float("nan") if r == 0 else -r, 2.0 * r], dtype=torch.float64),
+            "times": torch.tensor(
+                [float(r), float("nan") if r == 0 else -r, 2.0 * r], dtype=torch.float64
+            ),
         }
         pieces.append(piece)
         rows.append(
@@ -368,7 +402,9 @@ def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
             assert math.isclose(got.norm_sq, float(whole[a].norm() ** 2), rel_tol=1e-12)
             times = torch.stack([p["times"] for p in mine])
             assert got.load_s == times[:, 0].max() and got.step_s == times[:, 2].max()
-            assert got.wait_s == times[:, 1].nan_to_num(nan=math.inf).min() or (split == 1 and a == 0)
+            assert got.wait_s == times[:, 1].nan_to_num(nan=math.inf).min() or (
+                split == 1 and a == 0
+            )
             assert [s["index"] for s in got.sequences] == [10 * a + i for i in range(n)]
             assert [s["tokens"] for s in got.sequences] == [int(t) for t in tokens]
             assert all(math.isclose(s["content"], float(c), rel_tol=1e-12)

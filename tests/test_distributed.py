@@ -33,7 +33,9 @@ def test_gradient_equals_single_process_global_batch(results, world):
     assert modes >= {(m, a) for m in ("fsdp", "ddp", "hsdp") for a in (1, 2, 4)}
     for c in cases:
         assert c["max_rel_err"] <= TOL, c
-        assert abs(c["logged_loss"] - results[world]["ref_loss"]) <= TOL * results[world]["ref_loss"], c
+        assert (
+            abs(c["logged_loss"] - results[world]["ref_loss"]) <= TOL * results[world]["ref_loss"]
+        ), c
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -124,7 +126,13 @@ def test_gpu_defaults_in_bf16_stay_within_bf16_rounding_of_the_fp32_reference(re
     really computed in bf16 (more than u/4 off, where fp32 is 1e-6 off)."""
     cases = results[world]["bf16_cases"]
     covered = {
-        (c["mode"], c["reduce_dtype"][:4], c["activation_checkpoint"], c["loss_chunk"] > 0, c["packed"])
+        (
+            c["mode"],
+            c["reduce_dtype"][:4],
+            c["activation_checkpoint"],
+            c["loss_chunk"] > 0,
+            c["packed"],
+        )
         for c in cases
     }
     modes = ("fsdp", "ddp", "hsdp")
@@ -216,7 +224,11 @@ def test_every_loss_term_a_model_adds_is_exact_and_the_per_microbatch_formula_is
         terms = {what.split()[1] for what, _, _ in lines if what.startswith("term ")}
         assert not failed and terms == {"aux", "z"} and len(lines) == 3 * 27 + 1, failed
     control = [results[w]["moe_checks"]["fork_moe_local/tiny"] for w in WORLDS]
-    passed = {what for what, ok, _ in verdicts(control) if ok and what.startswith(("gradient", "term aux"))}
+    passed = {
+        what
+        for what, ok, _ in verdicts(control)
+        if ok and what.startswith(("gradient", "term aux"))
+    }
     alone = {
         f"{k} dp=1 {m} accum=1 unequal tokens"
         for k in ("gradient", "term aux")
@@ -231,8 +243,15 @@ def test_a_context_parallel_fork_is_exact_at_every_split(results):
     packed documents (whose boundaries cross the pieces), the gradient and logged loss are one
     process's; so are its plain data-parallel cases at dp 1, 2 and 4."""
     checks = [results[w]["context_check"] for w in WORLDS]
-    split = {(r["world"], c["mode"], c["packed"]) for r in checks for c in r["cases"] if c["axis"] == "cp"}
-    assert split == {(w, m, p) for w in (2, 4) for m in ("fsdp", "ddp", "hsdp") for p in (False, True)}
+    split = {
+        (r["world"], c["mode"], c["packed"])
+        for r in checks
+        for c in r["cases"]
+        if c["axis"] == "cp"
+    }
+    assert split == {
+        (w, m, p) for w in (2, 4) for m in ("fsdp", "ddp", "hsdp") for p in (False, True)
+    }
     failed = [(what, detail) for what, ok, detail in verdicts(checks) if not ok]
     assert not failed and sum("x cp=2" in what for what, _, _ in verdicts(checks)) == 12, failed
 

@@ -57,20 +57,40 @@ def test_eval_never_changes_training_and_writes_loss_and_samples(tmp_path):
     and leaves the model as it found it. The resumed run does not evaluate the start again, and
     its summary still gives the eval before and after."""
     decode = ("--eval.prompts", json.dumps([PROMPT]), "--eval.temperature", "0.8")
-    often_args = ("--eval.every", "2", "--eval.at_start", "true", *decode, "--checkpoint.every", "2")
+    often_args = (
+        "--eval.every",
+        "2",
+        "--eval.at_start",
+        "true",
+        *decode,
+        "--checkpoint.every",
+        "2",
+    )
     _, first = _run(tmp_path, "often", *often_args, "--debug.stop_after_step", "2")
     often, resumed = _run(tmp_path, "often", *often_args)
     once, _ = _run(tmp_path, "once")
-    assert "eval step 0 |" in first and "eval step 0 |" not in resumed and "resumed from step 2" in resumed
+    assert (
+        "eval step 0 |" in first
+        and "eval step 0 |" not in resumed
+        and "resumed from step 2" in resumed
+    )
     assert [(r["step"], r["loss"], r["grad_norm"]) for r in often] == [
         (r["step"], r["loss"], r["grad_norm"]) for r in once
     ]
     evals, last = _lines(tmp_path / "often/eval.jsonl"), _lines(tmp_path / "once/eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2, 4] and [e["step"] for e in last] == [4]
-    assert f"eval loss {evals[0]['loss']:.4f} -> {evals[2]['loss']:.4f}, " in resumed, resumed[-3000:]
-    assert evals[2]["loss"] == last[0]["loss"] and evals[0]["loss"] > evals[1]["loss"] > evals[2]["loss"]
+    assert f"eval loss {evals[0]['loss']:.4f} -> {evals[2]['loss']:.4f}, " in resumed, resumed[
+        -3000:
+    ]
+    assert (
+        evals[2]["loss"] == last[0]["loss"]
+        and evals[0]["loss"] > evals[1]["loss"] > evals[2]["loss"]
+    )
     assert evals[1]["sequences"] == 12 and evals[1]["tokens"] > 0
-    assert abs(evals[1]["perplexity"] - 2.718281828 ** evals[1]["loss"]) < 1e-6 * evals[1]["perplexity"]
+    assert (
+        abs(evals[1]["perplexity"] - 2.718281828 ** evals[1]["loss"])
+        < 1e-6 * evals[1]["perplexity"]
+    )
     samples = _lines(tmp_path / "often/samples.jsonl")
     assert [(s["step"], s["prompt"]) for s in samples] == [(0, PROMPT), (2, PROMPT), (4, PROMPT)]
     assert all(s["text"] for s in samples) and not (tmp_path / "once/samples.jsonl").read_text()

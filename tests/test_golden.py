@@ -32,9 +32,15 @@ def runs(step_counts):
 def test_every_case_has_a_golden_file_made_as_the_script_makes_it():
     for name, overrides in golden.CASES.items():
         record = golden.load(name)
-        assert record["overrides"] == overrides and record["env"] == golden.ENV and record["why"].strip()
+        assert (
+            record["overrides"] == overrides
+            and record["env"] == golden.ENV
+            and record["why"].strip()
+        )
         assert [s["step"] for s in record["steps"]] == list(range(1, golden.STEPS + 1))
-        assert all(s["loss"] is not None for s in record["steps"]), f"{name}: a step trained nothing"
+        assert all(s["loss"] is not None for s in record["steps"]), (
+            f"{name}: a step trained nothing"
+        )
         assert set(record["identity"]["kernels"]) == set(numerics.KINDS), name
 
 
@@ -82,7 +88,9 @@ def test_another_cpus_kernels_take_the_rounding_path_and_pass(exactness):
     assert any(f["loss"] != g["loss"] for f, g in zip(other["curve"], gold["steps"], strict=True))
     off_by_one = [{**s, "loss": s["loss"] * 1024 / 1023} for s in other["curve"]]
     ok, line = golden.compare(other["name"], gold, off_by_one, other["identity"])
-    assert not ok and f"{other['name']}: step 1 loss " in line and f"; within 1e-05 ({words}" in line, line
+    assert (
+        not ok and f"{other['name']}: step 1 loss " in line and f"; within 1e-05 ({words}" in line
+    ), line
 
 
 def test_the_identity_decides_bitwise_only_where_everything_that_decides_the_bits_matches():
@@ -102,11 +110,17 @@ def test_the_identity_decides_bitwise_only_where_everything_that_decides_the_bit
                     here[key] = value
             rtol, how = golden.tolerance(made, here)
             keys = {key.split(".")[0] for key, _ in picked}
-            kinds = ", ".join(sorted(k.split(".", 1)[1] for k, _ in picked if k.startswith("kernels.")))
+            kinds = ", ".join(
+                sorted(k.split(".", 1)[1] for k, _ in picked if k.startswith("kernels."))
+            )
             if keys & {"torch", "machine"}:
-                assert rtol == golden.ROUNDING_RTOL and how.startswith("within 1e-05 (another torch"), how
+                assert rtol == golden.ROUNDING_RTOL and how.startswith(
+                    "within 1e-05 (another torch"
+                ), how
             elif kinds and "cpu" in keys:
-                assert rtol == golden.ROUNDING_RTOL and f"(another CPU: its {kinds} kernels" in how, how
+                assert (
+                    rtol == golden.ROUNDING_RTOL and f"(another CPU: its {kinds} kernels" in how
+                ), how
             elif kinds:
                 assert rtol == golden.ROUNDING_RTOL and how.startswith(
                     "within 1e-05 (other kernels on the files'"
@@ -122,7 +136,9 @@ def test_the_identity_decides_bitwise_only_where_everything_that_decides_the_bit
 def test_a_bad_pin_is_one_line_before_any_run(pin, capsys):
     assert golden.main(["--check", "--pin", pin]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"--pin {pin!r}: give KEY=VALUE with KEY one of OMP_NUM_THREADS" in err[0], err
+    assert (
+        len(err) == 1 and f"--pin {pin!r}: give KEY=VALUE with KEY one of OMP_NUM_THREADS" in err[0]
+    ), err
     assert golden.pins(["MKL_CBWR=AUTO", "OMP_NUM_THREADS=2"]) == {
         **golden.ENV,
         "MKL_CBWR": "AUTO",

@@ -30,7 +30,8 @@ def test_smoke_runs_every_section_and_its_checks_hold(tmp_path):
         ("full", False),
     ]
     assert all(
-        r["rc"] == 0 and r["tokens_per_s"] > 0 and r["peak_gib"] > 0 and r["est_gib"] > 0 for r in speed
+        r["rc"] == 0 and r["tokens_per_s"] > 0 and r["peak_gib"] > 0 and r["est_gib"] > 0
+        for r in speed
     )
     # less activation memory is estimated the more is recomputed
     est = {r["ac"]: r["est_gib"] for r in speed}
@@ -52,15 +53,23 @@ def test_smoke_runs_every_section_and_its_checks_hold(tmp_path):
     hf = {r["dtype"]: r for r in result["hf"]["rows"]}
     # bf16: titanlite's and transformers' errors against transformers' fp32 logits, each measured
     assert hf["float32"]["max_rel"] <= 1e-4 and hf["bfloat16"]["max_rel"] <= hf["bfloat16"]["tol"]
-    assert 0 < hf["float32"]["max_rel"] < hf["bfloat16"]["max_rel"] and hf["bfloat16"]["hf_max_rel"] > 0
+    assert (
+        0 < hf["float32"]["max_rel"] < hf["bfloat16"]["max_rel"]
+        and hf["bfloat16"]["hf_max_rel"] > 0
+    )
     assert result["sync"] == {"skipped": "no GPU", "ok": True}
     assert result["determinism"] == {"steps": 6, "ok": True, "differ": []}
     packing = result["packing"]["rows"]
     assert [r["packed"] for r in packing] == [False, True]
-    assert all(r["rc"] == 0 and r["targets_per_step"] > 0 and r["targets_per_s"] > 0 for r in packing)
+    assert all(
+        r["rc"] == 0 and r["targets_per_step"] > 0 and r["targets_per_s"] > 0 for r in packing
+    )
     rehearsed = result["rehearse"]["rows"]
     assert [(r["name"], r["world"]) for r in rehearsed] == [("rehearse-sync", 8)]
-    assert all(r["rc"] == 0 and r["host_reads"] == 0 and 0 < r["peak_gib"] < r["est_gib"] for r in rehearsed)
+    assert all(
+        r["rc"] == 0 and r["host_reads"] == 0 and 0 < r["peak_gib"] < r["est_gib"]
+        for r in rehearsed
+    )
     assert not any(r["sync_debug"] for r in rehearsed)  # sync_debug is a CUDA mode
     table = (out / "gpu_check.md").read_text()
     assert "| selective | off |" in table and "Largest local batch at seq 128" in table

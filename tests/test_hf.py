@@ -174,12 +174,16 @@ def hf_tokenizer(path: Path, template_in_config: bool = False) -> None:
     )
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:20]
     tok.train([str(f) for f in files], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
     if template_in_config:
         config = json.loads((path / "tokenizer_config.json").read_text())
-        (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": CHAT_TEMPLATE})
+        )
         (path / "chat_template.jinja").unlink()
 
 
@@ -222,7 +226,12 @@ def loaded(assets, tmp_path_factory) -> dict[int, dict]:
         upstream = [str(runs[2])] if world == 1 else []
         check(
             torchrun(
-                world, "tests/workers/hf_load.py", str(tmp / "out.json"), str(assets), str(tmp), *upstream
+                world,
+                "tests/workers/hf_load.py",
+                str(tmp / "out.json"),
+                str(assets),
+                str(tmp),
+                *upstream,
             )
         )
         out[world] = json.loads((tmp / "out.json").read_text())
@@ -234,7 +243,9 @@ def loaded(assets, tmp_path_factory) -> dict[int, dict]:
 def test_trainer_loads_hf_weights_with_the_same_logits_and_gradient(loaded, world):
     cases = loaded[world]["cases"]
     modes = ("fsdp", "ddp", "hsdp") if world == 2 else ("fsdp", "ddp")
-    assert {(c["name"], c["mode"]) for c in cases} == {(n, m) for n in ("tied", "untied") for m in modes}
+    assert {(c["name"], c["mode"]) for c in cases} == {
+        (n, m) for n in ("tied", "untied") for m in modes
+    }
     for c in cases:
         assert c["tied"] == (c["name"] == "tied")
         assert c["logits_err"] <= TOL and c["grad_err"] <= TOL, c
@@ -247,8 +258,14 @@ def test_tokenizer_json_gives_autotokenizers_ids_and_the_folders_specials(assets
 
     from titanlite.datasets.tokenizer import load_tokenizer
 
-    ours, theirs = load_tokenizer(str(assets / "tied")), AutoTokenizer.from_pretrained(assets / "tied")
-    text = Path(sysconfig.get_paths()["stdlib"], "json", "decoder.py").read_text()[:3000] + " héllo 数字 123"
+    ours, theirs = (
+        load_tokenizer(str(assets / "tied")),
+        AutoTokenizer.from_pretrained(assets / "tied"),
+    )
+    text = (
+        Path(sysconfig.get_paths()["stdlib"], "json", "decoder.py").read_text()[:3000]
+        + " héllo 数字 123"
+    )
     assert ours.encode(text) == theirs(text, add_special_tokens=False).input_ids
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
         theirs.bos_token_id,
@@ -282,8 +299,16 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     # Weights cut short or with a damaged header: one line from the preflight, before any worker.
     size = (assets / "untied" / "model.safetensors").stat().st_size
     for name, cut, needle in (
-        ("truncated", lambda f: f.truncate(size // 2), f"is cut short: {size // 2:,} of the {size:,} bytes"),
-        ("header", lambda f: (f.seek(8), f.write(b"{not json")), "has a damaged safetensors header"),
+        (
+            "truncated",
+            lambda f: f.truncate(size // 2),
+            f"is cut short: {size // 2:,} of the {size:,} bytes",
+        ),
+        (
+            "header",
+            lambda f: (f.seek(8), f.write(b"{not json")),
+            "has a damaged safetensors header",
+        ),
         ("stub", lambda f: f.truncate(5), "is not a safetensors file or is cut short (5 bytes)"),
     ):
         broken = copy(name)
@@ -296,9 +321,13 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     other = copy("other-arch")
     config = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(UserError, match="holds a GPT2LMHeadModel but model 'llama3' reads LlamaForCausalLM"):
+    with pytest.raises(
+        UserError, match="holds a GPT2LMHeadModel but model 'llama3' reads LlamaForCausalLM"
+    ):
         hf_args(spec, other, 300)
-    with pytest.raises(UserError, match="the tokenizer's ids reach 399 but config.json's vocab_size is 320"):
+    with pytest.raises(
+        UserError, match="the tokenizer's ids reach 399 but config.json's vocab_size is 320"
+    ):
         hf_args(spec, assets / "untied", 400)
     args = dataclasses.replace(hf_args(spec, assets / "untied", 300), max_seq_len=32)
     weights = load_file(assets / "untied" / "model.safetensors")
@@ -313,13 +342,19 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
             {**weights, "model.norm.weight": torch.ones(7)},
             "'model.norm.weight' in .* has shape \\(7,\\)",
         ),
-        ("extra", {**weights, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}, "no parameter for"),
+        (
+            "extra",
+            {**weights, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)},
+            "no parameter for",
+        ),
     ):
         folder = copy(name)
         save_file(broken, folder / "model.safetensors")
         with pytest.raises(UserError, match=needle):
             load_hf_weights(Llama3(args), folder, LLAMA3_HF, args)
-        with pytest.raises(UserError, match=needle):  # the preflight says it before any worker starts
+        with pytest.raises(
+            UserError, match=needle
+        ):  # the preflight says it before any worker starts
             check_weights(folder)
     # Shards and their index agree both ways, checked from the headers before any worker starts:
     # every index that loses, moves or invents a name is refused naming it.
@@ -338,7 +373,11 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     whole = {k: f for f, part in halves.items() for k in part}
     check_weights(sharded("sharded", whole))
     for i, victim in enumerate(names[:: max(1, len(names) // 6)]):
-        other = "model-1.safetensors" if whole[victim] == "model-2.safetensors" else "model-2.safetensors"
+        other = (
+            "model-1.safetensors"
+            if whole[victim] == "model-2.safetensors"
+            else "model-2.safetensors"
+        )
         for how, weight_map, needle in (
             (
                 "lost",
@@ -358,7 +397,9 @@ def test_bad_hf_folders_are_one_line_errors(assets, tmp_path):
     folder = copy("inv-freq")
     save_file({**weights, **buffers}, folder / "model.safetensors")
     seen: list[str] = []
-    spy = dataclasses.replace(LLAMA3_HF, from_hf=lambda n, t, a: seen.append(n) or LLAMA3_HF.from_hf(n, t, a))
+    spy = dataclasses.replace(
+        LLAMA3_HF, from_hf=lambda n, t, a: seen.append(n) or LLAMA3_HF.from_hf(n, t, a)
+    )
     with_buffers, without = Llama3(args), Llama3(args)
     load_hf_weights(with_buffers, folder, spy, args)
     load_hf_weights(without, assets / "untied", LLAMA3_HF, args)
@@ -377,7 +418,9 @@ def test_pretrained_start_resumes_reshards_and_starts_new_runs(loaded):
     """The world-2 fine-tune (FSDP, chat records, 5 steps) and what was started from it."""
     f = loaded[2]["finetune"]
     ft = _int_keys(f["losses"]["ft"])
-    assert sorted(ft) == [1, 2, 3, 4, 5] and all(v is not None and 0 < v < 10 for v in ft.values()), ft
+    assert sorted(ft) == [1, 2, 3, 4, 5] and all(
+        v is not None and 0 < v < 10 for v in ft.values()
+    ), ft
     later = (3, 4, 5)
     # resumed from its own step 2 (model.hf_assets_path still set: the checkpoint wins): bitwise
     assert f["resume_start_step"] == 3
@@ -395,7 +438,10 @@ def test_pretrained_start_resumes_reshards_and_starts_new_runs(loaded):
     assert f["optim_vs_resume"] == 0.0
     assert f["optim_lrs"] == [f["optim_want_lr"]] == [5e-4]  # position 0 would be 2.5e-4 (warmup 2)
     # the source is only read; the new runs write their own checkpoints
-    assert f["source_untouched"] and f["from_ckpt_checkpoints"] == ["step-00000001", "step-00000002"]
+    assert f["source_untouched"] and f["from_ckpt_checkpoints"] == [
+        "step-00000001",
+        "step-00000002",
+    ]
     # the exported folder as a start: the fine-tuned weights, bitwise
     assert f["export_reload_vs_trained"] == 0.0
 
@@ -442,7 +488,9 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     ours = {k: v for f in files for k, v in load_file(tmp_path / "fp32" / f).items()}
     end_of_run = load_file(loaded[2]["runs"] / "ft" / "hf" / "model.safetensors")
-    assert ours.keys() == end_of_run.keys() and all(torch.equal(ours[k], end_of_run[k]) for k in ours)
+    assert ours.keys() == end_of_run.keys() and all(
+        torch.equal(ours[k], end_of_run[k]) for k in ours
+    )
     assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in ours.values())
     assert script.main([str(step5), str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16")
@@ -456,7 +504,10 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
         ([str(step5), str(tmp_path / "fp32")], "is a folder that is not empty"),
         ([str(incomplete), str(tmp_path / "x")], "is incomplete"),
         ([str(tmp_path / "none"), str(tmp_path / "x")], "does not exist"),
-        ([str(step5), str(tmp_path / "a-file" / "x")], "'" + str(tmp_path / "a-file") + "' is a file"),
+        (
+            [str(step5), str(tmp_path / "a-file" / "x")],
+            "'" + str(tmp_path / "a-file") + "' is a file",
+        ),
     ):
         capsys.readouterr()
         assert script.main(argv) == 2, argv
@@ -479,13 +530,25 @@ def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path
     script = load_script("generate")
     run = loaded[2]["runs"] / "ft"
     prompts = ["def parse(text):", "Line 7 of json/decoder.py?"]
-    argv = [a for p in prompts for a in ("--prompt", p)] + ["--max-new-tokens", "10", "--format", "text"]
+    argv = [a for p in prompts for a in ("--prompt", p)] + [
+        "--max-new-tokens",
+        "10",
+        "--format",
+        "text",
+    ]
     outs = []
-    for where in ([str(run)], [str(run), "--step", "5"], [str(run / "checkpoints" / "step-00000005")]):
+    for where in (
+        [str(run)],
+        [str(run), "--step", "5"],
+        [str(run / "checkpoints" / "step-00000005")],
+    ):
         assert script.main([*where, *argv]) == 0
         outs.append(capsys.readouterr().out)
     assert outs[0] == outs[1] == outs[2], outs
-    hf, tok = AutoModelForCausalLM.from_pretrained(run / "hf"), AutoTokenizer.from_pretrained(run / "hf")
+    hf, tok = (
+        AutoModelForCausalLM.from_pretrained(run / "hf"),
+        AutoTokenizer.from_pretrained(run / "hf"),
+    )
     for prompt in prompts:
         ids = [tok.bos_token_id, *tok(prompt, add_special_tokens=False).input_ids]
         new = hf.generate(
@@ -501,20 +564,27 @@ def test_generate_script_continues_prompts_as_transformers_does(loaded, tmp_path
         [{"role": "user", "content": prompts[0]}], add_generation_prompt=True, tokenize=False
     )
     ids = tok(text, add_special_tokens=False).input_ids
-    new = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id)
+    new = hf.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=10, eos_token_id=tok.eos_token_id
+    )
     new = new[0, len(ids) :].tolist()
     new = new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
     head = tok.decode(ids, skip_special_tokens=False)
     completion = tok.decode(ids + new, skip_special_tokens=False)[len(head) :]
     assert chat.endswith(f"{prompts[0]}{completion}\n") and chat != outs[0], (chat, completion)
-    sampled = [script.main([str(run), *argv, "--temperature", "1", "--seed", "3"]) for _ in range(2)]
+    sampled = [
+        script.main([str(run), *argv, "--temperature", "1", "--seed", "3"]) for _ in range(2)
+    ]
     texts = capsys.readouterr().out.split("# ")[1:]
     assert sampled == [0, 0] and texts[0] == texts[1] and texts[0] != outs[0].removeprefix("# ")
     (tmp_path / "empty").mkdir()
     for extra, needle in (
         ([str(tmp_path / "empty")], "holds no complete checkpoint (looked in '"),
         ([str(tmp_path / "none")], "does not exist; give an existing folder"),
-        ([str(run), "--step", "3"], "holds no complete checkpoint of that step (complete: 2, 4, 5)"),
+        (
+            [str(run), "--step", "3"],
+            "holds no complete checkpoint of that step (complete: 2, 4, 5)",
+        ),
         ([str(run / "checkpoints" / "step-00000005"), "--step", "5"], "is a step folder already"),
         ([str(run), "--top-p", "0"], "--top-p is '0'; it must be a finite number > 0 and <= 1"),
     ):
@@ -533,7 +603,9 @@ MESSAGES = [
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])  # chat_template.jinja; tokenizer_config.json
-def test_generation_stops_at_eos_the_end_of_a_turn_and_generation_configs_list(assets, name, tmp_path):
+def test_generation_stops_at_eos_the_end_of_a_turn_and_generation_configs_list(
+    assets, name, tmp_path
+):
     from titanlite.datasets.tokenizer import load_tokenizer
 
     tok = load_tokenizer(str(assets / name))
@@ -550,7 +622,9 @@ def test_generation_stops_at_eos_the_end_of_a_turn_and_generation_configs_list(a
 
 
 @pytest.mark.parametrize("name", ["tied", "untied"])  # chat_template.jinja; tokenizer_config.json
-def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(assets, name):
+def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as_targets(
+    assets, name
+):
     from transformers import AutoTokenizer
 
     from titanlite.datasets.records import chat_segments, record_tokens, template_pieces
@@ -559,7 +633,9 @@ def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as
     from titanlite.ops.cross_entropy import IGNORE_INDEX
 
     ours, theirs = load_tokenizer(str(assets / name)), AutoTokenizer.from_pretrained(assets / name)
-    date = {"date_string": "26 Jul 2024"}  # titanlite's fixed strftime_now date; transformers' is today
+    date = {
+        "date_string": "26 Jul 2024"
+    }  # titanlite's fixed strftime_now date; transformers' is today
     want = theirs.apply_chat_template(MESSAGES, tokenize=False, **date)
     pieces = template_pieces(ours.chat_template, MESSAGES, ours.special_tokens)
     assert "".join(text for text, _ in pieces) == want and "Today Date: 26 Jul 2024" in want
@@ -577,10 +653,13 @@ def test_chat_records_render_as_apply_chat_template_with_only_assistant_turns_as
     ids, target = record_tokens({"messages": MESSAGES}, ours)
     x, y = to_example(np.asarray(ids), np.asarray(target), 256, ours.pad_id)
     assert (
-        ours.decode(y[y != IGNORE_INDEX].tolist()) == "Use sum(xs).<|eot_id|>math.prod(xs), héllo<|eot_id|>"
+        ours.decode(y[y != IGNORE_INDEX].tolist())
+        == "Use sum(xs).<|eot_id|>math.prod(xs), héllo<|eot_id|>"
     )
     bad = [*MESSAGES[:2], {"role": "critic", "content": "no"}]
-    with pytest.raises(UserError, match="the chat template fails on a record \\(unknown role critic\\)"):
+    with pytest.raises(
+        UserError, match="the chat template fails on a record \\(unknown role critic\\)"
+    ):
         chat_segments(bad, ours)
 
 
@@ -616,7 +695,9 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
     ]
     assert preflight.main([*step2, *own]) == 0  # its own model takes every tensor it holds
     capsys.readouterr()
-    assert preflight.main(step2) == 2  # the debug model's shapes do not fit it: refused before any worker
+    assert (
+        preflight.main(step2) == 2
+    )  # the debug model's shapes do not fit it: refused before any worker
     assert "has shape" in capsys.readouterr().err
     # a checkpoint of another model: the first tensor that does not fit, from .metadata alone
     with pytest.raises(
@@ -625,7 +706,8 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
     ):
         check_fits(ckpts / "step-00000002", {"tok_embeddings.weight": torch.empty(7, 32)})
     with pytest.raises(
-        UserError, match="holds no 'layers.9.attention.wq.weight'; it is not a checkpoint of this model"
+        UserError,
+        match="holds no 'layers.9.attention.wq.weight'; it is not a checkpoint of this model",
     ):
         check_fits(ckpts / "step-00000002", {"layers.9.attention.wq.weight": torch.empty(1)})
 
@@ -640,7 +722,9 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
 
     hf = Path(shutil.copytree(assets / "untied", tmp_path / "hf"))
     run = Path(
-        shutil.copytree(loaded[2]["runs"] / "ft", tmp_path / "ft", ignore=shutil.ignore_patterns("logs"))
+        shutil.copytree(
+            loaded[2]["runs"] / "ft", tmp_path / "ft", ignore=shutil.ignore_patterns("logs")
+        )
     )
     states = sorted((run / "checkpoints").glob("step-*/state.json"))
     assert states
@@ -652,14 +736,30 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
             path.write_text(json.dumps(state))
 
     def moved(state: dict) -> None:  # the run as if it had trained on the copy
-        state["identity"]["model.hf_assets_path"] = state["config"]["model.hf_assets_path"] = str(hf)
+        state["identity"]["model.hf_assets_path"] = state["config"]["model.hf_assets_path"] = str(
+            hf
+        )
 
     edit_states(moved)
     argv = [
         *("--world-size", "2", "--model.hf_assets_path", str(hf), "--data.mode", "sft"),
-        *("--data.path", str(assets / "chat.jsonl"), "--training.seq_len", "160", "--training.steps", "5"),
+        *(
+            "--data.path",
+            str(assets / "chat.jsonl"),
+            "--training.seq_len",
+            "160",
+            "--training.steps",
+            "5",
+        ),
         *("--training.global_batch_size", "4", "--training.local_batch_size", "1"),
-        *("--checkpoint.every", "2", "--checkpoint.at_end", "true", "--checkpoint.keep_latest_k", "0"),
+        *(
+            "--checkpoint.every",
+            "2",
+            "--checkpoint.at_end",
+            "true",
+            "--checkpoint.keep_latest_k",
+            "0",
+        ),
         *("--job.dump_folder", str(tmp_path), "--job.run_name", "ft"),
     ]
     assert preflight.main(argv) == 0
@@ -677,7 +777,9 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
     edit_states(lambda state: state.pop("model_args"))  # a checkpoint from before the record
     assert preflight.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "records no model args" in err and "initial_load_path" in err, err
+    assert err.count("\n") == 1 and "records no model args" in err and "initial_load_path" in err, (
+        err
+    )
 
 
 @pytest.mark.parametrize("config", ["llama3_2_1b_sft", "llama3_1_8b_sft"])
@@ -717,5 +819,7 @@ def test_the_built_in_sentencepiece_tokenizer_exports_as_transformers_encodes_it
     rng = random.Random(0)
     texts += ["".join(rng.choice(" \n\tab€🚀xyz") for _ in range(50)) for _ in range(200)]
     differ = [t for t in texts if tok.encode(t) != theirs.encode(t, add_special_tokens=False)]
-    assert not differ, f"{len(differ)} of {len(texts)} texts encode differently, e.g. {differ[0][:40]!r}"
+    assert not differ, (
+        f"{len(differ)} of {len(texts)} texts encode differently, e.g. {differ[0][:40]!r}"
+    )
     assert theirs.eos_token_id == tok.eos_id and theirs.bos_token_id == tok.bos_id

@@ -125,8 +125,14 @@ def test_a_config_key_that_would_train_another_model_is_refused_in_one_line(chan
 
 def test_rope_scaling_and_rope_parameters_that_disagree_are_refused(tmp_path):
     """transformers merges them (llama3 scaling with the parameters' theta); titanlite took one."""
-    config = {**LLAMA, "rope_theta": None, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-    with pytest.raises(UserError, match="rope_scaling = .* and rope_parameters = .* say the same thing"):
+    config = {
+        **LLAMA,
+        "rope_theta": None,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }
+    with pytest.raises(
+        UserError, match="rope_scaling = .* and rope_parameters = .* say the same thing"
+    ):
         read_config(_folder(tmp_path, config=config), LLAMA3_HF.reads)
 
 

@@ -66,6 +66,19 @@ def test_no_fault_parameter_reaches_the_checkpointer_the_metrics_writer_or_the_l
     from titanlite.datasets.build import build_dataloader
     from titanlite.diagnostics.component import Diagnostics
 
-    for fn in (Checkpointer, MetricsWriter, MetricsWriter.for_run, RunFiles, build_dataloader, Diagnostics):
+    for fn in (
+        Checkpointer,
+        MetricsWriter,
+        MetricsWriter.for_run,
+        RunFiles,
+        build_dataloader,
+        Diagnostics,
+    ):
         params = set(inspect.signature(fn).parameters)
-        assert not params & {"faults", "inject", "read_rank", "grad_noise_scale", "fault_from_step"}, fn
+        assert not params & {
+            "faults",
+            "inject",
+            "read_rank",
+            "grad_noise_scale",
+            "fault_from_step",
+        }, fn

@@ -39,7 +39,9 @@ def batch(local: int) -> list[str]:
     return ["--training.global_batch_size", "16", "--training.local_batch_size", str(local)]
 
 
-def invariance(tmp_path, *args: str, timeout: int = 1500) -> tuple[subprocess.CompletedProcess, dict]:
+def invariance(
+    tmp_path, *args: str, timeout: int = 1500
+) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "inv"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     cmd = [*TOOL, *args, *QUIET, "--out", str(out)]
@@ -93,7 +95,9 @@ def test_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
     """The dp=8 run's step-SAVED checkpoint (FSDP over 8, the untied model), copied into a new
     run folder, continues as FSDP over 16 on the same curve."""
     dp8 = dp8_dp16[2] / "fsdp-1x8-lb1"
-    assert (dp8 / "metrics.jsonl").exists(), "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
+    assert (dp8 / "metrics.jsonl").exists(), (
+        "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
+    )
     saved = f"checkpoints/step-{SAVED:08d}"
     shutil.copytree(dp8 / saved, tmp_path / "dp16-from-dp8" / saved)
     source = ("--checkpoint.load_step", str(SAVED))
@@ -120,7 +124,9 @@ def test_dp8_checkpoint_continues_at_dp16(tmp_path, dp8_dp16, prepared_sft):
     want = {r["step"]: r["loss"] for r in read_metrics(dp8)}
     got = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "dp16-from-dp8")}
     rel = max(abs(got[s] - want[s]) / want[s] for s in got)
-    print(f"dp=8 checkpoint of step {SAVED} continued at dp=16: max relative loss difference {rel:.3g}")
+    print(
+        f"dp=8 checkpoint of step {SAVED} continued at dp=16: max relative loss difference {rel:.3g}"
+    )
     assert sorted(got) == list(range(SAVED + 1, STEPS + 1)) and rel <= 1e-5, (got, want)
 
 
@@ -141,11 +147,15 @@ def test_local_mean_fails_and_names_the_step(tmp_path):
 def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
     """DDP and HSDP 2x4 at dp=8 (scripts/invariance.py: HSDP against DDP), then both against
     dp8_dp16's FSDP dp=8 run of the same settings (scripts/compare_runs.py)."""
-    proc, summary = invariance(tmp_path, "--dp", "8", "--modes", "ddp", "hsdp", *shared(prepared_sft))
+    proc, summary = invariance(
+        tmp_path, "--dp", "8", "--modes", "ddp", "hsdp", *shared(prepared_sft)
+    )
     assert proc.returncode == 0, proc.stderr
     assert set(_max_rel(summary)) == {"hsdp-2x4-lb1"}
     fsdp = dp8_dp16[2] / "fsdp-1x8-lb1"
-    assert (fsdp / "metrics.jsonl").exists(), "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
+    assert (fsdp / "metrics.jsonl").exists(), (
+        "the shared dp=8 run failed: see the dp=8 vs dp=16 test"
+    )
     runs = [str(fsdp), *(str(tmp_path / "inv" / name) for name in ("ddp-8x1-lb1", "hsdp-2x4-lb1"))]
     out = tmp_path / "vs-fsdp"
     cmd = [sys.executable, "scripts/compare_runs.py", *runs, "--invariance", "--out", str(out)]
@@ -185,10 +195,14 @@ def test_dry_run_prints_one_command_per_layout(tmp_path):
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[0].startswith("NPROC=8 ") and lines[-1].startswith("NPROC=16 ")
     assert "--parallelism.dp_replicate 2 --parallelism.dp_shard 8" in lines[-1]
-    assert "--training.local_batch_size 2" in lines[0] and "--training.local_batch_size 1" in lines[-1]
+    assert (
+        "--training.local_batch_size 2" in lines[0] and "--training.local_batch_size 1" in lines[-1]
+    )
     assert not (tmp_path / "inv").exists()
     # with --localize: the step to rerun is known once the runs are compared, which it says
-    proc, _ = invariance(tmp_path, "--dp", "8", "16", "--dry-run", "--localize", *batch(2), timeout=120)
+    proc, _ = invariance(
+        tmp_path, "--dp", "8", "16", "--dry-run", "--localize", *batch(2), timeout=120
+    )
     lines = proc.stdout.strip().splitlines()
     assert (
         proc.returncode == 0
@@ -208,7 +222,11 @@ PLANTED = {
     "fork_rank_noise": (1, "gradient", "noise.gate reduced grad"),
     "fork_late_noise": (2, "loss", "noise forward"),
     "fork_mlp_noise": (1, "gradient", "layers.0.down forward"),  # passes the loss verdict at step 1
-    "fork_moe_local": (1, "loss term aux", "layers.1.router grad"),  # the loss passes; its term does not
+    "fork_moe_local": (
+        1,
+        "loss term aux",
+        "layers.1.router grad",
+    ),  # the loss passes; its term does not
 }
 FORK = (
     "--config", "train_configs/debug_model.toml",
@@ -244,19 +262,24 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
         "--model.import_module",
         module,
     ]
-    if model == "fork_mlp_noise":  # equal microbatches (2 x accum 2 against 2 x 1): only the noise differs
+    if (
+        model == "fork_mlp_noise"
+    ):  # equal microbatches (2 x accum 2 against 2 x 1): only the noise differs
         cmd += ["--training.local_batch_size", "2"]
     cmd += ["--dp", "1", "2", "--steps", str(step + 1), *QUIET, "--out", str(tmp_path / "inv")]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
     failed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     print(failed.stdout[-2000:], failed.stderr[-2000:])
     assert (
-        failed.returncode == 1 and f"to find where they part, add --localize: step {step} " in failed.stdout
+        failed.returncode == 1
+        and f"to find where they part, add --localize: step {step} " in failed.stdout
     )
     gradient = next(
         ln for ln in failed.stdout.splitlines() if ln.startswith(("PASS gradient", "FAIL gradient"))
     )
-    assert gradient.startswith("FAIL gradient at step 1:") == (what == "gradient" or step == 1), gradient
+    assert gradient.startswith("FAIL gradient at step 1:") == (what == "gradient" or step == 1), (
+        gradient
+    )
     (cmp,) = json.loads((tmp_path / "inv" / "compare" / "compare.json").read_text())["comparisons"]
     loss_rel = {r["step"]: r["rel"] for r in cmp["rows"]}
     if what == "gradient" or model == "fork_moe_local":  # a loss-only verdict would pass this step
@@ -266,9 +289,16 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
     else:
         assert f"first step beyond rtol 1e-05: {step} " in failed.stdout
         assert (", loss term aux)" in failed.stdout) == (what == "loss term aux")
-    if step > 1:  # --dry-run: the commands that would rerun the step from the same state, nothing run
+    if (
+        step > 1
+    ):  # --dry-run: the commands that would rerun the step from the same state, nothing run
         dry = subprocess.run(
-            [*cmd, "--localize", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+            [*cmd, "--localize", "--dry-run"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
         lines = dry.stdout.splitlines()
         assert dry.returncode == 1 and sum(ln.startswith("NPROC=") for ln in lines) == 3, dry.stdout
@@ -302,7 +332,17 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
         "--model.import_module",
         "fork_moe",
     ]
-    cmd += ["--loss.chunk_logits_mib", "1", "--dp", "1", "2", "--steps", "3", "--out", str(tmp_path / "inv")]
+    cmd += [
+        "--loss.chunk_logits_mib",
+        "1",
+        "--dp",
+        "1",
+        "2",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path / "inv"),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
@@ -315,22 +355,31 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
     for run in ("fsdp-1x1-lb4", "fsdp-1x2-lb2"):
         folder = tmp_path / "inv" / run
         rows = [
-            r for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "terms" in r
+            r
+            for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines())
+            if "terms" in r
         ]
-        assert [r["step"] for r in rows] == [1, 2, 3] and all(set(r["terms"]) == {"aux", "z"} for r in rows)
+        assert [r["step"] for r in rows] == [1, 2, 3] and all(
+            set(r["terms"]) == {"aux", "z"} for r in rows
+        )
         assert all(
-            r["loss_total"] == pytest.approx(r["loss"] + sum(r["terms"].values()), rel=1e-12) for r in rows
+            r["loss_total"] == pytest.approx(r["loss"] + sum(r["terms"].values()), rel=1e-12)
+            for r in rows
         )
         # transformers' coefficient 0.001 times E * sum_e f_e P_e, which is 1 when routing is even
         assert all(0.0009 < r["terms"]["aux"] < 0.004 for r in rows), rows
         log = "\n".join(f.read_text() for f in folder.glob("logs/**/*") if f.is_file())
-        assert re.search(r"step 3/3 \| loss [\d.]+ \| aux [\d.e-]+, z [\d.e-]+, total [\d.]+ \|", log), log[
-            -2000:
-        ]
-        assert "loss terms at step 3: aux " in log and "(the loss above is the cross entropy)" in log
+        assert re.search(
+            r"step 3/3 \| loss [\d.]+ \| aux [\d.e-]+, z [\d.e-]+, total [\d.]+ \|", log
+        ), log[-2000:]
+        assert (
+            "loss terms at step 3: aux " in log and "(the loss above is the cross entropy)" in log
+        )
         scalars, _ = tensorboard_items(folder / "tb")
         for r in rows:
-            got = {name: scalars[(f"5_loss_terms/{name}", r["step"])] for name in ("aux", "z", "total")}
+            got = {
+                name: scalars[(f"5_loss_terms/{name}", r["step"])] for name in ("aux", "z", "total")
+            }
             assert got == pytest.approx({**r["terms"], "total": r["loss_total"]}, rel=1e-6)
 
 
@@ -359,12 +408,22 @@ def _context_runs(
     after checking that the logged and eval losses agree with the first run's to 1e-5."""
     common = (*CONTEXT, "--training.global_batch_size", str(batch), "--training.steps", str(steps))
     for name, (nproc, extra) in runs.items():
-        check(train(nproc, *common, *extra, "--job.dump_folder", str(tmp_path), "--job.run_name", name))
+        check(
+            train(
+                nproc, *common, *extra, "--job.dump_folder", str(tmp_path), "--job.run_name", name
+            )
+        )
     curves = []
     for name in runs:
         losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name) if "loss" in r}
-        evals = [json.loads(x)["loss"] for x in (tmp_path / name / "eval.jsonl").read_text().splitlines()]
-        assert sorted(losses) == list(range(1, steps + 1)) and len(evals) == 1, (name, losses, evals)
+        evals = [
+            json.loads(x)["loss"] for x in (tmp_path / name / "eval.jsonl").read_text().splitlines()
+        ]
+        assert sorted(losses) == list(range(1, steps + 1)) and len(evals) == 1, (
+            name,
+            losses,
+            evals,
+        )
         curves.append([*losses.values(), *evals])
     rel = max(abs(x - y) / abs(x) for c in curves[1:] for x, y in zip(curves[0], c, strict=True))
     print(f"{' vs '.join(runs)}: max relative loss difference {rel:.3g}")
@@ -373,7 +432,9 @@ def _context_runs(
 
 
 @pytest.mark.slow
-def test_a_context_parallel_fork_trains_on_the_data_parallel_curve_and_diagnoses_its_replicas(tmp_path):
+def test_a_context_parallel_fork_trains_on_the_data_parallel_curve_and_diagnoses_its_replicas(
+    tmp_path,
+):
     """dp=2 against dp=2 x cp=2 (each replica's sequences split over 2 ranks): the same curve,
     and the same diagnostics, as the pieces of each replica are summed into it."""
     plain, split = _context_runs(tmp_path, 4, 3, {"dp2": (2, ()), "dp2xcp2": (4, SPLIT)})

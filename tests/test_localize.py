@@ -51,7 +51,9 @@ def _fingerprints(cls: type, cuts: list[int], args_cls: type = ForkArgs) -> dict
     losses, total, logged = rec.losses(sequence_losses), (labels != IGNORE_INDEX).sum(), 0.0
     for lo, hi in zip(bounds, bounds[1:], strict=False):
         loss = (
-            losses(model, Microbatch(tokens[lo:hi], labels[lo:hi]), LossPath(own=True, chunk=5)).ce.sum()
+            losses(
+                model, Microbatch(tokens[lo:hi], labels[lo:hi]), LossPath(own=True, chunk=5)
+            ).ce.sum()
             / total
         )
         loss.backward()
@@ -100,7 +102,12 @@ def test_the_walk_is_forwards_then_gradients_then_reductions_then_the_output():
     assert walk({"order": order}) == [
         "a forward", "b forward", "(model) grad", "b grad", "a grad", "w reduced grad", "(model) forward"
     ]  # fmt: skip
-    rec = {"step": 3, "order": order, "loss": 1.0, "records": {k: {"0": [1.0, 1.0, 1.0]} for k in order}}
+    rec = {
+        "step": 3,
+        "order": order,
+        "loss": 1.0,
+        "records": {k: {"0": [1.0, 1.0, 1.0]} for k in order},
+    }
     bent = {
         **rec,
         "records": {

@@ -120,7 +120,13 @@ def test_llama_loss_path_equals_its_logits_path():
 
 def _check_llama_loss_path(tied: bool) -> None:
     args = Llama3Args(
-        dim=32, n_layers=2, n_heads=4, vocab_size=96, multiple_of=16, max_seq_len=24, tie_embeddings=tied
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        vocab_size=96,
+        multiple_of=16,
+        max_seq_len=24,
+        tie_embeddings=tied,
     )
     model = Llama3(args)
     model.init_weights(ParamInit(model, 5))
@@ -166,14 +172,28 @@ def test_loss_memory_benchmark_shows_the_saving(tmp_path):
     activations); 64-position chunks hold 8 MiB of them (24 counted: output, fp32 copy, gradient,
     recomputed in backward)."""
     out = tmp_path / "mem.json"
-    cmd = [sys.executable, "scripts/loss_memory.py", "--seq", "512", "--batch", "1", "--budgets", "0", "8"]
-    proc = subprocess.run([*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    cmd = [
+        sys.executable,
+        "scripts/loss_memory.py",
+        "--seq",
+        "512",
+        "--batch",
+        "1",
+        "--budgets",
+        "0",
+        "8",
+    ]
+    proc = subprocess.run(
+        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     whole, chunked = json.loads(out.read_text())
     assert (whole["chunk_positions"], chunked["chunk_positions"]) == (512, 64)
     assert whole["loss"] == pytest.approx(chunked["loss"], rel=1e-6)
     assert whole["estimated_logits_mib"] == 128 and chunked["estimated_logits_mib"] == 24
-    assert whole["estimated_activations_mib"] - chunked["estimated_activations_mib"] >= 64  # traced logits
+    assert (
+        whole["estimated_activations_mib"] - chunked["estimated_activations_mib"] >= 64
+    )  # traced logits
     assert whole["peak_mib"] - chunked["peak_mib"] > 48, (whole, chunked)
 
 
@@ -228,16 +248,22 @@ def test_a_model_with_a_labels_path_always_computes_its_own_loss():
         def forward(self, tokens, labels=None, loss_chunk=0):
             calls.append((labels is not None, loss_chunk))
             return (
-                (torch.zeros(len(tokens)), {"aux": torch.ones(len(tokens))}) if labels is not None else None
+                (torch.zeros(len(tokens)), {"aux": torch.ones(len(tokens))})
+                if labels is not None
+                else None
             )
 
     batch = Microbatch(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
     for chunk in (0, 3):
-        assert sequence_losses(Spy(), batch, LossPath(own=True, chunk=chunk)).terms.keys() == {"aux"}
+        assert sequence_losses(Spy(), batch, LossPath(own=True, chunk=chunk)).terms.keys() == {
+            "aux"
+        }
     assert calls == [(True, 0), (True, 3)]
     logits = torch.randn(2, 8, 5)
     plain = sequence_losses(lambda tokens: logits, batch, LossPath())
-    assert torch.equal(plain.ce, cross_entropy_per_sample(logits, batch.labels)) and plain.terms == {}
+    assert (
+        torch.equal(plain.ce, cross_entropy_per_sample(logits, batch.labels)) and plain.terms == {}
+    )
 
 
 def test_step_statistics_need_a_forward_that_takes_the_step():
@@ -245,12 +271,16 @@ def test_step_statistics_need_a_forward_that_takes_the_step():
 
     cfg = JobConfig()
     cfg.model.name, cfg.model.flavor = "fork_moe", "tiny"
-    assert build_meta_model(cfg, 64).loss_path() == LossPath(own=True, chunk=0, step=True, statistics=True)
+    assert build_meta_model(cfg, 64).loss_path() == LossPath(
+        own=True, chunk=0, step=True, statistics=True
+    )
     assert build_meta_model(cfg, 64).loss_path(evaluating=True) == LossPath(own=True)
     spec = get_model_spec("fork_moe")
     register_model(replace(spec, name="fork_moe_stepless", model_cls=_Returns))
     cfg.model.name = "fork_moe_stepless"
-    with pytest.raises(UserError, match="asks for step statistics .* but its forward takes no step"):
+    with pytest.raises(
+        UserError, match="asks for step statistics .* but its forward takes no step"
+    ):
         build_meta_model(cfg, 64)
 
 
@@ -265,7 +295,13 @@ def test_the_step_contexts_all_reduce_is_a_counted_collective_on_the_normalisers
         balancer = LossBalancer("global", dist.group.WORLD, 4, 2)
         balancer.begin_step([torch.zeros(1, 3, dtype=torch.long)] * 2)
         step = balancer.context(1)
-        assert (step.ranks, step.micro, step.accum, step.counting, step.statistics) == (4, 1, 2, False, None)
+        assert (step.ranks, step.micro, step.accum, step.counting, step.statistics) == (
+            4,
+            1,
+            2,
+            False,
+            None,
+        )
         with CollectiveCounter() as counted:
             step.all_reduce(torch.ones(3))
         assert sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == 1
@@ -274,7 +310,9 @@ def test_the_step_contexts_all_reduce_is_a_counted_collective_on_the_normalisers
         for stats, reductions in ((torch.ones(3, dtype=torch.long), 1), (torch.ones(3), 2)):
             with CollectiveCounter() as counted:
                 balancer.begin_step([torch.zeros(1, 3, dtype=torch.long)] * 2, stats)
-            assert sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == reductions
+            assert (
+                sum(n for (_, op), n in counted.counts.items() if op == "allreduce") == reductions
+            )
             assert balancer.statistics().shape == (3,) and balancer.global_tokens().shape == ()
         alone = LossBalancer("global", None, 1, 1)
         alone.begin_step([torch.zeros(1, 3, dtype=torch.long)])

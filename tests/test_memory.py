@@ -32,9 +32,19 @@ def config(*argv: str):
     "argv, method, held, diag",
     [
         ([], "sketch", 0, SKETCH_BYTES),  # fsdp, accumulation 4: auto sums sketches per microbatch
-        (["--diagnostics.method", "exact"], "exact", 4 * P, EXACT_BYTES),  # asked for: it holds them
+        (
+            ["--diagnostics.method", "exact"],
+            "exact",
+            4 * P,
+            EXACT_BYTES,
+        ),  # asked for: it holds them
         (["--parallelism.skip_grad_sync", "on"], "exact", 4 * P, EXACT_BYTES),  # held on every step
-        (["--parallelism.dp_replicate", "4"], "exact", 0, EXACT_BYTES),  # ddp: its grads are counted
+        (
+            ["--parallelism.dp_replicate", "4"],
+            "exact",
+            0,
+            EXACT_BYTES,
+        ),  # ddp: its grads are counted
         (["--parallelism.dp_replicate", "2"], "sketch", 0, SKETCH_BYTES),  # hsdp
         (["--training.global_batch_size", "4"], "exact", 0, EXACT_BYTES),  # one microbatch
         (["--diagnostics.enable", "false", "--diagnostics.method", "exact"], "exact", 0, 0.0),
@@ -92,12 +102,14 @@ def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_the
     params = sum(p.numel() for p in meta.model.parameters())
     block = sum(p.numel() for p in meta.model.layers[0].parameters())
     small, large = (
-        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available) for available in (1e6, 1e12)
+        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available)
+        for available in (1e6, 1e12)
     )
     assert small.gathered_bytes == 2 * block * 2  # one block's params and gradient, bf16
     cfg.parallelism.reshard_after_forward = "auto"
     small, large = (
-        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available) for available in (1e6, 1e12)
+        memory.job_estimate(meta, cfg, layout, torch.bfloat16, available)
+        for available in (1e6, 1e12)
     )
     assert small.gathered_bytes == 2 * block * 2 and large.gathered_bytes == (params + block) * 2
 
@@ -140,7 +152,14 @@ def test_traced_activations_are_what_a_real_forward_keeps(name, flavor, dtype, c
 
     seq = 64
     cfg, _ = parse_args(
-        ["--config", "train_configs/debug_model.toml", "--model.name", name, "--model.flavor", flavor]
+        [
+            "--config",
+            "train_configs/debug_model.toml",
+            "--model.name",
+            name,
+            "--model.flavor",
+            flavor,
+        ]
         + ["--training.seq_len", str(seq)]
     )
     meta = build_meta_model(cfg, 256)
@@ -165,7 +184,14 @@ def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so(
             "--model.flavor",
             "tiny",
         ]
-        + ["--model.name", "fork_moe_sparse", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+        + [
+            "--model.name",
+            "fork_moe_sparse",
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+        ]
     )
     layout = resolve_layout(cfg, 2)
     meta = build_meta_model(cfg, 256)
@@ -189,7 +215,9 @@ def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so(
     )
     cfg.model.name = "fork_moe"
     assert (
-        memory.job_estimate(build_meta_model(cfg, 256), cfg, layout, torch.float32, 1e12).activations_from
+        memory.job_estimate(
+            build_meta_model(cfg, 256), cfg, layout, torch.float32, 1e12
+        ).activations_from
         == "traced"
     )
     dense, sparse = (
@@ -203,7 +231,8 @@ def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so(
 
 
 @pytest.mark.parametrize(
-    "name, flavor", [("llama3", "debugmodel"), ("llama3", "1B"), ("fork_lm", "tiny"), ("fork_moe", "tiny")]
+    "name, flavor",
+    [("llama3", "debugmodel"), ("llama3", "1B"), ("fork_lm", "tiny"), ("fork_moe", "tiny")],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_rough_activation_figure_is_as_rough_as_it_says(name, flavor, dtype):
@@ -214,7 +243,14 @@ def test_the_rough_activation_figure_is_as_rough_as_it_says(name, flavor, dtype)
     import fork_moe  # noqa: F401
 
     cfg, _ = parse_args(
-        ["--config", "train_configs/debug_model.toml", "--model.name", name, "--model.flavor", flavor]
+        [
+            "--config",
+            "train_configs/debug_model.toml",
+            "--model.name",
+            name,
+            "--model.flavor",
+            flavor,
+        ]
     )
     meta = build_meta_model(cfg, 2048)
     saved = saved_activations(meta.model, 256, dtype, 0, True)

@@ -239,7 +239,9 @@ def test_missing_wandb_is_refused_in_one_line_before_any_worker(monkeypatch, cap
     assert preflight.main(["--world-size", "1", "--metrics.enable_wandb", "true"]) == 2
     assert capsys.readouterr().err == f"titanlite: error: {MISSING}\n"
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: object() if name == "wandb" else real(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "wandb" else real(name, *a),
     )
     validate(wandb_cfg(), 1)  # installed: nothing to refuse
 
@@ -281,5 +283,7 @@ def test_real_wandb_offline_writes_into_the_run_folder(tmp_path, monkeypatch):
         writer.close()
     run_id = (run_dir / WANDB_ID_FILE).read_text().strip()
     runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert runs, list((run_dir / "wandb").iterdir())  # one per start (one if both began in one second)
+    assert runs, list(
+        (run_dir / "wandb").iterdir()
+    )  # one per start (one if both began in one second)
     assert all((r / f"run-{run_id}.wandb").is_file() for r in runs)

@@ -143,10 +143,14 @@ def test_activation_checkpointing_recomputes_what_its_kind_says(kind):
     plain = Llama3(args)
     plain.init_weights(ParamInit(plain, 0))
     plain(x).square().mean().backward()
-    torch.testing.assert_close(grads, torch.cat([p.grad.flatten() for p in plain.layers[0].parameters()]))
+    torch.testing.assert_close(
+        grads, torch.cat([p.grad.flatten() for p in plain.layers[0].parameters()])
+    )
     n = backward.counts
     gradient_mms = 2 * 8  # input and weight gradients of 7 linears and the head
-    attention = sum(v for k, v in n.items() if k.startswith("_scaled_dot_product") and "backward" not in k)
+    attention = sum(
+        v for k, v in n.items() if k.startswith("_scaled_dot_product") and "backward" not in k
+    )
     recomputed = n.get("silu", 0) + n.get("rsqrt", 0)
     assert (n["mm"] > gradient_mms, attention > 0) == (kind == "full",) * 2, n
     assert (recomputed > 0) == (kind != "none"), n
@@ -161,11 +165,15 @@ def test_dropout_keyed_by_sample_draws_each_sequences_mask_from_its_key_alone():
     kept = torch.tensor(1 / 0.75).item()  # scaled, so the expectation is unchanged
     assert set(y.unique().tolist()) == {0.0, kept}
     # The same sequence (stream position 104) anywhere in any batch gets the same mask.
-    alone = keyed_dropout(torch.ones(1, 64, 32), 0.25, sample_keys(7, 104, 1, torch.device("cpu")), 3)
+    alone = keyed_dropout(
+        torch.ones(1, 64, 32), 0.25, sample_keys(7, 104, 1, torch.device("cpu")), 3
+    )
     assert torch.equal(alone[0], y[4])
     # Another site, seed or sequence draws another mask; p = 0 is the identity.
     assert not torch.equal(keyed_dropout(x, 0.25, keys, 4), y)
-    assert not torch.equal(keyed_dropout(x, 0.25, sample_keys(8, 100, 8, torch.device("cpu")), 3), y)
+    assert not torch.equal(
+        keyed_dropout(x, 0.25, sample_keys(8, 100, 8, torch.device("cpu")), 3), y
+    )
     assert not torch.equal(y[0], y[1])
     assert keyed_dropout(x, 0.0, keys, 3) is x
 

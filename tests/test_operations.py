@@ -67,7 +67,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
 def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if (run_dir / "metrics.jsonl").is_file() and any(r["step"] >= step for r in read_metrics(run_dir)):
+        if (run_dir / "metrics.jsonl").is_file() and any(
+            r["step"] >= step for r in read_metrics(run_dir)
+        ):
             return
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.05)
@@ -83,7 +85,12 @@ def workers_of(tmp: Path) -> list[int]:
         except (OSError, ValueError):
             continue
         launcher = b"titanlite.launch" in cmd
-        if b"titanlite.train" in cmd and not launcher and str(tmp).encode() in cmd and d.name.isdigit():
+        if (
+            b"titanlite.train" in cmd
+            and not launcher
+            and str(tmp).encode() in cmd
+            and d.name.isdigit()
+        ):
             state = (d / "stat").read_text().split(") ")[-1][:1]
             if state != "Z":
                 pids.append(int(d.name))
@@ -110,7 +117,9 @@ def test_one_live_run_per_folder_and_no_orphans(tmp_path):
     first.wait()
     assert no_workers_within(tmp_path, 10) == []
     folders = (tmp_path / "held" / "checkpoints").glob("step-*")
-    newest = max(int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / "complete").is_file())
+    newest = max(
+        int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / "complete").is_file()
+    )
     code, out, err = finish(
         launch(
             tmp_path,
@@ -147,9 +156,9 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     began = time.monotonic()
     code, _, err = finish(proc, timeout=60)
     assert code == 130 and time.monotonic() - began < 15, err[-3000:]
-    assert err.strip().splitlines()[-1].startswith("titanlite: stopped at once by a second SIGINT"), err[
-        -3000:
-    ]
+    assert (
+        err.strip().splitlines()[-1].startswith("titanlite: stopped at once by a second SIGINT")
+    ), err[-3000:]
     assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
 
 
@@ -178,15 +187,25 @@ def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
     """Rank 1 stops itself (SIGSTOP) as it enters the backward of step 3: it reached the step, so
     no rank is behind; its heartbeat stops with it, which names it (catalogue: the other points
     of the step, scripts/fault_catalogue.py)."""
-    freeze = ("--comm.timeout_s", "5", "--faults.freeze_step", "3", "--faults.freeze_phase", "backward")
+    freeze = (
+        "--comm.timeout_s",
+        "5",
+        "--faults.freeze_step",
+        "3",
+        "--faults.freeze_phase",
+        "backward",
+    )
     proc = launch(tmp_path, "frozen", "--training.steps", "50", *freeze)
     wait_for_step(tmp_path / "frozen", 2, proc)
     code, _, err = finish(proc, timeout=120)
     assert code == 4, err[-3000:]
     line = err.strip().splitlines()[-1]
-    assert line.startswith("titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"), line
+    assert line.startswith(
+        "titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"
+    ), line
     assert (
-        "rank(s) 1 stopped responding (rank 1 last seen in backward of step 3; its heartbeat stopped)" in line
+        "rank(s) 1 stopped responding (rank 1 last seen in backward of step 3; its heartbeat stopped)"
+        in line
     )
     assert "raise comm.timeout_s" not in line
     assert no_workers_within(tmp_path, 10) == []
@@ -202,7 +221,8 @@ def launcher_of(proc: subprocess.Popen) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sig, when", [(signal.SIGINT, "workers"), (signal.SIGTERM, "workers"), (signal.SIGTERM, "launcher")]
+    "sig, when",
+    [(signal.SIGINT, "workers"), (signal.SIGTERM, "workers"), (signal.SIGTERM, "launcher")],
 )
 def test_a_signal_before_the_first_step_stops_in_one_line_and_writes_nothing(tmp_path, sig, when):
     """The signal comes while the launcher imports torch, or as soon as the workers exist, while
@@ -210,7 +230,10 @@ def test_a_signal_before_the_first_step_stops_in_one_line_and_writes_nothing(tmp
     stop is the promised one, with no traceback."""
     proc = launch(tmp_path, "early", "--training.steps", "3")
     end = time.monotonic() + 120
-    while not (workers_of(tmp_path) if when == "workers" else launcher_of(proc)) and time.monotonic() < end:
+    while (
+        not (workers_of(tmp_path) if when == "workers" else launcher_of(proc))
+        and time.monotonic() < end
+    ):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.01)
     if when == "launcher":
@@ -241,7 +264,9 @@ def test_a_signal_after_the_last_step_changes_nothing():
         "time.sleep(0.2)\n"
         "print(signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     # ignored, not handled: finalization restores the default action of handled signals only
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
 
@@ -269,7 +294,9 @@ def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
     run_train.sh with NNODES=2, one rank per node, static rendezvous on localhost. The same
     losses, bitwise, as one node with two ranks."""
     steps = ("--training.steps", "4")
-    temp = tmp_path / "temp"  # the launcher's TMPDIR: torchrun makes a folder there unless told not to
+    temp = (
+        tmp_path / "temp"
+    )  # the launcher's TMPDIR: torchrun makes a folder there unless told not to
     temp.mkdir()
     assert finish(launch(tmp_path, "one-node", *steps, env={"TMPDIR": str(temp)}))[0] == 0
     assert not list(temp.glob("torchelastic_*")), list(temp.iterdir())
@@ -343,7 +370,14 @@ def test_a_live_run_is_refused_before_its_checkpoints_are_read(tmp_path):
     step.mkdir(parents=True)
     (step / CHECKPOINT_MARKER).write_text("")
     (step / "state.json").write_text("{")
-    argv = ["--job.dump_folder", str(tmp_path), "--job.run_name", "held", "--checkpoint.load_step", "2"]
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.run_name",
+        "held",
+        "--checkpoint.load_step",
+        "2",
+    ]
     live = RunLock(tmp_path / "held")
     live.acquire()
     for hold in (None, lambda cfg, run_dir: RunLock(run_dir).acquire()):
@@ -387,7 +421,8 @@ def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkey
         "true",
     ]
     with pytest.raises(
-        UserError, match=r"llama3 1B \(1.04B parameters, weights and AdamW state\) needs about 11.6 GiB"
+        UserError,
+        match=r"llama3 1B \(1.04B parameters, weights and AdamW state\) needs about 11.6 GiB",
     ):
         plan_run(argv, world_size=8)
     assert list(tmp_path.iterdir()) == []
@@ -408,7 +443,9 @@ def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, s
     last = err.strip().splitlines()[-1]
     assert code == 130, (code, err[-2000:])
     ending = (
-        "as the run ended: its steps up to 3" if step == 3 else f"after step {step}; checkpoint step-{step}"
+        "as the run ended: its steps up to 3"
+        if step == 3
+        else f"after step {step}; checkpoint step-{step}"
     )
     assert last.startswith("titanlite: stopped by SIGINT ") and ending in last, last
     assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
@@ -423,9 +460,9 @@ def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record
                   "--faults.write_error", "full", "--faults.write_error_step", "3")  # fmt: skip
     code, out, err = finish(proc)
     last = err.strip().splitlines()[-1]
-    assert code == 3 and last.startswith("titanlite: stopped: writing ") and "disk full under" in last, err[
-        -2000:
-    ]
+    assert (
+        code == 3 and last.startswith("titanlite: stopped: writing ") and "disk full under" in last
+    ), err[-2000:]
     assert "records up to step 2 are whole" in last and "newest checkpoint is step 2" in last, last
     assert [r["step"] for r in read_metrics(tmp_path / "full")] == [1, 2]
     for name in ("diagnostics.jsonl", "events.jsonl"):
@@ -449,7 +486,9 @@ def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing():
         beat.rank, beat.world, beat.timeout_s, beat._period = 0, rng.randint(2, 12), 5.0, 0.0
         seen = {0: (5, 1, "eval")}
         for r in range(1, beat.world):
-            seen[r] = rng.choice([None, (4, 1, "eval"), (5, 1, "eval"), (5, 1, "forward"), (5, 1, "data")])
+            seen[r] = rng.choice(
+                [None, (4, 1, "eval"), (5, 1, "eval"), (5, 1, "forward"), (5, 1, "data")]
+            )
         beat._read = lambda seen=seen: dict(seen)
         liveness._current[0] = "eval"
         began = time.monotonic()

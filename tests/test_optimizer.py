@@ -59,7 +59,11 @@ def test_resume_restores_hparams_unless_told_and_says_which():
     import torch
 
     from titanlite.components.checkpoint.resume import flat_config, resume_changes
-    from titanlite.components.optimizer import build_lr_scheduler, build_optimizer, continue_schedule
+    from titanlite.components.optimizer import (
+        build_lr_scheduler,
+        build_optimizer,
+        continue_schedule,
+    )
 
     old = _cfg("cosine")
     model = torch.nn.Linear(4, 4)
@@ -80,7 +84,9 @@ def test_resume_restores_hparams_unless_told_and_says_which():
         "resume: metrics.log_every",
     ]
     assert (
-        "not applied" in lines[0] and "not applied" in lines[1] and lines[2].endswith(": applied from step 7")
+        "not applied" in lines[0]
+        and "not applied" in lines[1]
+        and lines[2].endswith(": applied from step 7")
     )
     opt, sched = _resumed(kept, optimizer.state_dict(), scheduler.state_dict())
     assert opt.param_groups[0]["betas"] == (0.9, 0.95) and sched.base_lrs == [8e-4, 8e-4]
@@ -114,10 +120,18 @@ def test_weight_decay_spares_norms_biases_and_embeddings_unless_asked(tied):
     from titanlite.models.llama3 import Llama3, Llama3Args
 
     args = Llama3Args(
-        dim=16, n_layers=1, n_heads=2, vocab_size=32, multiple_of=16, max_seq_len=8, tie_embeddings=tied
+        dim=16,
+        n_layers=1,
+        n_heads=2,
+        vocab_size=32,
+        multiple_of=16,
+        max_seq_len=8,
+        tie_embeddings=tied,
     )
     model = Llama3(args)
-    model.add_module("extra", torch.nn.Linear(16, 16))  # a bias, which titanlite's Llama has none of
+    model.add_module(
+        "extra", torch.nn.Linear(16, 16)
+    )  # a bias, which titanlite's Llama has none of
     model.init_weights(ParamInit(model, 0))
     for embeddings_too in (False, True):
         cfg = parse_args(["--optimizer.weight_decay_embeddings", str(embeddings_too).lower()])[0]
@@ -128,7 +142,9 @@ def test_weight_decay_spares_norms_biases_and_embeddings_unless_asked(tied):
             for g in optimizer.param_groups
             if g["weight_decay"] > 0 and any(p is q for q in g["params"])
         }
-        matrices = {n for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n}
+        matrices = {
+            n for n, p in model.named_parameters() if p.ndim == 2 and "tok_embeddings" not in n
+        }
         if tied:  # the head is the embedding: named once, as tok_embeddings.weight
             matrices.discard("output.weight")
         want = matrices | ({"tok_embeddings.weight"} if embeddings_too else set())

@@ -20,7 +20,9 @@ from titanlite.models.attention import attend, block_document_mask, dense_docume
 from titanlite.models.llama3 import Llama3, Llama3Args
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_per_sample
 
-ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=32)
+ARGS = Llama3Args(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=16, max_seq_len=32
+)
 
 
 def _reference_bfd(costs: list[int], capacity: int) -> list[list[int]]:
@@ -46,7 +48,9 @@ def test_best_fit_decreasing_matches_brute_force_and_holds_every_item_once():
         costs = rng.integers(1, capacity + 1, int(rng.integers(1, 60)))
         members, starts = best_fit_decreasing(costs, capacity)
         assert sorted(members.tolist()) == list(range(len(costs)))
-        loads = [int(costs[members[a:b]].sum()) for a, b in zip(starts[:-1], starts[1:], strict=True)]
+        loads = [
+            int(costs[members[a:b]].sum()) for a, b in zip(starts[:-1], starts[1:], strict=True)
+        ]
         assert max(loads) <= capacity
         assert len(loads) == len(_reference_bfd(costs.tolist(), capacity))
 
@@ -87,14 +91,18 @@ def test_a_packed_sequence_gives_its_records_losses_and_gradients(tied):
     positions = torch.from_numpy(restart_positions(np.array([*starts, at]), 32))[None]
 
     per_token = torch.nn.functional.cross_entropy(
-        model(inputs, positions=positions)[0], packed_labels[0], ignore_index=IGNORE_INDEX, reduction="none"
+        model(inputs, positions=positions)[0],
+        packed_labels[0],
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
     )
     packed_sums = [per_token[s : s + len(y)].sum() for s, y in zip(starts, labels, strict=True)]
     sum(packed_sums).backward()
     packed_grad = _grads(model)
     model.zero_grad()
     alone = [
-        cross_entropy_per_sample(model(r[None, :-1]), y[None])[0] for r, y in zip(recs, labels, strict=True)
+        cross_entropy_per_sample(model(r[None, :-1]), y[None])[0]
+        for r, y in zip(recs, labels, strict=True)
     ]
     sum(alone).backward()
     for a, b in zip(packed_sums, alone, strict=True):
@@ -114,7 +122,9 @@ def test_positions_of_one_document_are_plain_causal_attention_and_flex_matches_d
     q, k, v = torch.randn(3, 2, 4, 32, 8).unbind(0)
     with pytest.warns(UserWarning, match="flex_attention called without torch.compile"):
         flex = attend(q, k, v, block_document_mask(positions))  # CUDA's path, run eagerly here
-    torch.testing.assert_close(flex, attend(q, k, v, dense_document_mask(positions)), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        flex, attend(q, k, v, dense_document_mask(positions)), rtol=1e-5, atol=1e-6
+    )
 
 
 def _cfg(*args: str, seq_len: int = 128):
@@ -154,9 +164,13 @@ def test_packed_sft_holds_every_record_once_as_it_is_alone(prepared_sft):
     )
     assert pad_alone > 0.5 and pad_packed < 0.05
 
-    cfg = _cfg("--data.mode", "sft", "--data.path", prepared_sft, "--data.packing", "true", seq_len=seq)
+    cfg = _cfg(
+        "--data.mode", "sft", "--data.path", prepared_sft, "--data.packing", "true", seq_len=seq
+    )
     built = build_dataset(cfg, tok)
-    assert len(built) == len(packed) and all((a == b).all() for a, b in zip(built[5], packed[5], strict=True))
+    assert len(built) == len(packed) and all(
+        (a == b).all() for a, b in zip(built[5], packed[5], strict=True)
+    )
     batch = collate([built[0], built[1]])
     assert batch.positions.shape == batch.inputs.shape == (2, seq)
 
@@ -191,7 +205,8 @@ def test_held_out_split_is_disjoint_complete_and_decided_by_seed_alone():
             assert abs(len(evals) / n - 0.05) < 0.01
     a, b = HeldOut(30_000, 0.01, 1), HeldOut(30_000, 0.01, 2)
     assert (
-        a.indices("eval", np.arange(300)) == HeldOut(30_000, 0.01, 1).indices("eval", np.arange(300))
+        a.indices("eval", np.arange(300))
+        == HeldOut(30_000, 0.01, 1).indices("eval", np.arange(300))
     ).all()
     assert not (a.indices("eval", np.arange(300)) == b.indices("eval", np.arange(300))).all()
 
@@ -205,6 +220,8 @@ def test_eval_fraction_holds_records_out_of_training_packs(prepared_sft):
     eval_rows = {t["row"] for i in range(len(held)) for t in held.trace(i)}
     assert train_rows and eval_rows and not train_rows & eval_rows
     assert 0.07 < len(eval_rows) / (len(train_rows) + len(eval_rows)) < 0.13
-    capped = build_eval_dataset(_cfg(*base, "--eval.fraction", "0.1", "--eval.max_sequences", "5"), tok)
+    capped = build_eval_dataset(
+        _cfg(*base, "--eval.fraction", "0.1", "--eval.max_sequences", "5"), tok
+    )
     assert len(capped) == 5 and capped.trace(4) == held.trace(4 * len(held) // 5)
     assert build_eval_dataset(_cfg(*base), tok) is None

@@ -74,8 +74,13 @@ def _script(*args: str) -> subprocess.CompletedProcess:
 
 def _one_line_exit_2(proc: subprocess.CompletedProcess, needle: str) -> None:
     """Exit 2 and one error line naming the problem (progress lines may come before it)."""
-    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], (proc.returncode, proc.stderr)
+    errors = [
+        line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line
+    ]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], (
+        proc.returncode,
+        proc.stderr,
+    )
 
 
 def _write_inputs(folder, docs: list[str]) -> dict[str, list[str]]:
@@ -90,7 +95,9 @@ def _write_inputs(folder, docs: list[str]) -> dict[str, list[str]]:
     with gzip.open(folder / "a.jsonl.gz", "wt") as fh:
         fh.write("\n".join(lines) + "\n")
     pq.write_table(
-        pa.table({"content": docs, "n": list(range(len(docs)))}), folder / "a.parquet", row_group_size=7
+        pa.table({"content": docs, "n": list(range(len(docs)))}),
+        folder / "a.parquet",
+        row_group_size=7,
     )
     arrow = folder / "arrow"
     arrow.mkdir()
@@ -127,7 +134,9 @@ def test_every_input_kind_gives_the_reference_tokens_and_traces_to_its_rows(tmp_
         assert proc.returncode == 0, proc.stderr
         data = Prepared(out)
         want = np.concatenate([[tok.bos_id, *tok.encode(d), tok.eos_id] for d in want_docs])
-        assert data.num_docs == len(want_docs) and (data.tokens(0, data.num_tokens) == want).all(), kind
+        assert (
+            data.num_docs == len(want_docs) and (data.tokens(0, data.num_tokens) == want).all()
+        ), kind
         data.check_tokenizer(tok)
         # document 12 (or the last txt file): its file and row (the jsonl's blank line 6 counts)
         d = min(12, len(want_docs) - 1)
@@ -145,7 +154,9 @@ def test_every_input_kind_gives_the_reference_tokens_and_traces_to_its_rows(tmp_
         trace = ds.trace(i)
         assert sum(b - a for a, b in (t["tokens"] for t in trace)) == 33
         lengths = [len(tok.encode(docs[t["row"] - (t["row"] > 5)])) + 2 for t in trace]
-        assert all(0 <= t["tokens"][0] < t["tokens"][1] <= n for t, n in zip(trace, lengths, strict=True))
+        assert all(
+            0 <= t["tokens"][0] < t["tokens"][1] <= n for t, n in zip(trace, lengths, strict=True)
+        )
 
 
 def test_on_the_fly_preparation_is_the_scripts_order_and_mixtures_hit_their_weights(tmp_path, tok):
@@ -170,7 +181,9 @@ def test_on_the_fly_preparation_is_the_scripts_order_and_mixtures_hit_their_weig
     picks = sampler.sequences(np.arange(10_000))
     share = float((picks < mix.sizes[0]).mean())
     assert abs(share - 0.7) < 0.01, share
-    small = picks[picks >= mix.sizes[0]] - mix.sizes[0]  # the small set is read in full, then repeats
+    small = (
+        picks[picks >= mix.sizes[0]] - mix.sizes[0]
+    )  # the small set is read in full, then repeats
     first = small[: mix.sizes[1]]
     assert sorted(first.tolist()) == list(range(mix.sizes[1]))
     j = int(small[0])
@@ -190,7 +203,10 @@ def test_sampler_is_a_computed_permutation_independent_of_dp_and_accumulation():
         want = [ref.global_batch(t).tolist() for t in range(20)]
         for lb, dp in [(8, 1), (1, 1), (8, 2), (2, 4), (1, 16), (4, 2)]:
             samplers = [GlobalBatchSampler(sizes, 16, lb, r, dp, 3, weights) for r in range(dp)]
-            got = [[i for s in samplers for _ in range(16 // (lb * dp)) for i in next(s)] for _ in range(20)]
+            got = [
+                [i for s in samplers for _ in range(16 // (lb * dp)) for i in next(s)]
+                for _ in range(20)
+            ]
             assert got == want, (sizes, lb, dp)
             # A sequence's place in the data stream (its dropout key) is the same at every layout.
             for t in (0, 7):
@@ -230,7 +246,9 @@ def test_killed_preparation_is_refused_then_resumes_to_the_same_folder(tmp_path,
     proc = subprocess.Popen([sys.executable, "scripts/prepare_data.py", *args], cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     deadline = time.time() + 120
-    while not (out / "shard-00002.json").exists() and time.time() < deadline and proc.poll() is None:
+    while (
+        not (out / "shard-00002.json").exists() and time.time() < deadline and proc.poll() is None
+    ):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -270,7 +288,9 @@ def test_killed_preparation_is_refused_then_resumes_to_the_same_folder(tmp_path,
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == listing
 
 
-def test_a_full_disk_stops_the_preparation_in_one_line_and_the_rerun_resumes(tmp_path, tok, monkeypatch):
+def test_a_full_disk_stops_the_preparation_in_one_line_and_the_rerun_resumes(
+    tmp_path, tok, monkeypatch
+):
     """The third shard's write comes up short, as numpy reports it (no errno), with 1 MiB left:
     one line that says the disk is full, no temporary file, the shards written kept."""
     import errno
@@ -296,7 +316,10 @@ def test_a_full_disk_stops_the_preparation_in_one_line_and_the_rerun_resumes(tmp
         with pytest.raises(TrainingError, match=r"^preparing the data: disk full under '.*' \(1\.0 MiB left\); "
                            r".* then rerun: the 2 of \d+ shards written are kept$"):  # fmt: skip
             prepare([raw], out, tok, shard_bytes=20_000)
-    assert sorted(p.name for p in out.glob("shard-*.json")) == ["shard-00000.json", "shard-00001.json"]
+    assert sorted(p.name for p in out.glob("shard-*.json")) == [
+        "shard-00000.json",
+        "shard-00001.json",
+    ]
     assert not list(out.glob(".shard-*"))
     assert prepare([raw], out, tok, shard_bytes=20_000)["shards"] == ref["shards"]
     # ... a short write with space left is not a full disk: the error as it came
@@ -334,12 +357,14 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
         "hold no documents",
     )
     _one_line_exit_2(
-        _script("--tokenizer", "builtin", "--out", str(out), str(tmp_path / "nothing")), "does not exist"
+        _script("--tokenizer", "builtin", "--out", str(out), str(tmp_path / "nothing")),
+        "does not exist",
     )
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 not really")
     _one_line_exit_2(
-        _script("--tokenizer", "builtin", "--out", str(out), str(broken)), "is not a readable parquet file"
+        _script("--tokenizer", "builtin", "--out", str(out), str(broken)),
+        "is not a readable parquet file",
     )
 
     raw.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(50)))
@@ -382,7 +407,8 @@ def test_bad_inputs_are_one_line_and_leave_nothing_half_written(tmp_path, tok):
     shard = good / "shard-00001.tokens"
     shard.write_bytes(shard.read_bytes()[:-2])
     _one_line_exit_2(
-        subprocess.run(pre, cwd=REPO, capture_output=True, text=True), "shard file shard-00001.tokens is"
+        subprocess.run(pre, cwd=REPO, capture_output=True, text=True),
+        "shard file shard-00001.tokens is",
     )
     _one_line_exit_2(
         _script("--tokenizer", "builtin", "--mode", "sft", "--out", str(good), str(raw)),
@@ -395,17 +421,27 @@ def test_sft_records_without_a_target_at_seq_len(tmp_path, tok):
     and what seq_len fits; one where some have none says what fraction at start-up."""
     long_prompt = " ".join(WORDS * 8)
     recs = [{"instruction": long_prompt, "output": "short"} for _ in range(6)]
-    recs += [{"messages": [{"role": "user", "content": long_prompt}, {"role": "assistant", "content": "ok"}]}]
+    recs += [
+        {
+            "messages": [
+                {"role": "user", "content": long_prompt},
+                {"role": "assistant", "content": "ok"},
+            ]
+        }
+    ]
     path = tmp_path / "sft.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in recs))
     cfg = _cfg("--data.mode", "sft", "--data.path", str(path), "--training.seq_len", "64")
     with pytest.raises(
-        UserError, match=r"none of its 7 records has a target token within seq_len=64 .*seq_len >= \d+"
+        UserError,
+        match=r"none of its 7 records has a target token within seq_len=64 .*seq_len >= \d+",
     ):
         build_dataset(cfg, tok)
     first = min(len(tok.encode(r["instruction"])) for r in recs[:6])
     assert first > 64
-    path.write_text("".join(json.dumps(r) + "\n" for r in [*recs, {"instruction": "hi", "output": "there"}]))
+    path.write_text(
+        "".join(json.dumps(r) + "\n" for r in [*recs, {"instruction": "hi", "output": "there"}])
+    )
     ds = build_dataset(cfg, tok)
     note = ds.parts[0].check_targets()
     assert note and "7 of 8 records (87.5%) have no target token within seq_len=64" in note
@@ -432,7 +468,14 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
     tool = load_script("trace_batch")
     raw = tmp_path / "raw.jsonl"
     raw.write_text("".join(json.dumps({"text": d}) + "\n" for d in _docs(200, seed=4)))
-    args = ["--training.seq_len", "32", "--training.global_batch_size", "8", "--data.path", str(raw)]
+    args = [
+        "--training.seq_len",
+        "32",
+        "--training.global_batch_size",
+        "8",
+        "--data.path",
+        str(raw),
+    ]
     args += ["--config", "train_configs/debug_model.toml", "--training.local_batch_size", "2"]
     assert tool.main(["--step", "3", "--dp", "2", "--rank", "1", "--json", *args]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -444,7 +487,9 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
     assert [r["sequence"] for r in rows] == next(loader_rank1) + next(loader_rank1)
     assert [r["position"] for r in rows] == [4, 5, 6, 7] and {r["rank"] for r in rows} == {1}
     for r in rows:
-        assert r["sources"] == ds.trace(r["sequence"]) and r["sources"][0]["file"] == str(raw.resolve())
+        assert r["sources"] == ds.trace(r["sequence"]) and r["sources"][0]["file"] == str(
+            raw.resolve()
+        )
     assert tool.main(["--step", "0", *args]) == 2
     assert "--step is '0'; it must be a whole number >= 1" in capsys.readouterr().err
 

@@ -151,16 +151,25 @@ def test_every_readme_command_is_classified():
     found = {p: readme_commands(REPO / p) for p in tracked.stdout.split()}
     found = {p: c for p, c in found.items() if c}
     assert "README.md" in found and len(found["README.md"]) > 10  # the parser found the quick start
-    unknown = [f"{p}: {c}" for p, cmds in found.items() for c in cmds if c not in COMMANDS.get(p, {})]
-    assert not unknown, "README commands the table does not know (classify them):\n" + "\n".join(unknown)
-    stale = [f"{p}: {c}" for p, table in COMMANDS.items() for c in table if c not in found.get(p, [])]
+    unknown = [
+        f"{p}: {c}" for p, cmds in found.items() for c in cmds if c not in COMMANDS.get(p, {})
+    ]
+    assert not unknown, "README commands the table does not know (classify them):\n" + "\n".join(
+        unknown
+    )
+    stale = [
+        f"{p}: {c}" for p, table in COMMANDS.items() for c in table if c not in found.get(p, [])
+    ]
     assert not stale, "classified commands no README shows any more:\n" + "\n".join(stale)
 
 
 def fresh_copy(dest: Path) -> Path:
     """The repository as a clone holds it (tracked and new files, nothing git ignores)."""
     files = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True, check=True
+        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=True,
     ).stdout.split(b"\0")
     for name in filter(None, files):
         src = REPO / name.decode()
@@ -194,11 +203,20 @@ def test_readme_commands_run_from_a_fresh_copy(tmp_path):
             elif how.startswith("short: "):
                 command = f"{command} {how.removeprefix('short: ')}"
             proc = subprocess.run(
-                ["bash", "-c", command], cwd=root, env=env, capture_output=True, text=True, timeout=300
+                ["bash", "-c", command],
+                cwd=root,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
-            assert proc.returncode == 0, f"{readme}: {command}\nexit {proc.returncode}\n{proc.stderr[-3000:]}"
+            assert proc.returncode == 0, (
+                f"{readme}: {command}\nexit {proc.returncode}\n{proc.stderr[-3000:]}"
+            )
             if "--rehearse" in command:  # a rehearsal ends in its verdict
-                assert re.search(r"fits an? [\d.]+ GB device: (yes|no)", proc.stderr), proc.stderr[-2000:]
+                assert re.search(r"fits an? [\d.]+ GB device: (yes|no)", proc.stderr), proc.stderr[
+                    -2000:
+                ]
             ran += 1
     assert ran >= 12
     assert (root / "outputs/same-data/events.jsonl").read_text().count("identical_data") >= 1

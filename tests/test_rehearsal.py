@@ -30,7 +30,11 @@ MiB = 2**20
 def runs(tmp_path_factory):
     """tests/workers/rehearsal.py: one torchrun of 2 ranks, a real step then the rehearsals."""
     tmp = tmp_path_factory.mktemp("rehearsal")
-    check(torchrun(2, "tests/workers/rehearsal.py", str(tmp / "out.json"), str(tmp / "runs"), timeout=900))
+    check(
+        torchrun(
+            2, "tests/workers/rehearsal.py", str(tmp / "out.json"), str(tmp / "runs"), timeout=900
+        )
+    )
     return json.loads((tmp / "out.json").read_text())
 
 
@@ -67,10 +71,19 @@ def test_tensor_memory_falls_with_w_as_the_estimate_says(runs):
     # which do not exist at the forward's peak
     rise = r["1024"]["peak_bytes"] - r["64"]["peak_bytes"]
     padded_params = (runs["padded"]["1024"] - params) * 4
-    assert padded_params * 0.95 <= rise <= (r["1024"]["estimate_bytes"] - r["64"]["estimate_bytes"]) * 1.05
+    assert (
+        padded_params * 0.95
+        <= rise
+        <= (r["1024"]["estimate_bytes"] - r["64"]["estimate_bytes"]) * 1.05
+    )
     for name, report in r.items():  # the estimate stays above the peak, and within 20% of it
-        if name not in ("cp2-8", "cp4-8"):  # (a model's own sequence exchange is not traced: see its test)
-            assert report["peak_bytes"] < report["estimate_bytes"] <= 1.2 * report["peak_bytes"], name
+        if name not in (
+            "cp2-8",
+            "cp4-8",
+        ):  # (a model's own sequence exchange is not traced: see its test)
+            assert report["peak_bytes"] < report["estimate_bytes"] <= 1.2 * report["peak_bytes"], (
+                name
+            )
     # the activations it traced are those the tracker finds alive at a real 2-rank step's peak. The
     # tracker files a gathered weight that no module's own forward reads (Llama's head, used by the
     # loss inside the root's forward) under Activation: what Parameter lacks of the params kept
@@ -78,7 +91,9 @@ def test_tensor_memory_falls_with_w_as_the_estimate_says(runs):
     traced = r["2"]["estimate_parts"]["activation_bytes"]
     real = runs["real"]["peak_parts"]
     misfiled = runs["padded"]["2"] * 4 * (1 + 1 / 2) - real["Parameter"]
-    assert 0 <= misfiled <= params * 4 and traced == pytest.approx(real["Activation"] - misfiled, rel=0.01)
+    assert 0 <= misfiled <= params * 4 and traced == pytest.approx(
+        real["Activation"] - misfiled, rel=0.01
+    )
 
 
 def test_a_step_of_several_microbatches_is_tracked(runs):
@@ -110,9 +125,13 @@ def test_the_diagnostics_bytes_follow_their_formula(runs):
     ):
         share = (w - 1) / w
         common = share * w * (7 + 4 * n) * 8 + 2 * share * 4
-        formula = {"exact": common + 2 * share * w * w * 8, "sketch": common + share * w * k * 4}[method]
+        formula = {"exact": common + 2 * share * w * w * 8, "sketch": common + share * w * k * 4}[
+            method
+        ]
         r = runs["rehearsed"][case]
-        assert r["layout"]["diagnostics"] == method, case  # auto: the sketch past sketch_dim / 4 ranks
+        assert r["layout"]["diagnostics"] == method, (
+            case
+        )  # auto: the sketch past sketch_dim / 4 ranks
         d = r["diagnostics"]
         assert sum(d["traffic_bytes"].values()) == pytest.approx(formula, rel=0.05), case
         assert d["record_bytes"] > 0 and d["host_s"] > 0
@@ -205,17 +224,27 @@ def test_the_torch_internals_it_needs_are_there_or_named(monkeypatch):
 
 def test_run_train_rehearses_and_its_folder_cannot_be_trained(tmp_path):
     env = {**os.environ, "NPROC": "2"}
-    cmd = ["./run_train.sh", "--rehearse", "16", "--job.dump_folder", str(tmp_path), "--job.run_name", "plan"]
+    cmd = [
+        "./run_train.sh",
+        "--rehearse",
+        "16",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.run_name",
+        "plan",
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rehearsal of rank 0 of 16" in proc.stdout + proc.stderr
     report = json.loads((tmp_path / "plan" / REHEARSAL_FILE).read_text())
-    assert report["world"] == 16 and report["layout"]["dp_shard"] == 16 and report["host_reads"] == 0
+    assert (
+        report["world"] == 16 and report["layout"]["dp_shard"] == 16 and report["host_reads"] == 0
+    )
     assert not (tmp_path / "plan" / "checkpoints").exists()
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--job.run_name", "plan"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert lines[-1].startswith("titanlite: error: run folder") and "holds a rehearsal" in lines[-1], (
-        proc.stderr
-    )
+    assert (
+        lines[-1].startswith("titanlite: error: run folder") and "holds a rehearsal" in lines[-1]
+    ), proc.stderr

@@ -48,7 +48,9 @@ def _lines(path: Path) -> int:
 
 
 def _tracked(pattern: str) -> list[Path]:
-    out = subprocess.run(["git", "ls-files", pattern], cwd=REPO, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["git", "ls-files", pattern], cwd=REPO, capture_output=True, text=True, check=True
+    )
     return [REPO / p for p in out.stdout.split()]
 
 
@@ -78,13 +80,17 @@ def test_every_readme_link_resolves():
 
 
 def test_measured_blocks_are_rendered_from_their_files():
-    blocks = [(md, path, body) for md in _tracked("*.md") for path, body in BLOCK.findall(md.read_text())]
+    blocks = [
+        (md, path, body) for md in _tracked("*.md") for path, body in BLOCK.findall(md.read_text())
+    ]
     assert len(blocks) >= 5, "no measured block found"
     for md, path, body in blocks:
         source = md.parent / path
         script, fn = RENDERERS[source.name.split("-")[0]]
         want = getattr(load_script(script), fn)(json.loads(source.read_text()))
-        assert body == want, f"{md.relative_to(REPO)}'s block of {path} is not its rendering; paste:\n{want}"
+        assert body == want, (
+            f"{md.relative_to(REPO)}'s block of {path} is not its rendering; paste:\n{want}"
+        )
 
 
 # A measured figure: a number with a unit of time, size or rate, a percentage or an "Nx" ratio;
@@ -104,10 +110,16 @@ RAN = re.compile(
 )
 # (file, figure) -> why it is no measurement: a constant the code defines, or arithmetic.
 NOT_MEASURED = {
-    ("titanlite/components/checkpoint/index.py", "96 GB"): "8B parameters x 12 bytes (weights, two moments)",
+    (
+        "titanlite/components/checkpoint/index.py",
+        "96 GB",
+    ): "8B parameters x 12 bytes (weights, two moments)",
     ("titanlite/faults/inject.py", "0.5 s"): "liveness' heartbeat period, a default of its own",
     ("titanlite/distributed/liveness.py", "0.5 s"): "the heartbeat's default period, defined there",
-    ("titanlite/datasets/build.py", "2 GiB"): "the data size BUILD_WAIT is sized for, a design bound",
+    (
+        "titanlite/datasets/build.py",
+        "2 GiB",
+    ): "the data size BUILD_WAIT is sized for, a design bound",
     ("titanlite/diagnostics/replicas.py", "128 MiB"): "_CHUNK = 2**24 int64 values",
     ("titanlite/diagnostics/registry.py", "6%"): "P(Binomial(20, 1/2) >= 14)",
     ("titanlite/launch.py", "30 s"): "torchrun's shutdown grace, its constant",
@@ -195,11 +207,14 @@ def test_no_measured_figure_in_package_comments():
                     allowed.add((rel, figure))
                 else:
                     found.append(f"{rel}:{line}: {figure!r} in: {sentence}")
-    assert not found, "measured figures in package comments or docstrings; move each to the file or " + (
-        "README its script writes, and point there:\n" + "\n".join(found)
+    assert not found, (
+        "measured figures in package comments or docstrings; move each to the file or "
+        + ("README its script writes, and point there:\n" + "\n".join(found))
     )
     stale = set(NOT_MEASURED) - allowed
-    assert not stale, f"NOT_MEASURED entries no comment needs any more; remove them: {sorted(stale)}"
+    assert not stale, (
+        f"NOT_MEASURED entries no comment needs any more; remove them: {sorted(stale)}"
+    )
 
 
 def _public(module) -> set[str]:
@@ -208,7 +223,10 @@ def _public(module) -> set[str]:
         n
         for n, o in vars(module).items()
         if not n.startswith("_")
-        and (getattr(o, "__module__", None) == module.__name__ or (n.isupper() and not inspect.ismodule(o)))
+        and (
+            getattr(o, "__module__", None) == module.__name__
+            or (n.isupper() and not inspect.ismodule(o))
+        )
     }
 
 

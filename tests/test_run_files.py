@@ -54,7 +54,9 @@ def test_a_failed_append_leaves_every_record_whole_and_says_what_was_kept(tmp_pa
     files.close()
 
 
-def test_a_file_removed_under_the_run_is_written_again_and_a_folder_in_its_place_stops_it(tmp_path, caplog):
+def test_a_file_removed_under_the_run_is_written_again_and_a_folder_in_its_place_stops_it(
+    tmp_path, caplog
+):
     files = RunFiles(tmp_path)
     files.append("diagnostics.jsonl", [_rec(1)])
     (tmp_path / "diagnostics.jsonl").unlink()
@@ -167,14 +169,18 @@ def test_run_json_keeps_the_layout_every_step_ran_at_through_resumes_and_rewinds
         last, resume = 0, None
         for _ in range(rng.randint(1, 5)):
             world = rng.choice([1, 2, 4, 8])
-            info = _with_earlier(run_dir, {"world_size": world, "local_batch_size": 8 // world}, resume)
+            info = _with_earlier(
+                run_dir, {"world_size": world, "local_batch_size": 8 // world}, resume
+            )
             (run_dir / "run.json").write_text(json.dumps(info))
             start = (resume or 0) + 1
             last = start + rng.randint(0, 6)
             timeline = {s: w for s, w in timeline.items() if s < start} | dict.fromkeys(
                 range(start, last + 1), world
             )
-            resume = rng.randint(1, last) if rng.random() < 0.3 else last  # a rewind, or the newest step
+            resume = (
+                rng.randint(1, last) if rng.random() < 0.3 else last
+            )  # a rewind, or the newest step
         info = json.loads((run_dir / "run.json").read_text())
         got = {s: layout_at(info, s)["world_size"] for s in timeline}
         assert got == timeline, (case, info)
@@ -208,7 +214,9 @@ def test_an_unreadable_run_json_on_resume_is_said_and_a_missing_one_is_not(tmp_p
     from titanlite.components.run.folder import _with_earlier
 
     info = {"world_size": 4}
-    assert _with_earlier(tmp_path, info, 6) == info and "unreadable" not in caplog.text  # copied checkpoint
+    assert (
+        _with_earlier(tmp_path, info, 6) == info and "unreadable" not in caplog.text
+    )  # copied checkpoint
     (tmp_path / "run.json").write_text("{garbage")
     assert _with_earlier(tmp_path, info, 6) == info
     assert "run.json is unreadable: the layouts of the steps before 7 are not kept" in caplog.text
@@ -221,6 +229,8 @@ def test_tensorboard_meeting_a_removed_run_folder_says_the_run_folder(tmp_path):
     writer = MetricsWriter(run, 10, True)
     writer.write_scalars("train", {"step": 1, "loss": 2.0})
     shutil.rmtree(run)
-    with pytest.raises(TrainingError, match=f"the run folder {run} was removed while the run wrote to it"):
+    with pytest.raises(
+        TrainingError, match=f"the run folder {run} was removed while the run wrote to it"
+    ):
         writer.write_scalars("train", {"step": 2, "loss": 1.5})
     writer.close()

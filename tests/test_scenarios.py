@@ -41,7 +41,10 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise", "replica_flip"]
     cmd += ["stuck_loader", "slow_rank", "S1-2", "S1-3"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
-    cmd += ["--faults.slow_factor", "1.5"]  # slow_rank's steps take 1.5x: a third of them the others wait
+    cmd += [
+        "--faults.slow_factor",
+        "1.5",
+    ]  # slow_rank's steps take 1.5x: a third of them the others wait
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout, proc.stderr[-3000:])
@@ -58,13 +61,18 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     assert _alerts(same) == [("identical_data", [1, 2, 3])] and same["steps_to_detection"] == 1
     assert same["steps"] == 1 and "identical_data" in same["stopped"]
     (first,) = [
-        json.loads(x) for x in (tmp_path / "same_data" / "diagnostics.jsonl").read_text().splitlines()
+        json.loads(x)
+        for x in (tmp_path / "same_data" / "diagnostics.jsonl").read_text().splitlines()
     ]
     assert first["loss_std"] < 1e-6 * first["rank_loss"][0] and first["cos_mean_pairwise"] > 0.99
 
     bad = rows["corrupt_labels"]  # rank 2's labels shuffled: rank 2 drives the loss range
-    assert bad["loss_max_rank"] == 2 and bad["loss_max_rank_share"] >= 0.5 > ok["loss_max_rank_share"]
-    assert all(alert == ("single_rank_outlier", [2]) for alert in _alerts(bad))  # none, or naming rank 2
+    assert (
+        bad["loss_max_rank"] == 2 and bad["loss_max_rank_share"] >= 0.5 > ok["loss_max_rank_share"]
+    )
+    assert all(
+        alert == ("single_rank_outlier", [2]) for alert in _alerts(bad)
+    )  # none, or naming rank 2
 
     noisy = rows["grad_noise"]  # rank 1's gradient drowned in noise: its norm and its direction
     assert noisy["grad_norm_cv"] > 3 * ok["grad_norm_cv"]
@@ -87,18 +95,26 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     slow = rows["slow_rank"]
     assert _alerts(slow) == [("slow_rank", [3])] and 10 <= slow["detected_step"] <= 13, slow
     assert slow["steps"] == slow["detected_step"]
-    (alert,) = [json.loads(x) for x in (tmp_path / "slow_rank" / "events.jsonl").read_text().splitlines()]
+    (alert,) = [
+        json.loads(x) for x in (tmp_path / "slow_rank" / "events.jsonl").read_text().splitlines()
+    ]
     late = alert["values"]
     assert late["share"] > 0.2 and late["load_s"] > 10 * late["others_load_s"], late
-    healthy = [json.loads(x) for x in (tmp_path / "healthy" / "diagnostics.jsonl").read_text().splitlines()]
+    healthy = [
+        json.loads(x) for x in (tmp_path / "healthy" / "diagnostics.jsonl").read_text().splitlines()
+    ]
     assert all(min(r["rank_wait_s"]) >= 0 and r["rank_load_s"][0] > 0 for r in healthy), healthy[-1]
     assert healthy[0]["step_s"] is None  # no step before the first
     assert all(r["step_s"] > 0 for r in healthy[1:])
 
     stuck = rows["stuck_loader"]  # rank 3 repeats step 5's batch: its tokens repeat at step 6
-    assert _alerts(stuck) == [("stale_batch", [3])] and stuck["detected_step"] == 6 == stuck["steps"]
+    assert (
+        _alerts(stuck) == [("stale_batch", [3])] and stuck["detected_step"] == 6 == stuck["steps"]
+    )
     for name, ranks in (("S1-2", [0]), ("S1-3", [0, 1, 2, 3])):  # per-rank shuffle seeds
-        assert _alerts(rows[name]) == [("data_order_mismatch", ranks)] and rows[name]["steps"] == 1, name
+        assert (
+            _alerts(rows[name]) == [("data_order_mismatch", ranks)] and rows[name]["steps"] == 1
+        ), name
     assert all(r["other_alerts"] == [] for n, r in rows.items() if n != "corrupt_labels"), rows
     assert "detection" in proc.stdout and (tmp_path / "scenarios.png").stat().st_size > 10_000
     assert (tmp_path / "noise_scale.png").stat().st_size > 10_000
@@ -116,7 +132,9 @@ def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:
     events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines()]
     alert = next(a for a in events if a["ranks"] == [rank])
     samples = alert["samples"]
-    assert len(samples) == 2 and {s["rank"] for s in samples} == {rank}, samples  # 2 sequences per rank
+    assert len(samples) == 2 and {s["rank"] for s in samples} == {rank}, (
+        samples
+    )  # 2 sequences per rank
     assert all(s["tokens"] > 0 and s["loss"] > 0 and s["sources"] for s in samples), samples
     inspect = load_script("inspect_step")  # in this process: one start-up less per call
     capsys.readouterr()  # what the test printed so far
@@ -129,7 +147,9 @@ def _alert_names_its_samples(run_dir, rank: int, capsys) -> None:
     assert all(r["index"] == r["assigned"] and r["text"] and r["targets"] > 0 for r in rows), rows
     assert inspect.main(args) == 0
     text = capsys.readouterr().out
-    assert len(text.splitlines()) == 2 * 8 and "stdlib:" in text  # the whole global batch of 8, 2 lines each
+    assert (
+        len(text.splitlines()) == 2 * 8 and "stdlib:" in text
+    )  # the whole global batch of 8, 2 lines each
     assert inspect.main([str(run_dir.parent), *args[1:]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("inspect_step: error: ") and "has no config.toml" in err, err

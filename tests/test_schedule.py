@@ -73,7 +73,9 @@ def _other_value(defaults: dict, key: str):
 
 
 def _toml(value) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
+    return (
+        ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
+    )
 
 
 def test_a_resume_compares_old_settings_by_their_new_names(monkeypatch):
@@ -87,7 +89,9 @@ def test_a_resume_compares_old_settings_by_their_new_names(monkeypatch):
     state = {"config": before, "step": 4}
     assert resume_changes(state, now) == []
     later = load_config(None, ["--faults.spike_step", "6", "--faults.seed_mode", "per_rank"])
-    assert resume_changes(state, later) == ["resume: faults.spike_step was 5, now 6: applied from step 5"]
+    assert resume_changes(state, later) == [
+        "resume: faults.spike_step was 5, now 6: applied from step 5"
+    ]
 
 
 def test_every_periodic_key_is_a_schedule_field():

@@ -42,7 +42,9 @@ def test_the_python_set_up_phases_do_the_same(capsys):
     assert capsys.readouterr().err == "setup: fetching ... done in 0s\n"
     failing = [sys.executable, "-c", "print('why'); raise SystemExit(2)"]
     with (
-        pytest.raises(UserError, match=r"^fetching failed; check the network \(its output is above\)$"),
+        pytest.raises(
+            UserError, match=r"^fetching failed; check the network \(its output is above\)$"
+        ),
         phase("setup", "fetching"),
     ):
         quietly(failing, "fetching failed; check the network")

@@ -27,7 +27,9 @@ def _guard(window: int = 4, min_history: int = 3, k: float = 2.0) -> SpikeGuard:
     return SpikeGuard(cfg, torch.device("cpu"), None)
 
 
-def _feed(guard: SpikeGuard, values: list[float], skipped: set[int] = frozenset()) -> list[list[float]]:
+def _feed(
+    guard: SpikeGuard, values: list[float], skipped: set[int] = frozenset()
+) -> list[list[float]]:
     return [
         guard.check(
             torch.tensor(0.0), torch.tensor(v, dtype=torch.float64), torch.tensor(i in skipped)
@@ -49,7 +51,9 @@ def test_decisions_match_mean_plus_k_std_of_the_applied_history():
         recent = history[-4:]
         spike = len(recent) >= 3 and v > statistics.fmean(recent) + 2 * statistics.pstdev(recent)
         if spike:
-            assert out[i][2] == pytest.approx(statistics.fmean(recent) + 2 * statistics.pstdev(recent))
+            assert out[i][2] == pytest.approx(
+                statistics.fmean(recent) + 2 * statistics.pstdev(recent)
+            )
         else:
             history.append(v)
         in_a_row = in_a_row + 1 if spike else 0
@@ -79,11 +83,17 @@ SPIKE = ["--faults.spike_step", "7"]
 
 def _run(tmp_path, name: str, *args: str):
     proc = single(*SMALL, *STEPS, *args, "--job.dump_folder", str(tmp_path), "--job.run_name", name)
-    losses = {r["step"]: r["loss"] for r in read_metrics(tmp_path / name)} if proc.returncode == 0 else {}
+    losses = (
+        {r["step"]: r["loss"] for r in read_metrics(tmp_path / name)}
+        if proc.returncode == 0
+        else {}
+    )
     return proc, losses
 
 
-def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides_the_same(tmp_path, capsys):
+def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides_the_same(
+    tmp_path, capsys
+):
     proc, guarded = _run(tmp_path, "guarded", *GUARD, *SPIKE)
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(x) for x in (tmp_path / "guarded/events.jsonl").read_text().splitlines()]
@@ -92,7 +102,9 @@ def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides
     # The event names the step's sequences (unmeasured at dp 1: from the data order), as
     # inspect_step lists them.
     capsys.readouterr()
-    assert load_script("inspect_step").main([str(tmp_path / "guarded"), "--step", "7", "--json"]) == 0
+    assert (
+        load_script("inspect_step").main([str(tmp_path / "guarded"), "--step", "7", "--json"]) == 0
+    )
     listed = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [(x["index"], x["sources"]) for x in events[0]["samples"]] == [
         (x["index"], x["sources"]) for x in listed
@@ -116,4 +128,6 @@ def test_a_spike_is_skipped_exactly_like_an_empty_step_and_a_resumed_run_decides
 def test_more_spikes_in_a_row_than_allowed_stop_the_run(tmp_path):
     proc, _ = _run(tmp_path, "stop", *GUARD, *SPIKE, "--spike_guard.max_consecutive", "0")
     assert proc.returncode == 3, proc.stderr[-3000:]
-    assert "titanlite: stopped: the spike guard skipped 1 steps in a row, up to step 7" in proc.stderr
+    assert (
+        "titanlite: stopped: the spike guard skipped 1 steps in a row, up to step 7" in proc.stderr
+    )

@@ -67,7 +67,11 @@ def expected(case: str, c: dict) -> dict:
         "fsdp_sketch": {"main": fsdp, "diagnostics": sketch_probe},
         "fsdp_auto_accum4": {"main": fsdp, "diagnostics": sketch_probe},
         "ddp_exact": {
-            "main": {"alltoall_base": c.get("buckets", 0), "allgather": c.get("buckets", 0), "allreduce": 1},
+            "main": {
+                "alltoall_base": c.get("buckets", 0),
+                "allgather": c.get("buckets", 0),
+                "allreduce": 1,
+            },
             "diagnostics": exact_probe,
         },
         "hsdp_sketch": {"main": {**fsdp, "allreduce": m * u + 1}, "diagnostics": sketch_probe},
@@ -120,12 +124,14 @@ def test_window_mean_leaves_out_skipped_steps(counts):
     Every step has its row, the skipped ones without a loss."""
     rows = {r["step"]: r for r in counts["metrics"]}
     assert sorted(rows) == [1, 2, 3, 4, 5, 6, 7]
-    assert [s for s, r in rows.items() if r["skipped"]] == [2, 5] and rows[2]["loss"] is None is rows[5][
+    assert [s for s, r in rows.items() if r["skipped"]] == [2, 5] and rows[2][
         "loss"
-    ]
+    ] is None is rows[5]["loss"]
     recs = {s: r for s, r in rows.items() if r["row"] == "log"}
     assert sorted(recs) == [1, 3, 6, 7]
-    assert recs[6]["loss_window_mean"] == pytest.approx((rows[4]["loss"] + rows[6]["loss"]) / 2, rel=1e-12)
+    assert recs[6]["loss_window_mean"] == pytest.approx(
+        (rows[4]["loss"] + rows[6]["loss"]) / 2, rel=1e-12
+    )
     assert recs[3]["skipped_steps"] == 1 and recs[3]["loss_window_steps"] == 1
     assert recs[3]["loss_window_mean"] == pytest.approx(recs[3]["loss"], rel=1e-12)
     assert recs[6]["skipped_steps"] == 1 and recs[6]["loss_window_steps"] == 2

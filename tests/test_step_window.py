@@ -49,15 +49,21 @@ def test_window_mean_is_over_the_steps_that_trained():
 
 def test_every_step_gets_its_row_and_the_log_step_the_windows_figures():
     rates = RunRates(64, 2, 10, 0, torch.device("cpu"), torch.float32)
-    rows = window([8.0, 0.0, 6.0], [False, True, False]).rows(window_s=3.0, elapsed_s=9.0, run=rates)
+    rows = window([8.0, 0.0, 6.0], [False, True, False]).rows(
+        window_s=3.0, elapsed_s=9.0, run=rates
+    )
     assert [(r["step"], r["row"]) for r in rows] == [(1, "step"), (2, "step"), (3, "log")]
     assert [r["loss"] for r in rows] == [8.0, None, 6.0]  # a skipped step's loss is no loss
-    assert [r["grad_norm"] for r in rows] == [0.5, 1.0, 1.5] and [r["valid_tokens"] for r in rows] == [
+    assert [r["grad_norm"] for r in rows] == [0.5, 1.0, 1.5] and [
+        r["valid_tokens"] for r in rows
+    ] == [
         10,
         20,
         30,
     ]
-    assert [r["lr"] for r in rows] == [1e-3, 1e-3 / 2, 1e-3 / 3] and [r["skipped"] for r in rows] == [
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3 / 2, 1e-3 / 3] and [
+        r["skipped"] for r in rows
+    ] == [
         False,
         True,
         False,
@@ -109,7 +115,9 @@ def test_the_models_loss_terms_are_read_with_the_loss_and_get_their_rows(one_pro
         aux = torch.tensor(share)
         terms = {"aux": aux, "z": torch.tensor(0.125)}
         skip = torch.tensor(step == 2)
-        w.add(step, torch.tensor(loss), torch.tensor(10), torch.tensor(1.0), skip, 1e-3, terms=terms)
+        w.add(
+            step, torch.tensor(loss), torch.tensor(10), torch.tensor(1.0), skip, 1e-3, terms=terms
+        )
     record = w.read(None)
     assert record.terms == [{"aux": 0.25, "z": 0.125}, {"aux": 0.5, "z": 0.125}]
     rates = RunRates(64, 1, 10, 0, torch.device("cpu"), torch.float32)

@@ -57,7 +57,10 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     assert lines[0] == f"done: 20 steps (11-30, resumed after step 10) in 12.3s; run folder {run}"
     assert lines[1] == "final loss 2.4567 at step 30 (mean over the last 10 steps 2.5000)"
     assert lines[2] == "eval loss 2.7500, perplexity 15.64 at step 30"
-    assert lines[3] == f"alerts: 3 (identical_data x1, single_rank_outlier x2); each in {run}/events.jsonl"
+    assert (
+        lines[3]
+        == f"alerts: 3 (identical_data x1, single_rank_outlier x2); each in {run}/events.jsonl"
+    )
     assert lines[4].startswith("skipped steps: 3 ")
     assert lines[5] == (
         "batch 2,048 tokens; gradient noise scale 81,920 tokens (40x the batch) at step 30; "
@@ -75,7 +78,9 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
     one = RunTally()
     one.record({**_record(1, 8.0), "loss_window_steps": 1})
     lines = summary_lines(one, 1, 1, 1.0, run, folder, [], tensorboard=False)
-    assert lines[0].startswith("done: 1 step (1-1) in ") and lines[1] == "final loss 8.0000 at step 1"
+    assert (
+        lines[0].startswith("done: 1 step (1-1) in ") and lines[1] == "final loss 8.0000 at step 1"
+    )
     for last in (30, 20):  # training.steps, or a debug.stop_after_step before the checkpoint
         done = summary_lines(RunTally(), 31, last, 0.1, run, folder, [], tensorboard=False)
         assert done[0].startswith(
@@ -107,7 +112,9 @@ def test_summary_gives_the_eval_before_and_after(tmp_path):
     tally.record_eval({"step": 10, "loss": 2.3, "perplexity": 9.97})
     tally.record_eval({"step": 20, "loss": 2.098, "perplexity": 8.15})
     lines = summary_lines(tally, 1, 20, 1.0, tmp_path, tmp_path, [], tensorboard=False)
-    want = "eval loss 2.5980 -> 2.0980, perplexity 13.44 -> 8.15 (the model as loaded -> at step 20)"
+    want = (
+        "eval loss 2.5980 -> 2.0980, perplexity 13.44 -> 8.15 (the model as loaded -> at step 20)"
+    )
     assert want in lines, lines
 
 
@@ -115,9 +122,9 @@ def test_silence_with_faults_on_is_explained():
     diag = {"rank_loss": [1.0] * 4}  # a measured step at dp=4
     short = load_config(None, ["--faults.corrupt_labels_rank", "1", "--training.steps", "20"])
     line = quiet_faults(short, 20, diag)
-    assert line.startswith("fault switches on (corrupt_labels_rank = 1): 20 measured step(s) are too few"), (
-        line
-    )
+    assert line.startswith(
+        "fault switches on (corrupt_labels_rank = 1): 20 measured step(s) are too few"
+    ), line
     assert "single_rank_outlier" in line and "from measured step 21" in line
     assert "dispersion_rising_loss_falling from measured step 120" in line
     at_dp2 = quiet_faults(short, 20, {"rank_loss": [1.0, 2.0]})
@@ -134,7 +141,9 @@ def test_silence_with_faults_on_is_explained():
     lines = summary_lines(
         RunTally(), 1, 20, 1.0, Path("r"), Path("c"), [], False, quiet_faults(short, 20, diag)
     )
-    assert lines[1].startswith("alerts: none; fault switches on (corrupt_labels_rank = 1): 20 measured")
+    assert lines[1].startswith(
+        "alerts: none; fault switches on (corrupt_labels_rank = 1): 20 measured"
+    )
 
 
 def test_step_line_shows_the_ranks_spread_in_plain_words():
@@ -189,7 +198,9 @@ def test_a_sample_of_whitespace_is_visible_on_the_console(caplog):
     from titanlite.components.metrics import MetricsWriter
 
     caplog.set_level("INFO", logger="titanlite")
-    MetricsWriter(None, 10, tensorboard=False).write_samples(5, [{"prompt": "Hi", "text": "\n\n\t"}])
+    MetricsWriter(None, 10, tensorboard=False).write_samples(
+        5, [{"prompt": "Hi", "text": "\n\n\t"}]
+    )
     assert "sample step 5 | 'Hi' -> '\\n\\n\\t'" in caplog.text
 
 
@@ -202,6 +213,8 @@ def test_the_measured_step_count_is_the_schedules():
 
     rng = random.Random(0)
     for _ in range(400):
-        d = Diagnostics(measure_first=rng.randint(0, 60), every=rng.choice([0, 1, 2, 3, 7, 50, 500]))
+        d = Diagnostics(
+            measure_first=rng.randint(0, 60), every=rng.choice([0, 1, 2, 3, 7, 50, 500])
+        )
         last = rng.randint(0, 600)
         assert d.measured_steps(last) == sum(d.measures(s) for s in range(1, last + 1)), (d, last)

@@ -51,7 +51,9 @@ def report(e: Exception) -> int:
     else:
         user = isinstance(e, UserError)
         line = f"titanlite: {'error' if user else 'stopped'}: {e}"
-        code = EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
+        code = (
+            EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
+        )
     # a worker's stderr is its log in the run folder: a full disk may take the line, not the code
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)
@@ -86,4 +88,6 @@ def foreign(origin: str, fix: str) -> Iterator[None]:
             if isinstance(e, SystemExit)
             else f"raised {type(e).__name__}: {first_line(e)}"
         )
-        raise UserError(f"{origin} {what}; {fix} (set {TRACEBACK_ENV}=1 for its traceback)") from None
+        raise UserError(
+            f"{origin} {what}; {fix} (set {TRACEBACK_ENV}=1 for its traceback)"
+        ) from None

@@ -166,7 +166,9 @@ def _on_signal(signum: int, frame) -> None:
         return
     for pid in pids:
         _kill(pid, signal.SIGKILL)
-    raise SignalException(f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+    raise SignalException(
+        f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum)
+    )
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -209,7 +211,11 @@ def _standalone(args) -> None:
     import uuid
 
     if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
+            "c10d",
+            "localhost:0",
+            str(uuid.uuid4()),
+        )
     if args.master_port is None:
         args.master_port = 29500
 
@@ -224,12 +230,16 @@ def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
             from_env, argv = True, argv[1:]
             continue
         if len(argv) < 2 or not Path(argv[1]).is_dir():
-            raise UserError(f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}")
+            raise UserError(
+                f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}"
+            )
         caller = str(Path(argv[1]).absolute())
         os.environ[CALLER_ENV] = caller
         if caller not in sys.path:  # a fork's module beside the user's config (model.import_module)
             sys.path.append(caller)
-            os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), caller) if p)
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                p for p in (os.environ.get("PYTHONPATH"), caller) if p
+            )
         argv = argv[2:]
     return from_env, argv
 
@@ -288,22 +298,32 @@ def main(argv: list[str]) -> int:
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
-        shown = {int(r) for r in args.local_ranks_filter.split(",")} if args.local_ranks_filter else None
+        shown = (
+            {int(r) for r in args.local_ranks_filter.split(",")}
+            if args.local_ranks_filter
+            else None
+        )
         _standalone(args)
-        args.log_dir = os.devnull  # torchrun's default would make an empty temp folder; _RunLogs replaces it
+        args.log_dir = (
+            os.devnull
+        )  # torchrun's default would make an empty temp folder; _RunLogs replaces it
         config, cmd, cmd_args = config_from_args(args)
         config.logs_specs = _RunLogs(log_dir, shown)
         config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
-            for (
-                sig
-            ) in STOP_SIGNALS:  # the workers finished after their last look: a late signal changes nothing
+            for sig in (
+                STOP_SIGNALS
+            ):  # the workers finished after their last look: a late signal changes nothing
                 signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
-            code = report_failure(e, log_dir, shown, _Agent.current.stopped if _Agent.current else set())
-            early = code in {128 + s for s in STOP_SIGNALS} and printed_by(BEFORE_FIRST_STEP, log_dir, None)
+            code = report_failure(
+                e, log_dir, shown, _Agent.current.stopped if _Agent.current else set()
+            )
+            early = code in {128 + s for s in STOP_SIGNALS} and printed_by(
+                BEFORE_FIRST_STEP, log_dir, None
+            )
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         code = 2

@@ -85,9 +85,13 @@ def plan_run(
     checkpoints are read, which a live run may be writing and pruning."""
     config_notes: list[str] = []  # said after the run's own lines, once every check passed
     cfg, path = parse_args(argv, config_notes)
-    layout = validate(cfg, cfg.rehearsal.world or world_size)  # a rehearsal's world is the one it rehearses
+    layout = validate(
+        cfg, cfg.rehearsal.world or world_size
+    )  # a rehearsal's world is the one it rehearses
     check_data_files(cfg)
-    check_data_tokenizer(cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
+    check_data_tokenizer(
+        cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
+    )
     run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
     if hold is None:
@@ -96,8 +100,12 @@ def plan_run(
         hold(cfg, run_dir)
     folder = checkpoint_folder(cfg, run_dir)
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder")
-    resume = resume_step(cfg, run_dir, restarted=False, data=data_identity(cfg))  # raw inputs: the worker's
+        raise UserError(
+            f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder"
+        )
+    resume = resume_step(
+        cfg, run_dir, restarted=False, data=data_identity(cfg)
+    )  # raw inputs: the worker's
     meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
     n, what = model_size(cfg, meta)
     if resume is None:
@@ -123,7 +131,9 @@ def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
     mesh = mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))
     if cfg.rehearsal.world:
         return f"rehearsing {model} on {mesh} as rank 0 of {cfg.rehearsal.world:,} ranks, in one process here"
-    ranks = f"{world_size} GPU rank(s)" if _has_cuda() else f"{world_size} CPU rank(s) (no GPU here)"
+    ranks = (
+        f"{world_size} GPU rank(s)" if _has_cuda() else f"{world_size} CPU rank(s) (no GPU here)"
+    )
     return f"training {model} on {mesh}: {ranks}, {cfg.training.steps:,} step(s)"
 
 
@@ -134,7 +144,9 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
     def where(value: str) -> str:
         return str(Path(value).expanduser().absolute())
 
-    data = ", ".join(where(n) + (f" ({w:.0%})" if w != 1 else "") for n, w in parse_data_path(cfg.data.path))
+    data = ", ".join(
+        where(n) + (f" ({w:.0%})" if w != 1 else "") for n, w in parse_data_path(cfg.data.path)
+    )
     out = [
         f"config {where(path) if path else '(built-in defaults)'}",
         f"data {data or '(built-in stdlib text)'}",
@@ -142,7 +154,9 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
     if cfg.eval.path:
         out.append(f"eval data {where(cfg.eval.path)}")
     if cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path:
-        out.append(f"initial weights {where(cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path)}")
+        out.append(
+            f"initial weights {where(cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path)}"
+        )
     if cfg.model.tokenizer_path:
         out.append(f"tokenizer {where(cfg.model.tokenizer_path)}")
     return out
@@ -160,8 +174,12 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
     notes = []
     if cfg.faults is not None:
         on = ", ".join(cfg.faults.switches_on()) or "every switch off"
-        notes.append(f"[faults] is set ({on}): fault injection for tests and fault scenarios, not a real run")
-    if cfg.diagnostics.enable and (silent := silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)):
+        notes.append(
+            f"[faults] is set ({on}): fault injection for tests and fault scenarios, not a real run"
+        )
+    if cfg.diagnostics.enable and (
+        silent := silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)
+    ):
         notes.append(f"diagnostics: {silent}")
     measured = cfg.diagnostics.measured_steps(cfg.training.steps)
     if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):
@@ -227,7 +245,9 @@ def _vocab_size(cfg: JobConfig) -> int:
     m = cfg.model
     if cfg.data.mode == "synthetic":
         return 0  # no tokenizer: model.vocab_size (or the folder's config.json) gives it
-    if m.tokenizer_path or m.hf_assets_path:  # the folder's config.json must hold the tokenizer's ids
+    if (
+        m.tokenizer_path or m.hf_assets_path
+    ):  # the folder's config.json must hold the tokenizer's ids
         return load_tokenizer(m.tokenizer_path or m.hf_assets_path).vocab_size
     return m.builtin_vocab_size
 
@@ -238,7 +258,9 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         if len(argv) < 2 or argv[0] != "--world-size" or not whole_number(argv[1]):
-            raise UserError("usage: python -m titanlite.preflight --world-size N [--config FILE] [overrides]")
+            raise UserError(
+                "usage: python -m titanlite.preflight --world-size N [--config FILE] [overrides]"
+            )
         plan_run(argv[2:], int(argv[1]), check_space=False)
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)

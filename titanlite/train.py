@@ -80,7 +80,9 @@ class Trainer:
         # The model is checked (name, flavor, capabilities, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
-        self.loss_path = meta.loss_path()  # the model's labels path when it has one, chunked or whole
+        self.loss_path = (
+            meta.loss_path()
+        )  # the model's labels path when it has one, chunked or whole
         self.memory_estimate = check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
         self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.loss_path(evaluating=True))
@@ -88,26 +90,43 @@ class Trainer:
         self.dataloader = build_dataloader(cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed)
         sampler = self.dataloader.batch_sampler
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
-        self.diagnostics = Diagnostics.for_job(cfg, self.model, dims, self.layout, sampler, dataset.trace)
+        self.diagnostics = Diagnostics.for_job(
+            cfg, self.model, dims, self.layout, sampler, dataset.trace
+        )
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
-        self.balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
+        self.balancer = LossBalancer(
+            cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum
+        )
 
         info = run_info(cfg, dims, self.diagnostics.method_used)
-        self.run_dir, resume, self.run_lock = open_run_folder(cfg, config_path, info, dataset.identity)
-        folder = checkpoint_folder(cfg, self.run_dir)  # a failed write of rank 0's stops every rank:
+        self.run_dir, resume, self.run_lock = open_run_folder(
+            cfg, config_path, info, dataset.identity
+        )
+        folder = checkpoint_folder(
+            cfg, self.run_dir
+        )  # a failed write of rank 0's stops every rank:
         self.metrics = MetricsWriter.for_run(cfg, self.run_dir, resume, folder, self.stops.fail)
         self.checkpointer = Checkpointer(
-            cfg, folder, self.model, self.optimizer, self.scheduler, self.run_dir, data=dataset.identity
+            cfg,
+            folder,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.run_dir,
+            data=dataset.identity,
         )
         if self.faults:
             self.faults.attach(self)  # through the parts' seams, before a restore or a batch
         self.checkpointer.track(
-            {"diagnostics": self.diagnostics, "spike_guard": self.guard}, self.diagnostics.generators()
+            {"diagnostics": self.diagnostics, "spike_guard": self.guard},
+            self.diagnostics.generators(),
         )
         # The step's side concerns, in the order the trainer calls them (titanlite.tools.hooks).
-        fingerprints = FingerprintStep.at(cfg.debug.fingerprint_step, self.model, sampler, self.run_dir)
+        fingerprints = FingerprintStep.at(
+            cfg.debug.fingerprint_step, self.model, sampler, self.run_dir
+        )
         guard = self.guard if self.guard.enabled else None
         self.hooks = Hooks([self.faults, self.heartbeat, self.diagnostics, fingerprints, guard])
         self.start_step = self.checkpointer.restore(resume, meta)
@@ -186,7 +205,9 @@ class Trainer:
         rows = w.rows(window_s, elapsed_s, self.rates)
         diag, alerts = self.diagnostics.collect()
         if diag:
-            rows[-1]["diag"] = {k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()}
+            rows[-1]["diag"] = {
+                k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()
+            }
         spiked = [(s, self.guard.event(v, self.run_dir)) for s, v in spikes]
         events = self.diagnostics.spike_alerts(spiked, diag, self.dataloader.batch_sampler)
         if self.rank == 0:
@@ -231,7 +252,9 @@ class Trainer:
                         self.evaluate(step)
                     if self.checkpointer.due(step):
                         self.checkpointer.save(step)
-                    stop = self.stops.settle() or stop  # a signal in the eval or save, a failed write
+                    stop = (
+                        self.stops.settle() or stop
+                    )  # a signal in the eval or save, a failed write
                     if stop and step < steps:  # at the last step: after the exports, below
                         self.checkpointer.stop(step, stop)
                     window_start = time.perf_counter()
@@ -243,7 +266,9 @@ class Trainer:
                 raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
         exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
-        stop = self.stops.finish() or stop  # the last look: a signal after it (after "done:") is void
+        stop = (
+            self.stops.finish() or stop
+        )  # the last look: a signal after it (after "done:") is void
         self.metrics.finish(
             self.start_step, steps, time.perf_counter() - start, self.checkpointer.folder, exports
         )

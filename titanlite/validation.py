@@ -50,7 +50,9 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError(
             "checkpoint.folder is empty; name a folder (default: checkpoints, inside the run folder)"
         )
-    if cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None:  # found, not imported
+    if (
+        cfg.metrics.enable_wandb and importlib.util.find_spec("wandb") is None
+    ):  # found, not imported
         raise UserError(
             "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "
             "metrics.enable_wandb = false"
@@ -90,7 +92,11 @@ def check_run_name(name: str) -> None:
     """job.run_name names a folder inside job.dump_folder: a name, or a relative path that groups
     runs ('sweep/lr-3e-4'); never absolute, from '~' or through '.' or '..'."""
     parts = name.split("/")
-    if name.startswith(("/", "~")) or Path(name).is_absolute() or any(p in (".", "..") for p in parts):
+    if (
+        name.startswith(("/", "~"))
+        or Path(name).is_absolute()
+        or any(p in (".", "..") for p in parts)
+    ):
         raise UserError(
             f"job.run_name '{name}' would write outside job.dump_folder; give a name, or a relative "
             "path like 'sweep/run-1', without '.', '..' or a leading '/' or '~'"

@@ -46,7 +46,9 @@ from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.records import metrics_rows  # noqa: E402
 
 TL_TORCHRUN = TL_ROOT / ".venv" / "bin" / "torchrun"
-TT_TORCHRUN = Path(os.environ.get("TORCHTITAN_VENV", TL_ROOT / ".venv-torchtitan")) / "bin" / "torchrun"
+TT_TORCHRUN = (
+    Path(os.environ.get("TORCHTITAN_VENV", TL_ROOT / ".venv-torchtitan")) / "bin" / "torchrun"
+)
 
 SEQ, LOCAL_BATCH, GLOBAL_BATCH = 512, 2, 4
 TOKENS_PER_RANK_STEP = SEQ * LOCAL_BATCH
@@ -57,7 +59,11 @@ VARIANTS: dict[str, tuple[str, list[str], str]] = {
     "tt8": ("torchtitan", [], "torchtitan default (ChunkedLossWrapper, 8 chunks)"),
     "tt1": ("torchtitan", ["--loss.num_chunks", "1"], "torchtitan, --loss.num_chunks 1"),
     "tl": ("titanlite", [], "titanlite default (diagnostics at their default schedule)"),
-    "tl_nodiag": ("titanlite", ["--diagnostics.enable", "false"], "titanlite --diagnostics.enable false"),
+    "tl_nodiag": (
+        "titanlite",
+        ["--diagnostics.enable", "false"],
+        "titanlite --diagnostics.enable false",
+    ),
     "tl_diag_pw": (
         "titanlite",
         ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
@@ -198,7 +204,12 @@ def run_one(variant: str, rnd: int, steps: int, out_dir: Path, runs_dir: Path) -
 SCRIPT = Script("bench_peer", __doc__)
 SCRIPT.arg("--rounds", kind="int", default=3, at_least=1, at_most=1000, help="alternating rounds")
 SCRIPT.arg(
-    "--steps", kind="int", default=40, at_least=FIRST_STEP + 1, at_most=10**6, help="steps of every run"
+    "--steps",
+    kind="int",
+    default=40,
+    at_least=FIRST_STEP + 1,
+    at_most=10**6,
+    help="steps of every run",
 )
 SCRIPT.arg(
     "--only",
@@ -225,7 +236,11 @@ def variant_settings(order: list[str]) -> dict[str, dict]:
         rec = {"framework": fw, "args": extra, "description": desc}
         if fw == "titanlite":
             d = parse_args(["--config", str(TL_ROOT / TL_CONFIG), *extra])[0].diagnostics
-            rec["diagnostics"] = {"enable": d.enable, "measure_first": d.measure_first, "every": d.every}
+            rec["diagnostics"] = {
+                "enable": d.enable,
+                "measure_first": d.measure_first,
+                "every": d.every,
+            }
         out[v] = rec
     return out
 
@@ -234,7 +249,11 @@ def per_round(results: dict, variant: str, key: str = "median_tps") -> dict[int,
     """{round: rank 0's figure `key`} of the variant's successful runs."""
     out = {}
     for r in results["runs"]:
-        x = r["ranks"].get("rank0", {}).get(key) if r["variant"] == variant and r["rc"] == 0 else None
+        x = (
+            r["ranks"].get("rank0", {}).get(key)
+            if r["variant"] == variant and r["rc"] == 0
+            else None
+        )
         if x:
             out[r["round"]] = x
     return out

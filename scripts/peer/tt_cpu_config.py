@@ -91,9 +91,9 @@ class RandomTokenDataLoader(BaseDataLoader):
         k = 0
         while True:
             self.gen.manual_seed(self.seed * 1_000_003 + k)
-            x = torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=self.gen)[
-                self.rows
-            ]
+            x = torch.randint(
+                0, self.vocab, (self.global_batch, self.seq_len + 1), generator=self.gen
+            )[self.rows]
             k += 1
             yield {"input": x[:, :-1]}, x[:, 1:]
 

@@ -103,7 +103,9 @@ def _resume_refused(name: str, args: tuple[str, ...], says: str) -> None:
 
 _resume_refused("load_step 3 (not there)", ("--checkpoint.load_step", "3"), "load_step")
 _resume_refused(
-    "a resume with --model.flavor debugmodel_tied", ("--model.flavor", "debugmodel_tied"), "model.flavor"
+    "a resume with --model.flavor debugmodel_tied",
+    ("--model.flavor", "debugmodel_tied"),
+    "model.flavor",
 )
 _resume_refused(
     "a resume with training.steps 3, below the checkpoint's step 4",
@@ -184,7 +186,8 @@ def _(c: Catalogue) -> None:
     with mounted(c.work / "mnt-110m", "110m") as disk:
         dump = disk / "dump"
         r = c.start(
-            dump, ("--training.steps", "4", "--checkpoint.every", "1", "--checkpoint.at_end", "true")
+            dump,
+            ("--training.steps", "4", "--checkpoint.every", "1", "--checkpoint.at_end", "true"),
         ).finish()
         expect(r, 3, "disk full")
         kept = sorted(p.name for p in (dump / "run" / "checkpoints").iterdir())
@@ -216,7 +219,9 @@ _checkpoint_folder_refused("a checkpoint.folder on a read-only mount", "writable
 
 
 _hf_resume_refused(
-    "a bad tokenizer found by the workers on a resume", lambda f: garbage(f / "tokenizer.json"), "tokenizer"
+    "a bad tokenizer found by the workers on a resume",
+    lambda f: garbage(f / "tokenizer.json"),
+    "tokenizer",
 )
 
 

@@ -63,7 +63,11 @@ for _name, _args, _says in (
         ),
         "skip_grad_sync",
     ),
-    ("mode ddp + dp_shard 2", ("--parallelism.mode", "ddp", "--parallelism.dp_shard", "2"), "dp_shard"),
+    (
+        "mode ddp + dp_shard 2",
+        ("--parallelism.mode", "ddp", "--parallelism.dp_shard", "2"),
+        "dp_shard",
+    ),
     ("dp_shard 4 on 2 ranks", ("--parallelism.dp_shard", "4"), "dp_shard"),
     ("--metrics.log_every -1", ("--metrics.log_every", "-1"), "log_every"),
     ("--comm.timeout_s 0", ("--comm.timeout_s", "0"), "timeout_s"),
@@ -76,11 +80,23 @@ for _value in ("always", "never"):  # under ddp, by name and by "auto" with repl
         bad_input(
             "config",
             f"{'ddp' if _mode else 'auto (ddp)'} + reshard_after_forward {_value}",
-            (*_mode, "--parallelism.dp_replicate", "2", "--parallelism.reshard_after_forward", _value),
+            (
+                *_mode,
+                "--parallelism.dp_replicate",
+                "2",
+                "--parallelism.reshard_after_forward",
+                _value,
+            ),
             "reshard_after_forward",
         )
 # the memory estimate needs the device, which the workers hold: one line from them
-bad_input("config", "--training.seq_len 10000000", ("--training.seq_len", "10000000"), "memory", cheap=False)
+bad_input(
+    "config",
+    "--training.seq_len 10000000",
+    ("--training.seq_len", "10000000"),
+    "memory",
+    cheap=False,
+)
 bad_input(
     "config",
     "a batch of 2,000,000",
@@ -117,7 +133,9 @@ for _name, _text, _says in (
     )
 
 bad_input("config", "--config a folder", ("--config", "train_configs"), "folder")
-bad_input("config", "--config a missing file", ("--config", "train_configs/nothing.toml"), "nothing.toml")
+bad_input(
+    "config", "--config a missing file", ("--config", "train_configs/nothing.toml"), "nothing.toml"
+)
 
 
 @case("config", "--job.dump_folder a file", cheap=True)
@@ -188,7 +206,9 @@ def _(c: Catalogue) -> None:
     """Refused: it would put the run folder in the current folder (here, the repository)."""
     stray = REPO / "empty-dump-folder-run"
     try:
-        r = c.run(c.dump("empty-dump"), ("--job.dump_folder", "", "--training.steps", "2"), stray.name)
+        r = c.run(
+            c.dump("empty-dump"), ("--job.dump_folder", "", "--training.steps", "2"), stray.name
+        )
         if stray.exists():
             raise Broke(f"wrote {stray}")
         expect(r, 2, "job.dump_folder")
@@ -211,7 +231,11 @@ def _(c: Catalogue) -> None:
     dump = c.dump("cache-a-file")
     cache = c.work / "a-cache-file"
     cache.write_text("x")
-    expect(c.run(dump, ("--training.steps", "2"), env={"TITANLITE_CACHE": str(cache)}), 2, "TITANLITE_CACHE")
+    expect(
+        c.run(dump, ("--training.steps", "2"), env={"TITANLITE_CACHE": str(cache)}),
+        2,
+        "TITANLITE_CACHE",
+    )
     unchanged({}, dump)
 
 

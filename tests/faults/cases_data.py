@@ -57,19 +57,25 @@ trains("data", "non-UTF-8 bytes in a .txt (decoded leniently)", _data_arg("nonut
 @case("data", "a mixture weight of -1", cheap=True)
 def _(c: Catalogue) -> None:
     d = data(c)
-    refused(c, "mixture -1", ("--data.path", f"{d / 'good.jsonl'}:0.7,{d / 'sft.jsonl'}:-1"), "weight")
+    refused(
+        c, "mixture -1", ("--data.path", f"{d / 'good.jsonl'}:0.7,{d / 'sft.jsonl'}:-1"), "weight"
+    )
 
 
 @case("data", "a mixture weight abc", cheap=True)
 def _(c: Catalogue) -> None:
     d = data(c)
-    refused(c, "mixture abc", ("--data.path", f"{d / 'good.jsonl'}:0.7,{d / 'sft.jsonl'}:abc"), "abc")
+    refused(
+        c, "mixture abc", ("--data.path", f"{d / 'good.jsonl'}:0.7,{d / 'sft.jsonl'}:abc"), "abc"
+    )
 
 
 trains("data", "a prepared folder (baseline)", lambda c: ("--data.path", str(prepared(c))))
 
 
-def _damaged_prepared(name: str, damage: Callable[[Path], None], says: str, cheap: bool = True) -> None:
+def _damaged_prepared(
+    name: str, damage: Callable[[Path], None], says: str, cheap: bool = True
+) -> None:
     @case("data", name, cheap)
     def _(c: Catalogue) -> None:
         folder = copy_prepared(c, re.sub(r"\W+", "_", name))
@@ -78,10 +84,14 @@ def _damaged_prepared(name: str, damage: Callable[[Path], None], says: str, chea
 
 
 _damaged_prepared(
-    "a prepared shard's .tokens cut short", lambda f: truncate(f / "shard-00001.tokens", 100), "shard-00001"
+    "a prepared shard's .tokens cut short",
+    lambda f: truncate(f / "shard-00001.tokens", 100),
+    "shard-00001",
 )
 _damaged_prepared(
-    "a prepared shard's .tokens deleted", lambda f: (f / "shard-00001.tokens").unlink(), "shard-00001"
+    "a prepared shard's .tokens deleted",
+    lambda f: (f / "shard-00001.tokens").unlink(),
+    "shard-00001",
 )
 _damaged_prepared(
     "meta.json: a shard's token count edited",
@@ -90,7 +100,12 @@ _damaged_prepared(
 )
 _damaged_prepared(
     "meta.json: dtype and vocabulary edited",
-    edit_meta(lambda m: (m.__setitem__("dtype", "int32"), m["tokenizer"].__setitem__("vocab_size", 100000))),
+    edit_meta(
+        lambda m: (
+            m.__setitem__("dtype", "int32"),
+            m["tokenizer"].__setitem__("vocab_size", 100000),
+        )
+    ),
     "",
 )
 _damaged_prepared(
@@ -105,7 +120,9 @@ _damaged_prepared(
     "tokeniz",
     cheap=False,
 )
-_damaged_prepared("meta.json cut at 300 bytes", lambda f: truncate(f / "meta.json", 300), "meta.json")
+_damaged_prepared(
+    "meta.json cut at 300 bytes", lambda f: truncate(f / "meta.json", 300), "meta.json"
+)
 
 
 @case("data", "a prepared offsets.npy value overwritten (unused without document masks)")
@@ -227,7 +244,13 @@ def _replaced(c: Catalogue, work: Path, path: Path) -> Path:
 
 _resumed_on("a raw data folder gained a file before the resume", _raw_folder, _add_file, 2, "data")
 _resumed_on("a raw data file edited before the resume", _raw_folder, _edit_row, 2, "data")
-_resumed_on("a prepared folder replaced by another before the resume", _copied_prepared, _replaced, 2, "data")
+_resumed_on(
+    "a prepared folder replaced by another before the resume",
+    _copied_prepared,
+    _replaced,
+    2,
+    "data",
+)
 _resumed_on("a prepared folder moved, resumed from its new path", _copied_prepared, _moved, 0, "")
 
 
@@ -256,7 +279,9 @@ for _name, _make, _says in (
 
 
 _damaged_prepared(
-    "a prepared shard's rows.npy cut short", lambda f: truncate(f / "shard-00001.rows.npy", 60), "rows.npy"
+    "a prepared shard's rows.npy cut short",
+    lambda f: truncate(f / "shard-00001.rows.npy", 60),
+    "rows.npy",
 )
 _damaged_prepared(
     "a prepared shard's offsets.npy cut short",

@@ -27,7 +27,9 @@ from faults.harness import (
     unchanged,
 )
 
-DEBUG_WARMUP = 10  # train_configs/debug_model.toml's lr_scheduler.warmup_steps (the default's is 200)
+DEBUG_WARMUP = (
+    10  # train_configs/debug_model.toml's lr_scheduler.warmup_steps (the default's is 200)
+)
 MY_TOML = """[training]
 global_batch_size = 8
 local_batch_size = 4
@@ -36,7 +38,9 @@ warmup_steps = 3
 """
 
 
-def _refused(family: str, name: str, args: tuple[str, ...], says: str, cwd=None, cheap: bool = True) -> None:
+def _refused(
+    family: str, name: str, args: tuple[str, ...], says: str, cwd=None, cheap: bool = True
+) -> None:
     """Exit 2 in one line holding `says`, nothing written (`cwd(c)`: the caller's folder)."""
 
     @case(family, name, cheap=cheap)
@@ -87,7 +91,9 @@ _plans(
     _default_config,
 )
 _plans(W, "a value that is '--config'", ("--job.description", "--config"), _default_config)
-_plans(W, "a value holding '--config='", ("--job.description=see --config=x.toml",), _default_config)
+_plans(
+    W, "a value holding '--config='", ("--job.description=see --config=x.toml",), _default_config
+)
 
 
 def _agreeing(c: Catalogue, cfg: dict, r: Result) -> None:
@@ -136,7 +142,9 @@ for _key, _value in (
     ("--model.tokenizer_path", "README.md"),
     ("--data.path", "README.md:0.5,pyproject.toml:0.5"),
 ):
-    _refused(P, f"{_key} {_value} from a folder without it", (_key, _value), "empty-home", _empty_home)
+    _refused(
+        P, f"{_key} {_value} from a folder without it", (_key, _value), "empty-home", _empty_home
+    )
 _refused(P, "--config train_configs/debug_model.toml from a folder without it", ("--config", "train_configs/debug_model.toml"), "empty-home", _empty_home)  # fmt: skip
 
 
@@ -154,7 +162,13 @@ def _own_data(c: Catalogue, cfg: dict, r: Result) -> None:
 
 
 _plans(P, "--config my.toml from the user's folder", ("--config", "my.toml"), _own_config, home)
-_plans(P, "--data.path mine.jsonl from the user's folder", ("--data.path", "mine.jsonl"), _own_data, home)
+_plans(
+    P,
+    "--data.path mine.jsonl from the user's folder",
+    ("--data.path", "mine.jsonl"),
+    _own_data,
+    home,
+)
 
 
 def _names_config(c: Catalogue, cfg: dict, r: Result) -> None:
@@ -201,7 +215,9 @@ def _(c: Catalogue) -> None:
 def _(c: Catalogue) -> None:
     run = Path(shutil.copytree(shared_run(c), c.dump("nonutf8-config") / "run"))
     (run / "config.toml").write_bytes(b'[job]\ndescription = "caf\xe9"\n')
-    r = c.script("compare_runs", str(run), str(shared_run(c)), "--out", str(run.parent / "cmp"), timeout=120)
+    r = c.script(
+        "compare_runs", str(run), str(shared_run(c)), "--out", str(run.parent / "cmp"), timeout=120
+    )
     expect(r, 2, "config.toml")
 
 
@@ -210,7 +226,9 @@ K = "doors/checkpoint reader"
 
 
 def _untied_step(c: Catalogue) -> str:
-    return str(shared_run(c) / "checkpoints" / "step-00000004")  # the debug model: a head of its own
+    return str(
+        shared_run(c) / "checkpoints" / "step-00000004"
+    )  # the debug model: a head of its own
 
 
 @case(K, "initial_load_path of an untied run into a tied model")
@@ -226,7 +244,11 @@ def _(c: Catalogue) -> None:
     dump = c.dump("untied-into-tied-dropped")
     args = ("--model.flavor", "debugmodel_tied", "--checkpoint.initial_load_path", _untied_step(c))
     expect(
-        c.run(dump, ("--training.steps", "2", *args, "--checkpoint.initial_load_drop", "output.weight")), 0
+        c.run(
+            dump,
+            ("--training.steps", "2", *args, "--checkpoint.initial_load_drop", "output.weight"),
+        ),
+        0,
     )
 
 
@@ -264,7 +286,15 @@ def _alive(text: str) -> list[int]:
 def _(c: Catalogue) -> None:
     out = c.dump("scenarios-term") / "out"
     live = c.start_script(
-        "diagnose_scenarios", "--dp", "2", "--steps", "40", "--scenarios", "healthy", "--out", str(out)
+        "diagnose_scenarios",
+        "--dp",
+        "2",
+        "--steps",
+        "40",
+        "--scenarios",
+        "healthy",
+        "--out",
+        str(out),
     )
     live.wait_for(lambda: (out / "healthy" / "metrics.jsonl").is_file(), timeout=240)
     live.proc.send_signal(signal.SIGTERM)  # the script alone, as a scheduler or `kill` sends it
@@ -362,11 +392,15 @@ def _(c: Catalogue) -> None:
 def _(c: Catalogue) -> None:
     run = Path(shutil.copytree(shared_run(c), c.dump("missing-steps") / "run"))
     rows = [
-        ln for ln in (run / "metrics.jsonl").read_text().splitlines() if json.loads(ln).get("step", 0) > 2
+        ln
+        for ln in (run / "metrics.jsonl").read_text().splitlines()
+        if json.loads(ln).get("step", 0) > 2
     ]
     (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     out = run.parent / "cmp"
-    r = c.script("compare_runs", str(run), str(shared_run(c)), "--invariance", "--out", str(out), timeout=120)
+    r = c.script(
+        "compare_runs", str(run), str(shared_run(c)), "--invariance", "--out", str(out), timeout=120
+    )
     expect(r, 2, "step")
 
 

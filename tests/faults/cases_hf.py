@@ -31,12 +31,16 @@ trains(
 )
 
 
-def _hf_refused(name: str, change: Callable[[Path], tuple[str, ...]], says: str, cheap: bool = False) -> None:
+def _hf_refused(
+    name: str, change: Callable[[Path], tuple[str, ...]], says: str, cheap: bool = False
+) -> None:
     @case("tokenizer/HF", name, cheap)
     def _(c: Catalogue) -> None:
         folder = copy_hf(c, re.sub(r"\W+", "_", name))
         extra = change(folder)
-        refused(c, name, (*hf_args(folder, "--data.path", str(data(c) / "good.jsonl")), *extra), says)
+        refused(
+            c, name, (*hf_args(folder, "--data.path", str(data(c) / "good.jsonl")), *extra), says
+        )
 
 
 _hf_refused(
@@ -131,9 +135,15 @@ def _with_inv_freq(c: Catalogue) -> tuple[str, ...]:
 
     folder = copy_hf(c, "inv-freq")
     weights = load_file(folder / "model.safetensors")
-    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / (10000 ** (torch.arange(0, 16, 2) / 16))
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = 1.0 / (
+        10000 ** (torch.arange(0, 16, 2) / 16)
+    )
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return hf_args(folder, "--data.path", str(data(c) / "good.jsonl"))
 
 
-trains("tokenizer/HF", "weights that hold a rotary inv_freq buffer (older transformers)", _with_inv_freq)
+trains(
+    "tokenizer/HF",
+    "weights that hold a rotary inv_freq buffer (older transformers)",
+    _with_inv_freq,
+)

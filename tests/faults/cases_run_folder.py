@@ -26,7 +26,9 @@ from faults.harness import (
 LONG = ("--training.steps", "12", "--checkpoint.every", "0")
 
 
-def _under_a_live_run(name: str, act: Callable[[Path], None], code: int, says: str, then=None) -> None:
+def _under_a_live_run(
+    name: str, act: Callable[[Path], None], code: int, says: str, then=None
+) -> None:
     """`act(run folder)` once step 3 is logged; the run must end `code` (0: on to its last
     step; 3: one line holding `says`), every record whole, and `then(run folder)` hold."""
 
@@ -59,7 +61,11 @@ def _tb_events(run: Path) -> None:
 
 _under_a_live_run("rm -rf <run>/tb", lambda run: shutil.rmtree(run / "tb"), 0, "", _tb_events)
 _under_a_live_run(
-    "rm <run>/metrics.jsonl", lambda run: (run / "metrics.jsonl").unlink(), 0, "", _logged_to_the_end
+    "rm <run>/metrics.jsonl",
+    lambda run: (run / "metrics.jsonl").unlink(),
+    0,
+    "",
+    _logged_to_the_end,
 )
 _under_a_live_run("rm -rf <run>/logs", lambda run: shutil.rmtree(run / "logs"), 0, "")
 
@@ -79,7 +85,10 @@ def _folder_instead(name: str) -> Callable[[Path], None]:
 
 
 _under_a_live_run(
-    "diagnostics.jsonl replaced by a folder", _folder_instead("diagnostics.jsonl"), 3, "diagnostics.jsonl"
+    "diagnostics.jsonl replaced by a folder",
+    _folder_instead("diagnostics.jsonl"),
+    3,
+    "diagnostics.jsonl",
 )
 
 
@@ -145,13 +154,17 @@ def _(c: Catalogue) -> None:
     env = own_cache(c, c.work / "cache-modes")
     expect(
         c.start(
-            dump, ("--training.steps", "2", "--checkpoint.every", "2", "--checkpoint.at_end", "true"), env=env
+            dump,
+            ("--training.steps", "2", "--checkpoint.every", "2", "--checkpoint.at_end", "true"),
+            env=env,
         ).finish(),
         0,
     )
     expect(
         c.start(
-            dump, ("--training.steps", "4", "--checkpoint.every", "2", "--checkpoint.at_end", "true"), env=env
+            dump,
+            ("--training.steps", "4", "--checkpoint.every", "2", "--checkpoint.at_end", "true"),
+            env=env,
         ).finish(),
         0,
     )

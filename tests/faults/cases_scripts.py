@@ -217,6 +217,8 @@ def _(c: Catalogue) -> None:
     expect(c.script("prepare_data", *args), 0)
     ref = c.script("prepare_data", *args[:-3], "--out", str(work / "ref"), str(big))
     expect(ref, 0)
-    resumed, whole = (json.loads((work / d / "meta.json").read_text())["shards"] for d in ("p", "ref"))
+    resumed, whole = (
+        json.loads((work / d / "meta.json").read_text())["shards"] for d in ("p", "ref")
+    )
     if resumed != whole:
         raise Broke("the resumed preparation's shards differ from an uninterrupted one's")

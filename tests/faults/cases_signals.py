@@ -38,8 +38,12 @@ stop_case(
     143,
     "stopped by SIGTERM",
 )
-stop_case("Ctrl-C (SIGINT to the process group)", at_step(3, signal.SIGINT), 130, "stopped by SIGINT")
-stop_case("Ctrl-C twice 0.3 s apart", at_step(3, signal.SIGINT, signal.SIGINT, gap=0.3), 130, "SIGINT")
+stop_case(
+    "Ctrl-C (SIGINT to the process group)", at_step(3, signal.SIGINT), 130, "stopped by SIGINT"
+)
+stop_case(
+    "Ctrl-C twice 0.3 s apart", at_step(3, signal.SIGINT, signal.SIGINT, gap=0.3), 130, "SIGINT"
+)
 stop_case(
     "SIGTERM while a checkpoint is being written",
     in_save(signal.SIGTERM),
@@ -151,7 +155,12 @@ for _delay in (1.0, 2.0, 3.5):
             continues(c, dump)
 
 
-for _sig, _after in ((signal.SIGINT, 0.0), (signal.SIGINT, 0.3), (signal.SIGINT, 0.6), (signal.SIGTERM, 0.3)):
+for _sig, _after in (
+    (signal.SIGINT, 0.0),
+    (signal.SIGINT, 0.3),
+    (signal.SIGINT, 0.6),
+    (signal.SIGTERM, 0.3),
+):
 
     @case("signals/faults", f"{_sig.name} while the workers import torch (+{_after} s)")
     def _(c: Catalogue, sig=_sig, after=_after) -> None:
@@ -180,7 +189,12 @@ for _i in range(3):
 
 
 def fault(
-    name: str, args: tuple[str, ...], code: int, says: str, env: dict | None = None, then: bool = True
+    name: str,
+    args: tuple[str, ...],
+    code: int,
+    says: str,
+    env: dict | None = None,
+    then: bool = True,
 ) -> None:
     @case("signals/faults", name)
     def _(c: Catalogue) -> None:
@@ -225,7 +239,9 @@ for _phase in ("data", "forward", "backward", "optimizer", "checkpoint"):
 
 
 # a stop that lands as the run ends: never exit 0, at most one step late
-def _late_stop(name: str, wait: Callable[[Path, Live], bool], sig: int, args: tuple[str, ...]) -> None:
+def _late_stop(
+    name: str, wait: Callable[[Path, Live], bool], sig: int, args: tuple[str, ...]
+) -> None:
     @case("signals/faults", name)
     def _(c: Catalogue) -> None:
         dump = c.dump(name)
@@ -239,17 +255,24 @@ def _late_stop(name: str, wait: Callable[[Path, Live], bool], sig: int, args: tu
 
 _EVAL = ("--training.steps", "6", *CKPT, "--eval.fraction", "0.002")
 _late_stop("Ctrl-C in the last step", lambda d, live: metrics_step(d, 5)(), signal.SIGINT, RESUME6)
-_late_stop("Ctrl-C during the final eval", lambda d, live: metrics_step(d, 6)(), signal.SIGINT, _EVAL)
+_late_stop(
+    "Ctrl-C during the final eval", lambda d, live: metrics_step(d, 6)(), signal.SIGINT, _EVAL
+)
 
 
-@case("signals/faults", "Ctrl-C during the Hugging Face export at the end (faults.signal_phase export)")
+@case(
+    "signals/faults",
+    "Ctrl-C during the Hugging Face export at the end (faults.signal_phase export)",
+)
 def _(c: Catalogue) -> None:
     """In the exports, not after them: the moment the signal lands is the run's own (a signal
     from outside may land after the run's last look, when "done:" says all is done: exit 0)."""
     dump = c.dump("export-ctrl-c")
     at_export = ("--faults.signal_step", "4", "--faults.signal_phase", "export")
     expect(
-        c.start(dump, ("--training.steps", "4", "--checkpoint.export_hf", "true", *at_export)).finish(),
+        c.start(
+            dump, ("--training.steps", "4", "--checkpoint.export_hf", "true", *at_export)
+        ).finish(),
         130,
         "as the run ended",
     )
@@ -278,6 +301,8 @@ def _(c: Catalogue) -> None:
         "invariance", "--config", "train_configs/debug_model.toml", "--dp", "1", "2", "--steps", "30",
         "--out", str(out / "o"), "--training.seq_len", "128",
     )  # fmt: skip
-    live.wait_for(lambda: live.saw("step 1/") or any((out / "o").glob("*/metrics.jsonl")), timeout=180)
+    live.wait_for(
+        lambda: live.saw("step 1/") or any((out / "o").glob("*/metrics.jsonl")), timeout=180
+    )
     live.signal(signal.SIGINT)
     expect(live.finish(), 130, "invariance")

@@ -38,16 +38,21 @@ def data(c: Catalogue) -> Path:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         texts = [
             p.read_text()
-            for p in sorted((stdlib / "json").glob("*.py")) + sorted((stdlib / "email").glob("*.py"))
+            for p in sorted((stdlib / "json").glob("*.py"))
+            + sorted((stdlib / "email").glob("*.py"))
         ]
         docs = [t[i : i + 1500] for t in texts for i in range(0, len(t), 1500)]
         rows = [json.dumps({"text": t}) for t in docs]
         (d / "good.jsonl").write_text("\n".join(rows) + "\n")
         (d / "empty.jsonl").write_text("")
         (d / "random.jsonl").write_bytes(bytes(range(256)) * 40)
-        (d / "malformed.jsonl").write_text("\n".join(rows[:13] + ['{"text": "cut'] + rows[13:40]) + "\n")
+        (d / "malformed.jsonl").write_text(
+            "\n".join(rows[:13] + ['{"text": "cut'] + rows[13:40]) + "\n"
+        )
         (d / "half.jsonl").write_text(
-            "\n".join(json.dumps({"body": t} if i % 2 == 0 else {"text": t}) for i, t in enumerate(docs))
+            "\n".join(
+                json.dumps({"body": t} if i % 2 == 0 else {"text": t}) for i, t in enumerate(docs)
+            )
             + "\n"
         )
         (d / "notext.jsonl").write_text("\n".join(json.dumps({"body": t}) for t in docs) + "\n")
@@ -60,13 +65,19 @@ def data(c: Catalogue) -> Path:
         bad[20] = bad[20][:30] + b"\xff" + bad[20][30:]
         (d / "nonutf8.jsonl").write_bytes(b"\n".join(bad) + b"\n")
         (d / "nonutf8.txt").write_bytes(
-            "\n".join(docs).encode()[:60000] + b"\xff\xfe caf\xe9\n" + "\n".join(docs).encode()[60000:]
+            "\n".join(docs).encode()[:60000]
+            + b"\xff\xfe caf\xe9\n"
+            + "\n".join(docs).encode()[60000:]
         )
         qa = [{"instruction": f"Quote part {i}.", "output": t[:400]} for i, t in enumerate(docs)]
         (d / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in qa) + "\n")
-        (d / "sft_empty.jsonl").write_text("\n".join(json.dumps({**r, "output": ""}) for r in qa) + "\n")
+        (d / "sft_empty.jsonl").write_text(
+            "\n".join(json.dumps({**r, "output": ""}) for r in qa) + "\n"
+        )
         (d / "sft_half.jsonl").write_text(
-            "\n".join(json.dumps({**r, "output": r["output"] if i % 2 else ""}) for i, r in enumerate(qa))
+            "\n".join(
+                json.dumps({**r, "output": r["output"] if i % 2 else ""}) for i, r in enumerate(qa)
+            )
             + "\n"
         )
         return d
@@ -91,7 +102,9 @@ def prepared(c: Catalogue) -> Path:
 
 
 def copy_prepared(c: Catalogue, name: str) -> Path:
-    return Path(shutil.copytree(prepared(c), c.work / "prepared-copies" / name, dirs_exist_ok=False))
+    return Path(
+        shutil.copytree(prepared(c), c.work / "prepared-copies" / name, dirs_exist_ok=False)
+    )
 
 
 def hf(c: Catalogue) -> Path:
@@ -120,7 +133,9 @@ def hf(c: Catalogue) -> Path:
             show_progress=False,
         )
         tok.train([str(data(c) / "good.jsonl")], trainer)
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1])
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, bos_token=specials[0], eos_token=specials[1]
+        )
         fast.save_pretrained(path)
         torch.manual_seed(0)
         config = LlamaConfig(
@@ -258,7 +273,9 @@ def workers(dump: Path) -> dict[int, int]:
                 or str(dump).encode() not in b" ".join(cmd)
             ):
                 continue
-            env = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            env = dict(
+                kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv
+            )
             if (d / "stat").read_text().split(") ")[-1][:1] != "Z":
                 out[int(env[b"RANK"])] = int(d.name)
         except (OSError, ValueError, KeyError):

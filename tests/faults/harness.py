@@ -184,14 +184,18 @@ class Catalogue:
             finally:
                 os.environ.pop(CALLER_ENV)
         else:
-            r = Live([str(REPO / "run_train.sh"), *argv, "--training.steps", "1"], self.env, cwd).finish()
+            r = Live(
+                [str(REPO / "run_train.sh"), *argv, "--training.steps", "1"], self.env, cwd
+            ).finish()
             saved = dump / "run" / "config.toml"
             cfg = load_config(str(saved)) if r.code == 0 and saved.is_file() else None
         if cfg is None:
             return r, {}
         return r, {f"{s}.{k}": v for s, table in sections(cfg) for k, v in vars(table).items()}
 
-    def script(self, name: str, *args: str, env: dict | None = None, timeout: float = 300) -> Result:
+    def script(
+        self, name: str, *args: str, env: dict | None = None, timeout: float = 300
+    ) -> Result:
         """scripts/<name>.py with `args`, to its end, as a user runs it."""
         cmd = [sys.executable, str(REPO / "scripts" / f"{name}.py"), *args]
         return Live(cmd, {**self.env, **(env or {})}).finish(timeout)
@@ -214,7 +218,15 @@ def in_process(args: list[str], nproc: int, cwd: Path = REPO, stop_at_workers: b
 
     from titanlite import launch
 
-    argv = ["--caller-cwd", str(cwd), "--standalone", "--nproc_per_node", str(nproc), "--max-restarts", "0"]
+    argv = [
+        "--caller-cwd",
+        str(cwd),
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "--max-restarts",
+        "0",
+    ]
     argv += ["-m", "titanlite.train"]
     seen: dict[str, list[str]] = {}
 
@@ -315,7 +327,9 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records(run_dir / "metrics.jsonl") if "loss" in r}
 
 
-def refused(c: Catalogue, name: str, args: tuple[str, ...], says: str, env: dict | None = None) -> None:
+def refused(
+    c: Catalogue, name: str, args: tuple[str, ...], says: str, env: dict | None = None
+) -> None:
     """A bad input: exit 2 in one line, nothing written (the dump folder stays empty)."""
     dump = c.dump(name)
     expect(c.run(dump, args, env=env), 2, says)
@@ -350,7 +364,12 @@ def case(family: str, name: str, cheap: bool = False, ci: bool = False):
 
 
 def bad_input(
-    family: str, name: str, args: tuple[str, ...], says: str, env: dict | None = None, cheap: bool = True
+    family: str,
+    name: str,
+    args: tuple[str, ...],
+    says: str,
+    env: dict | None = None,
+    cheap: bool = True,
 ) -> None:
     """A case whose promise is a refusal: exit 2, one line holding `says`, nothing written."""
     case(family, name, cheap)(lambda c: refused(c, name, args, says, env))

@@ -42,8 +42,12 @@ def reference(world: int) -> dict:
         with torch.no_grad():  # each sequence alone: the per-sample losses alerts carry
             sample_tokens.append([int((row != IGNORE_INDEX).sum()) for row in y])
             sample_content.append(content_fingerprint(x).tolist())
-            sums = [cross_entropy_sum(model(x[i : i + 1]), y[i : i + 1]).item() for i in range(len(x))]
-            sample_loss.append([s / t if t else None for s, t in zip(sums, sample_tokens[-1], strict=True)])
+            sums = [
+                cross_entropy_sum(model(x[i : i + 1]), y[i : i + 1]).item() for i in range(len(x))
+            ]
+            sample_loss.append(
+                [s / t if t else None for s, t in zip(sums, sample_tokens[-1], strict=True)]
+            )
         n = int((y != IGNORE_INDEX).sum())
         s = cross_entropy_sum(model(x), y)
         (s / max(n, 1)).backward()
@@ -74,7 +78,9 @@ def reference(world: int) -> dict:
         "rank_grad_norm": norms,
         "cos_matrix": cos,
         "rank_cos_to_mean": [
-            float(torch.nn.functional.cosine_similarity(grads[r], global_grad, dim=0)) if r in live else None
+            float(torch.nn.functional.cosine_similarity(grads[r], global_grad, dim=0))
+            if r in live
+            else None
             for r in range(world)
         ],
         "loss_std": live_losses.std(unbiased=False).item(),
@@ -104,7 +110,9 @@ def run_case(
     cfg.diagnostics.method = method
     cfg.diagnostics.sketch_dim = k
     cfg.parallelism.skip_grad_sync = skip_sync
-    layout, dims, model = build(cfg, world, mode, accum=2, param="bfloat16" if compiled else "float32")
+    layout, dims, model = build(
+        cfg, world, mode, accum=2, param="bfloat16" if compiled else "float32"
+    )
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED + sketch_seed)
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
@@ -116,7 +124,9 @@ def run_case(
     tokens = torch.cat([(y != IGNORE_INDEX).sum(-1) for _, y in micro])
     ids = torch.arange(len(tokens)) + 1000 * dist.get_rank()  # stand-ins for dataset indices
     content = content_fingerprint(torch.cat([x for x, _ in micro]))
-    order = torch.tensor([12345.0 + (dist.get_rank() == 0)], dtype=torch.float64)  # rank 0's differs
+    order = torch.tensor(
+        [12345.0 + (dist.get_rank() == 0)], dtype=torch.float64
+    )  # rank 0's differs
     diag.end_step(
         1,
         grad_norm,
@@ -148,7 +158,9 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     cfg.diagnostics.replica_check_every = 1
     layout, dims, model = build(cfg, world, mode, accum=1)
     diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)
-    faults = Faults(FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank), SEED, dist.get_rank(), world)
+    faults = Faults(
+        FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank), SEED, dist.get_rank(), world
+    )
     faults.model = model
     alerts = []
     for step in (1, 2, 3):
@@ -177,7 +189,12 @@ def main() -> None:
     replicas = [replica_case(world, mode, world - 2) for mode in ("fsdp", "ddp", "hsdp")]
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
-            out = {"world": world, "reference": reference(world), "cases": cases, "replicas": replicas}
+            out = {
+                "world": world,
+                "reference": reference(world),
+                "cases": cases,
+                "replicas": replicas,
+            }
             json.dump(out, f)
     dist.destroy_process_group()
 

@@ -51,7 +51,9 @@ from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from titanlite.ops.dropout import sample_keys
 
-ARGS = Llama3Args(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16)
+ARGS = Llama3Args(
+    dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=16
+)
 TIED = dataclasses.replace(ARGS, tie_embeddings=True)
 GLOBAL_BATCH, SEQ, SEED = 16, 16, 7
 
@@ -61,7 +63,14 @@ GLOBAL_BATCH, SEQ, SEED = 16, 16, 7
 global_batch, records, packed_global_batch = unequal_batch, documents, packed_batch
 
 
-def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = ARGS, param: str = "float32"):
+def build(
+    cfg: JobConfig,
+    world: int,
+    mode: str,
+    accum: int,
+    args: Llama3Args = ARGS,
+    param: str = "float32",
+):
     """The tiny Llama through the production path, for `mode` at
     `world` ranks, `accum` microbatches per rank, parameters computed in `param`. Returns
     (layout, dims, model)."""
@@ -71,13 +80,17 @@ def build(cfg: JobConfig, world: int, mode: str, accum: int, args: Llama3Args = 
     cfg.training.global_batch_size = GLOBAL_BATCH
     cfg.training.local_batch_size = GLOBAL_BATCH // (world * accum)
     layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), param, cfg.training.mixed_precision_reduce)
+    dims = ParallelDims.build(
+        layout, torch.device("cpu"), param, cfg.training.mixed_precision_reduce
+    )
     with torch.device("meta"):
         model = Llama3(args)
     return layout, dims, materialize(parallelize_blocks(model, model.layers, dims, cfg), dims, SEED)
 
 
-def rank_microbatches(world: int, accum: int, batch: tuple[torch.Tensor, ...] | None = None) -> list[tuple]:
+def rank_microbatches(
+    world: int, accum: int, batch: tuple[torch.Tensor, ...] | None = None
+) -> list[tuple]:
     """This rank's contiguous share of the global batch (default: global_batch()), cut into
     `accum` microbatches."""
     batch = batch or global_batch()
@@ -112,12 +125,16 @@ def reference(args: Llama3Args = ARGS, keyed: bool = False) -> dict[str, torch.T
     tokens, labels = global_batch()
     keys = sample_keys(SEED, 0, GLOBAL_BATCH, torch.device("cpu")) if keyed else None
     torch.manual_seed(SEED)
-    loss = cross_entropy_sum(model(tokens, sample_keys=keys), labels) / (labels != IGNORE_INDEX).sum()
+    loss = (
+        cross_entropy_sum(model(tokens, sample_keys=keys), labels) / (labels != IGNORE_INDEX).sum()
+    )
     loss.backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def records_reference(model: torch.nn.Module | None = None) -> tuple[dict[str, torch.Tensor], float]:
+def records_reference(
+    model: torch.nn.Module | None = None,
+) -> tuple[dict[str, torch.Tensor], float]:
     """Gradient and token-mean loss of the records, each run as a sequence of its own, by the
     tiny Llama or `model`, unsharded."""
     model = model or Llama3(ARGS)
@@ -148,7 +165,10 @@ def eval_case(world: int, batch_size: int) -> dict:
     cfg = JobConfig()
     _, dims, model = build(cfg, world, "fsdp", 1)
     tokens, labels, positions = packed_global_batch()
-    items = [(tokens[i].numpy(), labels[i].numpy(), positions[i].numpy()) for i in range(GLOBAL_BATCH - 3)]
+    items = [
+        (tokens[i].numpy(), labels[i].numpy(), positions[i].numpy())
+        for i in range(GLOBAL_BATCH - 3)
+    ]
     result = Evaluator(items, dims, batch_size, LossPath(own=True)).loss(model)
     return {"world": world, "batch": batch_size, **result, "training": model.training}
 
@@ -178,7 +198,9 @@ def run_case(
     layout, dims, model = build(cfg, world, mode, accum, args, param)
     init_hash = full_weights_hash(model)
     micro = rank_microbatches(world, accum, batch)
-    if keyed:  # each sequence's dropout key from its place in the global batch, as the sampler gives it
+    if (
+        keyed
+    ):  # each sequence's dropout key from its place in the global batch, as the sampler gives it
         lb, first = GLOBAL_BATCH // (world * accum), dist.get_rank() * GLOBAL_BATCH // world
         micro = [
             (*b, None, sample_keys(SEED, first + m * lb, lb, torch.device("cpu")))
@@ -245,7 +267,9 @@ def main() -> None:
     model = Llama3(ARGS)
     model.init_weights(ParamInit(model, SEED))
     with torch.no_grad():
-        ref_loss = (cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()).item()
+        ref_loss = (
+            cross_entropy_sum(model(tokens), labels) / (labels != IGNORE_INDEX).sum()
+        ).item()
     cases = []
     for mode in ("fsdp", "ddp", "hsdp"):
         for accum in (1, 2, 4):
@@ -254,15 +278,24 @@ def main() -> None:
     cases += [("fsdp", 2, "local_mean", "auto"), ("ddp", 2, "local_mean", "auto")]
     results = [run_case(world, *c, ref) for c in cases]
     for ac in ("full", "selective"):
-        results += [run_case(world, mode, 2, "global", "auto", ref, ac=ac) for mode in ("fsdp", "ddp")]
+        results += [
+            run_case(world, mode, 2, "global", "auto", ref, ac=ac) for mode in ("fsdp", "ddp")
+        ]
     # The loss inside the model, 5 positions at a time (16 per sequence: 4 chunks, the last short)
-    results += [run_case(world, m, 2, "global", "auto", ref, loss_chunk=5) for m in ("fsdp", "ddp", "hsdp")]
+    results += [
+        run_case(world, m, 2, "global", "auto", ref, loss_chunk=5) for m in ("fsdp", "ddp", "hsdp")
+    ]
     tied_ref = reference(TIED)
-    tied = [run_case(world, m, 2, "global", "auto", tied_ref, args=TIED) for m in ("fsdp", "ddp", "hsdp")]
+    tied = [
+        run_case(world, m, 2, "global", "auto", tied_ref, args=TIED)
+        for m in ("fsdp", "ddp", "hsdp")
+    ]
     tied.append(run_case(world, "fsdp", 2, "global", "auto", tied_ref, args=TIED, loss_chunk=5))
     # Sync skipping on: one reduction per step, whose result the gradient then is (FSDP would
     # otherwise add two reduced microbatches up in float32).
-    reduce = [run_case(world, m, 2, "global", "on", ref, reduce="bfloat16") for m in ("fsdp", "ddp")]
+    reduce = [
+        run_case(world, m, 2, "global", "on", ref, reduce="bfloat16") for m in ("fsdp", "ddp")
+    ]
     packed_ref, packed_loss = records_reference()
     packed = [
         {
@@ -276,14 +309,20 @@ def main() -> None:
         ["--model.name", "fork_lm", "--model.import_module", "fork_model", "--model.flavor", "tiny"]
     )
     # ... and tests/fork_cp.py's context parallelism, which adds the cp axis's cases
-    context = check(["--model.name", "fork_cp", "--model.import_module", "fork_cp", "--model.flavor", "tiny"])
+    context = check(
+        ["--model.name", "fork_cp", "--model.import_module", "fork_cp", "--model.flavor", "tiny"]
+    )
     # ... and tests/fork_moe.py's loss terms: the load-balancing loss over the whole step (at
     # transformers' coefficient and at 0.1) with a z-loss, and the per-microbatch formula (the control)
     moe = {
         f"{name}/{flavor}": check(
             ["--model.name", name, "--model.import_module", "fork_moe", "--model.flavor", flavor]
         )
-        for name, flavor in (("fork_moe", "tiny"), ("fork_moe", "strong"), ("fork_moe_local", "tiny"))
+        for name, flavor in (
+            ("fork_moe", "tiny"),
+            ("fork_moe", "strong"),
+            ("fork_moe_local", "tiny"),
+        )
     }
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
@@ -291,7 +330,12 @@ def main() -> None:
     keyed_ref, stream_ref = reference(drop, keyed=True), reference(drop)
     dropout = [
         run_case(world, m, a, "global", "auto", keyed_ref, args=drop, keyed=True, ac=ac)
-        for m, a, ac in (("fsdp", 2, "none"), ("ddp", 1, "none"), ("hsdp", 2, "none"), ("fsdp", 2, "full"))
+        for m, a, ac in (
+            ("fsdp", 2, "none"),
+            ("ddp", 1, "none"),
+            ("hsdp", 2, "none"),
+            ("fsdp", 2, "full"),
+        )
     ]
     dropout += [run_case(world, "fsdp", 2, "global", "auto", stream_ref, args=drop)]
     # The GPU's defaults on the CPU: bf16 parameters (FSDP's policy; DDP under autocast), fp32 or
@@ -301,12 +345,14 @@ def main() -> None:
     bf16 = dict(param="bfloat16")
     low = [run_case(world, m, 2, "global", "auto", ref, **bf16) for m in ("fsdp", "ddp", "hsdp")]
     low += [
-        run_case(world, m, 2, "global", "on", ref, reduce="bfloat16", **bf16) for m in ("fsdp", "ddp", "hsdp")
+        run_case(world, m, 2, "global", "on", ref, reduce="bfloat16", **bf16)
+        for m in ("fsdp", "ddp", "hsdp")
     ]
     low += [run_case(world, m, 2, "global", "auto", ref, ac=ac, **bf16) for m, ac in
             (("fsdp", "selective"), ("ddp", "selective"), ("fsdp", "full"), ("hsdp", "full"))]  # fmt: skip
     low += [
-        run_case(world, m, 2, "global", "auto", ref, loss_chunk=5, **bf16) for m in ("fsdp", "ddp", "hsdp")
+        run_case(world, m, 2, "global", "auto", ref, loss_chunk=5, **bf16)
+        for m in ("fsdp", "ddp", "hsdp")
     ]
     low += [
         {**run_case(world, m, a, "global", "auto", packed_ref, batch=packed_global_batch(), **bf16),
@@ -314,7 +360,9 @@ def main() -> None:
         for m, a in (("fsdp", 2), ("ddp", 1), ("hsdp", 2))
     ]  # fmt: skip
     if world == 2:  # the GPU default, compiled
-        low.append(run_case(world, "fsdp", 2, "global", "auto", ref, ac="selective", compiled=True, **bf16))
+        low.append(
+            run_case(world, "fsdp", 2, "global", "auto", ref, ac="selective", compiled=True, **bf16)
+        )
     evals = [eval_case(world, b) for b in (1, 3)]
     elsewhere = golden_elsewhere(Path(sys.argv[1]).parent / "golden") if world == 4 else None
     decoded = generate_case(world)

@@ -57,7 +57,12 @@ def case(assets: str, runs: str, name: str, mode: str) -> dict:
     overrides = [
         *("--model.hf_assets_path", f"{assets}/{name}", "--data.mode", "pretrain"),
         *("--training.seq_len", "32", "--training.steps", "2", "--metrics.log_every", "1"),
-        *("--training.global_batch_size", str(BATCH), "--training.local_batch_size", str(BATCH // world)),
+        *(
+            "--training.global_batch_size",
+            str(BATCH),
+            "--training.local_batch_size",
+            str(BATCH // world),
+        ),
         *("--diagnostics.enable", "false", "--metrics.enable_tensorboard", "false"),
         *("--job.dump_folder", runs, "--job.run_name", f"{name}-{mode}-{world}"),
     ]
@@ -79,7 +84,9 @@ def case(assets: str, runs: str, name: str, mode: str) -> dict:
     mine = [(tokens[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])]
     forward_backward(t.model, mine, t.balancer, t.dims, skip_grad_sync=t.layout.skip_grad_sync)
     logits = hf(tokens).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+    loss = F.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     (loss / (labels != IGNORE_INDEX).sum()).backward()
     hf_grads = dict(hf.named_parameters())
     grad_err = 0.0
@@ -139,27 +146,36 @@ def full_params(t: Trainer) -> dict[str, torch.Tensor]:
 
 def full_optimizer_state(t: Trainer) -> dict:
     """A copy: the state dict's tensors (the step counts at least) are the optimizer's own."""
-    state = get_optimizer_state_dict(t.model, t.optimizer, options=StateDictOptions(full_state_dict=True))
-    return {name: {k: v.detach().clone() for k, v in s.items()} for name, s in state["state"].items()}
+    state = get_optimizer_state_dict(
+        t.model, t.optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    return {
+        name: {k: v.detach().clone() for k, v in s.items()} for name, s in state["state"].items()
+    }
 
 
 def max_diff(a: dict, b: dict) -> float:
     """Largest absolute difference over matching tensors (nested dicts); inf if the keys differ."""
     if a.keys() != b.keys():
         return float("inf")
-    diffs = [max_diff(a[k], b[k]) if isinstance(a[k], dict) else (a[k] - b[k]).abs().max().item() for k in a]
+    diffs = [
+        max_diff(a[k], b[k]) if isinstance(a[k], dict) else (a[k] - b[k]).abs().max().item()
+        for k in a
+    ]
     return max(diffs, default=0.0)
 
 
 def losses(run: str) -> dict[int, float]:
     return {
-        r["step"]: r["loss"] for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines())
+        r["step"]: r["loss"]
+        for r in map(json.loads, Path(run, "metrics.jsonl").read_text().splitlines())
     }
 
 
 def listing(folder: Path) -> list:
     return sorted(
-        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")
+        (str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in folder.rglob("*")
     )
 
 
@@ -192,7 +208,14 @@ def finetune(assets: str, runs: str) -> dict:
     start = full_params(fsdp), full_optimizer_state(fsdp), fsdp.start_step
     run_to_end(fsdp)
     run_to_end(resumed("ft-ddp", "--parallelism.mode", "ddp", "--parallelism.dp_replicate", "2"))
-    hsdp = ("--parallelism.mode", "hsdp", "--parallelism.dp_replicate", "2", "--checkpoint.export_hf", "true")
+    hsdp = (
+        "--parallelism.mode",
+        "hsdp",
+        "--parallelism.dp_replicate",
+        "2",
+        "--checkpoint.export_hf",
+        "true",
+    )
     run_to_end(resumed("ft-hsdp", *hsdp))
 
     initial = (
@@ -218,12 +241,15 @@ def finetune(assets: str, runs: str) -> dict:
     lrs = {g["lr"] for g in with_optim.optimizer.param_groups}
     want_lr = 5e-4 * lr_factor(2, with_optim.cfg)
     run_to_end(with_optim)
-    from_export = sft_trainer(assets, runs, "from-hf", "--checkpoint.initial_load_path", f"{runs}/ft/hf")
+    from_export = sft_trainer(
+        assets, runs, "from-hf", "--checkpoint.initial_load_path", f"{runs}/ft/hf"
+    )
     exported = full_params(from_export)
     from_export.close()
     return {
         "losses": {
-            name: losses(f"{runs}/{name}") for name in ("ft", "ft-resumed", "ft-ddp", "ft-hsdp", "from-ckpt")
+            name: losses(f"{runs}/{name}")
+            for name in ("ft", "ft-resumed", "ft-ddp", "ft-hsdp", "from-ckpt")
         },
         "resume_start_step": start[2],
         "model_only_vs_resume": max_diff(model_only_state[0], start[0]),
@@ -234,7 +260,9 @@ def finetune(assets: str, runs: str) -> dict:
         "optim_want_lr": want_lr,
         "export_reload_vs_trained": max_diff(exported, trained),
         "source_untouched": listing(step2.parent) == source_before,
-        "from_ckpt_checkpoints": sorted(p.name for p in Path(runs, "from-ckpt", "checkpoints").iterdir()),
+        "from_ckpt_checkpoints": sorted(
+            p.name for p in Path(runs, "from-ckpt", "checkpoints").iterdir()
+        ),
     }
 
 
@@ -251,7 +279,9 @@ def main() -> None:
     upstream = sys.argv[4] if len(sys.argv) > 4 else None
     init_distributed(torch.device("cpu"))
     modes = ("fsdp", "ddp", "hsdp") if dist.get_world_size() == 2 else ("fsdp", "ddp")
-    results = {"cases": [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in modes]}
+    results = {
+        "cases": [case(assets, runs, name, mode) for name in ("tied", "untied") for mode in modes]
+    }
     if dist.get_world_size() == 2:
         results["finetune"] = finetune(assets, runs)
     if upstream:

@@ -30,7 +30,9 @@ from titanlite.train import Trainer
 
 WORLDS = (2, 8, 64, 1024)
 DIAGNOSED = {"exact-64": (64, "exact"), "sketch-64": (64, "sketch"), "auto-1024": (1024, "auto")}
-ACCUMULATED = "accum-2"  # world 2, microbatches of 2: accumulation 2, the tracker across microbatches
+ACCUMULATED = (
+    "accum-2"  # world 2, microbatches of 2: accumulation 2, the tracker across microbatches
+)
 # world 8 as dp=8, 4 x cp=2 and 2 x cp=4: tests/fork_cp.py's context parallelism, its axis in the
 # mesh, diagnosed; one sequence a microbatch, so a rank's activations are one piece of one
 SPLIT = {
@@ -59,7 +61,9 @@ def real_step(runs: Path) -> dict:
     cfg, _ = parse_args(argv(runs, "--job.run_name", "real", "--diagnostics.enable", "false"))
     trainer = Trainer(cfg)
     try:
-        meter = StepMeter(trainer.device, trainer.model, trainer.optimizer, group_labels(trainer.dims, None))
+        meter = StepMeter(
+            trainer.device, trainer.model, trainer.optimizer, group_labels(trainer.dims, None)
+        )
         meter.run(1, False, lambda: trainer.train_step(1), watch=False)
         cost = meter.run(2, False, lambda: trainer.train_step(2), watch=True)
         return asdict(cost)
@@ -87,7 +91,9 @@ def main(out: str, runs: str) -> None:
             diag += ["--training.local_batch_size", "2"]
         if name in SPLIT:
             diag = SPLIT[name]
-        cfg, _ = parse_args(argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag))
+        cfg, _ = parse_args(
+            argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag)
+        )
         rehearsed[name] = rehearse(cfg)
         dist.destroy_process_group()
     model = build_meta_model(parse_args(argv(runs_dir))[0], 2048).model

@@ -89,7 +89,11 @@ def host_syncs(out_dir: str, name: str, *overrides: str) -> dict:
 
 def structure(t: Trainer) -> dict:
     units = [m for m in t.model.modules() if isinstance(m, FSDPModule)]
-    info = {"units": len(units), "micro": t.layout.grad_accum, "layers": len(t.model.layers) if units else 0}
+    info = {
+        "units": len(units),
+        "micro": t.layout.grad_accum,
+        "layers": len(t.model.layers) if units else 0,
+    }
     # units that free their gathered params after forward (FSDP's own record of it)
     info["resharding"] = sum(
         u._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None for u in units
@@ -106,7 +110,10 @@ def unsharded_grad_bytes(model) -> int:
         group = unit._get_fsdp_state()._fsdp_param_group
         for p in group.fsdp_params if group is not None else []:
             unsharded = getattr(p, "_unsharded_param", None)
-            for g in (p.unsharded_accumulated_grad, unsharded.grad if unsharded is not None else None):
+            for g in (
+                p.unsharded_accumulated_grad,
+                unsharded.grad if unsharded is not None else None,
+            ):
                 total += g.numel() * g.element_size() if g is not None else 0
     return total
 
@@ -124,7 +131,9 @@ def collectives(out_dir: str, name: str, *overrides: str) -> dict:
     with CollectiveCounter(labels, other="main") as log_count:
         t._log(3, 1.0, 1.0)
     params = sum(p.numel() for p in t.model.parameters())
-    block = sum(p.numel() for p in t.model.layers[0].parameters()) if hasattr(t.model, "layers") else 0
+    block = (
+        sum(p.numel() for p in t.model.layers[0].parameters()) if hasattr(t.model, "layers") else 0
+    )
     result = {
         "step": step_count.by_group(),
         "log": log_count.by_group(),
@@ -155,14 +164,21 @@ def main() -> None:
     results = {
         "host_syncs": {
             "fsdp_sketch": host_syncs(out_dir, "h-fsdp", *sft, "--diagnostics.method", "sketch"),
-            "ddp_exact_skip": host_syncs(out_dir, "h-ddp", *DDP, "--faults.ignore_all_labels_steps", "2,5"),
+            "ddp_exact_skip": host_syncs(
+                out_dir, "h-ddp", *DDP, "--faults.ignore_all_labels_steps", "2,5"
+            ),
             "fsdp_moe": host_syncs(out_dir, "h-moe", *MOE),
         },
         "collectives": {
             name: collectives(out_dir, f"c-{name}", *extra)
             for name, extra in {
                 "fsdp": ["--diagnostics.enable", "false"],
-                "fsdp_skip_sync": ["--diagnostics.enable", "false", "--parallelism.skip_grad_sync", "on"],
+                "fsdp_skip_sync": [
+                    "--diagnostics.enable",
+                    "false",
+                    "--parallelism.skip_grad_sync",
+                    "on",
+                ],
                 "fsdp_reshard": [
                     "--diagnostics.enable",
                     "false",
@@ -175,7 +191,12 @@ def main() -> None:
                 "fsdp_sketch": ["--diagnostics.method", "sketch", *DIAG_EVERY_STEP],
                 "ddp_exact": ["--diagnostics.method", "exact", *DIAG_EVERY_STEP, *DDP],
                 "hsdp_sketch": [*DIAG_EVERY_STEP, *HSDP],
-                "fsdp_unmeasured": ["--diagnostics.measure_first", "0", "--diagnostics.every", "500"],
+                "fsdp_unmeasured": [
+                    "--diagnostics.measure_first",
+                    "0",
+                    "--diagnostics.every",
+                    "500",
+                ],
                 "fsdp_auto_accum4": [*DIAG_EVERY_STEP, "--training.global_batch_size", "16"],
                 "fsdp_moe": ["--diagnostics.enable", "false", *MOE],
                 "fsdp_moe_reshard": [

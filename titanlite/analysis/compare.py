@@ -73,7 +73,8 @@ def config_diff(a: Run, b: Run) -> ConfigDiff:
         if va and vb and va != vb:
             out.changed.append(f"resolved {key}: {va!r} vs {vb!r}")
     streams = [
-        r.config.get("model.dropout") and r.config.get("model.dropout_masks") == "stream" for r in (a, b)
+        r.config.get("model.dropout") and r.config.get("model.dropout_masks") == "stream"
+        for r in (a, b)
     ]
     if out.layout and any(streams):
         out.changed.append(
@@ -191,7 +192,11 @@ class Comparison:
 
 
 def compare(
-    ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = None, grad_tol: float | None = None
+    ref: Run,
+    other: Run,
+    rtol: Tolerance | float,
+    steps: int | None = None,
+    grad_tol: float | None = None,
 ) -> Comparison:
     """Step-by-step comparison of `other` against `ref` over their common logged steps (the
     first `steps` if given): the loss and every loss term the model adds; and, when both runs
@@ -206,14 +211,19 @@ def compare(
         )
     last = {run.name: run.last_step() for run in (ref, other)}
     short = min((ref, other), key=Run.last_step)
-    if (steps is None and len(set(last.values())) > 1) or (steps is not None and short.last_step() < steps):
+    if (steps is None and len(set(last.values())) > 1) or (
+        steps is not None and short.last_step() < steps
+    ):
         longest = max(last.values()) if steps is None else steps
         raise UserError(
             f"{short.path}: metrics stop at step {short.last_step()}, not {longest} (still running, or "
             f"killed?); pass --steps {short.last_step()} to compare the steps both have"
         )
     end = short.last_step() if steps is None else steps
-    for run in (ref, other):  # every step from the first: a verdict over steps a run lacks is no verdict
+    for run in (
+        ref,
+        other,
+    ):  # every step from the first: a verdict over steps a run lacks is no verdict
         lacking = sorted(set(range(1, end + 1)) - set(run.metrics))
         if lacking and run.logs_every_step():
             raise UserError(
@@ -236,7 +246,10 @@ def compare(
                 _rel(ma.get("loss"), mb.get("loss")),
                 _rel(ma.get("grad_norm"), mb.get("grad_norm")),
                 {k: (da.get(k), db.get(k)) for k in DIAG_KEYS},
-                {n: ((ma.get("terms") or {}).get(n), (mb.get("terms") or {}).get(n)) for n in _terms(ma, mb)},
+                {
+                    n: ((ma.get("terms") or {}).get(n), (mb.get("terms") or {}).get(n))
+                    for n in _terms(ma, mb)
+                },
             )
         )
     tol = rtol if isinstance(rtol, Tolerance) else Tolerance(rtol)
@@ -280,9 +293,14 @@ def table(cmp: Comparison, max_rows: int | None = None) -> str:
 
 def describe(cmp: Comparison) -> str:
     """The runs' layouts and how their configs differ."""
-    lines = [f"  A = {cmp.ref.path}  [{cmp.ref.layout}]", f"  B = {cmp.other.path}  [{cmp.other.layout}]"]
+    lines = [
+        f"  A = {cmp.ref.path}  [{cmp.ref.layout}]",
+        f"  B = {cmp.other.path}  [{cmp.other.layout}]",
+    ]
     if cmp.diff.changed:
-        lines.append("  differs beyond layout (may change the curve): " + "; ".join(cmp.diff.changed))
+        lines.append(
+            "  differs beyond layout (may change the curve): " + "; ".join(cmp.diff.changed)
+        )
     if cmp.diff.layout:
         lines.append("  layout differences: " + "; ".join(cmp.diff.layout))
     return "\n".join(lines)

@@ -32,7 +32,13 @@ def launch(
     per rank, output captured, `say(seconds)` every HEARTBEAT_S while it runs; a stop of the script
     stops it (titanlite.tools.process.run_child). torchrun itself: titanlite.launch is for
     titanlite.train (its preflight reads train flags)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     return run_child([*cmd, str(script), *args], cwd=REPO, env=full_env, say=say)
 
@@ -45,11 +51,14 @@ def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:
     errors = [line for line in lines if line.startswith("titanlite: error")]
     last = (errors or lines or ["it printed nothing"])[-1]
     raise UserError(
-        f"{what} failed (exit {proc.returncode}): {last}" + (f"; their logs: {logs}" if logs else "")
+        f"{what} failed (exit {proc.returncode}): {last}"
+        + (f"; their logs: {logs}" if logs else "")
     )
 
 
-def trainers(cases: Iterable[tuple[str, list[str]]], each: Callable[[str, Any], Any]) -> dict[str, Any]:
+def trainers(
+    cases: Iterable[tuple[str, list[str]]], each: Callable[[str, Any], Any]
+) -> dict[str, Any]:
     """Inside the torchrun: per (name, trainer argv) a Trainer, `each(name, trainer)`'s result,
     the Trainer closed before the next one is built."""
     from titanlite.config import parse_args

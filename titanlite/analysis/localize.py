@@ -53,7 +53,13 @@ RUN_FLAGS = (
 
 def base_flags(step: int) -> list[str]:
     """The reference layout's run that writes the checkpoint of `step` - 1 (none at step 1)."""
-    return [*RUN_FLAGS, "--checkpoint.every", str(step - 1), "--debug.stop_after_step", str(step - 1)]
+    return [
+        *RUN_FLAGS,
+        "--checkpoint.every",
+        str(step - 1),
+        "--debug.stop_after_step",
+        str(step - 1),
+    ]
 
 
 def step_flags(step: int) -> list[str]:
@@ -118,9 +124,14 @@ def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
     for key in walk(ref):
         mine, theirs = ref["records"][key], other["records"].get(key)
         if theirs is None:
-            return Divergence(key + " (not run by the other layout)", step, 1, 1, float("inf"), "-1", tol)
+            return Divergence(
+                key + " (not run by the other layout)", step, 1, 1, float("inf"), "-1", tol
+            )
         rows = sorted(set(mine) | set(theirs), key=int)
-        gaps = {r: (apart(mine[r], theirs[r]) if r in mine and r in theirs else float("inf")) for r in rows}
+        gaps = {
+            r: (apart(mine[r], theirs[r]) if r in mine and r in theirs else float("inf"))
+            for r in rows
+        }
         bad = {r: g for r, g in gaps.items() if not g <= tol}
         if bad:
             row = max(bad, key=bad.get)

@@ -32,7 +32,12 @@ from torch.distributed.tensor import DTensor
 
 from titanlite.components.checkpoint.hf_export import export_hf
 from titanlite.components.checkpoint.hf_load import DERIVED_BUFFERS, load_hf_weights
-from titanlite.components.loss import LossBalancer, forward_backward, sequence_losses, step_statistics
+from titanlite.components.loss import (
+    LossBalancer,
+    forward_backward,
+    sequence_losses,
+    step_statistics,
+)
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
@@ -143,7 +148,8 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     path = replace(meta.loss_path(), chunk=0)
     balancer = LossBalancer("global", None, 1, len(micro))
     balancer.begin_step(
-        [b.labels for b in micro], step_statistics(model, micro, balancer) if path.statistics else None
+        [b.labels for b in micro],
+        step_statistics(model, micro, balancer) if path.statistics else None,
     )
     sums: dict[str, torch.Tensor] = {}
     for m, b in enumerate(micro):
@@ -177,7 +183,9 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
     cfg.training.local_batch_size = GLOBAL_BATCH // (dp * case.accum)
     cfg.data.packing = case.packed
     layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce)
+    dims = ParallelDims.build(
+        layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce
+    )
     meta = build_meta_model(cfg, 0)
     model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
     init = weights_hash(model)
@@ -199,7 +207,9 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
     for name, p in unwrap(model).named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref[canonical_name(name)]
-        scale = want.norm() if want.norm() > 0 else whole  # a parameter the reference leaves untouched
+        scale = (
+            want.norm() if want.norm() > 0 else whole
+        )  # a parameter the reference leaves untouched
         rel = max(rel, ((g - want).norm() / scale).item())
     return {
         **asdict(case),
@@ -240,17 +250,32 @@ def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
             errs = {name: _rel(c["logged"].get(name), want) for name, want in c["ref"].items()}
             ok = c["max_rel_err"] <= TOL and errs["loss"] <= TOL
             out.append(
-                (f"gradient {where}", ok, f"gradient {c['max_rel_err']:.1e}, loss {errs['loss']:.1e} {tol}")
+                (
+                    f"gradient {where}",
+                    ok,
+                    f"gradient {c['max_rel_err']:.1e}, loss {errs['loss']:.1e} {tol}",
+                )
             )
-            for name in sorted(set(c["ref"]) - {"loss"}):  # each term the model adds, on its own line
+            for name in sorted(
+                set(c["ref"]) - {"loss"}
+            ):  # each term the model adds, on its own line
                 out.append((f"term {name} {where}", errs[name] <= TOL, f"{errs[name]:.1e} {tol}"))
             for name in sorted(set(c["logged"]) - set(c["ref"])):
                 out.append(
-                    (f"term {name} {where}", False, "logged here but not returned by one process's forward")
+                    (
+                        f"term {name} {where}",
+                        False,
+                        "logged here but not returned by one process's forward",
+                    )
                 )
     ref = results[0]["ref_hash"] if results else ""
     differ = sorted(
-        {f"dp={res['world']} {c['mode']}" for res in results for c in res["cases"] if c["init_hash"] != ref}
+        {
+            f"dp={res['world']} {c['mode']}"
+            for res in results
+            for c in res["cases"]
+            if c["init_hash"] != ref
+        }
     )
     out.append(
         ("initial weights", not differ, "equal to one process's at every layout" if not differ else
@@ -349,7 +374,9 @@ def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         finally:
             for n, p in params.items():
                 p.copy_(kept[n])
-        return {k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()}
+        return {
+            k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()
+        }
 
 
 def main() -> None:

@@ -92,7 +92,17 @@ def _pointwise(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     y = F.silu(a) * b
     y.backward(_exact(gen, TOKENS, HIDDEN, grad=False))
     x = _exact(gen, 4099, grad=False) * 8
-    return y, a.grad, b.grad, x.exp(), x.abs().log1p(), x.cos(), x.sin(), x.abs().pow(0.37), x.tanh()
+    return (
+        y,
+        a.grad,
+        b.grad,
+        x.exp(),
+        x.abs().log1p(),
+        x.cos(),
+        x.sin(),
+        x.abs().pow(0.37),
+        x.tanh(),
+    )
 
 
 def _cross_entropy(gen: torch.Generator) -> tuple[torch.Tensor, ...]:

@@ -108,7 +108,9 @@ def plot_invariance(comparisons: list[Comparison], path: Path) -> None:
     bottom.plot([r.step for r in first.rows], [first.rtol_at(r) for r in first.rows], color="red", ls=":",
                 label=f"tolerance ({first.rtol})")  # fmt: skip
     bottom.set_yscale("log")
-    bottom.set_ylabel(f"relative loss difference to {ref.name}\n(equal losses drawn at 1e-12)", fontsize=8)
+    bottom.set_ylabel(
+        f"relative loss difference to {ref.name}\n(equal losses drawn at 1e-12)", fontsize=8
+    )
     _whole_steps(bottom)
     top.set_ylabel("training loss")
     top.legend(fontsize=7)

@@ -69,7 +69,9 @@ class Run:
 
     def logs_every_step(self) -> bool:
         """Whether metrics.jsonl should hold every step: a row per step, or a log every step."""
-        return self.config.get("metrics.log_every") == 1 or any("row" in r for r in self.metrics.values())
+        return self.config.get("metrics.log_every") == 1 or any(
+            "row" in r for r in self.metrics.values()
+        )
 
 
 def load_run(path: str | Path) -> Run:
@@ -78,7 +80,9 @@ def load_run(path: str | Path) -> Run:
         raise UserError(f"{path}: no such run folder")
     cfg_file, metrics_file = path / "config.toml", path / "metrics.jsonl"
     if not cfg_file.is_file():
-        raise UserError(f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)")
+        raise UserError(
+            f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)"
+        )
     if not metrics_file.is_file():
         raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
     raw = read_toml(cfg_file, "a run writes it whole as it starts")
@@ -86,9 +90,13 @@ def load_run(path: str | Path) -> Run:
     # A key added to titanlite after the run was written had its default value then.
     defaults = tomllib.loads(to_toml(with_plugins()))
     merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
-    config = {f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()}
+    config = {
+        f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()
+    }
     resolved = (
-        read_json(path / "run.json", "it is written as a run starts") if (path / "run.json").is_file() else {}
+        read_json(path / "run.json", "it is written as a run starts")
+        if (path / "run.json").is_file()
+        else {}
     )
     metrics = {r["step"]: r for r in read_records(metrics_file, cut_off="refuse") if "step" in r}
     if not metrics:
@@ -97,7 +105,11 @@ def load_run(path: str | Path) -> Run:
     diag = {r["step"]: r for r in read_records(diag_file) if "step" in r}
     eval_file = path / "eval.jsonl"
     evals = {r["step"]: r for r in read_records(eval_file) if "step" in r}
-    prints = read_json(path / FILE, "it is written whole by the run") if (path / FILE).is_file() else None
+    prints = (
+        read_json(path / FILE, "it is written whole by the run")
+        if (path / FILE).is_file()
+        else None
+    )
     return Run(path, config, resolved, metrics, diag, evals, prints)
 
 
@@ -119,7 +131,9 @@ def differences(runs: list[Run]) -> list[str]:
     for key in keys:
         values = [r.config.get(key, "<unset>") for r in runs]
         if any(v != values[0] for v in values[1:]):
-            lines.append(f"  {key}: " + ", ".join(f"{n} {v!r}" for n, v in zip(names, values, strict=True)))
+            lines.append(
+                f"  {key}: " + ", ".join(f"{n} {v!r}" for n, v in zip(names, values, strict=True))
+            )
     return lines
 
 
@@ -170,7 +184,9 @@ def overview(runs: list[Run], out_dir: Path) -> str:
         )
     lines += same_curves(runs)
     (out_dir / "runs.txt").write_text("\n".join(lines) + "\n")
-    record = [{"run": str(r.path), "label": n, **e} for n, r, e in zip(names, runs, ends, strict=True)]
+    record = [
+        {"run": str(r.path), "label": n, **e} for n, r, e in zip(names, runs, ends, strict=True)
+    ]
     (out_dir / "runs.json").write_text(json.dumps({"runs": record, "differences": diff}, indent=1))
     plot_runs(runs, out_dir / "runs.png")
     lines.append(f"table, JSON and plot: {out_dir}/{{runs.txt,runs.json,runs.png}}")

@@ -63,7 +63,9 @@ DEFAULT_TOLERANCE = {
 def default_tolerance(runs: list[Any]) -> Tolerance:
     """The loosest tolerance of the runs' parameter dtypes (`param_dtype`; unknown counts as bf16)."""
     bf16 = DEFAULT_TOLERANCE["bfloat16"]
-    return max((DEFAULT_TOLERANCE.get(r.param_dtype, bf16) for r in runs), key=lambda t: t.at(1_000_000))
+    return max(
+        (DEFAULT_TOLERANCE.get(r.param_dtype, bf16) for r in runs), key=lambda t: t.at(1_000_000)
+    )
 
 
 # The gradient verdict: each parameter's reduced gradient at the first compared step, where both

@@ -40,7 +40,9 @@ from titanlite.tools.seeds import sample_seed
 logger = logging.getLogger("titanlite")
 
 
-def build_evaluator(cfg: JobConfig, dims: ParallelDims, tokenizer, path: LossPath) -> Evaluator | None:
+def build_evaluator(
+    cfg: JobConfig, dims: ParallelDims, tokenizer, path: LossPath
+) -> Evaluator | None:
     """The run's evaluator ([eval]), None without an eval set; rank 0 says what it evaluates.
     `path`: the model's loss path at eval's batch (MetaModel.loss_path(evaluating=True))."""
     data = build_eval_dataset(cfg, tokenizer)
@@ -88,7 +90,9 @@ class Evaluator:
         """The eval's record ({"step", "loss", "perplexity", "tokens", "sequences", "seconds"})
         and the decoded eval.prompts ({"prompt", "text"}); every rank calls it in lockstep."""
         began = time.perf_counter()
-        with heartbeat(lambda t: logger.info(f"eval step {step}: still scoring the eval set ({t:.0f}s)")):
+        with heartbeat(
+            lambda t: logger.info(f"eval step {step}: still scoring the eval set ({t:.0f}s)")
+        ):
             rec = {"step": step, **self.loss(model), "seconds": time.perf_counter() - began}
         e = self.cfg.eval
         if not e.prompts:
@@ -129,7 +133,9 @@ class Evaluator:
         """{"loss", "perplexity", "tokens", "sequences"}; every rank calls it."""
         was_training = model.training
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.dims.device)  # loss sum, valid tokens
+        totals = torch.zeros(
+            2, dtype=torch.float64, device=self.dims.device
+        )  # loss sum, valid tokens
         rounds = math.ceil(len(self.dataset) / (self.batch_size * self.dims.dp_size))
         try:
             for r in range(rounds):

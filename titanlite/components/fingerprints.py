@@ -54,14 +54,18 @@ class Recorder:
     """Hooks on every module of `model` for one step. Wrap the step's loss function with
     `losses`, call `parameters` after backward (before clipping), then `gather`."""
 
-    def __init__(self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], step: int = 1) -> None:
+    def __init__(
+        self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], step: int = 1
+    ) -> None:
         """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`."""
         self.rows_of, self.step = rows, step
         self.records: dict[str, dict[int, list[float]]] = {}
         self.order: list[str] = []
         self._rows: list[int] = []
         self._micro = 0
-        self._positions = 0  # the microbatch's sequence positions (a token-major output's rows per sequence)
+        self._positions = (
+            0  # the microbatch's sequence positions (a token-major output's rows per sequence)
+        )
         self._forward = False
         self._calls: Counter[str] = Counter()
         self._handles: list[RemovableHandle] = []
@@ -91,7 +95,9 @@ class Recorder:
                 self.order.append(key)
         table = self.records[key]
         for row, vec in zip(rows, summary(t, len(rows)), strict=True):
-            table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
+            table[row] = (
+                [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
+            )
 
     def _hook(self, label: str):
         def hook(_module, _args, out) -> None:
@@ -152,7 +158,9 @@ class Recorder:
             for key, table in theirs.items():
                 into = merged.setdefault(key, {})
                 for row, vec in table.items():
-                    into[row] = [a + b for a, b in zip(into[row], vec, strict=True)] if row in into else vec
+                    into[row] = (
+                        [a + b for a, b in zip(into[row], vec, strict=True)] if row in into else vec
+                    )
         return {"order": self.order, "records": merged, "loss": float(loss)}
 
 

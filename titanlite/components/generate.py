@@ -40,7 +40,9 @@ def max_seq_len(model: nn.Module) -> int:
     """The longest input the model takes (its args.max_seq_len: RoPE tables end there)."""
     args = getattr(unwrap(model), "args", None)
     if args is None or not hasattr(args, "max_seq_len"):
-        raise ValueError("generate needs model.args.max_seq_len (the longest input the model takes)")
+        raise ValueError(
+            "generate needs model.args.max_seq_len (the longest input the model takes)"
+        )
     return args.max_seq_len
 
 
@@ -85,7 +87,9 @@ def generate(
     are broadcast from its rank `src` (module doc). The model runs in eval mode, then as it was.
     """
     if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}")
+        raise ValueError(
+            f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}"
+        )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     limit = max_seq_len(model)
@@ -159,7 +163,9 @@ def _uncached(
             break
         batch, lengths = _batch(seqs, active)
         logits = model(batch.to(device))
-        last = logits[torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1]
+        last = logits[
+            torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1
+        ]
         for i, token in zip(active, pick(last), strict=True):
             seqs[i].append(token)
             outs[i].append(token)

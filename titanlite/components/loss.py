@@ -87,7 +87,9 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
     alone: a [B] tensor, or ([B] tensor, {name: [B] tensor})."""
     n = batch.labels.shape[0]
     ce, terms = (
-        (out, {}) if isinstance(out, torch.Tensor) else (out if isinstance(out, tuple) else (None, None))
+        (out, {})
+        if isinstance(out, torch.Tensor)
+        else (out if isinstance(out, tuple) else (None, None))
     )
     bad = None
     if not isinstance(ce, torch.Tensor) or ce.shape != (n,) or not isinstance(terms, dict):
@@ -95,9 +97,7 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
     else:
         for name, t in terms.items():
             if not (isinstance(name, str) and name.isidentifier() and name not in RESERVED):
-                bad = (
-                    f"named a term {name!r} (a term is a Python identifier other than {', '.join(RESERVED)})"
-                )
+                bad = f"named a term {name!r} (a term is a Python identifier other than {', '.join(RESERVED)})"
             elif not isinstance(t, torch.Tensor) or t.shape != (n,):
                 bad = f"returned term {name!r} as {getattr(t, 'shape', type(t).__name__)}"
     if bad:
@@ -119,7 +119,9 @@ def sequence_losses(
     if step is not None and path.step:
         extra["step"] = step
     if path.own:
-        return model_losses(model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra), batch)
+        return model_losses(
+            model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra), batch
+        )
     return SequenceLosses(cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels), {})
 
 
@@ -131,7 +133,9 @@ def _inputs(batch: Microbatch) -> dict[str, torch.Tensor]:
     return extra
 
 
-def step_statistics(model: torch.nn.Module, micro: list[Microbatch], balancer: LossBalancer) -> torch.Tensor:
+def step_statistics(
+    model: torch.nn.Module, micro: list[Microbatch], balancer: LossBalancer
+) -> torch.Tensor:
     """The statistics pass (titanlite.models.step, pattern 2): this rank's sum over its
     microbatches of what the model's counting forward returns, without gradient."""
     total = None
@@ -171,7 +175,9 @@ class LossBalancer:
         self._works: list[dist.Work] = []
         self._local_counts: list[torch.Tensor] = []
 
-    def begin_step(self, labels: list[torch.Tensor], statistics: torch.Tensor | None = None) -> None:
+    def begin_step(
+        self, labels: list[torch.Tensor], statistics: torch.Tensor | None = None
+    ) -> None:
         """Count this rank's valid tokens of every microbatch and start the global all-reduce;
         `statistics` (the step-statistics pass's sum on this rank) joins it: one collective
         when they are integers, as counts are, else a second one beside it."""
@@ -209,7 +215,13 @@ class LossBalancer:
     def context(self, micro: int, counting: bool = False) -> StepContext:
         """Microbatch `micro`'s view of the step (titanlite.models.step)."""
         return StepContext(
-            self.dp_group, self._ranks, micro, self.grad_accum, counting, self.global_tokens, self.statistics
+            self.dp_group,
+            self._ranks,
+            micro,
+            self.grad_accum,
+            counting,
+            self.global_tokens,
+            self.statistics,
         )
 
     def scale(self, loss_sum: torch.Tensor, micro: int) -> torch.Tensor:

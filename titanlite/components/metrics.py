@@ -124,7 +124,9 @@ class MetricsWriter:
         rank0 = run_dir if dist.get_rank() == 0 else None
         tb = cfg.metrics.enable_tensorboard
         writer = cls(rank0, cfg.training.steps, tb, purge, cfg, checkpoints, on_failure)
-        if rank0 is not None and resume is not None:  # the summary's "before", evaluated by the first launch
+        if (
+            rank0 is not None and resume is not None
+        ):  # the summary's "before", evaluated by the first launch
             starts = [r for r in read_records(run_dir / "eval.jsonl") if r.get("step") == 0]
             writer.tally.start_eval = starts[-1] if starts else None
         return writer
@@ -203,9 +205,12 @@ class MetricsWriter:
             return
         # repr: whitespace and control characters stay visible (a model that emits only
         # newlines prints '\n\n...', not an empty string)
-        logger.info(f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}")
+        logger.info(
+            f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}"
+        )
         self._append(
-            "samples.jsonl", [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)]
+            "samples.jsonl",
+            [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)],
         )
         for i, sample in enumerate(samples):
             self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
@@ -223,12 +228,24 @@ class MetricsWriter:
             self._append("events.jsonl", [alert.to_dict()])
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
-    def finish(self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]) -> None:
+    def finish(
+        self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]
+    ) -> None:
         """The run's closing lines (components/summary.py), on rank 0; one line elsewhere."""
         if self.run_dir is not None:
-            quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
+            quiet = (
+                quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
+            )
             lines = summary_lines(
-                self.tally, first, last, seconds, self.run_dir, checkpoints, exports, self.tensorboard, quiet
+                self.tally,
+                first,
+                last,
+                seconds,
+                self.run_dir,
+                checkpoints,
+                exports,
+                self.tensorboard,
+                quiet,
             )
             for line in lines:
                 logger.info(line)
@@ -280,13 +297,17 @@ class TensorBoard:
             self._writer.flush()
         except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
             if isinstance(e, FileNotFoundError) and not self.run_dir.is_dir():
-                raise TrainingError(self.files.gone()) from None  # the run folder itself, moved or removed
+                raise TrainingError(
+                    self.files.gone()
+                ) from None  # the run folder itself, moved or removed
             if not isinstance(e, FileNotFoundError):
                 room = isinstance(e, OSError) and e.errno in NO_ROOM
                 raise TrainingError(
                     f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
                     + self.files.what_was_kept(
-                        "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
+                        "make room"
+                        if room
+                        else "mend that, or set metrics.enable_tensorboard = false"
                     )
                 ) from None
             with contextlib.suppress(Exception):  # the broken writer's own close fails the same way

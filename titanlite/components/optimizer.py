@@ -22,7 +22,9 @@ def param_groups(model: nn.Module, cfg: JobConfig) -> list[dict]:
     tables (a tied output head is the embedding): decay would pull a norm's gain, or the row of
     a rarely seen token, toward 0 for no regularising gain. Each group says whether it decays
     ("decay"), so a resumed run's hyperparameters can be set group by group."""
-    embeddings = {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embeddings = {
+        id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
     decay, exempt = [], []
     for p in model.parameters():  # each tied parameter once
         spared = p.ndim < 2 or (id(p) in embeddings and not cfg.optimizer.weight_decay_embeddings)
@@ -55,7 +57,9 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
     if s.decay_type == "constant" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 1.0 - progress if s.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = (
+        1.0 - progress if s.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    )
     return s.min_lr_factor + (1.0 - s.min_lr_factor) * decay
 
 
@@ -73,11 +77,18 @@ def continue_schedule(
     lr = o.lr * lr_factor(position, cfg)
     for group in optimizer.param_groups:
         decay = o.weight_decay if group.get("decay", True) else 0.0
-        group.update(lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay)
+        group.update(
+            lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay
+        )
     n = len(optimizer.param_groups)
     # Through its state dict: LambdaLR.step() here would warn that it ran before optimizer.step().
     scheduler.load_state_dict(
-        {**scheduler.state_dict(), "base_lrs": [o.lr] * n, "last_epoch": position, "_last_lr": [lr] * n}
+        {
+            **scheduler.state_dict(),
+            "base_lrs": [o.lr] * n,
+            "last_epoch": position,
+            "_last_lr": [lr] * n,
+        }
     )
 
 

@@ -34,7 +34,9 @@ class SpikeVerdict(NamedTuple):
 
 
 class SpikeGuard:
-    def __init__(self, cfg: SpikeGuardConfig, device: torch.device, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self, cfg: SpikeGuardConfig, device: torch.device, group: dist.ProcessGroup | None
+    ) -> None:
         self.cfg = cfg
         self.metric = cfg.skip  # "off", "grad_norm" or "loss"
         self.enabled = self.metric != "off"
@@ -46,11 +48,15 @@ class SpikeGuard:
         self.consecutive = torch.zeros((), dtype=torch.int64, device=device)
         self._slots = torch.arange(cfg.window, device=device)
 
-    def check(self, loss_share: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor) -> torch.Tensor:
+    def check(
+        self, loss_share: torch.Tensor, grad_norm: torch.Tensor, skipped: torch.Tensor
+    ) -> torch.Tensor:
         """Every rank, every step, before the optimizer step. `skipped`: the step is skipped for
         another reason (no valid token, non-finite norm). Returns [spike, value, threshold,
         consecutive spikes] (float64, device); the spike flag is the same on every rank."""
-        if self.metric == "loss":  # the global loss: the ranks' shares summed (one scalar all-reduce)
+        if (
+            self.metric == "loss"
+        ):  # the global loss: the ranks' shares summed (one scalar all-reduce)
             value = loss_share.detach().double().clone()
             if self.group is not None:
                 dist.all_reduce(value, group=self.group)
@@ -65,7 +71,9 @@ class SpikeGuard:
         spike = (known >= self.min_history) & (value > threshold) & ~skipped
         keep = ~(spike | skipped)
         slot = (self.count % self.history.numel()).view(1)
-        self.history.index_copy_(0, slot, torch.where(keep, value, self.history.index_select(0, slot)))
+        self.history.index_copy_(
+            0, slot, torch.where(keep, value, self.history.index_select(0, slot))
+        )
         self.count += keep.long()
         self.consecutive.copy_(torch.where(spike, self.consecutive + 1, 0))
         return torch.stack([spike.double(), value, threshold, self.consecutive.double()])

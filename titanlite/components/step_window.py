@@ -43,7 +43,9 @@ class WindowRecord:
     def trained_losses(self) -> list[float]:
         """The losses of the steps whose update was applied: a skipped step's loss is 0 (no
         token) or meaningless, and must not pull the window's mean down."""
-        return [loss for loss, skipped in zip(self.losses, self.skipped, strict=True) if not skipped]
+        return [
+            loss for loss, skipped in zip(self.losses, self.skipped, strict=True) if not skipped
+        ]
 
     @property
     def loss_mean(self) -> float | None:
@@ -61,7 +63,11 @@ class WindowRecord:
                 )
         for s, empty, skipped in zip(self.steps, self.empty, self.skipped, strict=True):
             if skipped and s not in spike_steps:
-                why = "no valid token in the whole global batch" if empty else "a non-finite gradient norm"
+                why = (
+                    "no valid token in the whole global batch"
+                    if empty
+                    else "a non-finite gradient norm"
+                )
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
 
     def rows(self, window_s: float, elapsed_s: float, run: RunRates) -> list[dict]:
@@ -79,7 +85,13 @@ class WindowRecord:
                 "skipped": skipped,
             }
             for s, loss, skipped, norm, tokens, lr in zip(
-                self.steps, self.losses, self.skipped, self.grad_norms, self.tokens, self.lrs, strict=True
+                self.steps,
+                self.losses,
+                self.skipped,
+                self.grad_norms,
+                self.tokens,
+                self.lrs,
+                strict=True,
             )
         ]
         for row, terms in zip(rows, self.terms or (), strict=False):
@@ -129,7 +141,9 @@ class StepWindow:
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
-        self._said = self._added = time.monotonic()  # the last line the console showed; the last step added
+        self._said = self._added = (
+            time.monotonic()
+        )  # the last line the console showed; the last step added
 
     def add(
         self,
@@ -166,7 +180,9 @@ class StepWindow:
         now = time.monotonic()
         last, self._added = now - self._added, now
         if now - self._said + last >= HEARTBEAT_S:
-            logger.info(f"at step {step}; its figures show at the next log step (metrics.log_every)")
+            logger.info(
+                f"at step {step}; its figures show at the next log step (metrics.log_every)"
+            )
             self._said = now
 
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:

@@ -78,7 +78,9 @@ class RunTally:
     last: dict[str, Any] | None = None  # the newest metrics record
     last_eval: dict[str, Any] | None = None
     start_eval: dict[str, Any] | None = None  # the model as loaded (eval.at_start: step 0)
-    alerts: Counter = field(default_factory=Counter)  # alert name -> how many this invocation raised
+    alerts: Counter = field(
+        default_factory=Counter
+    )  # alert name -> how many this invocation raised
     notes: Counter = field(default_factory=Counter)  # the same for notes (batch_size_advice)
     last_diag: dict[str, Any] | None = None  # the newest measured step's diagnostics record
     skipped: int = 0  # steps skipped (no token, non-finite, a spike) by this invocation
@@ -101,7 +103,9 @@ def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str 
         return None
     on = f"fault switches on ({', '.join(faults)})"
     if diag is None:
-        return f"{on}, but the diagnostics measured no step (they need diagnostics.enable and dp >= 2)"
+        return (
+            f"{on}, but the diagnostics measured no step (they need diagnostics.enable and dp >= 2)"
+        )
     world = len(diag.get("rank_loss", ()))  # the data-parallel ranks it measured
     short = history_note(cfg.alerts, cfg.diagnostics.measured_steps(last), world)
     return f"{on}: {short}" if short else f"{on}, and every alert had the history to judge"
@@ -156,7 +160,9 @@ def summary_lines(
             f"{e['perplexity']:.2f} (the model as loaded -> at step {e['step']})"
         )
     elif e is not None:
-        lines.append(f"eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f} at step {e['step']}")
+        lines.append(
+            f"eval loss {e['loss']:.4f}, perplexity {e['perplexity']:.2f} at step {e['step']}"
+        )
     if tally.alerts:
         names = ", ".join(f"{name} x{k}" for name, k in sorted(tally.alerts.items()))
         lines.append(
@@ -165,7 +171,9 @@ def summary_lines(
     else:
         lines.append("alerts: none" + (f"; {quiet}" if quiet else ""))
     if tally.skipped:
-        lines.append(f"skipped steps: {tally.skipped} (no valid token, a non-finite gradient or a spike)")
+        lines.append(
+            f"skipped steps: {tally.skipped} (no valid token, a non-finite gradient or a spike)"
+        )
     diag = tally.last_diag or {}
     noise = diag.get("noise_scale_tokens")
     if noise is not None and diag.get("batch_tokens"):

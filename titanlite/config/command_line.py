@@ -64,7 +64,9 @@ def words(argv: list[str]) -> list[tuple[str, str | None]]:
         elif name == "config":
             raise UserError("--config has no value; write --config path/to/file.toml")
         elif arg == REHEARSE:
-            raise UserError("--rehearse has no value; write --rehearse W (the number of ranks to rehearse)")
+            raise UserError(
+                "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
+            )
         else:
             raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
     return out
@@ -87,7 +89,9 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
             f"--config is given {len(files)} times ({', '.join(repr(f) for f in files)}); pass one file"
         )
     if files and not (files[0] or "").strip():
-        raise UserError("--config is empty; pass a .toml file, or leave --config out for the default config")
+        raise UserError(
+            "--config is empty; pass a .toml file, or leave --config out for the default config"
+        )
     return files[0] if files else None
 
 
@@ -108,7 +112,9 @@ def launcher_words(argv: list[str]) -> list[str]:
     path = _config_file(pairs)
     rehearse = [n for n, _ in pairs if n in ("rehearse", "rehearsal.world")]
     if len(rehearse) > 1:
-        raise UserError("--rehearse (or --rehearsal.world) is given more than once; give one --rehearse W")
+        raise UserError(
+            "--rehearse (or --rehearsal.world) is given more than once; give one --rehearse W"
+        )
     out = ["--config", resolved(path) if path is not None else str(ROOT / DEFAULT_CONFIG)]
     for name, value in pairs:
         if name in HELP_FLAGS or name == "config":
@@ -133,7 +139,9 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     for name, times in Counter(n for n, _ in given).items():  # the last applies: said, not silent
         if times > 1 and notes is not None:
             last = next(v for n, v in reversed(given) if n == name)
-            notes.append(f"--{name} is given {times} times on the command line: the last, {last!r}, applies")
+            notes.append(
+                f"--{name} is given {times} times on the command line: the last, {last!r}, applies"
+            )
     cfg = load_config(path, overrides, notes)
     resolve_paths(cfg)
     return cfg, path
@@ -177,7 +185,9 @@ def resolve_paths(cfg: Any, how: Callable[[str], str] = resolved) -> None:
             elif kind == "mixture":
                 items = mixture_items(value)
                 if any(how(n) != n for n, _ in items):  # else as typed, weights and all
-                    joined = ",".join(how(n) + (f":{w!r}" if w is not None else "") for n, w in items)
+                    joined = ",".join(
+                        how(n) + (f":{w!r}" if w is not None else "") for n, w in items
+                    )
                     setattr(section, f.name, joined)
 
 

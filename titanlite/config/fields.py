@@ -53,7 +53,11 @@ def opt(
 def schedule(default: int, what: str, note: str = "") -> Any:
     """A schedule field: `what` happens after steps N, 2N, 3N, ... (N its value); 0: never.
     What happens once at the start or the end of a run is a switch of its own (e.g. at_end)."""
-    return opt(default, f"{what} every this many steps; 0: never" + (f"; {note}" if note else ""), at_least=0)
+    return opt(
+        default,
+        f"{what} every this many steps; 0: never" + (f"; {note}" if note else ""),
+        at_least=0,
+    )
 
 
 def due(step: int, every: int) -> bool:

@@ -24,7 +24,8 @@ class Job:
     description: str = opt("", "free text, copied into the run folder's config")
     dump_folder: str = opt("./outputs", "folder that holds one run folder per run", path="file")
     run_name: str = opt(
-        "", "run folder inside dump_folder (sweep/run-1 nests one); empty: <config name>-<date>-<time>"
+        "",
+        "run folder inside dump_folder (sweep/run-1 nests one); empty: <config name>-<date>-<time>",
     )
 
 
@@ -43,7 +44,10 @@ class Model:
         path="file",
     )
     builtin_vocab_size: int = opt(
-        2048, "vocabulary of the built-in tokenizer (trained, cached)", at_least=256, at_most=1 << 18
+        2048,
+        "vocabulary of the built-in tokenizer (trained, cached)",
+        at_least=256,
+        at_most=1 << 18,
     )
     vocab_size: int = opt(
         0,
@@ -52,7 +56,10 @@ class Model:
     )
     import_module: str = opt("", "module imported first so it can register models (forks)")
     dropout: float = opt(
-        0.0, "dropout on residual branches (models whose args have `dropout`)", at_least=0.0, below=1.0
+        0.0,
+        "dropout on residual branches (models whose args have `dropout`)",
+        at_least=0.0,
+        below=1.0,
     )
     dropout_masks: str = opt(
         "stream",
@@ -72,14 +79,18 @@ class Optimizer:
     weight_decay: float = opt(
         0.1, "decoupled weight decay of matrices (never of norms and biases)", at_least=0.0
     )
-    weight_decay_embeddings: bool = opt(False, "decay embedding tables (and a tied output head) too")
+    weight_decay_embeddings: bool = opt(
+        False, "decay embedding tables (and a tied output head) too"
+    )
 
 
 @dataclass
 class LRScheduler:
     warmup_steps: int = opt(200, "linear warmup steps from lr/warmup_steps to lr", at_least=0)
     decay_type: str = opt("cosine", "decay after warmup", choices=("cosine", "linear", "constant"))
-    min_lr_factor: float = opt(0.0, "final lr as a fraction of the peak lr", at_least=0.0, at_most=1.0)
+    min_lr_factor: float = opt(
+        0.0, "final lr as a fraction of the peak lr", at_least=0.0, at_most=1.0
+    )
 
 
 @dataclass
@@ -90,8 +101,12 @@ class SpikeGuard:
         choices=("off", "grad_norm", "loss"),
     )
     k: float = opt(6.0, "standard deviations above the recent mean that make a spike", above=0.0)
-    window: int = opt(100, "applied steps whose values form the history", at_least=1, at_most=STEPS_MAX)
-    min_history: int = opt(20, "values it needs before it judges a step", at_least=1, at_most=STEPS_MAX)
+    window: int = opt(
+        100, "applied steps whose values form the history", at_least=1, at_most=STEPS_MAX
+    )
+    min_history: int = opt(
+        20, "values it needs before it judges a step", at_least=1, at_most=STEPS_MAX
+    )
     max_consecutive: int = opt(3, "skips in a row allowed; one more stops the run", at_least=0)
 
 
@@ -101,12 +116,19 @@ class Training:
     local_batch_size: int = opt(8, "sequences per microbatch per rank", at_least=1)
     seq_len: int = opt(2048, "tokens per sequence", at_least=1)
     steps: int = opt(10, "optimizer steps to run", at_least=1)
-    max_norm: float = opt(1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0.0)
-    seed: int = opt(42, "seed of init, data order and everything random", at_least=0, at_most=2**63 - 1)
-    deterministic: bool = opt(
-        False, "bitwise repeatable GPU runs: deterministic algorithms, a fixed cuBLAS workspace (slower)"
+    max_norm: float = opt(
+        1.0, "clip the global gradient norm to this; 0 disables clipping", at_least=0.0
     )
-    device: str = opt("auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda"))
+    seed: int = opt(
+        42, "seed of init, data order and everything random", at_least=0, at_most=2**63 - 1
+    )
+    deterministic: bool = opt(
+        False,
+        "bitwise repeatable GPU runs: deterministic algorithms, a fixed cuBLAS workspace (slower)",
+    )
+    device: str = opt(
+        "auto", "auto: cuda when available, else cpu", choices=("auto", "cpu", "cuda")
+    )
     mixed_precision_param: str = opt(
         "auto",
         "dtype of params in forward/backward; auto: bfloat16 on cuda, float32 on cpu",
@@ -164,13 +186,18 @@ class Data:
         "'a:0.7,b:0.3'; empty: built-in stdlib data",
         path="mixture",
     )
-    text_field: str = opt("text", "the field (jsonl) or column (parquet, arrow) that holds a document's text")
+    text_field: str = opt(
+        "text", "the field (jsonl) or column (parquet, arrow) that holds a document's text"
+    )
     cache_dir: str = opt(
         "", "tokenizer and token caches; empty: $TITANLITE_CACHE or ~/.cache/titanlite", path="file"
     )
-    num_workers: int = opt(0, "StatefulDataLoader worker processes per rank", at_least=0, at_most=64)
+    num_workers: int = opt(
+        0, "StatefulDataLoader worker processes per rank", at_least=0, at_most=64
+    )
     packing: bool = opt(
-        False, "sft: pack several records per sequence; attention and RoPE positions restart at each record"
+        False,
+        "sft: pack several records per sequence; attention and RoPE positions restart at each record",
     )
     document_mask: bool = opt(
         False, "pretrain: attention stays within each document and RoPE positions restart at each"
@@ -184,10 +211,13 @@ class Data:
 @dataclass
 class Eval:
     fraction: float = opt(
-        0.0, "hold out this fraction of the data's sequences (sft: records) as the eval set; never trained on"
+        0.0,
+        "hold out this fraction of the data's sequences (sft: records) as the eval set; never trained on",
     )
     path: str = opt(
-        "", "eval data of its own (prepared folder or raw files, no mixture); not with fraction", path="file"
+        "",
+        "eval data of its own (prepared folder or raw files, no mixture); not with fraction",
+        path="file",
     )
     every: int = schedule(0, "evaluate")
     at_end: bool = opt(True, "also evaluate after the last step")
@@ -215,7 +245,10 @@ class Eval:
     sample_tokens: int = opt(64, "new tokens decoded per prompt", at_least=1, at_most=1 << 16)
     temperature: float = opt(0.0, "sampling temperature of the prompts; 0: greedy", at_least=0.0)
     top_p: float = opt(
-        0.9, "nucleus sampling: the smallest set of tokens with this much probability", above=0.0, at_most=1.0
+        0.9,
+        "nucleus sampling: the smallest set of tokens with this much probability",
+        above=0.0,
+        at_most=1.0,
     )
 
 
@@ -252,11 +285,15 @@ class Metrics:
 class Checkpoint:
     every: int = schedule(0, "save a checkpoint")
     at_end: bool = opt(False, "also save a checkpoint after the last step")
-    folder: str = opt("checkpoints", "where checkpoints live; a relative path is inside the run folder")
+    folder: str = opt(
+        "checkpoints", "where checkpoints live; a relative path is inside the run folder"
+    )
     keep_latest_k: int = opt(
         2, "complete checkpoints kept (older ones are deleted after a save); 0: all", at_least=0
     )
-    load_step: int = opt(-1, "resume from this step's checkpoint; -1: the newest complete one, if any")
+    load_step: int = opt(
+        -1, "resume from this step's checkpoint; -1: the newest complete one, if any"
+    )
     async_mode: str = opt(
         "off",
         "off: training waits for the write; async: it waits only for a copy to host memory",
@@ -273,7 +310,9 @@ class Checkpoint:
         "float32", "dtype of the exported Hugging Face weights", choices=("float32", "bfloat16")
     )
     initial_load_path: str = opt(
-        "", "a new run starts from this Hugging Face folder or titanlite step folder (read only)", path="file"
+        "",
+        "a new run starts from this Hugging Face folder or titanlite step folder (read only)",
+        path="file",
     )
     initial_load_drop: list[str] = opt(
         [],
@@ -330,7 +369,9 @@ class Rehearsal:
         at_most=1000,
     )
     link_gbps: float = opt(
-        400.0, "each rank's network bandwidth in Gbit/s, for the communication time per step", above=0.0
+        400.0,
+        "each rank's network bandwidth in Gbit/s, for the communication time per step",
+        above=0.0,
     )
     device_gb: float = opt(
         80.0,
@@ -365,7 +406,9 @@ class JobConfig:
 
 # The sections plugins add: name -> (the section's dataclass, the hook a trainer builds from it),
 # each "module:name", imported once a config names the section.
-PLUGIN_SECTIONS = {"faults": ("titanlite.faults.switches:FaultSwitches", "titanlite.faults.inject:Faults")}
+PLUGIN_SECTIONS = {
+    "faults": ("titanlite.faults.switches:FaultSwitches", "titanlite.faults.inject:Faults")
+}
 
 
 def _load(ref: str) -> Any:

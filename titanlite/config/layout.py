@@ -74,7 +74,9 @@ class Layout:
         return self.dp * self.local_batch
 
 
-def mesh_text(mode: str, dp_replicate: int, dp_shard: int, axes: dict[str, int] | None = None) -> str:
+def mesh_text(
+    mode: str, dp_replicate: int, dp_shard: int, axes: dict[str, int] | None = None
+) -> str:
     """A layout's mesh as every report writes it: "fsdp 1x4", "hsdp 2x2xcp=2"."""
     extra = "".join(f"x{name}={degree}" for name, degree in (axes or {}).items())
     return f"{mode} {dp_replicate}x{dp_shard}{extra}"
@@ -145,9 +147,17 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
         )
     mode = p.mode
     if mode == "auto":
-        mode = "hsdp" if (p.dp_replicate > 1 and shard > 1) else "ddp" if p.dp_replicate > 1 else "fsdp"
+        mode = (
+            "hsdp"
+            if (p.dp_replicate > 1 and shard > 1)
+            else "ddp"
+            if p.dp_replicate > 1
+            else "fsdp"
+        )
     if mode == "fsdp" and p.dp_replicate != 1:
-        raise UserError("parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas")
+        raise UserError(
+            "parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas"
+        )
     if mode == "ddp" and shard != 1:
         raise UserError("parallelism.mode 'ddp' needs dp_shard 1 (or -1 with dp_replicate = ranks)")
     if mode == "ddp" and p.skip_grad_sync == "off":
@@ -168,7 +178,9 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     dp = p.dp_replicate * shard
     accum = accumulation(t.global_batch_size, t.local_batch_size, dp)
     skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
-    method = resolve_method(cfg.diagnostics.method, mode, accum, skip, dp, cfg.diagnostics.sketch_dim)
+    method = resolve_method(
+        cfg.diagnostics.method, mode, accum, skip, dp, cfg.diagnostics.sketch_dim
+    )
     if cfg.diagnostics.enable and method == "exact" and mode == "hsdp":
         raise UserError(
             "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
@@ -191,7 +203,12 @@ def holds_unsharded_grads(layout: Layout) -> bool:
 
 
 def resolve_method(
-    method: str, mode: str, grad_accum: int, skip_grad_sync: bool, dp: int = 2, sketch_dim: int = 1024
+    method: str,
+    mode: str,
+    grad_accum: int,
+    skip_grad_sync: bool,
+    dp: int = 2,
+    sketch_dim: int = 1024,
 ) -> str:
     """diagnostics.method (`method`) at a layout, `auto` resolved (Layout.diagnostics_method).
 
@@ -267,7 +284,9 @@ def rehearsal_changes(cfg: JobConfig) -> dict[str, Any]:
         return {}
     t = cfg.training
     changes = {
-        "training.global_batch_size": rehearsal_batch(t.global_batch_size, t.local_batch_size, world),
+        "training.global_batch_size": rehearsal_batch(
+            t.global_batch_size, t.local_batch_size, world
+        ),
         "training.steps": cfg.rehearsal.steps,
         "checkpoint.every": 0,
         "checkpoint.at_end": False,

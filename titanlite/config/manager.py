@@ -72,7 +72,9 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) 
                 return typ(value)
             except ValueError:
                 pass
-        elif isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(value, bool):
+        elif isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(
+            value, bool
+        ):
             return typ(value)
         kind = "an integer" if typ is int else "a number"
         raise UserError(f"config key '{key}' must be {kind}, got {value!r}")
@@ -95,7 +97,8 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     types = _field_types(section)
     if key not in types:
         raise UserError(
-            f"unknown config key '{dotted}'" + _closest(key, list(types)).replace("'", f"'{section_name}.", 1)
+            f"unknown config key '{dotted}'"
+            + _closest(key, list(types)).replace("'", f"'{section_name}.", 1)
         )
     typ, f = types[key]
     value = _coerce(dotted, value, typ, from_cli, split=not f.metadata.get("whole_items"))
@@ -127,7 +130,9 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
             continue  # an old file's switch at its default asks for no plugin
         target = out.setdefault(new_sec, {})
         if isinstance(target, dict) and target.setdefault(new_key, value) != value:
-            raise UserError(f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'")
+            raise UserError(
+                f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'"
+            )
     return out, found
 
 
@@ -208,7 +213,9 @@ def load_config(
         data, found = migrate(data, f"config file '{path}'")
         for section_name, table in data.items():
             if not isinstance(table, dict):
-                raise UserError(f"config entry '{section_name}' in '{path}' must be a [section] table")
+                raise UserError(
+                    f"config entry '{section_name}' in '{path}' must be a [section] table"
+                )
             if section_name not in [f.name for f in fields(cfg)]:
                 _set(cfg, section_name + ".x", None, False)  # raises with a suggestion
             for key, value in table.items():
@@ -225,7 +232,9 @@ def load_config(
                 f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"
             )
         typed[key] = (dotted, got)
-    said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]  # a rehearsal's, whoever reads it
+    said = [
+        n for n in (_deprecated(found), apply_rehearsal(cfg)) if n
+    ]  # a rehearsal's, whoever reads it
     if notes is not None:
         notes += said
     elif not os.environ.get(NOTES_SHOWN_ENV):
@@ -274,7 +283,9 @@ def to_toml(cfg: JobConfig) -> str:
         assert is_dataclass(section)
         lines.append(f"[{name}]")
         for f in fields(section):
-            lines.append(f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}")
+            lines.append(
+                f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -304,7 +315,9 @@ def config_help(usage: str) -> str:
             doc += f" ({_bounds_text(bounds)})" if bounds else ""
             lines.append(f"  --{name}.{key} {_type_name(typ)} = {default}")
             lines.append(f"        {doc}")
-    plugins = ", ".join(f"[{name}] ({PLUGIN_SECTIONS[name][0].split(':')[0]})" for name in PLUGIN_SECTIONS)
+    plugins = ", ".join(
+        f"[{name}] ({PLUGIN_SECTIONS[name][0].split(':')[0]})" for name in PLUGIN_SECTIONS
+    )
     lines += [
         "",
         f"Plugin sections, loaded when a config or a flag names one; their modules document the keys: {plugins}",

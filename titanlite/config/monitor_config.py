@@ -13,10 +13,12 @@ from titanlite.config.fields import STEPS_MAX, due, opt, schedule
 @dataclass
 class Debug:
     sync_debug: bool = opt(
-        False, "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps, from the second step"
+        False,
+        "cuda: torch.cuda.set_sync_debug_mode('error') outside log steps, from the second step",
     )
     skip_memory_check: bool = opt(
-        False, "start even if the memory estimate says the job does not fit (to find where it really stops)"
+        False,
+        "start even if the memory estimate says the job does not fit (to find where it really stops)",
     )
     fingerprint_step: int = opt(
         -1,
@@ -50,7 +52,9 @@ class Diagnostics:
     noise_scale_ema: float = opt(
         0.9, "EMA decay of the gradient-noise-scale estimate", at_least=0.0, below=1.0
     )
-    on_alert: str = opt("warn", "what an alert does: warn, or stop the run", choices=("warn", "stop"))
+    on_alert: str = opt(
+        "warn", "what an alert does: warn, or stop the run", choices=("warn", "stop")
+    )
     console: str = opt(
         "short",
         "a measured step on the console: short (the ranks' loss and grad-norm spread on the step line), "
@@ -89,7 +93,9 @@ class Alerts:
         at_least=1,
         at_most=STEPS_MAX,
     )
-    spike_factor: float = opt(4.0, "dispersion_spike: loss std above this x its recent median", above=1.0)
+    spike_factor: float = opt(
+        4.0, "dispersion_spike: loss std above this x its recent median", above=1.0
+    )
     smooth_loss_tol: float = opt(
         0.05, "dispersion_spike: global loss within this fraction of its recent median", above=0.0
     )
@@ -111,7 +117,9 @@ class Alerts:
         above=0.0,
     )
     outlier_margin: float = opt(
-        0.05, "single_rank_outlier: the rank's loss above the others' mean by this fraction", at_least=0.0
+        0.05,
+        "single_rank_outlier: the rank's loss above the others' mean by this fraction",
+        at_least=0.0,
     )
     persist_frac: float = opt(
         0.7,
@@ -119,12 +127,17 @@ class Alerts:
         above=0.0,
         at_most=1.0,
     )
-    identical_std: float = opt(1e-6, "identical_data: loss std below this fraction of the loss", at_least=0.0)
+    identical_std: float = opt(
+        1e-6, "identical_data: loss std below this fraction of the loss", at_least=0.0
+    )
     identical_cos: float = opt(
         0.99, "identical_data: or mean gradient cosine above this", at_least=-1.0, at_most=1.0
     )
     cos_high: float = opt(
-        0.5, "cosine_drop: armed while the median mean cosine is above this", at_least=-1.0, at_most=1.0
+        0.5,
+        "cosine_drop: armed while the median mean cosine is above this",
+        at_least=-1.0,
+        at_most=1.0,
     )
     cos_low: float = opt(
         0.05, "cosine_drop: fires when the mean cosine falls below this", at_least=-1.0, at_most=1.0
@@ -162,7 +175,9 @@ class Alerts:
         at_most=STEPS_MAX,
     )
     slow_margin: float = opt(
-        0.1, "slow_rank: the rank's lateness at the step start, as a share of the step time", above=0.0
+        0.1,
+        "slow_rank: the rank's lateness at the step start, as a share of the step time",
+        above=0.0,
     )
     advice_ratio: float = opt(
         4.0,

@@ -50,7 +50,9 @@ from titanlite.tools.process import init_logging
 logger = init_logging()
 
 
-BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
+BUILD_WAIT = timedelta(
+    hours=2
+)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
 
 
 def _built_once(path: Path, build, what: str) -> None:
@@ -102,7 +104,9 @@ def tokenizer_key(cfg: JobConfig) -> str | None:
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path).fingerprint
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
-    return Tokenizer(path.read_bytes(), f"builtin:{path.name}").fingerprint if path.is_file() else None
+    return (
+        Tokenizer(path.read_bytes(), f"builtin:{path.name}").fingerprint if path.is_file() else None
+    )
 
 
 def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Path:
@@ -158,7 +162,9 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
         dataset = PackedDataset(data, seq_len, d.document_mask)
     if part is None:
         return PackedSFTDataset(data, seq_len, tok.pad_id) if d.packing else dataset
-    held = HeldOut(data.num_docs if d.mode == "sft" else len(dataset), cfg.eval.fraction, cfg.training.seed)
+    held = HeldOut(
+        data.num_docs if d.mode == "sft" else len(dataset), cfg.eval.fraction, cfg.training.seed
+    )
     if d.packing:
         records = held.indices(part, np.arange(held.size(part)))
         return PackedSFTDataset(data, seq_len, tok.pad_id, records)
@@ -187,7 +193,9 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_siz
     return MixtureDataset(sequences, [w for _, w in parts], identity)
 
 
-def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> MixtureDataset | None:
+def build_eval_dataset(
+    cfg: JobConfig, tok: Tokenizer | HFTokenizer | None
+) -> MixtureDataset | None:
     """The eval set: eval.path's data, else eval.fraction's held-out part of every dataset of
     data.path (None: neither), cut to eval.max_sequences spread evenly over it."""
     e = cfg.eval
@@ -195,7 +203,9 @@ def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> M
         datasets = [_sequences(cfg, _open_prepared(cfg, tok, e.path), tok, None)]
     elif e.fraction > 0:
         parts = parse_data_path(cfg.data.path) or [("", 1.0)]
-        datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, "eval") for name, _ in parts]
+        datasets = [
+            _sequences(cfg, _open_prepared(cfg, tok, name), tok, "eval") for name, _ in parts
+        ]
     else:
         return None
     dataset = MixtureDataset(datasets, [1.0] * len(datasets))
@@ -204,7 +214,9 @@ def build_eval_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None) -> M
             f"eval.fraction = {e.fraction:g} holds out no sequence of this data; raise it, or set eval.path"
         )
     if e.max_sequences and e.max_sequences < len(dataset):
-        picked = Subset(dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences))
+        picked = Subset(
+            dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences)
+        )
         dataset = MixtureDataset([picked], [1.0])
     return dataset
 
@@ -246,14 +258,18 @@ def build_dataloader(
         )
 
 
-def trace_step(cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None) -> list[dict]:
+def trace_step(
+    cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None
+) -> list[dict]:
     """One entry per sequence of step `step` (1-based): its position in the global batch, the
     rank that reads it at `dp`, its index and its sources (file, row, token range). A step's
     batch depends only on the seed, the global batch size, seq_len and the data (sampler.py), so
     neither the run nor a GPU is needed (scripts/trace_batch.py, scripts/inspect_step.py)."""
     g = cfg.training.global_batch_size
     if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
-        raise UserError(f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)")
+        raise UserError(
+            f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)"
+        )
     dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
     sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
     per_rank = rank_share(cfg, dp)
@@ -261,6 +277,11 @@ def trace_step(cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, 
     for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
         if rank is None or j // per_rank == rank:
             out.append(
-                {"position": j, "rank": j // per_rank, "sequence": index, "sources": dataset.trace(index)}
+                {
+                    "position": j,
+                    "rank": j // per_rank,
+                    "sequence": index,
+                    "sources": dataset.trace(index),
+                }
             )
     return out

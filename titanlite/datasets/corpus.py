@@ -59,7 +59,9 @@ def source_name(file: str) -> str:
     root = Path(sysconfig.get_paths()["stdlib"])
     path = Path(file)
     if path.suffix == ".py" and path.is_relative_to(root):
-        return "stdlib:" + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+        return "stdlib:" + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(
+            ".__init__"
+        )
     return file
 
 
@@ -127,7 +129,9 @@ def kind_of(path: Path, default: str | None = None) -> str | None:
 def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
     """A `save_to_disk` folder lists its files in state.json; follow that order when present."""
     try:
-        names = [d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]]
+        names = [
+            d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]
+        ]
     except (OSError, ValueError, KeyError, TypeError):
         return files
     listed = [folder / n for n in names if (folder / n) in set(files)]
@@ -148,7 +152,11 @@ def discover(path: str | Path, note: Callable[[str], None] | None = None) -> lis
     files, other = [], Counter()
     for f in sorted(p.rglob("*")):
         rel = f.relative_to(p).parts
-        if any(part.startswith(".") for part in rel) or f.name.startswith("cache-") or not f.is_file():
+        if (
+            any(part.startswith(".") for part in rel)
+            or f.name.startswith("cache-")
+            or not f.is_file()
+        ):
             continue
         if kind_of(f) is not None:
             files.append(f)
@@ -203,7 +211,9 @@ def _parquet(path: Path):
     try:
         return pq.ParquetFile(path)
     except Exception as e:
-        raise UserError(f"data file '{path}' is not a readable parquet file ({first_line(e)})") from None
+        raise UserError(
+            f"data file '{path}' is not a readable parquet file ({first_line(e)})"
+        ) from None
 
 
 def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
@@ -224,7 +234,9 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
                 yield row, line, pos
                 row, pos = row + 1, pos + len(line)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
-        raise UserError(f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it") from None
+        raise UserError(
+            f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it"
+        ) from None
 
 
 def _line_number(path: str, offset: int) -> int:
@@ -259,7 +271,9 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
     except UserError:
         raise
     except Exception as e:  # pyarrow raises several types for a damaged file
-        raise UserError(f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it") from None
+        raise UserError(
+            f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it"
+        ) from None
 
 
 def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int, Any], None, int]:
@@ -293,13 +307,18 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
                 ) from None
             yield (
                 row,
-                _document(rec, piece, mode, text_field, lambda o=offset, r=row: _where_line(piece, o, r)),
+                _document(
+                    rec, piece, mode, text_field, lambda o=offset, r=row: _where_line(piece, o, r)
+                ),
             )
         return rows
     columns = list(SFT_COLUMNS) if mode == "sft" else [text_field]
     for first, batch in _arrow_batches(piece, columns):
         for j, rec in enumerate(batch):
-            yield first + j, _document(rec, piece, mode, text_field, lambda r=first + j: _where_row(piece, r))
+            yield (
+                first + j,
+                _document(rec, piece, mode, text_field, lambda r=first + j: _where_row(piece, r)),
+            )
         rows = first + len(batch)
     return rows
 
@@ -332,5 +351,7 @@ def files_fingerprint(files: list[Path]) -> list[dict]:
     out = []
     for f in files:
         st = os.stat(f)
-        out.append({"path": str(Path(f).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+        out.append(
+            {"path": str(Path(f).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+        )
     return out

@@ -150,7 +150,9 @@ class _ShardWriter:
     def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
         ids = ids.astype(self.dtype, copy=False)
         ids.tofile(self.tokens)
-        self.content.update(np.int64(len(ids)).tobytes())  # the documents' bounds, then their tokens
+        self.content.update(
+            np.int64(len(ids)).tobytes()
+        )  # the documents' bounds, then their tokens
         self.content.update(np.ascontiguousarray(ids))
         self.offsets.append(self.offsets[-1] + len(ids))
         self.rows.append(row)
@@ -205,7 +207,9 @@ def write_shard(job: tuple) -> dict:
                 writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
         else:
             for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
-                writer.add(np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row)
+                writer.add(
+                    np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row
+                )
         if n_rows is not None:
             piece_info[k][2] = n_rows
     nbytes = sum(p.nbytes for p in pieces)
@@ -369,7 +373,9 @@ def _finish(
         for source, first_doc, n_rows in info["pieces"]:
             pieces.append([source, first_doc, rows_seen.get(source, 0)])
             rows_seen[source] = rows_seen.get(source, 0) + n_rows
-        shards.append({"name": name, "tokens": info["tokens"], "docs": info["docs"], "pieces": pieces})
+        shards.append(
+            {"name": name, "tokens": info["tokens"], "docs": info["docs"], "pieces": pieces}
+        )
     docs = sum(s["docs"] for s in shards)
     if docs == 0:
         raise UserError(
@@ -384,7 +390,8 @@ def _finish(
         "dtype": token_dtype(tok.vocab_size).name,
         "tokenizer": tokenizer_key(tok, mode),
         "sources": [
-            {**s, "kind": kind_of(f, "txt")} for s, f in zip(files_fingerprint(files), files, strict=True)
+            {**s, "kind": kind_of(f, "txt")}
+            for s, f in zip(files_fingerprint(files), files, strict=True)
         ],
         "tokens": sum(s["tokens"] for s in shards),
         "docs": docs,

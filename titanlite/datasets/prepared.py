@@ -103,7 +103,11 @@ class Prepared:
                     actual = None
                 if actual != size or not os.access(path, os.R_OK):
                     what = (
-                        "missing" if actual is None else "unreadable" if actual == size else f"{actual} bytes"
+                        "missing"
+                        if actual is None
+                        else "unreadable"
+                        if actual == size
+                        else f"{actual} bytes"
                     )
                     self._damaged(path, f"is {what}, its index says {size} bytes")
             indexes = {"offsets.npy": (np.int64, s["docs"] + 1), "rows.npy": (np.int64, s["docs"])}
@@ -181,7 +185,9 @@ class Prepared:
         while pos < stop:
             base = int(self.token_starts[k])
             take = min(stop, int(self.token_starts[k + 1])) - pos
-            out[pos - start : pos - start + take] = self._shard(k)["tokens"][pos - base : pos - base + take]
+            out[pos - start : pos - start + take] = self._shard(k)["tokens"][
+                pos - base : pos - base + take
+            ]
             pos += take
             k += 1
         return out
@@ -224,7 +230,10 @@ class Prepared:
                 a, b = base + int(offsets[j]), base + int(offsets[j + 1])
                 if b > a:
                     out.append(
-                        {**self.source(int(self.doc_starts[k]) + j), "tokens": [pos - a, min(stop, b) - a]}
+                        {
+                            **self.source(int(self.doc_starts[k]) + j),
+                            "tokens": [pos - a, min(stop, b) - a],
+                        }
                     )
                 pos = min(stop, b)
                 j += 1
@@ -234,7 +243,8 @@ class Prepared:
     def document_lengths(self) -> np.ndarray:
         """Every document's token count, int64 (8 bytes per document)."""
         return np.concatenate(
-            [np.diff(self._shard(k)["offsets"]) for k in range(len(self.shards))] or [np.zeros(0, np.int64)]
+            [np.diff(self._shard(k)["offsets"]) for k in range(len(self.shards))]
+            or [np.zeros(0, np.int64)]
         )
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:

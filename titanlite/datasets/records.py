@@ -37,7 +37,9 @@ FIXED_DATE = datetime(2024, 7, 26)
 
 def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     """transformers' tojson filter: plain json.dumps (Jinja's own escapes HTML characters)."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -60,10 +62,14 @@ def compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
-        raise UserError(f"the tokenizer's chat template does not parse ({e}); fix or remove it") from None
+        raise UserError(
+            f"the tokenizer's chat template does not parse ({e}); fix or remove it"
+        ) from None
 
 
-def render(template: str, messages: list[dict], add_generation_prompt: bool, specials: dict[str, str]) -> str:
+def render(
+    template: str, messages: list[dict], add_generation_prompt: bool, specials: dict[str, str]
+) -> str:
     import jinja2
 
     try:
@@ -80,7 +86,9 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool, spe
         ) from None
 
 
-def template_pieces(template: str, messages: list[dict], specials: dict[str, str]) -> list[tuple[str, bool]]:
+def template_pieces(
+    template: str, messages: list[dict], specials: dict[str, str]
+) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, is_target) pieces that concatenate to it."""
     full = render(template, messages, False, specials)
     pieces, done = [], 0
@@ -106,7 +114,8 @@ def chat_segments(messages: list[dict], tok: Any) -> list[Segment]:
     if template is None:
         return default_segments(messages, tok)
     segments = [
-        (tok.encode(text), target) for text, target in template_pieces(template, messages, tok.special_tokens)
+        (tok.encode(text), target)
+        for text, target in template_pieces(template, messages, tok.special_tokens)
     ]
     first = next((ids for ids, _ in segments if ids), [])
     if first[:1] != [tok.bos_id]:
@@ -120,7 +129,10 @@ def default_segments(messages: list[dict], tok: Any) -> list[Segment]:
     for i, message in enumerate(messages):
         header = ("\n\n" if i else "") + f"### {message['role'].capitalize()}:\n"
         if message["role"] == "assistant":
-            segments += [(tok.encode(header), False), ([*tok.encode(message["content"]), tok.eos_id], True)]
+            segments += [
+                (tok.encode(header), False),
+                ([*tok.encode(message["content"]), tok.eos_id], True),
+            ]
         else:
             segments.append((tok.encode(header + message["content"]), False))
     return segments
@@ -129,10 +141,18 @@ def default_segments(messages: list[dict], tok: Any) -> list[Segment]:
 def check_messages(messages: Any, where: str) -> list[dict]:
     """A chat record's messages: a non-empty list of {"role": str, "content": str}."""
     if not isinstance(messages, list) or not messages:
-        raise UserError(f'{where} has "messages" that is not a non-empty list; chat records need one')
+        raise UserError(
+            f'{where} has "messages" that is not a non-empty list; chat records need one'
+        )
     for j, m in enumerate(messages):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-            raise UserError(f'{where} message {j} is not {{"role": str, "content": str}}; fix that message')
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
+            raise UserError(
+                f'{where} message {j} is not {{"role": str, "content": str}}; fix that message'
+            )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
@@ -145,7 +165,12 @@ PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 )
-SFT_COLUMNS = ("messages", "instruction", "input", "output")  # what a parquet/arrow SFT reader keeps
+SFT_COLUMNS = (
+    "messages",
+    "instruction",
+    "input",
+    "output",
+)  # what a parquet/arrow SFT reader keeps
 
 
 def render_prompt(record: dict) -> str:
@@ -165,7 +190,11 @@ def sft_record(rec: Any, where: str) -> dict:
                 f'{where} has no string field "{key}"; records need "messages" (chat) or '
                 "instruction, input (optional) and output (alpaca)"
             )
-    return {"instruction": rec["instruction"], "input": str(rec.get("input") or ""), "output": rec["output"]}
+    return {
+        "instruction": rec["instruction"],
+        "input": str(rec.get("input") or ""),
+        "output": rec["output"],
+    }
 
 
 def record_segments(record: dict, tok: Any) -> list[Segment]:
@@ -200,7 +229,9 @@ def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
     if fmt == "alpaca":
         record = {"instruction": text, "input": "", "output": ""}
     else:
-        record = {"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]}
+        record = {
+            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        }
     ids = []
     for segment, target in record_segments(record, tok):
         if target:

@@ -50,7 +50,9 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 
 def stream_keys(seed: int, stream: int, epochs: np.ndarray) -> np.ndarray:
     """One 64-bit key per element: the permutation of (seed, stream, epoch)."""
-    head = _mix64(np.asarray([(seed & (2**64 - 1)) ^ (stream * 0x51ED27)], dtype=np.uint64) + _GOLDEN)
+    head = _mix64(
+        np.asarray([(seed & (2**64 - 1)) ^ (stream * 0x51ED27)], dtype=np.uint64) + _GOLDEN
+    )
     return _mix64(head ^ _mix64(np.asarray(epochs, dtype=np.uint64) + _GOLDEN))
 
 
@@ -128,12 +130,17 @@ class GlobalBatchSampler:
         read = steps * self.global_batch_size
         if len(self.sizes) == 1:
             return [read / self.sizes[0]]
-        return [read * int(n) / MIX_BLOCK / size for n, size in zip(self.counts, self.sizes, strict=True)]
+        return [
+            read * int(n) / MIX_BLOCK / size
+            for n, size in zip(self.counts, self.sizes, strict=True)
+        ]
 
     def epochs_line(self, steps: int) -> str:
         """What the data loader says as the run starts: the data and how often the run reads it."""
         epochs = self.epochs(steps)
-        line = f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read "
+        line = (
+            f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read "
+        )
         if len(epochs) == 1:
             line += f"{epochs[0]:.3g} epoch(s) of it"
         else:
@@ -209,7 +216,9 @@ class GlobalBatchSampler:
         """Data-stream position of the first sequence of this rank's microbatch `micro` of 0-based
         `step`: a sequence has the same position at any dp and accumulation."""
         per_rank = self.global_batch_size // self.dp_size
-        return step * self.global_batch_size + self.dp_rank * per_rank + micro * self.local_batch_size
+        return (
+            step * self.global_batch_size + self.dp_rank * per_rank + micro * self.local_batch_size
+        )
 
     def keyed(self, batch, seed: int, step: int, micro: int, device: torch.device):
         """`batch` (this rank's microbatch `micro` of 0-based `step`) with its sequences' dropout

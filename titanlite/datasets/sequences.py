@@ -132,7 +132,9 @@ class PackedSFTDataset(SFTDataset):
     record longer than the window is truncated, as unpacked; one of a single token is dropped
     (it has no label to train). `records`: the records to pack (a split's part); None: all."""
 
-    def __init__(self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None) -> None:
+    def __init__(
+        self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None
+    ) -> None:
         super().__init__(data, seq_len, pad_id)
         lengths = data.document_lengths()
         self.slots = np.minimum(lengths, seq_len + 1) - 1  # input positions each record fills
@@ -163,7 +165,8 @@ class PackedSFTDataset(SFTDataset):
 
     def trace(self, i: int) -> list[dict]:
         return [
-            {**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]} for r in self.records(i).tolist()
+            {**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]}
+            for r in self.records(i).tolist()
         ]
 
     def content_slots(self, i: int) -> int:
@@ -197,14 +200,23 @@ class SyntheticDataset:
         return window[:-1], window[1:]
 
     def trace(self, i: int) -> list[dict]:
-        return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": [0, self.seq_len + 1]}]
+        return [
+            {
+                "file": "synthetic",
+                "kind": "synthetic",
+                "row": int(i),
+                "tokens": [0, self.seq_len + 1],
+            }
+        ]
 
 
 class MixtureDataset:
     """Datasets as one index space, with their weights: the sampler (titanlite.datasets.sampler)
     decides how often each is read; this only maps a global index to a dataset and its own index."""
 
-    def __init__(self, parts: list, weights: list[float], identity: list[dict] | None = None) -> None:
+    def __init__(
+        self, parts: list, weights: list[float], identity: list[dict] | None = None
+    ) -> None:
         self.parts = parts
         self.weights = weights
         # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
@@ -243,7 +255,9 @@ class HeldOut:
     def __init__(self, n: int, fraction: float, seed: int) -> None:
         self.n = n
         held = max(1, round(BLOCK * fraction))
-        order = permute(np.arange(BLOCK), BLOCK, stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64)))
+        order = permute(
+            np.arange(BLOCK), BLOCK, stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64))
+        )
         in_eval = np.zeros(BLOCK, dtype=bool)
         in_eval[order[:held]] = True
         self.offsets = {"eval": np.flatnonzero(in_eval), "train": np.flatnonzero(~in_eval)}

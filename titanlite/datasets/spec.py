@@ -62,7 +62,9 @@ def check_data_files(cfg) -> None:
     e = cfg.eval
     if e.path:
         if len(parse_data_path(e.path)) != 1:
-            raise UserError(f"eval.path '{e.path}' names several datasets; give one (no mixture weights)")
+            raise UserError(
+                f"eval.path '{e.path}' names several datasets; give one (no mixture weights)"
+            )
         check_data(cfg.data.mode, e.path, "eval.path")
 
 
@@ -72,7 +74,9 @@ def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
     from titanlite.datasets.prepared import Prepared, is_prepared
     from titanlite.datasets.tokenizer import load_tokenizer
 
-    prepared = [Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())]
+    prepared = [
+        Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())
+    ]
     if prepared and tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
         for p in prepared:

@@ -20,7 +20,11 @@ import sentencepiece as spm
 from titanlite.datasets.corpus import corpus_fingerprint, stdlib_files
 from titanlite.datasets.records import render
 from titanlite.errors import UserError, first_line
-from titanlite.models.hf_files import read_generation_config, read_special_tokens_map, read_tokenizer_config
+from titanlite.models.hf_files import (
+    read_generation_config,
+    read_special_tokens_map,
+    read_tokenizer_config,
+)
 from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_json
 
@@ -72,7 +76,9 @@ class HFTokenizer:
         try:
             self.tok = Backend.from_str(data.decode("utf-8"))
         except Exception as e:
-            raise UserError(f"'{path}' is not a Hugging Face tokenizer.json ({first_line(e)})") from None
+            raise UserError(
+                f"'{path}' is not a Hugging Face tokenizer.json ({first_line(e)})"
+            ) from None
         self.source = str(path)
         self.path = path
         self.folder = path.parent  # its companion files (specials, chat template) live here
@@ -112,7 +118,9 @@ class HFTokenizer:
             return []
         mark = "\u2063titanlite\u2063"  # text no template adds by itself
         try:
-            text = render(self.chat_template, [{"role": "user", "content": mark}], False, self.special_tokens)
+            text = render(
+                self.chat_template, [{"role": "user", "content": mark}], False, self.special_tokens
+            )
         except UserError:
             return []  # a template that needs more than one user message: EOS and the lists stop
         after = text.partition(mark)[2]

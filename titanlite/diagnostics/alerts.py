@@ -46,7 +46,9 @@ class Alert:
     values: dict = field(default_factory=dict)
     # The sequences the named ranks trained on at `step`: rank, index, tokens, loss, sources.
     samples: list[dict] = field(default_factory=list)
-    level: str = "alert"  # or "info": a note (batch_size_advice) that neither counts nor stops a run
+    level: str = (
+        "alert"  # or "info": a note (batch_size_advice) that neither counts nor stops a run
+    )
 
     def __post_init__(self) -> None:
         self.cause = self.cause or cause(self.name)
@@ -65,11 +67,15 @@ class Alert:
         line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
         if not self.samples:
             return line
-        worst = sorted(self.samples, key=lambda s: -(s["loss"] if s.get("loss") is not None else -1.0))
+        worst = sorted(
+            self.samples, key=lambda s: -(s["loss"] if s.get("loss") is not None else -1.0)
+        )
         shown = ", ".join(_sample(s) for s in worst[:SHOWN_SAMPLES])
         more = len(self.samples) - SHOWN_SAMPLES
         rest = f"; {more} more in events.jsonl" if more > 0 else ""
-        label = "highest-loss samples" if any(s.get("loss") is not None for s in worst) else "samples"
+        label = (
+            "highest-loss samples" if any(s.get("loss") is not None for s in worst) else "samples"
+        )
         return f"{line}; {label}: {shown}{rest} (scripts/inspect_step.py shows them)"
 
 
@@ -91,7 +97,9 @@ class AlertMonitor:
     rank; `batch_unit`: sequences the global batch moves by with the layout kept (dp x local
     batch), for the batch-size advice's flag."""
 
-    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0) -> None:
+    def __init__(
+        self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0
+    ) -> None:
         self.cfg = cfg
         self.hosts = hosts
         self.world = len(hosts)
@@ -99,12 +107,16 @@ class AlertMonitor:
         self.per_rank = per_rank
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
         unit = batch_unit or self.world
-        self.states = {s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None}
+        self.states = {
+            s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None
+        }
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
         self.seen = 0  # measured steps
-        self._last: dict[tuple[str, int], int] = {}  # (alert, rank key) -> measured step it last fired
+        self._last: dict[
+            tuple[str, int], int
+        ] = {}  # (alert, rank key) -> measured step it last fired
         # (data check, rank) -> measured step it last failed: what explains a rank's statistics
         self._data_failed: dict[tuple[str, int], int] = {}
 
@@ -162,7 +174,9 @@ class AlertMonitor:
         """Whether a data check (`name`, any if None) failed for `rank` (any if None) within the
         window: it names the cause, so statistical rules about the same ranks stay quiet."""
         return any(
-            (name is None or n == name) and (rank is None or r == rank) and self.seen - seen < self.cfg.window
+            (name is None or n == name)
+            and (rank is None or r == rank)
+            and self.seen - seen < self.cfg.window
             for (n, r), seen in self._data_failed.items()
         )
 
@@ -179,7 +193,9 @@ class AlertMonitor:
             **seen_now,
         )
 
-    def _raise(self, spec: AlertSpec, step: int, found: Finding | list[Finding] | None) -> list[Alert]:
+    def _raise(
+        self, spec: AlertSpec, step: int, found: Finding | list[Finding] | None
+    ) -> list[Alert]:
         """The alerts of a check's findings: the spec's name, cause and level (whatever name a
         finding carries), the cooldown, the ranks named, a data check's explanation, the hosts."""
         out = []
@@ -194,7 +210,16 @@ class AlertMonitor:
                 self.named.setdefault(spec.name, set()).update(f.ranks)
             hosts = [self.hosts[r] for r in f.ranks]
             out.append(
-                Alert(spec.name, step, f.ranks, hosts, f.message, spec.cause, f.values, level=spec.level)
+                Alert(
+                    spec.name,
+                    step,
+                    f.ranks,
+                    hosts,
+                    f.message,
+                    spec.cause,
+                    f.values,
+                    level=spec.level,
+                )
             )
         return out
 
@@ -259,7 +284,10 @@ def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
     by_step: dict[int, list[str]] = {}
     for name, judged in short.items():
         by_step.setdefault(judged, []).append(name)
-    parts = [f"{', '.join(names)} from measured step {judged}" for judged, names in sorted(by_step.items())]
+    parts = [
+        f"{', '.join(names)} from measured step {judged}"
+        for judged, names in sorted(by_step.items())
+    ]
     return (
         f"{measured} measured step(s) are too few for some alerts, which judge only after a burn-in of "
         f"alerts.min_steps = {cfg.min_steps} steps and as many of history: {'; '.join(parts)}; the checks "

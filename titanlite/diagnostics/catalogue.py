@@ -82,7 +82,9 @@ def _rank_test(ctx: Context) -> Finding | None:
     losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in samples]
     ctx.state.scores.append((ctx.step, rank_scores(losses)))
     named = ctx.named.get("single_rank_outlier", set())
-    return rank_outlier(list(ctx.state.scores), [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named)
+    return rank_outlier(
+        list(ctx.state.scores), [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named
+    )
 
 
 class RecentSteps:
@@ -97,7 +99,9 @@ class RecentSteps:
 
     def load_state_dict(self, state: dict) -> None:
         points = (Point(**p) for p in state.get("recent", []))
-        self.recent.extend(p for p in points if p.rank_wait is not None and len(p.rank_wait) == self.world)
+        self.recent.extend(
+            p for p in points if p.rank_wait is not None and len(p.rank_wait) == self.world
+        )
 
 
 def _slow(ctx: Context) -> Finding | None:
@@ -169,7 +173,8 @@ BUILT_IN = (
         "some sequences are read twice and others never: give every rank's sampler the same seed",
         (
             _data_check(
-                "data_order_mismatch", lambda ctx, now: rules.order_mismatch(ctx.record["data_order"])
+                "data_order_mismatch",
+                lambda ctx, now: rules.order_mismatch(ctx.record["data_order"]),
             ),
         ),
         explains=True,

@@ -120,7 +120,9 @@ class Diagnostics:
         # exact needs the whole-step local gradient at once: a measured step reduces only on its
         # last microbatch. The sketch adds up per microbatch when the layout reduces each one.
         self.whole_step = self.method == "exact"
-        self.per_microbatch = self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
+        self.per_microbatch = (
+            self.method == "sketch" and layout.grad_accum > 1 and not layout.skip_grad_sync
+        )
         # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
         hosts: list = [socket.gethostname()] * self.ranks
         if self.enabled:
@@ -129,7 +131,9 @@ class Diagnostics:
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        self.monitor = AlertMonitor(alerts or AlertsConfig(), hosts, layout.batch_unit, layout.rank_share)
+        self.monitor = AlertMonitor(
+            alerts or AlertsConfig(), hosts, layout.batch_unit, layout.rank_share
+        )
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
@@ -173,7 +177,10 @@ class Diagnostics:
 
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and state:
-            self.noise.trace_ema, self.noise.gsq_ema = state["noise"]["trace_ema"], state["noise"]["gsq_ema"]
+            self.noise.trace_ema, self.noise.gsq_ema = (
+                state["noise"]["trace_ema"],
+                state["noise"]["gsq_ema"],
+            )
             if note := self.monitor.load_state_dict(state["monitor"]):
                 logger.info(note)
 
@@ -264,7 +271,9 @@ class Diagnostics:
             sketch = self.probe.sketch.clone()
             shape = (self.ranks, sketch.numel())
             directions = torch.empty(shape, dtype=sketch.dtype, device=sketch.device)
-            works.append(dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True))
+            works.append(
+                dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True)
+            )
         exact = self.method == "exact"
         self._pending.append(
             _Pending(step, per_rank, directions, grad_norm.detach().double().clone(), works, exact)
@@ -282,7 +291,9 @@ class Diagnostics:
             for w in p.works:
                 w.wait()
         checks = self.replicas.take() if self.replicas is not None else []
-        steps = [{"per_rank": p.per_rank, "gram": p.gram(), "norm": p.global_norm} for p in self._pending]
+        steps = [
+            {"per_rank": p.per_rank, "gram": p.gram(), "norm": p.global_norm} for p in self._pending
+        ]
         steps, hashes = readback((steps, [c.hashes for c in checks]))
         measured = []
         for p, got in zip(self._pending, steps, strict=True):
@@ -302,7 +313,9 @@ class Diagnostics:
             )
         ]
 
-    def spike_alerts(self, spikes: list[tuple[int, dict]], records: list[dict], sampler) -> list[Alert]:
+    def spike_alerts(
+        self, spikes: list[tuple[int, dict]], records: list[dict], sampler
+    ) -> list[Alert]:
         """spike_skipped (catalogue.py) of each (step, titanlite.components.spike_guard.SpikeGuard.event), with the
         step's sequences; `records`: this log step's collected diagnostics."""
         alerts = []
@@ -320,7 +333,9 @@ class Diagnostics:
             per_rank = measured[step]["rank_samples"]
         else:
             shares = sampler.shares(step - 1)
-            per_rank = [[{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares]
+            per_rank = [
+                [{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares
+            ]
         return [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
 
     def locate(self, rank: int, sample: dict) -> dict:
@@ -347,12 +362,21 @@ class Diagnostics:
             norms_sq = [r.norm_sq for r in m.ranks]
             rec.update(step_metrics(loss_sums, tokens, norms_sq, m.gram))
             total = sum(tokens)
-            rank_sq = [g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)]
+            rank_sq = [
+                g * (total / n) ** 2 if n > 0 else 0.0
+                for g, n in zip(norms_sq, tokens, strict=True)
+            ]
             rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, m.global_norm**2)
-            rec["batch_tokens"], rec["batch_sequences"] = int(total), sum(len(r.sequences) for r in m.ranks)
+            rec["batch_tokens"], rec["batch_sequences"] = (
+                int(total),
+                sum(len(r.sequences) for r in m.ranks),
+            )
             noise = rec["noise_scale_tokens"]
             rec["noise_to_batch"] = noise / total if noise is not None and total > 0 else None
-            rec["rank_load_s"], rec["rank_wait_s"] = [r.load_s for r in m.ranks], [r.wait_s for r in m.ranks]
+            rec["rank_load_s"], rec["rank_wait_s"] = (
+                [r.load_s for r in m.ranks],
+                [r.wait_s for r in m.ranks],
+            )
             known = [r.step_s for r in m.ranks if r.step_s is not None]
             rec["step_s"] = statistics.median(known) if known else None
             samples = [r.sequences for r in m.ranks]

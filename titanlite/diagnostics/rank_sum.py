@@ -87,7 +87,9 @@ def max_step_score(per_rank: int, world: int) -> float:
 def reachable(per_rank: int, world: int, window: int, alpha: float) -> bool:
     """Whether a rank whose sequences all score above the others' can raise the alert within
     `window` measured steps, at `per_rank` sequences per rank per step."""
-    return world >= 2 and max_step_score(per_rank, world) * math.sqrt(window) > threshold(alpha, world)
+    return world >= 2 and max_step_score(per_rank, world) * math.sqrt(window) > threshold(
+        alpha, world
+    )
 
 
 # At dp = 2 the rank whose loss moved is the one that left the global trend of the steps before
@@ -112,7 +114,11 @@ def rank_outlier(
     z_star = threshold(cfg.rank_test_alpha, world)
     totals = [window_score([s[r] for _, s in scores]) for r in range(world)]
     quiet = (lambda r: explained(None, None)) if world == 2 else (lambda r: explained(None, r))
-    hits = [(abs(z), r) for r, z in enumerate(totals) if z is not None and abs(z) > z_star and not quiet(r)]
+    hits = [
+        (abs(z), r)
+        for r, z in enumerate(totals)
+        if z is not None and abs(z) > z_star and not quiet(r)
+    ]
     if not hits:
         return None
     rank = max(hits)[1]
@@ -142,7 +148,9 @@ def _which_of_two(history: list[Point], first_step: int) -> tuple[list[int], str
     window) while the other's stayed on it; both when neither or both did."""
     base = [q for q in history if q.step < first_step and q.rank_loss]
     # the window's last points where both ranks scored tokens
-    recent = [q for q in history if q.step >= first_step and q.rank_loss and None not in q.rank_loss]
+    recent = [
+        q for q in history if q.step >= first_step and q.rank_loss and None not in q.rank_loss
+    ]
     recent = recent[-SETTLED_STEPS:]
     if len(base) < TREND_MIN_STEPS or not recent:
         why = f"only {len(base)} measured step(s) before the window to tell which rank moved from"

@@ -32,7 +32,10 @@ from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics.stats import cos_medians, rank_noise
 from titanlite.errors import UserError
 
-LEVELS = ("alert", "info")  # an alert counts and may stop a run (diagnostics.on_alert); info is a note
+LEVELS = (
+    "alert",
+    "info",
+)  # an alert counts and may stop a run (diagnostics.on_alert); info is a note
 # What a check reads: a measured step's record (diagnostics.jsonl), the spike guard's verdict of a
 # skipped step, or a comparison of the replicas' parameters.
 SOURCES = ("measured", "spikes", "replicas")
@@ -85,7 +88,11 @@ def point(rec: dict) -> Point | None:
     # in 14 of 20 steps by chance about 6% of the time).
     max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
     others = [losses[r] for r in live if r != max_rank]
-    gap = (losses[max_rank] - statistics.fmean(others)) / loss if max_rank is not None and loss > 0 else 0.0
+    gap = (
+        (losses[max_rank] - statistics.fmean(others)) / loss
+        if max_rank is not None and loss > 0
+        else 0.0
+    )
     low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
     cos = rec.get("cos_matrix")  # a record of version 1 has no summaries of its own
     medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
@@ -140,7 +147,9 @@ class Window:
     cfg: AlertsConfig
     p: Point  # this step
     past: list[Point]  # the alert window before it
-    trend: list[tuple[float, float]]  # (loss, loss_std) of the last trend_window steps, this one included
+    trend: list[
+        tuple[float, float]
+    ]  # (loss, loss_std) of the last trend_window steps, this one included
     seen: int  # measured steps so far, this one included
     world: int
     explained: Callable[[str | None, int | None], bool]  # as Context's
@@ -221,7 +230,9 @@ class AlertSpec:
     level: str = "alert"
     source: str = "measured"
     thresholds: tuple[str, ...] = ()  # the [alerts] fields its checks read
-    defaults: Mapping[str, float] = field(default_factory=dict)  # thresholds of its own (no [alerts] field)
+    defaults: Mapping[str, float] = field(
+        default_factory=dict
+    )  # thresholds of its own (no [alerts] field)
     # Its own state: made from (the [alerts] config, the world size, the batch unit); saved in checkpoints.
     state: Callable[[AlertsConfig, int, int], AlertState] | None = None
     cooldown: bool = True  # at most once per alerts.window measured steps per (alert, rank)

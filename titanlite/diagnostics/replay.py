@@ -83,14 +83,20 @@ def recorded(run_dir: Path) -> dict:
     raised from what the records do not hold."""
     cfg, records, batch_unit = _run(run_dir)
     steps = {r["step"] for r in records}
-    events = [{k: e[k] for k in SAME} for e in read_records(run_dir / "events.jsonl") if e["step"] in steps]
+    events = [
+        {k: e[k] for k in SAME}
+        for e in read_records(run_dir / "events.jsonl")
+        if e["step"] in steps
+    ]
     return {
         "alerts": asdict(cfg.alerts),
         "faults": asdict(cfg.faults) if cfg.faults else {},  # what the alerts should name
         "batch_unit": batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],
-        "kept": [e for e in events if e["name"] in NOT_REPLAYED],  # raised, but not from the records
+        "kept": [
+            e for e in events if e["name"] in NOT_REPLAYED
+        ],  # raised, but not from the records
     }
 
 
@@ -98,7 +104,9 @@ def save_recording(path: Path, runs: dict[str, Path]) -> None:
     """Runs by name in one xz-compressed JSON file (tests/recordings/)."""
     data = {"format": 1, "runs": {name: recorded(run_dir) for name, run_dir in runs.items()}}
     path.write_bytes(
-        lzma.compress(json.dumps(data, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME)
+        lzma.compress(
+            json.dumps(data, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME
+        )
     )
 
 

@@ -104,7 +104,9 @@ class ReplicaCheck:
 
     def start(self, step: int) -> None:
         """After the update of `step`: hash this rank's parameters, all-gather the hashes async."""
-        mine = torch.stack([fingerprint(p.to_local() if isinstance(p, DTensor) else p) for p in self.params])
+        mine = torch.stack(
+            [fingerprint(p.to_local() if isinstance(p, DTensor) else p) for p in self.params]
+        )
         hashes = torch.empty(self.world, mine.numel(), dtype=mine.dtype, device=mine.device)
         work = dist.all_gather(list(hashes.unbind(0)), mine, group=self.group, async_op=True)
         self.pending.append(_Pending(step, hashes, work))
@@ -131,6 +133,10 @@ class ReplicaCheck:
                     continue
                 odd.add(r)
                 ref = majority if majority is not None else next(o for o in rows if o != row)
-                first = min(first, next(i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b))
+                first = min(
+                    first, next(i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b)
+                )
         # the diagnostics name data-parallel replicas: a rank's is rank // split
-        return Drift(step, sorted({r // self.split for r in odd}), self.names[first]) if odd else None
+        return (
+            Drift(step, sorted({r // self.split for r in odd}), self.names[first]) if odd else None
+        )

@@ -45,7 +45,9 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
             f"with 2 data-parallel ranks the alerts that compare ranks with each other ({', '.join(NEED_SPREAD)}) "
             f"need {SPREAD_RANKS} or more and stay off; each rank is still checked against its own history"
         )
-    if world >= 2 and not rank_sum.reachable(per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha):
+    if world >= 2 and not rank_sum.reachable(
+        per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha
+    ):
         notes.append(
             f"single_rank_outlier's per-sample test cannot fire with {per_rank} sequence(s) per rank per step "
             f"at dp={world} (it needs more within alerts.rank_test_window = {cfg.rank_test_window} measured "
@@ -65,7 +67,9 @@ def read(rec: dict) -> list[list[list[float]]] | None:
 
 def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
     """identical_data: ranks handed the same sequences as a lower rank."""
-    copies = [r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))]
+    copies = [
+        r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))
+    ]
     if not copies:
         return None
     first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
@@ -74,7 +78,9 @@ def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
     )
 
 
-def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) -> tuple[list[int], str] | None:
+def stale(
+    now: list[list[list[float]]], prev: list[list[list[float]]] | None
+) -> tuple[list[int], str] | None:
     """stale_batch: ranks whose tokens are their previous measured step's under new indices."""
     if prev is None or len(prev) != len(now):
         return None
@@ -171,11 +177,14 @@ def cosine_drop(w: Window) -> Finding | None:
     """Alignment collapsing: typically above cos_high, now near 0 or below."""
     cos_past = [q.cos for q in w.past if q.cos is not None]
     cos = w.p.cos
-    if not cos_past or statistics.median(cos_past) <= w.cfg.cos_high or cos is None or cos >= w.cfg.cos_low:
+    if (
+        not cos_past
+        or statistics.median(cos_past) <= w.cfg.cos_high
+        or cos is None
+        or cos >= w.cfg.cos_low
+    ):
         return None
-    msg = (
-        f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {statistics.median(cos_past):.3f}"
-    )
+    msg = f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {statistics.median(cos_past):.3f}"
     return Finding("cosine_drop", [], msg, {"cos": cos})
 
 
@@ -239,7 +248,9 @@ def faulty_worker_norm_rise(w: Window) -> Finding | None:
         if rises[r] - trend >= limit:
             # the others' estimate subtracts the step's gradient, which this rank's noise now fills
             theirs = (
-                f"{math.exp(trend):.2f}x" if trend > -math.inf else "~0 (its noise fills the step's gradient)"
+                f"{math.exp(trend):.2f}x"
+                if trend > -math.inf
+                else "~0 (its noise fills the step's gradient)"
             )
             others_are = "the other rank's" if w.world == 2 else "the other ranks'"
             msg = (
@@ -247,7 +258,9 @@ def faulty_worker_norm_rise(w: Window) -> Finding | None:
                 f"{math.exp(rises[r]):.1f}x its own median of the {len(w.pts) - w.cfg.own_recent} measured steps "
                 f"before, {others_are} {theirs}"
             )
-            return Finding("faulty_worker", [r], msg, {"rise": math.exp(rises[r]), "trend": math.exp(trend)})
+            return Finding(
+                "faulty_worker", [r], msg, {"rise": math.exp(rises[r]), "trend": math.exp(trend)}
+            )
     return None
 
 
@@ -258,7 +271,11 @@ def faulty_worker_norm_pair(w: Window) -> Finding | None:
     are named."""
     if w.world != 2 or w.named.get("faulty_worker") or w.explained(None, None):
         return None
-    pairs = [q.rank_norm for q in w.pts if q.rank_norm and None not in q.rank_norm and min(q.rank_norm) > 0]
+    pairs = [
+        q.rank_norm
+        for q in w.pts
+        if q.rank_norm and None not in q.rank_norm and min(q.rank_norm) > 0
+    ]
     if len(pairs) < len(w.pts):
         return None
     big = [max((0, 1), key=n.__getitem__) for n in pairs]
@@ -303,7 +320,11 @@ class BatchAdvisor:
         self.advised = 0.0  # the ratio last advised on (0: none since the ratio was in the band)
 
     def state_dict(self) -> dict:
-        return {"ratios": list(self.ratios), "tokens": list(self.tokens), "advised_ratio": self.advised}
+        return {
+            "ratios": list(self.ratios),
+            "tokens": list(self.tokens),
+            "advised_ratio": self.advised,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.ratios.extend(state.get("ratios", []))
@@ -331,9 +352,13 @@ class BatchAdvisor:
             self.advised = 0.0  # back in the band: a later excursion is advised again
             return None
         edge = r if side > 0 else 1 / r
-        if self.advised and (self.advised > 1) == (side > 0):  # advised on this side: a further fold
+        if self.advised and (self.advised > 1) == (
+            side > 0
+        ):  # advised on this side: a further fold
             edge = self.advised * r if side > 0 else self.advised / r
-        past = all(x >= edge for x in self.ratios) if side > 0 else all(x <= edge for x in self.ratios)
+        past = (
+            all(x >= edge for x in self.ratios) if side > 0 else all(x <= edge for x in self.ratios)
+        )
         if len(self.ratios) < self.cfg.advice_steps or not past:
             return None
         before, ratio = self.advised, statistics.median(self.ratios)
@@ -371,5 +396,7 @@ def _since(before: float) -> str:
     if not before:
         return ""
     return (
-        f" (advised at {before:.0f}x before)" if before >= 1 else f" (advised at 1/{1 / before:.0f} before)"
+        f" (advised at {before:.0f}x before)"
+        if before >= 1
+        else f" (advised at 1/{1 / before:.0f} before)"
     )

@@ -22,7 +22,12 @@ def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
             *("--parallelism.dp_replicate", str(dp), "--diagnostics.replica_check_every", "1"),
             *("--faults.flip_bit_step", "5", "--faults.flip_bit_rank", str(dp - 1)),
         ],
-        "stuck_loader": ["--faults.stuck_loader_step", "5", "--faults.stuck_loader_rank", str(dp - 1)],
+        "stuck_loader": [
+            "--faults.stuck_loader_step",
+            "5",
+            "--faults.stuck_loader_rank",
+            str(dp - 1),
+        ],
         "S1-1": [*dropout, "shared"],
         "S1-2": [*dropout, "rank0_differs"],
         "S1-3": [*dropout, "per_rank"],
@@ -39,10 +44,18 @@ def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None
         "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
         "grad_noise": ("faulty_worker", [1], onset),
         "slow_rank": ("slow_rank", [dp - 1], onset),
-        "replica_flip": ("replica_drift", [dp - 1] if dp > 2 else [0, 1], 5),  # of two replicas, both
+        "replica_flip": (
+            "replica_drift",
+            [dp - 1] if dp > 2 else [0, 1],
+            5,
+        ),  # of two replicas, both
         "stuck_loader": ("stale_batch", [dp - 1], 5),
         "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
-        "S1-2": ("data_order_mismatch", [0] if dp > 2 else [0, 1], 1),  # of two, neither is the majority
+        "S1-2": (
+            "data_order_mismatch",
+            [0] if dp > 2 else [0, 1],
+            1,
+        ),  # of two, neither is the majority
         "S1-3": ("data_order_mismatch", list(range(dp)), 1),
     }
 

@@ -50,7 +50,10 @@ def _argmin(values: list[float], ranks: list[int]) -> int:
 
 
 def step_metrics(
-    loss_sums: list[float], tokens: list[float], norms_sq: list[float] | None, gram: list[list[float]] | None
+    loss_sums: list[float],
+    tokens: list[float],
+    norms_sq: list[float] | None,
+    gram: list[list[float]] | None,
 ) -> dict:
     """All per-step diagnostics (see module doc): per-rank vectors in full, every pair's cosine
     up to PAIRS_KEPT ranks. The Gram's work is numpy arithmetic on the host (never a device
@@ -79,7 +82,8 @@ def step_metrics(
     if norms_sq is None or gram is None or not live:
         return m
     norms = [
-        math.sqrt(max(norms_sq[r], 0.0)) * total / tokens[r] if tokens[r] > 0 else None for r in range(world)
+        math.sqrt(max(norms_sq[r], 0.0)) * total / tokens[r] if tokens[r] > 0 else None
+        for r in range(world)
     ]
     live_norms = [norms[r] for r in live]
     mean_norm = sum(live_norms) / len(live_norms)
@@ -100,9 +104,13 @@ def step_metrics(
     others_sq = total_sq - 2 * row + own  # the Gram's sum over every pair but rank r's
     with np.errstate(divide="ignore", invalid="ignore"):  # masked out below
         cos = np.where(pair_ok, g / (diag[:, None] * diag[None, :]), np.nan)
-        to_mean = _listed(np.where(ok & (total_sq > 0), row / (diag * np.sqrt(max(total_sq, 0.0))), np.nan))
+        to_mean = _listed(
+            np.where(ok & (total_sq > 0), row / (diag * np.sqrt(max(total_sq, 0.0))), np.nan)
+        )
         to_others = _listed(
-            np.where(ok & (others_sq > 0), (row - own) / (diag * np.sqrt(np.abs(others_sq))), np.nan)
+            np.where(
+                ok & (others_sq > 0), (row - own) / (diag * np.sqrt(np.abs(others_sq))), np.nan
+            )
         )
     pairs = cos[np.triu(pair_ok, k=1)]
     live_cos = [to_mean[r] for r in live if to_mean[r] is not None]

@@ -32,7 +32,9 @@ def content_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
     key = (tokens.shape[-1], tokens.device)
     if key not in _WEIGHTS:
         g = torch.Generator().manual_seed(0x5EED)
-        _WEIGHTS[key] = (1 + torch.rand(tokens.shape[-1], generator=g, dtype=torch.float64)).to(tokens.device)
+        _WEIGHTS[key] = (1 + torch.rand(tokens.shape[-1], generator=g, dtype=torch.float64)).to(
+            tokens.device
+        )
     return (tokens.double() * _WEIGHTS[key]).sum(-1)
 
 
@@ -43,7 +45,9 @@ class RankStep:
     loss_sum: torch.Tensor  # [] its summed token loss
     tokens: torch.Tensor  # [] its valid (target) tokens
     norm_sq: torch.Tensor  # [] squared norm of what it contributes to the gradient reduction
-    order: torch.Tensor  # [1] its sampler's hash of the global batch (GlobalBatchSampler.order_hash)
+    order: (
+        torch.Tensor
+    )  # [1] its sampler's hash of the global batch (GlobalBatchSampler.order_hash)
     times: torch.Tensor  # [3] data loading, wait at the start barrier, step time (s; NaN: unknown)
     sequence_loss_sums: torch.Tensor  # [n] per sequence
     sequence_tokens: torch.Tensor  # [n]
@@ -81,7 +85,10 @@ class RankRow:
     @classmethod
     def of(cls, row: dict[str, Any]) -> RankRow:
         """From `unpack`'s (or `fold_replicas`') fields: NaN times as None, integers as int."""
-        times = {key: None if math.isnan(row[key]) else row[key] for key in ("load_s", "wait_s", "step_s")}
+        times = {
+            key: None if math.isnan(row[key]) else row[key]
+            for key in ("load_s", "wait_s", "step_s")
+        }
         sequences = [
             {"index": int(i), "tokens": int(t), "loss": s / t if t > 0 else None, "content": c}
             for s, t, i, c in zip(*(row[name] for name in PER_SEQUENCE), strict=True)
@@ -122,7 +129,9 @@ def fold_replicas(
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
                 "load_s": max((r["load_s"] for r in part), key=_latest),
-                "wait_s": min((r["wait_s"] for r in part), key=lambda t: math.inf if math.isnan(t) else t),
+                "wait_s": min(
+                    (r["wait_s"] for r in part), key=lambda t: math.inf if math.isnan(t) else t
+                ),
                 "step_s": max((r["step_s"] for r in part), key=_latest),
                 "sequence_index": part[0]["sequence_index"],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},

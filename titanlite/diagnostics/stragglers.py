@@ -100,7 +100,8 @@ def slow_rank(
     if counts[top] < cfg.persist_frac * len(lates) or explained(None, top):
         return None
     later, share, own, rest = (
-        statistics.median(col) for col in list(zip(*(x for x in lates if x[0] == top), strict=True))[1:]
+        statistics.median(col)
+        for col in list(zip(*(x for x in lates if x[0] == top), strict=True))[1:]
     )
     if share < cfg.slow_margin:
         return None

@@ -63,7 +63,10 @@ def init_distributed(device: torch.device, timeout_s: int = 600, fake_world: int
         # repeats in every attempt, so a restarted worker would read a dead peer's address and
         # fail to connect (torch 2.13, c10d rendezvous). A prefix per attempt keeps them apart.
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
         )
         kwargs.update(
             store=dist.PrefixStore(

@@ -122,7 +122,9 @@ class Heartbeat:
         self._stop = threading.Event()
         # a rehearsal's store is fake: there is no peer to tell
         self._store = (
-            dist.distributed_c10d._get_default_store() if self.world > 1 and not rehearsing() else None
+            dist.distributed_c10d._get_default_store()
+            if self.world > 1 and not rehearsing()
+            else None
         )
         if self._store is not None:
             self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
@@ -155,7 +157,11 @@ class Heartbeat:
                     published = record
                 if self.watch and self.busy and warned_step != step and now - self._since > watch_s:
                     warned_step = step
-                    print(f"titanlite: stopped: {self.explain(step, 'timeout')}", file=sys.stderr, flush=True)
+                    print(
+                        f"titanlite: stopped: {self.explain(step, 'timeout')}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             except Exception:  # the store is gone (the job is ending): nothing left to publish
                 return
 
@@ -207,7 +213,9 @@ class Heartbeat:
                 )
         if behind:
             names = ", ".join(str(r) for r in sorted(behind))
-            last = ", ".join(f"{r}: {'none' if s is None else s}" for r, s in sorted(behind.items()))
+            last = ", ".join(
+                f"{r}: {'none' if s is None else s}" for r, s in sorted(behind.items())
+            )
             return (
                 f"{head}: rank(s) {names} did not arrive (last step reached: {last}); look at their logs "
                 "in the run folder's logs/ (a hung data read, a dead host)"
@@ -228,14 +236,20 @@ class Heartbeat:
             "collective; raise comm.timeout_s if the step is legitimately that slow"
         )
 
-    def _ended(self, seen: dict[int, tuple[int, int, str] | None], behind: dict[int, int | None]) -> str:
+    def _ended(
+        self, seen: dict[int, tuple[int, int, str] | None], behind: dict[int, int | None]
+    ) -> str:
         """A lost connection's cause, said at once (the launcher may stop this rank any moment):
         a peer ended; the likeliest are those behind this step or in another phase than this
         rank's, a few of them named with where they were last seen."""
         mine = _current[0]
-        odd = [r for r in range(self.world) if r != self.rank and (r in behind or seen[r][2] != mine)]
+        odd = [
+            r for r in range(self.world) if r != self.rank and (r in behind or seen[r][2] != mine)
+        ]
         where = [
-            f"rank {r} last seen in {seen[r][2]} of step {seen[r][0]}" if seen[r] else f"rank {r} never seen"
+            f"rank {r} last seen in {seen[r][2]} of step {seen[r][0]}"
+            if seen[r]
+            else f"rank {r} never seen"
             for r in odd[:8]
         ]
         names = ", ".join(map(str, odd[:8])) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")

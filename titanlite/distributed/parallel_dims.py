@@ -45,9 +45,13 @@ class ParallelDims:
     reduce_dtype: torch.dtype
 
     @classmethod
-    def build(cls, layout: Layout, device: torch.device, param_dtype: str, reduce_dtype: str) -> ParallelDims:
+    def build(
+        cls, layout: Layout, device: torch.device, param_dtype: str, reduce_dtype: str
+    ) -> ParallelDims:
         if dist.get_world_size() != layout.world:
-            raise UserError(f"layout needs {layout.world} ranks but the job has {dist.get_world_size()}")
+            raise UserError(
+                f"layout needs {layout.world} ranks but the job has {dist.get_world_size()}"
+            )
         names = ("dp_replicate", "dp_shard", *(n for n, _ in layout.axes))
         shape = (layout.dp_replicate, layout.dp_shard, *(d for _, d in layout.axes))
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
@@ -66,9 +70,9 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel coordinate: which share of the batch it reads."""
-        return self.mesh.get_local_rank("dp_replicate") * self.layout.dp_shard + self.mesh.get_local_rank(
-            "dp_shard"
-        )
+        return self.mesh.get_local_rank(
+            "dp_replicate"
+        ) * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:

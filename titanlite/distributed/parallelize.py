@@ -42,10 +42,14 @@ def parallelize_blocks(
     mesh = dims.shard_mesh
     mp = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype)
     params = sum(p.numel() for p in model.parameters())
-    keep = keeps_gathered_params(cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0])
+    keep = keeps_gathered_params(
+        cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0]
+    )
     for i, block in enumerate(blocks):
         # The last block's params are needed again at once by backward: keep them unsharded.
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1)
+        fully_shard(
+            block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1
+        )
     fully_shard(model, mesh=mesh, mp_policy=mp)
     disable_fsdp_grad_division(model)
     use_fast_reduce_scatter(model)

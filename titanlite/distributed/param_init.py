@@ -26,7 +26,9 @@ def copy_full_(p: torch.Tensor, full: torch.Tensor) -> None:
     """Set parameter `p` (a DTensor shard or a plain tensor) from the full tensor `full`, which
     every rank holds alike: each rank copies its own part, with no communication."""
     if isinstance(p, DTensor):
-        shard = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+        shard = distribute_tensor(
+            full.to(p.device), p.device_mesh, p.placements, src_data_rank=None
+        )
         p.to_local().copy_(shard.to_local())
     else:
         p.copy_(full)
@@ -66,7 +68,9 @@ class ParamInit:
     def trunc_normal_(self, p: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
         """Normal(0, std) truncated to +-cutoff*std."""
         full = self._empty_full(p)
-        nn.init.trunc_normal_(full, 0.0, std, -cutoff * std, cutoff * std, generator=self._generator(p))
+        nn.init.trunc_normal_(
+            full, 0.0, std, -cutoff * std, cutoff * std, generator=self._generator(p)
+        )
         self._assign(p, full)
 
     def constant_(self, p: torch.Tensor, value: float) -> None:

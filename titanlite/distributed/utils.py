@@ -29,7 +29,9 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     """
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, error_if_nonfinite=False, foreach=True)
+    total = torch.nn.utils.get_total_norm(
+        grads, norm_type=2.0, error_if_nonfinite=False, foreach=True
+    )
     if isinstance(total, DTensor):  # FSDP: each rank holds the norm of its shards (Partial)
         total = total.full_tensor()
     if max_norm > 0:
@@ -38,7 +40,14 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
 
 
 # Dense bf16 peak FLOP/s (no sparsity), for MFU.
-_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+_PEAK_BF16 = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+}
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:

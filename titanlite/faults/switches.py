@@ -20,7 +20,9 @@ class FaultSwitches:
     same_data: bool = opt(False, "every rank reads rank 0's share of the batch")
     corrupt_labels_rank: int = opt(-1, "this rank's labels are shuffled within each sequence")
     grad_noise_rank: int = opt(-1, "this rank's gradient gets noise before the reduction")
-    grad_noise_scale: float = opt(1.0, "std of that noise, relative to the gradient's RMS", at_least=0.0)
+    grad_noise_scale: float = opt(
+        1.0, "std of that noise, relative to the gradient's RMS", at_least=0.0
+    )
     slow_rank: int = opt(-1, "this rank's data loading is slowed (a straggler)")
     slow_factor: float = opt(
         3.0, "slow_rank's steps take this many times their own time (extra host work)", above=1.0
@@ -43,14 +45,18 @@ class FaultSwitches:
     )
     hang_step: int = opt(-1, "rank hang_rank stops responding as this step starts (comm timeout)")
     hang_rank: int = opt(0, "the rank that hang_step hangs")
-    freeze_step: int = opt(-1, "rank freeze_rank stops itself (SIGSTOP) in freeze_phase of this step")
+    freeze_step: int = opt(
+        -1, "rank freeze_rank stops itself (SIGSTOP) in freeze_phase of this step"
+    )
     freeze_rank: int = opt(1, "the rank that freeze_step freezes")
     freeze_phase: str = opt(
         "forward",
         "the part of the step where freeze_step freezes",
         choices=("data", "forward", "backward", "clip", "optimizer", "checkpoint"),
     )
-    fail_save_step: int = opt(-1, "the last rank's checkpoint write at this step fails as on a full disk")
+    fail_save_step: int = opt(
+        -1, "the last rank's checkpoint write at this step fails as on a full disk"
+    )
     write_error: str = opt(
         "none",
         "from write_error_step on, rank 0's writes into the run folder fail as on a full or read-only disk",
@@ -63,11 +69,13 @@ class FaultSwitches:
     spike_step: int = opt(-1, "rank 0's loss is multiplied by spike_scale at this step (a spike)")
     spike_scale: float = opt(1000.0, "the factor of spike_step", above=0.0)
     flip_bit_step: int = opt(
-        -1, "as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)"
+        -1,
+        "as this step starts, one bit of one parameter flips on rank flip_bit_rank (replica_drift)",
     )
     flip_bit_rank: int = opt(1, "the rank whose parameter flip_bit_step flips")
     stuck_loader_step: int = opt(
-        -1, "from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)"
+        -1,
+        "from this step on, rank stuck_loader_rank's loader repeats that step's batch (stale_batch)",
     )
     stuck_loader_rank: int = opt(1, "the rank whose loader stuck_loader_step freezes")
     seed_mode: str = opt(

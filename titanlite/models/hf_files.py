@@ -62,9 +62,15 @@ CONFIG_HARMLESS = frozenset(
 )  # fmt: skip
 # keys harmless only at these values (elsewhere titanlite's Llama would train another model)
 CONFIG_HARMLESS_AT: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "attention_dropout": (lambda v: v in (0, 0.0, None), "titanlite's Llama applies no attention dropout"),
+    "attention_dropout": (
+        lambda v: v in (0, 0.0, None),
+        "titanlite's Llama applies no attention dropout",
+    ),
     "sliding_window": (lambda v: v is None, "titanlite's Llama attends to the whole sequence"),
-    "use_sliding_window": (lambda v: v in (False, None), "titanlite's Llama attends to the whole sequence"),
+    "use_sliding_window": (
+        lambda v: v in (False, None),
+        "titanlite's Llama attends to the whole sequence",
+    ),
     "layer_types": (
         lambda v: isinstance(v, list) and set(v) <= {"full_attention"},
         "titanlite's Llama has full attention in every layer",
@@ -207,7 +213,11 @@ def read_config(folder: Path, reads: Iterable[str] = ()) -> dict:
 
 def _agree(a: str, va: Any, vb: Any) -> bool:
     if a == "rope_scaling":  # rope_parameters also holds rope_theta: compare what both hold
-        return isinstance(va, dict) and isinstance(vb, dict) and all(vb.get(k) == v for k, v in va.items())
+        return (
+            isinstance(va, dict)
+            and isinstance(vb, dict)
+            and all(vb.get(k) == v for k, v in va.items())
+        )
     return va == vb
 
 
@@ -216,7 +226,9 @@ def _read_optional(folder: Path, name: str, used, harmless, harmless_at=None) ->
     path = folder / name
     if not path.is_file():
         return {}
-    return check_whole(path, read_json(path, f"{name} is a JSON object"), used, harmless, harmless_at)
+    return check_whole(
+        path, read_json(path, f"{name} is a JSON object"), used, harmless, harmless_at
+    )
 
 
 def read_generation_config(folder: Path) -> dict:
@@ -233,25 +245,35 @@ def read_tokenizer_config(folder: Path) -> dict:
 
 def read_special_tokens_map(folder: Path) -> dict:
     """special_tokens_map.json whole ({} without one)."""
-    return _read_optional(folder, "special_tokens_map.json", SPECIAL_TOKENS_USED, SPECIAL_TOKENS_HARMLESS)
+    return _read_optional(
+        folder, "special_tokens_map.json", SPECIAL_TOKENS_USED, SPECIAL_TOKENS_HARMLESS
+    )
 
 
 def check_hf_folder(folder: Path, need_tokenizer: bool) -> None:
     """A Hugging Face model folder has config.json (valid JSON), its weights and, unless another
     tokenizer is named, tokenizer.json."""
     if not folder.is_dir():
-        raise UserError(f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model")
+        raise UserError(
+            f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model"
+        )
     try:
         json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"'{folder}' has no config.json; it is not a Hugging Face model folder") from None
+        raise UserError(
+            f"'{folder}' has no config.json; it is not a Hugging Face model folder"
+        ) from None
     except (OSError, ValueError) as e:
         raise UserError(f"'{folder / 'config.json'}' is not valid JSON ({e})") from None
-    if not any((folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+    if not any(
+        (folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
+    ):
         raise UserError(
             f"'{folder}' has no model.safetensors or model.safetensors.index.json; download the weights too"
         )
-    if need_tokenizer and not any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
+    if need_tokenizer and not any(
+        (folder / f).is_file() for f in ("tokenizer.json", "tokenizer.model")
+    ):
         raise UserError(
             f"'{folder}' has no tokenizer.json (nor tokenizer.model); download it, or set model.tokenizer_path"
         )

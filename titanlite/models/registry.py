@@ -172,7 +172,9 @@ class MetaModel:
     args: Any  # the flavor with vocab_size, max_seq_len (and dropout) filled in
     model: nn.Module
     flops_per_token: int  # training FLOPs per token; 0 if the model does not say
-    loss_chunk: int = 0  # training's loss chunk in positions (0: the whole sequence); the plan's loss_chunks
+    loss_chunk: int = (
+        0  # training's loss chunk in positions (0: the whole sequence); the plan's loss_chunks
+    )
     eval_loss_chunk: int = 0  # the same at eval's local batch
 
     def loss_path(self, evaluating: bool = False) -> LossPath:
@@ -190,7 +192,9 @@ class MetaModel:
 def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
     """The model's args from a Hugging Face folder's config.json, through the spec's adapter; the
     tokenizer's ids must fit the embedding."""
-    config = read_json(folder / "config.json", "a Hugging Face model folder's config.json is a JSON object")
+    config = read_json(
+        folder / "config.json", "a Hugging Face model folder's config.json is a JSON object"
+    )
     archs = config.get("architectures") or [config.get("model_type", "?")]
     if spec.hf is None or not set(archs) & set(spec.hf.architectures):
         reads = ", ".join(spec.hf.architectures) if spec.hf else "nothing: it has no HFAdapter"
@@ -248,7 +252,11 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     fork = foreign(f"model '{m.name}' ({where})", "fix the model's code")
     with torch.device("meta"), contextlib.nullcontext() if where.startswith("titanlite.") else fork:
         model = spec.model_cls(args)
-    flops = model.num_flops_per_token(cfg.training.seq_len) if hasattr(model, "num_flops_per_token") else 0
+    flops = (
+        model.num_flops_per_token(cfg.training.seq_len)
+        if hasattr(model, "num_flops_per_token")
+        else 0
+    )
     return MetaModel(spec, args, model, flops, *chunks)
 
 

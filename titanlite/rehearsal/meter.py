@@ -57,12 +57,16 @@ def _steps(tracker: type) -> type:
 class StepCost:
     step: int
     measured: bool  # a measured step of the diagnostics
-    compute_s: float  # a timed step: its time on this device, collectives returning at once (nan: watched)
+    compute_s: (
+        float  # a timed step: its time on this device, collectives returning at once (nan: watched)
+    )
     peak_bytes: int  # a watched step: its peak tensor memory
     host_reads: dict[str, int]  # titanlite's own host reads and syncs in the step (0 expected)
     # per (group label, op): calls, payload bytes, bytes one rank sends
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    peak_parts: dict[str, int] = field(default_factory=dict)  # MemTracker's split of the peak (CPU only)
+    peak_parts: dict[str, int] = field(
+        default_factory=dict
+    )  # MemTracker's split of the peak (CPU only)
     collect_s: float = 0.0  # rank 0's host work on the diagnostics' record (its statistics, alerts)
     record_bytes: int = 0  # that record as one JSON line of diagnostics.jsonl
 

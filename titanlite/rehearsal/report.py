@@ -39,7 +39,13 @@ def _wire(cost: StepCost, skip: tuple[str, ...] = ()) -> dict[str, float]:
 
 
 def summarize(
-    cfg: JobConfig, layout: Layout, meta, device: torch.device, diagnostics, costs: list[StepCost], estimate
+    cfg: JobConfig,
+    layout: Layout,
+    meta,
+    device: torch.device,
+    diagnostics,
+    costs: list[StepCost],
+    estimate,
 ) -> dict[str, Any]:
     watched = {c.measured: c for c in costs if c.peak_bytes}
     timed = [c for c in costs[1:] if c.compute_s == c.compute_s]
@@ -88,10 +94,14 @@ def summarize(
         "diagnostics": None
         if diag is None
         else {
-            "step_s": measured_s - compute_s if measured_s is not None and compute_s is not None else None,
+            "step_s": measured_s - compute_s
+            if measured_s is not None and compute_s is not None
+            else None,
             "peak_bytes": diag.peak_bytes - plain.peak_bytes,
             "traffic_bytes": {
-                g: b - traffic.get(g, 0.0) for g, b in _wire(diag).items() if b - traffic.get(g, 0.0) > 0
+                g: b - traffic.get(g, 0.0)
+                for g, b in _wire(diag).items()
+                if b - traffic.get(g, 0.0) > 0
             },
             "host_s": _median([c.collect_s for c in collect]),
             "record_bytes": max((c.record_bytes for c in collect), default=0),
@@ -126,11 +136,18 @@ def table(r: dict[str, Any]) -> str:
     lines.append(
         f"  communication        {r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s ({hides})"
     )
-    synced = "; no device sync in any step from the second (sync_debug)" if r.get("sync_debug") else ""
-    lines.append(f"  host reads           {r['host_reads']} in the watched steps (0 expected){synced}")
+    synced = (
+        "; no device sync in any step from the second (sync_debug)" if r.get("sync_debug") else ""
+    )
+    lines.append(
+        f"  host reads           {r['host_reads']} in the watched steps (0 expected){synced}"
+    )
     d = r["diagnostics"]
     if d is not None:
-        sent = " + ".join(f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items())) or "nothing"
+        sent = (
+            " + ".join(f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items()))
+            or "nothing"
+        )
         lines.append(
             f"  diagnostics ({lay['diagnostics']})  per measured step: {_cost(d['step_s'])} on the device, "
             f"{_mib(d['peak_bytes'])} more memory, {sent} more sent; rank 0's host work "

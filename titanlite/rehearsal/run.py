@@ -53,7 +53,8 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
             if signum := trainer.stops.received:
                 name = signal.Signals(signum).name
                 raise Stopped(
-                    signum, f"stopped by {name} after rehearsal step {step} of {cfg.training.steps}; {UNKEPT}"
+                    signum,
+                    f"stopped by {name} after rehearsal step {step} of {cfg.training.steps}; {UNKEPT}",
                 )
         report = summarize(
             cfg,

@@ -41,7 +41,9 @@ def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
     for module in model.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+                made[id(p)] = nn.Parameter(
+                    torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad
+                )
             setattr(module, name, made[id(p)])
         for name, b in list(module.named_buffers(recurse=False)):
             module.register_buffer(
@@ -146,13 +148,19 @@ def activation_bytes(
             blocks, rest = model.activation_bytes(seq_len, dtype)
             source = "the model's own activation_bytes()"
         else:
-            blocks, rest, source = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers, 0, ROUGH
+            blocks, rest, source = (
+                [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers,
+                0,
+                ROUGH,
+            )
         logger.info(
             f"memory estimate: activations from {source} (the forward did not trace on fake tensors: {type(e).__name__}: {e})"
         )
     one = max(blocks, default=0)
     if checkpoint == "full":  # each block's input, and one block's recomputed activations
         return len(blocks) * block_input + one + rest, source
-    if checkpoint == "selective":  # matmul/attention outputs kept: about half, plus one block's rest
+    if (
+        checkpoint == "selective"
+    ):  # matmul/attention outputs kept: about half, plus one block's rest
         return (sum(blocks) + one) / 2 + rest, source
     return sum(blocks) + rest, source

@@ -83,7 +83,12 @@ class Arg:
     def bounds(self) -> str:
         rules = [
             f"{op} {int(b):,}" if float(b).is_integer() and abs(b) < 1e16 else f"{op} {b:g}"
-            for op, b in ((">=", self.at_least), (">", self.above), ("<=", self.at_most), ("<", self.below))
+            for op, b in (
+                (">=", self.at_least),
+                (">", self.above),
+                ("<=", self.at_most),
+                ("<", self.below),
+            )
             if b is not None
         ]
         return " and ".join(rules)
@@ -244,10 +249,14 @@ class Script:
                 close = difflib.get_close_matches(token.split("=")[0], flags, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise UserError(f"unknown argument '{token}'{hint}; see {self.prog} --help")
-        check_values(load_config(None, rest))  # keys, types, choices, bounds: one line on the first problem
+        check_values(
+            load_config(None, rest)
+        )  # keys, types, choices, bounds: one line on the first problem
         return rest
 
-    def run(self, body: Callable[[argparse.Namespace], int | None], argv: Sequence[str] | None = None) -> int:
+    def run(
+        self, body: Callable[[argparse.Namespace], int | None], argv: Sequence[str] | None = None
+    ) -> int:
         """The script: its arguments checked, then `body`; every ending as one line."""
         previous = (
             signal.signal(signal.SIGTERM, self._on_term),
@@ -264,9 +273,15 @@ class Script:
         except (KeyboardInterrupt, _Stop) as e:
             signum = e.signum if isinstance(e, _Stop) else signal.SIGINT
             hint = f"; {self.stop_hint}" if self.stop_hint else ""
-            print(f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}", file=sys.stderr, flush=True)
+            print(
+                f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}",
+                file=sys.stderr,
+                flush=True,
+            )
             return 128 + signum
-        except BrokenPipeError:  # `| head` closed the output: nothing more to say (Python's own advice)
+        except (
+            BrokenPipeError
+        ):  # `| head` closed the output: nothing more to say (Python's own advice)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
         finally:

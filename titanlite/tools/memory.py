@@ -79,7 +79,9 @@ class MemoryEstimate:
         )
 
 
-def measured_step_bytes(cfg: JobConfig, layout: Layout, params: int, unit_params: int) -> tuple[float, float]:
+def measured_step_bytes(
+    cfg: JobConfig, layout: Layout, params: int, unit_params: int
+) -> tuple[float, float]:
     """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
     one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients).
     exact's probe holds the largest unit's fp32 gradient, its copy sent in the all-to-all and the
@@ -178,7 +180,9 @@ def estimate_memory(
     activations = local_batch * one
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
-    logits = local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
+    logits = (
+        local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
+    )
     return MemoryEstimate(
         params,
         states,
@@ -228,7 +232,9 @@ def job_estimate(
     reshard_after_forward = auto)."""
     t, model, args = cfg.training, meta.model, meta.args
     blocks = getattr(model, "layers", None)
-    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
+    block_params = (
+        sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
+    )
     params = sum(p.numel() for p in model.parameters())
     root = params - getattr(args, "n_layers", 0) * block_params
     unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
@@ -276,7 +282,11 @@ def check_memory(
     if est.total_bytes > avail and not cfg.debug.skip_memory_check:
         fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'selective' or 'full'"
         if est.held_grads_bytes:
-            why = "parallelism.skip_grad_sync" if layout.skip_grad_sync else "diagnostics.method = 'exact'"
+            why = (
+                "parallelism.skip_grad_sync"
+                if layout.skip_grad_sync
+                else "diagnostics.method = 'exact'"
+            )
             fixes = (
                 f"{why} keeps {est.held_grads_bytes / GiB:.2f} GiB of unsharded gradients across "
                 f"microbatches: set it to 'auto', or {fixes}"

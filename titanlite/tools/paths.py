@@ -40,7 +40,9 @@ def check_writable(path: Path, flag: str) -> None:
     """`path` is a folder that exists or can be created: no file in its way, write permission."""
     base = existing_parent(path)
     if not base.is_dir():
-        raise UserError(f"{flag} '{path}' cannot be a folder: '{base}' is a file; point {flag} elsewhere")
+        raise UserError(
+            f"{flag} '{path}' cannot be a folder: '{base}' is a file; point {flag} elsewhere"
+        )
     if not writable(base):
         raise UserError(
             f"{flag} '{path}' is not writable ('{base}' denies it); point {flag} at a writable folder"

@@ -15,7 +15,9 @@ from collections.abc import Callable
 from titanlite.tools.phases import heartbeat
 
 _PR_SET_PDEATHSIG = 1
-AGENT_PID_ENV = "TITANLITE_AGENT_PID"  # set by titanlite.launch: the pid the workers' parent must have
+AGENT_PID_ENV = (
+    "TITANLITE_AGENT_PID"  # set by titanlite.launch: the pid the workers' parent must have
+)
 
 
 def init_logging() -> logging.Logger:

@@ -74,7 +74,9 @@ def read_toml(path: Path, what: str = "") -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(f"{path} is missing{f'; {what}' if what else ''}") from None
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (byte {e.start}){f'; {what}' if what else ''}") from None
+        raise UserError(
+            f"{path} is not UTF-8 text (byte {e.start}){f'; {what}' if what else ''}"
+        ) from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise UserError(f"{path} is not valid TOML ({e}){f'; {what}' if what else ''}") from None
 

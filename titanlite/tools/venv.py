@@ -74,7 +74,14 @@ def use_project_venv(dev: bool = False) -> None:
         return
     env_sh = ROOT / "scripts" / "env.sh"
     found = subprocess.run(
-        ["bash", "-c", 'source "$1" "$2" >&2 && printf %s "$PY"', "env", str(env_sh), "dev" if dev else ""],
+        [
+            "bash",
+            "-c",
+            'source "$1" "$2" >&2 && printf %s "$PY"',
+            "env",
+            str(env_sh),
+            "dev" if dev else "",
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -87,4 +94,8 @@ def use_project_venv(dev: bool = False) -> None:
 
 
 if __name__ == "__main__":  # scripts/env.sh: does $PY hold everything, titanlite installed too?
-    sys.exit(1 if missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite") else 0)
+    sys.exit(
+        1
+        if missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite")
+        else 0
+    )

@@ -104,17 +104,25 @@ class Checkpointer:
         # seams for fault injection (titanlite.faults)
         self.storage_writer = lambda step, path: dcp.FileSystemWriter(path)  # a step's DCP writer
         self.written: Callable[[int], None] | None = None  # rank 0: DCP wrote; before the publish
-        self.per_rank_torch = False  # each rank's torch stream its own: a resharded resume reseeds it
+        self.per_rank_torch = (
+            False  # each rank's torch stream its own: a resharded resume reseeds it
+        )
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
+        )
         self._pending: tuple[int, Path, Future] | None = None
         self._staged_s = 0.0  # the newest async save's staging time
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
         self.tied: list[list[str]] = []  # its parameter names that share a tensor (restore sets it)
         self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
-        self.data = data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
-        self.tokenizer = tokenizer_key(cfg)  # what its token ids mean: a start from the checkpoint compares
+        self.data = (
+            data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
+        )
+        self.tokenizer = tokenizer_key(
+            cfg
+        )  # what its token ids mean: a start from the checkpoint compares
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
         """Register the host-side parts of the training state (read at a log step; saved in
@@ -159,7 +167,9 @@ class Checkpointer:
         else:
             state = self.load_initial(path, with_optimizer=not c.initial_load_model_only)
             if not c.initial_load_model_only:
-                continue_schedule(self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"])
+                continue_schedule(
+                    self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"]
+                )
         return 1
 
     def stop(self, step: int, signum: int, finished: bool = False) -> None:
@@ -168,7 +178,11 @@ class Checkpointer:
         a stop needs. `finished`: the stop came as the run ended, every step and export done."""
         name = signal.Signals(signum).name
         if finished:
-            kept = f"checkpoint step-{step} holds it" if self.cfg.checkpoint.saves else "checkpointing is off"
+            kept = (
+                f"checkpoint step-{step} holds it"
+                if self.cfg.checkpoint.saves
+                else "checkpointing is off"
+            )
             raise Stopped(
                 signum,
                 f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
@@ -242,15 +256,21 @@ class Checkpointer:
             self._settle(step, tmp, error)
             return
         try:
-            staged = dcp.async_save(self._dcp_state(), storage_writer=writer, process_group=self.group)
+            staged = dcp.async_save(
+                self._dcp_state(), storage_writer=writer, process_group=self.group
+            )
         except (Exception, CheckpointException) as e:
             self._settle(step, tmp, self._save_error(e))
             return
-        self._staged_s = time.perf_counter() - start  # what training waited; the write goes on behind it
+        self._staged_s = (
+            time.perf_counter() - start
+        )  # what training waited; the write goes on behind it
         job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
         self._pending = (step, tmp, job)
 
-    def _write(self, step: int, tmp: Path, write: Callable[[], Any], state: str, start: float) -> str | None:
+    def _write(
+        self, step: int, tmp: Path, write: Callable[[], Any], state: str, start: float
+    ) -> str | None:
         """DCP's write (every rank), then the publish (rank 0); returns the failure in one line."""
         try:
             write()  # DCP raises on every rank if any rank's write failed
@@ -270,7 +290,9 @@ class Checkpointer:
             for old in complete_steps(self.folder)[:-keep] if keep > 0 else []:
                 shutil.rmtree(step_dir(self.folder, old), ignore_errors=True)
         mode = f" (async: training waited {self._staged_s:.2f}s of it)" if self.is_async else ""
-        logger.info(f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}")
+        logger.info(
+            f"checkpoint: saved step {step} to {final} in {time.perf_counter() - start:.2f}s{mode}"
+        )
         return None
 
     def _save_error(self, e: BaseException, where: str = "") -> str:
@@ -295,7 +317,11 @@ class Checkpointer:
         kept = complete_steps(self.folder)
         raise TrainingError(
             f"checkpoint save at step {step} failed: {first}; "
-            + (f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier checkpoint exists")
+            + (
+                f"the checkpoint of step {kept[-1]} is intact"
+                if kept
+                else "no earlier checkpoint exists"
+            )
         )
 
     def wait(self) -> None:
@@ -322,7 +348,10 @@ class Checkpointer:
             self._load_rng(path, step, resharded=saved_world != self.world)
         except UserError:
             raise
-        except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
+        except (
+            Exception,
+            CheckpointException,
+        ) as e:  # damage its files' sizes and checksums missed
             error = f"rank {self.rank}: {first_cause(e)}"
         error = first_error(error, self.group)
         if error:
@@ -384,11 +413,16 @@ class Checkpointer:
             host = self._load_state(path, with_optimizer, check=True)
         except UserError as e:
             error = str(e)
-        except (Exception, CheckpointException) as e:  # damage its files' sizes and checksums missed
+        except (
+            Exception,
+            CheckpointException,
+        ) as e:  # damage its files' sizes and checksums missed
             error = f"checkpoint '{path}' failed to load (rank {self.rank}: {first_cause(e)}); it is damaged: point checkpoint.initial_load_path at an intact step"
         error = first_error(error, self.group)
         if error:
             raise UserError(error)
         what = "model and optimizer" if with_optimizer else "model"
-        logger.info(f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0")
+        logger.info(
+            f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0"
+        )
         return host

@@ -96,9 +96,13 @@ def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | byt
     if source is not None and (source / "generation_config.json").is_file():
         files["generation_config.json"] = source / "generation_config.json"
     if tokenizer is None:
-        logger.info("the export holds no tokenizer: the run trained on synthetic tokens, which have none")
+        logger.info(
+            "the export holds no tokenizer: the run trained on synthetic tokens, which have none"
+        )
     elif tokenizer.folder is not None:
-        files.update({n: tokenizer.folder / n for n in TOKENIZER_FILES if (tokenizer.folder / n).is_file()})
+        files.update(
+            {n: tokenizer.folder / n for n in TOKENIZER_FILES if (tokenizer.folder / n).is_file()}
+        )
     else:
         piece = tokenizer.sp.id_to_piece
         config = {
@@ -180,7 +184,9 @@ def write_hf_folder(
             if len(shards) > 1:
                 weight_map = dict(sorted(weight_map.items()))
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+                (tmp / "model.safetensors.index.json").write_text(
+                    json.dumps(index, indent=2) + "\n"
+                )
             (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
             for name, what in files.items():
                 if isinstance(what, bytes):
@@ -226,10 +232,14 @@ def export_hf(
     config = hf_config(adapter, args, dtype, source) if rank == 0 else {}
     files = companion_files(source, tokenizer) if rank == 0 else {}
     error = first_error(
-        write_hf_folder(folder, shards, fetch, adapter, args, dtype, config, files, writes=rank == 0)
+        write_hf_folder(
+            folder, shards, fetch, adapter, args, dtype, config, files, writes=rank == 0
+        )
     )
     if error:
-        raise TrainingError(f"Hugging Face export failed ({error}); the run's checkpoints are intact")
+        raise TrainingError(
+            f"Hugging Face export failed ({error}); the run's checkpoints are intact"
+        )
     if rank == 0:
         logger.info(
             f"exported a Hugging Face folder to {folder} ({len(shards)} shard(s), {dtype_name}) "
@@ -250,7 +260,9 @@ def export_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 @in_phase("export")
-def export_run(cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path) -> list[Path]:
+def export_run(
+    cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path
+) -> list[Path]:
     """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
     MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF
     folder when it is a Hugging Face one). Returns what it wrote."""
@@ -289,9 +301,13 @@ def export_checkpoint(
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
     if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":
-        raise UserError(f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder")
+        raise UserError(
+            f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder"
+        )
     if folder.exists() and any(folder.iterdir()):
-        raise UserError(f"'{folder}' exists and is not empty; pick a new output folder or remove it")
+        raise UserError(
+            f"'{folder}' exists and is not empty; pick a new output folder or remove it"
+        )
     rebuilt = rebuild(step_folder, import_module)
     cfg, tok, meta = rebuilt.cfg, rebuilt.tokenizer, rebuilt.meta
     if meta.spec.hf is None:
@@ -301,7 +317,11 @@ def export_checkpoint(
     dtype = DTYPES[dtype_name]
     params = dict(meta.model.named_parameters())
     shards = plan_shards(
-        ((n, tuple(p.shape)) for n, p in params.items()), meta.spec.hf, meta.args, dtype, max_shard_bytes
+        ((n, tuple(p.shape)) for n, p in params.items()),
+        meta.spec.hf,
+        meta.args,
+        dtype,
+        max_shard_bytes,
     )
 
     def fetch(name: str) -> torch.Tensor:

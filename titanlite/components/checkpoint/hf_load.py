@@ -47,7 +47,9 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
         if not 0 < length <= size - 8:
-            raise UserError(f"'{path}' is not a safetensors file or is cut short ({size:,} bytes); {again}")
+            raise UserError(
+                f"'{path}' is not a safetensors file or is cut short ({size:,} bytes); {again}"
+            )
         try:
             header = json.loads(f.read(length))
             tensors = {n: t for n, t in header.items() if n != "__metadata__"}
@@ -74,7 +76,9 @@ def weight_files(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         return {name: (path, shape) for name, shape in safetensors_header(path).items()}
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
             raise ValueError("its weight_map is not names to files")
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"'{index}' is not a safetensors index ({e}); download it again") from None
@@ -84,7 +88,9 @@ def weight_files(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
         held = safetensors_header(folder / file)
         listed = {name for name, f in weight_map.items() if f == file}
         if lost := sorted(listed - set(held)):
-            raise UserError(f"'{index}' lists {_some(lost)} in {file}, which does not hold them; {again}")
+            raise UserError(
+                f"'{index}' lists {_some(lost)} in {file}, which does not hold them; {again}"
+            )
         if unlisted := sorted(set(held) - listed):
             raise UserError(
                 f"'{folder / file}' holds {_some(unlisted)}, which '{index}' does not list; {again}"
@@ -110,7 +116,9 @@ def hf_plan(
     differs, or a parameter no tensor fills is one UserError. The preflight runs it on the meta
     model; the load again."""
     if adapter is None:
-        raise UserError(f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them")
+        raise UserError(
+            f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
+        )
     plan = []
     for hf_name, (_, shape) in files.items():
         if hf_name.endswith(DERIVED_BUFFERS):
@@ -159,4 +167,6 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
             _, converted = adapter.from_hf(hf_name, tensor, args)
             copy_full_(params[name], converted)
             done += 1
-    logger.info(f"loaded {len(plan)} pretrained tensors from {folder} in {time.perf_counter() - start:.1f}s")
+    logger.info(
+        f"loaded {len(plan)} pretrained tensors from {folder} in {time.perf_counter() - start:.1f}s"
+    )

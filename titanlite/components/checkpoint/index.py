@@ -187,7 +187,11 @@ def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") ->
 
 def is_step_folder(path: Path) -> bool:
     """A checkpoint's step folder (complete or not), as opposed to a run or checkpoint folder."""
-    return (path / ".metadata").is_file() or (path / "state.json").is_file() or (path / MARKER).is_file()
+    return (
+        (path / ".metadata").is_file()
+        or (path / "state.json").is_file()
+        or (path / MARKER).is_file()
+    )
 
 
 def step_to_read(
@@ -212,7 +216,9 @@ def step_to_read(
             raise UserError(f"{flag} '{path}' is damaged ({why}); {_intact_beside(path)}")
         return path
     if not path.is_dir():
-        raise UserError(f"{flag} '{path}' is not a folder; give a run folder or a checkpoint step folder")
+        raise UserError(
+            f"{flag} '{path}' is not a folder; give a run folder or a checkpoint step folder"
+        )
     folder = path
     if not complete_steps(path) and (path / "config.toml").is_file():
         from titanlite.config.manager import load_config
@@ -232,10 +238,14 @@ def _passed_over(path: Path, why: str, what: str = "is damaged") -> None:
 
 
 def _intact_beside(path: Path) -> str:
-    intact = [s for s in reversed(complete_steps(path.parent)) if damage(step_dir(path.parent, s)) is None]
+    intact = [
+        s for s in reversed(complete_steps(path.parent)) if damage(step_dir(path.parent, s)) is None
+    ]
     if not intact:
         return f"'{path.parent}' holds no intact checkpoint beside it"
-    return "the intact ones beside it: " + ", ".join(str(step_dir(path.parent, s)) for s in intact[:3])
+    return "the intact ones beside it: " + ", ".join(
+        str(step_dir(path.parent, s)) for s in intact[:3]
+    )
 
 
 T = TypeVar("T")
@@ -280,7 +290,11 @@ def quarantine(path: Path, why: str, wandb: bool = False) -> None:
     """Set the damaged step folder `path` aside as `<name>.damaged` (never resumed nor pruned),
     with one line naming what is wrong."""
     target = _set_aside(path, DAMAGED)
-    again = "; steps after it are logged again in the same W&B run, which cannot rewind" if wandb else ""
+    again = (
+        "; steps after it are logged again in the same W&B run, which cannot rewind"
+        if wandb
+        else ""
+    )
     logger.warning(
         f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back{again}"
     )

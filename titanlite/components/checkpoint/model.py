@@ -60,7 +60,9 @@ def read_tensors(step_folder: Path, tensors: dict[str, torch.Tensor]) -> None:
         dcp.load({"model": tensors}, checkpoint_id=str(step_folder), no_dist=True)
 
 
-def load_model(step_folder: Path, device: torch.device, import_module: str = "") -> tuple[nn.Module, Rebuilt]:
+def load_model(
+    step_folder: Path, device: torch.device, import_module: str = ""
+) -> tuple[nn.Module, Rebuilt]:
     """The checkpoint's model with its weights (float32, on `device`, eval mode), whole in this
     process: for a model that fits one device. init_weights runs first only because it is what
     computes the buffers (RoPE tables), which the checkpoint does not hold; its weights are then

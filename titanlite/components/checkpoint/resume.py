@@ -22,7 +22,13 @@ from titanlite.tools.records import read_json
 
 # Optimizer hyperparameters that a resume restores from the checkpoint (AdamW's param groups and
 # the scheduler's base lr) unless checkpoint.restore_hparams is false.
-RESTORED = ("optimizer.lr", "optimizer.beta1", "optimizer.beta2", "optimizer.eps", "optimizer.weight_decay")
+RESTORED = (
+    "optimizer.lr",
+    "optimizer.beta1",
+    "optimizer.beta2",
+    "optimizer.eps",
+    "optimizer.weight_decay",
+)
 # What only a fresh run does: set on a resume, they change nothing, and the resume says why.
 FRESH_ONLY = {
     "eval.at_start": "a resumed run does not evaluate before its first step (step 0 was the first run's)",
@@ -112,7 +118,9 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
     return {f"{name}.{f.name}": getattr(s, f.name) for name, s in sections(cfg) for f in fields(s)}
 
 
-def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None) -> list[str]:
+def resume_changes(
+    state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None
+) -> list[str]:
     """One line per config value that differs from the checkpoint's run, with what takes effect
     and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
     (titanlite.components.optimizer.realign_schedule)."""
@@ -121,8 +129,15 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):
-            lines.append(f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content")
-        if key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before or before[key] == now:
+            lines.append(
+                f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content"
+            )
+        if (
+            key in IDENTITY_KEYS
+            or key == "checkpoint.load_step"
+            or key not in before
+            or before[key] == now
+        ):
             continue
         if key in FRESH_ONLY:
             effect = f"not applicable: {FRESH_ONLY[key]}"
@@ -135,7 +150,9 @@ def resume_changes(state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float
             effect = f"applied from step {step + 1} (checkpoint.restore_hparams = false)"
         elif key.startswith("lr_scheduler.") or key == "training.steps":
             moved = f"; its lr {lr[0]:.3g} -> {lr[1]:.3g}" if lr and lr[0] != lr[1] else ""
-            effect = f"applied from step {step + 1}: the schedule continues under the new setting{moved}"
+            effect = (
+                f"applied from step {step + 1}: the schedule continues under the new setting{moved}"
+            )
         else:
             effect = f"applied from step {step + 1}"
         lines.append(f"resume: {key} was {before[key]!r}, now {now!r}: {effect}")
@@ -151,7 +168,9 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
     for name, tensor in model_state.items():
         have = saved.get(f"model.{name}")
         if have is None:
-            raise UserError(f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model")
+            raise UserError(
+                f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model"
+            )
         if tuple(have.size) != tuple(tensor.shape):
             raise UserError(
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
@@ -163,7 +182,9 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
 _MAY_CHANGE = frozenset({"dropout"})
 
 
-def check_initial_fits(path: Path, model: Any, drop: list[str], tokenizer: str | None = None) -> None:
+def check_initial_fits(
+    path: Path, model: Any, drop: list[str], tokenizer: str | None = None
+) -> None:
     """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
     each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
     a tensor of its own in the model, but those `drop` names (checkpoint.initial_load_drop). A
@@ -180,8 +201,15 @@ def check_initial_fits(path: Path, model: Any, drop: list[str], tokenizer: str |
     saved = [k for k in saved if k not in drop]
     lacking = [k for k in saved if k not in ours]
     state = read_json(path / "state.json", "it is written with every checkpoint")
-    trained_with = state.get("tokenizer")  # shapes fit, checked above: do the token ids mean the same?
-    if trained_with and tokenizer and trained_with != tokenizer and not set(token_tables(model)) <= set(drop):
+    trained_with = state.get(
+        "tokenizer"
+    )  # shapes fit, checked above: do the token ids mean the same?
+    if (
+        trained_with
+        and tokenizer
+        and trained_with != tokenizer
+        and not set(token_tables(model)) <= set(drop)
+    ):
         raise UserError(
             f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {trained_with}, this "
             f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
@@ -192,7 +220,9 @@ def check_initial_fits(path: Path, model: Any, drop: list[str], tokenizer: str |
     if then is None:  # a checkpoint that recorded no tied groups: its model's args may say
         then = [] if (state.get("model_args") or {}).get("tie_embeddings") is False else None
     together = {name: set(group) for group in then or [] for name in group}
-    for names in tied_groups(model) if then is not None else []:  # names[0] is read, the rest share it
+    for names in (
+        tied_groups(model) if then is not None else []
+    ):  # names[0] is read, the rest share it
         lacking += [n for n in names[1:] if n in saved and n not in together.get(names[0], ())]
     if lacking:
         raise UserError(

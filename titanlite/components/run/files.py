@@ -138,8 +138,9 @@ class RunFiles:
                 checkpoints = self.checkpoints
                 if checkpoints is not None and checkpoints.is_relative_to(self.run_dir):
                     checkpoints = moved / checkpoints.relative_to(self.run_dir)
-                return f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; " + (
-                    self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
+                return (
+                    f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; "
+                    + (self.what_was_kept(f"move it back to {self.run_dir}", checkpoints))
                 )
         return (
             f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
@@ -150,10 +151,16 @@ class RunFiles:
         """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not
         the folder they were written to), and how to go on."""
         step = self.kept.get("metrics.jsonl")
-        records = f"its records up to step {step} are whole" if step else "the records written are whole"
+        records = (
+            f"its records up to step {step} are whole" if step else "the records written are whole"
+        )
         checkpoints = checkpoints or self.checkpoints
         steps = complete_steps(checkpoints) if checkpoints is not None else []
-        saved = f", its newest checkpoint is step {steps[-1]}" if steps else ", and it has no checkpoint"
+        saved = (
+            f", its newest checkpoint is step {steps[-1]}"
+            if steps
+            else ", and it has no checkpoint"
+        )
         return f"the run stopped: {records}{saved}; {fix}, then rerun the same command to resume"
 
     def close(self) -> None:

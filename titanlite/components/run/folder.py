@@ -54,7 +54,15 @@ def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dic
     }
 
 
-LAYOUT_KEYS = ("world_size", "mode", "dp_replicate", "dp_shard", "axes", "local_batch_size", "grad_accum")
+LAYOUT_KEYS = (
+    "world_size",
+    "mode",
+    "dp_replicate",
+    "dp_shard",
+    "axes",
+    "local_batch_size",
+    "grad_accum",
+)
 
 
 def layout_at(info: dict, step: int) -> dict:
@@ -78,14 +86,20 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
         return info
     except (OSError, ValueError):
         before = None
-    if not isinstance(before, dict):  # said, not silent: the history is advisory, the resume goes on
+    if not isinstance(
+        before, dict
+    ):  # said, not silent: the history is advisory, the resume goes on
         logger.warning(
             f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept "
             "(scripts/inspect_step.py splits those steps at this run's layout)"
         )
         return info
     first = before.get("from_step", 1)
-    kept = [e for e in before.get("earlier", []) if isinstance(e, dict) and e.get("from_step", 1) <= resume]
+    kept = [
+        e
+        for e in before.get("earlier", [])
+        if isinstance(e, dict) and e.get("from_step", 1) <= resume
+    ]
     if first <= resume:
         kept.append({"from_step": first, **{k: before[k] for k in LAYOUT_KEYS if k in before}})
     return {**info, "from_step": resume + 1, "earlier": kept}
@@ -103,9 +117,13 @@ def open_run_folder(
     found, error, lock, changed = [None, None], None, None, None
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
-        take = os.environ.get(HELD_ENV) != str(RunLock(run_dir).path.resolve())  # no launcher holds it
+        take = os.environ.get(HELD_ENV) != str(
+            RunLock(run_dir).path.resolve()
+        )  # no launcher holds it
         try:
-            if take and run_dir.is_dir():  # before its checkpoints are read: a live run may be pruning them
+            if (
+                take and run_dir.is_dir()
+            ):  # before its checkpoints are read: a live run may be pruning them
                 lock = RunLock(run_dir)
                 lock.acquire()
             resume, changed = resume_plan(cfg, run_dir, is_restart(), data)
@@ -122,7 +140,9 @@ def open_run_folder(
         except UserError as e:
             error = str(e)
         except OSError as e:
-            error = f"cannot write the run folder '{run_dir}' ({e}); pick a writable --job.dump_folder"
+            error = (
+                f"cannot write the run folder '{run_dir}' ({e}); pick a writable --job.dump_folder"
+            )
         if error and lock is not None:
             lock.release()
     error = first_error(error)
@@ -140,7 +160,9 @@ def _data_changed(run_dir: Path, step: int, change: str) -> None:
     logger.warning(f"NOTE data_changed at step {step}: {message}")
     note = {"name": "data_changed", "step": step, "ranks": [], "hosts": [], "message": message}
     files = RunFiles(run_dir)
-    files.append("events.jsonl", [{**note, "cause": "", "values": {}, "samples": [], "level": "info"}])
+    files.append(
+        "events.jsonl", [{**note, "cause": "", "values": {}, "samples": [], "level": "info"}]
+    )
     files.close()
 
 

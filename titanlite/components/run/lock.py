@@ -110,7 +110,11 @@ class RunLock:
         last = time.monotonic()
         while not self._stop.wait(WATCH_S):
             with contextlib.suppress(OSError), self._mutex:
-                if self._fd is not None and not self._stop.is_set() and not _same_file(self._fd, self.path):
+                if (
+                    self._fd is not None
+                    and not self._stop.is_set()
+                    and not _same_file(self._fd, self.path)
+                ):
                     self._remake()
                 if time.monotonic() - last >= REFRESH_S:
                     os.utime(self.path)

@@ -59,7 +59,9 @@ def is_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def resume_step(cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None) -> int | None:
+def resume_step(
+    cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
+) -> int | None:
     """The checkpoint step to resume from (None: a fresh run); see resume_plan."""
     return resume_plan(cfg, run_dir, restarted, data)[0]
 
@@ -76,7 +78,9 @@ def resume_plan(
     if (run_dir / REHEARSAL_FILE).is_file() != bool(cfg.rehearsal.world) and (
         run_dir / "config.toml"
     ).is_file():
-        held = "a rehearsal, which trained nothing" if cfg.rehearsal.world == 0 else "a training run"
+        held = (
+            "a rehearsal, which trained nothing" if cfg.rehearsal.world == 0 else "a training run"
+        )
         raise UserError(
             f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: "
             "pick another --job.run_name or move it"

@@ -105,7 +105,9 @@ class StopSignals:
         if self.group is None:
             return self._failed_or(self._flag())
         buf = bytearray(self._flag().to_bytes(4, sys.byteorder))
-        dist.all_reduce(torch.frombuffer(buf, dtype=torch.int32), op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(
+            torch.frombuffer(buf, dtype=torch.int32), op=dist.ReduceOp.MAX, group=self.group
+        )
         return self._failed_or(int.from_bytes(buf, sys.byteorder))
 
     def finish(self) -> int:

@@ -42,7 +42,9 @@ VARS = {
     )
 }  # fmt: skip
 # torchrun's own warnings the workers need not repeat (pytorch's FutureWarnings, torchdata's)
-WARNINGS = "ignore::FutureWarning,ignore::UserWarning:torchdata.stateful_dataloader.stateful_dataloader"
+WARNINGS = (
+    "ignore::FutureWarning,ignore::UserWarning:torchdata.stateful_dataloader.stateful_dataloader"
+)
 
 
 def read(environ: Mapping[str, str]) -> dict:
@@ -59,7 +61,9 @@ def gpu_count() -> int:
     """GPUs nvidia-smi lists on this node (0 without it)."""
     if shutil.which("nvidia-smi") is None:
         return 0
-    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    listed = subprocess.run(
+        ["nvidia-smi", "-L"], capture_output=True, text=True, check=False
+    ).stdout
     return sum(line.startswith("GPU") for line in listed.splitlines())
 
 
@@ -104,7 +108,10 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
     args += ["--local-ranks-filter", ",".join(map(str, shown))]
     # CPU ranks share the cores; saying so also silences torchrun's OMP banner
     threads = v.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // nproc))
-    env = {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": environ.get("PYTHONWARNINGS", WARNINGS)}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONWARNINGS": environ.get("PYTHONWARNINGS", WARNINGS),
+    }
     return args, env
 
 
@@ -179,7 +186,11 @@ def said_by_any(log_dir: Path) -> str | None:
     """The last one-line error any rank wrote to its log in this attempt (the ranks stop on the
     same error, distributed.utils.first_error), for a rank whose own log lacks it."""
     for log in _logs(log_dir):
-        own = [ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("titanlite: ")]
+        own = [
+            ln
+            for ln in log.read_text(errors="replace").splitlines()
+            if ln.startswith("titanlite: ")
+        ]
         if own:
             return own[-1]
     return None
@@ -201,7 +212,9 @@ def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, 
     )
 
 
-def report_failure(e: ChildFailedError, log_dir: Path, shown: set[int] | None, stopped: set[int]) -> int:
+def report_failure(
+    e: ChildFailedError, log_dir: Path, shown: set[int] | None, stopped: set[int]
+) -> int:
     """The exit code for a failed launch, with what the console has not shown: the failed rank's
     one-line error, or a crashed rank's last lines and its log file, for the cause (`cause`;
     `stopped`: the local ranks torchrun stopped after the first failure)."""
@@ -214,7 +227,9 @@ def report_failure(e: ChildFailedError, log_dir: Path, shown: set[int] | None, s
         own = [ln for ln in lines if ln.startswith("titanlite: ")]
         if own and not on_console and not printed_by(own[-1], log_dir, shown or set()):
             print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
-        if not own and log is not None and log.is_file():  # its log could not take its line: a full disk
+        if (
+            not own and log is not None and log.is_file()
+        ):  # its log could not take its line: a full disk
             said = said_by_any(log_dir)
             print(
                 said
@@ -228,5 +243,9 @@ def report_failure(e: ChildFailedError, log_dir: Path, shown: set[int] | None, s
         for line in lines[-TAIL_LINES:]:
             print(f"[rank{rank}]: {line}", file=sys.stderr)
     said = "its last lines are above" if lines else "it printed nothing"
-    print(f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log}", file=sys.stderr, flush=True)
+    print(
+        f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log}",
+        file=sys.stderr,
+        flush=True,
+    )
     return 1

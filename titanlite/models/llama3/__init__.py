@@ -9,7 +9,9 @@ llama3_flavors = {
     # torchtitan's debug shapes; the vocabulary comes from the tokenizer (2048 built in).
     "debugmodel": Llama3Args(dim=256, n_layers=6, n_heads=16, rope_theta=500000),
     # The same with the output head tied to the embedding, as Llama 3.2 1B/3B have it.
-    "debugmodel_tied": Llama3Args(dim=256, n_layers=6, n_heads=16, rope_theta=500000, tie_embeddings=True),
+    "debugmodel_tied": Llama3Args(
+        dim=256, n_layers=6, n_heads=16, rope_theta=500000, tie_embeddings=True
+    ),
     # Llama 3.2 1B
     "1B": Llama3Args(
         dim=2048,

@@ -38,7 +38,9 @@ _TOP_BACK = {v: k for k, v in _TOP.items()}
 _LAYER_BACK = {v: k for k, v in _LAYER.items()}
 
 
-def _rename(name: str, top: dict[str, str], layer: dict[str, str], src: str, dst: str) -> str | None:
+def _rename(
+    name: str, top: dict[str, str], layer: dict[str, str], src: str, dst: str
+) -> str | None:
     """`name` in the other naming: a top-level name through `top`, a block's `<src>layers.<i>.x`
     through `layer` as `<dst>layers.<i>.y`; None if neither knows it."""
     if name in top:
@@ -76,7 +78,9 @@ def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, tor
         return None
     ours = _rename(name, _TOP_BACK, _LAYER_BACK, src="model.", dst="")
     if ours is None:
-        raise UserError(f"the Hugging Face weights hold '{name}', which a Llama 3 model has no place for")
+        raise UserError(
+            f"the Hugging Face weights hold '{name}', which a Llama 3 model has no place for"
+        )
     heads = _heads(ours, args)
     return ours, (_to_pairs(tensor, heads) if heads else tensor)
 

@@ -29,7 +29,9 @@ class Llama3Args:
     vocab_size: int = -1  # filled in from the tokenizer
     multiple_of: int = 256  # SwiGLU hidden size is rounded up to a multiple of this
     ffn_dim_multiplier: float | None = None
-    hidden_dim: int | None = None  # SwiGLU hidden size given outright (HF's intermediate_size); wins
+    hidden_dim: int | None = (
+        None  # SwiGLU hidden size given outright (HF's intermediate_size); wins
+    )
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling_factor: float | None = None  # Llama 3.1/3.2 long-context frequency scaling
@@ -79,9 +81,13 @@ class KVCache:
         self.keys: list[torch.Tensor | None] = [None] * n_layers
         self.values: list[torch.Tensor | None] = [None] * n_layers
         self.lengths = lengths  # [B] each row's positions so far: its next token's RoPE position
-        self.valid: torch.Tensor | None = None  # [B, columns] bool: the columns that hold real tokens
+        self.valid: torch.Tensor | None = (
+            None  # [B, columns] bool: the columns that hold real tokens
+        )
 
-    def extend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def extend(
+        self, layer: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.keys[layer] is not None:
             k = torch.cat([self.keys[layer], k], dim=1)
             v = torch.cat([self.values[layer], v], dim=1)
@@ -92,7 +98,10 @@ class KVCache:
         """Only these rows go on (the others finished)."""
         self.keys = [t.index_select(0, rows) for t in self.keys]
         self.values = [t.index_select(0, rows) for t in self.values]
-        self.lengths, self.valid = self.lengths.index_select(0, rows), self.valid.index_select(0, rows)
+        self.lengths, self.valid = (
+            self.lengths.index_select(0, rows),
+            self.valid.index_select(0, rows),
+        )
 
 
 class RMSNorm(nn.Module):
@@ -260,7 +269,9 @@ class Llama3(nn.Module):
         decoding = cache is not None and cache.valid is not None  # the prompts ran already
         columns = cache.valid.shape[1] + seqlen if decoding else seqlen
         if columns > self.args.max_seq_len:
-            raise ValueError(f"sequence of {columns} tokens exceeds max_seq_len {self.args.max_seq_len}")
+            raise ValueError(
+                f"sequence of {columns} tokens exceeds max_seq_len {self.args.max_seq_len}"
+            )
         if cache is not None and (positions is not None or labels is not None):
             raise ValueError("a KV cache is for generation: tokens only, no positions or labels")
         if decoding:  # one more token per row, at the row's own position
@@ -271,9 +282,15 @@ class Llama3(nn.Module):
             cache.valid = torch.cat([cache.valid, torch.ones_like(cache.valid[:, :1])], dim=1)
             mask = cache.valid[:, None, None, :]
         elif positions is None:
-            cos, sin, mask = self.rope_cos[None, :seqlen, None], self.rope_sin[None, :seqlen, None], None
+            cos, sin, mask = (
+                self.rope_cos[None, :seqlen, None],
+                self.rope_sin[None, :seqlen, None],
+                None,
+            )
             if cache is not None:  # the prompts, right-padded
-                cache.valid = torch.arange(seqlen, device=tokens.device)[None] < cache.lengths[:, None]
+                cache.valid = (
+                    torch.arange(seqlen, device=tokens.device)[None] < cache.lengths[:, None]
+                )
         else:
             cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
             mask = document_mask(positions)
@@ -283,7 +300,9 @@ class Llama3(nn.Module):
         if decoding:
             cache.lengths = cache.lengths + 1
         if labels is not None:
-            return chunked_cross_entropy_per_sample(self.norm(h), self.output.weight, labels, loss_chunk)
+            return chunked_cross_entropy_per_sample(
+                self.norm(h), self.output.weight, labels, loss_chunk
+            )
         return self.output(self.norm(h))
 
     def kv_cache(self, lengths: torch.Tensor) -> KVCache:
