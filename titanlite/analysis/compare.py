@@ -2,10 +2,9 @@
 
 Two runs are comparable only if they train the same thing (titanlite.config.fields.IDENTITY_KEYS;
 a checkpoint resumes under the same rule). Layout settings (LAYOUT) are what an invariance
-comparison varies; anything else that differs (loss normalization, optimizer, precision,
-dropout, faults) is reported, and the verdict says whether it mattered: every step's relative
-loss difference against the tolerance at that step, a function of the updates since the first
-compared step (titanlite.analysis.tolerance); --rtol X sets a flat tolerance.
+comparison varies; anything else that differs is reported, and the verdict says whether it
+mattered: every step's relative loss difference against the tolerance at that step
+(titanlite.analysis.tolerance); --rtol X sets a flat tolerance.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from titanlite.analysis.localize import GradientCheck, gradient_check
-from titanlite.analysis.plots import plot_invariance
-from titanlite.analysis.runs import Run
+from titanlite.analysis.runs import Run, differing, pyplot, series, whole_steps
 from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
 from titanlite.config.fields import IDENTITY_KEYS
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 
-# Expected to differ between the runs of an invariance comparison.
+# Expected to differ between the runs of an invariance comparison ("x." is a whole section).
 LAYOUT = (
     "parallelism.",
     "training.local_batch_size",
@@ -39,13 +37,7 @@ LAYOUT = (
     "data.cache_dir",
     "data.num_workers",
 )
-
-
 DIAG_KEYS = ("loss_std", "cos_mean_pairwise")
-
-
-def _matches(key: str, prefixes: tuple[str, ...]) -> bool:
-    return any(key == p or (p.endswith(".") and key.startswith(p)) for p in prefixes)
 
 
 @dataclass
@@ -57,14 +49,11 @@ class ConfigDiff:
 
 def config_diff(a: Run, b: Run) -> ConfigDiff:
     out = ConfigDiff()
-    for key in sorted(set(a.config) | set(b.config)):
-        va, vb = a.config.get(key, "<unset>"), b.config.get(key, "<unset>")
-        if va == vb:
-            continue
+    for key, (va, vb) in differing([a, b]):
         line = f"{key}: {va!r} vs {vb!r}"
         if key in IDENTITY_KEYS:
             out.refused.append(line)
-        elif _matches(key, LAYOUT):
+        elif any(key == p or (p.endswith(".") and key.startswith(p)) for p in LAYOUT):
             out.layout.append(line)
         else:
             out.changed.append(line)
@@ -73,14 +62,21 @@ def config_diff(a: Run, b: Run) -> ConfigDiff:
         if va and vb and va != vb:
             out.changed.append(f"resolved {key}: {va!r} vs {vb!r}")
     streams = [
-        r.config.get("model.dropout") and r.config.get("model.dropout_masks") == "stream"
+        r.config.get("model.dropout_masks") == "stream"
         for r in (a, b)
+        if r.config.get("model.dropout")
     ]
     if out.layout and any(streams):
         out.changed.append(
             "dropout masks from each rank's RNG stream differ between layouts (model.dropout_masks = 'sample' keys them by sequence)"
         )
     return out
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    return abs(a - b) / max(abs(a), 1e-30)
 
 
 @dataclass
@@ -102,11 +98,6 @@ class Row:
                 return name
         return None
 
-    @property
-    def abs(self) -> float | None:
-        a, b = self.loss
-        return None if a is None or b is None else abs(a - b)
-
 
 def _steps_text(steps: list[int]) -> str:
     """[1, 2, 3, 7] as "1-3, 7"."""
@@ -117,12 +108,6 @@ def _steps_text(steps: list[int]) -> str:
         else:
             runs.append([s])
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
-def _rel(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
-        return None
-    return abs(a - b) / max(abs(a), 1e-30)
 
 
 @dataclass
@@ -141,15 +126,12 @@ class Comparison:
     def first_bad(self) -> Row | None:
         """The first step where a curve (the loss, a loss term) parts beyond its rtol, or where
         only one run has it."""
-        for row in self.rows:
-            if row.parted(self.rtol_at(row)):
-                return row
-        return None
+        return next((r for r in self.rows if r.parted(self.rtol_at(r))), None)
 
     @property
     def first_bad_step(self) -> int | None:
         """The first step that fails a verdict: a curve, or the gradient of its step."""
-        steps = [r.step for r in (self.first_bad,) if r is not None]
+        steps = [self.first_bad.step] if self.first_bad else []
         if self.gradient is not None and not self.gradient.passed:
             steps.append(self.gradient.step)
         return min(steps, default=None)
@@ -209,21 +191,15 @@ def compare(
             f"{ref.name} and {other.name} do not train the same thing, no invariance verdict possible: "
             + "; ".join(diff.refused)
         )
-    last = {run.name: run.last_step() for run in (ref, other)}
     short = min((ref, other), key=Run.last_step)
-    if (steps is None and len(set(last.values())) > 1) or (
-        steps is not None and short.last_step() < steps
-    ):
-        longest = max(last.values()) if steps is None else steps
+    end = steps or max(ref.last_step(), other.last_step())
+    if short.last_step() < end:
         raise UserError(
-            f"{short.path}: metrics stop at step {short.last_step()}, not {longest} (still running, or "
+            f"{short.path}: metrics stop at step {short.last_step()}, not {end} (still running, or "
             f"killed?); pass --steps {short.last_step()} to compare the steps both have"
         )
-    end = short.last_step() if steps is None else steps
-    for run in (
-        ref,
-        other,
-    ):  # every step from the first: a verdict over steps a run lacks is no verdict
+    # every step from the first: a verdict over steps a run lacks is no verdict
+    for run in (ref, other):
         lacking = sorted(set(range(1, end + 1)) - set(run.metrics))
         if lacking and run.logs_every_step():
             raise UserError(
@@ -239,19 +215,12 @@ def compare(
     for s in common:
         ma, mb = ref.metrics[s], other.metrics[s]
         da, db = ref.diag.get(s, {}), other.diag.get(s, {})
-        rows.append(
-            Row(
-                s,
-                (ma.get("loss"), mb.get("loss")),
-                _rel(ma.get("loss"), mb.get("loss")),
-                _rel(ma.get("grad_norm"), mb.get("grad_norm")),
-                {k: (da.get(k), db.get(k)) for k in DIAG_KEYS},
-                {
-                    n: ((ma.get("terms") or {}).get(n), (mb.get("terms") or {}).get(n))
-                    for n in _terms(ma, mb)
-                },
-            )
-        )
+        ta, tb = ma.get("terms") or {}, mb.get("terms") or {}  # a skipped step's are None
+        loss = (ma.get("loss"), mb.get("loss"))
+        diag = {k: (da.get(k), db.get(k)) for k in DIAG_KEYS}
+        terms = {n: (ta.get(n), tb.get(n)) for n in ta.keys() | tb.keys()}
+        grad_norm = _rel(ma.get("grad_norm"), mb.get("grad_norm"))
+        rows.append(Row(s, loss, _rel(*loss), grad_norm, diag, terms))
     tol = rtol if isinstance(rtol, Tolerance) else Tolerance(rtol)
     gradient = None
     if ref.fingerprints is not None and other.fingerprints is not None:
@@ -260,31 +229,24 @@ def compare(
     return Comparison(ref, other, rows, tol, diff, gradient)
 
 
-def _terms(a: dict, b: dict) -> set[str]:
-    """The loss terms either record holds (a skipped step's are None in both)."""
-    return {n for m in (a, b) for n in (m.get("terms") or {})}
-
-
 def table(cmp: Comparison, max_rows: int | None = None) -> str:
     """The per-step table; with max_rows, evenly spaced rows plus the first failing one."""
     rows = cmp.rows
+    bad = cmp.first_bad.step if cmp.first_bad else None
     if max_rows and len(rows) > max_rows:
         keep = {rows[round(i * (len(rows) - 1) / (max_rows - 1))].step for i in range(max_rows)}
-        if cmp.first_bad:
-            keep.add(cmp.first_bad.step)
-        rows = [r for r in rows if r.step in keep]
-    head = (
+        rows = [r for r in rows if r.step in keep or r.step == bad]
+    lines = [
         f"{'step':>6} {'loss ' + cmp.ref.name[:14]:>20} {'loss ' + cmp.other.name[:14]:>20} "
         f"{'abs diff':>10} {'rel diff':>10} {'gnorm rel':>10} {'loss_std A':>11} {'loss_std B':>11} "
         f"{'cos A':>7} {'cos B':>7}"
-    )
-    lines = [head]
-    bad = cmp.first_bad.step if cmp.first_bad else None
+    ]
     for r in rows:
-        (sa, sb), (ca, cb) = r.diag["loss_std"], r.diag["cos_mean_pairwise"]
+        (a, b), (sa, sb), (ca, cb) = r.loss, r.diag["loss_std"], r.diag["cos_mean_pairwise"]
+        gap = None if a is None or b is None else abs(a - b)
         lines.append(
-            f"{r.step:>6} {fmt(r.loss[0], '.8f'):>20} {fmt(r.loss[1], '.8f'):>20} "
-            f"{fmt(r.abs, '.2e'):>10} {fmt(r.rel, '.2e'):>10} {fmt(r.grad_norm_rel, '.2e'):>10} "
+            f"{r.step:>6} {fmt(a, '.8f'):>20} {fmt(b, '.8f'):>20} "
+            f"{fmt(gap, '.2e'):>10} {fmt(r.rel, '.2e'):>10} {fmt(r.grad_norm_rel, '.2e'):>10} "
             f"{fmt(sa, '.5f'):>11} {fmt(sb, '.5f'):>11} {fmt(ca, '.3f'):>7} {fmt(cb, '.3f'):>7}"
             + ("  <- first beyond rtol" if r.step == bad else "")
         )
@@ -293,17 +255,36 @@ def table(cmp: Comparison, max_rows: int | None = None) -> str:
 
 def describe(cmp: Comparison) -> str:
     """The runs' layouts and how their configs differ."""
-    lines = [
-        f"  A = {cmp.ref.path}  [{cmp.ref.layout}]",
-        f"  B = {cmp.other.path}  [{cmp.other.layout}]",
-    ]
+    lines = [f"  {n} = {r.path}  [{r.layout}]" for n, r in (("A", cmp.ref), ("B", cmp.other))]
     if cmp.diff.changed:
-        lines.append(
-            "  differs beyond layout (may change the curve): " + "; ".join(cmp.diff.changed)
-        )
+        changed = "; ".join(cmp.diff.changed)
+        lines.append(f"  differs beyond layout (may change the curve): {changed}")
     if cmp.diff.layout:
         lines.append("  layout differences: " + "; ".join(cmp.diff.layout))
     return "\n".join(lines)
+
+
+def _summary(c: Comparison) -> dict:
+    """One comparison as compare.json holds it."""
+    rows = [
+        {"step": r.step, "loss": list(r.loss), "rel": r.rel, "rtol": c.rtol_at(r)}
+        | ({"terms": {n: list(v) for n, v in r.terms.items()}} if r.terms else {})
+        for r in c.rows
+    ]
+    return {
+        "ref": str(c.ref.path),
+        "other": str(c.other.path),
+        "rtol": str(c.rtol),
+        "steps": len(c.rows),
+        "max_rel": c.max_rel[0],
+        "max_rel_step": c.max_rel[1],
+        "first_bad_step": c.first_bad_step,
+        "passed": c.passed,
+        "gradient": None if c.gradient is None else dataclasses.asdict(c.gradient),
+        "config_changed": c.diff.changed,
+        "layout_changed": c.diff.layout,
+        "rows": rows,
+    }
 
 
 def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 60) -> str:
@@ -311,40 +292,45 @@ def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 
     out_dir.mkdir(parents=True, exist_ok=True)
     console, full = [], []
     for cmp in comparisons:
-        block = [describe(cmp)]
-        full += [*block, table(cmp), cmp.verdict(), ""]
-        console += [*block, table(cmp, max_rows), cmp.verdict(), ""]
+        full += [describe(cmp), table(cmp), cmp.verdict(), ""]
+        console += [describe(cmp), table(cmp, max_rows), cmp.verdict(), ""]
     (out_dir / "table.txt").write_text("\n".join(full))
-    summary = {
-        "passed": all(c.passed for c in comparisons),
-        "comparisons": [
-            {
-                "ref": str(c.ref.path),
-                "other": str(c.other.path),
-                "rtol": str(c.rtol),
-                "steps": len(c.rows),
-                "max_rel": c.max_rel[0],
-                "max_rel_step": c.max_rel[1],
-                "first_bad_step": c.first_bad_step,
-                "passed": c.passed,
-                "gradient": None if c.gradient is None else dataclasses.asdict(c.gradient),
-                "config_changed": c.diff.changed,
-                "layout_changed": c.diff.layout,
-                "rows": [
-                    {
-                        "step": r.step,
-                        "loss": list(r.loss),
-                        "rel": r.rel,
-                        "rtol": c.rtol_at(r),
-                        **({"terms": {n: list(v) for n, v in r.terms.items()}} if r.terms else {}),
-                    }
-                    for r in c.rows
-                ],
-            }
-            for c in comparisons
-        ],
-    }
+    passed = all(c.passed for c in comparisons)
+    summary = {"passed": passed, "comparisons": [_summary(c) for c in comparisons]}
     (out_dir / "compare.json").write_text(json.dumps(summary, indent=1))
     plot_invariance(comparisons, out_dir / "compare.png")
     console.append(f"table, JSON and plot: {out_dir}/{{table.txt,compare.json,compare.png}}")
     return "\n".join(console)
+
+
+def plot_invariance(comparisons: list[Comparison], path: Path) -> None:
+    """Loss curves of every run (top) and each one's relative loss difference to the first
+    (bottom, log scale) against the tolerance, under the verdict."""
+    plt = pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    ref = comparisons[0].ref
+    top.plot(*series(ref.metrics, "loss"), label=f"{ref.name} ({ref.layout})", lw=2.5)
+    floor = 1e-12  # a zero difference (bitwise equal) has no logarithm: drawn at this floor
+    for cmp in comparisons:
+        rows = [r for r in cmp.rows if r.loss[1] is not None]
+        label = f"{cmp.other.name} ({cmp.other.layout})"
+        (line,) = top.plot([r.step for r in rows], [r.loss[1] for r in rows], "--", label=label)
+        rel = [r for r in cmp.rows if r.rel is not None]
+        values = [max(r.rel, floor) for r in rel]
+        style = {"marker": ".", "color": line.get_color(), "label": cmp.other.name}
+        bottom.plot([r.step for r in rel], values, **style)
+    first = comparisons[0]
+    bottom.plot([r.step for r in first.rows], [first.rtol_at(r) for r in first.rows], color="red", ls=":",
+                label=f"tolerance ({first.rtol})")  # fmt: skip
+    bottom.set_yscale("log")
+    ylabel = f"relative loss difference to {ref.name}\n(equal losses drawn at 1e-12)"
+    bottom.set_ylabel(ylabel, fontsize=8)
+    whole_steps(bottom)
+    top.set_ylabel("training loss")
+    top.legend(fontsize=7)
+    bottom.legend(fontsize=7)
+    verdict = "PASS" if all(c.passed for c in comparisons) else "FAIL"
+    top.set_title(f"{verdict}: loss curves and their relative difference to {ref.name}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,11 +1,6 @@
 """Finished run folders: each read whole for comparison (`load_run`), and any runs side by side,
 whatever they train (`overview`, scripts/compare_runs.py without --invariance): how their configs
-differ, how each one ended, and their curves overlaid.
-
-A run folder is read from config.toml (the full config, keys added since filled with their
-defaults then), run.json (what "auto" and the layout resolved to), metrics.jsonl,
-diagnostics.jsonl, eval.jsonl and fingerprints.json. Anything unreadable is one UserError naming
-the file (titanlite.tools.records).
+differ, how each one ended, and their curves overlaid (runs.png).
 
 The overview judges nothing: runs that differ in learning rate, data or seed are experiments, and
 the user compares them on purpose. The invariance verdict is titanlite.analysis.compare's.
@@ -19,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from titanlite.analysis.plots import plot_runs
 from titanlite.components.fingerprints import FILE
 from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
-from titanlite.config.manager import migrate, to_toml, tomllib
+from titanlite.config.manager import to_toml, tomllib
 from titanlite.errors import UserError
 from titanlite.tools.formatting import fmt
 from titanlite.tools.records import read_json, read_records, read_toml
@@ -33,7 +27,7 @@ from titanlite.tools.records import read_json, read_records, read_toml
 class Run:
     path: Path
     config: dict[str, Any]  # flat "section.key" -> value
-    resolved: dict[str, Any]  # run.json ({} if the run predates it)
+    resolved: dict[str, Any]  # run.json: what "auto" and the layout resolved to
     metrics: dict[int, dict]  # step -> metrics record
     diag: dict[int, dict]  # step -> diagnostics record
     evals: dict[int, dict] = field(default_factory=dict)  # step -> held-out eval record
@@ -46,75 +40,63 @@ class Run:
     @property
     def layout(self) -> str:
         r = self.resolved
-        if not r:
-            return "?"
-        return (
-            f"{mesh_text(r['mode'], r['dp_replicate'], r['dp_shard'], r.get('axes'))}, local batch {r['local_batch_size']}"
-            f" x accum {r['grad_accum']}, {r['param_dtype']}"
-        )
+        mesh = mesh_text(r["mode"], r["dp_replicate"], r["dp_shard"], r.get("axes"))
+        return f"{mesh}, local batch {r['local_batch_size']} x accum {r['grad_accum']}, {r['param_dtype']}"
 
     @property
     def param_dtype(self) -> str:
-        if self.resolved:
-            return self.resolved["param_dtype"]
-        choice = self.config.get("training.mixed_precision_param", "auto")
-        return (
-            choice
-            if choice != "auto"
-            else ("float32" if self.config.get("training.device") == "cpu" else "?")
-        )
+        return self.resolved["param_dtype"]
 
     def last_step(self) -> int:
         return max(self.metrics)
 
     def logs_every_step(self) -> bool:
         """Whether metrics.jsonl should hold every step: a row per step, or a log every step."""
-        return self.config.get("metrics.log_every") == 1 or any(
-            "row" in r for r in self.metrics.values()
-        )
+        rows = any("row" in r for r in self.metrics.values())
+        return self.config.get("metrics.log_every") == 1 or rows
+
+
+def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
+    return {r["step"]: r for r in read_records(path, cut_off=cut_off) if "step" in r}
 
 
 def load_run(path: str | Path) -> Run:
+    """A run folder read whole; anything unreadable is one UserError naming the file."""
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: no such run folder")
-    cfg_file, metrics_file = path / "config.toml", path / "metrics.jsonl"
-    if not cfg_file.is_file():
+    if not (path / "config.toml").is_file():
         raise UserError(
             f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)"
         )
+    metrics_file = path / "metrics.jsonl"
     if not metrics_file.is_file():
         raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
-    raw = read_toml(cfg_file, "a run writes it whole as it starts")
-    raw, _ = migrate(raw, str(cfg_file))
-    # A key added to titanlite after the run was written had its default value then.
+    raw = read_toml(path / "config.toml", "a run writes it whole as it starts")
+    # A plugin section the run did not name ran at its defaults.
     defaults = tomllib.loads(to_toml(with_plugins()))
-    merged = {sec: {**defaults.get(sec, {}), **t} for sec, t in raw.items() if isinstance(t, dict)}
-    config = {
-        f"{sec}.{k}": v for sec, table in {**defaults, **merged}.items() for k, v in table.items()
-    }
-    resolved = (
-        read_json(path / "run.json", "it is written as a run starts")
-        if (path / "run.json").is_file()
-        else {}
-    )
-    metrics = {r["step"]: r for r in read_records(metrics_file, cut_off="refuse") if "step" in r}
+    config = {f"{sec}.{k}": v for sec, t in {**defaults, **raw}.items() for k, v in t.items()}
+    resolved = read_json(path / "run.json", "it is written as a run starts")
+    metrics = _by_step(metrics_file, cut_off="refuse")
     if not metrics:
         raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
-    diag_file = path / "diagnostics.jsonl"
-    diag = {r["step"]: r for r in read_records(diag_file) if "step" in r}
-    eval_file = path / "eval.jsonl"
-    evals = {r["step"]: r for r in read_records(eval_file) if "step" in r}
     prints = (
         read_json(path / FILE, "it is written whole by the run")
         if (path / FILE).is_file()
         else None
     )
+    diag, evals = _by_step(path / "diagnostics.jsonl"), _by_step(path / "eval.jsonl")
     return Run(path, config, resolved, metrics, diag, evals, prints)
 
 
-# Keys that name or place a run rather than change what it computes.
-NAMING = ("job.run_name", "job.dump_folder", "job.description")
+def differing(runs: list[Run], skip: tuple[str, ...] = ()) -> list[tuple[str, list[Any]]]:
+    """(key, each run's value) of every config key not the same in all runs."""
+    out = []
+    for key in sorted({k for r in runs for k in r.config} - set(skip)):
+        values = [r.config.get(key, "<unset>") for r in runs]
+        if any(v != values[0] for v in values[1:]):
+            out.append((key, values))
+    return out
 
 
 def labels(runs: list[Run]) -> list[str]:
@@ -123,25 +105,12 @@ def labels(runs: list[Run]) -> list[str]:
     return [letters[i % 26] + (str(i // 26) if i >= 26 else "") for i in range(len(runs))]
 
 
-def differences(runs: list[Run]) -> list[str]:
-    """Every config key whose value is not the same in all runs, with each run's value."""
-    names = labels(runs)
-    keys = sorted({k for r in runs for k in r.config} - set(NAMING))
-    lines = []
-    for key in keys:
-        values = [r.config.get(key, "<unset>") for r in runs]
-        if any(v != values[0] for v in values[1:]):
-            lines.append(
-                f"  {key}: " + ", ".join(f"{n} {v!r}" for n, v in zip(names, values, strict=True))
-            )
-    return lines
-
-
 def same_curves(runs: list[Run]) -> list[str]:
     """A line for each run whose training loss equals an earlier run's at every logged step
     (its curve lies on that run's in runs.png, dashed)."""
-    names, seen, lines = labels(runs), {}, []
-    for name, run in zip(names, runs, strict=True):
+    seen: dict[tuple, str] = {}
+    lines = []
+    for name, run in zip(labels(runs), runs, strict=True):
         curve = tuple((s, r.get("loss")) for s, r in sorted(run.metrics.items()))
         first = seen.setdefault(curve, name)
         if first != name:
@@ -171,7 +140,11 @@ def overview(runs: list[Run], out_dir: Path) -> str:
     names = labels(runs)
     ends = [outcome(r) for r in runs]
     lines = [f"  {n} = {r.path}  [{r.layout}]" for n, r in zip(names, runs, strict=True)]
-    diff = differences(runs)
+    # keys that name or place a run rather than change what it computes are left out
+    diff = [
+        f"  {key}: " + ", ".join(f"{n} {v!r}" for n, v in zip(names, values, strict=True))
+        for key, values in differing(runs, ("job.run_name", "job.dump_folder", "job.description"))
+    ]
     if len(runs) > 1:
         lines += ["config differences:", *diff] if diff else ["config differences: none"]
     lines.append(
@@ -191,3 +164,69 @@ def overview(runs: list[Run], out_dir: Path) -> str:
     plot_runs(runs, out_dir / "runs.png")
     lines.append(f"table, JSON and plot: {out_dir}/{{runs.txt,runs.json,runs.png}}")
     return "\n".join(lines)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def whole_steps(ax: Any) -> None:
+    """Whole steps on the x axis (a span of them around a single logged step)."""
+    from matplotlib.ticker import MaxNLocator
+
+    lo, hi = ax.get_xlim()
+    if hi - lo < 2:
+        ax.set_xlim((lo + hi) / 2 - 1, (lo + hi) / 2 + 1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("step")
+
+
+def series(records: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    steps = sorted(s for s, r in records.items() if r.get(key) is not None)
+    return steps, [records[s][key] for s in steps]
+
+
+# (title, where the values are, key); a panel no run has values for is left out.
+PANELS = (
+    ("training loss", "metrics", "loss"),
+    ("held-out loss (eval)", "evals", "loss"),
+    ("learning rate", "metrics", "lr"),
+    ("gradient norm (before clipping)", "metrics", "grad_norm"),
+)
+DASHES = ("-", "--", ":", "-.")  # run i's line style, in turn
+
+
+def plot_runs(runs: list[Run], path: Path) -> None:
+    """Each run's loss, eval loss, learning rate and gradient norm against the step, overlaid."""
+    plt = pyplot()
+    panels = [p for p in PANELS if any(series(getattr(r, p[1]), p[2])[0] for r in runs)]
+    cols = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (title, where, key) in zip(axes.flat, panels, strict=False):
+        drawn: dict[tuple, str] = {}  # a curve already drawn -> the run that drew it
+        for i, run in enumerate(runs):
+            steps, values = series(getattr(run, where), key)
+            if not steps:
+                continue
+            same = drawn.setdefault((tuple(steps), tuple(values)), run.name)
+            label = run.name if same == run.name else f"{run.name} (= {same})"
+            # each run's own dash, the later ones thinner: a curve equal to another's shows on it
+            style = {"ls": DASHES[i % len(DASHES)], "lw": max(0.8, 2.4 - 0.5 * i)}
+            ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label, **style)
+        ax.set_title(title, fontsize=10)
+        whole_steps(ax)
+        if key == "lr":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
