@@ -4,15 +4,10 @@ it for any model (a fork's included), and the suite's exactness worker checks te
 with the same cases, so the two cannot drift apart.
 
 Run under torchrun at one world size: `python -m titanlite.analysis.model_check OUT [--section.key
-VALUE ...]` loops over every case inside one process group and writes rank 0's results to OUT.
-Each case builds the model as the trainer does (build_meta_model, the spec's parallelize_fn,
-materialize), runs the production forward_backward on this rank's share of a fixed global batch,
-and compares the full reduced gradient, the logged loss and each loss term the model adds with
-one process's on the whole batch, through the model's own loss path. The batch's
+VALUE ...]` runs every case in one process group and writes rank 0's results to OUT. The batch's
 sequences hold very unequal numbers of valid labels (none to all), so a loss normalised by any
 local count is caught; packed cases put 2-4 documents in a sequence, whose reference runs each
-document as a sequence of its own, so attention leaking across documents is caught; the loss in
-chunks where the model offers it.
+document alone, so attention leaking across documents is caught.
 """
 
 from __future__ import annotations
@@ -62,10 +57,6 @@ class Case:
     packed: bool
     loss_chunk: int  # 0: logits, then the loss
     axis: str = ""  # an extra mesh axis the model declares, split 2 ways ("": none)
-
-    @property
-    def split(self) -> int:
-        return 2 if self.axis else 1
 
 
 def cases(cfg: JobConfig, world: int) -> list[Case]:
@@ -141,8 +132,7 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     the model's own loss path (its labels path with every term it adds; the statistics pass
     over the whole batch where it asks for one)."""
     meta = build_meta_model(cfg, 0)
-    model = meta.spec.model_cls(meta.args)
-    model.init_weights(ParamInit(model, SEED))
+    model = _alone(meta)
     pairs = [(x[None], y[None]) for x, y in documents()] if packed else [unequal_batch()]
     micro = [Microbatch(x, y) for x, y in pairs]
     path = replace(meta.loss_path(), chunk=0)
@@ -162,6 +152,13 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     return grads, {name: (t / total).item() for name, t in sums.items()}
 
 
+def _alone(meta) -> torch.nn.Module:
+    """The model unsharded, in one process, at its initial weights."""
+    model = meta.spec.model_cls(meta.args)
+    model.init_weights(ParamInit(model, SEED))
+    return model
+
+
 def weights_hash(model: torch.nn.Module) -> str:
     """The full initial weights, gathered, by canonical name: one value at every layout."""
     h = hashlib.sha256()
@@ -175,7 +172,7 @@ def weights_hash(model: torch.nn.Module) -> str:
 def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor]) -> dict:
     """One case at this world size: the reduced gradient's largest relative error against `ref`,
     the logged loss, and the initial weights' hash."""
-    dp = world // case.split
+    dp = world // (2 if case.axis else 1)
     cfg.parallelism.mode = case.mode
     cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": dp, "hsdp": 2 if dp >= 2 else 1}[case.mode]
     cfg.parallelism.dp_shard = -1
@@ -207,9 +204,7 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
     for name, p in unwrap(model).named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref[canonical_name(name)]
-        scale = (
-            want.norm() if want.norm() > 0 else whole
-        )  # a parameter the reference leaves untouched
+        scale = want.norm() if want.norm() > 0 else whole  # else: untouched by the reference
         rel = max(rel, ((g - want).norm() / scale).item())
     return {
         **asdict(case),
@@ -228,59 +223,38 @@ def check(argv: list[str]) -> dict:
     results = [run_case(check_config(argv), c, world, refs[c.packed][0]) for c in cases(cfg, world)]
     for r in results:
         r["ref"] = refs[r["packed"]][1]
-    meta = build_meta_model(cfg, 0)
-    alone = meta.spec.model_cls(meta.args)
-    alone.init_weights(ParamInit(alone, SEED))
+    alone = _alone(build_meta_model(cfg, 0))
     return {"world": world, "cases": results, "ref_hash": weights_hash(alone)}
 
 
 def verdicts(results: list[dict]) -> list[tuple[str, bool, str]]:
     """(check, passed, detail) from every world size's results: the gradient of each case, the
-    logged loss, and the initial weights against one process's."""
+    logged loss and each term the model adds, and the initial weights against one process's."""
     out = []
+    tol = f"off one process's (tolerance {TOL:g})"
     for res in results:
         for c in res["cases"]:
-            split = c.get("axis") and f" x {c['axis']}=2"
-            where = (
-                f"dp={res['world'] // (2 if split else 1)}{split or ''} {c['mode']} accum={c['accum']}"
-                + (" packed" if c["packed"] else " unequal tokens")
-                + (f" loss in chunks of {c['loss_chunk']}" if c["loss_chunk"] else "")
-            )
-            tol = f"off one process's (tolerance {TOL:g})"
+            dp = res["world"] // (2 if c["axis"] else 1)
+            split = f" x {c['axis']}=2" if c["axis"] else ""
+            batch = " packed" if c["packed"] else " unequal tokens"
+            chunks = f" loss in chunks of {c['loss_chunk']}" if c["loss_chunk"] else ""
+            where = f"dp={dp}{split} {c['mode']} accum={c['accum']}{batch}{chunks}"
             errs = {name: _rel(c["logged"].get(name), want) for name, want in c["ref"].items()}
             ok = c["max_rel_err"] <= TOL and errs["loss"] <= TOL
-            out.append(
-                (
-                    f"gradient {where}",
-                    ok,
-                    f"gradient {c['max_rel_err']:.1e}, loss {errs['loss']:.1e} {tol}",
-                )
-            )
-            for name in sorted(
-                set(c["ref"]) - {"loss"}
-            ):  # each term the model adds, on its own line
+            detail = f"gradient {c['max_rel_err']:.1e}, loss {errs['loss']:.1e} {tol}"
+            out.append((f"gradient {where}", ok, detail))
+            for name in sorted(set(c["ref"]) - {"loss"}):
                 out.append((f"term {name} {where}", errs[name] <= TOL, f"{errs[name]:.1e} {tol}"))
             for name in sorted(set(c["logged"]) - set(c["ref"])):
-                out.append(
-                    (
-                        f"term {name} {where}",
-                        False,
-                        "logged here but not returned by one process's forward",
-                    )
-                )
+                why = "logged here but not returned by one process's forward"
+                out.append((f"term {name} {where}", False, why))
     ref = results[0]["ref_hash"] if results else ""
-    differ = sorted(
-        {
-            f"dp={res['world']} {c['mode']}"
-            for res in results
-            for c in res["cases"]
-            if c["init_hash"] != ref
-        }
-    )
-    out.append(
-        ("initial weights", not differ, "equal to one process's at every layout" if not differ else
-         f"differ from one process's at {', '.join(differ)}: init_weights must fill each parameter through ParamInit")
-    )  # fmt: skip
+    cases = [(res["world"], c) for res in results for c in res["cases"]]
+    differ = sorted({f"dp={w} {c['mode']}" for w, c in cases if c["init_hash"] != ref})
+    detail = "equal to one process's at every layout"
+    if differ:
+        detail = f"differ from one process's at {', '.join(differ)}: init_weights must fill each parameter through ParamInit"
+    out.append(("initial weights", not differ, detail))
     return out
 
 
@@ -297,7 +271,6 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     every gradient (mapped to transformers' names by the adapter); then the export written back
     through the adapter, whose tensors must be the folder's, bitwise."""
     try:
-        from safetensors.torch import load_file
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
     except ImportError:
@@ -339,22 +312,42 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
         export_hf(ours, out, meta.spec.hf, meta.args, "float32", folder, None)
-        written = {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(f).items()}
-    source = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+        written = _tensors(out)
     source = {  # what the adapter reads: not derived buffers, not a tied head's stored copy
         k: v.float()
-        for k, v in source.items()
+        for k, v in _tensors(folder).items()
         if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.from_hf(k, v, meta.args) is not None
     }
-    differ = sorted(k for k in source.keys() | written.keys() if k not in written or k not in source
-                    or not torch.equal(written[k], source[k]))  # fmt: skip
+    both = written.keys() & source.keys()
+    differ = sorted(
+        (written.keys() ^ source.keys())
+        | {k for k in both if not torch.equal(written[k], source[k])}
+    )
+    exported = f"{len(written)} tensors written back as read"
+    if differ:
+        exported = f"{len(differ)} tensors differ or are missing from the export, first {differ[0]}"
+    tol = f"tolerance {TOL:g}"
     return [
-        ("hf logits", logits_err <= TOL, f"largest difference {logits_err:.1e} of the largest logit (tolerance {TOL:g})"),
-        ("hf summed loss", loss_err <= TOL, f"{loss_err:.1e} off transformers' (tolerance {TOL:g})"),
-        ("hf gradients", grad_err <= TOL, f"largest relative error {grad_err:.1e} ({worst}; tolerance {TOL:g})"),
-        ("hf export round trip", not differ, f"{len(written)} tensors written back as read" if not differ else
-         f"{len(differ)} tensors differ or are missing from the export, first {differ[0]}"),
-    ]  # fmt: skip
+        (
+            "hf logits",
+            logits_err <= TOL,
+            f"largest difference {logits_err:.1e} of the largest logit ({tol})",
+        ),
+        ("hf summed loss", loss_err <= TOL, f"{loss_err:.1e} off transformers' ({tol})"),
+        (
+            "hf gradients",
+            grad_err <= TOL,
+            f"largest relative error {grad_err:.1e} ({worst}; {tol})",
+        ),
+        ("hf export round trip", not differ, exported),
+    ]
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
 
 
 def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -362,8 +355,6 @@ def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     transformers itself, each parameter's gradient in its place, so its own conversion mapping
     applies (transformers 5 keeps a mixture's experts fused in memory, one tensor per expert on
     disk), and the parameters restored after."""
-    from safetensors.torch import load_file
-
     params = dict(model.named_parameters())
     kept = {n: p.detach().clone() for n, p in params.items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
@@ -374,9 +365,7 @@ def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         finally:
             for n, p in params.items():
                 p.copy_(kept[n])
-        return {
-            k: v for f in sorted(Path(tmp).glob("*.safetensors")) for k, v in load_file(f).items()
-        }
+        return _tensors(Path(tmp))
 
 
 def main() -> None:
