@@ -1,17 +1,13 @@
 """Two layouts' fingerprints of the same step compared (titanlite.components.fingerprints): the
 gradient verdict of an invariance comparison, and where two layouts part.
 
-The gradient verdict: each parameter's reduced gradient at one step of two runs
-(scripts/invariance.py has every run record its first step's) against the gradient tolerance
-(titanlite.analysis.tolerance.GRADIENT_TOLERANCE). The step's token mean can average a defect
+The gradient verdict: each parameter's reduced gradient at one step of two runs against
+titanlite.analysis.tolerance's gradient tolerance. The step's token mean can average a defect
 away from the loss; the gradient of the parameter the defect touches keeps it.
 
-Where two layouts part (scripts/invariance.py --localize): the first module whose forward output,
-or the first gradient that backward brings to a module, differs.
-
-Both layouts take the step from the same state: at step 1 from the same initial weights, which do
-not depend on the layout; later, from the reference layout's checkpoint of the step before,
-resharded to each layout (DCP), with the data order a function of the step alone. The walk:
+Where two layouts part (scripts/invariance.py --localize): both take the step from the same
+state (at step 1 the same initial weights; later the reference's checkpoint of the step before,
+resharded to each layout). The walk, in order:
   1. each module's forward output, in the order the reference's forward produced them (a module
      runs after the modules it reads, so the first one that parts is where a difference enters);
   2. the gradients reaching the modules' outputs, in the order backward reached them (an
@@ -19,8 +15,7 @@ resharded to each layout (DCP), with the data order a function of the step alone
   3. each parameter's reduced gradient (a difference in the reduction itself);
   4. the model's own output and the logged loss, last: when only they part, the difference is
      in how the loss is put together from agreeing parts.
-Each sequence is compared by itself; a difference counts when it is beyond the comparison's
-tolerance at that step, relative to the sequence's scale.
+Each sequence is compared by itself, against the tolerance relative to the sequence's scale.
 """
 
 from __future__ import annotations
@@ -87,24 +82,11 @@ def apart(a: list[float], b: list[float]) -> float:
 class Divergence:
     where: str  # "<module> forward", "<module> grad", "<parameter> reduced grad", "loss"
     step: int
-    parted: int  # sequences beyond the tolerance (1 for a whole tensor)
-    of: int
-    worst: float
-    row: str
+    what: str  # how far apart, and where in the tensor
     tol: float
 
     def line(self) -> str:
-        what = (
-            "the whole tensor"
-            if self.row == "-1"
-            else f"{self.parted} of {self.of} sequences, the most {self.worst:.2e} (sequence {self.row})"
-        )
-        if self.where == "loss":
-            what = f"the logged loss, {self.worst:.2e} apart"
-        return (
-            f"first divergence: {self.where} at step {self.step}: {what}, beyond tolerance {self.tol:.0e}; "
-            "everything before it agrees"
-        )
+        return f"first divergence: {self.where} at step {self.step}: {self.what}, beyond tolerance {self.tol:.0e}; everything before it agrees"
 
 
 def walk(record: dict) -> list[str]:
@@ -124,21 +106,21 @@ def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
     for key in walk(ref):
         mine, theirs = ref["records"][key], other["records"].get(key)
         if theirs is None:
-            return Divergence(
-                key + " (not run by the other layout)", step, 1, 1, float("inf"), "-1", tol
-            )
+            return Divergence(f"{key} (not run by the other layout)", step, "the whole tensor", tol)
         rows = sorted(set(mine) | set(theirs), key=int)
         gaps = {
-            r: (apart(mine[r], theirs[r]) if r in mine and r in theirs else float("inf"))
-            for r in rows
+            r: apart(mine[r], theirs[r]) if r in mine and r in theirs else math.inf for r in rows
         }
         bad = {r: g for r, g in gaps.items() if not g <= tol}
         if bad:
             row = max(bad, key=bad.get)
-            return Divergence(key, step, len(bad), len(rows), bad[row], row, tol)
+            what = f"{len(bad)} of {len(rows)} sequences, the most {bad[row]:.2e} (sequence {row})"
+            return Divergence(key, step, "the whole tensor" if row == "-1" else what, tol)
     a, b = ref["loss"], other["loss"]
     gap = abs(a - b) / max(abs(a), 1e-30)
-    return Divergence("loss", step, 1, 1, gap, "-1", tol) if not gap <= tol else None
+    return (
+        None if gap <= tol else Divergence("loss", step, f"the logged loss, {gap:.2e} apart", tol)
+    )
 
 
 @dataclass
