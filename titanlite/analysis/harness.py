@@ -32,15 +32,10 @@ def launch(
     per rank, output captured, `say(seconds)` every HEARTBEAT_S while it runs; a stop of the script
     stops it (titanlite.tools.process.run_child). torchrun itself: titanlite.launch is for
     titanlite.train (its preflight reads train flags)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-    ]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd = [*torchrun, f"--nproc_per_node={nproc}", str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return run_child([*cmd, str(script), *args], cwd=REPO, env=full_env, say=say)
+    return run_child(cmd, cwd=REPO, env=full_env, say=say)
 
 
 def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:

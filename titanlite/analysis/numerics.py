@@ -2,20 +2,15 @@
 the kernels themselves.
 
 A run repeats bitwise only where every floating-point sum is added in the same order, and on a
-CPU the order is the kernel's: MKL's GEMM branch, PyTorch's vectorized kernels and reductions
-(ATEN_CPU_CAPABILITY). Environment pins choose some of them, but a pin does not hold everywhere:
-MKL runs the branch MKL_CBWR names (AVX2, AVX512) only on Intel CPUs and silently takes its own
-choice on others (oneMKL Developer Guide, "Getting Started with Conditional Numerical
-Reproducibility"); only its COMPATIBLE branch runs on every x86-64 CPU. A CPU's name does not
-decide either: two models may run one code path, one model another under other pins.
+CPU the order is the kernel's (MKL's GEMM branch, ATEN_CPU_CAPABILITY). Pins do not hold
+everywhere: MKL runs the branch MKL_CBWR names only on Intel CPUs (oneMKL Developer Guide,
+"Getting Started with Conditional Numerical Reproducibility"), and a CPU's name does not decide.
 
 So `kernels()` runs each kind of op a Llama training step uses, at the debug model's shapes, on
-torch's own primitives (never titanlite's model or loss: a change of titanlite's numerics must not
-move the hashes, or it would hide behind the rounding path), on inputs that are the same bits on every machine (integers scaled by a power of two: no random
-number kernel or transcendental function makes them), with full 24-bit mantissas so that every
-sum rounds and its order shows, and hashes the bits each returns. Two processes whose hashes all
-agree ran the same sums in the same order; a differing hash names the kind of op that differs.
-scripts/golden_losses.py demands bitwise equality only where they agree."""
+torch's own primitives (never titanlite's model or loss, whose changes must not move the hashes),
+on inputs with the same bits on every machine and full 24-bit mantissas (so every sum rounds and
+its order shows), and hashes the bits each returns. A differing hash names the kind of op that
+differs; scripts/golden_losses.py demands bitwise equality only where they all agree."""
 
 from __future__ import annotations
 
@@ -92,17 +87,8 @@ def _pointwise(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
     y = F.silu(a) * b
     y.backward(_exact(gen, TOKENS, HIDDEN, grad=False))
     x = _exact(gen, 4099, grad=False) * 8
-    return (
-        y,
-        a.grad,
-        b.grad,
-        x.exp(),
-        x.abs().log1p(),
-        x.cos(),
-        x.sin(),
-        x.abs().pow(0.37),
-        x.tanh(),
-    )
+    unary = (x.exp(), x.abs().log1p(), x.cos(), x.sin(), x.abs().pow(0.37), x.tanh())
+    return (y, a.grad, b.grad, *unary)
 
 
 def _cross_entropy(gen: torch.Generator) -> tuple[torch.Tensor, ...]:
