@@ -10,6 +10,7 @@ bytes, host reads) or timed, never both.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -57,16 +58,13 @@ def _steps(tracker: type) -> type:
 class StepCost:
     step: int
     measured: bool  # a measured step of the diagnostics
-    compute_s: (
-        float  # a timed step: its time on this device, collectives returning at once (nan: watched)
-    )
+    # a timed step: its time on this device, collectives returning at once (nan: watched)
+    compute_s: float
     peak_bytes: int  # a watched step: its peak tensor memory
     host_reads: dict[str, int]  # titanlite's own host reads and syncs in the step (0 expected)
     # per (group label, op): calls, payload bytes, bytes one rank sends
     collectives: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
-    peak_parts: dict[str, int] = field(
-        default_factory=dict
-    )  # MemTracker's split of the peak (CPU only)
+    peak_parts: dict[str, int] = field(default_factory=dict)  # MemTracker's split (CPU only)
     collect_s: float = 0.0  # rank 0's host work on the diagnostics' record (its statistics, alerts)
     record_bytes: int = 0  # that record as one JSON line of diagnostics.jsonl
 
@@ -81,62 +79,49 @@ class StepMeter:
         self, device: torch.device, model: torch.nn.Module, optimizer, groups: dict[str, str]
     ) -> None:
         self.device, self.model, self.optimizer, self.groups = device, model, optimizer, groups
-        self.syncs = _SYNCS
-        self.syncs.install()
+        self.cuda = device.type == "cuda"
+        _SYNCS.install()
 
     def run(self, step: int, measured: bool, fn, watch: bool) -> StepCost:
         if not watch:
             return StepCost(step, measured, self._timed(fn), 0, {})
-        cuda = self.device.type == "cuda"
         collectives = CollectiveCounter(self.groups, other="other")
-        tracker = None
-        if cuda:
+        if self.cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+            tracker = contextlib.nullcontext()
         else:
             tracker = mem_tracker()
             tracker.track_external(self.model, self.optimizer)
         phase = f"rehearsal step {step} ({id(self)})"
-        with self.syncs.phase(phase), collectives:
-            if tracker is not None:
-                with tracker:
-                    fn()
-            else:
-                fn()
+        with _SYNCS.phase(phase), collectives, tracker:
+            fn()
         parts: dict[str, int] = {}
-        if cuda:
+        if self.cuda:
             peak = torch.cuda.max_memory_allocated(self.device)
         else:  # the tracker's own split at the peak: parameters, activations, optimizer state, ...
             snap = max(tracker.get_tracker_snapshot("peak").values(), key=lambda s: s["Total"])
             peak = snap["Total"]
             parts = {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if k != "Total"}
-        return StepCost(
-            step,
-            measured,
-            float("nan"),
-            int(peak),
-            dict(self.syncs.counts.pop(phase, {})),
-            _by_group(collectives),
-            peak_parts=parts,
-        )
+        by_group: dict[str, dict[str, dict[str, float]]] = {}
+        for key, n in sorted(collectives.counts.items()):
+            counted = {
+                "calls": n,
+                "payload": collectives.payload[key],
+                "wire": collectives.wire[key],
+            }
+            by_group.setdefault(key[0], {})[key[1]] = counted
+        reads = dict(_SYNCS.counts.pop(phase, {}))
+        return StepCost(step, measured, float("nan"), int(peak), reads, by_group, parts)
 
     def _timed(self, fn) -> float:
-        cuda = self.device.type == "cuda"
-        if cuda:
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
         fn()
-        if cuda:
+        if self.cuda:
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
-
-
-def _by_group(c: CollectiveCounter) -> dict[str, dict[str, dict[str, float]]]:
-    out: dict[str, dict[str, dict[str, float]]] = {}
-    for key, n in sorted(c.counts.items()):
-        group, op = key
-        out.setdefault(group, {})[op] = {"calls": n, "payload": c.payload[key], "wire": c.wire[key]}
-    return out
 
 
 def group_labels(dims, diagnostics) -> dict[str, str]:

@@ -10,72 +10,78 @@ a host's data loading beside its peers'.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, mesh_text
+from titanlite.config.layout import mesh_text
 from titanlite.rehearsal.meter import StepCost
 from titanlite.tools.formatting import fmt
+
+if TYPE_CHECKING:
+    from titanlite.train import Trainer
 
 GiB = 2**30
 
 
 def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v == v]  # not nan
+    values = [v for v in values if not math.isnan(v)]
     return statistics.median(values) if values else None
 
 
-def _wire(cost: StepCost, skip: tuple[str, ...] = ()) -> dict[str, float]:
+def _wire(cost: StepCost) -> dict[str, float]:
     """Bytes one rank sends per group in this step."""
     return {
-        group: sum(op["wire"] for op in ops.values())
-        for group, ops in cost.collectives.items()
-        if group not in skip
+        group: sum(op["wire"] for op in ops.values()) for group, ops in cost.collectives.items()
     }
 
 
-def summarize(
-    cfg: JobConfig,
-    layout: Layout,
-    meta,
-    device: torch.device,
-    diagnostics,
-    costs: list[StepCost],
-    estimate,
-) -> dict[str, Any]:
+LAYOUT_KEYS = (
+    "mode",
+    "dp_replicate",
+    "dp_shard",
+    "global_batch",
+    "local_batch",
+    "grad_accum",
+    "seq_len",
+)
+
+
+def summarize(trainer: Trainer, costs: list[StepCost]) -> dict[str, Any]:
+    """rehearsal.json: rank 0's figures from its steps' costs."""
+    cfg, layout, device = trainer.cfg, trainer.layout, trainer.device
+    estimate = trainer.memory_estimate
     watched = {c.measured: c for c in costs if c.peak_bytes}
-    timed = [c for c in costs[1:] if c.compute_s == c.compute_s]
-    plain = watched.get(False) or next(iter(watched.values()))
-    compute_s = _median([c.compute_s for c in timed if not c.measured]) or _median(
-        [c.compute_s for c in timed]
-    )
+    plain, diag = watched.get(False) or next(iter(watched.values())), watched.get(True)
+    timed = [c for c in costs[1:] if not math.isnan(c.compute_s)]
+    compute_s = _median([c.compute_s for c in timed if not c.measured])
+    compute_s = compute_s or _median([c.compute_s for c in timed])
     measured_s = _median([c.compute_s for c in timed if c.measured])
     traffic = _wire(plain)
-    wire = sum(traffic.values())
-    link = cfg.rehearsal.link_gbps * 1e9 / 8
-    diag = watched.get(True)
+    comm_s = sum(traffic.values()) / (cfg.rehearsal.link_gbps * 1e9 / 8)
     collect = [c for c in costs if c.measured and c.record_bytes]
+    diagnosed = None
+    if diag is not None:
+        extra = {g: b - traffic.get(g, 0.0) for g, b in _wire(diag).items()}
+        diagnosed = {
+            "step_s": None if None in (measured_s, compute_s) else measured_s - compute_s,
+            "peak_bytes": diag.peak_bytes - plain.peak_bytes,
+            "traffic_bytes": {g: b for g, b in extra.items() if b > 0},
+            "host_s": _median([c.collect_s for c in collect]),
+            "record_bytes": max((c.record_bytes for c in collect), default=0),
+        }
+    method = layout.diagnostics_method if trainer.diagnostics.enabled else "off"
     return {
         "world": cfg.rehearsal.world,
         "rank": 0,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
-        "params": sum(p.numel() for p in meta.model.parameters()),
-        "layout": {
-            "mode": layout.mode,
-            "dp_replicate": layout.dp_replicate,
-            "dp_shard": layout.dp_shard,
-            "axes": dict(layout.axes),
-            "global_batch": layout.global_batch,
-            "local_batch": layout.local_batch,
-            "grad_accum": layout.grad_accum,
-            "seq_len": layout.seq_len,
-            "diagnostics": layout.diagnostics_method if diagnostics.enabled else "off",
-        },
+        "params": sum(p.numel() for p in trainer.meta.model.parameters()),
+        "layout": {k: getattr(layout, k) for k in LAYOUT_KEYS}
+        | {"axes": dict(layout.axes), "diagnostics": method},
         "peak_bytes": plain.peak_bytes,
         "peak_parts": plain.peak_parts,
         "device_bytes": cfg.rehearsal.device_gb * 1e9,
@@ -86,32 +92,25 @@ def summarize(
         "tokens_per_s": layout.tokens_per_rank_step / compute_s if compute_s else None,
         "traffic_bytes": traffic,
         "link_gbps": cfg.rehearsal.link_gbps,
-        "comm_s": wire / link,
-        "comm_hidden": None if compute_s is None else wire / link <= compute_s,
+        "comm_s": comm_s,
+        "comm_hidden": None if compute_s is None else comm_s <= compute_s,
         "host_reads": sum(n for c in costs if c.peak_bytes for n in c.host_reads.values()),
         # every step from the second ran under torch.cuda.set_sync_debug_mode("error")
         "sync_debug": cfg.debug.sync_debug and device.type == "cuda",
-        "diagnostics": None
-        if diag is None
-        else {
-            "step_s": measured_s - compute_s
-            if measured_s is not None and compute_s is not None
-            else None,
-            "peak_bytes": diag.peak_bytes - plain.peak_bytes,
-            "traffic_bytes": {
-                g: b - traffic.get(g, 0.0)
-                for g, b in _wire(diag).items()
-                if b - traffic.get(g, 0.0) > 0
-            },
-            "host_s": _median([c.collect_s for c in collect]),
-            "record_bytes": max((c.record_bytes for c in collect), default=0),
-        },
+        "diagnostics": diagnosed,
         "steps": [asdict(c) for c in costs],
     }
 
 
 def _mib(b: float) -> str:
     return f"{b / 2**20:,.1f} MiB"
+
+
+HIDES = {
+    True: "hidden by compute",
+    False: "longer than compute: communication-bound",
+    None: "no step timed",
+}
 
 
 def table(r: dict[str, Any]) -> str:
@@ -128,29 +127,20 @@ def table(r: dict[str, Any]) -> str:
     ]
     for group, b in sorted(r["traffic_bytes"].items()):
         lines.append(f"  sent per step        {_mib(b)} on {group}")
-    hides = {
-        True: "hidden by compute",
-        False: "longer than compute: communication-bound",
-        None: "no step timed",
-    }[r["comm_hidden"]]
+    hides = HIDES[r["comm_hidden"]]
     lines.append(
         f"  communication        {r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s ({hides})"
     )
-    synced = (
-        "; no device sync in any step from the second (sync_debug)" if r.get("sync_debug") else ""
-    )
-    lines.append(
-        f"  host reads           {r['host_reads']} in the watched steps (0 expected){synced}"
-    )
+    reads = f"  host reads           {r['host_reads']} in the watched steps (0 expected)"
+    if r.get("sync_debug"):
+        reads += "; no device sync in any step from the second (sync_debug)"
+    lines.append(reads)
     d = r["diagnostics"]
     if d is not None:
-        sent = (
-            " + ".join(f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items()))
-            or "nothing"
-        )
+        sent = [f"{_mib(b)} ({g})" for g, b in sorted(d["traffic_bytes"].items())]
         lines.append(
             f"  diagnostics ({lay['diagnostics']})  per measured step: {_cost(d['step_s'])} on the device, "
-            f"{_mib(d['peak_bytes'])} more memory, {sent} more sent; rank 0's host work "
+            f"{_mib(d['peak_bytes'])} more memory, {' + '.join(sent) or 'nothing'} more sent; rank 0's host work "
             f"{fmt(d['host_s'], '.3f')} s, record {d['record_bytes'] / 1024:,.1f} KiB"
         )
     lines.append(verdict(r))

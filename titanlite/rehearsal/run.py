@@ -42,7 +42,9 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         trainer = Trainer(cfg, config_path)
     trainer.hooks.add(EveryUpdate())
     try:
-        meter, costs = _meter(trainer), []
+        labels = group_labels(trainer.dims, trainer.diagnostics)
+        meter = StepMeter(trainer.device, trainer.model, trainer.optimizer, labels)
+        costs = []
         trainer.stops.armed = True  # a signal now ends the rehearsal between steps, not inside one
         for step in range(1, cfg.training.steps + 1):
             began = time.perf_counter()
@@ -56,15 +58,7 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
                     signum,
                     f"stopped by {name} after rehearsal step {step} of {cfg.training.steps}; {UNKEPT}",
                 )
-        report = summarize(
-            cfg,
-            trainer.layout,
-            trainer.meta,
-            trainer.device,
-            trainer.diagnostics,
-            costs,
-            trainer.memory_estimate,
-        )
+        report = summarize(trainer, costs)
         (trainer.run_dir / REHEARSAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
         logger.info("\n" + table(report) + f"\nreport: {trainer.run_dir / REHEARSAL_FILE}")
         return report
@@ -78,11 +72,6 @@ class EveryUpdate:
 
     def before_update(self, s) -> None:
         s.skip = torch.zeros_like(s.skip)
-
-
-def _meter(trainer: Trainer) -> StepMeter:
-    labels = group_labels(trainer.dims, trainer.diagnostics)
-    return StepMeter(trainer.device, trainer.model, trainer.optimizer, labels)
 
 
 def _step(trainer: Trainer, meter: StepMeter, step: int) -> StepCost:
