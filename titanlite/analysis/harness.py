@@ -1,10 +1,6 @@
-"""Many Trainers in one torchrun: one process group per world size, the cases looped inside it.
-
-Starting torchrun and a process group costs seconds; a study of many short runs (the benchmark,
-the fault scenarios, the golden curves) pays it once per world size. The script launches itself
-under torchrun (`launch`, its worker flag among `args`); each rank then builds its Trainers one
-case at a time (`trainers`), or several side by side (the benchmark), and `finish` ends the group.
-"""
+"""Many Trainers in one torchrun: one process group per world size, the cases looped inside it
+(starting torchrun costs seconds; the benchmark, fault scenarios and golden curves pay it once).
+The script launches itself (`launch`), each rank builds its Trainers (`trainers`), `finish` ends."""
 
 from __future__ import annotations
 

@@ -327,18 +327,12 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     if differ:
         exported = f"{len(differ)} tensors differ or are missing from the export, first {differ[0]}"
     tol = f"tolerance {TOL:g}"
+    logits = f"largest difference {logits_err:.1e} of the largest logit ({tol})"
+    grads = f"largest relative error {grad_err:.1e} ({worst}; {tol})"
     return [
-        (
-            "hf logits",
-            logits_err <= TOL,
-            f"largest difference {logits_err:.1e} of the largest logit ({tol})",
-        ),
+        ("hf logits", logits_err <= TOL, logits),
         ("hf summed loss", loss_err <= TOL, f"{loss_err:.1e} off transformers' ({tol})"),
-        (
-            "hf gradients",
-            grad_err <= TOL,
-            f"largest relative error {grad_err:.1e} ({worst}; {tol})",
-        ),
+        ("hf gradients", grad_err <= TOL, grads),
         ("hf export round trip", not differ, exported),
     ]
 

@@ -1,12 +1,7 @@
 """What one rehearsed step costs rank 0: compute time, peak tensor memory, collective bytes per
-process group and host reads.
-
-Peak memory is the CUDA allocator's on a GPU; on a CPU, torch's MemTracker (a dispatch mode that
-sees every tensor allocated and freed, so the process's own memory does not blur it). Both
-measure tensors only, as the memory estimate does. The watchers (MemTracker and the counters of
-titanlite.tools.instrument) slow the step they watch, so a step is either watched (memory,
-bytes, host reads) or timed, never both.
-"""
+process group and host reads. Peak memory is the CUDA allocator's on a GPU, torch's MemTracker on
+a CPU (it sees every tensor, so the process's own memory does not blur it). The watchers slow the
+step they watch, so a step is either watched (memory, bytes, host reads) or timed, never both."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """The rehearsal's report (rehearsal.json) and its table, from the steps' costs.
 
-Traffic: the bytes one rank sends per step in a ring over each group (titanlite.tools.instrument),
-from the watched step the diagnostics did not measure; the diagnostics' own, the measured step's
-extra. Communication time: those bytes over `rehearsal.link_gbps`; FSDP issues the next block's
-gather while this one computes, so compute hides at most as much time as it takes itself.
-What a rehearsal cannot tell: NCCL's own speed and topology, stragglers, network contention, and
-a host's data loading beside its peers'.
-"""
+Traffic: the bytes one rank sends per step in a ring over each group, from the watched step the
+diagnostics did not measure (theirs: the measured step's extra); its time over
+`rehearsal.link_gbps`, which FSDP's prefetch hides at most up to the compute time. A rehearsal
+cannot tell NCCL's speed and topology, stragglers, contention, or a host's data loading."""
 
 from __future__ import annotations
 

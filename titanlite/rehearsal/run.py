@@ -1,12 +1,7 @@
-"""The rehearsal's driver: the run built as configured (titanlite.train.Trainer, on the fake
-world that `rehearsal.world` asks for), its steps run and measured, the report written.
-
-Step 1 builds AdamW's state (and compiles); step 2 (a measured step of the diagnostics) and step 3
-(an unmeasured one) are watched for memory, bytes and host reads; steps 4 on are timed, measured
-steps and unmeasured ones in turn. After each measured step, rank 0's host work on its record (titanlite.
-diagnostics.component.Diagnostics.collect: the statistics and the alert rules) is timed; the
-alerts it raises are dropped (fake gathers make every rank look alike).
-"""
+"""The rehearsal's driver: the run built as configured on the fake world, its steps run and
+measured, the report written. Step 1 builds AdamW's state (and compiles); steps 2 (measured by the
+diagnostics) and 3 (not) are watched; steps 4 on are timed. After each measured step, rank 0's
+host work on its record is timed; its alerts are dropped (fake gathers make ranks look alike)."""
 
 from __future__ import annotations
 
