@@ -20,13 +20,13 @@ Each sequence is compared by itself, against the tolerance relative to the seque
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 from titanlite.components.fingerprints import FILE
 from titanlite.errors import UserError
+from titanlite.tools.records import read_json
 
 ROOT = "(model)"
 REDUCED = " reduced grad"  # a parameter's fingerprint key
@@ -48,13 +48,8 @@ RUN_FLAGS = (
 
 def base_flags(step: int) -> list[str]:
     """The reference layout's run that writes the checkpoint of `step` - 1 (none at step 1)."""
-    return [
-        *RUN_FLAGS,
-        "--checkpoint.every",
-        str(step - 1),
-        "--debug.stop_after_step",
-        str(step - 1),
-    ]
+    before = str(step - 1)
+    return [*RUN_FLAGS, "--checkpoint.every", before, "--debug.stop_after_step", before]
 
 
 def step_flags(step: int) -> list[str]:
@@ -65,10 +60,8 @@ def step_flags(step: int) -> list[str]:
 
 
 def read(folder: Path) -> dict:
-    path = folder / FILE
-    if not path.is_file():
-        raise UserError(f"{path}: missing; the localisation run in {folder} did not reach its step")
-    return json.loads(path.read_text())
+    """A localisation run's fingerprints."""
+    return read_json(folder / FILE, f"the localisation run in {folder} did not reach its step")
 
 
 def apart(a: list[float], b: list[float]) -> float:

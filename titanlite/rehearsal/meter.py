@@ -20,23 +20,20 @@ MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
 
 
 def mem_tracker():
-    """A MemTracker for one step of any number of microbatches (see _steps)."""
+    """A MemTracker for one step of any number of microbatches. MemTracker refuses a root module's
+    second forward (a second iteration); with gradient accumulation a step runs one per
+    microbatch: each starts the modules' own stats afresh, the device's totals and peak (what the
+    rehearsal reads) run on."""
     import importlib
 
     module, name = MEM_TRACKER.rsplit(".", 1)
     try:
-        return _steps(getattr(importlib.import_module(module), name))()
+        tracker = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise RuntimeError(
             f"torch {torch.__version__} has no {MEM_TRACKER} ({e}); a rehearsal on a CPU needs it: use "
             "the torch pyproject.toml pins, or update titanlite/rehearsal/meter.py"
         ) from None
-
-
-def _steps(tracker: type) -> type:
-    """MemTracker refuses a root module's second forward (a second iteration); with gradient
-    accumulation a step runs one per microbatch. Each starts the modules' own stats afresh; the
-    device's totals and peak, which the rehearsal reads, run on."""
 
     class StepTracker(tracker):
         def _pre_fw_hook(self, module, inputs) -> None:
@@ -46,7 +43,7 @@ def _steps(tracker: type) -> type:
                 self.reset_mod_stats()
             super()._pre_fw_hook(module, inputs)
 
-    return StepTracker
+    return StepTracker()
 
 
 @dataclass
@@ -99,13 +96,9 @@ class StepMeter:
             peak = snap["Total"]
             parts = {str(getattr(k, "value", k)): int(v) for k, v in snap.items() if k != "Total"}
         by_group: dict[str, dict[str, dict[str, float]]] = {}
-        for key, n in sorted(collectives.counts.items()):
-            counted = {
-                "calls": n,
-                "payload": collectives.payload[key],
-                "wire": collectives.wire[key],
-            }
-            by_group.setdefault(key[0], {})[key[1]] = counted
+        for (group, op), n in sorted(collectives.counts.items()):
+            payload, wire = collectives.payload[group, op], collectives.wire[group, op]
+            by_group.setdefault(group, {})[op] = {"calls": n, "payload": payload, "wire": wire}
         reads = dict(_SYNCS.counts.pop(phase, {}))
         return StepCost(step, measured, float("nan"), int(peak), reads, by_group, parts)
 
