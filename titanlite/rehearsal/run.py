@@ -22,18 +22,14 @@ from titanlite.train import Trainer
 
 logger = init_logging()
 WATCHED = (2, 3)  # the steps whose memory, bytes and host reads are counted
-# What a stopped rehearsal leaves: its report comes whole at the end, so the launcher removes the
-# run folder it made for it.
-UNKEPT = "nothing was kept (a rehearsal's report comes whole at its end; rerun it)"
 
 
 def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
     """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json.
     Every phase says it is still going (titanlite.tools.phases.heartbeat): a large model's steps
     may take minutes where the rehearsal runs."""
-    with heartbeat(
-        lambda s: logger.info(f"rehearsal: still building the model and its optimizer ({s:.0f}s)")
-    ):
+    building = "rehearsal: still building the model and its optimizer"
+    with heartbeat(lambda s: logger.info(f"{building} ({s:.0f}s)")):
         trainer = Trainer(cfg, config_path)
     trainer.hooks.add(EveryUpdate())
     try:
@@ -48,11 +44,10 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
                 costs.append(_step(trainer, meter, step))
             logger.info(f"{say} done in {time.perf_counter() - began:.1f}s")
             if signum := trainer.stops.received:
-                name = signal.Signals(signum).name
-                raise Stopped(
-                    signum,
-                    f"stopped by {name} after rehearsal step {step} of {cfg.training.steps}; {UNKEPT}",
-                )
+                # the report comes whole at the end: the launcher removes the run folder
+                why = f"stopped by {signal.Signals(signum).name} after rehearsal step {step} of {cfg.training.steps}"
+                kept = "nothing was kept (a rehearsal's report comes whole at its end; rerun it)"
+                raise Stopped(signum, f"{why}; {kept}")
         report = summarize(trainer, costs)
         (trainer.run_dir / REHEARSAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
         logger.info("\n" + table(report) + f"\nreport: {trainer.run_dir / REHEARSAL_FILE}")
