@@ -169,9 +169,10 @@ def weights_hash(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor]) -> dict:
-    """One case at this world size: the reduced gradient's largest relative error against `ref`,
-    the logged loss, and the initial weights' hash."""
+def run_case(cfg: JobConfig, case: Case, world: int, ref: tuple[dict, dict]) -> dict:
+    """One case at this world size: the reduced gradient's largest relative error against the
+    reference's (`ref`: its gradient and losses), the logged loss, and the initial weights' hash."""
+    grads, losses = ref
     dp = world // (2 if case.axis else 1)
     cfg.parallelism.mode = case.mode
     cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": dp, "hsdp": 2 if dp >= 2 else 1}[case.mode]
@@ -200,10 +201,10 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
     )
     logged = torch.stack([share, *terms.values()])
     dist.all_reduce(logged)
-    rel, whole = 0.0, torch.stack([g.norm() for g in ref.values()]).norm()
+    rel, whole = 0.0, torch.stack([g.norm() for g in grads.values()]).norm()
     for name, p in unwrap(model).named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        want = ref[canonical_name(name)]
+        want = grads[canonical_name(name)]
         scale = want.norm() if want.norm() > 0 else whole  # else: untouched by the reference
         rel = max(rel, ((g - want).norm() / scale).item())
     return {
@@ -212,6 +213,7 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: dict[str, torch.Tensor
         "max_rel_err": rel,
         "logged": dict(zip(["loss", *terms], logged.tolist(), strict=True)),
         "init_hash": init,
+        "ref": losses,
     }
 
 
@@ -220,9 +222,7 @@ def check(argv: list[str]) -> dict:
     world = dist.get_world_size()
     cfg = check_config(argv)
     refs = {packed: reference(cfg, packed) for packed in (False, True)}
-    results = [run_case(check_config(argv), c, world, refs[c.packed][0]) for c in cases(cfg, world)]
-    for r in results:
-        r["ref"] = refs[r["packed"]][1]
+    results = [run_case(check_config(argv), c, world, refs[c.packed]) for c in cases(cfg, world)]
     alone = _alone(build_meta_model(cfg, 0))
     return {"world": world, "cases": results, "ref_hash": weights_hash(alone)}
 
