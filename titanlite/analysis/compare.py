@@ -173,17 +173,11 @@ class Comparison:
         )
 
 
-def compare(
-    ref: Run,
-    other: Run,
-    rtol: Tolerance | float,
-    steps: int | None = None,
-    grad_tol: float | None = None,
-) -> Comparison:
+def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = None) -> Comparison:
     """Step-by-step comparison of `other` against `ref` over their common logged steps (the
     first `steps` if given): the loss and every loss term the model adds; and, when both runs
     recorded fingerprints of the same step, every parameter's reduced gradient there, within
-    `grad_tol` (default: titanlite.analysis.tolerance's for their dtype). A run that stops early
+    titanlite.analysis.tolerance's gradient tolerance for their dtype. A run that stops early
     is an error, not a silent partial pass."""
     diff = config_diff(ref, other)
     if diff.refused:
@@ -224,7 +218,7 @@ def compare(
     tol = rtol if isinstance(rtol, Tolerance) else Tolerance(rtol)
     gradient = None
     if ref.fingerprints is not None and other.fingerprints is not None:
-        limit = grad_tol if grad_tol is not None else gradient_tolerance([ref, other])
+        limit = gradient_tolerance([ref, other])
         gradient = gradient_check(ref.fingerprints, other.fingerprints, limit)
     return Comparison(ref, other, rows, tol, diff, gradient)
 
