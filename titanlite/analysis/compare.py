@@ -192,21 +192,17 @@ def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = N
             f"{short.path}: metrics stop at step {short.last_step()}, not {end} (still running, or "
             f"killed?); pass --steps {short.last_step()} to compare the steps both have"
         )
-    # every step from the first: a verdict over steps a run lacks is no verdict
+    # every step from the first (a run writes a row per step): a verdict over steps a run lacks
+    # is no verdict
     for run in (ref, other):
         lacking = sorted(set(range(1, end + 1)) - set(run.metrics))
-        if lacking and run.logs_every_step():
+        if lacking:
             raise UserError(
                 f"{run.path}: metrics.jsonl lacks step(s) {_steps_text(lacking)} of 1-{end}; compare runs that "
                 "hold every step from the first (rerun it, or pass --steps to compare fewer)"
             )
-    common = sorted(s for s in set(ref.metrics) & set(other.metrics) if s <= end)
-    if not common:
-        raise UserError(
-            f"{ref.name} and {other.name} logged no step in common; log every step (metrics.log_every = 1)"
-        )
     rows = []
-    for s in common:
+    for s in range(1, end + 1):
         ma, mb = ref.metrics[s], other.metrics[s]
         da, db = ref.diag.get(s, {}), other.diag.get(s, {})
         ta, tb = ma.get("terms") or {}, mb.get("terms") or {}  # a skipped step's are None

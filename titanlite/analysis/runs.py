@@ -50,11 +50,6 @@ class Run:
     def last_step(self) -> int:
         return max(self.metrics)
 
-    def logs_every_step(self) -> bool:
-        """Whether metrics.jsonl should hold every step: a row per step, or a log every step."""
-        rows = any("row" in r for r in self.metrics.values())
-        return self.config.get("metrics.log_every") == 1 or rows
-
 
 def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
     return {r["step"]: r for r in read_records(path, cut_off=cut_off) if "step" in r}
