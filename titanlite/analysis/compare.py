@@ -174,11 +174,9 @@ class Comparison:
 
 
 def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = None) -> Comparison:
-    """Step-by-step comparison of `other` against `ref` over their common logged steps (the
-    first `steps` if given): the loss and every loss term the model adds; and, when both runs
-    recorded fingerprints of the same step, every parameter's reduced gradient there, within
-    titanlite.analysis.tolerance's gradient tolerance for their dtype. A run that stops early
-    is an error, not a silent partial pass."""
+    """`other` against `ref` step by step (the first `steps` if given): the loss, each loss term,
+    and, where both recorded fingerprints, each parameter's reduced gradient. A run that stops
+    early is an error, not a silent partial pass."""
     diff = config_diff(ref, other)
     if diff.refused:
         raise UserError(

@@ -25,9 +25,8 @@ def launch(
     say: Callable[[float], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --standalone --nproc_per_node nproc script ARGS` from the repository, one thread
-    per rank, output captured, `say(seconds)` every HEARTBEAT_S while it runs; a stop of the script
-    stops it (titanlite.tools.process.run_child). torchrun itself: titanlite.launch is for
-    titanlite.train (its preflight reads train flags)."""
+    per rank, output captured, `say` heartbeats (titanlite.tools.process.run_child); not
+    titanlite.launch, whose preflight reads train flags."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd = [*torchrun, f"--nproc_per_node={nproc}", str(script), *args]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}

@@ -1,13 +1,10 @@
 """Whether a registered model trains exactly under titanlite: its gradient at every layout equals
-one process's, and its initial weights do not depend on the layout. scripts/check_model.py runs
-it for any model (a fork's included), and the suite's exactness worker checks tests/fork_model.py
-with the same cases, so the two cannot drift apart.
+one process's, and its initial weights do not depend on the layout. scripts/check_model.py and the
+suite's exactness worker (tests/fork_model.py) run the same cases, so they cannot drift apart.
 
-Run under torchrun at one world size: `python -m titanlite.analysis.model_check OUT [--section.key
-VALUE ...]` runs every case in one process group and writes rank 0's results to OUT. The batch's
-sequences hold very unequal numbers of valid labels (none to all), so a loss normalised by any
-local count is caught; packed cases put 2-4 documents in a sequence, whose reference runs each
-document alone, so attention leaking across documents is caught.
+Under torchrun: `python -m titanlite.analysis.model_check OUT [--section.key VALUE ...]`. Sequences
+of very unequal valid-label counts catch a loss normalised by a local count; packed documents,
+each run alone by the reference, catch attention leaking across documents.
 """
 
 from __future__ import annotations
@@ -60,10 +57,8 @@ class Case:
 
 
 def cases(cfg: JobConfig, world: int) -> list[Case]:
-    """Every mode at accumulation 1 and 2 on the unequal batch; packed with the loss in chunks
-    where the model takes positions and labels (else packed whole, or not packed). A model that
-    declares extra mesh axes: each, split 2 ways (from 2 ranks), in every mode, unequal and
-    packed."""
+    """Every mode at accumulation 1 and 2 on the unequal batch; packed (the loss in chunks) where
+    the model takes them; each extra mesh axis the model declares, split 2 ways."""
     meta = build_meta_model(cfg, 0)
     takes = inspect.signature(meta.model.forward).parameters
     packs, chunks = "positions" in takes, {"labels", "loss_chunk"} <= takes.keys()
@@ -127,10 +122,8 @@ def packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """One process, unsharded, one microbatch (packed: every document run as a sequence of its
-    own): the gradient and the token-mean cross entropy and terms of the whole batch, through
-    the model's own loss path (its labels path with every term it adds; the statistics pass
-    over the whole batch where it asks for one)."""
+    """One process, unsharded (packed: each document a sequence of its own): the whole batch's
+    gradient, token-mean cross entropy and terms, through the model's own loss path."""
     meta = build_meta_model(cfg, 0)
     model = _alone(meta)
     pairs = [(x[None], y[None]) for x, y in documents()] if packed else [unequal_batch()]

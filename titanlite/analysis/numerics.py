@@ -1,16 +1,11 @@
 """What decides whether two CPU runs agree bit for bit: the kernels this process runs, read off
-the kernels themselves.
-
-A run repeats bitwise only where every floating-point sum is added in the same order, and on a
-CPU the order is the kernel's (MKL's GEMM branch, ATEN_CPU_CAPABILITY). Pins do not hold
-everywhere: MKL runs the branch MKL_CBWR names only on Intel CPUs (oneMKL Developer Guide,
-"Getting Started with Conditional Numerical Reproducibility"), and a CPU's name does not decide.
-
-So `kernels()` runs each kind of op a Llama training step uses, at the debug model's shapes, on
-torch's own primitives (never titanlite's model or loss, whose changes must not move the hashes),
-on inputs with the same bits on every machine and full 24-bit mantissas (so every sum rounds and
-its order shows), and hashes the bits each returns. A differing hash names the kind of op that
-differs; scripts/golden_losses.py demands bitwise equality only where they all agree."""
+the kernels themselves. The summation order is the kernel's (MKL's GEMM branch,
+ATEN_CPU_CAPABILITY), and pins do not hold everywhere (MKL_CBWR binds on Intel CPUs only: oneMKL
+Developer Guide, "Getting Started with Conditional Numerical Reproducibility"). So `kernels()`
+hashes what each kind of op a Llama step uses returns, on torch's own primitives (a change of
+titanlite's numerics must not move them), at the debug model's shapes, on inputs with the same
+bits everywhere and full 24-bit mantissas (every sum rounds, so its order shows).
+scripts/golden_losses.py demands bitwise equality only where every hash agrees."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Finished run folders: each read whole for comparison (`load_run`), and any runs side by side,
-whatever they train (`overview`, scripts/compare_runs.py without --invariance): how their configs
-differ, how each one ended, and their curves overlaid (runs.png).
-
-The overview judges nothing: runs that differ in learning rate, data or seed are experiments, and
-the user compares them on purpose. The invariance verdict is titanlite.analysis.compare's.
+"""Finished run folders: each read whole (`load_run`), and any runs side by side whatever they
+train (`overview`: config differences, endings, curves overlaid). The overview judges nothing:
+runs differing in learning rate or seed are experiments; the verdict is compare's.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""How far apart two runs' losses may be and still be the same curve: compare_runs' default
-tolerance per dtype, as a function of the horizon k (updates since the first compared step).
-
-Layouts differ by rounding alone. The tolerances are set above the largest relative loss
-difference by step k of two pairs of layouts: dp 1 vs dp 4 of debug_model.toml (FSDP, 300
-steps, scripts/invariance.py, CPU) and accumulation 1 vs 4 of llama_1b (30 steps,
-scripts/gpu_check.sh --only accum, GPU); scripts/README.md ("Invariance") keeps the measurements
-and each tolerance's margin.
+"""How far apart two runs' losses may be and still be the same curve, per dtype, as a function of
+the horizon k (updates since the first compared step). Set above the largest relative difference
+measured between layouts (dp 1 vs 4 of debug_model.toml on CPU, accumulation 1 vs 4 of llama_1b on
+GPU; scripts/README.md, "Invariance", keeps the measurements and margins).
 - fp32: flat 1e-5. Summation order alone differs, and the difference does not grow.
-- bf16: a GPU's kernels tile each shape differently per layout, so the curves drift apart. The
-  tolerance grows by u / 16 per update (u = 2^-8): 7.3e-3 at step 30, capped at 2e-2 (step
-  81): past that, curves further apart on the same batch differ by more than rounding.
+- bf16: a GPU's kernels tile each shape differently per layout, so the curves drift apart: u / 16
+  per update (u = 2^-8), capped at 2e-2 (step 81), past which curves differ by more than rounding.
 """
 
 from __future__ import annotations
@@ -52,13 +47,9 @@ def default_tolerance(runs: list[Any]) -> Tolerance:
     return max(tolerances, key=lambda t: t.at(1_000_000))
 
 
-# The gradient verdict: each parameter's reduced gradient at the first compared step, where both
-# layouts start from the same weights, so only the step's own rounding parts them (fingerprints
-# compared relative to their scale, titanlite.analysis.localize.apart).
-# - fp32: 1e-5, about 170 units of fp32 roundoff: far above what healthy layouts part by, far
-#   below what the defects the tests plant move (scripts/README.md, "Invariance").
-# - bf16: 16 u (u = 2^-8): each layout's bf16 gradient is within 8 u of the fp32 one
-#   (tests/test_distributed.py, the bf16 cases). Small defects hide under it; check in fp32.
+# Each parameter's reduced gradient at the first compared step (same weights: only the step's
+# rounding parts them). fp32: about 170 u, far above healthy layouts, far below planted defects;
+# bf16: 16 u, as each layout is within 8 u of fp32 (tests/test_distributed.py). Check in fp32.
 GRADIENT_TOLERANCE = {"float32": 1e-5, "bfloat16": 16 * 2.0**-8}
 
 

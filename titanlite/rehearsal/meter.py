@@ -20,10 +20,8 @@ MEM_TRACKER = "torch.distributed._tools.mem_tracker.MemTracker"
 
 
 def mem_tracker():
-    """A MemTracker for one step of any number of microbatches. MemTracker refuses a root module's
-    second forward (a second iteration); with gradient accumulation a step runs one per
-    microbatch: each starts the modules' own stats afresh, the device's totals and peak (what the
-    rehearsal reads) run on."""
+    """A MemTracker for a step of several microbatches: it refuses a root module's second forward,
+    so each one resets the modules' stats; the device's totals and peak run on."""
     import importlib
 
     module, name = MEM_TRACKER.rsplit(".", 1)
