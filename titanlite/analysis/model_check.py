@@ -359,8 +359,7 @@ def main() -> None:
     init_distributed(torch.device("cpu"))
     result = check(sys.argv[2:])
     if dist.get_rank() == 0:
-        with open(sys.argv[1], "w") as f:
-            json.dump(result, f)
+        Path(sys.argv[1]).write_text(json.dumps(result))
     dist.destroy_process_group()
 
 

@@ -72,11 +72,9 @@ def load_run(path: str | Path) -> Run:
     metrics = _by_step(metrics_file, cut_off="refuse")
     if not metrics:
         raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
-    prints = (
-        read_json(path / FILE, "it is written whole by the run")
-        if (path / FILE).is_file()
-        else None
-    )
+    prints = None
+    if (path / FILE).is_file():
+        prints = read_json(path / FILE, "it is written whole by the run")
     diag, evals = _by_step(path / "diagnostics.jsonl"), _by_step(path / "eval.jsonl")
     return Run(path, config, resolved, metrics, diag, evals, prints)
 

@@ -25,7 +25,6 @@ GiB = 2**30
 
 
 def _median(values: list[float]) -> float | None:
-    values = [v for v in values if not math.isnan(v)]
     return statistics.median(values) if values else None
 
 
@@ -34,17 +33,6 @@ def _wire(cost: StepCost) -> dict[str, float]:
     return {
         group: sum(op["wire"] for op in ops.values()) for group, ops in cost.collectives.items()
     }
-
-
-LAYOUT_KEYS = (
-    "mode",
-    "dp_replicate",
-    "dp_shard",
-    "global_batch",
-    "local_batch",
-    "grad_accum",
-    "seq_len",
-)
 
 
 def summarize(trainer: Trainer, costs: list[StepCost]) -> dict[str, Any]:
@@ -71,14 +59,15 @@ def summarize(trainer: Trainer, costs: list[StepCost]) -> dict[str, Any]:
             "record_bytes": max((c.record_bytes for c in collect), default=0),
         }
     method = layout.diagnostics_method if trainer.diagnostics.enabled else "off"
+    internal = ("skip_grad_sync", "diagnostics_method")
+    shape = {k: v for k, v in asdict(layout).items() if k not in internal}
     return {
         "world": cfg.rehearsal.world,
         "rank": 0,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": f"{cfg.model.name}/{cfg.model.flavor}",
         "params": sum(p.numel() for p in trainer.meta.model.parameters()),
-        "layout": {k: getattr(layout, k) for k in LAYOUT_KEYS}
-        | {"axes": dict(layout.axes), "diagnostics": method},
+        "layout": {**shape, "axes": dict(layout.axes), "diagnostics": method},
         "peak_bytes": plain.peak_bytes,
         "peak_parts": plain.peak_parts,
         "device_bytes": cfg.rehearsal.device_gb * 1e9,
