@@ -1,10 +1,7 @@
 """Compare training runs step by step: is it the same loss curve, and if not, where does it part.
-
-Two runs are comparable only if they train the same thing (titanlite.config.fields.IDENTITY_KEYS;
-a checkpoint resumes under the same rule). Layout settings (LAYOUT) are what an invariance
-comparison varies; anything else that differs is reported, and the verdict says whether it
-mattered: every step's relative loss difference against the tolerance at that step
-(titanlite.analysis.tolerance); --rtol X sets a flat tolerance.
+Two runs are comparable only if they train the same thing (IDENTITY_KEYS, the rule a checkpoint
+resumes under); layout settings (LAYOUT) are what an invariance comparison varies; any other
+difference is reported, and the verdict (titanlite.analysis.tolerance) says whether it mattered.
 """
 
 from __future__ import annotations
@@ -99,17 +96,6 @@ class Row:
         return None
 
 
-def _steps_text(steps: list[int]) -> str:
-    """[1, 2, 3, 7] as "1-3, 7"."""
-    runs: list[list[int]] = []
-    for s in steps:
-        if runs and s == runs[-1][-1] + 1:
-            runs[-1].append(s)
-        else:
-            runs.append([s])
-    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
-
-
 @dataclass
 class Comparison:
     ref: Run
@@ -190,13 +176,12 @@ def compare(ref: Run, other: Run, rtol: Tolerance | float, steps: int | None = N
             f"{short.path}: metrics stop at step {short.last_step()}, not {end} (still running, or "
             f"killed?); pass --steps {short.last_step()} to compare the steps both have"
         )
-    # every step from the first (a run writes a row per step): a verdict over steps a run lacks
-    # is no verdict
+    # a run writes a row per step: a verdict over steps a run lacks is no verdict
     for run in (ref, other):
         lacking = sorted(set(range(1, end + 1)) - set(run.metrics))
         if lacking:
             raise UserError(
-                f"{run.path}: metrics.jsonl lacks step(s) {_steps_text(lacking)} of 1-{end}; compare runs that "
+                f"{run.path}: metrics.jsonl lacks {len(lacking)} step(s) of 1-{end}, the first {lacking[0]}; compare runs that "
                 "hold every step from the first (rerun it, or pass --steps to compare fewer)"
             )
     rows = []

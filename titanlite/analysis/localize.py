@@ -1,22 +1,17 @@
 """Two layouts' fingerprints of the same step compared (titanlite.components.fingerprints): the
-gradient verdict of an invariance comparison, and where two layouts part.
+gradient verdict (each parameter's reduced gradient keeps a defect that the step's token mean can
+average away from the loss), and where two layouts part (scripts/invariance.py --localize).
 
-The gradient verdict: each parameter's reduced gradient at one step of two runs against
-titanlite.analysis.tolerance's gradient tolerance. The step's token mean can average a defect
-away from the loss; the gradient of the parameter the defect touches keeps it.
-
-Where two layouts part (scripts/invariance.py --localize): both take the step from the same
-state (at step 1 the same initial weights; later the reference's checkpoint of the step before,
-resharded to each layout). The walk, in order:
-  1. each module's forward output, in the order the reference's forward produced them (a module
-     runs after the modules it reads, so the first one that parts is where a difference enters);
-  2. the gradients reaching the modules' outputs, in the order backward reached them (an
-     auxiliary loss enters the backward at the module whose output it reads);
+Both layouts take the step from the same state (step 1: the same initial weights; later the
+reference's checkpoint of the step before, resharded). The walk, in order:
+  1. each module's forward output, in the reference's order (a module runs after those it reads,
+     so the first one that parts is where a difference enters);
+  2. the gradients reaching the modules' outputs, in backward's order (an auxiliary loss enters
+     at the module whose output it reads);
   3. each parameter's reduced gradient (a difference in the reduction itself);
-  4. the model's own output and the logged loss, last: when only they part, the difference is
-     in how the loss is put together from agreeing parts.
-Each sequence is compared by itself, against the tolerance relative to the sequence's scale.
-"""
+  4. the model's own output and the logged loss, last: when only they part, the loss is put
+     together differently from agreeing parts.
+Each sequence is compared by itself, relative to its scale."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""The rehearsal's report (rehearsal.json) and its table, from the steps' costs.
-
-Traffic: the bytes one rank sends per step in a ring over each group, from the watched step the
-diagnostics did not measure (theirs: the measured step's extra); its time over
+"""The rehearsal's report (rehearsal.json) and its table. Traffic: the bytes one rank sends per
+step in a ring over each group (the diagnostics': the measured step's extra); its time over
 `rehearsal.link_gbps`, which FSDP's prefetch hides at most up to the compute time. A rehearsal
 cannot tell NCCL's speed and topology, stragglers, contention, or a host's data loading."""
 
