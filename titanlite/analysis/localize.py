@@ -96,9 +96,8 @@ def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
         if theirs is None:
             return Divergence(f"{key} (not run by the other layout)", step, "the whole tensor", tol)
         rows = sorted(set(mine) | set(theirs), key=int)
-        gaps = {
-            r: apart(mine[r], theirs[r]) if r in mine and r in theirs else math.inf for r in rows
-        }
+        both = mine.keys() & theirs.keys()
+        gaps = {r: apart(mine[r], theirs[r]) if r in both else math.inf for r in rows}
         bad = {r: g for r, g in gaps.items() if not g <= tol}
         if bad:
             row = max(bad, key=bad.get)

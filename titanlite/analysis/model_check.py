@@ -1,11 +1,8 @@
 """Whether a registered model trains exactly under titanlite: its gradient at every layout equals
-one process's, and its initial weights do not depend on the layout. scripts/check_model.py and the
-suite's exactness worker (tests/fork_model.py) run the same cases, so they cannot drift apart.
-
-Under torchrun: `python -m titanlite.analysis.model_check OUT [--section.key VALUE ...]`. Sequences
-of very unequal valid-label counts catch a loss normalised by a local count; packed documents,
-each run alone by the reference, catch attention leaking across documents.
-"""
+one process's, its initial weights do not depend on the layout. scripts/check_model.py and the
+suite's exactness worker run the same cases, so they cannot drift apart. Under torchrun:
+`python -m titanlite.analysis.model_check OUT [--section.key VALUE ...]`. Very unequal valid-label
+counts catch a loss normalised locally; packed documents catch attention leaking across them."""
 
 from __future__ import annotations
 
@@ -130,10 +127,8 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     micro = [Microbatch(x, y) for x, y in pairs]
     path = replace(meta.loss_path(), chunk=0)
     balancer = LossBalancer("global", None, 1, len(micro))
-    balancer.begin_step(
-        [b.labels for b in micro],
-        step_statistics(model, micro, balancer) if path.statistics else None,
-    )
+    stats = step_statistics(model, micro, balancer) if path.statistics else None
+    balancer.begin_step([b.labels for b in micro], stats)
     sums: dict[str, torch.Tensor] = {}
     for m, b in enumerate(micro):
         out = sequence_losses(model, b, path, balancer.context(m))
@@ -174,9 +169,8 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: tuple[dict, dict]) -> 
     cfg.training.local_batch_size = GLOBAL_BATCH // (dp * case.accum)
     cfg.data.packing = case.packed
     layout = resolve_layout(cfg, world)
-    dims = ParallelDims.build(
-        layout, torch.device("cpu"), "float32", cfg.training.mixed_precision_reduce
-    )
+    reduce = cfg.training.mixed_precision_reduce
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", reduce)
     meta = build_meta_model(cfg, 0)
     model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
     init = weights_hash(model)
@@ -189,9 +183,8 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: tuple[dict, dict]) -> 
     ]
     balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
     path = replace(meta.loss_path(), chunk=case.loss_chunk)
-    share, _, terms = forward_backward(
-        model, micro, balancer, dims, skip_grad_sync=layout.skip_grad_sync, path=path
-    )
+    skip = layout.skip_grad_sync
+    share, _, terms = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip, path=path)
     logged = torch.stack([share, *terms.values()])
     dist.all_reduce(logged)
     rel, whole = 0.0, torch.stack([g.norm() for g in grads.values()]).norm()
@@ -259,10 +252,9 @@ def _rel(got: float | None, want: float) -> float:
 
 
 def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
-    """The model read from a Hugging Face folder through its adapter against transformers'
-    AutoModelForCausalLM of the same folder, in fp32 and one process: logits, summed loss and
-    every gradient (mapped to transformers' names by the adapter); then the export written back
-    through the adapter, whose tensors must be the folder's, bitwise."""
+    """The model read from a Hugging Face folder through its adapter against transformers' own,
+    fp32, one process: logits, summed loss, every gradient; the export must give back the
+    folder's tensors bitwise."""
     try:
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
@@ -338,10 +330,8 @@ def _tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def saved_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A transformers model's gradients under the names its safetensors use: saved by
-    transformers itself, each parameter's gradient in its place, so its own conversion mapping
-    applies (transformers 5 keeps a mixture's experts fused in memory, one tensor per expert on
-    disk), and the parameters restored after."""
+    """A transformers model's gradients under its safetensors' names: saved by transformers in
+    the parameters' place (its own conversion applies: transformers 5 fuses experts in memory)."""
     params = dict(model.named_parameters())
     kept = {n: p.detach().clone() for n, p in params.items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():

@@ -1,11 +1,9 @@
-"""What decides whether two CPU runs agree bit for bit: the kernels this process runs, read off
-the kernels themselves. The summation order is the kernel's (MKL's GEMM branch,
-ATEN_CPU_CAPABILITY), and pins do not hold everywhere (MKL_CBWR binds on Intel CPUs only: oneMKL
-Developer Guide, "Getting Started with Conditional Numerical Reproducibility"). So `kernels()`
-hashes what each kind of op a Llama step uses returns, on torch's own primitives (a change of
-titanlite's numerics must not move them), at the debug model's shapes, on inputs with the same
-bits everywhere and full 24-bit mantissas (every sum rounds, so its order shows).
-scripts/golden_losses.py demands bitwise equality only where every hash agrees."""
+"""What decides whether two CPU runs agree bit for bit: the kernels' summation order (MKL's GEMM
+branch, ATEN_CPU_CAPABILITY), which pins do not fix everywhere (MKL_CBWR binds on Intel CPUs only:
+oneMKL Developer Guide, "Getting Started with Conditional Numerical Reproducibility"). So
+`kernels()` hashes what each kind of op of a Llama step returns, on torch's own primitives (a change
+of titanlite's numerics must not move them), on inputs with the same bits everywhere and full
+24-bit mantissas; scripts/golden_losses.py demands bitwise equality only where all hashes agree."""
 
 from __future__ import annotations
 
@@ -138,10 +136,8 @@ KINDS: dict[str, Callable[[torch.Generator], tuple[torch.Tensor, ...]]] = {
 def kernels() -> dict[str, str]:
     """Each kind of op's hash of the bits it returned, computed in this process (its pins and
     thread count included); milliseconds. Leaves torch's global RNG untouched."""
-    out = {}
-    for i, (name, run) in enumerate(KINDS.items()):
-        out[name] = _digest(*run(torch.Generator().manual_seed(i)))
-    return out
+    kinds = enumerate(KINDS.items())
+    return {name: _digest(*run(torch.Generator().manual_seed(i))) for i, (name, run) in kinds}
 
 
 def cpu_name() -> str:

@@ -16,9 +16,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Tolerance:
-    """The largest relative loss difference that still counts as the same curve, k updates
-    after the first compared step: min(cap, first + per_step * k). Flat where per_step is 0.
-    (A script's --rtol is checked at its front door.)"""
+    """The largest relative loss difference still the same curve k updates after the first
+    compared step: min(cap, first + per_step * k). A script's --rtol is checked at its door."""
 
     first: float  # at the first compared step (a forward pass on the same weights)
     per_step: float = 0.0  # growth per update since then

@@ -111,10 +111,8 @@ def table(r: dict[str, Any]) -> str:
     ]
     for group, b in sorted(r["traffic_bytes"].items()):
         lines.append(f"  sent per step        {_mib(b)} on {group}")
-    hides = HIDES[r["comm_hidden"]]
-    lines.append(
-        f"  communication        {r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s ({hides})"
-    )
+    link = f"{r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s"
+    lines.append(f"  communication        {link} ({HIDES[r['comm_hidden']]})")
     reads = f"  host reads           {r['host_reads']} in the watched steps (0 expected)"
     if r.get("sync_debug"):
         reads += "; no device sync in any step from the second (sync_debug)"
