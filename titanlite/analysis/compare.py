@@ -87,8 +87,7 @@ class Row:
     terms: dict[str, tuple[float | None, float | None]] = field(default_factory=dict)
 
     def parted(self, tol: float) -> str | None:
-        """The first curve of this step beyond `tol` (the loss, then each term by name), or
-        logged by one run only; None when every curve agrees."""
+        """The first curve (the loss, then each term) beyond `tol` or logged by one run only."""
         for name, (a, b) in [("loss", self.loss), *sorted(self.terms.items())]:
             rel = _rel(a, b)
             if (a is None) != (b is None) or (rel is not None and not rel <= tol):
@@ -110,8 +109,7 @@ class Comparison:
 
     @property
     def first_bad(self) -> Row | None:
-        """The first step where a curve (the loss, a loss term) parts beyond its rtol, or where
-        only one run has it."""
+        """The first step where a curve parts beyond its rtol, or only one run has it."""
         return next((r for r in self.rows if r.parted(self.rtol_at(r))), None)
 
     @property
@@ -277,8 +275,7 @@ def report(comparisons: list[Comparison], out_dir: Path, max_rows: int | None = 
 
 
 def plot_invariance(comparisons: list[Comparison], path: Path) -> None:
-    """Loss curves of every run (top) and each one's relative loss difference to the first
-    (bottom, log scale) against the tolerance, under the verdict."""
+    """Every run's loss (top) and its relative difference to the first's against the tolerance."""
     plt = pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
     ref = comparisons[0].ref

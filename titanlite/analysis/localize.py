@@ -112,8 +112,7 @@ def first_divergence(ref: dict, other: dict, tol: float) -> Divergence | None:
 
 @dataclass
 class GradientCheck:
-    """Each parameter's reduced gradient at one step of both runs (their fingerprints, `apart`),
-    against the gradient tolerance (module doc)."""
+    """Each parameter's reduced gradient at one step of both runs against the gradient tolerance."""
 
     step: int
     worst: float  # the largest relative difference of a parameter's gradient fingerprint

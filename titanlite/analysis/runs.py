@@ -96,8 +96,7 @@ def labels(runs: list[Run]) -> list[str]:
 
 
 def same_curves(runs: list[Run]) -> list[str]:
-    """A line for each run whose training loss equals an earlier run's at every logged step
-    (its curve lies on that run's in runs.png, dashed)."""
+    """A line for each run whose training loss is an earlier run's (runs.png draws it on that)."""
     seen: dict[tuple, str] = {}
     lines = []
     for name, run in zip(labels(runs), runs, strict=True):

@@ -143,8 +143,7 @@ DEVICE_OVERHEAD_BYTES = 2 * GiB
 
 
 def verdict(r: dict[str, Any]) -> str:
-    """Whether rank 0's peak tensor memory, plus the context and slack a device adds, fits the
-    devices rehearsed for (rehearsal.device_gb), and by how much."""
+    """Whether rank 0's peak, plus a device's context and slack, fits rehearsal.device_gb."""
     device = r.get("device_bytes", 80e9)
     need = r["peak_bytes"] + DEVICE_OVERHEAD_BYTES
     size = f"{device / 1e9:g}"

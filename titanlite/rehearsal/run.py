@@ -57,8 +57,7 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
 
 
 class EveryUpdate:
-    """A hook (titanlite.tools.hooks): no update is skipped. Fake collectives make the values
-    meaningless, and the update's cost is what the rehearsal measures."""
+    """A hook: no update is skipped (fake collectives make the values meaningless; its cost counts)."""
 
     def before_update(self, s) -> None:
         s.skip = torch.zeros_like(s.skip)
