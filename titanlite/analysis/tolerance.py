@@ -1,7 +1,7 @@
 """How far apart two runs' losses may be and still be the same curve, per dtype, as a function of
 the horizon k (updates since the first compared step). Set above the largest relative difference
-measured between layouts (dp 1 vs 4 of debug_model.toml on CPU, accumulation 1 vs 4 of llama_1b on
-GPU; scripts/README.md, "Invariance", keeps the measurements and margins).
+between two pairs of layouts: dp 1 vs 4 of debug_model.toml (CPU), accumulation 1 vs 4 of
+llama_1b (GPU). What those pairs measured, and the margins: scripts/README.md ("Invariance").
 - fp32: flat 1e-5. Summation order alone differs, and the difference does not grow.
 - bf16: a GPU's kernels tile each shape differently per layout, so the curves drift apart: u / 16
   per update (u = 2^-8), capped at 2e-2 (step 81), past which curves differ by more than rounding.

@@ -1,7 +1,7 @@
 """The rehearsal's driver: the run built as configured on the fake world, its steps run and
-measured, the report written. Step 1 builds AdamW's state (and compiles); steps 2 (measured by the
-diagnostics) and 3 (not) are watched; steps 4 on are timed. After each measured step, rank 0's
-host work on its record is timed; its alerts are dropped (fake gathers make ranks look alike)."""
+measured, the report written. Step 1 builds AdamW's state (and compiles); step 2 (a measured step
+of the diagnostics) and 3 (not) are watched; steps 4 on are timed. After each measured step, rank
+0's host work on its record is timed; its alerts are dropped (fake gathers make ranks look alike)."""
 
 from __future__ import annotations
 
