@@ -82,31 +82,22 @@ def _built_once(path: Path, build, what: str) -> None:
         raise UserError(error)
 
 
-def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
+def build_tokenizer(cfg: JobConfig, train: bool = True) -> Tokenizer | HFTokenizer | None:
     """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one;
-    None for synthetic data, which has no text."""
+    None for synthetic data, which has no text, and (`train` False) for a built-in tokenizer not
+    trained yet on this machine."""
     if cfg.data.mode == "synthetic":
         return None
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     vocab = cfg.model.builtin_vocab_size
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), vocab)
-    what = f"training the built-in tokenizer ({vocab:,} tokens)"
-    _built_once(path, lambda: train_builtin_tokenizer(path, vocab), what)
-    return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
-
-
-def tokenizer_key(cfg: JobConfig) -> str | None:
-    """The fingerprint of the tokenizer `cfg` names (what its token ids mean), without training
-    one: None for synthetic data, or a built-in tokenizer not trained yet on this machine."""
-    if cfg.data.mode == "synthetic":
+    if train:
+        what = f"training the built-in tokenizer ({vocab:,} tokens)"
+        _built_once(path, lambda: train_builtin_tokenizer(path, vocab), what)
+    elif not path.is_file():
         return None
-    if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
-        return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path).fingerprint
-    path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
-    return (
-        Tokenizer(path.read_bytes(), f"builtin:{path.name}").fingerprint if path.is_file() else None
-    )
+    return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
 def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Path:
@@ -232,15 +223,10 @@ def build_dataloader(
 ) -> StatefulDataLoader:
     """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data
     order (default training.seed; see titanlite.tools.seeds)."""
+    seed = cfg.training.seed if seed is None else seed
+    repeats = cfg.rehearsal.world > 0
     sampler = GlobalBatchSampler(
-        dataset.sizes,
-        layout.global_batch,
-        layout.local_batch,
-        dp_rank,
-        layout.dp,
-        cfg.training.seed if seed is None else seed,
-        dataset.weights,
-        repeats=cfg.rehearsal.world > 0,
+        dataset.sizes, layout.global_batch, seed, dataset.weights, layout, dp_rank, repeats
     )
     if dp_rank == 0:
         logger.info(sampler.epochs_line(cfg.training.steps))
@@ -271,7 +257,7 @@ def trace_step(
             f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)"
         )
     dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
-    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
+    sampler = GlobalBatchSampler(dataset.sizes, g, cfg.training.seed, dataset.weights)
     per_rank = rank_share(cfg, dp)
     out = []
     for j, index in enumerate(sampler.global_batch(step - 1).tolist()):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from titanlite.config.layout import accumulation
+from titanlite.config.layout import Layout
 from titanlite.errors import UserError
 from titanlite.ops.dropout import sample_keys
 
@@ -97,15 +97,16 @@ class GlobalBatchSampler:
         self,
         sizes: list[int],
         global_batch_size: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
         seed: int,
         weights: list[float] | None = None,
+        layout: Layout | None = None,
+        dp_rank: int = 0,
         repeats: bool = False,
     ) -> None:
-        """`repeats`: a step may hold a sequence more than once, when the data is smaller than
-        the global batch (a rehearsal's, whose values nobody reads); else that is refused."""
+        """`layout`: the plan whose dp, local batch and accumulation cut this rank's microbatches
+        (None: one rank reading whole global batches). `repeats`: a step may hold a sequence more
+        than once, when the data is smaller than the global batch (a rehearsal's, whose values
+        nobody reads); else that is refused."""
         if (sum(sizes) < global_batch_size and not repeats) or min(sizes) < 1:
             raise UserError(
                 f"the data has {sum(sizes)} sequences (per dataset: {sizes}) but training.global_batch_size "
@@ -116,11 +117,11 @@ class GlobalBatchSampler:
         self.counts = block_counts(weights or [1.0] * len(sizes))
         self.count_starts = np.cumsum([0, *self.counts[:-1]], dtype=np.int64)
         self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
+        self.local_batch = layout.local_batch if layout else global_batch_size
+        self.dp_size = layout.dp if layout else 1
+        self.grad_accum = layout.grad_accum if layout else 1
         self.dp_rank = dp_rank
-        self.dp_size = dp_size
         self.seed = seed
-        self.grad_accum = accumulation(global_batch_size, local_batch_size, dp_size)  # or one line
         self.microbatches_yielded = 0
         self._cached: tuple[int, np.ndarray] | None = None
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
@@ -215,10 +216,8 @@ class GlobalBatchSampler:
     def stream_position(self, step: int, micro: int) -> int:
         """Data-stream position of the first sequence of this rank's microbatch `micro` of 0-based
         `step`: a sequence has the same position at any dp and accumulation."""
-        per_rank = self.global_batch_size // self.dp_size
-        return (
-            step * self.global_batch_size + self.dp_rank * per_rank + micro * self.local_batch_size
-        )
+        rank_start = self.dp_rank * self.local_batch * self.grad_accum
+        return step * self.global_batch_size + rank_start + micro * self.local_batch
 
     def keyed(self, batch, seed: int, step: int, micro: int, device: torch.device):
         """`batch` (this rank's microbatch `micro` of 0-based `step`) with its sequences' dropout
@@ -228,9 +227,9 @@ class GlobalBatchSampler:
 
     def __next__(self) -> list[int]:
         step, micro = divmod(self.microbatches_yielded, self.grad_accum)
-        start = micro * self.local_batch_size
+        start = micro * self.local_batch
         self.microbatches_yielded += 1
-        return [int(i) for i in self.rank_share(step)[start : start + self.local_batch_size]]
+        return [int(i) for i in self.rank_share(step)[start : start + self.local_batch]]
 
     def __len__(self) -> int:  # DataLoader asks; the stream is endless
         return 2**62
