@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, rank_share
+from titanlite.config.layout import Layout
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
 from titanlite.datasets.prepare import META, prepare
@@ -50,16 +50,12 @@ from titanlite.tools.process import init_logging
 logger = init_logging()
 
 
-BUILD_WAIT = timedelta(
-    hours=2
-)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
+BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data up to 2 GiB) may take
 
 
 def _built_once(path: Path, build, what: str) -> None:
     """One rank per node (local rank 0) builds a missing cache file while the others wait; a
-    bad-input error met by the builder (a malformed data file, say) is raised on every rank
-    alike. The builder says `what` it does, where, and how long it took: a first run's set-up
-    talks."""
+    bad-input error met by the builder is raised on every rank alike."""
     error = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not path.exists():
         began = time.perf_counter()
@@ -141,8 +137,7 @@ def _open_prepared(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> P
 
 def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, part: str | None):
     """The sequences of one prepared dataset: all of them (part None), or the "train" or "eval"
-    part of eval.fraction's split (titanlite.datasets.sequences). SFT records are split before they
-    are packed, so no pack mixes the two."""
+    part of eval.fraction's split (SFT records are split before they are packed)."""
     seq_len, d = cfg.training.seq_len, cfg.data
     if d.mode == "sft":
         dataset = SFTDataset(data, seq_len, tok.pad_id)
@@ -151,31 +146,26 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
             logger.warning(note)
     else:
         dataset = PackedDataset(data, seq_len, d.document_mask)
-    if part is None:
-        return PackedSFTDataset(data, seq_len, tok.pad_id) if d.packing else dataset
-    held = HeldOut(
-        data.num_docs if d.mode == "sft" else len(dataset), cfg.eval.fraction, cfg.training.seed
-    )
+    size = data.num_docs if d.mode == "sft" else len(dataset)
+    held = HeldOut(size, cfg.eval.fraction, cfg.training.seed) if part else None
     if d.packing:
-        records = held.indices(part, np.arange(held.size(part)))
+        records = held.indices(part, np.arange(held.size(part))) if held else None
         return PackedSFTDataset(data, seq_len, tok.pad_id, records)
-    return held.subset(dataset, part)
+    return held.subset(dataset, part) if held else dataset
 
 
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
-    """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped,
-    less eval.fraction's held-out part; returns them as one MixtureDataset (of one dataset when
-    there is no mixture). Synthetic data draws below `vocab_size`, the model's (default:
+    """Every dataset of data.path, prepared (on the fly for raw inputs), less eval.fraction's
+    held-out part, as one MixtureDataset. Synthetic data draws below `vocab_size` (default:
     model.vocab_size)."""
+    t = cfg.training
     if cfg.data.mode == "synthetic":
-        synthetic = SyntheticDataset(
-            vocab_size or cfg.model.vocab_size, cfg.training.seq_len, cfg.training.seed
-        )
+        synthetic = SyntheticDataset(vocab_size or cfg.model.vocab_size, t.seq_len, t.seed)
         return MixtureDataset([synthetic], [1.0])
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
     part = "train" if cfg.eval.fraction > 0 else None
     prepared = [_open_prepared(cfg, tok, name) for name, _ in parts]
-    # what it trains on, by content (titanlite.datasets.spec.data_identity): a resume compares it
+    # what it trains on, by content (spec.data_identity): a resume compares it
     identity = [
         {"content": data.content, "weight": w, "path": name}
         for data, (name, w) in zip(prepared, parts, strict=True)
@@ -248,9 +238,8 @@ def trace_step(
     cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None
 ) -> list[dict]:
     """One entry per sequence of step `step` (1-based): its position in the global batch, the
-    rank that reads it at `dp`, its index and its sources (file, row, token range). A step's
-    batch depends only on the seed, the global batch size, seq_len and the data (sampler.py), so
-    neither the run nor a GPU is needed (scripts/trace_batch.py, scripts/inspect_step.py)."""
+    rank that reads it at `dp`, its index and its sources; from the config alone, as a step's
+    batch depends only on the seed, the global batch size and the data (sampler.py)."""
     g = cfg.training.global_batch_size
     if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
         raise UserError(
@@ -258,16 +247,9 @@ def trace_step(
         )
     dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
     sampler = GlobalBatchSampler(dataset.sizes, g, cfg.training.seed, dataset.weights)
-    per_rank = rank_share(cfg, dp)
     out = []
     for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
-        if rank is None or j // per_rank == rank:
-            out.append(
-                {
-                    "position": j,
-                    "rank": j // per_rank,
-                    "sequence": index,
-                    "sources": dataset.trace(index),
-                }
-            )
+        entry = {"position": j, "rank": j // (g // dp), "sequence": index}
+        if rank is None or entry["rank"] == rank:
+            out.append({**entry, "sources": dataset.trace(index)})
     return out

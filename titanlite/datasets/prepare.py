@@ -12,12 +12,10 @@ A prepared folder holds, per shard `shard-NNNNN`:
 and `meta.json`, written last of all: the format, the tokenizer, the sources and every shard.
 A folder without meta.json is incomplete and no run accepts it.
 
-Work is cut into shards of about `shard_bytes` of input (titanlite.datasets.corpus' pieces,
-grouped in input order), so the document order does not depend on the number of workers.
-Every file is written under a temporary name and renamed; a shard whose .json carries the same
-key is not prepared again, so an interrupted preparation resumes where it stopped. A lock file
-makes a second preparation of the same folder (another run, another node on a shared file
-system) wait and then find the work done.
+Shards are about `shard_bytes` of input pieces in input order, so the document order does not
+depend on the number of workers. Files are written under temporary names and renamed; a shard
+whose .json carries the same key is kept, so an interrupted preparation resumes. A lock makes a
+second preparation of the folder (another run or node) wait, then find the work done.
 """
 
 from __future__ import annotations
@@ -74,14 +72,10 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def content_key(mode: str, tok: Any, shards: list[str | None]) -> str | None:
-    """What a prepared folder trains on, computed once as it is prepared: every document's
-    tokens (and SFT mask) in order, shard by shard, and the tokenizer's fingerprint; not where
-    the inputs were, nor when. A run's identity holds it (titanlite.config.fields), so a
-    resume on other data is refused and the same data moved or copied elsewhere still resumes.
-    None where a shard was prepared before shards recorded theirs."""
-    if any(c is None for c in shards):
-        return None
+def content_key(mode: str, tok: Any, shards: list[str]) -> str:
+    """What a prepared folder trains on: every document's tokens (and SFT mask) in order, and the
+    tokenizer's fingerprint; not where the inputs were, nor when. A resume on other data is
+    refused by it, while the same data moved or copied elsewhere still resumes."""
     what = {"mode": mode, "tokenizer": tok.fingerprint, "shards": shards}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -150,9 +144,7 @@ class _ShardWriter:
     def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
         ids = ids.astype(self.dtype, copy=False)
         ids.tofile(self.tokens)
-        self.content.update(
-            np.int64(len(ids)).tobytes()
-        )  # the documents' bounds, then their tokens
+        self.content.update(np.int64(len(ids)).tobytes())  # the document's bounds, then tokens
         self.content.update(np.ascontiguousarray(ids))
         self.offsets.append(self.offsets[-1] + len(ids))
         self.rows.append(row)
@@ -182,12 +174,8 @@ class _ShardWriter:
         for fh in files:
             tmp = Path(fh.name)
             os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(self.suffix)))
-        info = {
-            **info,
-            "tokens": self.offsets[-1],
-            "docs": len(self.rows),
-            "content": self.content.hexdigest(),
-        }
+        counts = {"tokens": self.offsets[-1], "docs": len(self.rows)}
+        info = {**info, **counts, "content": self.content.hexdigest()}
         atomic_write_bytes(self.out / f"{self.name}.json", json.dumps(info).encode())
         return info
 
@@ -384,7 +372,7 @@ def _finish(
     meta = {
         "format": FORMAT,
         "key": key,
-        "content": content_key(mode, tok, [info.get("content") for info in infos]),
+        "content": content_key(mode, tok, [info["content"] for info in infos]),
         "mode": mode,
         "text_field": text_field,
         "dtype": token_dtype(tok.vocab_size).name,

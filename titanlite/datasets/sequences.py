@@ -1,19 +1,11 @@
-"""The datasets the sampler indexes, sequence by sequence: pretraining windows of a prepared token
-stream (PackedDataset), SFT records one per sequence (SFTDataset) or packed (PackedSFTDataset),
-random tokens (SyntheticDataset), and several of them as one index space (MixtureDataset).
+"""The datasets the sampler indexes: pretraining windows of a prepared token stream, SFT records
+one per sequence or packed, random tokens, and several of them as one index space. Each gives
+sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources) and, synthetic
+data aside, `content_slots(i)` (its slots that hold tokens, not padding).
 
-Each gives sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources)
-and, synthetic data aside, `content_slots(i)` (its slots that hold tokens, not padding). Only
-targets have labels: every token of a window or of synthetic data, the response or assistant
-turns of an SFT record (titanlite.datasets.records).
-
-The held-out split (eval.fraction): which sequences (SFT: records) are kept for evaluation and
-never trained on, in O(1) memory for any data size. The index space is cut into blocks of
-BLOCK consecutive items; in every block the same round(BLOCK x fraction) offsets, drawn once
-from training.seed (titanlite.datasets.sampler's permutation), are held out. The eval set is
-spread over the whole data, the split depends on nothing but (size, fraction, seed), so every
-rank and every dp computes the same one, and the i-th training or eval item is found by
-arithmetic, never by a stored index list (HeldOut, Subset).
+The held-out split (eval.fraction) in O(1) memory: in every block of BLOCK consecutive items the
+same round(BLOCK x fraction) offsets, drawn once from training.seed, are held out; it depends on
+nothing but (size, fraction, seed), so every rank and dp computes the same one by arithmetic.
 """
 
 from __future__ import annotations
@@ -31,10 +23,9 @@ from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 class PackedDataset:
-    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. A window spans
-    several documents: trace(i) names them all. With `document_mask` each item also carries its
-    tokens' positions within their documents (restarting at each document and at the window's
-    start), so attention stays inside a document."""
+    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. With
+    `document_mask` each item also carries its tokens' positions within their documents
+    (restarting at each document and at the window's start): attention stays inside one."""
 
     def __init__(self, data: Prepared, seq_len: int, document_mask: bool = False) -> None:
         self.data = data
@@ -63,10 +54,8 @@ class PackedDataset:
 def to_example(
     ids: np.ndarray, target: np.ndarray, seq_len: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A record's tokens and target mask -> (inputs, labels) of seq_len, truncated or padded.
-    Position j predicts token j+1; its label is that token if it is a target, else IGNORE_INDEX.
-    A record whose targets lie past the window has no valid token at all: the loss path handles
-    that."""
+    """A record's tokens and target mask -> (inputs, labels) of seq_len, truncated or padded:
+    position j's label is token j+1 if it is a target, else IGNORE_INDEX."""
     ids, target = ids[: seq_len + 1], target[: seq_len + 1]
     inputs = np.full(seq_len, pad_id, dtype=np.int64)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
@@ -125,12 +114,10 @@ class SFTDataset:
 
 
 class PackedSFTDataset(SFTDataset):
-    """Records packed into sequences of seq_len (titanlite.datasets.packing: the same plan on
-    every rank, so the sampler orders packs as it orders records). Each item carries positions
-    that restart at every record: attention never crosses a record boundary and RoPE sees each
-    record as if alone, so its loss and gradient are those of the record run by itself. A
-    record longer than the window is truncated, as unpacked; one of a single token is dropped
-    (it has no label to train). `records`: the records to pack (a split's part); None: all."""
+    """Records packed into sequences of seq_len (titanlite.datasets.packing), with positions that
+    restart at every record: each record's loss and gradient are those of the record run alone.
+    A record longer than the window is truncated; one of a single token (no label) is dropped.
+    `records`: the records to pack (a split's part); None: all."""
 
     def __init__(
         self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None
@@ -173,17 +160,13 @@ class PackedSFTDataset(SFTDataset):
         return int(self.slots[self.records(i)].sum())
 
 
-# Synthetic sequences in the index space: the sampler computes its permutation per step, never
-# stores it, so the size costs nothing, and no benchmark reads this far.
-SYNTHETIC_SIZE = 1 << 40
+SYNTHETIC_SIZE = 1 << 40  # the sampler never stores its permutation: the size costs nothing
 
 
 class SyntheticDataset:
-    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): a model's real
-    vocabulary (128,256 for Llama 3) without its tokenizer or a corpus. Sequence i is seq_len + 1
-    tokens drawn uniformly from [0, vocab_size) by a generator seeded with (seed, i), so it
-    depends on its index alone, like a real dataset's: every rank, a resumed run and the
-    diagnostics' data checks see the same sequence for the same index."""
+    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): sequence i is
+    drawn from a generator seeded with (seed, i), so it depends on its index alone, like a real
+    dataset's (every rank, a resumed run and the diagnostics see the same sequence)."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
         self.vocab_size = vocab_size
@@ -200,28 +183,20 @@ class SyntheticDataset:
         return window[:-1], window[1:]
 
     def trace(self, i: int) -> list[dict]:
-        return [
-            {
-                "file": "synthetic",
-                "kind": "synthetic",
-                "row": int(i),
-                "tokens": [0, self.seq_len + 1],
-            }
-        ]
+        tokens = [0, self.seq_len + 1]
+        return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": tokens}]
 
 
 class MixtureDataset:
-    """Datasets as one index space, with their weights: the sampler (titanlite.datasets.sampler)
-    decides how often each is read; this only maps a global index to a dataset and its own index."""
+    """Datasets as one index space, with their weights (the sampler decides how often each is
+    read)."""
 
     def __init__(
         self, parts: list, weights: list[float], identity: list[dict] | None = None
     ) -> None:
         self.parts = parts
         self.weights = weights
-        # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
-        # says all of it (synthetic data, an eval set)
-        self.identity = identity
+        self.identity = identity  # what it trains on, by content (spec.data_identity)
         self.sizes = [len(p) for p in parts]
         self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
 
