@@ -20,7 +20,7 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
-from titanlite.datasets.prepare import META, prepare
+from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sequences import (
@@ -33,7 +33,7 @@ from titanlite.datasets.sequences import (
     SyntheticDataset,
     spaced,
 )
-from titanlite.datasets.spec import cache_folder, parse_data_path
+from titanlite.datasets.spec import parse_data_path
 from titanlite.datasets.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -112,7 +112,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
         files = [jsonl]
     else:
         files = list(corpus.stdlib_files())
-    out = cache_folder(cfg, files, tok)
+    out = cache / f"prepared-{mode}-{data_key(files, tok, mode, cfg.data.text_field)}"
     size = sum(f.stat().st_size for f in files)
     workers = min(os.cpu_count() or 1, 8) if size > 256 << 20 else 1
     what = f"preparing {len(files):,} file(s) of {size / 2**20:,.1f} MB into token shards"

@@ -1,22 +1,17 @@
-"""SFT records: what one is, and its tokens with the target mask (torch-free: data preparation
-runs it in worker processes).
+"""SFT records and their tokens with the target mask (torch-free: preparation workers run it).
 
-Records are alpaca (`instruction`, optional `input`, `output`: rendered into the alpaca prompt,
-`<bos> prompt response <eos>`, the response and <eos> are targets) or chat (`{"messages":
-[{"role": ..., "content": ...}, ...]}`, only the assistant turns are targets).
+Records are alpaca (`instruction`, optional `input`, `output`: `<bos> prompt response <eos>`, the
+response and <eos> are targets) or chat (`{"messages": [{"role", "content"}, ...]}`, the
+assistant turns are targets).
 
-With a chat template (the tokenizer folder's chat_template.jinja or tokenizer_config.json's
-"chat_template") the text is exactly what transformers' `apply_chat_template` renders: the same
-sandboxed Jinja environment and the same variables (messages, add_generation_prompt, bos_token,
-eos_token, ...). Targets are found by rendering prefixes: assistant turn i is what the
-conversation up to and including it adds to the conversation up to it with the generation
-prompt (for Llama 3: the content and <|eot_id|>, not the header). So a model trained on it
-generates from exactly the prompt it sees at inference. Each piece is tokenized on its own, as
-generation continues a tokenized prompt. One BOS: the template's, else titanlite's.
-`strftime_now` gives a fixed date (26 Jul 2024, Llama 3's own fallback), so the same record
-renders the same tokens on every day and a resumed run sees the same data.
+With a chat template the text is exactly what transformers' `apply_chat_template` renders (the
+same sandboxed Jinja environment and variables). Assistant turn i is what the conversation up to
+and including it adds to the conversation up to it with the generation prompt, so a model
+trained on it generates from exactly the prompt it sees at inference; each piece is tokenized on
+its own. One BOS: the template's, else titanlite's. `strftime_now` gives a fixed date (Llama 3's
+fallback), so a record renders the same tokens on every day.
 
-Without a template (a SentencePiece tokenizer, a folder without one) the default format is
+Without a template the default format is
     <bos>### System:\\n{content}\\n\\n### User:\\n{content}\\n\\n### Assistant:\\n{content}<eos>...
 where each assistant content and its <eos> are the targets, and turns are separated by a blank line.
 """
@@ -44,8 +39,7 @@ def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=
 
 @functools.lru_cache(maxsize=4)
 def compile_template(source: str):
-    """The template in a sandbox set up as transformers sets it up (trim_blocks, lstrip_blocks,
-    loop controls, tojson, raise_exception, strftime_now)."""
+    """The template in a sandbox set up as transformers sets it up."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -165,12 +159,7 @@ PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 )
-SFT_COLUMNS = (
-    "messages",
-    "instruction",
-    "input",
-    "output",
-)  # what a parquet/arrow SFT reader keeps
+SFT_COLUMNS = ("messages", "instruction", "input", "output")  # what an arrow SFT reader keeps
 
 
 def render_prompt(record: dict) -> str:
@@ -211,8 +200,8 @@ def record_tokens(record: dict, tok: Any) -> tuple[list[int], list[bool]]:
 
 
 def prompt_format(fmt: str, data_mode: str, tok: Any) -> str:
-    """eval.prompt_format (and scripts/generate.py --format) resolved: "auto" is how the run's
-    data put prompts: SFT: chat with a chat template, else alpaca; pretraining: text."""
+    """eval.prompt_format (scripts/generate.py --format) resolved: "auto" is how the run's data
+    put prompts: SFT: chat with a chat template, else alpaca; pretraining: text."""
     if fmt != "auto":
         return fmt
     if data_mode != "sft":
@@ -221,9 +210,8 @@ def prompt_format(fmt: str, data_mode: str, tok: Any) -> str:
 
 
 def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
-    """A prompt to decode from, as training saw prompts: "text": BOS and the text; "alpaca":
-    the alpaca prompt of an instruction; "chat": a user turn and the assistant header (the chat
-    template's, else the default format's). The prompt is everything before the first target."""
+    """A prompt to decode from, as training saw prompts ("text": BOS and the text; "alpaca", "chat":
+    everything before the first target of a record holding it)."""
     if fmt == "text":
         return [tok.bos_id, *tok.encode(text)]
     if fmt == "alpaca":

@@ -1,12 +1,6 @@
 """Tokenizers: a SentencePiece .model, a Hugging Face tokenizer.json, or the built-in one (a
-small SentencePiece model trained on the stdlib corpus).
-
-The built-in tokenizer is trained on first use, deterministically (single thread, no sampling,
-fixed file order), and cached by a hash of everything that determines it.
-Every kind offers the same: vocab_size, bos_id, eos_id, pad_id, encode (text only: titanlite
-adds BOS and EOS itself, one each per document or record), decode, fingerprint; and folder,
-chat_template and special_tokens (a Hugging Face tokenizer's companion files; none for SentencePiece).
-"""
+small SentencePiece model trained on first use, deterministically, on the stdlib, and cached by a
+hash of everything that determines it). encode takes text only: titanlite adds BOS and EOS."""
 
 from __future__ import annotations
 
@@ -32,8 +26,8 @@ TRAINER_VERSION = 1  # bump when the training recipe below changes
 
 
 class Tokenizer:
-    """A SentencePiece model. It has no companion files: no chat template, nothing for an HF
-    export. Without a pad token, padding uses EOS; a completion ends at EOS."""
+    """A SentencePiece model: no companion files (chat template, specials); without a pad token,
+    padding uses EOS."""
 
     folder: Path | None = None
     chat_template: str | None = None
@@ -65,8 +59,7 @@ class Tokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json (the `tokenizers` library). Its special tokens come from the
-    files beside it (tokenizer_config.json, special_tokens_map.json, config.json), never from
+    """A Hugging Face tokenizer.json; its special tokens come from the files beside it, never from
     hard-coded ids; without a pad token, padding uses EOS (its labels are ignored anyway)."""
 
     def __init__(self, path: Path) -> None:
@@ -79,8 +72,7 @@ class HFTokenizer:
             raise UserError(
                 f"'{path}' is not a Hugging Face tokenizer.json ({first_line(e)})"
             ) from None
-        self.source = str(path)
-        self.path = path
+        self.source, self.path = str(path), path
         self.folder = path.parent  # its companion files (specials, chat template) live here
         specials = _special_tokens(path.parent)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
@@ -112,8 +104,8 @@ class HFTokenizer:
         return found
 
     def _turn_end(self) -> list[int]:
-        """The special token the chat template closes a message with (Llama 3's <|eot_id|>,
-        ChatML's <|im_end|>): the first token after a rendered message's text, if special."""
+        """The special token the chat template closes a message with (Llama 3's <|eot_id|>): the
+        first token after a rendered message's text, if special."""
         if not self.chat_template:
             return []
         mark = "\u2063titanlite\u2063"  # text no template adds by itself
@@ -183,15 +175,13 @@ def _chat_template(folder: Path) -> str | None:
 
 
 def _read_json(path: Path) -> dict:
-    """A JSON object file beside the tokenizer ({} without one): its config.json, whose keys the
-    model's adapter reads whole (models/hf_files.py)."""
+    """A JSON object file beside the tokenizer ({} without one)."""
     return read_json(path) if path.is_file() else {}
 
 
 def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
-    """A tokenizer file by its kind: tokenizer.json (or a folder holding one) is Hugging Face's,
-    anything else must be a SentencePiece model (a folder's tokenizer.model: what titanlite
-    exports for a run on the built-in tokenizer)."""
+    """A tokenizer.json (or a folder holding one) is Hugging Face's; anything else must be a
+    SentencePiece model (a folder's tokenizer.model: titanlite's export of the built-in one)."""
     p = Path(path).expanduser()
     if p.is_dir():
         if (p / "tokenizer.json").is_file():
