@@ -21,7 +21,7 @@ import sys
 import sysconfig
 import textwrap
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -254,9 +254,9 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
         ) from None
 
 
-def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int, Any], None, int]:
-    """(row within the piece, document): text for pretraining, a checked record for SFT; returns
-    the piece's number of rows (blank jsonl lines count: rows are line numbers)."""
+def read_piece(piece: Piece, mode: str, text_field: str) -> Iterator[tuple[int, Any]]:
+    """(row within the piece, document): text for pretraining, a checked record for SFT, None for
+    a blank jsonl line (which counts: rows are line numbers)."""
     if piece.kind == "txt":
         if mode == "sft":
             raise UserError(
@@ -269,12 +269,10 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
                 f"data file '{piece.path}' cannot be read ({e.strerror}); fix or remove it"
             ) from None
         yield 0, text
-        return 1
-    rows = 0
-    if piece.kind in ("jsonl", "jsonl.gz"):
+    elif piece.kind in ("jsonl", "jsonl.gz"):
         for row, line, offset in _lines(piece):
-            rows = row + 1
             if not line.strip():
+                yield row, None
                 continue
             where = functools.partial(_where_line, piece, offset, row)
             try:
@@ -284,14 +282,12 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
                     f"data file '{piece.path}' {where()} is not valid JSON ({first_line(e)}); fix or remove that line"
                 ) from None
             yield row, _document(rec, piece, mode, text_field, where)
-        return rows
-    columns = list(SFT_COLUMNS) if mode == "sft" else [text_field]
-    for first, batch in _arrow_batches(piece, columns):
-        for row, rec in enumerate(batch, first):
-            where = functools.partial(_where_row, piece, row)
-            yield row, _document(rec, piece, mode, text_field, where)
-        rows = first + len(batch)
-    return rows
+    else:
+        columns = list(SFT_COLUMNS) if mode == "sft" else [text_field]
+        for first, batch in _arrow_batches(piece, columns):
+            for row, rec in enumerate(batch, first):
+                where = functools.partial(_where_row, piece, row)
+                yield row, _document(rec, piece, mode, text_field, where)
 
 
 def _where_line(piece: Piece, offset: int, row: int) -> str:

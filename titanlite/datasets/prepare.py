@@ -110,26 +110,6 @@ def _init_worker(tok: Any) -> None:
     _TOKENIZER = tok
 
 
-def _documents(piece: Piece, mode: str, text_field: str, counts: dict) -> Any:
-    """read_piece's documents; its return value (the piece's row count) lands in counts."""
-    counts["rows"] = yield from read_piece(piece, mode, text_field)
-
-
-def _batches(pieces: list[Piece], mode: str, text_field: str, batch_chars: int = 1 << 20):
-    """(piece index, rows, documents) batches of about batch_chars, and each piece's row count."""
-    for k, piece in enumerate(pieces):
-        counts: dict = {}
-        rows, docs, chars = [], [], 0
-        for row, doc in _documents(piece, mode, text_field, counts):
-            rows.append(row)
-            docs.append(doc)
-            chars += len(doc) if isinstance(doc, str) else 1024
-            if chars >= batch_chars:
-                yield k, rows, docs, None
-                rows, docs, chars = [], [], 0
-        yield k, rows, docs, counts["rows"]
-
-
 class _ShardWriter:
     """The files of one shard under temporary names; publish() renames them and writes .json."""
 
@@ -180,26 +160,41 @@ class _ShardWriter:
         return info
 
 
-def write_shard(job: tuple) -> dict:
-    """Tokenize one shard's pieces and publish it; returns its .json content."""
+def _add(writer: _ShardWriter, tok: Any, mode: str, rows: list[int], docs: list) -> None:
+    """A batch of documents tokenized into the shard: SFT records, or texts between BOS and EOS."""
+    if mode == "sft":
+        for row, record in zip(rows, docs, strict=True):
+            ids, mask = record_tokens(record, tok)
+            writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
+    else:
+        for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
+            writer.add(
+                np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row
+            )
+
+
+def write_shard(job: tuple, batch_chars: int = 1 << 20) -> dict:
+    """Tokenize one shard's pieces, in batches of about `batch_chars`, and publish it; returns its
+    .json content."""
     out, name, pieces, mode, text_field, key = job
     tok = _TOKENIZER
     writer = _ShardWriter(out, name, mode, token_dtype(tok.vocab_size))
-    piece_info = [[p.source, -1, 0] for p in pieces]  # source, first document, rows
-    for k, rows, docs, n_rows in _batches(pieces, mode, text_field):
-        if piece_info[k][1] < 0:
-            piece_info[k][1] = len(writer.rows)
-        if mode == "sft":
-            for row, record in zip(rows, docs, strict=True):
-                ids, mask = record_tokens(record, tok)
-                writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
-        else:
-            for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
-                writer.add(
-                    np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row
-                )
-        if n_rows is not None:
-            piece_info[k][2] = n_rows
+    piece_info = []  # per piece: source, first document, rows
+    for piece in pieces:
+        first_doc, n_rows = len(writer.rows), 0
+        rows, docs, chars = [], [], 0
+        for row, doc in read_piece(piece, mode, text_field):
+            n_rows = row + 1
+            if doc is None:
+                continue
+            rows.append(row)
+            docs.append(doc)
+            chars += len(doc) if isinstance(doc, str) else 1024
+            if chars >= batch_chars:
+                _add(writer, tok, mode, rows, docs)
+                rows, docs, chars = [], [], 0
+        _add(writer, tok, mode, rows, docs)
+        piece_info.append([piece.source, first_doc, n_rows])
     nbytes = sum(p.nbytes for p in pieces)
     return writer.publish({"key": key, "pieces": piece_info, "input_bytes": nbytes})
 
