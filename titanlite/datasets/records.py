@@ -67,12 +67,9 @@ def render(
     import jinja2
 
     try:
+        variables = {"tools": None, "documents": None, **specials}
         return compile_template(template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **specials,
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
         raise UserError(
@@ -123,10 +120,8 @@ def default_segments(messages: list[dict], tok: Any) -> list[Segment]:
     for i, message in enumerate(messages):
         header = ("\n\n" if i else "") + f"### {message['role'].capitalize()}:\n"
         if message["role"] == "assistant":
-            segments += [
-                (tok.encode(header), False),
-                ([*tok.encode(message["content"]), tok.eos_id], True),
-            ]
+            answer = [*tok.encode(message["content"]), tok.eos_id]
+            segments += [(tok.encode(header), False), (answer, True)]
         else:
             segments.append((tok.encode(header + message["content"]), False))
     return segments
@@ -140,9 +135,7 @@ def check_messages(messages: Any, where: str) -> list[dict]:
         )
     for j, m in enumerate(messages):
         if not (
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
         ):
             raise UserError(
                 f'{where} message {j} is not {{"role": str, "content": str}}; fix that message'
@@ -179,11 +172,8 @@ def sft_record(rec: Any, where: str) -> dict:
                 f'{where} has no string field "{key}"; records need "messages" (chat) or '
                 "instruction, input (optional) and output (alpaca)"
             )
-    return {
-        "instruction": rec["instruction"],
-        "input": str(rec.get("input") or ""),
-        "output": rec["output"],
-    }
+    given = str(rec.get("input") or "")
+    return {"instruction": rec["instruction"], "input": given, "output": rec["output"]}
 
 
 def record_segments(record: dict, tok: Any) -> list[Segment]:
