@@ -180,36 +180,24 @@ def build_eval_dataset(
     """The eval set: eval.path's data, else eval.fraction's held-out part of every dataset of
     data.path (None: neither), cut to eval.max_sequences spread evenly over it."""
     e = cfg.eval
-    if e.path:
-        datasets = [_sequences(cfg, _open_prepared(cfg, tok, e.path), tok, None)]
-    elif e.fraction > 0:
-        parts = parse_data_path(cfg.data.path) or [("", 1.0)]
-        datasets = [
-            _sequences(cfg, _open_prepared(cfg, tok, name), tok, "eval") for name, _ in parts
-        ]
-    else:
+    if not e.path and e.fraction <= 0:
         return None
+    names = [e.path] if e.path else [n for n, _ in parse_data_path(cfg.data.path) or [("", 1.0)]]
+    part = None if e.path else "eval"
+    datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, part) for name in names]
     dataset = MixtureDataset(datasets, [1.0] * len(datasets))
     if not len(dataset):
         raise UserError(
             f"eval.fraction = {e.fraction:g} holds out no sequence of this data; raise it, or set eval.path"
         )
     if e.max_sequences and e.max_sequences < len(dataset):
-        picked = Subset(
-            dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences)
-        )
-        dataset = MixtureDataset([picked], [1.0])
+        spread = functools.partial(spaced, len(dataset), e.max_sequences)
+        dataset = MixtureDataset([Subset(dataset, e.max_sequences, spread)], [1.0])
     return dataset
 
 
 def build_dataloader(
-    cfg: JobConfig,
-    dataset,
-    layout: Layout,
-    dp_rank: int,
-    pin_memory: bool,
-    *,
-    seed: int | None = None,
+    cfg: JobConfig, dataset, layout: Layout, dp_rank: int, pin_memory: bool, seed: int | None = None
 ) -> StatefulDataLoader:
     """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data
     order (default training.seed; see titanlite.tools.seeds)."""

@@ -210,10 +210,7 @@ def _locked(out: Path, say: Callable[[str], None]):
         except BlockingIOError:
             say(f"waiting for another preparation of '{out}' to finish")
             fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def _clean_tmp(out: Path) -> None:

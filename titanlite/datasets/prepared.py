@@ -203,10 +203,7 @@ class Prepared:
 
     def document_lengths(self) -> np.ndarray:
         """Every document's token count, int64 (8 bytes per document)."""
-        return np.concatenate(
-            [np.diff(self._shard(k)["offsets"]) for k in range(len(self.shards))]
-            or [np.zeros(0, np.int64)]
-        )
+        return np.concatenate([np.diff(self._shard(k)["offsets"]) for k in range(len(self.shards))])
 
     def document_starts(self, start: int, stop: int) -> np.ndarray:
         """The stream offsets in [start, stop) where a document begins (shard starts included)."""
@@ -218,6 +215,4 @@ class Prepared:
 
     def first_targets(self) -> np.ndarray:
         """SFT: every record's first target token (-1: none), int32 (4 bytes per record)."""
-        return np.concatenate(
-            [self._shard(k)["first"] for k in range(len(self.shards))] or [np.zeros(0, np.int32)]
-        )
+        return np.concatenate([self._shard(k)["first"] for k in range(len(self.shards))])
