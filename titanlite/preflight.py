@@ -89,9 +89,7 @@ def plan_run(
         cfg, cfg.rehearsal.world or world_size
     )  # a rehearsal's world is the one it rehearses
     check_data_files(cfg)
-    check_data_tokenizer(
-        cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
-    )
+    check_data_tokenizer(cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
     if hold is None:

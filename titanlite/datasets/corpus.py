@@ -1,12 +1,7 @@
-"""Where text comes from: the running interpreter's standard library (real text on every machine
-with Python: no download; for SFT, signature + docstring -> body pairs of very varied lengths),
-or the user's files.
-
-Kinds: `.txt` and `.md` (one document per file), `.jsonl` (one JSON object per line),
-`.jsonl.gz`, `.parquet`, and `.arrow` (what `datasets.save_to_disk` writes, read with pyarrow).
-Every document keeps its file and row (0-based line of a jsonl, row of a table). A piece, the
-unit of reading and of memory, is a byte range of a large jsonl (a line belongs to the range its
-first byte is in), one row group of a parquet file, or one whole file.
+"""Where text comes from: the interpreter's standard library (real text on every machine, no
+download), or the user's files of SUFFIXES' kinds. A piece, the unit of reading and of memory,
+is a byte range of a large jsonl (a line belongs to the range its first byte is in), one row
+group of a parquet file, or one whole file; every document keeps its file and row.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Prepare raw inputs once: tokenize them with every core into token shards plus a small index,
-which training then reads memory-mapped (titanlite.datasets.prepared).
+"""Prepare raw inputs once, with every core, into token shards that training reads memory-mapped.
 
 A prepared folder holds, per shard `shard-NNNNN`:
     .tokens        the documents' tokens back to back (uint16, or uint32 for vocabularies > 65,536);
@@ -9,13 +8,10 @@ A prepared folder holds, per shard `shard-NNNNN`:
     .rows.npy      int64, each document's row within its input piece
     .first.npy     SFT only: int32, each record's first target token (-1: none)
     .json          written last: its key, counts and pieces; a shard without it does not exist
-and `meta.json`, written last of all: the format, the tokenizer, the sources and every shard.
-A folder without meta.json is incomplete and no run accepts it.
-
-Shards are about `shard_bytes` of input pieces in input order, so the document order does not
-depend on the number of workers. Files are written under temporary names and renamed; a shard
-whose .json carries the same key is kept, so an interrupted preparation resumes. A lock makes a
-second preparation of the folder (another run or node) wait, then find the work done.
+and `meta.json`, written last of all (without it no run accepts the folder): the format, the
+tokenizer, the sources and every shard. Shards hold input pieces in input order, so the document
+order does not depend on the number of workers; a shard whose .json carries the same key is
+kept, so an interrupted preparation resumes.
 """
 
 from __future__ import annotations

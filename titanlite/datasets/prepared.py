@@ -23,19 +23,6 @@ def is_prepared(path: Path) -> bool:
     return path.is_dir() and ((path / META).is_file() or any(path.glob("shard-*.json")))
 
 
-def _npy_problem(path: Path, dtype: np.dtype, count: int) -> str | None:
-    """What is wrong with the .npy file `path`, which must hold `count` values of `dtype`."""
-    try:
-        array = np.load(path, mmap_mode="r")
-    except FileNotFoundError:
-        return "is missing"
-    except (OSError, ValueError) as e:
-        return f"is not a readable .npy file ({first_line(e)})"
-    if array.dtype != dtype or array.shape != (count,):
-        return f"holds {array.shape} {array.dtype}, its index says ({count},) {dtype}"
-    return None
-
-
 def load_meta(folder: Path) -> dict:
     """meta.json of a complete prepared folder, or one UserError that says what to do."""
     meta = read_json(folder / META)
@@ -95,8 +82,12 @@ class Prepared:
                     self._damaged(path, f"is {actual} bytes, its index says {size} bytes")
             for suffix, (dtype, count) in indexes.items():
                 path = self.folder / f"{s['name']}.{suffix}"
-                why = _npy_problem(path, np.dtype(dtype), count)
-                if why:
+                try:
+                    array = np.load(path, mmap_mode="r")
+                except (OSError, ValueError) as e:
+                    self._damaged(path, f"cannot be read as .npy ({first_line(e)})")
+                if array.dtype != dtype or array.shape != (count,):
+                    why = f"holds {array.shape} {array.dtype}, its index says ({count},) {np.dtype(dtype)}"
                     self._damaged(path, why)
 
     def _damaged(self, path: Path, why: str) -> NoReturn:

@@ -1,15 +1,11 @@
 """SFT records and their tokens with the target mask (torch-free: preparation workers run it).
 
-Records are alpaca (`instruction`, optional `input`, `output`: `<bos> prompt response <eos>`, the
-response and <eos> are targets) or chat (`{"messages": [{"role", "content"}, ...]}`, the
-assistant turns are targets).
-
-With a chat template the text is exactly what transformers' `apply_chat_template` renders (the
-same sandboxed Jinja environment and variables). Assistant turn i is what the conversation up to
-and including it adds to the conversation up to it with the generation prompt, so a model
-trained on it generates from exactly the prompt it sees at inference; each piece is tokenized on
-its own. One BOS: the template's, else titanlite's. `strftime_now` gives a fixed date (Llama 3's
-fallback), so a record renders the same tokens on every day.
+Records are alpaca (`instruction`, optional `input`, `output`; the response and <eos> are
+targets) or chat (`{"messages": [{"role", "content"}, ...]}`; the assistant turns are targets).
+With a chat template the text is exactly what transformers' `apply_chat_template` renders, and
+assistant turn i is what the conversation up to it adds to the one before it with the generation
+prompt: a model trained on it generates from exactly the prompt it sees at inference.
+`strftime_now` gives a fixed date (Llama 3's fallback): a record renders the same every day.
 
 Without a template the default format is
     <bos>### System:\\n{content}\\n\\n### User:\\n{content}\\n\\n### Assistant:\\n{content}<eos>...

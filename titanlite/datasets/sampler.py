@@ -3,11 +3,9 @@ never stored. Step t holds stream positions [t*G, (t+1)*G) in order; the dp rank
 slices of it, cut into microbatches: dp and accumulation change who computes which sequence,
 never which sequences a step holds, nor their order.
 
-Position -> sequence: for one dataset of N sequences, epoch e = p // N is a seeded permutation
-pi_(seed, e) of [0, N), and p maps to pi_(seed, e)(p mod N). A mixture cuts the stream into
-blocks of MIX_BLOCK positions, each holding round(w_d * MIX_BLOCK) positions of dataset d
-(largest remainder) in a per-block permuted order; the c-th position given to dataset d reads its
-own stream position c, so each dataset is read in full before any sequence repeats.
+Position p of a dataset of N sequences is pi_(seed, p // N)(p mod N), a seeded permutation per
+epoch. A mixture's blocks of MIX_BLOCK positions hold round(w_d * MIX_BLOCK) positions of dataset
+d in a permuted order; the c-th given to dataset d reads its own stream position c.
 
 The permutations are a balanced Feistel network (6 rounds, a splitmix64 round function) on the
 smallest power of four >= N, cycle-walked back into [0, N) (Black and Rogaway, "Ciphers with

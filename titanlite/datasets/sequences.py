@@ -1,11 +1,7 @@
-"""The datasets the sampler indexes: pretraining windows of a prepared token stream, SFT records
-one per sequence or packed, random tokens, and several of them as one index space. Each gives
-sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources) and, synthetic
-data aside, `content_slots(i)` (its slots that hold tokens, not padding).
-
-The held-out split (eval.fraction) in O(1) memory: in every block of BLOCK consecutive items the
-same round(BLOCK x fraction) offsets, drawn once from training.seed, are held out; it depends on
-nothing but (size, fraction, seed), so every rank and dp computes the same one by arithmetic.
+"""The datasets the sampler indexes: each gives sequence i as (inputs, labels[, positions]) of
+seq_len, `trace(i)` (its sources) and, synthetic data aside, `content_slots(i)` (its slots that
+hold tokens, not padding). The held-out split (eval.fraction) holds out the same offsets, drawn
+once from training.seed, in every block of BLOCK items: O(1) memory, the same on every rank.
 """
 
 from __future__ import annotations

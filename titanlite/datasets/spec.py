@@ -66,15 +66,14 @@ def check_data_files(cfg) -> None:
         check_data(cfg.data.mode, e.path, "eval.path")
 
 
-def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
+def check_data_tokenizer(path: str, tokenizer_path: str) -> None:
     """Prepared datasets were tokenized with the run's tokenizer (the built-in one is trained on
     first use, so the trainer checks that case itself)."""
     from titanlite.datasets.prepared import Prepared, is_prepared
     from titanlite.datasets.tokenizer import load_tokenizer
 
-    prepared = [
-        Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())
-    ]
+    folders = [Path(n).expanduser() for n, _ in parse_data_path(path)]
+    prepared = [p for p in folders if is_prepared(p)]
     if prepared and tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
         for p in prepared:
