@@ -5,7 +5,6 @@ exhaust file descriptors)."""
 from __future__ import annotations
 
 import bisect
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,6 +20,14 @@ PREPARE_HINT = "run scripts/prepare_data.py again with the same inputs and --out
 def is_prepared(path: Path) -> bool:
     """A prepared folder, complete or not (raw inputs never hold meta.json or shard indexes)."""
     return path.is_dir() and ((path / META).is_file() or any(path.glob("shard-*.json")))
+
+
+def _mapped(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """A shard file, memory-mapped: a .npy by its header, a raw file as `dtype` (an empty one
+    cannot be mapped)."""
+    if path.suffix == ".npy":
+        return np.load(path, mmap_mode="r")
+    return np.memmap(path, dtype, "r") if count else np.zeros(0, dtype)
 
 
 def load_meta(folder: Path) -> dict:
@@ -61,33 +68,32 @@ class Prepared:
     def __getstate__(self) -> dict:  # data-loader workers map the files themselves
         return {**self.__dict__, "_open": OrderedDict()}
 
+    def _files(self, k: int) -> dict[str, tuple[Path, np.dtype, int]]:
+        """Shard k's files: array name -> (path, dtype, the length its index says)."""
+        s = self.shards[k]
+        name, docs = s["name"], s["docs"]
+        files = {
+            "tokens": (self.folder / f"{name}.tokens", self.dtype, s["tokens"]),
+            "offsets": (self.folder / f"{name}.offsets.npy", np.dtype(np.int64), docs + 1),
+            "rows": (self.folder / f"{name}.rows.npy", np.dtype(np.int64), docs),
+        }
+        if self.mode == "sft":
+            files["mask"] = (self.folder / f"{name}.mask", np.dtype(np.uint8), s["tokens"])
+            files["first"] = (self.folder / f"{name}.first.npy", np.dtype(np.int32), docs)
+        return files
+
     def _check_files(self) -> None:
-        """Every shard file present, readable and of the size its index says: a damaged folder
-        stops the run at start-up, in one line naming the file, not hours in on the rank whose
-        batch first reaches it."""
-        for s in self.shards:
-            sizes = {"tokens": s["tokens"] * self.dtype.itemsize}
-            indexes = {"offsets.npy": (np.int64, s["docs"] + 1), "rows.npy": (np.int64, s["docs"])}
-            if self.mode == "sft":
-                sizes["mask"] = s["tokens"]
-                indexes["first.npy"] = (np.int32, s["docs"])
-            for suffix, size in sizes.items():
-                path = self.folder / f"{s['name']}.{suffix}"
+        """Every shard file present, readable and of the length and type its index says: a
+        damaged folder stops the run at start-up, in one line naming the file, not hours in on the
+        rank whose batch first reaches it."""
+        for k in range(len(self.shards)):
+            for path, dtype, count in self._files(k).values():
                 try:
-                    with path.open("rb") as f:
-                        actual = os.fstat(f.fileno()).st_size
-                except OSError as e:
-                    self._damaged(path, f"cannot be read ({e.strerror})")
-                if actual != size:
-                    self._damaged(path, f"is {actual} bytes, its index says {size} bytes")
-            for suffix, (dtype, count) in indexes.items():
-                path = self.folder / f"{s['name']}.{suffix}"
-                try:
-                    array = np.load(path, mmap_mode="r")
+                    array = _mapped(path, dtype, count)
                 except (OSError, ValueError) as e:
-                    self._damaged(path, f"cannot be read as .npy ({first_line(e)})")
+                    self._damaged(path, f"is unreadable ({first_line(e)})")
                 if array.dtype != dtype or array.shape != (count,):
-                    why = f"holds {array.shape} {array.dtype}, its index says ({count},) {np.dtype(dtype)}"
+                    why = f"is {array.size} {array.dtype} values, its index says {count} {dtype}"
                     self._damaged(path, why)
 
     def _damaged(self, path: Path, why: str) -> NoReturn:
@@ -121,21 +127,8 @@ class Prepared:
     def _shard(self, k: int) -> dict:
         arrays = self._open.get(k)
         if arrays is None:
-            name, n = self.shards[k]["name"], self.shards[k]["tokens"]
-            base = self.folder / name
-
-            def mapped(suffix: str, dtype) -> np.ndarray:  # a zero-length file cannot be mapped
-                return np.memmap(f"{base}.{suffix}", dtype, "r") if n else np.zeros(0, dtype)
-
-            arrays = {
-                "tokens": mapped("tokens", self.dtype),
-                "offsets": np.load(f"{base}.offsets.npy", mmap_mode="r"),
-                "rows": np.load(f"{base}.rows.npy", mmap_mode="r"),
-            }
-            if self.mode == "sft":
-                arrays["mask"] = mapped("mask", np.uint8)
-                arrays["first"] = np.load(f"{base}.first.npy", mmap_mode="r")
-            self._open[k] = arrays
+            files = self._files(k).items()
+            arrays = self._open[k] = {name: _mapped(*file) for name, file in files}
             if len(self._open) > self.max_open:
                 self._open.popitem(last=False)
         else:
