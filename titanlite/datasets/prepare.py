@@ -280,11 +280,8 @@ def prepare(
         for info in infos:
             if info is not None:
                 progress.add(info, fresh=False)
-        todo = [
-            (i, (out, names[i], shards[i], mode, text_field, keys[i]))
-            for i, info in enumerate(infos)
-            if info is None
-        ]
+        missing = [i for i, info in enumerate(infos) if info is None]
+        todo = [(i, (out, names[i], shards[i], mode, text_field, keys[i])) for i in missing]
         try:
             for n, (i, info) in enumerate(_run(todo, tok, workers), 1):
                 infos[i] = info
@@ -300,7 +297,39 @@ def prepare(
                     "written are kept"
                 ) from None
             raise
-        meta = _finish(out, key, infos, names, files, tok, mode, text_field)
+        # meta.json, atomically, with the rows of each piece counted from the start of its file
+        rows_seen: dict[int, int] = {}
+        entries = []
+        for name, info in zip(names, infos, strict=True):
+            pieces = []
+            for source, first_doc, n_rows in info["pieces"]:
+                pieces.append([source, first_doc, rows_seen.get(source, 0)])
+                rows_seen[source] = rows_seen.get(source, 0) + n_rows
+            entries.append(
+                {"name": name, **{k: info[k] for k in ("tokens", "docs")}, "pieces": pieces}
+            )
+        docs = sum(e["docs"] for e in entries)
+        if docs == 0:
+            raise UserError(
+                f"the inputs ({len(files)} file(s), first '{files[0]}') hold no documents; check the files"
+            )
+        sources = zip(files_fingerprint(files), files, strict=True)
+        meta = {
+            "format": FORMAT,
+            "key": key,
+            "content": content_key(mode, tok, [info["content"] for info in infos]),
+            "mode": mode,
+            "text_field": text_field,
+            "dtype": token_dtype(tok.vocab_size).name,
+            "tokenizer": tokenizer_key(tok, mode),
+            "sources": [{**source, "kind": kind_of(f, "txt")} for source, f in sources],
+            "tokens": sum(e["tokens"] for e in entries),
+            "docs": docs,
+            "shards": entries,
+        }
+        fsync_dir(out)
+        atomic_write_bytes(out / META, json.dumps(meta, indent=1).encode())
+        fsync_dir(out)
         progress.say(
             f"prepared '{out}': {meta['docs']:,} documents, {meta['tokens']:,} tokens in {len(names)} shards"
         )
@@ -329,51 +358,3 @@ def _run(todo: list[tuple[int, tuple]], tok: Any, workers: int):
             ) from None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _finish(
-    out: Path,
-    key: str,
-    infos: list,
-    names: list[str],
-    files: list[Path],
-    tok: Any,
-    mode: str,
-    text_field: str,
-) -> dict:
-    """Rows of each piece counted from the start of its file; then meta.json, atomically."""
-    rows_seen: dict[int, int] = {}
-    shards = []
-    for name, info in zip(names, infos, strict=True):
-        pieces = []
-        for source, first_doc, n_rows in info["pieces"]:
-            pieces.append([source, first_doc, rows_seen.get(source, 0)])
-            rows_seen[source] = rows_seen.get(source, 0) + n_rows
-        shards.append(
-            {"name": name, "tokens": info["tokens"], "docs": info["docs"], "pieces": pieces}
-        )
-    docs = sum(s["docs"] for s in shards)
-    if docs == 0:
-        raise UserError(
-            f"the inputs ({len(files)} file(s), first '{files[0]}') hold no documents; check the files"
-        )
-    meta = {
-        "format": FORMAT,
-        "key": key,
-        "content": content_key(mode, tok, [info["content"] for info in infos]),
-        "mode": mode,
-        "text_field": text_field,
-        "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer": tokenizer_key(tok, mode),
-        "sources": [
-            {**s, "kind": kind_of(f, "txt")}
-            for s, f in zip(files_fingerprint(files), files, strict=True)
-        ],
-        "tokens": sum(s["tokens"] for s in shards),
-        "docs": docs,
-        "shards": shards,
-    }
-    fsync_dir(out)
-    atomic_write_bytes(out / META, json.dumps(meta, indent=1).encode())
-    fsync_dir(out)
-    return meta
