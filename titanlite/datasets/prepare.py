@@ -305,9 +305,8 @@ def prepare(
             for source, first_doc, n_rows in info["pieces"]:
                 pieces.append([source, first_doc, rows_seen.get(source, 0)])
                 rows_seen[source] = rows_seen.get(source, 0) + n_rows
-            entries.append(
-                {"name": name, **{k: info[k] for k in ("tokens", "docs")}, "pieces": pieces}
-            )
+            counts = {"tokens": info["tokens"], "docs": info["docs"]}
+            entries.append({"name": name, **counts, "pieces": pieces})
         docs = sum(e["docs"] for e in entries)
         if docs == 0:
             raise UserError(
