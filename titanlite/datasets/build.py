@@ -79,9 +79,8 @@ def _built_once(path: Path, build, what: str) -> None:
 
 
 def build_tokenizer(cfg: JobConfig, train: bool = True) -> Tokenizer | HFTokenizer | None:
-    """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one;
-    None for synthetic data, which has no text, and (`train` False) for a built-in tokenizer not
-    trained yet on this machine."""
+    """model.tokenizer_path, else model.hf_assets_path's, else the built-in one; None for synthetic
+    data, and (`train` False) for a built-in tokenizer not trained yet on this machine."""
     if cfg.data.mode == "synthetic":
         return None
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
@@ -156,8 +155,7 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
 
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
     """Every dataset of data.path, prepared (on the fly for raw inputs), less eval.fraction's
-    held-out part, as one MixtureDataset. Synthetic data draws below `vocab_size` (default:
-    model.vocab_size)."""
+    held-out part, as one MixtureDataset; synthetic data draws below `vocab_size`."""
     t = cfg.training
     if cfg.data.mode == "synthetic":
         synthetic = SyntheticDataset(vocab_size or cfg.model.vocab_size, t.seq_len, t.seed)
@@ -225,9 +223,8 @@ def build_dataloader(
 def trace_step(
     cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None
 ) -> list[dict]:
-    """One entry per sequence of step `step` (1-based): its position in the global batch, the
-    rank that reads it at `dp`, its index and its sources; from the config alone, as a step's
-    batch depends only on the seed, the global batch size and the data (sampler.py)."""
+    """Each sequence of 1-based step `step`: its position, the rank that reads it at `dp`, its
+    index and its sources, from the config alone (scripts/trace_batch.py)."""
     g = cfg.training.global_batch_size
     if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
         raise UserError(

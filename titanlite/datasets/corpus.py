@@ -122,9 +122,8 @@ def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
 
 
 def discover(path: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
-    """The input files a path names, in a fixed order: the file itself, or every file of a known
-    kind under a folder (sorted; hidden files and `datasets`' cache-*.arrow left out; `note`
-    hears how many others were, by suffix)."""
+    """The input files a path names, in a fixed order: the file, or every file of a known kind
+    under a folder but hidden and cache-* ones (`note` hears how many others there were)."""
     p = Path(path).expanduser()
     if p.is_file():
         if kind_of(p) is None:
@@ -230,11 +229,10 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
         else:
             source = pa.memory_map(piece.path)
             try:
-                reader = pa.ipc.open_stream(source)
+                batches = pa.ipc.open_stream(source)
             except pa.ArrowInvalid:
                 reader = pa.ipc.open_file(source)
-                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            batches = reader
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         row = 0
         for batch in batches:
             names = [c for c in columns if c in batch.schema.names]

@@ -44,8 +44,7 @@ def best_fit_decreasing(costs: np.ndarray, capacity: int) -> tuple[np.ndarray, n
 
 def restart_positions(starts: np.ndarray, length: int) -> np.ndarray:
     """Each of `length` slots' position within its document, given the slots where documents
-    start (slot 0 always starts one): the RoPE positions and document boundaries of
-    titanlite.models.attention."""
+    start (slot 0 always starts one): the RoPE positions and document boundaries of attention."""
     slots = np.arange(length, dtype=np.int64)
     bounds = np.union1d([0], np.asarray(starts, dtype=np.int64))
     return slots - bounds[np.searchsorted(bounds, slots, side="right") - 1]

@@ -69,9 +69,8 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
 
 
 def content_key(mode: str, tok: Any, shards: list[str]) -> str:
-    """What a prepared folder trains on: every document's tokens (and SFT mask) in order, and the
-    tokenizer's fingerprint; not where the inputs were, nor when. A resume on other data is
-    refused by it, while the same data moved or copied elsewhere still resumes."""
+    """What a prepared folder trains on (its tokens, masks and tokenizer; not where nor when): a
+    resume on other data is refused, the same data moved or copied elsewhere still resumes."""
     what = {"mode": mode, "tokenizer": tok.fingerprint, "shards": shards}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 

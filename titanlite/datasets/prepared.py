@@ -83,9 +83,8 @@ class Prepared:
         return files
 
     def _check_files(self) -> None:
-        """Every shard file present, readable and of the length and type its index says: a
-        damaged folder stops the run at start-up, in one line naming the file, not hours in on the
-        rank whose batch first reaches it."""
+        """Every shard file readable and of the length and type its index says: a damaged folder
+        stops the run at start-up, in one line naming the file, not hours in."""
         for k in range(len(self.shards)):
             for path, dtype, count in self._files(k).values():
                 try:

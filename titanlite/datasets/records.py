@@ -203,9 +203,8 @@ def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
     if fmt == "alpaca":
         record = {"instruction": text, "input": "", "output": ""}
     else:
-        record = {
-            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        }
+        turns = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        record = {"messages": turns}
     ids = []
     for segment, target in record_segments(record, tok):
         if target:

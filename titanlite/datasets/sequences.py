@@ -19,9 +19,8 @@ from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 class PackedDataset:
-    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. With
-    `document_mask` each item also carries its tokens' positions within their documents
-    (restarting at each document and at the window's start): attention stays inside one."""
+    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels and, with
+    `document_mask`, its tokens' positions within their documents."""
 
     def __init__(self, data: Prepared, seq_len: int, document_mask: bool = False) -> None:
         self.data = data
@@ -160,9 +159,8 @@ SYNTHETIC_SIZE = 1 << 40  # the sampler never stores its permutation: the size c
 
 
 class SyntheticDataset:
-    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): sequence i is
-    drawn from a generator seeded with (seed, i), so it depends on its index alone, like a real
-    dataset's (every rank, a resumed run and the diagnostics see the same sequence)."""
+    """Random tokens for benchmarks (`data.mode = "synthetic"`): sequence i is drawn from a
+    generator seeded with (seed, i), so it depends on its index alone, like a real dataset's."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
         self.vocab_size = vocab_size

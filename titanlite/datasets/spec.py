@@ -81,9 +81,8 @@ def check_data_tokenizer(path: str, tokenizer_path: str) -> None:
 
 
 def data_identity(cfg, path: str | None = None) -> list[dict] | None:
-    """What data.path (or `path`) trains on, by content: [{"content", "weight", "path"}] of each
-    prepared dataset; None for synthetic data, or where raw inputs or the built-in data are not
-    prepared yet (the workers prepare them, and know it then)."""
+    """What data.path (or `path`) trains on, by content: [{"content", "weight", "path"}]; None for
+    synthetic data, raw inputs or the built-in data (the workers prepare them and know it then)."""
     from titanlite.datasets.prepared import Prepared, is_prepared
 
     if cfg.data.mode == "synthetic":
