@@ -64,13 +64,12 @@ def permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
         y[todo] = feistel(y[todo], todo)
 
 
-def block_counts(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
-    """Positions per block for each dataset: weights x block, rounded by largest remainder."""
-    w = np.asarray(weights, dtype=np.float64) / sum(weights)
-    exact = w * block
+def block_counts(weights: list[float]) -> np.ndarray:
+    """Positions per block for each dataset: weights x MIX_BLOCK, rounded by largest remainder."""
+    exact = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_BLOCK
     counts = np.floor(exact).astype(np.int64)
     order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[: block - counts.sum()]] += 1
+    counts[order[: MIX_BLOCK - counts.sum()]] += 1
     return counts
 
 

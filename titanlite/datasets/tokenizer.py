@@ -74,7 +74,9 @@ class HFTokenizer:
             ) from None
         self.source, self.path = str(path), path
         self.folder = path.parent  # its companion files (specials, chat template) live here
-        specials = _special_tokens(path.parent)
+        config_file = path.parent / "config.json"  # the model's, beside it
+        config = read_json(config_file) if config_file.is_file() else {}
+        specials = _special_tokens(path.parent, config)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
         has_pad = specials.get("pad") is not None
         self.pad_id = self._id(specials, "pad") if has_pad else self.eos_id
@@ -86,7 +88,7 @@ class HFTokenizer:
         self.chat_template = _chat_template(path.parent)
         # What ends a generated completion: EOS, every EOS generation_config.json and config.json
         # name (a list, for chat models), and the chat template's end of a turn.
-        self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent), *self._turn_end()})
+        self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent, config), *self._turn_end()})
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         key = data + json.dumps(specials, sort_keys=True).encode()
         self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
@@ -134,7 +136,7 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
-def _special_tokens(folder: Path) -> dict:
+def _special_tokens(folder: Path, config: dict) -> dict:
     """bos/eos/pad as token strings (tokenizer_config.json, special_tokens_map.json) or, failing
     those, ids (config.json; a list of EOS ids gives its first)."""
     out: dict = {}
@@ -144,7 +146,6 @@ def _special_tokens(folder: Path) -> dict:
             token = token.get("content") if isinstance(token, dict) else token
             if kind not in out and isinstance(token, str):
                 out[kind] = token
-    config = _read_json(folder / "config.json")
     for kind in ("bos", "eos", "pad"):
         value = config.get(f"{kind}_token_id")
         value = value[0] if isinstance(value, list) and value else value
@@ -153,10 +154,10 @@ def _special_tokens(folder: Path) -> dict:
     return out
 
 
-def _eos_ids(folder: Path) -> list[int]:
+def _eos_ids(folder: Path, config: dict) -> list[int]:
     """The eos_token_id of generation_config.json and config.json: an id or a list of them."""
     ids = []
-    for data in (read_generation_config(folder), _read_json(folder / "config.json")):
+    for data in (read_generation_config(folder), config):
         value = data.get("eos_token_id")
         ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
     return ids
@@ -172,11 +173,6 @@ def _chat_template(folder: Path) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
     return template if isinstance(template, str) else None
-
-
-def _read_json(path: Path) -> dict:
-    """A JSON object file beside the tokenizer ({} without one)."""
-    return read_json(path) if path.is_file() else {}
 
 
 def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
