@@ -105,16 +105,14 @@ KNOWN = ", ".join(SUFFIXES)
 
 def kind_of(path: Path, default: str | None = None) -> str | None:
     """The kind a file's name says; `default` for others (the built-in data's .py files: "txt")."""
-    name = path.name
-    return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), default)
+    return next((kind for end, kind in SUFFIXES.items() if path.name.endswith(end)), default)
 
 
 def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
     """A `save_to_disk` folder lists its files in state.json; follow that order when present."""
     try:
-        names = [
-            d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]
-        ]
+        state = json.loads((folder / "state.json").read_text())
+        names = [d["filename"] for d in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         return files
     listed = [folder / n for n in names if (folder / n) in set(files)]
