@@ -223,13 +223,9 @@ class HeldOut:
 
     def __init__(self, n: int, fraction: float, seed: int) -> None:
         self.n = n
-        held = max(1, round(BLOCK * fraction))
-        order = permute(
-            np.arange(BLOCK), BLOCK, stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64))
-        )
-        in_eval = np.zeros(BLOCK, dtype=bool)
-        in_eval[order[:held]] = True
-        self.offsets = {"eval": np.flatnonzero(in_eval), "train": np.flatnonzero(~in_eval)}
+        keys = stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64))
+        held = np.sort(permute(np.arange(BLOCK), BLOCK, keys)[: max(1, round(BLOCK * fraction))])
+        self.offsets = {"eval": held, "train": np.setdiff1d(np.arange(BLOCK), held)}
 
     def size(self, part: str) -> int:
         offsets = self.offsets[part]
