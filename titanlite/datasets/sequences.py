@@ -66,6 +66,8 @@ class SFTDataset:
         self.data = data
         self.seq_len = seq_len
         self.pad_id = pad_id
+        # the input positions each record fills
+        self.slots = np.minimum(data.document_lengths(), seq_len + 1) - 1
 
     def __len__(self) -> int:
         return self.data.num_docs
@@ -74,12 +76,16 @@ class SFTDataset:
         ids, target = self.data.document(i)
         return to_example(ids, target, self.seq_len, self.pad_id)
 
+    def records(self, i: int) -> np.ndarray:
+        """The record indices of sequence i, in their order inside it."""
+        return np.array([i])
+
     def trace(self, i: int) -> list[dict]:
-        ids, _ = self.data.document(i)
-        return [{**self.data.source(i), "tokens": [0, min(len(ids), self.seq_len + 1)]}]
+        records = self.records(i).tolist()
+        return [{**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]} for r in records]
 
     def content_slots(self, i: int) -> int:
-        return min(len(self.data.document(i)[0]), self.seq_len + 1) - 1
+        return int(self.slots[self.records(i)].sum())
 
     def check_targets(self) -> str | None:
         """Raise if no record has a target token inside the window (every step would be skipped);
@@ -118,9 +124,7 @@ class PackedSFTDataset(SFTDataset):
         self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None
     ) -> None:
         super().__init__(data, seq_len, pad_id)
-        lengths = data.document_lengths()
-        self.slots = np.minimum(lengths, seq_len + 1) - 1  # input positions each record fills
-        kept = np.arange(len(lengths)) if records is None else np.asarray(records, dtype=np.int64)
+        kept = np.arange(len(self.slots)) if records is None else np.asarray(records, np.int64)
         kept = kept[self.slots[kept] > 0]
         members, self.starts = best_fit_decreasing(self.slots[kept], seq_len)
         self.members = kept[members]
@@ -129,7 +133,6 @@ class PackedSFTDataset(SFTDataset):
         return len(self.starts) - 1
 
     def records(self, i: int) -> np.ndarray:
-        """The record indices of pack i, in their order inside it."""
         return self.members[self.starts[i] : self.starts[i + 1]]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -144,15 +147,6 @@ class PackedSFTDataset(SFTDataset):
             at += n
         starts.append(at)  # the padding after the last record is a document of its own
         return inputs, labels, restart_positions(np.asarray(starts), self.seq_len)
-
-    def trace(self, i: int) -> list[dict]:
-        return [
-            {**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]}
-            for r in self.records(i).tolist()
-        ]
-
-    def content_slots(self, i: int) -> int:
-        return int(self.slots[self.records(i)].sum())
 
 
 SYNTHETIC_SIZE = 1 << 40  # the sampler never stores its permutation: the size costs nothing
