@@ -1,5 +1,5 @@
 """A prepared folder (titanlite.datasets.prepare), read memory-mapped: what is held is one entry
-per shard, and at most `max_open` shards are mapped at a time (a few thousand would otherwise
+per shard, and at most MAX_OPEN shards are mapped at a time (a few thousand would otherwise
 exhaust file descriptors)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import numpy as np
 from titanlite.datasets.prepare import FORMAT, META, read_json, tokenizer_key
 from titanlite.errors import UserError, first_line
 
+MAX_OPEN = 64
 PREPARE_HINT = "run scripts/prepare_data.py again with the same inputs and --out"
 
 
@@ -50,7 +51,7 @@ def load_meta(folder: Path) -> dict:
 class Prepared:
     """Token ranges, documents and their sources of one prepared folder."""
 
-    def __init__(self, folder: Path, max_open: int = 64) -> None:
+    def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self.meta = meta = load_meta(self.folder)
         self.mode: str = meta["mode"]
@@ -61,7 +62,6 @@ class Prepared:
         self.num_tokens = int(self.token_starts[-1])
         self.num_docs = int(self.doc_starts[-1])
         self.content: str = meta["content"]  # what it trains on (prepare.content_key)
-        self.max_open = max_open
         self._open: OrderedDict[int, dict] = OrderedDict()
         self._check_files()
 
@@ -128,7 +128,7 @@ class Prepared:
         if arrays is None:
             files = self._files(k).items()
             arrays = self._open[k] = {name: _mapped(*file) for name, file in files}
-            if len(self._open) > self.max_open:
+            if len(self._open) > MAX_OPEN:
                 self._open.popitem(last=False)
         else:
             self._open.move_to_end(k)
