@@ -9,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from titanlite.config.command_line import mixture_items
+from titanlite.datasets.corpus import discover
+from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.errors import UserError
 
 RAW_LIMIT_BYTES = 2 << 30
@@ -32,9 +34,6 @@ def parse_data_path(path: str) -> list[tuple[str, float]]:
 def check_data(mode: str, path: str, key: str = "data.path") -> None:
     """Every dataset of data.path (or `key`'s) exists; a prepared one is complete, intact and of
     this mode; raw inputs are of known kinds and small enough to prepare on the fly."""
-    from titanlite.datasets.corpus import discover
-    from titanlite.datasets.prepared import Prepared, is_prepared
-
     for name, _ in parse_data_path(path):
         p = Path(name).expanduser()
         if not p.exists():
@@ -69,7 +68,6 @@ def check_data_files(cfg) -> None:
 def check_data_tokenizer(path: str, tokenizer_path: str) -> None:
     """Prepared datasets were tokenized with the run's tokenizer (the built-in one is trained on
     first use, so the trainer checks that case itself)."""
-    from titanlite.datasets.prepared import Prepared, is_prepared
     from titanlite.datasets.tokenizer import load_tokenizer
 
     folders = [Path(n).expanduser() for n, _ in parse_data_path(path)]
@@ -83,8 +81,6 @@ def check_data_tokenizer(path: str, tokenizer_path: str) -> None:
 def data_identity(cfg, path: str | None = None) -> list[dict] | None:
     """What data.path (or `path`) trains on, by content: [{"content", "weight", "path"}]; None for
     synthetic data, raw inputs or the built-in data (the workers prepare them and know it then)."""
-    from titanlite.datasets.prepared import Prepared, is_prepared
-
     if cfg.data.mode == "synthetic":
         return None
     out = []
