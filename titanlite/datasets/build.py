@@ -164,10 +164,8 @@ def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_siz
     part = "train" if cfg.eval.fraction > 0 else None
     prepared = [_open_prepared(cfg, tok, name) for name, _ in parts]
     # what it trains on, by content (spec.data_identity): a resume compares it
-    identity = [
-        {"content": data.content, "weight": w, "path": name}
-        for data, (name, w) in zip(prepared, parts, strict=True)
-    ]
+    named = zip(prepared, parts, strict=True)
+    identity = [{"content": data.content, "weight": w, "path": name} for data, (name, w) in named]
     sequences = [_sequences(cfg, data, tok, part) for data in prepared]
     return MixtureDataset(sequences, [w for _, w in parts], identity)
 

@@ -111,11 +111,8 @@ class Prepared:
     def check_tokenizer(self, tok: Any) -> None:
         """The run must tokenize as the preparation did (same model, same SFT format)."""
         ours, theirs = tokenizer_key(tok, self.mode), self.meta["tokenizer"]
-        differ = [
-            f"{k} {theirs.get(k)!r} vs {ours[k]!r}"
-            for k in ours
-            if k != "source" and ours[k] != theirs.get(k)
-        ]
+        keys = [k for k in ours if k != "source" and ours[k] != theirs.get(k)]
+        differ = [f"{k} {theirs.get(k)!r} vs {ours[k]!r}" for k in keys]
         if differ:
             raise UserError(
                 f"prepared data '{self.folder}' was tokenized with {theirs.get('source')} and this run's "

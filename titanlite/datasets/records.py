@@ -100,10 +100,8 @@ def chat_segments(messages: list[dict], tok: Any) -> list[Segment]:
     template = tok.chat_template
     if template is None:
         return default_segments(messages, tok)
-    segments = [
-        (tok.encode(text), target)
-        for text, target in template_pieces(template, messages, tok.special_tokens)
-    ]
+    pieces = template_pieces(template, messages, tok.special_tokens)
+    segments = [(tok.encode(text), target) for text, target in pieces]
     first = next((ids for ids, _ in segments if ids), [])
     if first[:1] != [tok.bos_id]:
         segments.insert(0, ([tok.bos_id], False))

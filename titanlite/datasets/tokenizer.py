@@ -81,9 +81,9 @@ class HFTokenizer:
         has_pad = specials.get("pad") is not None
         self.pad_id = self._id(specials, "pad") if has_pad else self.eos_id
         # What a chat template sees as bos_token, eos_token (and pad_token), as transformers passes them.
+        kinds = ("bos", "eos", "pad") if has_pad else ("bos", "eos")
         self.special_tokens = {
-            f"{kind}_token": self.tok.id_to_token(getattr(self, f"{kind}_id"))
-            for kind in ("bos", "eos", *(("pad",) if has_pad else ()))
+            f"{k}_token": self.tok.id_to_token(getattr(self, f"{k}_id")) for k in kinds
         }
         self.chat_template = _chat_template(path.parent)
         # What ends a generated completion: EOS, every EOS generation_config.json and config.json
