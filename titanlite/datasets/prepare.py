@@ -163,9 +163,8 @@ def _add(writer: _ShardWriter, tok: Any, mode: str, rows: list[int], docs: list)
             writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
     else:
         for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
-            writer.add(
-                np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row
-            )
+            document = itertools.chain((tok.bos_id,), ids, (tok.eos_id,))
+            writer.add(np.fromiter(document, np.int64), row)
 
 
 def write_shard(job: tuple, batch_chars: int = 1 << 20) -> dict:

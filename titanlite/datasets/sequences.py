@@ -165,9 +165,8 @@ class SyntheticDataset:
         return SYNTHETIC_SIZE
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        window = np.random.default_rng([self.seed, int(i)]).integers(
-            0, self.vocab_size, self.seq_len + 1, dtype=np.int64
-        )
+        rng = np.random.default_rng([self.seed, int(i)])
+        window = rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64)
         return window[:-1], window[1:]
 
     def trace(self, i: int) -> list[dict]:

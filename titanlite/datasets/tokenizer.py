@@ -112,9 +112,8 @@ class HFTokenizer:
             return []
         mark = "\u2063titanlite\u2063"  # text no template adds by itself
         try:
-            text = render(
-                self.chat_template, [{"role": "user", "content": mark}], False, self.special_tokens
-            )
+            turn = [{"role": "user", "content": mark}]
+            text = render(self.chat_template, turn, False, self.special_tokens)
         except UserError:
             return []  # a template that needs more than one user message: EOS and the lists stop
         after = text.partition(mark)[2]
