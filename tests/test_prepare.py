@@ -22,6 +22,7 @@ import pytest
 from helpers import REPO, load_script, run_script
 
 from titanlite.config import parse_args
+from titanlite.config.layout import resolve_layout
 from titanlite.datasets.build import build_dataset, build_tokenizer
 from titanlite.datasets.prepare import prepare
 from titanlite.datasets.prepared import Prepared
@@ -177,7 +178,7 @@ def test_on_the_fly_preparation_is_the_scripts_order_and_mixtures_hit_their_weig
     cfg.data.path = f"{out}:0.7,{other}:0.3"
     mix = build_dataset(cfg, tok)
     assert mix.sizes[0] == len(scripted) and mix.weights == pytest.approx([0.7, 0.3])
-    sampler = GlobalBatchSampler(mix.sizes, 16, 16, 0, 1, 0, mix.weights)
+    sampler = GlobalBatchSampler(mix.sizes, 16, 0, mix.weights)
     picks = sampler.sequences(np.arange(10_000))
     share = float((picks < mix.sizes[0]).mean())
     assert abs(share - 0.7) < 0.01, share
@@ -197,12 +198,14 @@ def test_sampler_is_a_computed_permutation_independent_of_dp_and_accumulation():
     for n in (1, 2, 3, 17, 1000, 4097):
         y = permute(np.arange(n), n, stream_keys(5, 0, np.zeros(n, np.int64)))
         assert sorted(y.tolist()) == list(range(n))
-    mixed = GlobalBatchSampler([100, 40], 16, 16, 0, 1, 3, [0.5, 0.5])
+    mixed = GlobalBatchSampler([100, 40], 16, 3, [0.5, 0.5])
     for sizes, weights in (([100], None), ([100, 40], [0.5, 0.5])):
-        ref = GlobalBatchSampler(sizes, 16, 16, 0, 1, 3, weights)
+        ref = GlobalBatchSampler(sizes, 16, 3, weights)
         want = [ref.global_batch(t).tolist() for t in range(20)]
         for lb, dp in [(8, 1), (1, 1), (8, 2), (2, 4), (1, 16), (4, 2)]:
-            samplers = [GlobalBatchSampler(sizes, 16, lb, r, dp, 3, weights) for r in range(dp)]
+            cfg = _cfg("--training.global_batch_size", "16", "--training.local_batch_size", str(lb))
+            layout = resolve_layout(cfg, dp)
+            samplers = [GlobalBatchSampler(sizes, 16, 3, weights, layout, r) for r in range(dp)]
             got = [
                 [i for s in samplers for _ in range(16 // (lb * dp)) for i in next(s)]
                 for _ in range(20)
@@ -217,13 +220,13 @@ def test_sampler_is_a_computed_permutation_independent_of_dp_and_accumulation():
                         assert want[t][first - 16 * t : first - 16 * t + lb] == part, (lb, dp, t, m)
     assert (
         mixed.global_batch(0).tolist()
-        != GlobalBatchSampler([100, 40], 16, 16, 0, 1, 4, [0.5, 0.5]).global_batch(0).tolist()
+        != GlobalBatchSampler([100, 40], 16, 4, [0.5, 0.5]).global_batch(0).tolist()
     )
-    one = GlobalBatchSampler([100], 20, 20, 0, 1, 3)
+    one = GlobalBatchSampler([100], 20, 3)
     assert sorted(one.sequences(np.arange(100)).tolist()) == list(range(100))  # an epoch: each once
     assert one.sequences(np.arange(100)).tolist() != one.sequences(np.arange(100, 200)).tolist()
     with pytest.raises(UserError, match="has 3 sequences"):
-        GlobalBatchSampler([3], 8, 1, 0, 1, 0)
+        GlobalBatchSampler([3], 8, 0)
 
 
 def test_killed_preparation_is_refused_then_resumes_to_the_same_folder(tmp_path, tok):
@@ -481,7 +484,8 @@ def test_trace_batch_names_the_documents_each_rank_read(tmp_path, tok, capsys):
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     cfg = parse_args(args)[0]
     ds = build_dataset(cfg, tok)
-    loader_rank1 = GlobalBatchSampler(ds.sizes, 8, 2, 1, 2, cfg.training.seed)
+    layout = resolve_layout(cfg, 2)
+    loader_rank1 = GlobalBatchSampler(ds.sizes, 8, cfg.training.seed, None, layout, 1)
     for _ in range(4):  # steps 1 and 2: two microbatches each
         next(loader_rank1)
     assert [r["sequence"] for r in rows] == next(loader_rank1) + next(loader_rank1)
@@ -523,7 +527,7 @@ def test_the_epochs_said_at_start_are_what_the_sampler_reads(seed):
     weights = [float(w) for w in rng.uniform(0.1, 1.0, size=k)] if k > 1 else None
     g = int(rng.choice([4, 8, 16, 64]))
     steps = int(rng.integers(1, 300)) * (MIX_BLOCK // g if k > 1 else 1)  # whole blocks: exact
-    sampler = GlobalBatchSampler(sizes, g, g, 0, 1, 3, weights)
+    sampler = GlobalBatchSampler(sizes, g, 3, weights)
     datasets, _ = sampler.datasets_of(np.arange(steps * g))
     read = np.bincount(datasets, minlength=k)
     assert sampler.epochs(steps) == pytest.approx(

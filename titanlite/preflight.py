@@ -89,9 +89,7 @@ def plan_run(
         cfg, cfg.rehearsal.world or world_size
     )  # a rehearsal's world is the one it rehearses
     check_data_files(cfg)
-    check_data_tokenizer(
-        cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
-    )
+    check_data_tokenizer(cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
     if hold is None:
@@ -223,7 +221,7 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     never reads them)."""
     from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
     from titanlite.components.checkpoint.index import initial_load_kind
-    from titanlite.datasets.build import tokenizer_key
+    from titanlite.datasets.build import build_tokenizer
     from titanlite.distributed.param_init import canonical_name
 
     source = cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path
@@ -236,7 +234,9 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
         step = step_to_read(path, flag="checkpoint.initial_load_path")
         # every tensor taken, both ways, and token ids that mean what they meant
-        check_initial_fits(step, meta.model, cfg.checkpoint.initial_load_drop, tokenizer_key(cfg))
+        tok = build_tokenizer(cfg, train=False)
+        fingerprint = tok.fingerprint if tok else None
+        check_initial_fits(step, meta.model, cfg.checkpoint.initial_load_drop, fingerprint)
 
 
 def _vocab_size(cfg: JobConfig) -> int:

@@ -11,9 +11,8 @@ import torch
 
 
 class Microbatch(NamedTuple):
-    """One microbatch: tokens, next-token labels and, for document masking (packed SFT,
-    data.document_mask), each token's position within its document; for dropout masks keyed by
-    sample (model.dropout_masks), each sequence's key (titanlite.ops.dropout.sample_keys)."""
+    """One microbatch: tokens, next-token labels, each token's position within its document (for
+    document masking) and each sequence's key (for dropout masks keyed by sample)."""
 
     inputs: torch.Tensor
     labels: torch.Tensor

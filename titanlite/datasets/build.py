@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, rank_share
+from titanlite.config.layout import Layout
 from titanlite.datasets import corpus
 from titanlite.datasets.batch import collate
-from titanlite.datasets.prepare import META, prepare
+from titanlite.datasets.prepare import META, data_key, prepare
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.datasets.sampler import GlobalBatchSampler
 from titanlite.datasets.sequences import (
@@ -33,7 +33,7 @@ from titanlite.datasets.sequences import (
     SyntheticDataset,
     spaced,
 )
-from titanlite.datasets.spec import cache_folder, parse_data_path
+from titanlite.datasets.spec import parse_data_path
 from titanlite.datasets.tokenizer import (
     HFTokenizer,
     Tokenizer,
@@ -50,16 +50,12 @@ from titanlite.tools.process import init_logging
 logger = init_logging()
 
 
-BUILD_WAIT = timedelta(
-    hours=2
-)  # the longest a cache build (tokenizer, data of up to 2 GiB) may take
+BUILD_WAIT = timedelta(hours=2)  # the longest a cache build (tokenizer, data up to 2 GiB) may take
 
 
 def _built_once(path: Path, build, what: str) -> None:
     """One rank per node (local rank 0) builds a missing cache file while the others wait; a
-    bad-input error met by the builder (a malformed data file, say) is raised on every rank
-    alike. The builder says `what` it does, where, and how long it took: a first run's set-up
-    talks."""
+    bad-input error met by the builder is raised on every rank alike."""
     error = None
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and not path.exists():
         began = time.perf_counter()
@@ -82,31 +78,21 @@ def _built_once(path: Path, build, what: str) -> None:
         raise UserError(error)
 
 
-def build_tokenizer(cfg: JobConfig) -> Tokenizer | HFTokenizer | None:
-    """model.tokenizer_path, else model.hf_assets_path's tokenizer.json, else the built-in one;
-    None for synthetic data, which has no text."""
+def build_tokenizer(cfg: JobConfig, train: bool = True) -> Tokenizer | HFTokenizer | None:
+    """model.tokenizer_path, else model.hf_assets_path's, else the built-in one; None for synthetic
+    data, and (`train` False) for a built-in tokenizer not trained yet on this machine."""
     if cfg.data.mode == "synthetic":
         return None
     if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
         return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     vocab = cfg.model.builtin_vocab_size
     path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), vocab)
-    what = f"training the built-in tokenizer ({vocab:,} tokens)"
-    _built_once(path, lambda: train_builtin_tokenizer(path, vocab), what)
-    return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
-
-
-def tokenizer_key(cfg: JobConfig) -> str | None:
-    """The fingerprint of the tokenizer `cfg` names (what its token ids mean), without training
-    one: None for synthetic data, or a built-in tokenizer not trained yet on this machine."""
-    if cfg.data.mode == "synthetic":
+    if train:
+        what = f"training the built-in tokenizer ({vocab:,} tokens)"
+        _built_once(path, lambda: train_builtin_tokenizer(path, vocab), what)
+    elif not path.is_file():
         return None
-    if cfg.model.tokenizer_path or cfg.model.hf_assets_path:
-        return load_tokenizer(cfg.model.tokenizer_path or cfg.model.hf_assets_path).fingerprint
-    path = builtin_tokenizer_path(cache_dir(cfg.data.cache_dir), cfg.model.builtin_vocab_size)
-    return (
-        Tokenizer(path.read_bytes(), f"builtin:{path.name}").fingerprint if path.is_file() else None
-    )
+    return Tokenizer(path.read_bytes(), f"builtin:{path.name}")
 
 
 def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> Path:
@@ -125,7 +111,7 @@ def _prepared_on_the_fly(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str
         files = [jsonl]
     else:
         files = list(corpus.stdlib_files())
-    out = cache_folder(cfg, files, tok)
+    out = cache / f"prepared-{mode}-{data_key(files, tok, mode, cfg.data.text_field)}"
     size = sum(f.stat().st_size for f in files)
     workers = min(os.cpu_count() or 1, 8) if size > 256 << 20 else 1
     what = f"preparing {len(files):,} file(s) of {size / 2**20:,.1f} MB into token shards"
@@ -150,8 +136,7 @@ def _open_prepared(cfg: JobConfig, tok: Tokenizer | HFTokenizer, name: str) -> P
 
 def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, part: str | None):
     """The sequences of one prepared dataset: all of them (part None), or the "train" or "eval"
-    part of eval.fraction's split (titanlite.datasets.sequences). SFT records are split before they
-    are packed, so no pack mixes the two."""
+    part of eval.fraction's split (SFT records are split before they are packed)."""
     seq_len, d = cfg.training.seq_len, cfg.data
     if d.mode == "sft":
         dataset = SFTDataset(data, seq_len, tok.pad_id)
@@ -160,35 +145,27 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
             logger.warning(note)
     else:
         dataset = PackedDataset(data, seq_len, d.document_mask)
-    if part is None:
-        return PackedSFTDataset(data, seq_len, tok.pad_id) if d.packing else dataset
-    held = HeldOut(
-        data.num_docs if d.mode == "sft" else len(dataset), cfg.eval.fraction, cfg.training.seed
-    )
+    size = data.num_docs if d.mode == "sft" else len(dataset)
+    held = HeldOut(size, cfg.eval.fraction, cfg.training.seed) if part else None
     if d.packing:
-        records = held.indices(part, np.arange(held.size(part)))
+        records = held.indices(part, np.arange(held.size(part))) if held else None
         return PackedSFTDataset(data, seq_len, tok.pad_id, records)
-    return held.subset(dataset, part)
+    return held.subset(dataset, part) if held else dataset
 
 
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):
-    """Every dataset of data.path, prepared (on the fly for raw inputs) and opened memory-mapped,
-    less eval.fraction's held-out part; returns them as one MixtureDataset (of one dataset when
-    there is no mixture). Synthetic data draws below `vocab_size`, the model's (default:
-    model.vocab_size)."""
+    """Every dataset of data.path, prepared (on the fly for raw inputs), less eval.fraction's
+    held-out part, as one MixtureDataset; synthetic data draws below `vocab_size`."""
+    t = cfg.training
     if cfg.data.mode == "synthetic":
-        synthetic = SyntheticDataset(
-            vocab_size or cfg.model.vocab_size, cfg.training.seq_len, cfg.training.seed
-        )
+        synthetic = SyntheticDataset(vocab_size or cfg.model.vocab_size, t.seq_len, t.seed)
         return MixtureDataset([synthetic], [1.0])
     parts = parse_data_path(cfg.data.path) or [("", 1.0)]
     part = "train" if cfg.eval.fraction > 0 else None
     prepared = [_open_prepared(cfg, tok, name) for name, _ in parts]
-    # what it trains on, by content (titanlite.datasets.spec.data_identity): a resume compares it
-    identity = [
-        {"content": data.content, "weight": w, "path": name}
-        for data, (name, w) in zip(prepared, parts, strict=True)
-    ]
+    # what it trains on, by content (spec.data_identity): a resume compares it
+    named = zip(prepared, parts, strict=True)
+    identity = [{"content": data.content, "weight": w, "path": name} for data, (name, w) in named]
     sequences = [_sequences(cfg, data, tok, part) for data in prepared]
     return MixtureDataset(sequences, [w for _, w in parts], identity)
 
@@ -199,48 +176,31 @@ def build_eval_dataset(
     """The eval set: eval.path's data, else eval.fraction's held-out part of every dataset of
     data.path (None: neither), cut to eval.max_sequences spread evenly over it."""
     e = cfg.eval
-    if e.path:
-        datasets = [_sequences(cfg, _open_prepared(cfg, tok, e.path), tok, None)]
-    elif e.fraction > 0:
-        parts = parse_data_path(cfg.data.path) or [("", 1.0)]
-        datasets = [
-            _sequences(cfg, _open_prepared(cfg, tok, name), tok, "eval") for name, _ in parts
-        ]
-    else:
+    if not e.path and e.fraction <= 0:
         return None
+    names = [e.path] if e.path else [n for n, _ in parse_data_path(cfg.data.path) or [("", 1.0)]]
+    part = None if e.path else "eval"
+    datasets = [_sequences(cfg, _open_prepared(cfg, tok, name), tok, part) for name in names]
     dataset = MixtureDataset(datasets, [1.0] * len(datasets))
     if not len(dataset):
         raise UserError(
             f"eval.fraction = {e.fraction:g} holds out no sequence of this data; raise it, or set eval.path"
         )
     if e.max_sequences and e.max_sequences < len(dataset):
-        picked = Subset(
-            dataset, e.max_sequences, functools.partial(spaced, len(dataset), e.max_sequences)
-        )
-        dataset = MixtureDataset([picked], [1.0])
+        spread = functools.partial(spaced, len(dataset), e.max_sequences)
+        dataset = MixtureDataset([Subset(dataset, e.max_sequences, spread)], [1.0])
     return dataset
 
 
 def build_dataloader(
-    cfg: JobConfig,
-    dataset,
-    layout: Layout,
-    dp_rank: int,
-    pin_memory: bool,
-    *,
-    seed: int | None = None,
+    cfg: JobConfig, dataset, layout: Layout, dp_rank: int, pin_memory: bool, seed: int | None = None
 ) -> StatefulDataLoader:
     """This rank's loader of its share of the plan's (`layout`) global batch. `seed`: of the data
     order (default training.seed; see titanlite.tools.seeds)."""
+    seed = cfg.training.seed if seed is None else seed
+    repeats = cfg.rehearsal.world > 0
     sampler = GlobalBatchSampler(
-        dataset.sizes,
-        layout.global_batch,
-        layout.local_batch,
-        dp_rank,
-        layout.dp,
-        cfg.training.seed if seed is None else seed,
-        dataset.weights,
-        repeats=cfg.rehearsal.world > 0,
+        dataset.sizes, layout.global_batch, seed, dataset.weights, layout, dp_rank, repeats
     )
     if dp_rank == 0:
         logger.info(sampler.epochs_line(cfg.training.steps))
@@ -261,27 +221,18 @@ def build_dataloader(
 def trace_step(
     cfg: JobConfig, step: int, dp: int = 1, rank: int | None = None, dataset=None
 ) -> list[dict]:
-    """One entry per sequence of step `step` (1-based): its position in the global batch, the
-    rank that reads it at `dp`, its index and its sources (file, row, token range). A step's
-    batch depends only on the seed, the global batch size, seq_len and the data (sampler.py), so
-    neither the run nor a GPU is needed (scripts/trace_batch.py, scripts/inspect_step.py)."""
+    """Each sequence of 1-based step `step`: its position, the rank that reads it at `dp`, its
+    index and its sources, from the config alone (scripts/trace_batch.py)."""
     g = cfg.training.global_batch_size
     if step < 1 or g % dp or (rank is not None and not 0 <= rank < dp):
         raise UserError(
             f"--step must be >= 1, --dp divide global_batch_size {g}, and --rank be in [0, dp)"
         )
     dataset = dataset or build_dataset(cfg, build_tokenizer(cfg))
-    sampler = GlobalBatchSampler(dataset.sizes, g, g, 0, 1, cfg.training.seed, dataset.weights)
-    per_rank = rank_share(cfg, dp)
+    sampler = GlobalBatchSampler(dataset.sizes, g, cfg.training.seed, dataset.weights)
     out = []
     for j, index in enumerate(sampler.global_batch(step - 1).tolist()):
-        if rank is None or j // per_rank == rank:
-            out.append(
-                {
-                    "position": j,
-                    "rank": j // per_rank,
-                    "sequence": index,
-                    "sources": dataset.trace(index),
-                }
-            )
+        entry = {"position": j, "rank": j // (g // dp), "sequence": index}
+        if rank is None or entry["rank"] == rank:
+            out.append({**entry, "sources": dataset.trace(index)})
     return out

@@ -1,19 +1,7 @@
-"""Where text comes from: the running interpreter's standard library, or the user's files.
-
-The stdlib is real text that exists on every machine with Python, so the default data needs no
-download. For SFT it also yields (signature + docstring -> body) pairs whose lengths vary a lot,
-so the number of valid tokens really differs between ranks.
-
-The user's files: which ones a path names, how they are cut into pieces that worker processes
-read independently, and how a piece's documents (pretraining text or SFT records) are read.
-Kinds: `.txt` and `.md` (the whole file is one document), `.jsonl` (one JSON object per line),
-`.jsonl.gz`, `.parquet`, and `.arrow` (the Arrow IPC files that `datasets.save_to_disk` writes,
-read with pyarrow, so the `datasets` package is not needed). Every document keeps its locator:
-the source file and its row (0-based line of a jsonl, row of a parquet/arrow table).
-
-A piece is a unit of reading: a byte range of a large jsonl (a line belongs to the range its first
-byte is in), one row group of a parquet file, one whole file otherwise. Memory is bounded by a
-piece, never by a file.
+"""Where text comes from: the interpreter's standard library (real text on every machine, no
+download), or the user's files of SUFFIXES' kinds. A piece, the unit of reading and of memory,
+is a byte range of a large jsonl (a line belongs to the range its first byte is in), one row
+group of a parquet file, or one whole file; every document keeps its file and row.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ import sys
 import sysconfig
 import textwrap
 from collections import Counter
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +27,19 @@ from titanlite.errors import UserError, first_line
 _SKIP_TOP = {"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
 
 
+def _stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _module(path: Path) -> str:
+    """A stdlib file's dotted module name."""
+    return ".".join(path.relative_to(_stdlib_root()).with_suffix("").parts)
+
+
 @functools.lru_cache(maxsize=1)
 def stdlib_files() -> tuple[Path, ...]:
     """The stdlib's .py files (tests, GUI and vendored code left out), in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = _stdlib_root()
     files = []
     for path in sorted(root.rglob("*.py")):
         top = path.relative_to(root).parts[0]
@@ -56,12 +53,9 @@ def stdlib_files() -> tuple[Path, ...]:
 
 def source_name(file: str) -> str:
     """A source file as people name it: "stdlib:json.decoder" for the built-in data, else the path."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     path = Path(file)
-    if path.suffix == ".py" and path.is_relative_to(root):
-        return "stdlib:" + ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(
-            ".__init__"
-        )
+    if path.suffix == ".py" and path.is_relative_to(_stdlib_root()):
+        return "stdlib:" + _module(path).removesuffix(".__init__")
     return file
 
 
@@ -69,15 +63,13 @@ def source_name(file: str) -> str:
 def corpus_fingerprint() -> str:
     """Changes when the interpreter's stdlib does (names and sizes of the files)."""
     h = hashlib.sha256(sys.version.encode())
-    root = Path(sysconfig.get_paths()["stdlib"])
     for f in stdlib_files():
-        h.update(f"{f.relative_to(root)}:{f.stat().st_size}\n".encode())
+        h.update(f"{f.relative_to(_stdlib_root())}:{f.stat().st_size}\n".encode())
     return h.hexdigest()[:16]
 
 
 def stdlib_sft_records(max_output_chars: int = 3000) -> list[dict]:
     """One record per documented stdlib function: signature + docstring -> body."""
-    root = Path(sysconfig.get_paths()["stdlib"])
     records = []
     for f in stdlib_files():
         source = f.read_text(encoding="utf-8", errors="replace")
@@ -85,27 +77,18 @@ def stdlib_sft_records(max_output_chars: int = 3000) -> list[dict]:
             tree = ast.parse(source)
         except (SyntaxError, ValueError):
             continue
-        lines = source.splitlines()
-        module = ".".join(f.relative_to(root).with_suffix("").parts)
+        lines, module = source.splitlines(), _module(f)
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if len(node.body) < 2 or ast.get_docstring(node) is None:
                 continue
-            doc_end = node.body[0].end_lineno
-            func = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
-            split = doc_end - node.lineno + 1
-            func_lines = func.splitlines()
-            head, body = "\n".join(func_lines[:split]), "\n".join(func_lines[split:])
-            if not body.strip() or len(body) > max_output_chars:
-                continue
-            records.append(
-                {
-                    "instruction": f"Write the body of `{node.name}` from the Python module `{module}`.",
-                    "input": head,
-                    "output": body,
-                }
-            )
+            func = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])).splitlines()
+            split = node.body[0].end_lineno - node.lineno + 1  # the signature and docstring
+            head, body = "\n".join(func[:split]), "\n".join(func[split:])
+            if body.strip() and len(body) <= max_output_chars:
+                what = f"Write the body of `{node.name}` from the Python module `{module}`."
+                records.append({"instruction": what, "input": head, "output": body})
     return records
 
 
@@ -122,16 +105,14 @@ KNOWN = ", ".join(SUFFIXES)
 
 def kind_of(path: Path, default: str | None = None) -> str | None:
     """The kind a file's name says; `default` for others (the built-in data's .py files: "txt")."""
-    name = path.name
-    return next((kind for suffix, kind in SUFFIXES.items() if name.endswith(suffix)), default)
+    return next((kind for end, kind in SUFFIXES.items() if path.name.endswith(end)), default)
 
 
 def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
     """A `save_to_disk` folder lists its files in state.json; follow that order when present."""
     try:
-        names = [
-            d["filename"] for d in json.loads((folder / "state.json").read_text())["_data_files"]
-        ]
+        state = json.loads((folder / "state.json").read_text())
+        names = [d["filename"] for d in state["_data_files"]]
     except (OSError, ValueError, KeyError, TypeError):
         return files
     listed = [folder / n for n in names if (folder / n) in set(files)]
@@ -139,9 +120,8 @@ def _arrow_order(folder: Path, files: list[Path]) -> list[Path]:
 
 
 def discover(path: str | Path, note: Callable[[str], None] | None = None) -> list[Path]:
-    """The input files a path names, in a fixed order: the file itself, or every file of a known
-    kind under a folder (sorted; hidden files and `datasets`' cache-*.arrow left out; `note`
-    hears how many others were, by suffix)."""
+    """The input files a path names, in a fixed order: the file, or every file of a known kind
+    under a folder but hidden and cache-* ones (`note` hears how many others there were)."""
     p = Path(path).expanduser()
     if p.is_file():
         if kind_of(p) is None:
@@ -151,12 +131,8 @@ def discover(path: str | Path, note: Callable[[str], None] | None = None) -> lis
         raise UserError(f"data path '{p}' does not exist; point it at a file or folder of {KNOWN}")
     files, other = [], Counter()
     for f in sorted(p.rglob("*")):
-        rel = f.relative_to(p).parts
-        if (
-            any(part.startswith(".") for part in rel)
-            or f.name.startswith("cache-")
-            or not f.is_file()
-        ):
+        hidden = any(part.startswith(".") for part in f.relative_to(p).parts)
+        if hidden or f.name.startswith("cache-") or not f.is_file():
             continue
         if kind_of(f) is not None:
             files.append(f)
@@ -239,12 +215,6 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
         ) from None
 
 
-def _line_number(path: str, offset: int) -> int:
-    """1-based line number of the line at byte `offset` (error messages only: reads the prefix)."""
-    with open(path, "rb") as fh:
-        return fh.read(offset).count(b"\n") + 1
-
-
 def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list[dict]]]:
     """(first row, rows as dicts) per record batch of a parquet row group or an arrow file."""
     import pyarrow as pa
@@ -257,11 +227,10 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
         else:
             source = pa.memory_map(piece.path)
             try:
-                reader = pa.ipc.open_stream(source)
+                batches = pa.ipc.open_stream(source)
             except pa.ArrowInvalid:
                 reader = pa.ipc.open_file(source)
-                reader = (reader.get_batch(i) for i in range(reader.num_record_batches))
-            batches = reader
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
         row = 0
         for batch in batches:
             names = [c for c in columns if c in batch.schema.names]
@@ -276,9 +245,9 @@ def _arrow_batches(piece: Piece, columns: list[str]) -> Iterator[tuple[int, list
         ) from None
 
 
-def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int, Any], None, int]:
-    """(row within the piece, document): text for pretraining, a checked record for SFT; returns
-    the piece's number of rows (blank jsonl lines count: rows are line numbers)."""
+def read_piece(piece: Piece, mode: str, text_field: str) -> Iterator[tuple[int, Any]]:
+    """(row within the piece, document): text for pretraining, a checked record for SFT, None for
+    a blank jsonl line (which counts: rows are line numbers)."""
     if piece.kind == "txt":
         if mode == "sft":
             raise UserError(
@@ -291,40 +260,34 @@ def read_piece(piece: Piece, mode: str, text_field: str) -> Generator[tuple[int,
                 f"data file '{piece.path}' cannot be read ({e.strerror}); fix or remove it"
             ) from None
         yield 0, text
-        return 1
-    rows = 0
-    if piece.kind in ("jsonl", "jsonl.gz"):
+    elif piece.kind in ("jsonl", "jsonl.gz"):
         for row, line, offset in _lines(piece):
-            rows = row + 1
             if not line.strip():
+                yield row, None
                 continue
+            where = functools.partial(_where_line, piece, offset, row)
             try:
                 rec = json.loads(line)
             except ValueError as e:
-                where = _where_line(piece, offset, row)
                 raise UserError(
-                    f"data file '{piece.path}' {where} is not valid JSON ({first_line(e)}); fix or remove that line"
+                    f"data file '{piece.path}' {where()} is not valid JSON ({first_line(e)}); fix or remove that line"
                 ) from None
-            yield (
-                row,
-                _document(
-                    rec, piece, mode, text_field, lambda o=offset, r=row: _where_line(piece, o, r)
-                ),
-            )
-        return rows
-    columns = list(SFT_COLUMNS) if mode == "sft" else [text_field]
-    for first, batch in _arrow_batches(piece, columns):
-        for j, rec in enumerate(batch):
-            yield (
-                first + j,
-                _document(rec, piece, mode, text_field, lambda r=first + j: _where_row(piece, r)),
-            )
-        rows = first + len(batch)
-    return rows
+            yield row, _document(rec, piece, mode, text_field, where)
+    else:
+        columns = list(SFT_COLUMNS) if mode == "sft" else [text_field]
+        for first, batch in _arrow_batches(piece, columns):
+            for row, rec in enumerate(batch, first):
+                where = functools.partial(_where_row, piece, row)
+                yield row, _document(rec, piece, mode, text_field, where)
 
 
 def _where_line(piece: Piece, offset: int, row: int) -> str:
-    return f"line {_line_number(piece.path, offset) if piece.kind == 'jsonl' else row + 1}"
+    """A jsonl line's 1-based number (error messages only: reads the file up to it)."""
+    if piece.kind == "jsonl.gz":
+        return f"line {row + 1}"
+    with open(piece.path, "rb") as fh:
+        line = fh.read(offset).count(b"\n") + 1
+    return f"line {line}"
 
 
 def _where_row(piece: Piece, row: int) -> str:

@@ -1,5 +1,4 @@
-"""Prepare raw inputs once: tokenize them with every core into token shards plus a small index,
-which training then reads memory-mapped (titanlite.datasets.prepared).
+"""Prepare raw inputs once, with every core, into token shards that training reads memory-mapped.
 
 A prepared folder holds, per shard `shard-NNNNN`:
     .tokens        the documents' tokens back to back (uint16, or uint32 for vocabularies > 65,536);
@@ -9,15 +8,10 @@ A prepared folder holds, per shard `shard-NNNNN`:
     .rows.npy      int64, each document's row within its input piece
     .first.npy     SFT only: int32, each record's first target token (-1: none)
     .json          written last: its key, counts and pieces; a shard without it does not exist
-and `meta.json`, written last of all: the format, the tokenizer, the sources and every shard.
-A folder without meta.json is incomplete and no run accepts it.
-
-Work is cut into shards of about `shard_bytes` of input (titanlite.datasets.corpus' pieces,
-grouped in input order), so the document order does not depend on the number of workers.
-Every file is written under a temporary name and renamed; a shard whose .json carries the same
-key is not prepared again, so an interrupted preparation resumes where it stopped. A lock file
-makes a second preparation of the same folder (another run, another node on a shared file
-system) wait and then find the work done.
+and `meta.json`, written last of all (without it no run accepts the folder): the format, the
+tokenizer, the sources and every shard. Shards hold input pieces in input order, so the document
+order does not depend on the number of workers; a shard whose .json carries the same key is
+kept, so an interrupted preparation resumes.
 """
 
 from __future__ import annotations
@@ -74,14 +68,9 @@ def data_key(files: list[Path], tok: Any, mode: str, text_field: str) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def content_key(mode: str, tok: Any, shards: list[str | None]) -> str | None:
-    """What a prepared folder trains on, computed once as it is prepared: every document's
-    tokens (and SFT mask) in order, shard by shard, and the tokenizer's fingerprint; not where
-    the inputs were, nor when. A run's identity holds it (titanlite.config.fields), so a
-    resume on other data is refused and the same data moved or copied elsewhere still resumes.
-    None where a shard was prepared before shards recorded theirs."""
-    if any(c is None for c in shards):
-        return None
+def content_key(mode: str, tok: Any, shards: list[str]) -> str:
+    """What a prepared folder trains on (its tokens, masks and tokenizer; not where nor when): a
+    resume on other data is refused, the same data moved or copied elsewhere still resumes."""
     what = {"mode": mode, "tokenizer": tok.fingerprint, "shards": shards}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -116,26 +105,6 @@ def _init_worker(tok: Any) -> None:
     _TOKENIZER = tok
 
 
-def _documents(piece: Piece, mode: str, text_field: str, counts: dict) -> Any:
-    """read_piece's documents; its return value (the piece's row count) lands in counts."""
-    counts["rows"] = yield from read_piece(piece, mode, text_field)
-
-
-def _batches(pieces: list[Piece], mode: str, text_field: str, batch_chars: int = 1 << 20):
-    """(piece index, rows, documents) batches of about batch_chars, and each piece's row count."""
-    for k, piece in enumerate(pieces):
-        counts: dict = {}
-        rows, docs, chars = [], [], 0
-        for row, doc in _documents(piece, mode, text_field, counts):
-            rows.append(row)
-            docs.append(doc)
-            chars += len(doc) if isinstance(doc, str) else 1024
-            if chars >= batch_chars:
-                yield k, rows, docs, None
-                rows, docs, chars = [], [], 0
-        yield k, rows, docs, counts["rows"]
-
-
 class _ShardWriter:
     """The files of one shard under temporary names; publish() renames them and writes .json."""
 
@@ -150,9 +119,7 @@ class _ShardWriter:
     def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
         ids = ids.astype(self.dtype, copy=False)
         ids.tofile(self.tokens)
-        self.content.update(
-            np.int64(len(ids)).tobytes()
-        )  # the documents' bounds, then their tokens
+        self.content.update(np.int64(len(ids)).tobytes())  # the document's bounds, then tokens
         self.content.update(np.ascontiguousarray(ids))
         self.offsets.append(self.offsets[-1] + len(ids))
         self.rows.append(row)
@@ -182,36 +149,46 @@ class _ShardWriter:
         for fh in files:
             tmp = Path(fh.name)
             os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(self.suffix)))
-        info = {
-            **info,
-            "tokens": self.offsets[-1],
-            "docs": len(self.rows),
-            "content": self.content.hexdigest(),
-        }
+        counts = {"tokens": self.offsets[-1], "docs": len(self.rows)}
+        info = {**info, **counts, "content": self.content.hexdigest()}
         atomic_write_bytes(self.out / f"{self.name}.json", json.dumps(info).encode())
         return info
 
 
-def write_shard(job: tuple) -> dict:
-    """Tokenize one shard's pieces and publish it; returns its .json content."""
+def _add(writer: _ShardWriter, tok: Any, mode: str, rows: list[int], docs: list) -> None:
+    """A batch of documents tokenized into the shard: SFT records, or texts between BOS and EOS."""
+    if mode == "sft":
+        for row, record in zip(rows, docs, strict=True):
+            ids, mask = record_tokens(record, tok)
+            writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
+    else:
+        for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
+            document = itertools.chain((tok.bos_id,), ids, (tok.eos_id,))
+            writer.add(np.fromiter(document, np.int64), row)
+
+
+def write_shard(job: tuple, batch_chars: int = 1 << 20) -> dict:
+    """Tokenize one shard's pieces, in batches of about `batch_chars`, and publish it; returns its
+    .json content."""
     out, name, pieces, mode, text_field, key = job
     tok = _TOKENIZER
     writer = _ShardWriter(out, name, mode, token_dtype(tok.vocab_size))
-    piece_info = [[p.source, -1, 0] for p in pieces]  # source, first document, rows
-    for k, rows, docs, n_rows in _batches(pieces, mode, text_field):
-        if piece_info[k][1] < 0:
-            piece_info[k][1] = len(writer.rows)
-        if mode == "sft":
-            for row, record in zip(rows, docs, strict=True):
-                ids, mask = record_tokens(record, tok)
-                writer.add(np.asarray(ids), row, np.asarray(mask, dtype=bool))
-        else:
-            for row, ids in zip(rows, tok.encode_batch(docs), strict=True):
-                writer.add(
-                    np.fromiter(itertools.chain((tok.bos_id,), ids, (tok.eos_id,)), np.int64), row
-                )
-        if n_rows is not None:
-            piece_info[k][2] = n_rows
+    piece_info = []  # per piece: source, first document, rows
+    for piece in pieces:
+        first_doc, n_rows = len(writer.rows), 0
+        rows, docs, chars = [], [], 0
+        for row, doc in read_piece(piece, mode, text_field):
+            n_rows = row + 1
+            if doc is None:
+                continue
+            rows.append(row)
+            docs.append(doc)
+            chars += len(doc) if isinstance(doc, str) else 1024
+            if chars >= batch_chars:
+                _add(writer, tok, mode, rows, docs)
+                rows, docs, chars = [], [], 0
+        _add(writer, tok, mode, rows, docs)
+        piece_info.append([piece.source, first_doc, n_rows])
     nbytes = sum(p.nbytes for p in pieces)
     return writer.publish({"key": key, "pieces": piece_info, "input_bytes": nbytes})
 
@@ -227,10 +204,7 @@ def _locked(out: Path, say: Callable[[str], None]):
         except BlockingIOError:
             say(f"waiting for another preparation of '{out}' to finish")
             fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def _clean_tmp(out: Path) -> None:
@@ -304,11 +278,8 @@ def prepare(
         for info in infos:
             if info is not None:
                 progress.add(info, fresh=False)
-        todo = [
-            (i, (out, names[i], shards[i], mode, text_field, keys[i]))
-            for i, info in enumerate(infos)
-            if info is None
-        ]
+        missing = [i for i, info in enumerate(infos) if info is None]
+        todo = [(i, (out, names[i], shards[i], mode, text_field, keys[i])) for i in missing]
         try:
             for n, (i, info) in enumerate(_run(todo, tok, workers), 1):
                 infos[i] = info
@@ -324,7 +295,38 @@ def prepare(
                     "written are kept"
                 ) from None
             raise
-        meta = _finish(out, key, infos, names, files, tok, mode, text_field)
+        # meta.json, atomically, with the rows of each piece counted from the start of its file
+        rows_seen: dict[int, int] = {}
+        entries = []
+        for name, info in zip(names, infos, strict=True):
+            pieces = []
+            for source, first_doc, n_rows in info["pieces"]:
+                pieces.append([source, first_doc, rows_seen.get(source, 0)])
+                rows_seen[source] = rows_seen.get(source, 0) + n_rows
+            counts = {"tokens": info["tokens"], "docs": info["docs"]}
+            entries.append({"name": name, **counts, "pieces": pieces})
+        docs = sum(e["docs"] for e in entries)
+        if docs == 0:
+            raise UserError(
+                f"the inputs ({len(files)} file(s), first '{files[0]}') hold no documents; check the files"
+            )
+        sources = zip(files_fingerprint(files), files, strict=True)
+        meta = {
+            "format": FORMAT,
+            "key": key,
+            "content": content_key(mode, tok, [info["content"] for info in infos]),
+            "mode": mode,
+            "text_field": text_field,
+            "dtype": token_dtype(tok.vocab_size).name,
+            "tokenizer": tokenizer_key(tok, mode),
+            "sources": [{**source, "kind": kind_of(f, "txt")} for source, f in sources],
+            "tokens": sum(e["tokens"] for e in entries),
+            "docs": docs,
+            "shards": entries,
+        }
+        fsync_dir(out)
+        atomic_write_bytes(out / META, json.dumps(meta, indent=1).encode())
+        fsync_dir(out)
         progress.say(
             f"prepared '{out}': {meta['docs']:,} documents, {meta['tokens']:,} tokens in {len(names)} shards"
         )
@@ -353,51 +355,3 @@ def _run(todo: list[tuple[int, tuple]], tok: Any, workers: int):
             ) from None
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _finish(
-    out: Path,
-    key: str,
-    infos: list,
-    names: list[str],
-    files: list[Path],
-    tok: Any,
-    mode: str,
-    text_field: str,
-) -> dict:
-    """Rows of each piece counted from the start of its file; then meta.json, atomically."""
-    rows_seen: dict[int, int] = {}
-    shards = []
-    for name, info in zip(names, infos, strict=True):
-        pieces = []
-        for source, first_doc, n_rows in info["pieces"]:
-            pieces.append([source, first_doc, rows_seen.get(source, 0)])
-            rows_seen[source] = rows_seen.get(source, 0) + n_rows
-        shards.append(
-            {"name": name, "tokens": info["tokens"], "docs": info["docs"], "pieces": pieces}
-        )
-    docs = sum(s["docs"] for s in shards)
-    if docs == 0:
-        raise UserError(
-            f"the inputs ({len(files)} file(s), first '{files[0]}') hold no documents; check the files"
-        )
-    meta = {
-        "format": FORMAT,
-        "key": key,
-        "content": content_key(mode, tok, [info.get("content") for info in infos]),
-        "mode": mode,
-        "text_field": text_field,
-        "dtype": token_dtype(tok.vocab_size).name,
-        "tokenizer": tokenizer_key(tok, mode),
-        "sources": [
-            {**s, "kind": kind_of(f, "txt")}
-            for s, f in zip(files_fingerprint(files), files, strict=True)
-        ],
-        "tokens": sum(s["tokens"] for s in shards),
-        "docs": docs,
-        "shards": shards,
-    }
-    fsync_dir(out)
-    atomic_write_bytes(out / META, json.dumps(meta, indent=1).encode())
-    fsync_dir(out)
-    return meta

@@ -1,22 +1,13 @@
-"""SFT records: what one is, and its tokens with the target mask (torch-free: data preparation
-runs it in worker processes).
+"""SFT records and their tokens with the target mask (torch-free: preparation workers run it).
 
-Records are alpaca (`instruction`, optional `input`, `output`: rendered into the alpaca prompt,
-`<bos> prompt response <eos>`, the response and <eos> are targets) or chat (`{"messages":
-[{"role": ..., "content": ...}, ...]}`, only the assistant turns are targets).
+Records are alpaca (`instruction`, optional `input`, `output`; the response and <eos> are
+targets) or chat (`{"messages": [{"role", "content"}, ...]}`; the assistant turns are targets).
+With a chat template the text is exactly what transformers' `apply_chat_template` renders, and
+assistant turn i is what the conversation up to it adds to the one before it with the generation
+prompt: a model trained on it generates from exactly the prompt it sees at inference.
+`strftime_now` gives a fixed date (Llama 3's fallback): a record renders the same every day.
 
-With a chat template (the tokenizer folder's chat_template.jinja or tokenizer_config.json's
-"chat_template") the text is exactly what transformers' `apply_chat_template` renders: the same
-sandboxed Jinja environment and the same variables (messages, add_generation_prompt, bos_token,
-eos_token, ...). Targets are found by rendering prefixes: assistant turn i is what the
-conversation up to and including it adds to the conversation up to it with the generation
-prompt (for Llama 3: the content and <|eot_id|>, not the header). So a model trained on it
-generates from exactly the prompt it sees at inference. Each piece is tokenized on its own, as
-generation continues a tokenized prompt. One BOS: the template's, else titanlite's.
-`strftime_now` gives a fixed date (26 Jul 2024, Llama 3's own fallback), so the same record
-renders the same tokens on every day and a resumed run sees the same data.
-
-Without a template (a SentencePiece tokenizer, a folder without one) the default format is
+Without a template the default format is
     <bos>### System:\\n{content}\\n\\n### User:\\n{content}\\n\\n### Assistant:\\n{content}<eos>...
 where each assistant content and its <eos> are the targets, and turns are separated by a blank line.
 """
@@ -44,8 +35,7 @@ def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=
 
 @functools.lru_cache(maxsize=4)
 def compile_template(source: str):
-    """The template in a sandbox set up as transformers sets it up (trim_blocks, lstrip_blocks,
-    loop controls, tojson, raise_exception, strftime_now)."""
+    """The template in a sandbox set up as transformers sets it up."""
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -73,12 +63,9 @@ def render(
     import jinja2
 
     try:
+        variables = {"tools": None, "documents": None, **specials}
         return compile_template(template).render(
-            messages=messages,
-            tools=None,
-            documents=None,
-            add_generation_prompt=add_generation_prompt,
-            **specials,
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except (jinja2.exceptions.TemplateError, TypeError, ValueError) as e:
         raise UserError(
@@ -113,10 +100,8 @@ def chat_segments(messages: list[dict], tok: Any) -> list[Segment]:
     template = tok.chat_template
     if template is None:
         return default_segments(messages, tok)
-    segments = [
-        (tok.encode(text), target)
-        for text, target in template_pieces(template, messages, tok.special_tokens)
-    ]
+    pieces = template_pieces(template, messages, tok.special_tokens)
+    segments = [(tok.encode(text), target) for text, target in pieces]
     first = next((ids for ids, _ in segments if ids), [])
     if first[:1] != [tok.bos_id]:
         segments.insert(0, ([tok.bos_id], False))
@@ -129,10 +114,8 @@ def default_segments(messages: list[dict], tok: Any) -> list[Segment]:
     for i, message in enumerate(messages):
         header = ("\n\n" if i else "") + f"### {message['role'].capitalize()}:\n"
         if message["role"] == "assistant":
-            segments += [
-                (tok.encode(header), False),
-                ([*tok.encode(message["content"]), tok.eos_id], True),
-            ]
+            answer = [*tok.encode(message["content"]), tok.eos_id]
+            segments += [(tok.encode(header), False), (answer, True)]
         else:
             segments.append((tok.encode(header + message["content"]), False))
     return segments
@@ -146,9 +129,7 @@ def check_messages(messages: Any, where: str) -> list[dict]:
         )
     for j, m in enumerate(messages):
         if not (
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
         ):
             raise UserError(
                 f'{where} message {j} is not {{"role": str, "content": str}}; fix that message'
@@ -165,12 +146,7 @@ PROMPT_NO_INPUT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 )
-SFT_COLUMNS = (
-    "messages",
-    "instruction",
-    "input",
-    "output",
-)  # what a parquet/arrow SFT reader keeps
+SFT_COLUMNS = ("messages", "instruction", "input", "output")  # what an arrow SFT reader keeps
 
 
 def render_prompt(record: dict) -> str:
@@ -190,11 +166,8 @@ def sft_record(rec: Any, where: str) -> dict:
                 f'{where} has no string field "{key}"; records need "messages" (chat) or '
                 "instruction, input (optional) and output (alpaca)"
             )
-    return {
-        "instruction": rec["instruction"],
-        "input": str(rec.get("input") or ""),
-        "output": rec["output"],
-    }
+    given = str(rec.get("input") or "")
+    return {"instruction": rec["instruction"], "input": given, "output": rec["output"]}
 
 
 def record_segments(record: dict, tok: Any) -> list[Segment]:
@@ -211,8 +184,8 @@ def record_tokens(record: dict, tok: Any) -> tuple[list[int], list[bool]]:
 
 
 def prompt_format(fmt: str, data_mode: str, tok: Any) -> str:
-    """eval.prompt_format (and scripts/generate.py --format) resolved: "auto" is how the run's
-    data put prompts: SFT: chat with a chat template, else alpaca; pretraining: text."""
+    """eval.prompt_format (scripts/generate.py --format) resolved: "auto" is how the run's data
+    put prompts: SFT: chat with a chat template, else alpaca; pretraining: text."""
     if fmt != "auto":
         return fmt
     if data_mode != "sft":
@@ -221,17 +194,15 @@ def prompt_format(fmt: str, data_mode: str, tok: Any) -> str:
 
 
 def prompt_tokens(text: str, fmt: str, tok: Any) -> list[int]:
-    """A prompt to decode from, as training saw prompts: "text": BOS and the text; "alpaca":
-    the alpaca prompt of an instruction; "chat": a user turn and the assistant header (the chat
-    template's, else the default format's). The prompt is everything before the first target."""
+    """A prompt to decode from, as training saw prompts ("text": BOS and the text; "alpaca", "chat":
+    everything before the first target of a record holding it)."""
     if fmt == "text":
         return [tok.bos_id, *tok.encode(text)]
     if fmt == "alpaca":
         record = {"instruction": text, "input": "", "output": ""}
     else:
-        record = {
-            "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
-        }
+        turns = [{"role": "user", "content": text}, {"role": "assistant", "content": ""}]
+        record = {"messages": turns}
     ids = []
     for segment, target in record_segments(record, tok):
         if target:

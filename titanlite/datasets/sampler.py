@@ -1,26 +1,15 @@
 """Which sequences each rank reads: a function of (seed, global batch size, step) only, computed,
-never stored, so its memory does not grow with the data.
+never stored. Step t holds stream positions [t*G, (t+1)*G) in order; the dp ranks take contiguous
+slices of it, cut into microbatches: dp and accumulation change who computes which sequence,
+never which sequences a step holds, nor their order.
 
-The global stream is positions p = 0, 1, 2, ...; step t holds positions [t*G, (t+1)*G) in order.
-The dp ranks split a step into contiguous slices (rank r takes [r*G/dp, (r+1)*G/dp)) and each
-rank cuts its slice into microbatches of local_batch_size. Changing dp or the accumulation
-changes who computes which sequence, never which sequences a step contains, nor their order.
-
-Position -> sequence:
-- one dataset of N sequences: epoch e = p // N is the seeded permutation pi_(seed, e) of [0, N),
-  and p maps to pi_(seed, e)(p mod N). Epochs follow each other without a gap, so a step that
-  straddles two epochs may hold one sequence twice.
-- a mixture of datasets with weights w_d: the stream is cut into blocks of MIX_BLOCK positions;
-  each block holds round(w_d * MIX_BLOCK) positions of dataset d (largest remainder), in an order
-  permuted per block (one block's assignment is computed at a time: 4096 entries). The c-th
-  position given to dataset d reads its own stream position c as above (its own epochs), so
-  every dataset is read in full before any of its sequences repeats, and the weights hold
-  exactly per block.
+Position p of a dataset of N sequences is pi_(seed, p // N)(p mod N), a seeded permutation per
+epoch. A mixture's blocks of MIX_BLOCK positions hold round(w_d * MIX_BLOCK) positions of dataset
+d in a permuted order; the c-th given to dataset d reads its own stream position c.
 
 The permutations are a balanced Feistel network (6 rounds, a splitmix64 round function) on the
 smallest power of four >= N, cycle-walked back into [0, N) (Black and Rogaway, "Ciphers with
-Arbitrary Finite Domains", CT-RSA 2002): a bijection for any N, about 4 evaluations at worst per
-index, computed for the G indices of a step only.
+Arbitrary Finite Domains", CT-RSA 2002).
 """
 
 from __future__ import annotations
@@ -28,17 +17,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from titanlite.config.layout import accumulation
+from titanlite.config.layout import Layout
 from titanlite.errors import UserError
 from titanlite.ops.dropout import sample_keys
 
 MIX_BLOCK = 4096
 _MIX_STREAM = 0x6D6978  # the block permutations' key stream, apart from the datasets' (0, 1, ...)
-_M1, _M2, _GOLDEN = (
-    np.uint64(0xBF58476D1CE4E5B9),
-    np.uint64(0x94D049BB133111EB),
-    np.uint64(0x9E3779B97F4A7C15),
-)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _mix64(z: np.ndarray) -> np.ndarray:
@@ -50,9 +36,8 @@ def _mix64(z: np.ndarray) -> np.ndarray:
 
 def stream_keys(seed: int, stream: int, epochs: np.ndarray) -> np.ndarray:
     """One 64-bit key per element: the permutation of (seed, stream, epoch)."""
-    head = _mix64(
-        np.asarray([(seed & (2**64 - 1)) ^ (stream * 0x51ED27)], dtype=np.uint64) + _GOLDEN
-    )
+    head = np.asarray([(seed & (2**64 - 1)) ^ (stream * 0x51ED27)], dtype=np.uint64)
+    head = _mix64(head + _GOLDEN)
     return _mix64(head ^ _mix64(np.asarray(epochs, dtype=np.uint64) + _GOLDEN))
 
 
@@ -79,13 +64,12 @@ def permute(x: np.ndarray, n: int, keys: np.ndarray) -> np.ndarray:
         y[todo] = feistel(y[todo], todo)
 
 
-def block_counts(weights: list[float], block: int = MIX_BLOCK) -> np.ndarray:
-    """Positions per block for each dataset: weights x block, rounded by largest remainder."""
-    w = np.asarray(weights, dtype=np.float64) / sum(weights)
-    exact = w * block
+def block_counts(weights: list[float]) -> np.ndarray:
+    """Positions per block for each dataset: weights x MIX_BLOCK, rounded by largest remainder."""
+    exact = np.asarray(weights, dtype=np.float64) / sum(weights) * MIX_BLOCK
     counts = np.floor(exact).astype(np.int64)
     order = np.argsort(-(exact - counts), kind="stable")
-    counts[order[: block - counts.sum()]] += 1
+    counts[order[: MIX_BLOCK - counts.sum()]] += 1
     return counts
 
 
@@ -97,15 +81,15 @@ class GlobalBatchSampler:
         self,
         sizes: list[int],
         global_batch_size: int,
-        local_batch_size: int,
-        dp_rank: int,
-        dp_size: int,
         seed: int,
         weights: list[float] | None = None,
+        layout: Layout | None = None,
+        dp_rank: int = 0,
         repeats: bool = False,
     ) -> None:
-        """`repeats`: a step may hold a sequence more than once, when the data is smaller than
-        the global batch (a rehearsal's, whose values nobody reads); else that is refused."""
+        """`layout`: the plan whose dp, local batch and accumulation cut this rank's microbatches
+        (None: one rank reading whole global batches). `repeats`: a step may hold a sequence more
+        than once (a rehearsal's, whose values nobody reads); else too little data is refused."""
         if (sum(sizes) < global_batch_size and not repeats) or min(sizes) < 1:
             raise UserError(
                 f"the data has {sum(sizes)} sequences (per dataset: {sizes}) but training.global_batch_size "
@@ -116,47 +100,35 @@ class GlobalBatchSampler:
         self.counts = block_counts(weights or [1.0] * len(sizes))
         self.count_starts = np.cumsum([0, *self.counts[:-1]], dtype=np.int64)
         self.global_batch_size = global_batch_size
-        self.local_batch_size = local_batch_size
+        self.local_batch = layout.local_batch if layout else global_batch_size
+        self.dp_size = layout.dp if layout else 1
+        self.grad_accum = layout.grad_accum if layout else 1
         self.dp_rank = dp_rank
-        self.dp_size = dp_size
         self.seed = seed
-        self.grad_accum = accumulation(global_batch_size, local_batch_size, dp_size)  # or one line
         self.microbatches_yielded = 0
         self._cached: tuple[int, np.ndarray] | None = None
         self._block_cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def epochs(self, steps: int) -> list[float]:
         """How many times `steps` steps read each dataset over (a mixture's shares per block)."""
-        read = steps * self.global_batch_size
-        if len(self.sizes) == 1:
-            return [read / self.sizes[0]]
-        return [
-            read * int(n) / MIX_BLOCK / size
-            for n, size in zip(self.counts, self.sizes, strict=True)
-        ]
+        shares = self.counts * (steps * self.global_batch_size / MIX_BLOCK)
+        return (shares / np.asarray(self.sizes)).tolist()
 
     def epochs_line(self, steps: int) -> str:
         """What the data loader says as the run starts: the data and how often the run reads it."""
         epochs = self.epochs(steps)
-        line = (
-            f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read "
+        said = ", ".join(f"{e:.3g}" for e in epochs)
+        said = f"{said} epoch(s) of it" if len(epochs) == 1 else f"of its datasets {said} epoch(s)"
+        again = (
+            " (past one epoch a sequence is read again, in a new order)" if max(epochs) > 1 else ""
         )
-        if len(epochs) == 1:
-            line += f"{epochs[0]:.3g} epoch(s) of it"
-        else:
-            line += "of its datasets " + ", ".join(f"{e:.3g}" for e in epochs) + " epoch(s)"
-        if max(epochs) > 1:
-            line += " (past one epoch a sequence is read again, in a new order)"
-        return line
+        return f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read {said}{again}"
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, position in its own stream) of every position of one mixing block."""
         if self._block_cache is None or self._block_cache[0] != block:
-            q = permute(
-                np.arange(MIX_BLOCK),
-                MIX_BLOCK,
-                stream_keys(self.seed, _MIX_STREAM, np.full(MIX_BLOCK, block)),
-            )
+            keys = stream_keys(self.seed, _MIX_STREAM, np.full(MIX_BLOCK, block))
+            q = permute(np.arange(MIX_BLOCK), MIX_BLOCK, keys)
             d = np.searchsorted(self.count_starts, q, side="right") - 1
             c = np.empty(MIX_BLOCK, dtype=np.int64)
             for k, n in enumerate(self.counts):  # each dataset's positions in stream order
@@ -195,8 +167,8 @@ class GlobalBatchSampler:
         return self._cached[1]
 
     def order_hash(self, step: int) -> int:
-        """A 52-bit hash (exact in a float64) of step `step`'s ordered global batch: every rank's
-        sampler must give the same one, or ranks split different batches (data_order_mismatch)."""
+        """A 52-bit hash (exact in a float64) of step `step`'s ordered global batch: ranks whose
+        hashes differ split different batches (data_order_mismatch)."""
         idx = self.global_batch(step).astype(np.uint64)
         pos = _mix64(np.arange(1, len(idx) + 1, dtype=np.uint64) * _GOLDEN)
         return int(np.bitwise_xor.reduce(_mix64(idx ^ pos))) & ((1 << 52) - 1)
@@ -213,12 +185,10 @@ class GlobalBatchSampler:
         return self.shares(step)[self.dp_rank]
 
     def stream_position(self, step: int, micro: int) -> int:
-        """Data-stream position of the first sequence of this rank's microbatch `micro` of 0-based
-        `step`: a sequence has the same position at any dp and accumulation."""
-        per_rank = self.global_batch_size // self.dp_size
-        return (
-            step * self.global_batch_size + self.dp_rank * per_rank + micro * self.local_batch_size
-        )
+        """Stream position of the first sequence of this rank's microbatch `micro` of 0-based
+        `step` (the same at any dp and accumulation)."""
+        rank_start = self.dp_rank * self.local_batch * self.grad_accum
+        return step * self.global_batch_size + rank_start + micro * self.local_batch
 
     def keyed(self, batch, seed: int, step: int, micro: int, device: torch.device):
         """`batch` (this rank's microbatch `micro` of 0-based `step`) with its sequences' dropout
@@ -228,9 +198,9 @@ class GlobalBatchSampler:
 
     def __next__(self) -> list[int]:
         step, micro = divmod(self.microbatches_yielded, self.grad_accum)
-        start = micro * self.local_batch_size
+        start = micro * self.local_batch
         self.microbatches_yielded += 1
-        return [int(i) for i in self.rank_share(step)[start : start + self.local_batch_size]]
+        return [int(i) for i in self.rank_share(step)[start : start + self.local_batch]]
 
     def __len__(self) -> int:  # DataLoader asks; the stream is endless
         return 2**62

@@ -1,19 +1,7 @@
-"""The datasets the sampler indexes, sequence by sequence: pretraining windows of a prepared token
-stream (PackedDataset), SFT records one per sequence (SFTDataset) or packed (PackedSFTDataset),
-random tokens (SyntheticDataset), and several of them as one index space (MixtureDataset).
-
-Each gives sequence i as (inputs, labels[, positions]) of seq_len, `trace(i)` (its sources)
-and, synthetic data aside, `content_slots(i)` (its slots that hold tokens, not padding). Only
-targets have labels: every token of a window or of synthetic data, the response or assistant
-turns of an SFT record (titanlite.datasets.records).
-
-The held-out split (eval.fraction): which sequences (SFT: records) are kept for evaluation and
-never trained on, in O(1) memory for any data size. The index space is cut into blocks of
-BLOCK consecutive items; in every block the same round(BLOCK x fraction) offsets, drawn once
-from training.seed (titanlite.datasets.sampler's permutation), are held out. The eval set is
-spread over the whole data, the split depends on nothing but (size, fraction, seed), so every
-rank and every dp computes the same one, and the i-th training or eval item is found by
-arithmetic, never by a stored index list (HeldOut, Subset).
+"""The datasets the sampler indexes: each gives sequence i as (inputs, labels[, positions]) of
+seq_len, `trace(i)` (its sources) and, synthetic data aside, `content_slots(i)` (its slots that
+hold tokens, not padding). The held-out split (eval.fraction) holds out the same offsets, drawn
+once from training.seed, in every block of BLOCK items: O(1) memory, the same on every rank.
 """
 
 from __future__ import annotations
@@ -31,10 +19,8 @@ from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 class PackedDataset:
-    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels. A window spans
-    several documents: trace(i) names them all. With `document_mask` each item also carries its
-    tokens' positions within their documents (restarting at each document and at the window's
-    start), so attention stays inside a document."""
+    """Pretraining: sequence i is tokens[i*L : i*L + L] with next-token labels and, with
+    `document_mask`, its tokens' positions within their documents."""
 
     def __init__(self, data: Prepared, seq_len: int, document_mask: bool = False) -> None:
         self.data = data
@@ -63,10 +49,8 @@ class PackedDataset:
 def to_example(
     ids: np.ndarray, target: np.ndarray, seq_len: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """A record's tokens and target mask -> (inputs, labels) of seq_len, truncated or padded.
-    Position j predicts token j+1; its label is that token if it is a target, else IGNORE_INDEX.
-    A record whose targets lie past the window has no valid token at all: the loss path handles
-    that."""
+    """A record's tokens and target mask -> (inputs, labels) of seq_len, truncated or padded:
+    position j's label is token j+1 if it is a target, else IGNORE_INDEX."""
     ids, target = ids[: seq_len + 1], target[: seq_len + 1]
     inputs = np.full(seq_len, pad_id, dtype=np.int64)
     labels = np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
@@ -82,6 +66,8 @@ class SFTDataset:
         self.data = data
         self.seq_len = seq_len
         self.pad_id = pad_id
+        # the input positions each record fills
+        self.slots = np.minimum(data.document_lengths(), seq_len + 1) - 1
 
     def __len__(self) -> int:
         return self.data.num_docs
@@ -90,12 +76,16 @@ class SFTDataset:
         ids, target = self.data.document(i)
         return to_example(ids, target, self.seq_len, self.pad_id)
 
+    def records(self, i: int) -> np.ndarray:
+        """The record indices of sequence i, in their order inside it."""
+        return np.array([i])
+
     def trace(self, i: int) -> list[dict]:
-        ids, _ = self.data.document(i)
-        return [{**self.data.source(i), "tokens": [0, min(len(ids), self.seq_len + 1)]}]
+        records = self.records(i).tolist()
+        return [{**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]} for r in records]
 
     def content_slots(self, i: int) -> int:
-        return min(len(self.data.document(i)[0]), self.seq_len + 1) - 1
+        return int(self.slots[self.records(i)].sum())
 
     def check_targets(self) -> str | None:
         """Raise if no record has a target token inside the window (every step would be skipped);
@@ -125,20 +115,16 @@ class SFTDataset:
 
 
 class PackedSFTDataset(SFTDataset):
-    """Records packed into sequences of seq_len (titanlite.datasets.packing: the same plan on
-    every rank, so the sampler orders packs as it orders records). Each item carries positions
-    that restart at every record: attention never crosses a record boundary and RoPE sees each
-    record as if alone, so its loss and gradient are those of the record run by itself. A
-    record longer than the window is truncated, as unpacked; one of a single token is dropped
-    (it has no label to train). `records`: the records to pack (a split's part); None: all."""
+    """Records packed into sequences of seq_len (titanlite.datasets.packing), with positions that
+    restart at every record: each record's loss and gradient are those of the record run alone.
+    A record longer than the window is truncated; one of a single token (no label) is dropped.
+    `records`: the records to pack (a split's part); None: all."""
 
     def __init__(
         self, data: Prepared, seq_len: int, pad_id: int, records: np.ndarray | None = None
     ) -> None:
         super().__init__(data, seq_len, pad_id)
-        lengths = data.document_lengths()
-        self.slots = np.minimum(lengths, seq_len + 1) - 1  # input positions each record fills
-        kept = np.arange(len(lengths)) if records is None else np.asarray(records, dtype=np.int64)
+        kept = np.arange(len(self.slots)) if records is None else np.asarray(records, np.int64)
         kept = kept[self.slots[kept] > 0]
         members, self.starts = best_fit_decreasing(self.slots[kept], seq_len)
         self.members = kept[members]
@@ -147,7 +133,6 @@ class PackedSFTDataset(SFTDataset):
         return len(self.starts) - 1
 
     def records(self, i: int) -> np.ndarray:
-        """The record indices of pack i, in their order inside it."""
         return self.members[self.starts[i] : self.starts[i + 1]]
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -163,27 +148,13 @@ class PackedSFTDataset(SFTDataset):
         starts.append(at)  # the padding after the last record is a document of its own
         return inputs, labels, restart_positions(np.asarray(starts), self.seq_len)
 
-    def trace(self, i: int) -> list[dict]:
-        return [
-            {**self.data.source(r), "tokens": [0, int(self.slots[r]) + 1]}
-            for r in self.records(i).tolist()
-        ]
 
-    def content_slots(self, i: int) -> int:
-        return int(self.slots[self.records(i)].sum())
-
-
-# Synthetic sequences in the index space: the sampler computes its permutation per step, never
-# stores it, so the size costs nothing, and no benchmark reads this far.
-SYNTHETIC_SIZE = 1 << 40
+SYNTHETIC_SIZE = 1 << 40  # the sampler never stores its permutation: the size costs nothing
 
 
 class SyntheticDataset:
-    """Random tokens for speed and memory benchmarks (`data.mode = "synthetic"`): a model's real
-    vocabulary (128,256 for Llama 3) without its tokenizer or a corpus. Sequence i is seq_len + 1
-    tokens drawn uniformly from [0, vocab_size) by a generator seeded with (seed, i), so it
-    depends on its index alone, like a real dataset's: every rank, a resumed run and the
-    diagnostics' data checks see the same sequence for the same index."""
+    """Random tokens for benchmarks (`data.mode = "synthetic"`): sequence i is drawn from a
+    generator seeded with (seed, i), so it depends on its index alone, like a real dataset's."""
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
         self.vocab_size = vocab_size
@@ -194,34 +165,25 @@ class SyntheticDataset:
         return SYNTHETIC_SIZE
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        window = np.random.default_rng([self.seed, int(i)]).integers(
-            0, self.vocab_size, self.seq_len + 1, dtype=np.int64
-        )
+        rng = np.random.default_rng([self.seed, int(i)])
+        window = rng.integers(0, self.vocab_size, self.seq_len + 1, dtype=np.int64)
         return window[:-1], window[1:]
 
     def trace(self, i: int) -> list[dict]:
-        return [
-            {
-                "file": "synthetic",
-                "kind": "synthetic",
-                "row": int(i),
-                "tokens": [0, self.seq_len + 1],
-            }
-        ]
+        tokens = [0, self.seq_len + 1]
+        return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": tokens}]
 
 
 class MixtureDataset:
-    """Datasets as one index space, with their weights: the sampler (titanlite.datasets.sampler)
-    decides how often each is read; this only maps a global index to a dataset and its own index."""
+    """Datasets as one index space, with their weights (the sampler decides how often each is
+    read)."""
 
     def __init__(
         self, parts: list, weights: list[float], identity: list[dict] | None = None
     ) -> None:
         self.parts = parts
         self.weights = weights
-        # what it trains on, by content (titanlite.datasets.spec.data_identity); None: the config
-        # says all of it (synthetic data, an eval set)
-        self.identity = identity
+        self.identity = identity  # what it trains on, by content (spec.data_identity)
         self.sizes = [len(p) for p in parts]
         self.starts = np.cumsum([0, *self.sizes], dtype=np.int64)
 
@@ -254,13 +216,9 @@ class HeldOut:
 
     def __init__(self, n: int, fraction: float, seed: int) -> None:
         self.n = n
-        held = max(1, round(BLOCK * fraction))
-        order = permute(
-            np.arange(BLOCK), BLOCK, stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64))
-        )
-        in_eval = np.zeros(BLOCK, dtype=bool)
-        in_eval[order[:held]] = True
-        self.offsets = {"eval": np.flatnonzero(in_eval), "train": np.flatnonzero(~in_eval)}
+        keys = stream_keys(seed, _SPLIT_STREAM, np.zeros(BLOCK, np.int64))
+        held = np.sort(permute(np.arange(BLOCK), BLOCK, keys)[: max(1, round(BLOCK * fraction))])
+        self.offsets = {"eval": held, "train": np.setdiff1d(np.arange(BLOCK), held)}
 
     def size(self, part: str) -> int:
         offsets = self.offsets[part]

@@ -1,9 +1,7 @@
-"""What `data.path` names, checked without torch (the preflight runs this before torchrun starts).
-
-`data.path` is empty (the built-in stdlib data), one path, or a mixture `a:0.7,b:0.3` of paths
-with weights. Each path is a prepared folder (scripts/prepare_data.py) or raw inputs (a file or a
-folder of titanlite.datasets.corpus' kinds), which the trainer prepares into its cache on first
-use, up to RAW_LIMIT_BYTES: larger inputs are prepared once, with every core, by the script.
+"""What `data.path` names, checked without torch (the preflight runs this before torchrun starts):
+empty (the built-in data), one path, or a mixture `a:0.7,b:0.3`. Each path is a prepared folder
+(scripts/prepare_data.py) or raw inputs, which the trainer prepares into its cache on first use,
+up to RAW_LIMIT_BYTES (larger inputs are prepared once, with every core, by the script).
 """
 
 from __future__ import annotations
@@ -11,6 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from titanlite.config.command_line import mixture_items
+from titanlite.datasets.corpus import discover
+from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.errors import UserError
 
 RAW_LIMIT_BYTES = 2 << 30
@@ -34,9 +34,6 @@ def parse_data_path(path: str) -> list[tuple[str, float]]:
 def check_data(mode: str, path: str, key: str = "data.path") -> None:
     """Every dataset of data.path (or `key`'s) exists; a prepared one is complete, intact and of
     this mode; raw inputs are of known kinds and small enough to prepare on the fly."""
-    from titanlite.datasets.corpus import discover
-    from titanlite.datasets.prepared import Prepared, is_prepared
-
     for name, _ in parse_data_path(path):
         p = Path(name).expanduser()
         if not p.exists():
@@ -68,65 +65,39 @@ def check_data_files(cfg) -> None:
         check_data(cfg.data.mode, e.path, "eval.path")
 
 
-def check_data_tokenizer(mode: str, path: str, tokenizer_path: str) -> None:
-    """The preflight's check that prepared datasets were tokenized with the run's tokenizer (the
-    built-in one is trained on first use, so the trainer checks that case itself)."""
-    from titanlite.datasets.prepared import Prepared, is_prepared
+def check_data_tokenizer(path: str, tokenizer_path: str) -> None:
+    """Prepared datasets were tokenized with the run's tokenizer (the built-in one is trained on
+    first use, so the trainer checks that case itself)."""
     from titanlite.datasets.tokenizer import load_tokenizer
 
-    prepared = [
-        Path(n).expanduser() for n, _ in parse_data_path(path) if is_prepared(Path(n).expanduser())
-    ]
+    folders = [Path(n).expanduser() for n, _ in parse_data_path(path)]
+    prepared = [p for p in folders if is_prepared(p)]
     if prepared and tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
         for p in prepared:
             Prepared(p).check_tokenizer(tok)
 
 
-def data_identity(cfg, tok=None) -> list[dict] | None:
-    """What data.path trains on, by content: [{"content", "weight"}] of each dataset (a prepared
-    folder's content key; raw inputs and the built-in data through the folder they are prepared
-    into in the cache). None where that cannot be told before the data is prepared (raw inputs
-    not in the cache yet, no tokenizer `tok` given) or for synthetic data."""
-    return _identity(cfg, cfg.data.path, tok)
-
-
-def eval_is_training_data(cfg) -> str | None:
-    """The dataset of data.path whose content eval.path holds too (by content key, wherever each
-    lives: its eval loss is then no held-out loss), else None; raw inputs not yet prepared into
-    the cache have no key before the workers prepare them, so they are not compared here."""
-    held = _identity(cfg, cfg.eval.path) if cfg.eval.path else None
-    trained = data_identity(cfg) or []
-    if held:
-        for d in trained:
-            if d["content"] == held[0]["content"]:
-                return d["path"]
-    return None
-
-
-def cache_folder(cfg, files: list[Path], tok) -> Path:
-    """The folder of the cache that raw inputs `files` are prepared into (datasets/build.py)."""
-    from titanlite.datasets.prepare import data_key
-    from titanlite.tools.cache import cache_dir
-
-    key = data_key(files, tok, cfg.data.mode, cfg.data.text_field)
-    return cache_dir(cfg.data.cache_dir) / f"prepared-{cfg.data.mode}-{key}"
-
-
-def _identity(cfg, path: str, tok=None) -> list[dict] | None:
-    from titanlite.datasets.corpus import discover
-    from titanlite.datasets.prepared import Prepared, is_prepared
-
+def data_identity(cfg, path: str | None = None) -> list[dict] | None:
+    """What data.path (or `path`) trains on, by content: [{"content", "weight", "path"}]; None for
+    synthetic data, raw inputs or the built-in data (the workers prepare them and know it then)."""
     if cfg.data.mode == "synthetic":
         return None
     out = []
-    for name, weight in parse_data_path(path) or [("", 1.0)]:
-        folder = Path(name).expanduser() if name else None
-        if folder is None or not is_prepared(folder):
-            if tok is None or folder is None:  # the built-in data's files: found by the worker
-                return None
-            folder = cache_folder(cfg, discover(name), tok)
-            if not (folder / "meta.json").is_file():
-                return None
+    for name, weight in parse_data_path(cfg.data.path if path is None else path) or [("", 1.0)]:
+        folder = Path(name).expanduser()
+        if not name or not is_prepared(folder):
+            return None
         out.append({"content": Prepared(folder).content, "weight": weight, "path": name})
     return out
+
+
+def eval_is_training_data(cfg) -> str | None:
+    """The dataset of data.path whose content eval.path holds too (its eval loss is then no
+    held-out loss), else None; raw inputs not prepared yet have no key, so are not compared."""
+    held = data_identity(cfg, cfg.eval.path) if cfg.eval.path else None
+    if held:
+        for d in data_identity(cfg) or []:
+            if d["content"] == held[0]["content"]:
+                return d["path"]
+    return None

@@ -1,12 +1,6 @@
 """Tokenizers: a SentencePiece .model, a Hugging Face tokenizer.json, or the built-in one (a
-small SentencePiece model trained on the stdlib corpus).
-
-The built-in tokenizer is trained on first use, deterministically (single thread, no sampling,
-fixed file order), and cached by a hash of everything that determines it.
-Every kind offers the same: vocab_size, bos_id, eos_id, pad_id, encode (text only: titanlite
-adds BOS and EOS itself, one each per document or record), decode, fingerprint; and folder,
-chat_template and special_tokens (a Hugging Face tokenizer's companion files; none for SentencePiece).
-"""
+small SentencePiece model trained on first use, deterministically, on the stdlib, and cached by a
+hash of everything that determines it). encode takes text only: titanlite adds BOS and EOS."""
 
 from __future__ import annotations
 
@@ -32,8 +26,8 @@ TRAINER_VERSION = 1  # bump when the training recipe below changes
 
 
 class Tokenizer:
-    """A SentencePiece model. It has no companion files: no chat template, nothing for an HF
-    export. Without a pad token, padding uses EOS; a completion ends at EOS."""
+    """A SentencePiece model: no companion files (chat template, specials); without a pad token,
+    padding uses EOS."""
 
     folder: Path | None = None
     chat_template: str | None = None
@@ -65,8 +59,7 @@ class Tokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer.json (the `tokenizers` library). Its special tokens come from the
-    files beside it (tokenizer_config.json, special_tokens_map.json, config.json), never from
+    """A Hugging Face tokenizer.json; its special tokens come from the files beside it, never from
     hard-coded ids; without a pad token, padding uses EOS (its labels are ignored anyway)."""
 
     def __init__(self, path: Path) -> None:
@@ -79,22 +72,23 @@ class HFTokenizer:
             raise UserError(
                 f"'{path}' is not a Hugging Face tokenizer.json ({first_line(e)})"
             ) from None
-        self.source = str(path)
-        self.path = path
+        self.source, self.path = str(path), path
         self.folder = path.parent  # its companion files (specials, chat template) live here
-        specials = _special_tokens(path.parent)
+        config_file = path.parent / "config.json"  # the model's, beside it
+        config = read_json(config_file) if config_file.is_file() else {}
+        specials = _special_tokens(path.parent, config)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
         has_pad = specials.get("pad") is not None
         self.pad_id = self._id(specials, "pad") if has_pad else self.eos_id
         # What a chat template sees as bos_token, eos_token (and pad_token), as transformers passes them.
+        kinds = ("bos", "eos", "pad") if has_pad else ("bos", "eos")
         self.special_tokens = {
-            f"{kind}_token": self.tok.id_to_token(getattr(self, f"{kind}_id"))
-            for kind in ("bos", "eos", *(("pad",) if has_pad else ()))
+            f"{k}_token": self.tok.id_to_token(getattr(self, f"{k}_id")) for k in kinds
         }
         self.chat_template = _chat_template(path.parent)
         # What ends a generated completion: EOS, every EOS generation_config.json and config.json
         # name (a list, for chat models), and the chat template's end of a turn.
-        self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent), *self._turn_end()})
+        self.stop_ids = frozenset({self.eos_id, *_eos_ids(path.parent, config), *self._turn_end()})
         self.vocab_size = max(self.tok.get_vocab(with_added_tokens=True).values()) + 1
         key = data + json.dumps(specials, sort_keys=True).encode()
         self.fingerprint = hashlib.sha256(key).hexdigest()[:16]
@@ -112,15 +106,14 @@ class HFTokenizer:
         return found
 
     def _turn_end(self) -> list[int]:
-        """The special token the chat template closes a message with (Llama 3's <|eot_id|>,
-        ChatML's <|im_end|>): the first token after a rendered message's text, if special."""
+        """The special token the chat template closes a message with (Llama 3's <|eot_id|>): the
+        first token after a rendered message's text, if special."""
         if not self.chat_template:
             return []
         mark = "\u2063titanlite\u2063"  # text no template adds by itself
         try:
-            text = render(
-                self.chat_template, [{"role": "user", "content": mark}], False, self.special_tokens
-            )
+            turn = [{"role": "user", "content": mark}]
+            text = render(self.chat_template, turn, False, self.special_tokens)
         except UserError:
             return []  # a template that needs more than one user message: EOS and the lists stop
         after = text.partition(mark)[2]
@@ -142,7 +135,7 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=False)
 
 
-def _special_tokens(folder: Path) -> dict:
+def _special_tokens(folder: Path, config: dict) -> dict:
     """bos/eos/pad as token strings (tokenizer_config.json, special_tokens_map.json) or, failing
     those, ids (config.json; a list of EOS ids gives its first)."""
     out: dict = {}
@@ -152,7 +145,6 @@ def _special_tokens(folder: Path) -> dict:
             token = token.get("content") if isinstance(token, dict) else token
             if kind not in out and isinstance(token, str):
                 out[kind] = token
-    config = _read_json(folder / "config.json")
     for kind in ("bos", "eos", "pad"):
         value = config.get(f"{kind}_token_id")
         value = value[0] if isinstance(value, list) and value else value
@@ -161,10 +153,10 @@ def _special_tokens(folder: Path) -> dict:
     return out
 
 
-def _eos_ids(folder: Path) -> list[int]:
+def _eos_ids(folder: Path, config: dict) -> list[int]:
     """The eos_token_id of generation_config.json and config.json: an id or a list of them."""
     ids = []
-    for data in (read_generation_config(folder), _read_json(folder / "config.json")):
+    for data in (read_generation_config(folder), config):
         value = data.get("eos_token_id")
         ids += [v for v in (value if isinstance(value, list) else [value]) if isinstance(v, int)]
     return ids
@@ -182,16 +174,9 @@ def _chat_template(folder: Path) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def _read_json(path: Path) -> dict:
-    """A JSON object file beside the tokenizer ({} without one): its config.json, whose keys the
-    model's adapter reads whole (models/hf_files.py)."""
-    return read_json(path) if path.is_file() else {}
-
-
 def load_tokenizer(path: str) -> Tokenizer | HFTokenizer:
-    """A tokenizer file by its kind: tokenizer.json (or a folder holding one) is Hugging Face's,
-    anything else must be a SentencePiece model (a folder's tokenizer.model: what titanlite
-    exports for a run on the built-in tokenizer)."""
+    """A tokenizer.json (or a folder holding one) is Hugging Face's; anything else must be a
+    SentencePiece model (a folder's tokenizer.model: titanlite's export of the built-in one)."""
     p = Path(path).expanduser()
     if p.is_dir():
         if (p / "tokenizer.json").is_file():

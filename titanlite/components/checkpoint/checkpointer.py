@@ -63,7 +63,7 @@ from titanlite.components.checkpoint.resume import (
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
 from titanlite.config.fields import due, identity
-from titanlite.datasets.build import tokenizer_key
+from titanlite.datasets.build import build_tokenizer
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.liveness import in_phase
 from titanlite.distributed.utils import first_error
@@ -120,9 +120,8 @@ class Checkpointer:
         self.data = (
             data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
         )
-        self.tokenizer = tokenizer_key(
-            cfg
-        )  # what its token ids mean: a start from the checkpoint compares
+        tok = build_tokenizer(cfg, train=False)  # what its token ids mean: a start from it compares
+        self.tokenizer = tok.fingerprint if tok else None
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
         """Register the host-side parts of the training state (read at a log step; saved in
