@@ -1,10 +1,7 @@
-"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, NODE_RANK,
-MASTER_ADDR, MASTER_PORT, LOG_RANK, MAX_RESTARTS, OMP_NUM_THREADS, TITANLITE_CACHE, each read
-through the scripts' front door, titanlite.tools.cli.Arg: one line, exit 2, before any worker
-starts), and what the launcher says of a worker group that failed: the rank that caused it (not
-one torchrun stopped after it, nor one that lost it) and why, from the ranks' logs
-(logs/<launch>-node<k>/attempt_<n>/<local rank>/stderr.log): its one-line error, or a crashed
-rank's last lines and its log file; and the line a rank's log lacks when its disk took it."""
+"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, ...),
+each checked through titanlite.tools.cli.Arg (one line, exit 2, before any worker starts), and
+what the launcher says of a failed worker group: the rank that caused it and why, from the
+ranks' logs (logs/<launch>-node<k>/attempt_<n>/<local rank>/stderr.log)."""
 
 from __future__ import annotations
 
@@ -155,45 +152,28 @@ def how(exitcode: int) -> str:
     return f"failed with exit code {exitcode}"
 
 
-def _attempt(log_dir: Path) -> Path | None:
-    """The newest attempt's folder (torchrun makes one per restart of the worker group)."""
+def _logs(log_dir: Path) -> dict[int, Path]:
+    """Each local rank's stderr.log in the newest attempt (torchrun makes one per restart)."""
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    return attempts[-1] if attempts else None
-
-
-def stderr_log(log_dir: Path, local_rank: int) -> Path | None:
-    attempt = _attempt(log_dir)
-    return attempt / str(local_rank) / "stderr.log" if attempt else None
-
-
-def _logs(log_dir: Path) -> list[Path]:
-    attempt = _attempt(log_dir)
-    return sorted(attempt.glob("*/stderr.log"), key=lambda p: int(p.parent.name)) if attempt else []
+    logs = attempts[-1].glob("*/stderr.log") if attempts else []
+    return {int(p.parent.name): p for p in sorted(logs, key=lambda p: int(p.parent.name))}
 
 
 def printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
-    """Whether one of `ranks` (None: any) printed a line holding `text` in this attempt (e.g. an
-    error every rank finds alike, which a rank on the console has already shown)."""
+    """Whether one of `ranks` (None: any) printed `text` in this attempt (e.g. an error every rank
+    finds alike, which a rank on the console has already shown)."""
+    logs = _logs(log_dir)
     return any(
-        text in line
-        for log in _logs(log_dir)
-        if ranks is None or int(log.parent.name) in ranks
-        for line in log.read_text(errors="replace").splitlines()
+        text in logs[r].read_text(errors="replace") for r in logs if ranks is None or r in ranks
     )
 
 
-def said_by_any(log_dir: Path) -> str | None:
-    """The last one-line error any rank wrote to its log in this attempt (the ranks stop on the
-    same error, distributed.utils.first_error), for a rank whose own log lacks it."""
-    for log in _logs(log_dir):
-        own = [
-            ln
-            for ln in log.read_text(errors="replace").splitlines()
-            if ln.startswith("titanlite: ")
-        ]
-        if own:
-            return own[-1]
-    return None
+def _said(log: Path) -> str | None:
+    """The last one-line error a rank wrote to its log."""
+    own = [
+        ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("titanlite: ")
+    ]
+    return own[-1] if own else None
 
 
 def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
@@ -220,32 +200,23 @@ def report_failure(
     `stopped`: the local ranks torchrun stopped after the first failure)."""
     rank, first = cause(e.failures, stopped)
     code = first.exitcode
-    log = stderr_log(log_dir, first.local_rank)
-    lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []
+    logs = _logs(log_dir)
+    log = logs.get(first.local_rank)
     on_console = shown is None or first.local_rank in shown
     if code in NO_RESTART or code == EXIT_LOST_RANK:
-        own = [ln for ln in lines if ln.startswith("titanlite: ")]
-        if own and not on_console and not printed_by(own[-1], log_dir, shown or set()):
-            print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
-        if (
-            not own and log is not None and log.is_file()
-        ):  # its log could not take its line: a full disk
-            said = said_by_any(log_dir)
-            print(
-                said
-                or f"titanlite: rank {rank} {how(code)} and its log {log} does not say why; is the disk "
-                f"under it full? (df -h {log_dir})",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = _said(log) if log else None
+        if said and not on_console and not printed_by(said, log_dir, shown or set()):
+            print(f"[rank{rank}]: {said}", file=sys.stderr)
+        elif not said and log:  # its log could not take its line (a full disk): another's says
+            others = [line for line in map(_said, logs.values()) if line]
+            why = f"titanlite: rank {rank} {how(code)} and its log {log} does not say why; is the disk under it full? (df -h {log_dir})"
+            print(others[0] if others else why, file=sys.stderr, flush=True)
         return code
+    lines = log.read_text(errors="replace").splitlines() if log else []
     if not on_console:
         for line in lines[-TAIL_LINES:]:
             print(f"[rank{rank}]: {line}", file=sys.stderr)
     said = "its last lines are above" if lines else "it printed nothing"
-    print(
-        f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log}",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log}"
+    print(line, file=sys.stderr, flush=True)
     return 1
