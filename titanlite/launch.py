@@ -274,27 +274,26 @@ def main(argv: list[str]) -> int:
                 lock.acquire()
                 os.environ[HELD_ENV] = str(lock.path.resolve())
 
-        plan = plan_run(args.training_script_args, world, nnodes, hold=hold)
+        cfg, run_dir = plan_run(args.training_script_args, world, nnodes, hold=hold)
         os.environ[NOTES_SHOWN_ENV] = "1"  # the workers load the same config: no second note
-        run_dir = plan.run_dir
-        if plan.cfg.rehearsal.world:  # one process, here, in place of torchrun's workers
+        if cfg.rehearsal.world:  # one process, here, in place of torchrun's workers
             from titanlite.rehearsal.run import rehearse
 
-            plan.cfg.job.run_name = run_dir.name
+            cfg.job.run_name = run_dir.name
             try:
-                rehearse(plan.cfg)
+                rehearse(cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
                 early = isinstance(e, Stopped)  # its report never came: the run folder goes too
                 return report(e)
             return 0
-        if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
+        if not cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
         if lock is not None:
             # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside,
             # and after a rewind (checkpoint.load_step) the abandoned ones
-            folder = checkpoint_folder(plan.cfg, run_dir)
-            quarantine_damaged(folder, plan.cfg.metrics.enable_wandb)
-            set_aside_abandoned(folder, plan.cfg.checkpoint.load_step)
+            folder = checkpoint_folder(cfg, run_dir)
+            quarantine_damaged(folder, cfg.metrics.enable_wandb)
+            set_aside_abandoned(folder, cfg.checkpoint.load_step)
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"

@@ -86,9 +86,7 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
         return info
     except (OSError, ValueError):
         before = None
-    if not isinstance(
-        before, dict
-    ):  # said, not silent: the history is advisory, the resume goes on
+    if not isinstance(before, dict):  # said: the history is advisory, the resume goes on
         logger.warning(
             f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept "
             "(scripts/inspect_step.py splits those steps at this run's layout)"
@@ -114,23 +112,20 @@ def open_run_folder(
     unless the launcher holds it, then writes config.toml and run.json; every rank learns the
     folder and the step, or the error. Returns them and the lock rank 0 took. A resume on changed
     data that data.accept_change lets go on is recorded in run.json and events.jsonl."""
-    found, error, lock, changed = [None, None], None, None, None
+    found, error, lock = [None, None], None, None
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
-        take = os.environ.get(HELD_ENV) != str(
-            RunLock(run_dir).path.resolve()
-        )  # no launcher holds it
+        lock = RunLock(run_dir)
+        if os.environ.get(HELD_ENV) == str(lock.path.resolve()):
+            lock = None  # the launcher holds it
         try:
-            if (
-                take and run_dir.is_dir()
-            ):  # before its checkpoints are read: a live run may be pruning them
-                lock = RunLock(run_dir)
+            # before its checkpoints are read: a live run may be pruning them
+            if lock and run_dir.is_dir():
                 lock.acquire()
             resume, changed = resume_plan(cfg, run_dir, is_restart(), data)
             info = {**info, "data": data, **({"data_change_accepted": changed} if changed else {})}
             run_dir.mkdir(parents=True, exist_ok=True)
-            if take and lock is None:  # the folder is new
-                lock = RunLock(run_dir)
+            if lock:  # the folder is new
                 lock.acquire()
             quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)
             found = [str(run_dir), resume]

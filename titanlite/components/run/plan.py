@@ -1,11 +1,8 @@
-"""Where a run writes and what it resumes, decided from the config and the disk alone (torch-free):
-the launcher decides it before any worker starts, and rank 0 again in the workers (which also
-covers a plain `torchrun -m titanlite.train`).
-
-The run folder is `<job.dump_folder>/<job.run_name>`. Its default name carries the start time, so
-the launcher fixes it before torchrun: a worker group that torchrun restarts reopens the same
-folder. Under SLURM the default is `<config stem>-slurm<job id>`, the same on every node and for
-a requeued job.
+"""Where a run writes and what it resumes, from the config and the disk alone (torch-free): the
+launcher decides it before any worker starts, and rank 0 again in the workers (which also covers
+a plain `torchrun -m titanlite.train`). The default run name carries the start time, so the
+launcher fixes it before torchrun (a restarted worker group reopens the same folder); under SLURM
+it is `<config stem>-slurm<job id>`, the same on every node and for a requeued job.
 """
 
 from __future__ import annotations
@@ -59,22 +56,13 @@ def is_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def resume_step(
-    cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
-) -> int | None:
-    """The checkpoint step to resume from (None: a fresh run); see resume_plan."""
-    return resume_plan(cfg, run_dir, restarted, data)[0]
-
-
 def resume_plan(
     cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
 ) -> tuple[int | None, str | None]:
-    """The checkpoint step to resume from (None: a fresh run), and how the data changed since
-    it if data.accept_change lets the run go on (None: it did not). Refuses, in one line, a
-    checkpoint this run may not resume, and a folder that holds another run without a checkpoint
-    (unless this is torchrun restarting this very run, which then starts over). A folder whose
-    run never logged a step (a start that failed) holds nothing to lose: the same command reuses
-    it. `data`: what the run's data holds (check_resumable), if known."""
+    """The checkpoint step to resume from (None: a fresh run), and how the data changed since it
+    if data.accept_change lets the run go on. Refuses, in one line, a checkpoint this run may not
+    resume, and a folder holding another run without a checkpoint (unless torchrun restarts this
+    very run, which starts over; a run that never logged a step left nothing to lose)."""
     if (run_dir / REHEARSAL_FILE).is_file() != bool(cfg.rehearsal.world) and (
         run_dir / "config.toml"
     ).is_file():

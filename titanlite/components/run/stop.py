@@ -2,20 +2,17 @@
 a failure of what only one rank does (fail()), which every rank then stops for with its line.
 
 The handler only records the signal. Ranks may receive it at different steps, or one rank only,
-so they agree on the stop step through a MAX all-reduce of the recorded signal on a gloo group
-of their own: started after each step, read after the next one. By then it has long completed,
-so reading it costs no wait, and every rank reads the same value after the same step. The
-trainer then finishes that step, writes a checkpoint, and exits with 128 + the signal number.
-So a stop is agreed at most one step late. Where the host waits anyway (after an eval or a
-save, which take seconds, and at the end of the run, the last step and the exports included)
-the ranks settle at once: one blocking all-reduce of the flag, so a signal that came during
-them stops the run there, never lost, never exit 0.
+so they agree on the stop step through a MAX all-reduce of the flag on a gloo group of their
+own, started after each step and read (long completed, so without a wait) after the next: a stop
+is agreed at most one step late; the trainer finishes that step, checkpoints, and exits with
+128 + the signal. Where the host waits anyway (after an eval or a save, at the end of the run)
+the ranks settle at once with one blocking all-reduce, so a signal is never lost, never exit 0.
 
-A signal before the loop starts stops at once (there is nothing to save yet). Once a stop is under
-way, further signals are ignored here: the launcher answers a second Ctrl-C by killing the workers.
-The launcher starts the workers with the stop signals blocked, so one that arrives while a worker
-imports torch waits, pending, until the handler is installed here; once the loop has ended they
-are ignored (CPython's finalization would otherwise restore the default action, which kills).
+A signal before the loop stops at once (nothing to save yet); once a stop is under way, further
+ones are ignored here (the launcher answers a second Ctrl-C by killing the workers). The launcher
+starts the workers with the stop signals blocked, so one that comes while a worker imports torch
+stays pending until the handler is installed here; once the loop has ended they are ignored
+(CPython's finalization would otherwise restore the default action, which kills).
 """
 
 from __future__ import annotations
@@ -69,12 +66,7 @@ class StopSignals:
             work, _, buf = self._pending
             work.wait()  # completed during the step just run
             agreed = int.from_bytes(buf, sys.byteorder)
-        # The flag lives in a host buffer the tensor shares: it is read as bytes, never through a
-        # tensor, so the host-sync counters (tools/instrument.py) see no read between log steps.
-        buf = bytearray(self._flag().to_bytes(4, sys.byteorder))
-        flag = torch.frombuffer(buf, dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, flag, buf)
+        self._pending = self._reduce(async_op=True)
         return self._failed_or(agreed)
 
     def fail(self, line: str) -> None:
@@ -82,8 +74,14 @@ class StopSignals:
         every rank stops at the next settle (a log step's end), with this line."""
         self.failure = self.failure or line
 
-    def _flag(self) -> int:
-        return FAILED if self.failure else self.received
+    def _reduce(self, async_op: bool) -> tuple[dist.Work, torch.Tensor, bytearray]:
+        """The MAX all-reduce of this rank's flag. It lives in a host buffer the tensor shares, read
+        as bytes, never through a tensor: the host-sync counters (tools/instrument.py) see no read."""
+        flag = FAILED if self.failure else self.received
+        buf = bytearray(flag.to_bytes(4, sys.byteorder))
+        tensor = torch.frombuffer(buf, dtype=torch.int32)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+        return work, tensor, buf
 
     def _failed_or(self, agreed: int) -> int:
         """`agreed`, unless it says a rank failed: then every rank raises that rank's line (sent
@@ -103,11 +101,8 @@ class StopSignals:
             self._pending[0].wait()
             self._pending = None
         if self.group is None:
-            return self._failed_or(self._flag())
-        buf = bytearray(self._flag().to_bytes(4, sys.byteorder))
-        dist.all_reduce(
-            torch.frombuffer(buf, dtype=torch.int32), op=dist.ReduceOp.MAX, group=self.group
-        )
+            return self._failed_or(FAILED if self.failure else self.received)
+        buf = self._reduce(async_op=False)[2]
         return self._failed_or(int.from_bytes(buf, sys.byteorder))
 
     def finish(self) -> int:
