@@ -1,22 +1,14 @@
 """torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
 [train args]`, or (run_train.sh) `python -m titanlite.launch --from-env --caller-cwd DIR [train
-args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun).
-The train args are the command line's words (titanlite.config.command_line: the default config,
-one --config, --rehearse); `--caller-cwd` is the folder the user ran the command in, which
-relative paths mean (titanlite.config.command_line) and where a fork's module may live.
+args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun);
+`--caller-cwd` is the folder relative paths mean and where a fork's module may live.
 
-Before any worker starts: every check that needs no worker (titanlite.preflight), the run
-folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
-0, the run lock. Then torchrun's agent, with:
-- every rank's output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, whatever
-  LOG_RANK shows on the console; a crashed rank's last lines are shown with one line naming it;
-- SIGINT / SIGTERM passed on to the workers, which finish their step, checkpoint and exit with
-  128 + the signal. No SIGKILL timer runs meanwhile: the workers take the time a save needs
-  (the stop line reports it). A second signal kills them at once;
-- no restart (MAX_RESTARTS) after an exit that a restart cannot fix: bad input, a training
-  error, a stop by signal.
-Exit code: the workers' (0 done, 2 bad input, 3 the run stopped itself, 4 a rank stopped
-responding, 128+N stopped by signal N), or 1 when a worker crashed.
+Before any worker starts: the preflight, the run folder's name fixed (a restarted worker group
+reopens it) and, on node 0, the run lock. Then torchrun's agent, with every rank's output kept in
+<run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/; SIGINT / SIGTERM passed on to the workers
+(they finish the step, checkpoint, exit 128 + the signal; no SIGKILL timer, a save takes what it
+takes; a second signal kills them); no restart after an exit a restart cannot fix. Exit code: the
+workers' (0, 2 bad input, 3 stopped itself, 4 a rank stopped responding, 128+N), 1 on a crash.
 """
 
 from __future__ import annotations
@@ -59,6 +51,7 @@ import contextlib
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch.distributed.elastic.multiprocessing.api as mp_api
@@ -124,10 +117,8 @@ class _Agent(LocalElasticAgent):
             pids = super()._start_workers(worker_group)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL (inside
-        # its process context, whatever --shutdown-timeout says); they wait on the dead peer,
-        # which no grace can finish. A user's stop never goes through this: the workers exit
-        # by themselves first.
+        # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL whatever
+        # --shutdown-timeout says; they wait on the dead peer, which no grace can finish.
         ctx, self.stopped = self._pcontext, set()
         close = ctx.close
 
@@ -204,20 +195,6 @@ def _world_size(args) -> tuple[int, int]:
             f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} "
             f"and {args.nproc_per_node!r}"
         ) from None
-
-
-def _standalone(args) -> None:
-    """torchrun's --standalone: a rendezvous on a free local port (as torch.distributed.run.run)."""
-    import uuid
-
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
-            "c10d",
-            "localhost:0",
-            str(uuid.uuid4()),
-        )
-    if args.master_port is None:
-        args.master_port = 29500
 
 
 def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
@@ -297,29 +274,25 @@ def main(argv: list[str]) -> int:
         os.environ[AGENT_PID_ENV] = str(os.getpid())
         stamp = time.strftime("%Y%m%d-%H%M%S")
         log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
-        shown = (
-            {int(r) for r in args.local_ranks_filter.split(",")}
-            if args.local_ranks_filter
-            else None
-        )
-        _standalone(args)
-        args.log_dir = (
-            os.devnull
-        )  # torchrun's default would make an empty temp folder; _RunLogs replaces it
+        shown = None
+        if args.local_ranks_filter:
+            shown = {int(r) for r in args.local_ranks_filter.split(",")}
+        if args.standalone:  # a rendezvous on a free local port, as torch.distributed.run.run
+            args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+        if args.master_port is None:
+            args.master_port = 29500
+        args.log_dir = os.devnull  # not torchrun's empty temp folder: _RunLogs replaces it
         config, cmd, cmd_args = config_from_args(args)
         config.logs_specs = _RunLogs(log_dir, shown)
         config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
-            for sig in (
-                STOP_SIGNALS
-            ):  # the workers finished after their last look: a late signal changes nothing
+            for sig in STOP_SIGNALS:  # the workers finished after their last look: too late now
                 signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
-            code = report_failure(
-                e, log_dir, shown, _Agent.current.stopped if _Agent.current else set()
-            )
+            code = report_failure(e, log_dir, shown, _Agent.current.stopped)
             early = code in {128 + s for s in STOP_SIGNALS} and printed_by(
                 BEFORE_FIRST_STEP, log_dir, None
             )
