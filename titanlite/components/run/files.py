@@ -1,14 +1,9 @@
 """The one writer of a run folder's records (rank 0): metrics.jsonl, diagnostics.jsonl,
-events.jsonl, eval.jsonl, samples.jsonl, and the TensorBoard folder's health.
-
-- A record is written whole or not at all: each append is one write of whole lines to a file
-  opened for appending; a write that fails (a full disk, a disk gone read-only) is cut back to
-  where the file ended before it, so no half line is left, and the run stops with exit 3 in one
-  line that names the disk and what was kept.
-- A file removed under the live run (appends to an unlinked file are silently lost) is found at
-  the next append or check (every log step) and written again from there, with one line saying
-  so; one replaced by a folder, or a run folder that is gone, stops the run (exit 3).
-- Files get the modes the user's umask gives (created 0666 & ~umask), as every other file.
+events.jsonl, eval.jsonl, samples.jsonl. A record is written whole or not at all: a failed append
+(a full disk, one gone read-only) is cut back to where the file ended, and the run stops with
+exit 3 in one line naming the disk and what was kept. A file removed under the live run (appends
+to an unlinked file are silently lost) is written again from the next append or check, with one
+line saying so; one replaced by a folder, or a run folder gone, stops the run (exit 3).
 titanlite.tools.records reads what this writes; a resume first cuts it back (truncate_after).
 """
 
@@ -110,19 +105,13 @@ class RunFiles:
     def _failed(self, name: str, e: OSError) -> str:
         """The one line of a write that failed: the disk, the file, what was kept."""
         path, where = self.run_dir / name, f"'{self.run_dir}'"
-        why = {
-            errno.ENOSPC: disk_full(e, self.run_dir) or f"disk full under {where}",
-            errno.EDQUOT: f"the disk quota under {where} is used up",
-            errno.EROFS: f"the disk under {where} is read-only",
-            errno.EFBIG: f"{path.name} is larger than its file system allows",
-        }.get(e.errno) or (disk_full(e, self.run_dir) or f"{type(e).__name__}: {e.strerror or e}")
-        fix = (
-            "make it writable"
-            if e.errno == errno.EROFS
-            else "make room"
-            if e.errno in NO_ROOM
-            else "mend that"
-        )
+        full = disk_full(e, self.run_dir)
+        why, fix = {
+            errno.ENOSPC: (full or f"disk full under {where}", "make room"),
+            errno.EDQUOT: (f"the disk quota under {where} is used up", "make room"),
+            errno.EROFS: (f"the disk under {where} is read-only", "make it writable"),
+            errno.EFBIG: (f"{path.name} is larger than its file system allows", "make room"),
+        }.get(e.errno, (full or f"{type(e).__name__}: {e.strerror or e}", "mend that"))
         return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
     def gone(self) -> str:
@@ -140,7 +129,7 @@ class RunFiles:
                     checkpoints = moved / checkpoints.relative_to(self.run_dir)
                 return (
                     f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; "
-                    + (self.what_was_kept(f"move it back to {self.run_dir}", checkpoints))
+                    + self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
                 )
         return (
             f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
@@ -150,10 +139,9 @@ class RunFiles:
     def what_was_kept(self, fix: str = "mend that", checkpoints: Path | None = None) -> str:
         """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not
         the folder they were written to), and how to go on."""
-        step = self.kept.get("metrics.jsonl")
-        records = (
-            f"its records up to step {step} are whole" if step else "the records written are whole"
-        )
+        records = "the records written are whole"
+        if step := self.kept.get("metrics.jsonl"):
+            records = f"its records up to step {step} are whole"
         checkpoints = checkpoints or self.checkpoints
         steps = complete_steps(checkpoints) if checkpoints is not None else []
         saved = (

@@ -71,36 +71,34 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
     nproc = v.get("NPROC", ngpu or 2)
     nnodes = v.get("NNODES", 1)
     restarts = v.get("MAX_RESTARTS", 0)
-    shown = _log_ranks(environ.get("LOG_RANK", "0"), nproc)
+    shown = _log_ranks(v.get("LOG_RANK", "0"), nproc)
+    node = v.get("NODE_RANK", 0)
     if nnodes > 1:
         if restarts:
             raise UserError(
                 "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job "
                 "(scripts/train.slurm does)"
             )
-        if "NODE_RANK" not in v or v["NODE_RANK"] >= nnodes:
+        if "NODE_RANK" not in v or node >= nnodes:
             raise UserError(
                 f"NNODES={nnodes} needs NODE_RANK, this node's index from 0 to {nnodes - 1}"
-                + (f" (it is {v['NODE_RANK']})" if "NODE_RANK" in v else "")
+                + (f" (it is {node})" if "NODE_RANK" in v else "")
             )
         if not v.get("MASTER_ADDR"):
             raise UserError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address)")
+    elif node:
+        raise UserError(
+            f"NODE_RANK={node} but NNODES is 1; set NNODES to the job's nodes, or unset NODE_RANK"
+        )
+    if nnodes > 1 or "MASTER_PORT" in v:
         port = v.get("MASTER_PORT", 29500)
-        if v["NODE_RANK"] == 0:
+        if node == 0:  # where the rendezvous listens
             _check_port_free(port)
-        rdzv = ["--nnodes", str(nnodes), "--node_rank", str(v["NODE_RANK"])]
-        rdzv += ["--master_addr", v["MASTER_ADDR"], "--master_port", str(port)]
+        addr = v.get("MASTER_ADDR") or "127.0.0.1"
+        rdzv = ["--nnodes", str(nnodes), "--node_rank", str(node), "--master_addr", addr]
+        rdzv += ["--master_port", str(port)]
     else:
-        if v.get("NODE_RANK"):
-            raise UserError(
-                f"NODE_RANK={v['NODE_RANK']} but NNODES is 1; set NNODES to the job's nodes, or unset NODE_RANK"
-            )
-        if "MASTER_PORT" in v:
-            _check_port_free(v["MASTER_PORT"])
-            rdzv = ["--nnodes", "1", "--master_addr", v.get("MASTER_ADDR") or "127.0.0.1"]
-            rdzv += ["--master_port", str(v["MASTER_PORT"])]
-        else:
-            rdzv = ["--standalone"]  # a free port, so several runs can share a machine
+        rdzv = ["--standalone"]  # a free port, so several runs can share a machine
     args = [*rdzv, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts)]
     args += ["--local-ranks-filter", ",".join(map(str, shown))]
     # CPU ranks share the cores; saying so also silences torchrun's OMP banner
@@ -114,11 +112,8 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
 
 def _log_ranks(text: str, nproc: int) -> list[int]:
     rank = Arg(("LOG_RANK",), "int", "", at_least=0, at_most=nproc - 1)
-    parts = [p.strip() for p in text.split(",")]
-    if not any(parts):
-        raise UserError("LOG_RANK is empty; name the local ranks that print, e.g. 0 or 0,1")
     try:
-        return sorted({rank.check(p) for p in parts})
+        return sorted({rank.check(p.strip()) for p in text.split(",")})
     except UserError:
         raise UserError(
             f"LOG_RANK is {text!r}; it must name local ranks from 0 to {nproc - 1} (NPROC={nproc}), e.g. 0 or 0,1"
