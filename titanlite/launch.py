@@ -22,11 +22,8 @@ from titanlite.errors import BEFORE_FIRST_STEP
 
 def _stopped_while_importing(signum: int, frame) -> None:
     """A stop while this module imports torch (seconds): nothing exists yet to clean up."""
-    print(
-        f"titanlite: stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}",
-        file=sys.stderr,
-        flush=True,
-    )
+    name = signal.Signals(signum).name
+    print(f"titanlite: stopped by {name} {BEFORE_FIRST_STEP}", file=sys.stderr, flush=True)
     os._exit(128 + signum)
 
 
@@ -134,12 +131,8 @@ class _Agent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group) -> None:
         left = self._remaining_restarts
-        print(
-            f"titanlite: {self.last_failure}; restarting the workers ({left} restart(s) left after "
-            "this one); they resume from the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = f"titanlite: {self.last_failure}; restarting the workers ({left} restart(s) left after this one); they resume from the last complete checkpoint"
+        print(line, file=sys.stderr, flush=True)
         super()._restart_workers(worker_group)
 
 
@@ -157,9 +150,8 @@ def _on_signal(signum: int, frame) -> None:
         return
     for pid in pids:
         _kill(pid, signal.SIGKILL)
-    raise SignalException(
-        f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum)
-    )
+    sig = signal.Signals(signum)
+    raise SignalException(f"launcher got {sig.name}", sigval=sig)
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -214,9 +206,8 @@ def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
         os.environ[CALLER_ENV] = caller
         if caller not in sys.path:  # a fork's module beside the user's config (model.import_module)
             sys.path.append(caller)
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                p for p in (os.environ.get("PYTHONPATH"), caller) if p
-            )
+            path = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = f"{path}{os.pathsep}{caller}" if path else caller
         argv = argv[2:]
     return from_env, argv
 
@@ -293,23 +284,18 @@ def main(argv: list[str]) -> int:
                 signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
             code = report_failure(e, log_dir, shown, _Agent.current.stopped)
-            early = code in {128 + s for s in STOP_SIGNALS} and printed_by(
-                BEFORE_FIRST_STEP, log_dir, None
-            )
+            stopped = code in {128 + s for s in STOP_SIGNALS}
+            early = stopped and printed_by(BEFORE_FIRST_STEP, log_dir, None)
     except UserError as e:
         print(f"titanlite: error: {e}", file=sys.stderr)
         code = 2
     except SignalException as e:
         name = e.sigval.name
-        if _stop["signal"]:
-            print(
-                f"titanlite: stopped at once by a second {name}: the workers were killed mid-step; rerun the "
-                "same command to resume from the last complete checkpoint",
-                file=sys.stderr,
-            )
-        else:
-            print(f"titanlite: stopped by {name} {BEFORE_FIRST_STEP}", file=sys.stderr)
-            early = True
+        early = not _stop["signal"]  # the workers never ran
+        line = f"stopped by {name} {BEFORE_FIRST_STEP}"
+        if not early:
+            line = f"stopped at once by a second {name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
+        print(f"titanlite: {line}", file=sys.stderr)
         code = 128 + int(e.sigval)
     finally:
         if lock is not None:

@@ -137,15 +137,12 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
         f"config {where(path) if path else '(built-in defaults)'}",
         f"data {data or '(built-in stdlib text)'}",
     ]
-    if cfg.eval.path:
-        out.append(f"eval data {where(cfg.eval.path)}")
-    if cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path:
-        out.append(
-            f"initial weights {where(cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path)}"
-        )
-    if cfg.model.tokenizer_path:
-        out.append(f"tokenizer {where(cfg.model.tokenizer_path)}")
-    return out
+    optional = {
+        "eval data": cfg.eval.path,
+        "initial weights": cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path,
+        "tokenizer": cfg.model.tokenizer_path,
+    }
+    return out + [f"{what} {where(value)}" for what, value in optional.items() if value]
 
 
 def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
@@ -157,13 +154,11 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         notes.append(
             f"[faults] is set ({on}): fault injection for tests and fault scenarios, not a real run"
         )
-    if cfg.diagnostics.enable and (
-        silent := silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)
-    ):
-        notes.append(f"diagnostics: {silent}")
-    measured = cfg.diagnostics.measured_steps(cfg.training.steps)
-    if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):
-        notes.append(f"diagnostics: {short}")
+    if cfg.diagnostics.enable:
+        silent = silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)
+        measured = cfg.diagnostics.measured_steps(cfg.training.steps)
+        short = dp >= 2 and history_note(cfg.alerts, measured, dp)
+        notes += [f"diagnostics: {note}" for note in (silent, short) if note]
     if cfg.eval.path and (same := eval_is_training_data(cfg)) is not None:
         notes.append(
             f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a "
