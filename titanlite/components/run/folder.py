@@ -1,7 +1,5 @@
-"""The run folder opened by the workers: where a run writes (config.toml, run.json, metrics,
-checkpoints, logs) and whether it resumes, as components/run/plan.py decides, under the run lock
-(components/run/lock.py); everything is decided and checked before the first file is written.
-"""
+"""The run folder opened by the workers, as components/run/plan.py decides it, under the run lock:
+everything is decided and checked before the first file is written."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ logger = logging.getLogger("titanlite")
 
 
 def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dict:
-    """run.json: what the config left to the machine ("auto" and derived values), for run
-    comparison (titanlite.analysis.compare)."""
+    """run.json: what the config left to the machine, for titanlite.analysis.compare."""
     lay = dims.layout
     return {
         "world_size": lay.world,
@@ -106,12 +103,9 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
 def open_run_folder(
     cfg: JobConfig, config_path: str | None, info: dict, data: list[dict] | None = None
 ) -> tuple[Path, int | None, RunLock | None]:
-    """Every rank calls it. Rank 0 picks the run folder and the step to resume from (None: a
-    fresh run), refuses a checkpoint trained on something else (`data`: what the run's data
-    holds, titanlite.datasets.spec.data_identity) before anything is written, takes the run lock
-    unless the launcher holds it, then writes config.toml and run.json; every rank learns the
-    folder and the step, or the error. Returns them and the lock rank 0 took. A resume on changed
-    data that data.accept_change lets go on is recorded in run.json and events.jsonl."""
+    """Every rank calls it: rank 0 decides the run folder and the step to resume from (None: a
+    fresh run; `data`: titanlite.datasets.spec.data_identity), takes the run lock unless the
+    launcher holds it, writes config.toml and run.json; every rank gets them, or the error."""
     found, error, lock = [None, None], None, None
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)

@@ -1,18 +1,14 @@
-"""Stopping on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) without losing work, and on
-a failure of what only one rank does (fail()), which every rank then stops for with its line.
+"""Stopping on SIGINT or SIGTERM (Ctrl-C, a preemption) without losing work, and on a failure of
+what only one rank does (fail()), which every rank then stops for with its line.
 
-The handler only records the signal. Ranks may receive it at different steps, or one rank only,
-so they agree on the stop step through a MAX all-reduce of the flag on a gloo group of their
-own, started after each step and read (long completed, so without a wait) after the next: a stop
-is agreed at most one step late; the trainer finishes that step, checkpoints, and exits with
-128 + the signal. Where the host waits anyway (after an eval or a save, at the end of the run)
-the ranks settle at once with one blocking all-reduce, so a signal is never lost, never exit 0.
-
-A signal before the loop stops at once (nothing to save yet); once a stop is under way, further
-ones are ignored here (the launcher answers a second Ctrl-C by killing the workers). The launcher
-starts the workers with the stop signals blocked, so one that comes while a worker imports torch
-stays pending until the handler is installed here; once the loop has ended they are ignored
-(CPython's finalization would otherwise restore the default action, which kills).
+The handler only records the signal; ranks may get it at different steps, or one rank only, so
+they agree through a MAX all-reduce of the flag on a gloo group of their own, started after each
+step and read (long complete, so no wait) after the next: the stop comes at most one step late,
+with a checkpoint and exit 128 + the signal. Where the host waits anyway (after an eval, a save,
+at the end) they settle at once with a blocking all-reduce: a signal is never lost, never exit 0.
+The launcher starts the workers with the signals blocked, so one that comes while they import
+torch stays pending until the handler is installed here (before the loop it stops at once);
+after the loop they are ignored (CPython's finalization would restore the default, which kills).
 """
 
 from __future__ import annotations
