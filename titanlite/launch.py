@@ -191,13 +191,11 @@ def _world_size(args) -> tuple[int, int]:
 
 def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
     """(--from-env given, the rest) after the launcher's own leading options; --caller-cwd DIR
-    becomes the workers' caller folder (relative paths are read there; a fork's module may live
-    there)."""
-    from_env = False
-    while argv[:1] in (["--from-env"], ["--caller-cwd"]):
-        if argv[0] == "--from-env":
-            from_env, argv = True, argv[1:]
-            continue
+    becomes the workers' caller folder (relative paths are read there; a fork's module too)."""
+    from_env = argv[:1] == ["--from-env"]
+    if from_env:
+        argv = argv[1:]
+    if argv[:1] == ["--caller-cwd"]:
         if len(argv) < 2 or not Path(argv[1]).is_dir():
             raise UserError(
                 f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}"

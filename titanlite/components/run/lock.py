@@ -54,11 +54,8 @@ class RunLock:
                 f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid "
                 f"{holder.get('pid')} (started {holder.get('started')}); that process is gone"
             )
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": datetime.now().isoformat(timespec="seconds"),
-        }
+        started = datetime.now().isoformat(timespec="seconds")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
         self._me = (json.dumps(me) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._me, 0)

@@ -44,11 +44,9 @@ def run_folder(cfg: JobConfig, config_path: str | None = None, nnodes: int = 1) 
 
 
 def trace_folder(cfg: JobConfig) -> Path:
-    """Where NCCL's flight recorder dumps (set before the process group exists): the run
-    folder's comm_trace/ when the run is named (the launcher always names it), else the dump
-    folder's."""
-    base = run_folder(cfg) if cfg.job.run_name else Path(cfg.job.dump_folder).expanduser()
-    return base / "comm_trace"
+    """Where NCCL's flight recorder dumps, set before the process group exists: the run folder's
+    comm_trace/ when the run is named (the launcher always names it), else the dump folder's."""
+    return Path(cfg.job.dump_folder).expanduser() / cfg.job.run_name / "comm_trace"
 
 
 def is_restart() -> bool:

@@ -58,9 +58,7 @@ def gpu_count() -> int:
     """GPUs nvidia-smi lists on this node (0 without it)."""
     if shutil.which("nvidia-smi") is None:
         return 0
-    listed = subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True, text=True, check=False
-    ).stdout
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(line.startswith("GPU") for line in listed.splitlines())
 
 
