@@ -78,9 +78,7 @@ from titanlite.preflight import plan_run
 from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV, init_logging
 
-# After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
-# waiting on the dead peer in a collective, which no grace can finish).
-FAILURE_GRACE_S = 5
+FAILURE_GRACE_S = 5  # after a worker failed, the others' SIGTERM before SIGKILL
 
 _stop = {"signal": 0}
 
@@ -115,7 +113,7 @@ class _Agent(LocalElasticAgent):
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL whatever
-        # --shutdown-timeout says; they wait on the dead peer, which no grace can finish.
+        # --shutdown-timeout says; they wait on the dead peer in a collective, which no grace ends.
         ctx, self.stopped = self._pcontext, set()
         close = ctx.close
 
@@ -141,22 +139,17 @@ def _on_signal(signum: int, frame) -> None:
     checkpoint; a second one (or one before the workers run) kills them and ends the launch."""
     agent = _Agent.current
     pids = list(agent._pcontext.pids().values()) if agent and agent._pcontext else []
-    if not _stop["signal"] and pids:
+    first = bool(pids) and not _stop["signal"]
+    if first:
         _stop["signal"] = signum
         agent._remaining_restarts = 0
-        forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
-        for pid in pids:
-            _kill(pid, forward)
-        return
+    forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
     for pid in pids:
-        _kill(pid, signal.SIGKILL)
-    sig = signal.Signals(signum)
-    raise SignalException(f"launcher got {sig.name}", sigval=sig)
-
-
-def _kill(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, forward if first else signal.SIGKILL)
+    if not first:
+        sig = signal.Signals(signum)
+        raise SignalException(f"launcher got {sig.name}", sigval=sig)
 
 
 class _RunLogs(DefaultLogsSpecs):
@@ -170,9 +163,8 @@ class _RunLogs(DefaultLogsSpecs):
 
 
 class _NoTag(str):
-    """An empty console tag per line. torchrun tags each line it copies from a rank's log with
-    "[default0]:" unless a prefix template is given, and ignores an empty (falsy) template; the
-    titanlite logger tags its lines with the rank already."""
+    """An empty console tag per line, which torchrun would ignore were it falsy (its default is
+    "[default0]:"); the titanlite logger tags its lines with the rank already."""
 
     def __bool__(self) -> bool:
         return True
@@ -255,8 +247,7 @@ def main(argv: list[str]) -> int:
         if not cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
         if lock is not None:
-            # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside,
-            # and after a rewind (checkpoint.load_step) the abandoned ones
+            # as the preflight planned: the damaged newest steps set aside, and a rewind's newer ones
             folder = checkpoint_folder(cfg, run_dir)
             quarantine_damaged(folder, cfg.metrics.enable_wandb)
             set_aside_abandoned(folder, cfg.checkpoint.load_step)

@@ -71,8 +71,7 @@ class RunFiles:
             self._fd(name)
 
     def _fd(self, name: str) -> int:
-        """The open file of `name`, opened anew if it was removed; a folder in its place, or no
-        run folder, stops the run."""
+        """The open file of `name`, opened anew if it was removed."""
         path = self.run_dir / name
         fd = self._fds.get(name)
         try:
@@ -115,8 +114,8 @@ class RunFiles:
         return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
     def gone(self) -> str:
-        """The stop line of a run folder that is gone: moved (a record file still open says where
-        it is now, through /proc on Linux) or removed."""
+        """The stop line of a run folder moved (an open record file says where, through /proc) or
+        removed."""
         for fd in self._fds.values():
             try:
                 now = os.readlink(f"/proc/self/fd/{fd}")

@@ -25,7 +25,6 @@ from titanlite.components.run.plan import (
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
-from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 
 logger = logging.getLogger("titanlite")
@@ -106,7 +105,7 @@ def open_run_folder(
     """Every rank calls it: rank 0 decides the run folder and the step to resume from (None: a
     fresh run; `data`: titanlite.datasets.spec.data_identity), takes the run lock unless the
     launcher holds it, writes config.toml and run.json; every rank gets them, or the error."""
-    found, error, lock = [None, None], None, None
+    found, lock = [None, None, None], None  # the run folder, the resume step, or the error
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
         lock = RunLock(run_dir)
@@ -122,22 +121,21 @@ def open_run_folder(
             if lock:  # the folder is new
                 lock.acquire()
             quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)
-            found = [str(run_dir), resume]
+            found[:2] = [str(run_dir), resume]
             _write(cfg, run_dir, info, resume)
             if changed:
                 _data_changed(run_dir, resume, changed)
         except UserError as e:
-            error = str(e)
+            found[2] = str(e)
         except OSError as e:
-            error = (
+            found[2] = (
                 f"cannot write the run folder '{run_dir}' ({e}); pick a writable --job.dump_folder"
             )
-        if error and lock is not None:
+        if found[2] and lock is not None:
             lock.release()
-    error = first_error(error)
-    if error:
-        raise UserError(error)
     dist.broadcast_object_list(found, src=0)
+    if found[2]:
+        raise UserError(found[2])
     if dist.get_rank() == 0:
         logger.info(f"run folder: {found[0]}")
     return Path(found[0]), found[1], lock

@@ -1,9 +1,7 @@
-"""Where a run writes and what it resumes, from the config and the disk alone (torch-free): the
-launcher decides it before any worker starts, and rank 0 again in the workers (which also covers
-a plain `torchrun -m titanlite.train`). The default run name carries the start time, so the
-launcher fixes it before torchrun (a restarted worker group reopens the same folder); under SLURM
-it is `<config stem>-slurm<job id>`, the same on every node and for a requeued job.
-"""
+"""Where a run writes and what it resumes, from the config and the disk alone (torch-free), for
+the launcher and again for rank 0 of the workers (a plain `torchrun -m titanlite.train` too). The
+default run name carries the start time (the launcher fixes it before torchrun); under SLURM it
+is `<config stem>-slurm<job id>`, the same on every node and for a requeued job."""
 
 from __future__ import annotations
 

@@ -170,10 +170,8 @@ def _said(log: Path) -> str | None:
 
 
 def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
-    """The failure that caused the others: a rank that stopped the run itself (bad input, a
-    training error, a signal), else one that crashed, before the ranks that then lost it (exit 4),
-    and before all of them the ranks torchrun stopped after the first failure (`stopped`, local
-    ranks); the earliest among equals."""
+    """The failure that caused the others: a rank that stopped the run itself, else one that
+    crashed, then one that lost a peer (exit 4), last the local ranks torchrun then `stopped`."""
     return min(
         failures.items(),
         key=lambda kv: (
@@ -188,9 +186,8 @@ def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, 
 def report_failure(
     e: ChildFailedError, log_dir: Path, shown: set[int] | None, stopped: set[int]
 ) -> int:
-    """The exit code for a failed launch, with what the console has not shown: the failed rank's
-    one-line error, or a crashed rank's last lines and its log file, for the cause (`cause`;
-    `stopped`: the local ranks torchrun stopped after the first failure)."""
+    """The exit code for a failed launch, with what the console has not shown of its cause: its
+    one-line error, or a crashed rank's last lines and its log file."""
     rank, first = cause(e.failures, stopped)
     code = first.exitcode
     logs = _logs(log_dir)
