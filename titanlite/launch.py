@@ -1,14 +1,10 @@
 """torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
-[train args]`, or (run_train.sh) `python -m titanlite.launch --from-env --caller-cwd DIR [train
-args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun);
-`--caller-cwd` is the folder relative paths mean and where a fork's module may live.
-
-Before any worker starts: the preflight, the run folder's name fixed (a restarted worker group
-reopens it) and, on node 0, the run lock. Then torchrun's agent, with every rank's output kept in
-<run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/; SIGINT / SIGTERM passed on to the workers
-(they finish the step, checkpoint, exit 128 + the signal; no SIGKILL timer, a save takes what it
-takes; a second signal kills them); no restart after an exit a restart cannot fix. Exit code: the
-workers' (0, 2 bad input, 3 stopped itself, 4 a rank stopped responding, 128+N), 1 on a crash.
+[train args]`, or (run_train.sh) `... --from-env --caller-cwd DIR [train args]`, torchrun's
+arguments then from NPROC, NNODES, ... First the preflight, the run folder's name fixed (a
+restarted worker group reopens it) and node 0's run lock; then torchrun's agent, every rank's
+output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, SIGINT / SIGTERM passed
+on to the workers (they checkpoint and exit 128 + the signal; a second one kills them), and no
+restart after an exit a restart cannot fix. Exit code: the workers', or 1 on a crash.
 """
 
 from __future__ import annotations
@@ -32,16 +28,13 @@ for _sig in (signal.SIGINT, signal.SIGTERM):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before torch is imported
     from titanlite.config.command_line import wants_help
-    from titanlite.config.manager import config_help
+    from titanlite.preflight import main as preflight
 
     _words = sys.argv[2:]
     if _words[:1] == ["--caller-cwd"]:  # run_train.sh's own option, before the user's words
         _words = _words[2:]
     if wants_help(_words):
-        from titanlite.preflight import USAGE
-
-        print(config_help(USAGE))
-        sys.exit(0)
+        sys.exit(preflight(_words))  # the usage and every config key
 
 # the rest after the handler: importing torch takes seconds
 import contextlib
@@ -155,9 +148,6 @@ def _on_signal(signum: int, frame) -> None:
 class _RunLogs(DefaultLogsSpecs):
     """torchrun's per-rank log files, in a folder of the run folder (not a random temp one)."""
 
-    def __init__(self, folder: Path, shown: set[int] | None) -> None:
-        super().__init__(log_dir=str(folder), tee=Std.ALL, local_ranks_filter=shown)
-
     def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
         return str(log_dir)
 
@@ -264,7 +254,7 @@ def main(argv: list[str]) -> int:
             args.master_port = 29500
         args.log_dir = os.devnull  # not torchrun's empty temp folder: _RunLogs replaces it
         config, cmd, cmd_args = config_from_args(args)
-        config.logs_specs = _RunLogs(log_dir, shown)
+        config.logs_specs = _RunLogs(log_dir=str(log_dir), tee=Std.ALL, local_ranks_filter=shown)
         config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)

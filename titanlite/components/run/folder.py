@@ -88,12 +88,8 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
             "(scripts/inspect_step.py splits those steps at this run's layout)"
         )
         return info
-    first = before.get("from_step", 1)
-    kept = [
-        e
-        for e in before.get("earlier", [])
-        if isinstance(e, dict) and e.get("from_step", 1) <= resume
-    ]
+    first, earlier = before.get("from_step", 1), before.get("earlier", [])
+    kept = [e for e in earlier if isinstance(e, dict) and e.get("from_step", 1) <= resume]
     if first <= resume:
         kept.append({"from_step": first, **{k: before[k] for k in LAYOUT_KEYS if k in before}})
     return {**info, "from_step": resume + 1, "earlier": kept}

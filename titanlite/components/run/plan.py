@@ -59,12 +59,9 @@ def resume_plan(
     if data.accept_change lets the run go on. Refuses, in one line, a checkpoint this run may not
     resume, and a folder holding another run without a checkpoint (unless torchrun restarts this
     very run, which starts over; a run that never logged a step left nothing to lose)."""
-    if (run_dir / REHEARSAL_FILE).is_file() != bool(cfg.rehearsal.world) and (
-        run_dir / "config.toml"
-    ).is_file():
-        held = (
-            "a rehearsal, which trained nothing" if cfg.rehearsal.world == 0 else "a training run"
-        )
+    rehearsal = (run_dir / REHEARSAL_FILE).is_file()
+    if rehearsal != bool(cfg.rehearsal.world) and (run_dir / "config.toml").is_file():
+        held = "a rehearsal, which trained nothing" if rehearsal else "a training run"
         raise UserError(
             f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: "
             "pick another --job.run_name or move it"
