@@ -13,14 +13,13 @@ import os
 import signal
 import sys
 
-from titanlite.errors import BEFORE_FIRST_STEP
+from titanlite.errors import BEFORE_FIRST_STEP, Stopped, report
 
 
 def _stopped_while_importing(signum: int, frame) -> None:
     """A stop while this module imports torch (seconds): nothing exists yet to clean up."""
     name = signal.Signals(signum).name
-    print(f"titanlite: stopped by {name} {BEFORE_FIRST_STEP}", file=sys.stderr, flush=True)
-    os._exit(128 + signum)
+    os._exit(report(Stopped(signum, f"stopped by {name} {BEFORE_FIRST_STEP}")))
 
 
 for _sig in (signal.SIGINT, signal.SIGTERM):
@@ -66,20 +65,19 @@ from titanlite.components.run.torchrun import (
 from titanlite.config import JobConfig
 from titanlite.config.command_line import CALLER_ENV, launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.errors import ENDINGS, EXIT_TRAINING, Stopped, UserError, report
+from titanlite.errors import ENDINGS, EXIT_TRAINING, UserError
 from titanlite.preflight import plan_run
 from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV, init_logging
 
 FAILURE_GRACE_S = 5  # after a worker failed, the others' SIGTERM before SIGKILL
 
-_stop = {"signal": 0}
-
 
 class _Agent(LocalElasticAgent):
     """torchrun's agent, which skips hopeless restarts and says when it restarts."""
 
     current: _Agent | None = None
+    stopping = 0  # the stop signal passed on to the workers; 0: none
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -91,7 +89,7 @@ class _Agent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             codes = {f.exitcode for f in result.failures.values()}
-            if _stop["signal"] or codes & NO_RESTART:
+            if _Agent.stopping or codes & NO_RESTART:
                 self._remaining_restarts = 0
             rank, first = cause(result.failures, self.stopped)
             self.last_failure = f"rank {rank} {how(first.exitcode)}"
@@ -132,9 +130,9 @@ def _on_signal(signum: int, frame) -> None:
     checkpoint; a second one (or one before the workers run) kills them and ends the launch."""
     agent = _Agent.current
     pids = list(agent._pcontext.pids().values()) if agent and agent._pcontext else []
-    first = bool(pids) and not _stop["signal"]
+    first = bool(pids) and not _Agent.stopping
     if first:
-        _stop["signal"] = signum
+        _Agent.stopping = signum
         agent._remaining_restarts = 0
     forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
     for pid in pids:
@@ -166,8 +164,7 @@ def _world_size(args) -> tuple[int, int]:
         return nnodes * int(args.nproc_per_node), nnodes
     except ValueError:
         raise UserError(
-            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} "
-            f"and {args.nproc_per_node!r}"
+            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
         ) from None
 
 
@@ -266,16 +263,14 @@ def main(argv: list[str]) -> int:
             stopped = code in {128 + s for s in STOP_SIGNALS}
             early = stopped and printed_by(BEFORE_FIRST_STEP, log_dir, None)
     except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
-        code = 2
+        code = report(e)
     except SignalException as e:
         name = e.sigval.name
-        early = not _stop["signal"]  # the workers never ran
+        early = not _Agent.stopping  # the workers never ran
         line = f"stopped by {name} {BEFORE_FIRST_STEP}"
         if not early:
             line = f"stopped at once by a second {name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
-        print(f"titanlite: {line}", file=sys.stderr)
-        code = 128 + int(e.sigval)
+        code = report(Stopped(int(e.sigval), line))
     finally:
         if lock is not None:
             lock.release()

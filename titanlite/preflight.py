@@ -37,7 +37,7 @@ from titanlite.datasets.spec import (
 )
 from titanlite.diagnostics.alerts import history_note
 from titanlite.diagnostics.rules import silent_rules_note
-from titanlite.errors import UserError
+from titanlite.errors import UserError, report
 from titanlite.tools.paths import check_writable
 from titanlite.tools.records import read_json
 from titanlite.validation import validate
@@ -161,17 +161,14 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         notes += [f"diagnostics: {note}" for note in (silent, short) if note]
     if cfg.eval.path and (same := eval_is_training_data(cfg)) is not None:
         notes.append(
-            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a "
-            "held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
+            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
         )
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
         trained = read_json(config).get("max_position_embeddings") or 0
         if 0 < trained < cfg.training.seq_len:
             notes.append(
-                f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was "
-                f"trained on ({config}: max_position_embeddings); the positions beyond are untrained, so "
-                f"lower training.seq_len to {trained} unless you mean to extend its context"
+                f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was trained on ({config}: max_position_embeddings); the positions beyond are untrained, so lower training.seq_len to {trained} unless you mean to extend its context"
             )
     return notes
 
@@ -224,8 +221,7 @@ def main(argv: list[str]) -> int:
             )
         plan_run(argv[2:], int(argv[1]), check_space=False)
     except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     return 0
 
 

@@ -130,10 +130,7 @@ class RunFiles:
                     f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; "
                     + self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
                 )
-        return (
-            f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
-            "records and checkpoints went with it"
-        )
+        return f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its records and checkpoints went with it"
 
     def what_was_kept(self, fix: str = "mend that", checkpoints: Path | None = None) -> str:
         """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not

@@ -84,8 +84,7 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
         before = None
     if not isinstance(before, dict):  # said: the history is advisory, the resume goes on
         logger.warning(
-            f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept "
-            "(scripts/inspect_step.py splits those steps at this run's layout)"
+            f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept (scripts/inspect_step.py splits those steps at this run's layout)"
         )
         return info
     first, earlier = before.get("from_step", 1), before.get("earlier", [])

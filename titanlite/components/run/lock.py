@@ -51,8 +51,7 @@ class RunLock:
             os.close(fd)  # its holder released (unlinked) it between our open and our flock
         if holder:
             logger.warning(
-                f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid "
-                f"{holder.get('pid')} (started {holder.get('started')}); that process is gone"
+                f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid {holder.get('pid')} (started {holder.get('started')}); that process is gone"
             )
         started = datetime.now().isoformat(timespec="seconds")
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
@@ -92,8 +91,7 @@ class RunLock:
         os.close(fd)
         who = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
         raise UserError(
-            f"run folder '{self.run_dir}' is in use by a live run ({who}); wait for it or stop it, "
-            "or pick another --job.run_name"
+            f"run folder '{self.run_dir}' is in use by a live run ({who}); wait for it or stop it, or pick another --job.run_name"
         )
 
     def _heartbeat(self) -> None:
@@ -114,8 +112,7 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             logger.warning(
-                f"run folder {self.run_dir}: its run.lock was removed and another launch took it; two runs now "
-                "write this folder: stop one of them"
+                f"run folder {self.run_dir}: its run.lock was removed and another launch took it; two runs now write this folder: stop one of them"
             )
             return
         os.pwrite(fd, self._me, 0)

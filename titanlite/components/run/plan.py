@@ -30,8 +30,7 @@ def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
         return f"{stem}-slurm{os.environ['SLURM_JOB_ID']}"
     if nnodes > 1:
         raise UserError(
-            "a run on several nodes needs --job.run_name (every node must open the same run folder); "
-            "under SLURM the job id names it"
+            "a run on several nodes needs --job.run_name (every node must open the same run folder); under SLURM the job id names it"
         )
     return f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
@@ -63,8 +62,7 @@ def resume_plan(
     if rehearsal != bool(cfg.rehearsal.world) and (run_dir / "config.toml").is_file():
         held = "a rehearsal, which trained nothing" if rehearsal else "a training run"
         raise UserError(
-            f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: "
-            "pick another --job.run_name or move it"
+            f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: pick another --job.run_name or move it"
         )
     if cfg.rehearsal.world:
         return None, None  # a rehearsal never resumes: it starts over in its own folder
@@ -73,16 +71,13 @@ def resume_plan(
     metrics = run_dir / "metrics.jsonl"
     if resume is not None and resume > cfg.training.steps:
         raise UserError(
-            f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step "
-            f"{resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step "
-            "(an earlier step of that folder)"
+            f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step {resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step (an earlier step of that folder)"
         )
     if resume is not None:
         return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
     if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
-            f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
-            "pick another --job.run_name or move it"
+            f"run folder '{run_dir}' already holds a run without a checkpoint to resume; pick another --job.run_name or move it"
         )
     return None, None
 
@@ -92,7 +87,5 @@ def check_checkpoint_space(folder: Path, need_bytes: int, what: str) -> None:
     free = shutil.disk_usage(existing_parent(folder)).free
     if free < need_bytes:
         raise UserError(
-            f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} "
-            f"needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, "
-            "or set checkpoint.every = 0 and checkpoint.at_end = false"
+            f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, or set checkpoint.every = 0 and checkpoint.at_end = false"
         )

@@ -74,8 +74,7 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
     if nnodes > 1:
         if restarts:
             raise UserError(
-                "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job "
-                "(scripts/train.slurm does)"
+                "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job (scripts/train.slurm does)"
             )
         if "NODE_RANK" not in v or node >= nnodes:
             raise UserError(
@@ -128,8 +127,7 @@ def _check_port_free(port: int) -> None:
             if e.errno != errno.EADDRINUSE:
                 raise
             raise UserError(
-                f"MASTER_PORT {port} is in use on this machine (another run or service listens there); "
-                "pick a free port, or unset MASTER_PORT on a single node for a free one"
+                f"MASTER_PORT {port} is in use on this machine (another run or service listens there); pick a free port, or unset MASTER_PORT on a single node for a free one"
             ) from None
 
 
