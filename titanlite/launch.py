@@ -151,8 +151,7 @@ class _RunLogs(DefaultLogsSpecs):
 
 
 class _NoTag(str):
-    """An empty console tag per line, which torchrun would ignore were it falsy (its default is
-    "[default0]:"); the titanlite logger tags its lines with the rank already."""
+    """An empty console tag per line (torchrun ignores a falsy one): titanlite's lines have one."""
 
     def __bool__(self) -> bool:
         return True

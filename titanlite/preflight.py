@@ -55,8 +55,7 @@ stops at once. Exit codes: 0 done, 2 bad input (one line says what), 3 the run w
 (non-finite loss, diagnostics.on_alert = stop, a failed checkpoint save), 4 a rank stopped
 responding (comm.timeout_s; the line names it), 130/143 stopped by SIGINT/SIGTERM."""
 
-# Bytes per parameter of a checkpoint: float32 weights plus AdamW's two float32 moments.
-CHECKPOINT_BYTES_PER_PARAM = 12
+CHECKPOINT_BYTES_PER_PARAM = 12  # float32 weights plus AdamW's two float32 moments
 
 
 def plan_run(
@@ -124,8 +123,7 @@ def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
 
 
 def inputs(cfg: JobConfig, path: str | None) -> list[str]:
-    """What the run reads, each by its absolute path (relative ones are the caller's folder's:
-    titanlite.config.command_line)."""
+    """What the run reads, each by its absolute path (titanlite.config.command_line's)."""
 
     def where(value: str) -> str:
         return str(Path(value).expanduser().absolute())
@@ -146,8 +144,7 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
 
 
 def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
-    """What is on that a user may not know of: fault switches, rules this dp cannot run, a
-    sequence longer than the model's trained context."""
+    """What is on that a user may not know of (fault switches, rules this dp cannot run, ...)."""
     notes = []
     if cfg.faults is not None:
         on = ", ".join(cfg.faults.switches_on()) or "every switch off"

@@ -1,11 +1,8 @@
-"""The one writer of a run folder's records (rank 0): metrics.jsonl, diagnostics.jsonl,
-events.jsonl, eval.jsonl, samples.jsonl. A record is written whole or not at all: a failed append
-(a full disk, one gone read-only) is cut back to where the file ended, and the run stops with
-exit 3 in one line naming the disk and what was kept. A file removed under the live run (appends
-to an unlinked file are silently lost) is written again from the next append or check, with one
-line saying so; one replaced by a folder, or a run folder gone, stops the run (exit 3).
-titanlite.tools.records reads what this writes; a resume first cuts it back (truncate_after).
-"""
+"""The one writer of a run folder's records (rank 0). A record is written whole or not at all: a
+failed append (a full disk) is cut back, and the run stops (exit 3) in one line naming the disk
+and what was kept. A file removed under the live run (appends to an unlinked file are silently
+lost) is written again, said in one line; one replaced by a folder, or the run folder gone, stops
+the run. titanlite.tools.records reads what this writes; a resume first cuts it back."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from titanlite.tools.cache import atomic_write_bytes, disk_full
 logger = logging.getLogger("titanlite")
 
 RECORD_FILES = ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl")
-# errors a write meets on a disk that cannot take it: full, over quota, read-only
-NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # a disk that cannot take it
 
 
 class RunFiles:

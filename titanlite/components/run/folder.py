@@ -120,6 +120,7 @@ def open_run_folder(
             _write(cfg, run_dir, info, resume)
             if changed:
                 _data_changed(run_dir, resume, changed)
+            logger.info(f"run folder: {run_dir}")
         except UserError as e:
             found[2] = str(e)
         except OSError as e:
@@ -131,8 +132,6 @@ def open_run_folder(
     dist.broadcast_object_list(found, src=0)
     if found[2]:
         raise UserError(found[2])
-    if dist.get_rank() == 0:
-        logger.info(f"run folder: {found[0]}")
     return Path(found[0]), found[1], lock
 
 
@@ -141,10 +140,9 @@ def _data_changed(run_dir: Path, step: int, change: str) -> None:
     message = f"resumed on changed data (data.accept_change): {change}"
     logger.warning(f"NOTE data_changed at step {step}: {message}")
     note = {"name": "data_changed", "step": step, "ranks": [], "hosts": [], "message": message}
+    note |= {"cause": "", "values": {}, "samples": [], "level": "info"}
     files = RunFiles(run_dir)
-    files.append(
-        "events.jsonl", [{**note, "cause": "", "values": {}, "samples": [], "level": "info"}]
-    )
+    files.append("events.jsonl", [note])
     files.close()
 
 

@@ -1,11 +1,8 @@
-"""One live run per run folder: `<run>/run.lock` names its holder (host, pid, start time).
-
-The holder keeps an exclusive flock on it, which the kernel drops however the process dies, so
-on one host a stale lock is stale by construction; the file removed under the live run is made
-again within a second. Where flock does not reach across hosts, a heartbeat: the holder touches
-the file every REFRESH_S, and another host's lock untouched for STALE_S is dead (taken over with
-a warning). The launcher holds it (torchrun's restarts stay inside one run), else workers' rank 0.
-"""
+"""One live run per run folder: `<run>/run.lock` names its holder (host, pid, start time), which
+keeps a flock on it that the kernel drops however the process dies; the file removed under the
+live run is made again within a second. Where flock does not reach across hosts, the holder
+touches it every REFRESH_S, and another host's lock untouched for STALE_S is dead (taken over
+with a warning). The launcher holds it (torchrun's restarts stay inside one run), else rank 0."""
 
 from __future__ import annotations
 
@@ -72,9 +69,8 @@ class RunLock:
         os.close(fd)  # drops the probe's shared flock
 
     def _refuse_if_live(self, fd: int, how: int) -> dict:
-        """The holder the file names, once `fd` is flocked (`how`); a live holder (its flock held,
-        or another host's lock touched within STALE_S, whose flock this file system may not show)
-        closes `fd` and raises the refusal."""
+        """The holder the file names, once `fd` is flocked (`how`); a live one (its flock held, or
+        another host's lock touched within STALE_S) closes `fd` and raises the refusal."""
         try:
             fcntl.flock(fd, how | fcntl.LOCK_NB)
             held = False

@@ -16,8 +16,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
 
-# In a rehearsal's run folder (titanlite.rehearsal): its report, and the mark that it is one.
-REHEARSAL_FILE = "rehearsal.json"
+REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
 
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
@@ -68,13 +67,13 @@ def resume_plan(
         return None, None  # a rehearsal never resumes: it starts over in its own folder
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
-    metrics = run_dir / "metrics.jsonl"
-    if resume is not None and resume > cfg.training.steps:
-        raise UserError(
-            f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step {resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step (an earlier step of that folder)"
-        )
     if resume is not None:
+        if resume > cfg.training.steps:
+            raise UserError(
+                f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step {resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step (an earlier step of that folder)"
+            )
         return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
+    metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
             f"run folder '{run_dir}' already holds a run without a checkpoint to resume; pick another --job.run_name or move it"

@@ -24,9 +24,7 @@ from titanlite.components.run.torchrun import STOP_SIGNALS
 from titanlite.distributed.groups import host_group
 from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 
-# The flag's value for "a rank failed to write what only it writes" (rank 0: the run folder's
-# records): above every signal number, so it wins the MAX, and every rank stops with that line.
-FAILED = 1 << 16
+FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, it wins the MAX
 
 
 class StopSignals:

@@ -100,11 +100,8 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
     args += ["--local-ranks-filter", ",".join(map(str, shown))]
     # CPU ranks share the cores; saying so also silences torchrun's OMP banner
     threads = v.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // nproc))
-    env = {
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONWARNINGS": environ.get("PYTHONWARNINGS", WARNINGS),
-    }
-    return args, env
+    warnings = environ.get("PYTHONWARNINGS", WARNINGS)
+    return args, {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": warnings}
 
 
 def _log_ranks(text: str, nproc: int) -> list[int]:
@@ -132,8 +129,7 @@ def _check_port_free(port: int) -> None:
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Exits a restart cannot fix: bad input, a training error, a stop by signal.
-NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}
+NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}  # a restart cannot fix
 TAIL_LINES = 20  # a crashed rank's last lines shown, when the console did not show them
 
 
