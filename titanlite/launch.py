@@ -78,11 +78,11 @@ class _Agent(LocalElasticAgent):
 
     current: _Agent | None = None
     stopping = 0  # the stop signal passed on to the workers; 0: none
+    last_failure = ""  # the line of the failure a restart follows
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _Agent.current = self
-        self.last_failure = ""
         self.stopped: set[int] = set()  # local ranks torchrun itself stopped after another failed
 
     def _monitor_workers(self, worker_group):

@@ -65,16 +65,14 @@ def plan_run(
     check_space: bool = True,
     hold: Callable[[JobConfig, Path], None] | None = None,
 ) -> tuple[JobConfig, Path]:
-    """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock) once its name is fixed;
-    without it, a folder a live run holds is refused. Either way that comes before its
-    checkpoints are read, which a live run may be writing and pruning."""
+    """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock), else a folder a live run
+    holds is refused; either way before its checkpoints are read (a live run may be pruning them)."""
     config_notes: list[str] = []  # said after the run's own lines, once every check passed
     cfg, path = parse_args(argv, config_notes)
     layout = validate(cfg, cfg.rehearsal.world or world_size)  # a rehearsal's: the one it rehearses
     check_data_files(cfg)
-    check_data_tokenizer(
-        cfg.data.mode, cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path
-    )
+    tokenizer = cfg.model.tokenizer_path or cfg.model.hf_assets_path
+    check_data_tokenizer(cfg.data.mode, cfg.data.path, tokenizer)
     run_dir = run_folder(cfg, path, nnodes)
     check_writable(run_dir, "job.dump_folder")
     if hold is None:
@@ -172,8 +170,7 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
 
 def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
-    whole and fit the model (`meta`) both ways, every tensor a parameter and every parameter a
-    tensor (a resume never reads them)."""
+    whole and fit the model (`meta`) both ways; a resume never reads them."""
     from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
     from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.datasets.build import tokenizer_key

@@ -110,8 +110,7 @@ class RunFiles:
         return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
     def gone(self) -> str:
-        """The stop line of a run folder moved (an open record file says where, through /proc) or
-        removed."""
+        """The stop line of a run folder moved (an open file says where, in /proc) or removed."""
         for fd in self._fds.values():
             try:
                 now = os.readlink(f"/proc/self/fd/{fd}")
@@ -122,15 +121,13 @@ class RunFiles:
                 checkpoints = self.checkpoints
                 if checkpoints is not None and checkpoints.is_relative_to(self.run_dir):
                     checkpoints = moved / checkpoints.relative_to(self.run_dir)
-                return (
-                    f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; "
-                    + self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
-                )
+                kept = self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
+                return f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; {kept}"
         return f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its records and checkpoints went with it"
 
     def what_was_kept(self, fix: str = "mend that", checkpoints: Path | None = None) -> str:
-        """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not
-        the folder they were written to), and how to go on."""
+        """The rest of the stop line: what the run leaves (in `checkpoints`, if not where they were
+        written), and how to go on."""
         records = "the records written are whole"
         if step := self.kept.get("metrics.jsonl"):
             records = f"its records up to step {step} are whole"

@@ -62,9 +62,8 @@ LAYOUT_KEYS = (
 
 
 def layout_at(info: dict, step: int) -> dict:
-    """The layout step `step` ran at, from run.json: a resume at another layout keeps the earlier
-    sessions' layouts ("earlier", each with the first step it ran), so a step's ranks are read
-    the way it was split (scripts/inspect_step.py)."""
+    """The layout step `step` ran at, from run.json, whose "earlier" keeps the layouts of earlier
+    sessions (each with its first step) for scripts/inspect_step.py."""
     for earlier in reversed(info.get("earlier", [])):
         if earlier.get("from_step", 1) <= step < info.get("from_step", 1):
             return earlier
@@ -153,6 +152,5 @@ def _write(cfg: JobConfig, run_dir: Path, info: dict, resume: int | None) -> Non
     info = _with_earlier(run_dir, info, resume)
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     if cfg.rehearsal.world:  # the mark that no training run may resume here (REHEARSAL_FILE)
-        (run_dir / REHEARSAL_FILE).write_text(
-            json.dumps({"world": cfg.rehearsal.world, "complete": False}) + "\n"
-        )
+        mark = {"world": cfg.rehearsal.world, "complete": False}
+        (run_dir / REHEARSAL_FILE).write_text(json.dumps(mark) + "\n")

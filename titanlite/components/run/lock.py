@@ -59,8 +59,7 @@ class RunLock:
         threading.Thread(target=self._heartbeat, name="run-lock", daemon=True).start()
 
     def refuse_if_held(self) -> None:
-        """Raise acquire's refusal if a live run holds the lock, taking nothing: a check that
-        looks at the folder without running in it (the standalone preflight)."""
+        """Raise acquire's refusal if a live run holds the lock, taking nothing (the preflight)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:

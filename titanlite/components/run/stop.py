@@ -1,15 +1,11 @@
-"""Stopping on SIGINT or SIGTERM (Ctrl-C, a preemption) without losing work, and on a failure of
-what only one rank does (fail()), which every rank then stops for with its line.
-
-The handler only records the signal; ranks may get it at different steps, or one rank only, so
-they agree through a MAX all-reduce of the flag on a gloo group of their own, started after each
-step and read (long complete, so no wait) after the next: the stop comes at most one step late,
-with a checkpoint and exit 128 + the signal. Where the host waits anyway (after an eval, a save,
-at the end) they settle at once with a blocking all-reduce: a signal is never lost, never exit 0.
-The launcher starts the workers with the signals blocked, so one that comes while they import
-torch stays pending until the handler is installed here (before the loop it stops at once);
-after the loop they are ignored (CPython's finalization would restore the default, which kills).
-"""
+"""Stopping on SIGINT or SIGTERM without losing work, and on a failure of what only one rank does
+(fail()). Ranks may get a signal at different steps, or one rank only: they agree through a MAX
+all-reduce of the flag on a gloo group of their own, started after each step and read (complete,
+no wait) after the next, so the stop (a checkpoint, exit 128 + the signal) is at most one step
+late; where the host waits anyway (an eval, a save, the end) a blocking one settles it at once.
+A signal pending since the launcher started the worker is handled once the handler is installed
+(before the loop it stops at once); after the loop they are ignored (CPython's finalization
+would restore the default action, which kills)."""
 
 from __future__ import annotations
 
@@ -22,6 +18,7 @@ import torch.distributed as dist
 
 from titanlite.components.run.torchrun import STOP_SIGNALS
 from titanlite.distributed.groups import host_group
+from titanlite.distributed.utils import first_error
 from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 
 FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, it wins the MAX
@@ -84,9 +81,7 @@ class StopSignals:
             return agreed
         if self.group is None:
             raise TrainingError(self.failure)
-        lines: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(lines, self.failure or None, group=self.group)
-        raise TrainingError(next(line for line in lines if line))  # the lowest failing rank's
+        raise TrainingError(first_error(self.failure or None, self.group))  # the lowest rank's
 
     def settle(self) -> int:
         """Every rank, where the host waits anyway: the signal all ranks agree to stop for now
