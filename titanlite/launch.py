@@ -238,8 +238,7 @@ def main(argv: list[str]) -> int:
             quarantine_damaged(folder, cfg.metrics.enable_wandb)
             set_aside_abandoned(folder, cfg.checkpoint.load_step)
         os.environ[AGENT_PID_ENV] = str(os.getpid())
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
+        log_dir = run_dir / "logs" / time.strftime(f"%Y%m%d-%H%M%S-node{args.node_rank}")
         shown = None
         if args.local_ranks_filter:
             shown = {int(r) for r in args.local_ranks_filter.split(",")}

@@ -1,10 +1,8 @@
 """Everything about a run that can be checked before any worker starts (titanlite.launch runs it):
-the config, the data and tokenizer, the run folder (named, writable, not held by a live run), the
-model on the meta device, a fresh run's initial weights, the checkpoint folder (its checkpoint
-resumable, room for one more). A problem is one UserError. `python -m titanlite.preflight
+the config, data, run folder, model (on the meta device), initial weights and checkpoint folder
+(resumable, room for one more); a problem is one UserError. `python -m titanlite.preflight
 --world-size N [--config FILE] [overrides]` runs the same checks: nothing (exit 0) or one line
-(exit 2); `--help` prints run_train.sh's usage and every config key, without importing torch.
-"""
+(exit 2); `--help` prints run_train.sh's usage and every config key."""
 
 from __future__ import annotations
 

@@ -71,8 +71,7 @@ def layout_at(info: dict, step: int) -> dict:
 
 
 def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
-    """run.json of a resume: the previous run.json's layout joins "earlier" (entries from a
-    rewound timeline, past `resume`, are dropped)."""
+    """run.json of a resume: the previous one's layout joins "earlier" (a rewound one's dropped)."""
     if not resume:
         return info
     try:

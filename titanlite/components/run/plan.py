@@ -1,7 +1,6 @@
 """Where a run writes and what it resumes, from the config and the disk alone (torch-free), for
-the launcher and again for rank 0 of the workers (a plain `torchrun -m titanlite.train` too). The
-default run name carries the start time (the launcher fixes it before torchrun); under SLURM it
-is `<config stem>-slurm<job id>`, the same on every node and for a requeued job."""
+the launcher and again for the workers' rank 0. The default run name carries the start time (the
+launcher fixes it); under SLURM it is `<config stem>-slurm<job id>`, alike on every node."""
 
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ def resume_plan(
     cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
 ) -> tuple[int | None, str | None]:
     """The checkpoint step to resume from (None: a fresh run), and how the data changed since it
-    if data.accept_change lets the run go on. Refuses, in one line, a checkpoint this run may not
-    resume, and a folder holding another run without a checkpoint (unless torchrun restarts this
-    very run, which starts over; a run that never logged a step left nothing to lose)."""
+    if data.accept_change lets it. Refuses a checkpoint this run may not resume, and a folder of
+    another run that logged a step but has no checkpoint (unless torchrun restarts this run)."""
     rehearsal = (run_dir / REHEARSAL_FILE).is_file()
     if rehearsal != bool(cfg.rehearsal.world) and (run_dir / "config.toml").is_file():
         held = "a rehearsal, which trained nothing" if rehearsal else "a training run"

@@ -75,8 +75,7 @@ class StopSignals:
         return work, tensor, buf
 
     def _failed_or(self, agreed: int) -> int:
-        """`agreed`, unless it says a rank failed: then every rank raises that rank's line (sent
-        to all, so the one line the launcher shows is the same whichever rank it shows)."""
+        """`agreed`, unless it says a rank failed: then every rank raises that rank's one line."""
         if agreed != FAILED:
             return agreed
         if self.group is None:
@@ -84,8 +83,7 @@ class StopSignals:
         raise TrainingError(first_error(self.failure or None, self.group))  # the lowest rank's
 
     def settle(self) -> int:
-        """Every rank, where the host waits anyway: the signal all ranks agree to stop for now
-        (0: go on), from one blocking all-reduce of what each has received."""
+        """Every rank, where the host waits anyway: the signal all agree to stop for now (0: go on)."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None

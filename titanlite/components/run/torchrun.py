@@ -1,7 +1,6 @@
-"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, ...),
-each checked through titanlite.tools.cli.Arg (one line, exit 2, before any worker starts), and
-what the launcher says of a failed worker group: the rank that caused it and why, from the
-ranks' logs (logs/<launch>-node<k>/attempt_<n>/<local rank>/stderr.log)."""
+"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, ...), each
+checked (one line, exit 2, before any worker starts), and what the launcher says of a failed
+worker group: the rank that caused it and why, from the ranks' logs."""
 
 from __future__ import annotations
 
@@ -147,8 +146,7 @@ def _logs(log_dir: Path) -> dict[int, Path]:
 
 
 def printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
-    """Whether one of `ranks` (None: any) printed `text` in this attempt (e.g. an error every rank
-    finds alike, which a rank on the console has already shown)."""
+    """Whether one of `ranks` (None: any) printed `text` in this attempt (e.g. an error all found)."""
     logs = _logs(log_dir)
     return any(
         text in logs[r].read_text(errors="replace") for r in logs if ranks is None or r in ranks
