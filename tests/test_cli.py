@@ -465,17 +465,17 @@ def test_a_folder_whose_start_failed_is_reused_by_the_same_command(tmp_path):
     """A start that failed in the workers (a truncated weights file, a bad tokenizer) leaves a run
     folder without a logged step: the same command, once fixed, reuses it; a folder whose run
     logged a step is refused."""
-    from titanlite.components.run.plan import resume_step
+    from titanlite.components.run.plan import resume_plan
 
     cfg = load_config(None, ["--job.dump_folder", str(tmp_path), "--job.run_name", "r"])
     run = tmp_path / "r"
     run.mkdir()
     for name in ("config.toml", "run.json", "metrics.jsonl"):
         (run / name).write_text("")
-    assert resume_step(cfg, run, restarted=False) is None
+    assert resume_plan(cfg, run, restarted=False) == (None, None)
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 7.0}\n')
     with pytest.raises(UserError, match="already holds a run without a checkpoint to resume"):
-        resume_step(cfg, run, restarted=False)
+        resume_plan(cfg, run, restarted=False)
 
 
 def test_an_error_the_workers_find_is_printed_once_and_adds_no_logs(tmp_path):

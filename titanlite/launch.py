@@ -1,22 +1,10 @@
 """torchrun, the titanlite way: `python -m titanlite.launch [torchrun args] -m titanlite.train
-[train args]`, or (run_train.sh) `python -m titanlite.launch --from-env --caller-cwd DIR [train
-args]`, torchrun's arguments then read from NPROC, NNODES, ... (titanlite.components.run.torchrun).
-The train args are the command line's words (titanlite.config.command_line: the default config,
-one --config, --rehearse); `--caller-cwd` is the folder the user ran the command in, which
-relative paths mean (titanlite.config.command_line) and where a fork's module may live.
-
-Before any worker starts: every check that needs no worker (titanlite.preflight), the run
-folder's name fixed (a worker group that torchrun restarts reopens the same folder) and, on node
-0, the run lock. Then torchrun's agent, with:
-- every rank's output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, whatever
-  LOG_RANK shows on the console; a crashed rank's last lines are shown with one line naming it;
-- SIGINT / SIGTERM passed on to the workers, which finish their step, checkpoint and exit with
-  128 + the signal. No SIGKILL timer runs meanwhile: the workers take the time a save needs
-  (the stop line reports it). A second signal kills them at once;
-- no restart (MAX_RESTARTS) after an exit that a restart cannot fix: bad input, a training
-  error, a stop by signal.
-Exit code: the workers' (0 done, 2 bad input, 3 the run stopped itself, 4 a rank stopped
-responding, 128+N stopped by signal N), or 1 when a worker crashed.
+[train args]`, or (run_train.sh) `... --from-env --caller-cwd DIR [train args]`, torchrun's
+arguments then from NPROC, NNODES, ... First the preflight, the run folder's name fixed (a
+restarted worker group reopens it) and node 0's run lock; then torchrun's agent, every rank's
+output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, SIGINT / SIGTERM passed
+on to the workers (they checkpoint and exit 128 + the signal; a second one kills them), and no
+restart after an exit a restart cannot fix. Exit code: the workers', or 1 on a crash.
 """
 
 from __future__ import annotations
@@ -25,17 +13,13 @@ import os
 import signal
 import sys
 
-from titanlite.errors import BEFORE_FIRST_STEP
+from titanlite.errors import BEFORE_FIRST_STEP, Stopped, report
 
 
 def _stopped_while_importing(signum: int, frame) -> None:
     """A stop while this module imports torch (seconds): nothing exists yet to clean up."""
-    print(
-        f"titanlite: stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}",
-        file=sys.stderr,
-        flush=True,
-    )
-    os._exit(128 + signum)
+    name = signal.Signals(signum).name
+    os._exit(report(Stopped(signum, f"stopped by {name} {BEFORE_FIRST_STEP}")))
 
 
 for _sig in (signal.SIGINT, signal.SIGTERM):
@@ -43,22 +27,20 @@ for _sig in (signal.SIGINT, signal.SIGTERM):
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before torch is imported
     from titanlite.config.command_line import wants_help
-    from titanlite.config.manager import config_help
+    from titanlite.preflight import main as preflight
 
     _words = sys.argv[2:]
     if _words[:1] == ["--caller-cwd"]:  # run_train.sh's own option, before the user's words
         _words = _words[2:]
     if wants_help(_words):
-        from titanlite.preflight import USAGE
-
-        print(config_help(USAGE))
-        sys.exit(0)
+        sys.exit(preflight(_words))  # the usage and every config key
 
 # the rest after the handler: importing torch takes seconds
 import contextlib
 import logging
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch.distributed.elastic.multiprocessing.api as mp_api
@@ -83,34 +65,31 @@ from titanlite.components.run.torchrun import (
 from titanlite.config import JobConfig
 from titanlite.config.command_line import CALLER_ENV, launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.errors import ENDINGS, EXIT_TRAINING, Stopped, UserError, report
+from titanlite.errors import ENDINGS, EXIT_TRAINING, UserError
 from titanlite.preflight import plan_run
 from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV, init_logging
 
-# After a worker failed, the others get SIGTERM and this long before SIGKILL (they are usually
-# waiting on the dead peer in a collective, which no grace can finish).
-FAILURE_GRACE_S = 5
-
-_stop = {"signal": 0}
+FAILURE_GRACE_S = 5  # after a worker failed, the others' SIGTERM before SIGKILL
 
 
 class _Agent(LocalElasticAgent):
     """torchrun's agent, which skips hopeless restarts and says when it restarts."""
 
     current: _Agent | None = None
+    stopping = 0  # the stop signal passed on to the workers; 0: none
+    last_failure = ""  # the line of the failure a restart follows
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         _Agent.current = self
-        self.last_failure = ""
         self.stopped: set[int] = set()  # local ranks torchrun itself stopped after another failed
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
         if result.is_failed():
             codes = {f.exitcode for f in result.failures.values()}
-            if _stop["signal"] or codes & NO_RESTART:
+            if _Agent.stopping or codes & NO_RESTART:
                 self._remaining_restarts = 0
             rank, first = cause(result.failures, self.stopped)
             self.last_failure = f"rank {rank} {how(first.exitcode)}"
@@ -124,10 +103,8 @@ class _Agent(LocalElasticAgent):
             pids = super()._start_workers(worker_group)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL (inside
-        # its process context, whatever --shutdown-timeout says); they wait on the dead peer,
-        # which no grace can finish. A user's stop never goes through this: the workers exit
-        # by themselves first.
+        # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL whatever
+        # --shutdown-timeout says; they wait on the dead peer in a collective, which no grace ends.
         ctx, self.stopped = self._pcontext, set()
         close = ctx.close
 
@@ -143,12 +120,8 @@ class _Agent(LocalElasticAgent):
 
     def _restart_workers(self, worker_group) -> None:
         left = self._remaining_restarts
-        print(
-            f"titanlite: {self.last_failure}; restarting the workers ({left} restart(s) left after "
-            "this one); they resume from the last complete checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
+        line = f"titanlite: {self.last_failure}; restarting the workers ({left} restart(s) left after this one); they resume from the last complete checkpoint"
+        print(line, file=sys.stderr, flush=True)
         super()._restart_workers(worker_group)
 
 
@@ -157,39 +130,28 @@ def _on_signal(signum: int, frame) -> None:
     checkpoint; a second one (or one before the workers run) kills them and ends the launch."""
     agent = _Agent.current
     pids = list(agent._pcontext.pids().values()) if agent and agent._pcontext else []
-    if not _stop["signal"] and pids:
-        _stop["signal"] = signum
+    first = bool(pids) and not _Agent.stopping
+    if first:
+        _Agent.stopping = signum
         agent._remaining_restarts = 0
-        forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
-        for pid in pids:
-            _kill(pid, forward)
-        return
+    forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
     for pid in pids:
-        _kill(pid, signal.SIGKILL)
-    raise SignalException(
-        f"launcher got {signal.Signals(signum).name}", sigval=signal.Signals(signum)
-    )
-
-
-def _kill(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, sig)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, forward if first else signal.SIGKILL)
+    if not first:
+        sig = signal.Signals(signum)
+        raise SignalException(f"launcher got {sig.name}", sigval=sig)
 
 
 class _RunLogs(DefaultLogsSpecs):
     """torchrun's per-rank log files, in a folder of the run folder (not a random temp one)."""
-
-    def __init__(self, folder: Path, shown: set[int] | None) -> None:
-        super().__init__(log_dir=str(folder), tee=Std.ALL, local_ranks_filter=shown)
 
     def _make_log_dir(self, log_dir: str | None, rdzv_run_id: str) -> str:
         return str(log_dir)
 
 
 class _NoTag(str):
-    """An empty console tag per line. torchrun tags each line it copies from a rank's log with
-    "[default0]:" unless a prefix template is given, and ignores an empty (falsy) template; the
-    titanlite logger tags its lines with the rank already."""
+    """An empty console tag per line (torchrun ignores a falsy one): titanlite's lines have one."""
 
     def __bool__(self) -> bool:
         return True
@@ -201,34 +163,17 @@ def _world_size(args) -> tuple[int, int]:
         return nnodes * int(args.nproc_per_node), nnodes
     except ValueError:
         raise UserError(
-            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} "
-            f"and {args.nproc_per_node!r}"
+            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
         ) from None
-
-
-def _standalone(args) -> None:
-    """torchrun's --standalone: a rendezvous on a free local port (as torch.distributed.run.run)."""
-    import uuid
-
-    if args.standalone:
-        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = (
-            "c10d",
-            "localhost:0",
-            str(uuid.uuid4()),
-        )
-    if args.master_port is None:
-        args.master_port = 29500
 
 
 def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
     """(--from-env given, the rest) after the launcher's own leading options; --caller-cwd DIR
-    becomes the workers' caller folder (relative paths are read there; a fork's module may live
-    there)."""
-    from_env = False
-    while argv[:1] in (["--from-env"], ["--caller-cwd"]):
-        if argv[0] == "--from-env":
-            from_env, argv = True, argv[1:]
-            continue
+    becomes the workers' caller folder (relative paths are read there; a fork's module too)."""
+    from_env = argv[:1] == ["--from-env"]
+    if from_env:
+        argv = argv[1:]
+    if argv[:1] == ["--caller-cwd"]:
         if len(argv) < 2 or not Path(argv[1]).is_dir():
             raise UserError(
                 f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}"
@@ -237,9 +182,8 @@ def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
         os.environ[CALLER_ENV] = caller
         if caller not in sys.path:  # a fork's module beside the user's config (model.import_module)
             sys.path.append(caller)
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                p for p in (os.environ.get("PYTHONPATH"), caller) if p
-            )
+            path = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = f"{path}{os.pathsep}{caller}" if path else caller
         argv = argv[2:]
     return from_env, argv
 
@@ -274,71 +218,57 @@ def main(argv: list[str]) -> int:
                 lock.acquire()
                 os.environ[HELD_ENV] = str(lock.path.resolve())
 
-        plan = plan_run(args.training_script_args, world, nnodes, hold=hold)
+        cfg, run_dir = plan_run(args.training_script_args, world, nnodes, hold=hold)
         os.environ[NOTES_SHOWN_ENV] = "1"  # the workers load the same config: no second note
-        run_dir = plan.run_dir
-        if plan.cfg.rehearsal.world:  # one process, here, in place of torchrun's workers
+        if cfg.rehearsal.world:  # one process, here, in place of torchrun's workers
             from titanlite.rehearsal.run import rehearse
 
-            plan.cfg.job.run_name = run_dir.name
+            cfg.job.run_name = run_dir.name
             try:
-                rehearse(plan.cfg)
+                rehearse(cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
                 early = isinstance(e, Stopped)  # its report never came: the run folder goes too
                 return report(e)
             return 0
-        if not plan.cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
+        if not cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
         if lock is not None:
-            # the preflight resumes from the newest intact checkpoint: set the damaged newer ones aside,
-            # and after a rewind (checkpoint.load_step) the abandoned ones
-            folder = checkpoint_folder(plan.cfg, run_dir)
-            quarantine_damaged(folder, plan.cfg.metrics.enable_wandb)
-            set_aside_abandoned(folder, plan.cfg.checkpoint.load_step)
+            # as the preflight planned: the damaged newest steps set aside, and a rewind's newer ones
+            folder = checkpoint_folder(cfg, run_dir)
+            quarantine_damaged(folder, cfg.metrics.enable_wandb)
+            set_aside_abandoned(folder, cfg.checkpoint.load_step)
         os.environ[AGENT_PID_ENV] = str(os.getpid())
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        log_dir = run_dir / "logs" / f"{stamp}-node{args.node_rank}"
-        shown = (
-            {int(r) for r in args.local_ranks_filter.split(",")}
-            if args.local_ranks_filter
-            else None
-        )
-        _standalone(args)
-        args.log_dir = (
-            os.devnull
-        )  # torchrun's default would make an empty temp folder; _RunLogs replaces it
+        log_dir = run_dir / "logs" / time.strftime(f"%Y%m%d-%H%M%S-node{args.node_rank}")
+        shown = None
+        if args.local_ranks_filter:
+            shown = {int(r) for r in args.local_ranks_filter.split(",")}
+        if args.standalone:  # a rendezvous on a free local port, as torch.distributed.run.run
+            args.rdzv_backend, args.rdzv_endpoint = "c10d", "localhost:0"
+            args.rdzv_id = str(uuid.uuid4())
+        if args.master_port is None:
+            args.master_port = 29500
+        args.log_dir = os.devnull  # not torchrun's empty temp folder: _RunLogs replaces it
         config, cmd, cmd_args = config_from_args(args)
-        config.logs_specs = _RunLogs(log_dir, shown)
+        config.logs_specs = _RunLogs(log_dir=str(log_dir), tee=Std.ALL, local_ranks_filter=shown)
         config.log_line_prefix_template = config.log_line_prefix_template or _NoTag("")
         try:
             launcher_api.elastic_launch(config=config, entrypoint=cmd)(*cmd_args)
             code = 0
-            for sig in (
-                STOP_SIGNALS
-            ):  # the workers finished after their last look: a late signal changes nothing
+            for sig in STOP_SIGNALS:  # the workers finished after their last look: too late now
                 signal.signal(sig, signal.SIG_IGN)
         except ChildFailedError as e:
-            code = report_failure(
-                e, log_dir, shown, _Agent.current.stopped if _Agent.current else set()
-            )
-            early = code in {128 + s for s in STOP_SIGNALS} and printed_by(
-                BEFORE_FIRST_STEP, log_dir, None
-            )
+            code = report_failure(e, log_dir, shown, _Agent.current.stopped)
+            stopped = code in {128 + s for s in STOP_SIGNALS}
+            early = stopped and printed_by(BEFORE_FIRST_STEP, log_dir, None)
     except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
-        code = 2
+        code = report(e)
     except SignalException as e:
         name = e.sigval.name
-        if _stop["signal"]:
-            print(
-                f"titanlite: stopped at once by a second {name}: the workers were killed mid-step; rerun the "
-                "same command to resume from the last complete checkpoint",
-                file=sys.stderr,
-            )
-        else:
-            print(f"titanlite: stopped by {name} {BEFORE_FIRST_STEP}", file=sys.stderr)
-            early = True
-        code = 128 + int(e.sigval)
+        early = not _Agent.stopping  # the workers never ran
+        line = f"stopped by {name} {BEFORE_FIRST_STEP}"
+        if not early:
+            line = f"stopped at once by a second {name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
+        code = report(Stopped(int(e.sigval), line))
     finally:
         if lock is not None:
             lock.release()

@@ -1,23 +1,14 @@
-"""Everything about a run that can be checked before any worker starts (titanlite.launch runs it).
-
-`plan_run` parses the config and checks: the layout for the world size, value ranges, the data
-and tokenizer files, the run folder (its name fixed here, writable, not held by a live run, not
-holding another run), the model (built on the meta device: name, flavor, capabilities; a resume's
-the same as its checkpoint's), a fresh run's Hugging Face weights (whole), the checkpoint folder
-(not a file, writable, its checkpoint intact and resumable, free space for one more checkpoint,
-estimated from the model's shapes). A problem is one UserError.
-
-`python -m titanlite.preflight --world-size N [--config FILE] [overrides]` runs the same checks
-and prints nothing (exit 0) or one line (exit 2); `--help` prints run_train.sh's usage and every
-config key, without importing torch.
-"""
+"""Everything about a run that can be checked before any worker starts (titanlite.launch runs it):
+the config, data, run folder, model (on the meta device), initial weights and checkpoint folder
+(resumable, room for one more); a problem is one UserError. `python -m titanlite.preflight
+--world-size N [--config FILE] [overrides]` runs the same checks: nothing (exit 0) or one line
+(exit 2); `--help` prints run_train.sh's usage and every config key."""
 
 from __future__ import annotations
 
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +18,7 @@ from titanlite.components.run.lock import RunLock
 from titanlite.components.run.plan import (
     check_checkpoint_space,
     checkpoint_folder,
-    resume_step,
+    resume_plan,
     run_folder,
 )
 from titanlite.config import JobConfig
@@ -44,7 +35,7 @@ from titanlite.datasets.spec import (
 )
 from titanlite.diagnostics.alerts import history_note
 from titanlite.diagnostics.rules import silent_rules_note
-from titanlite.errors import UserError
+from titanlite.errors import UserError, report
 from titanlite.tools.paths import check_writable
 from titanlite.tools.records import read_json
 from titanlite.validation import validate
@@ -62,15 +53,7 @@ stops at once. Exit codes: 0 done, 2 bad input (one line says what), 3 the run w
 (non-finite loss, diagnostics.on_alert = stop, a failed checkpoint save), 4 a rank stopped
 responding (comm.timeout_s; the line names it), 130/143 stopped by SIGINT/SIGTERM."""
 
-# Bytes per parameter of a checkpoint: float32 weights plus AdamW's two float32 moments.
-CHECKPOINT_BYTES_PER_PARAM = 12
-
-
-@dataclass
-class RunPlan:
-    cfg: JobConfig
-    run_dir: Path
-    resume: int | None  # the checkpoint step the run continues from; None: a fresh run
+CHECKPOINT_BYTES_PER_PARAM = 12  # float32 weights plus AdamW's two float32 moments
 
 
 def plan_run(
@@ -79,15 +62,12 @@ def plan_run(
     nnodes: int = 1,
     check_space: bool = True,
     hold: Callable[[JobConfig, Path], None] | None = None,
-) -> RunPlan:
-    """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock) once its name is fixed;
-    without it, a folder a live run holds is refused. Either way that comes before its
-    checkpoints are read, which a live run may be writing and pruning."""
+) -> tuple[JobConfig, Path]:
+    """`hold(cfg, run_dir)` takes the run folder (the launcher: its lock), else a folder a live run
+    holds is refused; either way before its checkpoints are read (a live run may be pruning them)."""
     config_notes: list[str] = []  # said after the run's own lines, once every check passed
     cfg, path = parse_args(argv, config_notes)
-    layout = validate(
-        cfg, cfg.rehearsal.world or world_size
-    )  # a rehearsal's world is the one it rehearses
+    layout = validate(cfg, cfg.rehearsal.world or world_size)  # a rehearsal's: the one it rehearses
     check_data_files(cfg)
     check_data_tokenizer(cfg.data.path, cfg.model.tokenizer_path or cfg.model.hf_assets_path)
     run_dir = run_folder(cfg, path, nnodes)
@@ -101,11 +81,9 @@ def plan_run(
         raise UserError(
             f"checkpoint.folder '{folder}' is a file; point checkpoint.folder at a folder"
         )
-    resume = resume_step(
-        cfg, run_dir, restarted=False, data=data_identity(cfg)
-    )  # raw inputs: the worker's
+    resume = resume_plan(cfg, run_dir, restarted=False, data=data_identity(cfg))[0]
     meta = _meta_model(cfg)  # the name, flavor and capabilities, on the meta device
-    n, what = model_size(cfg, meta)
+    n = sum(p.numel() for p in meta.model.parameters())
     if resume is None:
         check_initial_weights(cfg, meta)
     else:
@@ -113,13 +91,15 @@ def plan_run(
     if cfg.checkpoint.saves:
         check_writable(folder, "checkpoint.folder")
         if check_space:
+            flavor = "the Hugging Face model" if cfg.model.hf_assets_path else cfg.model.flavor
+            what = f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
             check_checkpoint_space(folder, n * CHECKPOINT_BYTES_PER_PARAM, what)
     if not os.environ.get(NOTES_SHOWN_ENV):  # once every check passed: a refusal stays one line
         print(f"titanlite: {plan_line(cfg, layout, n, world_size)}", file=sys.stderr)
         print(f"titanlite: reads {'; '.join(inputs(cfg, path))}", file=sys.stderr)
         for note in config_notes + startup_notes(cfg, layout.dp):
             print(f"titanlite: note: {note}", file=sys.stderr)
-    return RunPlan(cfg, run_dir, resume)
+    return cfg, run_dir
 
 
 def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
@@ -129,15 +109,16 @@ def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
     mesh = mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))
     if cfg.rehearsal.world:
         return f"rehearsing {model} on {mesh} as rank 0 of {cfg.rehearsal.world:,} ranks, in one process here"
-    ranks = (
-        f"{world_size} GPU rank(s)" if _has_cuda() else f"{world_size} CPU rank(s) (no GPU here)"
-    )
+    import torch
+
+    ranks = f"{world_size} GPU rank(s)"
+    if not torch.cuda.is_available():
+        ranks = f"{world_size} CPU rank(s) (no GPU here)"
     return f"training {model} on {mesh}: {ranks}, {cfg.training.steps:,} step(s)"
 
 
 def inputs(cfg: JobConfig, path: str | None) -> list[str]:
-    """What the run reads, each by its absolute path (relative ones are the caller's folder's:
-    titanlite.config.command_line)."""
+    """What the run reads, each by its absolute path (titanlite.config.command_line's)."""
 
     def where(value: str) -> str:
         return str(Path(value).expanduser().absolute())
@@ -149,76 +130,44 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
         f"config {where(path) if path else '(built-in defaults)'}",
         f"data {data or '(built-in stdlib text)'}",
     ]
-    if cfg.eval.path:
-        out.append(f"eval data {where(cfg.eval.path)}")
-    if cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path:
-        out.append(
-            f"initial weights {where(cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path)}"
-        )
-    if cfg.model.tokenizer_path:
-        out.append(f"tokenizer {where(cfg.model.tokenizer_path)}")
-    return out
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
+    optional = {
+        "eval data": cfg.eval.path,
+        "initial weights": cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path,
+        "tokenizer": cfg.model.tokenizer_path,
+    }
+    return out + [f"{what} {where(value)}" for what, value in optional.items() if value]
 
 
 def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
-    """What is on that a user may not know of: fault switches, rules this dp cannot run, a
-    sequence longer than the model's trained context."""
+    """What is on that a user may not know of (fault switches, rules this dp cannot run, ...)."""
     notes = []
     if cfg.faults is not None:
         on = ", ".join(cfg.faults.switches_on()) or "every switch off"
         notes.append(
             f"[faults] is set ({on}): fault injection for tests and fault scenarios, not a real run"
         )
-    if cfg.diagnostics.enable and (
-        silent := silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)
-    ):
-        notes.append(f"diagnostics: {silent}")
-    measured = cfg.diagnostics.measured_steps(cfg.training.steps)
-    if cfg.diagnostics.enable and dp >= 2 and (short := history_note(cfg.alerts, measured, dp)):
-        notes.append(f"diagnostics: {short}")
+    if cfg.diagnostics.enable:
+        silent = silent_rules_note(dp, rank_share(cfg, dp), cfg.alerts)
+        measured = cfg.diagnostics.measured_steps(cfg.training.steps)
+        short = dp >= 2 and history_note(cfg.alerts, measured, dp)
+        notes += [f"diagnostics: {note}" for note in (silent, short) if note]
     if cfg.eval.path and (same := eval_is_training_data(cfg)) is not None:
         notes.append(
-            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a "
-            "held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
+            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
         )
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
         trained = read_json(config).get("max_position_embeddings") or 0
         if 0 < trained < cfg.training.seq_len:
             notes.append(
-                f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was "
-                f"trained on ({config}: max_position_embeddings); the positions beyond are untrained, so "
-                f"lower training.seq_len to {trained} unless you mean to extend its context"
+                f"training.seq_len {cfg.training.seq_len} is longer than the {trained} positions the model was trained on ({config}: max_position_embeddings); the positions beyond are untrained, so lower training.seq_len to {trained} unless you mean to extend its context"
             )
     return notes
 
 
-def _meta_model(cfg: JobConfig) -> Any:
-    """cfg's model on the meta device (imports torch)."""
-    from titanlite.models.registry import build_meta_model
-
-    return build_meta_model(cfg, _vocab_size(cfg))
-
-
-def model_size(cfg: JobConfig, meta: Any) -> tuple[int, str]:
-    """The model's parameter count, from its shapes on the meta device, and its name for messages."""
-    n = sum(p.numel() for p in meta.model.parameters())
-    flavor = "the Hugging Face model" if cfg.model.hf_assets_path else cfg.model.flavor
-    return n, f"{cfg.model.name} {flavor} ({n / 1e9:.2f}B parameters, weights and AdamW state)"
-
-
 def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
-    whole and fit the model (`meta`, on the meta device) both ways: every safetensors file holds
-    what its header describes and its index lists, every tensor has a parameter of that shape
-    and every parameter a tensor; a titanlite step folder is intact and taken whole (a resume
-    never reads them)."""
+    whole and fit the model (`meta`) both ways; a resume never reads them."""
     from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
     from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.datasets.build import build_tokenizer
@@ -239,17 +188,19 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
         check_initial_fits(step, meta.model, cfg.checkpoint.initial_load_drop, fingerprint)
 
 
-def _vocab_size(cfg: JobConfig) -> int:
+def _meta_model(cfg: JobConfig) -> Any:
+    """cfg's model on the meta device (imports torch), with its tokenizer's vocabulary."""
     from titanlite.datasets.tokenizer import load_tokenizer
+    from titanlite.models.registry import build_meta_model
 
     m = cfg.model
     if cfg.data.mode == "synthetic":
-        return 0  # no tokenizer: model.vocab_size (or the folder's config.json) gives it
-    if (
-        m.tokenizer_path or m.hf_assets_path
-    ):  # the folder's config.json must hold the tokenizer's ids
-        return load_tokenizer(m.tokenizer_path or m.hf_assets_path).vocab_size
-    return m.builtin_vocab_size
+        vocab = 0  # no tokenizer: model.vocab_size (or the folder's config.json) gives it
+    elif m.tokenizer_path or m.hf_assets_path:  # the folder's config.json must hold its ids
+        vocab = load_tokenizer(m.tokenizer_path or m.hf_assets_path).vocab_size
+    else:
+        vocab = m.builtin_vocab_size
+    return build_meta_model(cfg, vocab)
 
 
 def main(argv: list[str]) -> int:
@@ -263,8 +214,7 @@ def main(argv: list[str]) -> int:
             )
         plan_run(argv[2:], int(argv[1]), check_space=False)
     except UserError as e:
-        print(f"titanlite: error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     return 0
 
 

@@ -1,16 +1,8 @@
-"""The one writer of a run folder's records (rank 0): metrics.jsonl, diagnostics.jsonl,
-events.jsonl, eval.jsonl, samples.jsonl, and the TensorBoard folder's health.
-
-- A record is written whole or not at all: each append is one write of whole lines to a file
-  opened for appending; a write that fails (a full disk, a disk gone read-only) is cut back to
-  where the file ended before it, so no half line is left, and the run stops with exit 3 in one
-  line that names the disk and what was kept.
-- A file removed under the live run (appends to an unlinked file are silently lost) is found at
-  the next append or check (every log step) and written again from there, with one line saying
-  so; one replaced by a folder, or a run folder that is gone, stops the run (exit 3).
-- Files get the modes the user's umask gives (created 0666 & ~umask), as every other file.
-titanlite.tools.records reads what this writes; a resume first cuts it back (truncate_after).
-"""
+"""The one writer of a run folder's records (rank 0). A record is written whole or not at all: a
+failed append (a full disk) is cut back, and the run stops (exit 3) in one line naming the disk
+and what was kept. A file removed under the live run (appends to an unlinked file are silently
+lost) is written again, said in one line; one replaced by a folder, or the run folder gone, stops
+the run. titanlite.tools.records reads what this writes; a resume first cuts it back."""
 
 from __future__ import annotations
 
@@ -30,8 +22,7 @@ from titanlite.tools.cache import atomic_write_bytes, disk_full
 logger = logging.getLogger("titanlite")
 
 RECORD_FILES = ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl")
-# errors a write meets on a disk that cannot take it: full, over quota, read-only
-NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # a disk that cannot take it
 
 
 class RunFiles:
@@ -76,8 +67,7 @@ class RunFiles:
             self._fd(name)
 
     def _fd(self, name: str) -> int:
-        """The open file of `name`, opened anew if it was removed; a folder in its place, or no
-        run folder, stops the run."""
+        """The open file of `name`, opened anew if it was removed."""
         path = self.run_dir / name
         fd = self._fds.get(name)
         try:
@@ -110,24 +100,17 @@ class RunFiles:
     def _failed(self, name: str, e: OSError) -> str:
         """The one line of a write that failed: the disk, the file, what was kept."""
         path, where = self.run_dir / name, f"'{self.run_dir}'"
-        why = {
-            errno.ENOSPC: disk_full(e, self.run_dir) or f"disk full under {where}",
-            errno.EDQUOT: f"the disk quota under {where} is used up",
-            errno.EROFS: f"the disk under {where} is read-only",
-            errno.EFBIG: f"{path.name} is larger than its file system allows",
-        }.get(e.errno) or (disk_full(e, self.run_dir) or f"{type(e).__name__}: {e.strerror or e}")
-        fix = (
-            "make it writable"
-            if e.errno == errno.EROFS
-            else "make room"
-            if e.errno in NO_ROOM
-            else "mend that"
-        )
+        full = disk_full(e, self.run_dir)
+        why, fix = {
+            errno.ENOSPC: (full or f"disk full under {where}", "make room"),
+            errno.EDQUOT: (f"the disk quota under {where} is used up", "make room"),
+            errno.EROFS: (f"the disk under {where} is read-only", "make it writable"),
+            errno.EFBIG: (f"{path.name} is larger than its file system allows", "make room"),
+        }.get(e.errno, (full or f"{type(e).__name__}: {e.strerror or e}", "mend that"))
         return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
 
     def gone(self) -> str:
-        """The stop line of a run folder that is gone: moved (a record file still open says where
-        it is now, through /proc on Linux) or removed."""
+        """The stop line of a run folder moved (an open file says where, in /proc) or removed."""
         for fd in self._fds.values():
             try:
                 now = os.readlink(f"/proc/self/fd/{fd}")
@@ -138,22 +121,16 @@ class RunFiles:
                 checkpoints = self.checkpoints
                 if checkpoints is not None and checkpoints.is_relative_to(self.run_dir):
                     checkpoints = moved / checkpoints.relative_to(self.run_dir)
-                return (
-                    f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; "
-                    + (self.what_was_kept(f"move it back to {self.run_dir}", checkpoints))
-                )
-        return (
-            f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its "
-            "records and checkpoints went with it"
-        )
+                kept = self.what_was_kept(f"move it back to {self.run_dir}", checkpoints)
+                return f"the run folder {self.run_dir} was moved to {moved} while the run wrote to it; {kept}"
+        return f"the run folder {self.run_dir} was removed while the run wrote to it; stopped, as its records and checkpoints went with it"
 
     def what_was_kept(self, fix: str = "mend that", checkpoints: Path | None = None) -> str:
-        """The rest of the stop line: what the run leaves (checkpoints in `checkpoints`, if not
-        the folder they were written to), and how to go on."""
-        step = self.kept.get("metrics.jsonl")
-        records = (
-            f"its records up to step {step} are whole" if step else "the records written are whole"
-        )
+        """The rest of the stop line: what the run leaves (in `checkpoints`, if not where they were
+        written), and how to go on."""
+        records = "the records written are whole"
+        if step := self.kept.get("metrics.jsonl"):
+            records = f"its records up to step {step} are whole"
         checkpoints = checkpoints or self.checkpoints
         steps = complete_steps(checkpoints) if checkpoints is not None else []
         saved = (

@@ -1,7 +1,5 @@
-"""The run folder opened by the workers: where a run writes (config.toml, run.json, metrics,
-checkpoints, logs) and whether it resumes, as components/run/plan.py decides, under the run lock
-(components/run/lock.py); everything is decided and checked before the first file is written.
-"""
+"""The run folder opened by the workers, as components/run/plan.py decides it, under the run lock:
+everything is decided and checked before the first file is written."""
 
 from __future__ import annotations
 
@@ -27,15 +25,13 @@ from titanlite.components.run.plan import (
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
 from titanlite.distributed.parallel_dims import ParallelDims
-from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
 
 logger = logging.getLogger("titanlite")
 
 
 def run_info(cfg: JobConfig, dims: ParallelDims, diagnostics_method: str) -> dict:
-    """run.json: what the config left to the machine ("auto" and derived values), for run
-    comparison (titanlite.analysis.compare)."""
+    """run.json: what the config left to the machine, for titanlite.analysis.compare."""
     lay = dims.layout
     return {
         "world_size": lay.world,
@@ -66,9 +62,8 @@ LAYOUT_KEYS = (
 
 
 def layout_at(info: dict, step: int) -> dict:
-    """The layout step `step` ran at, from run.json: a resume at another layout keeps the earlier
-    sessions' layouts ("earlier", each with the first step it ran), so a step's ranks are read
-    the way it was split (scripts/inspect_step.py)."""
+    """The layout step `step` ran at, from run.json, whose "earlier" keeps the layouts of earlier
+    sessions (each with its first step) for scripts/inspect_step.py."""
     for earlier in reversed(info.get("earlier", [])):
         if earlier.get("from_step", 1) <= step < info.get("from_step", 1):
             return earlier
@@ -76,8 +71,7 @@ def layout_at(info: dict, step: int) -> dict:
 
 
 def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
-    """run.json of a resume: the previous run.json's layout joins "earlier" (entries from a
-    rewound timeline, past `resume`, are dropped)."""
+    """run.json of a resume: the previous one's layout joins "earlier" (a rewound one's dropped)."""
     if not resume:
         return info
     try:
@@ -86,20 +80,13 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
         return info
     except (OSError, ValueError):
         before = None
-    if not isinstance(
-        before, dict
-    ):  # said, not silent: the history is advisory, the resume goes on
+    if not isinstance(before, dict):  # said: the history is advisory, the resume goes on
         logger.warning(
-            f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept "
-            "(scripts/inspect_step.py splits those steps at this run's layout)"
+            f"{run_dir / 'run.json'} is unreadable: the layouts of the steps before {resume + 1} are not kept (scripts/inspect_step.py splits those steps at this run's layout)"
         )
         return info
-    first = before.get("from_step", 1)
-    kept = [
-        e
-        for e in before.get("earlier", [])
-        if isinstance(e, dict) and e.get("from_step", 1) <= resume
-    ]
+    first, earlier = before.get("from_step", 1), before.get("earlier", [])
+    kept = [e for e in earlier if isinstance(e, dict) and e.get("from_step", 1) <= resume]
     if first <= resume:
         kept.append({"from_step": first, **{k: before[k] for k in LAYOUT_KEYS if k in before}})
     return {**info, "from_step": resume + 1, "earlier": kept}
@@ -108,49 +95,41 @@ def _with_earlier(run_dir: Path, info: dict, resume: int | None) -> dict:
 def open_run_folder(
     cfg: JobConfig, config_path: str | None, info: dict, data: list[dict] | None = None
 ) -> tuple[Path, int | None, RunLock | None]:
-    """Every rank calls it. Rank 0 picks the run folder and the step to resume from (None: a
-    fresh run), refuses a checkpoint trained on something else (`data`: what the run's data
-    holds, titanlite.datasets.spec.data_identity) before anything is written, takes the run lock
-    unless the launcher holds it, then writes config.toml and run.json; every rank learns the
-    folder and the step, or the error. Returns them and the lock rank 0 took. A resume on changed
-    data that data.accept_change lets go on is recorded in run.json and events.jsonl."""
-    found, error, lock, changed = [None, None], None, None, None
+    """Every rank calls it: rank 0 decides the run folder and the step to resume from (None: a
+    fresh run; `data`: titanlite.datasets.spec.data_identity), takes the run lock unless the
+    launcher holds it, writes config.toml and run.json; every rank gets them, or the error."""
+    found, lock = [None, None, None], None  # the run folder, the resume step, or the error
     if dist.get_rank() == 0:
         run_dir = run_folder(cfg, config_path)
-        take = os.environ.get(HELD_ENV) != str(
-            RunLock(run_dir).path.resolve()
-        )  # no launcher holds it
+        lock = RunLock(run_dir)
+        if os.environ.get(HELD_ENV) == str(lock.path.resolve()):
+            lock = None  # the launcher holds it
         try:
-            if (
-                take and run_dir.is_dir()
-            ):  # before its checkpoints are read: a live run may be pruning them
-                lock = RunLock(run_dir)
+            # before its checkpoints are read: a live run may be pruning them
+            if lock and run_dir.is_dir():
                 lock.acquire()
             resume, changed = resume_plan(cfg, run_dir, is_restart(), data)
             info = {**info, "data": data, **({"data_change_accepted": changed} if changed else {})}
             run_dir.mkdir(parents=True, exist_ok=True)
-            if take and lock is None:  # the folder is new
-                lock = RunLock(run_dir)
+            if lock:  # the folder is new
                 lock.acquire()
             quarantine_damaged(checkpoint_folder(cfg, run_dir), cfg.metrics.enable_wandb)
-            found = [str(run_dir), resume]
+            found[:2] = [str(run_dir), resume]
             _write(cfg, run_dir, info, resume)
             if changed:
                 _data_changed(run_dir, resume, changed)
+            logger.info(f"run folder: {run_dir}")
         except UserError as e:
-            error = str(e)
+            found[2] = str(e)
         except OSError as e:
-            error = (
+            found[2] = (
                 f"cannot write the run folder '{run_dir}' ({e}); pick a writable --job.dump_folder"
             )
-        if error and lock is not None:
+        if found[2] and lock is not None:
             lock.release()
-    error = first_error(error)
-    if error:
-        raise UserError(error)
     dist.broadcast_object_list(found, src=0)
-    if dist.get_rank() == 0:
-        logger.info(f"run folder: {found[0]}")
+    if found[2]:
+        raise UserError(found[2])
     return Path(found[0]), found[1], lock
 
 
@@ -159,10 +138,9 @@ def _data_changed(run_dir: Path, step: int, change: str) -> None:
     message = f"resumed on changed data (data.accept_change): {change}"
     logger.warning(f"NOTE data_changed at step {step}: {message}")
     note = {"name": "data_changed", "step": step, "ranks": [], "hosts": [], "message": message}
+    note |= {"cause": "", "values": {}, "samples": [], "level": "info"}
     files = RunFiles(run_dir)
-    files.append(
-        "events.jsonl", [{**note, "cause": "", "values": {}, "samples": [], "level": "info"}]
-    )
+    files.append("events.jsonl", [note])
     files.close()
 
 
@@ -173,6 +151,5 @@ def _write(cfg: JobConfig, run_dir: Path, info: dict, resume: int | None) -> Non
     info = _with_earlier(run_dir, info, resume)
     (run_dir / "run.json").write_text(json.dumps(info, indent=1) + "\n")
     if cfg.rehearsal.world:  # the mark that no training run may resume here (REHEARSAL_FILE)
-        (run_dir / REHEARSAL_FILE).write_text(
-            json.dumps({"world": cfg.rehearsal.world, "complete": False}) + "\n"
-        )
+        mark = {"world": cfg.rehearsal.world, "complete": False}
+        (run_dir / REHEARSAL_FILE).write_text(json.dumps(mark) + "\n")

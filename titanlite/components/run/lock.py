@@ -1,15 +1,8 @@
-"""One live run per run folder: `<run>/run.lock` names its holder (host, pid, start time).
-
-The holder keeps an exclusive flock on the file for its whole life, which the kernel drops when
-the process dies however it dies, so on one host a lock whose process is gone is stale by
-construction. A lock file removed under the live run (by hand, by a cleanup script) is made
-again within a second, so a second launch still finds the folder in use. A file system whose flock does not reach across hosts is covered by a heartbeat:
-the holder touches the file every REFRESH_S, and another host's lock untouched for STALE_S is
-taken to be dead. A stale lock is taken over with a warning.
-
-The launcher holds it (so torchrun's restarts of the worker group stay inside one run); without
-the launcher, rank 0 of the workers does.
-"""
+"""One live run per run folder: `<run>/run.lock` names its holder (host, pid, start time), which
+keeps a flock on it that the kernel drops however the process dies; the file removed under the
+live run is made again within a second. Where flock does not reach across hosts, the holder
+touches it every REFRESH_S, and another host's lock untouched for STALE_S is dead (taken over
+with a warning). The launcher holds it (torchrun's restarts stay inside one run), else rank 0."""
 
 from __future__ import annotations
 
@@ -44,31 +37,21 @@ class RunLock:
         self._mutex = threading.Lock()  # the heartbeat's remake against release
 
     def acquire(self) -> None:
-        """Take the lock, or raise a UserError naming the live holder. The run folder must exist."""
+        """Take the lock (once), or raise a UserError naming the live holder. The folder must exist."""
+        if self._fd is not None:
+            return
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise UserError(self._refusal(self._holder())) from None
+            holder = self._refuse_if_live(fd, fcntl.LOCK_EX)
             if _same_file(fd, self.path):
                 break
             os.close(fd)  # its holder released (unlinked) it between our open and our flock
-        holder = self._holder()
-        if _other_host_alive(holder, fd):
-            os.close(fd)
-            raise UserError(self._refusal(holder))
         if holder:
             logger.warning(
-                f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid "
-                f"{holder.get('pid')} (started {holder.get('started')}); that process is gone"
+                f"run folder {self.run_dir}: taking over the stale lock of host {holder.get('host')} pid {holder.get('pid')} (started {holder.get('started')}); that process is gone"
             )
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started": datetime.now().isoformat(timespec="seconds"),
-        }
+        started = datetime.now().isoformat(timespec="seconds")
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": started}
         self._me = (json.dumps(me) + "\n").encode()
         os.ftruncate(fd, 0)
         os.pwrite(fd, self._me, 0)
@@ -76,45 +59,41 @@ class RunLock:
         threading.Thread(target=self._heartbeat, name="run-lock", daemon=True).start()
 
     def refuse_if_held(self) -> None:
-        """Raise acquire's refusal if a live run holds the lock, taking nothing: a check that
-        looks at the folder without running in it (the standalone preflight)."""
+        """Raise acquire's refusal if a live run holds the lock, taking nothing (the preflight)."""
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except FileNotFoundError:
             return
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise UserError(self._refusal(self._holder())) from None
-            holder = self._holder()
-            if _other_host_alive(holder, fd):
-                raise UserError(self._refusal(holder))
-        finally:
-            os.close(fd)  # drops the probe's shared flock
+        self._refuse_if_live(fd, fcntl.LOCK_SH)
+        os.close(fd)  # drops the probe's shared flock
 
-    def _holder(self) -> dict:
+    def _refuse_if_live(self, fd: int, how: int) -> dict:
+        """The holder the file names, once `fd` is flocked (`how`); a live one (its flock held, or
+        another host's lock touched within STALE_S) closes `fd` and raises the refusal."""
         try:
-            return json.loads(self.path.read_text() or "{}")
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            held = False
+        except BlockingIOError:
+            held = True
+        try:
+            holder = json.loads(self.path.read_text() or "{}")
         except (OSError, ValueError):
-            return {}
-
-    def _refusal(self, holder: dict) -> str:
+            holder = {}
+        if holder and holder.get("host") != socket.gethostname():
+            held = held or time.time() - os.fstat(fd).st_mtime < STALE_S
+        if not held:
+            return holder
+        os.close(fd)
         who = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, started {holder.get('started', '?')}"
-        return (
-            f"run folder '{self.run_dir}' is in use by a live run ({who}); wait for it or stop it, "
-            "or pick another --job.run_name"
+        raise UserError(
+            f"run folder '{self.run_dir}' is in use by a live run ({who}); wait for it or stop it, or pick another --job.run_name"
         )
 
     def _heartbeat(self) -> None:
         last = time.monotonic()
         while not self._stop.wait(WATCH_S):
             with contextlib.suppress(OSError), self._mutex:
-                if (
-                    self._fd is not None
-                    and not self._stop.is_set()
-                    and not _same_file(self._fd, self.path)
-                ):
+                if self._fd is not None and not _same_file(self._fd, self.path):  # not released
                     self._remake()
                 if time.monotonic() - last >= REFRESH_S:
                     os.utime(self.path)
@@ -128,8 +107,7 @@ class RunLock:
         except BlockingIOError:
             os.close(fd)
             logger.warning(
-                f"run folder {self.run_dir}: its run.lock was removed and another launch took it; two runs now "
-                "write this folder: stop one of them"
+                f"run folder {self.run_dir}: its run.lock was removed and another launch took it; two runs now write this folder: stop one of them"
             )
             return
         os.pwrite(fd, self._me, 0)
@@ -152,10 +130,3 @@ def _same_file(fd: int, path: Path) -> bool:
         return os.path.samestat(os.fstat(fd), os.stat(path))
     except FileNotFoundError:
         return False
-
-
-def _other_host_alive(holder: dict, fd: int) -> bool:
-    """The lock names another host and was touched within STALE_S: a live holder whose flock
-    this file system may not show."""
-    other = bool(holder) and holder.get("host") != socket.gethostname()
-    return other and time.time() - os.fstat(fd).st_mtime < STALE_S

@@ -1,12 +1,6 @@
-"""Where a run writes and what it resumes, decided from the config and the disk alone (torch-free):
-the launcher decides it before any worker starts, and rank 0 again in the workers (which also
-covers a plain `torchrun -m titanlite.train`).
-
-The run folder is `<job.dump_folder>/<job.run_name>`. Its default name carries the start time, so
-the launcher fixes it before torchrun: a worker group that torchrun restarts reopens the same
-folder. Under SLURM the default is `<config stem>-slurm<job id>`, the same on every node and for
-a requeued job.
-"""
+"""Where a run writes and what it resumes, from the config and the disk alone (torch-free), for
+the launcher and again for the workers' rank 0. The default run name carries the start time (the
+launcher fixes it); under SLURM it is `<config stem>-slurm<job id>`, alike on every node."""
 
 from __future__ import annotations
 
@@ -21,8 +15,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
 
-# In a rehearsal's run folder (titanlite.rehearsal): its report, and the mark that it is one.
-REHEARSAL_FILE = "rehearsal.json"
+REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
 
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
@@ -35,8 +28,7 @@ def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
         return f"{stem}-slurm{os.environ['SLURM_JOB_ID']}"
     if nnodes > 1:
         raise UserError(
-            "a run on several nodes needs --job.run_name (every node must open the same run folder); "
-            "under SLURM the job id names it"
+            "a run on several nodes needs --job.run_name (every node must open the same run folder); under SLURM the job id names it"
         )
     return f"{stem}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
@@ -47,11 +39,9 @@ def run_folder(cfg: JobConfig, config_path: str | None = None, nnodes: int = 1) 
 
 
 def trace_folder(cfg: JobConfig) -> Path:
-    """Where NCCL's flight recorder dumps (set before the process group exists): the run
-    folder's comm_trace/ when the run is named (the launcher always names it), else the dump
-    folder's."""
-    base = run_folder(cfg) if cfg.job.run_name else Path(cfg.job.dump_folder).expanduser()
-    return base / "comm_trace"
+    """Where NCCL's flight recorder dumps, set before the process group exists: the run folder's
+    comm_trace/ when the run is named (the launcher always names it), else the dump folder's."""
+    return Path(cfg.job.dump_folder).expanduser() / cfg.job.run_name / "comm_trace"
 
 
 def is_restart() -> bool:
@@ -59,49 +49,32 @@ def is_restart() -> bool:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
-def resume_step(
-    cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
-) -> int | None:
-    """The checkpoint step to resume from (None: a fresh run); see resume_plan."""
-    return resume_plan(cfg, run_dir, restarted, data)[0]
-
-
 def resume_plan(
     cfg: JobConfig, run_dir: Path, restarted: bool, data: list[dict] | None = None
 ) -> tuple[int | None, str | None]:
-    """The checkpoint step to resume from (None: a fresh run), and how the data changed since
-    it if data.accept_change lets the run go on (None: it did not). Refuses, in one line, a
-    checkpoint this run may not resume, and a folder that holds another run without a checkpoint
-    (unless this is torchrun restarting this very run, which then starts over). A folder whose
-    run never logged a step (a start that failed) holds nothing to lose: the same command reuses
-    it. `data`: what the run's data holds (check_resumable), if known."""
-    if (run_dir / REHEARSAL_FILE).is_file() != bool(cfg.rehearsal.world) and (
-        run_dir / "config.toml"
-    ).is_file():
-        held = (
-            "a rehearsal, which trained nothing" if cfg.rehearsal.world == 0 else "a training run"
-        )
+    """The checkpoint step to resume from (None: a fresh run), and how the data changed since it
+    if data.accept_change lets it. Refuses a checkpoint this run may not resume, and a folder of
+    another run that logged a step but has no checkpoint (unless torchrun restarts this run)."""
+    rehearsal = (run_dir / REHEARSAL_FILE).is_file()
+    if rehearsal != bool(cfg.rehearsal.world) and (run_dir / "config.toml").is_file():
+        held = "a rehearsal, which trained nothing" if rehearsal else "a training run"
         raise UserError(
-            f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: "
-            "pick another --job.run_name or move it"
+            f"run folder '{run_dir}' holds {held}; a rehearsal and a training run never share a folder: pick another --job.run_name or move it"
         )
     if cfg.rehearsal.world:
         return None, None  # a rehearsal never resumes: it starts over in its own folder
     folder = checkpoint_folder(cfg, run_dir)
     resume = find(folder, cfg.checkpoint.load_step)
-    metrics = run_dir / "metrics.jsonl"
-    if resume is not None and resume > cfg.training.steps:
-        raise UserError(
-            f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step "
-            f"{resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step "
-            "(an earlier step of that folder)"
-        )
     if resume is not None:
+        if resume > cfg.training.steps:
+            raise UserError(
+                f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step {resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step (an earlier step of that folder)"
+            )
         return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
+    metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
-            f"run folder '{run_dir}' already holds a run without a checkpoint to resume; "
-            "pick another --job.run_name or move it"
+            f"run folder '{run_dir}' already holds a run without a checkpoint to resume; pick another --job.run_name or move it"
         )
     return None, None
 
@@ -111,7 +84,5 @@ def check_checkpoint_space(folder: Path, need_bytes: int, what: str) -> None:
     free = shutil.disk_usage(existing_parent(folder)).free
     if free < need_bytes:
         raise UserError(
-            f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} "
-            f"needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, "
-            "or set checkpoint.every = 0 and checkpoint.at_end = false"
+            f"checkpoint.folder '{folder}' has {free / 2**30:.1f} GiB free but one checkpoint of {what} needs about {need_bytes / 2**30:.1f} GiB; free space, point checkpoint.folder elsewhere, or set checkpoint.every = 0 and checkpoint.at_end = false"
         )

@@ -1,22 +1,11 @@
-"""Stopping on SIGINT or SIGTERM (Ctrl-C, a scheduler's preemption) without losing work, and on
-a failure of what only one rank does (fail()), which every rank then stops for with its line.
-
-The handler only records the signal. Ranks may receive it at different steps, or one rank only,
-so they agree on the stop step through a MAX all-reduce of the recorded signal on a gloo group
-of their own: started after each step, read after the next one. By then it has long completed,
-so reading it costs no wait, and every rank reads the same value after the same step. The
-trainer then finishes that step, writes a checkpoint, and exits with 128 + the signal number.
-So a stop is agreed at most one step late. Where the host waits anyway (after an eval or a
-save, which take seconds, and at the end of the run, the last step and the exports included)
-the ranks settle at once: one blocking all-reduce of the flag, so a signal that came during
-them stops the run there, never lost, never exit 0.
-
-A signal before the loop starts stops at once (there is nothing to save yet). Once a stop is under
-way, further signals are ignored here: the launcher answers a second Ctrl-C by killing the workers.
-The launcher starts the workers with the stop signals blocked, so one that arrives while a worker
-imports torch waits, pending, until the handler is installed here; once the loop has ended they
-are ignored (CPython's finalization would otherwise restore the default action, which kills).
-"""
+"""Stopping on SIGINT or SIGTERM without losing work, and on a failure of what only one rank does
+(fail()). Ranks may get a signal at different steps, or one rank only: they agree through a MAX
+all-reduce of the flag on a gloo group of their own, started after each step and read (complete,
+no wait) after the next, so the stop (a checkpoint, exit 128 + the signal) is at most one step
+late; where the host waits anyway (an eval, a save, the end) a blocking one settles it at once.
+A signal pending since the launcher started the worker is handled once the handler is installed
+(before the loop it stops at once); after the loop they are ignored (CPython's finalization
+would restore the default action, which kills)."""
 
 from __future__ import annotations
 
@@ -29,11 +18,10 @@ import torch.distributed as dist
 
 from titanlite.components.run.torchrun import STOP_SIGNALS
 from titanlite.distributed.groups import host_group
+from titanlite.distributed.utils import first_error
 from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 
-# The flag's value for "a rank failed to write what only it writes" (rank 0: the run folder's
-# records): above every signal number, so it wins the MAX, and every rank stops with that line.
-FAILED = 1 << 16
+FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, it wins the MAX
 
 
 class StopSignals:
@@ -69,12 +57,7 @@ class StopSignals:
             work, _, buf = self._pending
             work.wait()  # completed during the step just run
             agreed = int.from_bytes(buf, sys.byteorder)
-        # The flag lives in a host buffer the tensor shares: it is read as bytes, never through a
-        # tensor, so the host-sync counters (tools/instrument.py) see no read between log steps.
-        buf = bytearray(self._flag().to_bytes(4, sys.byteorder))
-        flag = torch.frombuffer(buf, dtype=torch.int32)
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        self._pending = (work, flag, buf)
+        self._pending = self._reduce(async_op=True)
         return self._failed_or(agreed)
 
     def fail(self, line: str) -> None:
@@ -82,32 +65,31 @@ class StopSignals:
         every rank stops at the next settle (a log step's end), with this line."""
         self.failure = self.failure or line
 
-    def _flag(self) -> int:
-        return FAILED if self.failure else self.received
+    def _reduce(self, async_op: bool) -> tuple[dist.Work, torch.Tensor, bytearray]:
+        """The MAX all-reduce of this rank's flag. It lives in a host buffer the tensor shares, read
+        as bytes, never through a tensor: the host-sync counters (tools/instrument.py) see no read."""
+        flag = FAILED if self.failure else self.received
+        buf = bytearray(flag.to_bytes(4, sys.byteorder))
+        tensor = torch.frombuffer(buf, dtype=torch.int32)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=async_op)
+        return work, tensor, buf
 
     def _failed_or(self, agreed: int) -> int:
-        """`agreed`, unless it says a rank failed: then every rank raises that rank's line (sent
-        to all, so the one line the launcher shows is the same whichever rank it shows)."""
+        """`agreed`, unless it says a rank failed: then every rank raises that rank's one line."""
         if agreed != FAILED:
             return agreed
         if self.group is None:
             raise TrainingError(self.failure)
-        lines: list = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(lines, self.failure or None, group=self.group)
-        raise TrainingError(next(line for line in lines if line))  # the lowest failing rank's
+        raise TrainingError(first_error(self.failure or None, self.group))  # the lowest rank's
 
     def settle(self) -> int:
-        """Every rank, where the host waits anyway: the signal all ranks agree to stop for now
-        (0: go on), from one blocking all-reduce of what each has received."""
+        """Every rank, where the host waits anyway: the signal all agree to stop for now (0: go on)."""
         if self._pending is not None:
             self._pending[0].wait()
             self._pending = None
         if self.group is None:
-            return self._failed_or(self._flag())
-        buf = bytearray(self._flag().to_bytes(4, sys.byteorder))
-        dist.all_reduce(
-            torch.frombuffer(buf, dtype=torch.int32), op=dist.ReduceOp.MAX, group=self.group
-        )
+            return self._failed_or(FAILED if self.failure else self.received)
+        buf = self._reduce(async_op=False)[2]
         return self._failed_or(int.from_bytes(buf, sys.byteorder))
 
     def finish(self) -> int:

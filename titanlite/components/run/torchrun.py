@@ -1,10 +1,6 @@
-"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, NODE_RANK,
-MASTER_ADDR, MASTER_PORT, LOG_RANK, MAX_RESTARTS, OMP_NUM_THREADS, TITANLITE_CACHE, each read
-through the scripts' front door, titanlite.tools.cli.Arg: one line, exit 2, before any worker
-starts), and what the launcher says of a worker group that failed: the rank that caused it (not
-one torchrun stopped after it, nor one that lost it) and why, from the ranks' logs
-(logs/<launch>-node<k>/attempt_<n>/<local rank>/stderr.log): its one-line error, or a crashed
-rank's last lines and its log file; and the line a rank's log lacks when its disk took it."""
+"""torchrun for the launcher: its arguments from the environment (NGPU, NPROC, NNODES, ...), each
+checked (one line, exit 2, before any worker starts), and what the launcher says of a failed
+worker group: the rank that caused it and why, from the ranks' logs."""
 
 from __future__ import annotations
 
@@ -61,9 +57,7 @@ def gpu_count() -> int:
     """GPUs nvidia-smi lists on this node (0 without it)."""
     if shutil.which("nvidia-smi") is None:
         return 0
-    listed = subprocess.run(
-        ["nvidia-smi", "-L"], capture_output=True, text=True, check=False
-    ).stdout
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
     return sum(line.startswith("GPU") for line in listed.splitlines())
 
 
@@ -74,54 +68,45 @@ def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]
     nproc = v.get("NPROC", ngpu or 2)
     nnodes = v.get("NNODES", 1)
     restarts = v.get("MAX_RESTARTS", 0)
-    shown = _log_ranks(environ.get("LOG_RANK", "0"), nproc)
+    shown = _log_ranks(v.get("LOG_RANK", "0"), nproc)
+    node = v.get("NODE_RANK", 0)
     if nnodes > 1:
         if restarts:
             raise UserError(
-                "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job "
-                "(scripts/train.slurm does)"
+                "MAX_RESTARTS needs NNODES=1; with several nodes let the scheduler requeue the job (scripts/train.slurm does)"
             )
-        if "NODE_RANK" not in v or v["NODE_RANK"] >= nnodes:
+        if "NODE_RANK" not in v or node >= nnodes:
             raise UserError(
                 f"NNODES={nnodes} needs NODE_RANK, this node's index from 0 to {nnodes - 1}"
-                + (f" (it is {v['NODE_RANK']})" if "NODE_RANK" in v else "")
+                + (f" (it is {node})" if "NODE_RANK" in v else "")
             )
         if not v.get("MASTER_ADDR"):
             raise UserError(f"NNODES={nnodes} needs MASTER_ADDR (node 0's address)")
+    elif node:
+        raise UserError(
+            f"NODE_RANK={node} but NNODES is 1; set NNODES to the job's nodes, or unset NODE_RANK"
+        )
+    if nnodes > 1 or "MASTER_PORT" in v:
         port = v.get("MASTER_PORT", 29500)
-        if v["NODE_RANK"] == 0:
+        if node == 0:  # where the rendezvous listens
             _check_port_free(port)
-        rdzv = ["--nnodes", str(nnodes), "--node_rank", str(v["NODE_RANK"])]
-        rdzv += ["--master_addr", v["MASTER_ADDR"], "--master_port", str(port)]
+        addr = v.get("MASTER_ADDR") or "127.0.0.1"
+        rdzv = ["--nnodes", str(nnodes), "--node_rank", str(node), "--master_addr", addr]
+        rdzv += ["--master_port", str(port)]
     else:
-        if v.get("NODE_RANK"):
-            raise UserError(
-                f"NODE_RANK={v['NODE_RANK']} but NNODES is 1; set NNODES to the job's nodes, or unset NODE_RANK"
-            )
-        if "MASTER_PORT" in v:
-            _check_port_free(v["MASTER_PORT"])
-            rdzv = ["--nnodes", "1", "--master_addr", v.get("MASTER_ADDR") or "127.0.0.1"]
-            rdzv += ["--master_port", str(v["MASTER_PORT"])]
-        else:
-            rdzv = ["--standalone"]  # a free port, so several runs can share a machine
+        rdzv = ["--standalone"]  # a free port, so several runs can share a machine
     args = [*rdzv, "--nproc_per_node", str(nproc), "--max-restarts", str(restarts)]
     args += ["--local-ranks-filter", ",".join(map(str, shown))]
     # CPU ranks share the cores; saying so also silences torchrun's OMP banner
     threads = v.get("OMP_NUM_THREADS", max(1, (os.cpu_count() or 1) // nproc))
-    env = {
-        "OMP_NUM_THREADS": str(threads),
-        "PYTHONWARNINGS": environ.get("PYTHONWARNINGS", WARNINGS),
-    }
-    return args, env
+    warnings = environ.get("PYTHONWARNINGS", WARNINGS)
+    return args, {"OMP_NUM_THREADS": str(threads), "PYTHONWARNINGS": warnings}
 
 
 def _log_ranks(text: str, nproc: int) -> list[int]:
     rank = Arg(("LOG_RANK",), "int", "", at_least=0, at_most=nproc - 1)
-    parts = [p.strip() for p in text.split(",")]
-    if not any(parts):
-        raise UserError("LOG_RANK is empty; name the local ranks that print, e.g. 0 or 0,1")
     try:
-        return sorted({rank.check(p) for p in parts})
+        return sorted({rank.check(p.strip()) for p in text.split(",")})
     except UserError:
         raise UserError(
             f"LOG_RANK is {text!r}; it must name local ranks from 0 to {nproc - 1} (NPROC={nproc}), e.g. 0 or 0,1"
@@ -138,14 +123,12 @@ def _check_port_free(port: int) -> None:
             if e.errno != errno.EADDRINUSE:
                 raise
             raise UserError(
-                f"MASTER_PORT {port} is in use on this machine (another run or service listens there); "
-                "pick a free port, or unset MASTER_PORT on a single node for a free one"
+                f"MASTER_PORT {port} is in use on this machine (another run or service listens there); pick a free port, or unset MASTER_PORT on a single node for a free one"
             ) from None
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-# Exits a restart cannot fix: bad input, a training error, a stop by signal.
-NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}
+NO_RESTART = {EXIT_USER, EXIT_TRAINING, *(128 + s for s in STOP_SIGNALS)}  # a restart cannot fix
 TAIL_LINES = 20  # a crashed rank's last lines shown, when the console did not show them
 
 
@@ -155,52 +138,32 @@ def how(exitcode: int) -> str:
     return f"failed with exit code {exitcode}"
 
 
-def _attempt(log_dir: Path) -> Path | None:
-    """The newest attempt's folder (torchrun makes one per restart of the worker group)."""
+def _logs(log_dir: Path) -> dict[int, Path]:
+    """Each local rank's stderr.log in the newest attempt (torchrun makes one per restart)."""
     attempts = sorted(log_dir.glob("attempt_*"), key=lambda p: int(p.name.split("_")[1]))
-    return attempts[-1] if attempts else None
-
-
-def stderr_log(log_dir: Path, local_rank: int) -> Path | None:
-    attempt = _attempt(log_dir)
-    return attempt / str(local_rank) / "stderr.log" if attempt else None
-
-
-def _logs(log_dir: Path) -> list[Path]:
-    attempt = _attempt(log_dir)
-    return sorted(attempt.glob("*/stderr.log"), key=lambda p: int(p.parent.name)) if attempt else []
+    logs = attempts[-1].glob("*/stderr.log") if attempts else []
+    return {int(p.parent.name): p for p in sorted(logs, key=lambda p: int(p.parent.name))}
 
 
 def printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
-    """Whether one of `ranks` (None: any) printed a line holding `text` in this attempt (e.g. an
-    error every rank finds alike, which a rank on the console has already shown)."""
+    """Whether one of `ranks` (None: any) printed `text` in this attempt (e.g. an error all found)."""
+    logs = _logs(log_dir)
     return any(
-        text in line
-        for log in _logs(log_dir)
-        if ranks is None or int(log.parent.name) in ranks
-        for line in log.read_text(errors="replace").splitlines()
+        text in logs[r].read_text(errors="replace") for r in logs if ranks is None or r in ranks
     )
 
 
-def said_by_any(log_dir: Path) -> str | None:
-    """The last one-line error any rank wrote to its log in this attempt (the ranks stop on the
-    same error, distributed.utils.first_error), for a rank whose own log lacks it."""
-    for log in _logs(log_dir):
-        own = [
-            ln
-            for ln in log.read_text(errors="replace").splitlines()
-            if ln.startswith("titanlite: ")
-        ]
-        if own:
-            return own[-1]
-    return None
+def _said(log: Path) -> str | None:
+    """The last one-line error a rank wrote to its log."""
+    own = [
+        ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("titanlite: ")
+    ]
+    return own[-1] if own else None
 
 
 def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
-    """The failure that caused the others: a rank that stopped the run itself (bad input, a
-    training error, a signal), else one that crashed, before the ranks that then lost it (exit 4),
-    and before all of them the ranks torchrun stopped after the first failure (`stopped`, local
-    ranks); the earliest among equals."""
+    """The failure that caused the others: a rank that stopped the run itself, else one that
+    crashed, then one that lost a peer (exit 4), last the local ranks torchrun then `stopped`."""
     return min(
         failures.items(),
         key=lambda kv: (
@@ -215,37 +178,27 @@ def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, 
 def report_failure(
     e: ChildFailedError, log_dir: Path, shown: set[int] | None, stopped: set[int]
 ) -> int:
-    """The exit code for a failed launch, with what the console has not shown: the failed rank's
-    one-line error, or a crashed rank's last lines and its log file, for the cause (`cause`;
-    `stopped`: the local ranks torchrun stopped after the first failure)."""
+    """The exit code for a failed launch, with what the console has not shown of its cause: its
+    one-line error, or a crashed rank's last lines and its log file."""
     rank, first = cause(e.failures, stopped)
     code = first.exitcode
-    log = stderr_log(log_dir, first.local_rank)
-    lines = log.read_text(errors="replace").splitlines() if log and log.is_file() else []
+    logs = _logs(log_dir)
+    log = logs.get(first.local_rank)
     on_console = shown is None or first.local_rank in shown
     if code in NO_RESTART or code == EXIT_LOST_RANK:
-        own = [ln for ln in lines if ln.startswith("titanlite: ")]
-        if own and not on_console and not printed_by(own[-1], log_dir, shown or set()):
-            print(f"[rank{rank}]: {own[-1]}", file=sys.stderr)
-        if (
-            not own and log is not None and log.is_file()
-        ):  # its log could not take its line: a full disk
-            said = said_by_any(log_dir)
-            print(
-                said
-                or f"titanlite: rank {rank} {how(code)} and its log {log} does not say why; is the disk "
-                f"under it full? (df -h {log_dir})",
-                file=sys.stderr,
-                flush=True,
-            )
+        said = _said(log) if log else None
+        if said and not on_console and not printed_by(said, log_dir, shown or set()):
+            print(f"[rank{rank}]: {said}", file=sys.stderr)
+        elif not said and log:  # its log could not take its line (a full disk): another's says
+            others = [line for line in map(_said, logs.values()) if line]
+            why = f"titanlite: rank {rank} {how(code)} and its log {log} does not say why; is the disk under it full? (df -h {log_dir})"
+            print(others[0] if others else why, file=sys.stderr, flush=True)
         return code
+    lines = log.read_text(errors="replace").splitlines() if log else []
     if not on_console:
         for line in lines[-TAIL_LINES:]:
             print(f"[rank{rank}]: {line}", file=sys.stderr)
     said = "its last lines are above" if lines else "it printed nothing"
-    print(
-        f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log}",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"titanlite: rank {rank} {how(code)}; {said}; its full log: {log or log_dir}"
+    print(line, file=sys.stderr, flush=True)
     return 1
