@@ -20,7 +20,6 @@ has run for comm.timeout_s prints the same line first.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -49,7 +48,7 @@ _on_phase: list[Callable[[str], None]] = []  # fault injection (titanlite.faults
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """This rank is in `name` (published by the heartbeat; a torch.profiler range
-    `titanlite.<name>`, which scripts/bench.py's step-time breakdown reads)."""
+    `titanlite.<name>`, which scripts/bench.py's step-time breakdown reads). Also a decorator."""
     before, _current[0] = _current[0], name
     for hook in _on_phase:
         hook(name)
@@ -65,20 +64,6 @@ def on_phase(hook: Callable[[str], None]) -> Callable[[], None]:
     stops it."""
     _on_phase.append(hook)
     return lambda: _on_phase.remove(hook)
-
-
-def in_phase(name: str) -> Callable[[Callable], Callable]:
-    """A method that runs inside phase(`name`)."""
-
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with phase(name):
-                return fn(*args, **kwargs)
-
-        return run
-
-    return wrap
 
 
 _LOST = ("connection reset", "connection closed", "broken pipe", "communicator was aborted")

@@ -1,27 +1,11 @@
-"""Memory per rank: estimated on the meta model before anything is allocated, and the peak
-reached, for the log.
+"""Memory per rank: estimated on the meta model before anything is allocated (a model that cannot
+fit stops with a message instead of being OOM-killed), and the peak reached, for the log.
 
-A model that cannot fit stops with a message instead of swapping or being OOM-killed.
-The estimate adds up terms that peak at different moments of a step, so it stays a little above
-the peak (the cluster rehearsal, titanlite.rehearsal, measures both):
-  - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
-    the shard degree under FSDP/HSDP (whole under DDP), with FSDP's padding (shard_numel);
-  - FSDP also holds one all-gathered unit (params + grads, in the param dtype) at a time: a block,
-    or the root's embedding and head where the vocabulary makes them larger (a tied head's
-    gradients thrice), or every unit's params when they stay gathered from forward to backward
-    (parallelism.reshard_after_forward: keeps_gathered_params);
-  - activations saved for backward: traced, not guessed (titanlite.tools.activations: the model's own
-    forward and loss on fake tensors, counting what autograd keeps, block by block); with
-    activation checkpointing, each block's input plus one block's worth (full), or about half
-    of every block's plus one block's rest (selective);
-  - the logits beyond what the trace sees: the whole sequence's gradients, or one chunk of
-    loss.chunk_logits_mib's positions recomputed in backward (its output, fp32 copy, gradient);
-  - unsharded gradients that FSDP/HSDP keeps across microbatches (4 bytes x all params, in the
-    fp32 reduce dtype) when the reduction waits for the last microbatch: on every step with
-    skip_grad_sync, on measured steps with diagnostics.method = exact and accumulation;
-  - the diagnostics' own buffers on a measured step: the sketch's sign table and scratch (two
-    segments of 2^20 floats) and the gathered sketches, or exact's all-to-all receive buffer
-    (one block's gradient).
+The estimate adds terms that peak at different moments of a step, so it stays a little above the
+peak (titanlite.rehearsal measures both): fp32 params, grads and AdamW moments (16 bytes a param,
+sharded with FSDP's padding); FSDP's largest gathered unit; the activations autograd keeps (traced:
+titanlite.tools.activations); the logits beyond the trace; unsharded gradients held across
+microbatches; and the diagnostics' buffers on a measured step.
 """
 
 from __future__ import annotations
@@ -82,10 +66,9 @@ class MemoryEstimate:
 def measured_step_bytes(
     cfg: JobConfig, layout: Layout, params: int, unit_params: int
 ) -> tuple[float, float]:
-    """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
-    one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients).
-    exact's probe holds the largest unit's fp32 gradient, its copy sent in the all-to-all and the
-    buffer received; both hold the dp x dp Gram, which at tens of thousands of ranks is the most."""
+    """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step. exact's probe
+    holds the largest unit's fp32 gradient, its all-to-all copy and the buffer received; both
+    methods hold the dp x dp Gram, which at tens of thousands of ranks is the most."""
     held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
     d = cfg.diagnostics
     if not d.enable or layout.dp < 2:
@@ -102,12 +85,9 @@ KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered
 
 
 def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, available: float) -> bool:
-    """Whether FSDP keeps each block's gathered params from its forward to its backward
-    (parallelism.reshard_after_forward). Keeping them saves the all-gather of every block but
-    the last in backward, one in three of FSDP's collectives (what that saves a step:
-    scripts/bench.py's fsdp-units group, in scripts/README.md, Performance), and holds
-    the whole model's params through the step; auto keeps them where that costs <= 5% of
-    `available` bytes."""
+    """Whether FSDP keeps each block's gathered params from forward to backward
+    (parallelism.reshard_after_forward): one in three of FSDP's collectives saved, the whole
+    model's params held; auto keeps them where that costs <= 5% of `available` bytes."""
     policy = cfg.parallelism.reshard_after_forward
     if policy == "auto":
         return params * param_bytes <= KEEP_GATHERED_SHARE * available
@@ -115,9 +95,8 @@ def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, availab
 
 
 def shard_numel(shape: torch.Size, shard: int) -> int:
-    """Elements of one rank's shard of a parameter: FSDP2 cuts dim 0 into `shard` equal chunks,
-    padded (torch.distributed.fsdp, FSDPParam), so a dim 0 of 256 over 1,024 ranks holds 1 row
-    a rank, four times its share, and every gather moves the padding too."""
+    """Elements of one rank's shard of a parameter: FSDP2 cuts dim 0 into `shard` equal, padded
+    chunks (FSDPParam), so 256 rows over 1,024 ranks hold 1 row a rank, four times its share."""
     rows = shape[0] if len(shape) else 1
     return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
@@ -158,11 +137,9 @@ def estimate_memory(
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
         # The root stays gathered through the step, so a block's gather comes on top of it.
         root = params - n_layers * block_params
-        unit, grads = (
-            (root + block_params, root * (3 if _tied(model) else 1) + block_params)
-            if root > block_params
-            else (block_params,) * 2
-        )
+        unit, grads = block_params, block_params
+        if root > block_params:
+            unit, grads = root + block_params, root * (3 if _tied(model) else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     positions = loss_positions or seq_len
@@ -177,17 +154,14 @@ def estimate_memory(
         n_layers,
         labels_path,
     )
-    activations = local_batch * one
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
-    logits = (
-        local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
-    )
+    logits = local_batch * positions * vocab_size * (param_bytes + (8 if chunked else 4))
     return MemoryEstimate(
         params,
         states,
         gathered,
-        activations,
+        local_batch * one,
         logits,
         held_grads_bytes,
         diagnostics_bytes,
