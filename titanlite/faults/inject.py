@@ -90,11 +90,7 @@ class Faults:
         """The step's microbatches as a stuck loader delivers them (from stuck_loader_step, on
         stuck_loader_rank: that step's again), and its loss as the loss faults scale it."""
         on = self.on
-        if (
-            on.stuck_loader_step >= 0
-            and self.rank == on.stuck_loader_rank
-            and s.step >= on.stuck_loader_step
-        ):
+        if 0 <= on.stuck_loader_step <= s.step and self.rank == on.stuck_loader_rank:
             if s.step == on.stuck_loader_step or self._stuck is None:
                 self._stuck = s.micro
             s.micro = self._stuck
@@ -118,15 +114,10 @@ class Faults:
         its heartbeat with it a second into the phase (the heartbeat publishes every 0.5 s)."""
         on = self.on
         moment = {"checkpoint": "save"}.get(name, name)
-        if (
-            self._step == on.signal_step
-            and moment == on.signal_phase
-            and self.rank == 0
-            and not is_restart()
-        ):
-            os.kill(
-                os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGINT
-            )
+        at_signal = self._step == on.signal_step and moment == on.signal_phase
+        if at_signal and self.rank == 0 and not is_restart():
+            launcher = "TORCHELASTIC_RUN_ID" in os.environ
+            os.kill(os.getppid() if launcher else os.getpid(), signal.SIGINT)
         if self._step == on.freeze_step and name == on.freeze_phase and self.rank == on.freeze_rank:
             time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGSTOP)

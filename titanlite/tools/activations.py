@@ -56,12 +56,10 @@ def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
 def saved_activations(
     model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int, labels_path: bool = False
 ) -> SavedActivations:
-    """What one sequence's forward and loss save for backward, traced on a copy of the meta
-    model made of fake CPU tensors (no memory, no arithmetic): autograd's saved-tensor hooks see
-    every tensor kept, counted once per storage and charged to the block running when it was
-    first saved; through the model's labels path where it has one (`labels_path`). The kernels are those a CPU picks, so SDPA's flash kernel keeps no attention
-    matrix, as flash kernels on a GPU do not. A fork's model is traced the same way; nothing
-    about its layers is assumed but that its blocks are `model.layers`."""
+    """What one sequence's forward and loss save for backward, traced on a fake-tensor copy of the
+    meta model: each storage autograd keeps is counted once, charged to the block running when it
+    was first saved. CPU kernels are traced, so SDPA keeps no attention matrix, as flash kernels
+    on a GPU do not. Nothing is assumed of a fork's model but that its blocks are `model.layers`."""
     blocks = list(getattr(model, "layers", []))
     owner: list[int | None] = [None]
     storages: dict[int, tuple[int | None, int]] = {}
@@ -96,9 +94,8 @@ def saved_activations(
         ]
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if (
-                labels_path or 0 < loss_chunk < seq_len
-            ):  # the model's one loss path (titanlite.models.step.LossPath)
+            # the model's one loss path (titanlite.models.step.LossPath)
+            if labels_path or 0 < loss_chunk < seq_len:
                 fake(tokens, labels=tokens, loss_chunk=loss_chunk if loss_chunk < seq_len else 0)
             else:
                 cross_entropy_per_sample(fake(tokens), tokens)
@@ -134,11 +131,10 @@ def activation_bytes(
     n_layers: int,
     labels_path: bool = False,
 ) -> tuple[float, str]:
-    """One sequence's activations kept for backward, under activation checkpointing `checkpoint`,
-    and where the figure comes from: traced (saved_activations); where the model's forward
-    cannot run on fake tensors (data-dependent shapes such as a router's dispatch, a kernel with
-    no fake implementation), the model's own `activation_bytes(seq_len, dtype) -> (bytes per
-    block, the rest)`, else ROUGH. Either of the last two is logged with the trace's error."""
+    """One sequence's activations kept for backward under activation checkpointing `checkpoint`,
+    and where the figure comes from: traced (saved_activations), or where the forward cannot run
+    on fake tensors (a router's data-dependent shapes), the model's own `activation_bytes(seq_len,
+    dtype) -> (bytes per block, the rest)`, else ROUGH; logged with the trace's error."""
     try:
         saved = saved_activations(model, seq_len, dtype, loss_chunk, labels_path)
         blocks, rest, block_input, source = saved.blocks, saved.rest, saved.block_input, "traced"
@@ -148,19 +144,14 @@ def activation_bytes(
             blocks, rest = model.activation_bytes(seq_len, dtype)
             source = "the model's own activation_bytes()"
         else:
-            blocks, rest, source = (
-                [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers,
-                0,
-                ROUGH,
-            )
+            blocks = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers
+            rest, source = 0, ROUGH
         logger.info(
             f"memory estimate: activations from {source} (the forward did not trace on fake tensors: {type(e).__name__}: {e})"
         )
     one = max(blocks, default=0)
     if checkpoint == "full":  # each block's input, and one block's recomputed activations
         return len(blocks) * block_input + one + rest, source
-    if (
-        checkpoint == "selective"
-    ):  # matmul/attention outputs kept: about half, plus one block's rest
+    if checkpoint == "selective":  # matmul/attention outputs kept: about half, and a block's rest
         return (sum(blocks) + one) / 2 + rest, source
     return sum(blocks) + rest, source
