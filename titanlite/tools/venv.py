@@ -73,18 +73,9 @@ def use_project_venv(dev: bool = False) -> None:
     if not missing(dev) or os.environ.get(_AGAIN):
         return
     env_sh = ROOT / "scripts" / "env.sh"
-    found = subprocess.run(
-        [
-            "bash",
-            "-c",
-            'source "$1" "$2" >&2 && printf %s "$PY"',
-            "env",
-            str(env_sh),
-            "dev" if dev else "",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    script = 'source "$1" "$2" >&2 && printf %s "$PY"'
+    cmd = ["bash", "-c", script, "env", str(env_sh), "dev" if dev else ""]
+    found = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if found.returncode != 0:
         sys.exit(found.returncode)  # env.sh printed why
     env = dict(os.environ, **{_AGAIN: "1"})
@@ -94,8 +85,5 @@ def use_project_venv(dev: bool = False) -> None:
 
 
 if __name__ == "__main__":  # scripts/env.sh: does $PY hold everything, titanlite installed too?
-    sys.exit(
-        1
-        if missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite")
-        else 0
-    )
+    incomplete = missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite")
+    sys.exit(1 if incomplete else 0)
