@@ -174,10 +174,7 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
-    avail = _meminfo_available()
-    limit = _cgroup_limit()
-    if limit is not None:
-        avail = min(avail, limit)
+    avail = min(_meminfo_available(), _cgroup_limit())
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return avail / ranks, f"host memory available / {ranks} local rank(s)"
 
@@ -189,13 +186,10 @@ def _meminfo_available() -> float:
     return float("inf")
 
 
-def _cgroup_limit() -> float | None:
+def _cgroup_limit() -> float:
     f = Path("/sys/fs/cgroup/memory.max")
-    if f.exists():
-        raw = f.read_text().strip()
-        if raw.isdigit():
-            return float(raw)
-    return None
+    raw = f.read_text().strip() if f.exists() else ""
+    return float(raw) if raw.isdigit() else float("inf")
 
 
 def job_estimate(
@@ -206,9 +200,7 @@ def job_estimate(
     reshard_after_forward = auto)."""
     t, model, args = cfg.training, meta.model, meta.args
     blocks = getattr(model, "layers", None)
-    block_params = (
-        sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
-    )
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
     params = sum(p.numel() for p in model.parameters())
     root = params - getattr(args, "n_layers", 0) * block_params
     unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
@@ -243,11 +235,9 @@ def check_memory(
     (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
     est = job_estimate(meta, cfg, layout, param_dtype, avail)
-    model = (
-        f"{cfg.model.name} from {cfg.model.hf_assets_path}"
-        if cfg.model.hf_assets_path
-        else f"{cfg.model.name}/{cfg.model.flavor}"
-    )
+    model = f"{cfg.model.name}/{cfg.model.flavor}"
+    if cfg.model.hf_assets_path:
+        model = f"{cfg.model.name} from {cfg.model.hf_assets_path}"
     logger.info(
         f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
         f"{mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))}, grad accum {layout.grad_accum}; "
@@ -256,11 +246,9 @@ def check_memory(
     if est.total_bytes > avail and not cfg.debug.skip_memory_check:
         fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'selective' or 'full'"
         if est.held_grads_bytes:
-            why = (
-                "parallelism.skip_grad_sync"
-                if layout.skip_grad_sync
-                else "diagnostics.method = 'exact'"
-            )
+            why = "diagnostics.method = 'exact'"
+            if layout.skip_grad_sync:
+                why = "parallelism.skip_grad_sync"
             fixes = (
                 f"{why} keeps {est.held_grads_bytes / GiB:.2f} GiB of unsharded gradients across "
                 f"microbatches: set it to 'auto', or {fixes}"
