@@ -29,28 +29,12 @@ class SavedActivations:
     block_input: int
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-
-
-def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
-    """Each parameter (in `dtype`, a tied one still shared) and buffer made a fake CPU tensor of
-    its shape, in place, inside a FakeTensorMode."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad
-                )
-            setattr(module, name, made[id(p)])
-        for name, b in list(module.named_buffers(recurse=False)):
-            module.register_buffer(
-                name,
-                torch.empty(b.shape, dtype=b.dtype),
-                persistent=name not in module._non_persistent_buffers_set,
-            )
+def _fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fake CPU tensor (made inside a FakeTensorMode) of a parameter's shape, in `dtype`, or a
+    buffer's."""
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(torch.empty(t.shape, dtype=dtype), requires_grad=t.requires_grad)
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def saved_activations(
@@ -82,10 +66,13 @@ def saved_activations(
     def leave(_module: nn.Module, _args: tuple, _out: Any) -> None:
         owner[0] = None
 
-    memo: dict[int, Any] = {id(t): _meta(t) for t in (*model.parameters(), *model.buffers())}
+    mode = FakeTensorMode()
+    with mode:  # a tied parameter is one entry: the copy keeps it shared
+        memo: dict[int, Any] = {
+            id(t): _fake(t, dtype) for t in (*model.parameters(), *model.buffers())
+        }
     fake = copy.deepcopy(model, memo)  # the module tree only: no weight is copied
-    with FakeTensorMode():
-        _fake_tensors(fake, dtype)
+    with mode:
         held = {t.untyped_storage()._cdata for t in (*fake.parameters(), *fake.buffers())}
         handles = [
             h
