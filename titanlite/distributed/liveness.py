@@ -83,6 +83,12 @@ def flight_recorder_env(trace_dir: Path, entries: int) -> None:
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "rank_"))
 
 
+def _last_seen(rank: int, record: tuple[int, int, str] | None) -> str:
+    if record is None:
+        return f"rank {rank} never seen"
+    return f"rank {rank} last seen in {record[2]} of step {record[0]}"
+
+
 class Heartbeat:
     """This rank's progress, published to the rendezvous store every `period` seconds when it
     changed; with `watch` it also prints the lost-rank line when one step runs that long."""
@@ -171,9 +177,7 @@ class Heartbeat:
         others = [r for r in range(self.world) if r != self.rank and first[r] and second[r]]
         frozen = [r for r in others if first[r][1] == second[r][1]]
         if frozen:
-            where = ", ".join(
-                f"rank {r} last seen in {first[r][2]} of step {first[r][0]}" for r in frozen
-            )
+            where = ", ".join(_last_seen(r, first[r]) for r in frozen)
             return (
                 f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding ({where}; its "
                 "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
@@ -215,12 +219,7 @@ class Heartbeat:
         odd = [
             r for r in range(self.world) if r != self.rank and (r in behind or seen[r][2] != mine)
         ]
-        where = [
-            f"rank {r} last seen in {seen[r][2]} of step {seen[r][0]}"
-            if seen[r]
-            else f"rank {r} never seen"
-            for r in odd[:8]
-        ]
+        where = [_last_seen(r, seen[r]) for r in odd[:8]]
         names = ", ".join(map(str, odd[:8])) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")
         likely = f", most likely among rank(s) {names} ({'; '.join(where)})" if odd else ""
         return (

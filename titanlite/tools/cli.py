@@ -150,9 +150,8 @@ class Script:
     every value checked, and returns the exit code (None: 0)."""
 
     def __init__(self, prog: str, doc: str, overrides: str = "", stop_hint: str = "") -> None:
-        """`doc`: the script's docstring (--help's description);
-        `overrides`: where `--section.key VALUE` overrides go ("" if the script takes none);
-        `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
+        """`doc`: --help's description; `overrides`: where `--section.key VALUE` overrides go ("":
+        none); `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
         self.prog, self.overrides, self.stop_hint = prog, overrides, stop_hint
         epilog = (
             f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."

@@ -83,7 +83,8 @@ class CollectiveCounter(TorchDispatchMode):
             payload = _payload(ns, op, args, size)
             self.counts[key] += 1
             self.payload[key] += payload
-            self.wire[key] += payload * (size - 1) / size * (2 if _is_all_reduce(op) else 1)
+            twice = op.replace("_", "").startswith("allreduce")  # an all-reduce sends it twice
+            self.wire[key] += payload * (size - 1) / size * (2 if twice else 1)
         return func(*args, **(kwargs or {}))
 
     def by_group(self) -> dict[str, dict[str, int]]:
@@ -103,10 +104,6 @@ def _group(ns: str, args: tuple, kwargs: dict) -> tuple[str, int]:
             pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
             return pg.group_name, pg.size()
     return "?", 1
-
-
-def _is_all_reduce(op: str) -> bool:
-    return op.replace("_", "").startswith("allreduce")
 
 
 def _bytes(x) -> int:
