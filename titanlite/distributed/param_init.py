@@ -1,11 +1,9 @@
 """Initial weights that are bitwise identical for every dp degree and mode.
 
-Drawing a sharded parameter's values from one RNG stream gives each rank the *first* values of
-that stream, so the full tensor changes with the shard count. Here each parameter gets its own
-generator, seeded from (seed, parameter name); the full tensor is drawn and each rank keeps its
-shard. The draw depends only on the name, shape, seed and device type, never on the layout,
-nor on activation checkpointing or compile wrappers.
-Peak extra memory is one full parameter.
+Drawing a sharded parameter from one RNG stream gives each rank the stream's *first* values, so
+the full tensor would change with the shard count. Here each parameter gets a generator seeded
+from (seed, parameter name), the full tensor is drawn (one parameter of extra memory) and each
+rank keeps its shard: the draw never depends on the layout, AC or compile wrappers.
 """
 
 from __future__ import annotations
