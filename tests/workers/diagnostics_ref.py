@@ -20,7 +20,7 @@ from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.step_record import content_fingerprint
-from titanlite.distributed.groups import init_distributed
+from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_

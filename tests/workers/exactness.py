@@ -43,8 +43,7 @@ from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
-from titanlite.distributed.groups import init_distributed
-from titanlite.distributed.parallel_dims import ParallelDims
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.models.llama3 import Llama3, Llama3Args

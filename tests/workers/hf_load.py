@@ -33,7 +33,7 @@ from transformers import LlamaForCausalLM
 from titanlite.components.loss import forward_backward
 from titanlite.components.optimizer import lr_factor
 from titanlite.config import parse_args
-from titanlite.distributed.groups import init_distributed
+from titanlite.distributed.parallel_dims import init_distributed
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.models.llama3.hf import LLAMA3_HF

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titanlite.config.layout import Layout
+from titanlite.distributed.groups import init_distributed  # noqa: F401  (a fork may import it from here)
 from titanlite.errors import UserError
 
 
