@@ -1,13 +1,8 @@
-"""Every script runs from a fresh clone with nothing activated, like `./run_train.sh`.
-
-A script calls `use_project_venv()` before its first import outside the standard library: when
-the interpreter that started it lacks titanlite's dependencies (a system `python3`), the script
-is executed again under the project's interpreter, which scripts/env.sh makes and fills on
-first use (`.venv/`, or `TITANLITE_PYTHON`). An interpreter that has them (the venv, an
-activated environment, a cluster's container) runs the script as it is.
-
-This module imports only the standard library; scripts/env.sh runs it as a script
-(`python titanlite/tools/venv.py [dev]`, exit 1 when something is missing) to check its venv.
+"""Every script runs from a fresh clone with nothing activated, like `./run_train.sh`: a script
+calls `use_project_venv()` before its first import outside the standard library, and an
+interpreter without titanlite's dependencies (a system `python3`) executes it again under the
+project's (`.venv/` or `TITANLITE_PYTHON`, made by scripts/env.sh on first use). Standard library
+only: scripts/env.sh runs it (`python titanlite/tools/venv.py [dev]`, exit 1: something missing).
 """
 
 from __future__ import annotations
