@@ -29,7 +29,7 @@ from titanlite.config.fields import due
 from titanlite.datasets.batch import Microbatch, collate
 from titanlite.datasets.build import build_eval_dataset
 from titanlite.datasets.records import prompt_format
-from titanlite.distributed.liveness import in_phase
+from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -85,7 +85,7 @@ class Evaluator:
         e = self.cfg.eval
         return due(step, e.every) or (e.at_end and step == self.cfg.training.steps)
 
-    @in_phase("eval")
+    @phase("eval")
     def run(self, model: nn.Module, step: int) -> tuple[dict, list[dict[str, str]]]:
         """The eval's record ({"step", "loss", "perplexity", "tokens", "sequences", "seconds"})
         and the decoded eval.prompts ({"prompt", "text"}); every rank calls it in lockstep."""

@@ -58,22 +58,18 @@ def init_distributed(device: torch.device, timeout_s: int = 600, fake_world: int
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = timedelta(seconds=timeout_s)
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        # torchrun's agent hosts the store and keeps it when it restarts the workers
-        # (--max-restarts). A group made by new_group keys its members' addresses by a name that
-        # repeats in every attempt, so a restarted worker would read a dead peer's address and
-        # fail to connect (torch 2.13, c10d rendezvous). A prefix per attempt keeps them apart.
+        # torchrun's agent keeps its store across restarts (--max-restarts), where new_group's
+        # member addresses, keyed by a name every attempt repeats, would send a restarted worker
+        # to a dead peer (torch 2.13, c10d rendezvous): a prefix per attempt keeps them apart.
+        env = os.environ
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timeout,
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout
         )
+        attempt = f"titanlite/attempt_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         kwargs.update(
-            store=dist.PrefixStore(
-                f"titanlite/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store
-            ),
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
+            store=dist.PrefixStore(attempt, store),
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
         )
     dist.init_process_group(backend, timeout=timeout, **kwargs)
 

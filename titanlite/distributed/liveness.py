@@ -1,26 +1,16 @@
 """Hung and lost ranks: a collective that waits longer than comm.timeout_s stops the run with one
 line naming the ranks at fault, instead of hanging forever.
 
-Gloo and NCCL timeouts say that a collective timed out, not which peer never came. So each rank
-publishes to the rendezvous store, from a background thread (the loop never waits on the store),
-the step it has reached, the phase of the step it is in (`phase`: data, forward, backward, clip,
-optimizer, eval, checkpoint) and a beat counter that the thread advances every BEAT_S. The rank
-that times out reads them all, twice, BEAT_S * 2.5 apart, and names:
-- the ranks whose beat stopped: a frozen process (SIGSTOP, a debugger, a call stuck while
-  holding the interpreter), where a longer timeout would not help;
-- else the ranks behind the others' step: they never reached it (a hung data read, a dead host);
-- else the ranks in another phase than the rest: still computing (a stuck kernel, a data loader
-  that never returns) while the others wait in a collective.
-
-Gloo raises the timeout in the waiting rank, which the trainer turns into that line (exit 4).
-NCCL's own watchdog tears the process down at the timeout (after writing the flight recorder's
-dump, `flight_recorder_env`), so on CUDA the publishing thread also watches the step: one that
-has run for comm.timeout_s prints the same line first.
+Gloo and NCCL timeouts do not say which peer never came. So each rank publishes to the rendezvous
+store, from a background thread, the step it reached, its phase in the step and a beat counter
+(every BEAT_S). The rank that times out reads them twice, BEAT_S * 2.5 apart, and names the ranks
+whose beat stopped (frozen), else those behind the others' step, else those in another phase.
+NCCL's watchdog ends the process at the timeout (after the flight recorder's dump), so on CUDA
+the thread also prints that line itself once a step has run for about comm.timeout_s.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import sys
@@ -49,7 +39,7 @@ _on_phase: list[Callable[[str], None]] = []  # fault injection (titanlite.faults
 @contextmanager
 def phase(name: str) -> Iterator[None]:
     """This rank is in `name` (published by the heartbeat; a torch.profiler range
-    `titanlite.<name>`, which scripts/bench.py's step-time breakdown reads)."""
+    `titanlite.<name>`, which scripts/bench.py's step-time breakdown reads). Also a decorator."""
     before, _current[0] = _current[0], name
     for hook in _on_phase:
         hook(name)
@@ -65,20 +55,6 @@ def on_phase(hook: Callable[[str], None]) -> Callable[[], None]:
     stops it."""
     _on_phase.append(hook)
     return lambda: _on_phase.remove(hook)
-
-
-def in_phase(name: str) -> Callable[[Callable], Callable]:
-    """A method that runs inside phase(`name`)."""
-
-    def wrap(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def run(*args, **kwargs):
-            with phase(name):
-                return fn(*args, **kwargs)
-
-        return run
-
-    return wrap
 
 
 _LOST = ("connection reset", "connection closed", "broken pipe", "communicator was aborted")
@@ -107,6 +83,12 @@ def flight_recorder_env(trace_dir: Path, entries: int) -> None:
     os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(trace_dir / "rank_"))
 
 
+def _last_seen(rank: int, record: tuple[int, int, str] | None) -> str:
+    if record is None:
+        return f"rank {rank} never seen"
+    return f"rank {rank} last seen in {record[2]} of step {record[0]}"
+
+
 class Heartbeat:
     """This rank's progress, published to the rendezvous store every `period` seconds when it
     changed; with `watch` it also prints the lost-rank line when one step runs that long."""
@@ -130,12 +112,9 @@ class Heartbeat:
             self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
             self._thread.start()
 
-    def reached(self, step: int) -> None:
-        self.step, self.busy, self._since = step, True, time.monotonic()
-
     def ready(self, s) -> None:
         """The trainer's hook (titanlite.tools.hooks): the step has its batch."""
-        self.reached(s.step)
+        self.step, self.busy, self._since = s.step, True, time.monotonic()
 
     def idle(self) -> None:
         """Between steps' work (log, save): not watched."""
@@ -188,29 +167,23 @@ class Heartbeat:
         reached[self.rank] = step  # its own, not the heartbeat's copy
         top = max([s for s in reached.values() if s is not None] + [step])
         behind = {r: s for r, s in reached.items() if s is None or s < top}
-        if how == "timeout":
-            head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
-        else:
-            head = f"a collective lost its connection to a peer at step {top}"
-        second = first
-        others = [r for r in range(self.world) if r != self.rank and first[r]]
         if how == "lost":  # a broken connection is a peer that ended, not one still computing
+            head = f"a collective lost its connection to a peer at step {top}"
             return f"{head}: {self._ended(first, behind)}"
-        if how == "timeout":  # a frozen rank comes first, whether or not it reached the step
-            time.sleep(2.5 * BEAT_S)
-            second = self._read()
-            others = [r for r in others if second[r]]
-            frozen = [r for r in others if first[r][1] == second[r][1]]
-            if frozen:
-                where = ", ".join(
-                    f"rank {r} last seen in {first[r][2]} of step {first[r][0]}" for r in frozen
-                )
-                return (
-                    f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding ({where}; its "
-                    "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
-                    "interpreter), which a longer comm.timeout_s would not help; look at it on its host "
-                    "(py-spy dump --pid <pid> shows where it is)"
-                )
+        head = f"a collective waited over comm.timeout_s = {self.timeout_s:g}s at step {top}"
+        # a frozen rank comes first, whether or not it reached the step
+        time.sleep(2.5 * BEAT_S)
+        second = self._read()
+        others = [r for r in range(self.world) if r != self.rank and first[r] and second[r]]
+        frozen = [r for r in others if first[r][1] == second[r][1]]
+        if frozen:
+            where = ", ".join(_last_seen(r, first[r]) for r in frozen)
+            return (
+                f"{head}: rank(s) {', '.join(map(str, frozen))} stopped responding ({where}; its "
+                "heartbeat stopped): a frozen process (SIGSTOP, a debugger, a call stuck holding the "
+                "interpreter), which a longer comm.timeout_s would not help; look at it on its host "
+                "(py-spy dump --pid <pid> shows where it is)"
+            )
         if behind:
             names = ", ".join(str(r) for r in sorted(behind))
             last = ", ".join(
@@ -246,12 +219,7 @@ class Heartbeat:
         odd = [
             r for r in range(self.world) if r != self.rank and (r in behind or seen[r][2] != mine)
         ]
-        where = [
-            f"rank {r} last seen in {seen[r][2]} of step {seen[r][0]}"
-            if seen[r]
-            else f"rank {r} never seen"
-            for r in odd[:8]
-        ]
+        where = [_last_seen(r, seen[r]) for r in odd[:8]]
         names = ", ".join(map(str, odd[:8])) + (f" and {len(odd) - 8} more" if len(odd) > 8 else "")
         likely = f", most likely among rank(s) {names} ({'; '.join(where)})" if odd else ""
         return (

@@ -29,14 +29,9 @@ def resolve_device(choice: str) -> torch.device:
 @dataclass
 class ParallelDims:
     """The job's mesh: dp_replicate x dp_shard, then the extra axes a model declares
-    (layout.axes), each splitting every sequence's positions over its ranks. What each part of
-    the step reads from it:
-      - the data: dp_rank (the data-parallel coordinate); the ranks that split a sequence share
-        it, so they read the same sequences, and `piece` gives each its positions;
-      - the normaliser (dp_group): every rank, as each holds distinct tokens;
-      - the gradient reduction: FSDP shards over dp_shard and the extra axes (`shard_mesh`), DDP
-        reduces over dp_replicate and the extra axes (`replicate_group`): a plain sum over every
-        rank that holds distinct tokens."""
+    (layout.axes), each splitting every sequence's positions over its ranks: those ranks share a
+    dp_rank (the data's coordinate) and `piece` gives each its positions. Gradients are summed
+    over every rank that holds distinct tokens: FSDP's `shard_mesh`, DDP's `replicate_group`."""
 
     layout: Layout
     device: torch.device
@@ -70,9 +65,8 @@ class ParallelDims:
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel coordinate: which share of the batch it reads."""
-        return self.mesh.get_local_rank(
-            "dp_replicate"
-        ) * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
+        replica = self.mesh.get_local_rank("dp_replicate")
+        return replica * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:

@@ -1,10 +1,8 @@
-"""Generic data-parallel wrapping of a model made of repeated blocks: AC, compile, FSDP/DDP/HSDP;
-and `materialize`, which gives the wrapped meta-device model its real, initialized weights.
+"""Data-parallel wrapping of a model of repeated blocks (AC, compile, FSDP/DDP/HSDP), and
+`materialize`, which gives the wrapped meta-device model its initialized weights.
 
-Every mode reduces gradients with a plain SUM: the loss is already divided by the global token
-count (titanlite.components.loss), so the usual division by the world size must not happen.
-Every mode reduces in training.mixed_precision_reduce: FSDP/HSDP through their mixed-precision
-policy, DDP in its comm hook.
+Every mode reduces gradients with a plain SUM (the loss is already divided by the global token
+count: titanlite.components.loss), in training.mixed_precision_reduce.
 """
 
 from __future__ import annotations
@@ -28,10 +26,7 @@ from titanlite.tools.memory import available_bytes, keeps_gathered_params
 def parallelize_blocks(
     model: nn.Module, blocks: nn.ModuleList, dims: ParallelDims, cfg: JobConfig
 ) -> nn.Module:
-    """Wrap each block (AC, compile, FSDP unit), then the root. Returns the model to train.
-
-    Call on a meta-device model; the trainer materializes and initializes it afterwards.
-    """
+    """Wrap each block (AC, compile, FSDP unit), then the root, of a meta-device model."""
     for i, block in enumerate(blocks):
         block = checkpoint_block(block, cfg.training.activation_checkpoint)
         if cfg.training.compile:
@@ -88,11 +83,8 @@ def checkpoint_block(block: nn.Module, kind: str) -> nn.Module:
 
 
 def disable_fsdp_grad_division(model: nn.Module) -> None:
-    """Reduce-scatter / all-reduce as plain SUM on every FSDP unit, not only the root.
-
-    Each setter acts on one FSDPModule's own parameter group. On gloo the divide factor alone
-    fails (PREMUL_SUM is NCCL-only), hence force-sum as well.
-    """
+    """Reduce as plain SUM on every FSDP unit (each setter acts on one unit's own group); on
+    gloo the divide factor alone fails (PREMUL_SUM is NCCL-only), hence force-sum as well."""
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -106,14 +98,9 @@ def reduce_scatter(
     op: dist.ReduceOp,
     async_op: bool = False,
 ) -> dist.Work | None:
-    """FSDP2's gradient reduce-scatter, done the fast way for the group's backend.
-
-    gloo has no reduce-scatter of its own: torch runs it as an all-reduce of the whole input, so
-    every rank receives every coordinate. An all-to-all delivers each rank the world's copies of
-    its own shard only, and the rank sums them, in less time (scripts/bench.py's reduce-scatter
-    group measures it in a step: scripts/README.md, Performance). Other backends keep their
-    native reduce-scatter.
-    """
+    """FSDP2's gradient reduce-scatter. gloo runs its own as an all-reduce of the whole input;
+    an all-to-all of the shards, summed here, is faster (scripts/bench.py's reduce-scatter group).
+    Other backends keep their native reduce-scatter."""
     if dist.get_backend(group) != "gloo" or op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     world = group.size()
@@ -136,9 +123,8 @@ class ReduceScatterComm:
 
 
 def use_fast_reduce_scatter(model: nn.Module) -> None:
-    """On gloo, every FSDP unit reduces through reduce_scatter; other backends keep FSDP's own
-    path untouched. The diagnostics probe, when installed, replaces this with its own, which
-    calls reduce_scatter too."""
+    """On gloo, every FSDP unit reduces through reduce_scatter (the diagnostics probe replaces
+    this with its own, which calls reduce_scatter too)."""
     if dist.get_backend() != "gloo":
         return
     for module in model.modules():
@@ -177,8 +163,7 @@ def _sum_allreduce_hook(state, bucket):  # DDP checks the real annotations; stri
 
 
 def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """DDP on an initialized model. Buffers are computed identically on every rank: no
-    per-forward buffer sync."""
+    """DDP on an initialized model; buffers are the same on every rank: no per-forward sync."""
     device_ids = [dims.device.index] if dims.device.type == "cuda" else None
     group = dims.replicate_group
     ddp = DistributedDataParallel(
@@ -206,7 +191,8 @@ def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, 
 
 
 def to_empty_tied(model: nn.Module, device: torch.device) -> None:
-    """`model.to_empty(device)` with its tied weights still tied (see materialize)."""
+    """`model.to_empty(device)` with its tied weights still tied: on an unsharded model to_empty
+    makes a Parameter per module (FSDP keeps one sharded tensor)."""
     tied = _tied_parameters(model)
     model.to_empty(device=device)
     for module, name, owner, owner_name in tied:
@@ -215,13 +201,8 @@ def to_empty_tied(model: nn.Module, device: torch.device) -> None:
 
 
 def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
-    """Meta-device model (already parallelized by its spec) -> initialized model on the device.
-
-    `to_empty` makes a new Parameter per module on an unsharded model, which would untie tied
-    weights (FSDP keeps them: the shared parameter is one sharded tensor), so the ties are
-    restored before init. Weights come from ParamInit, so they are the same for every dp
-    degree and mode; DDP wraps the model only now, because it needs real tensors.
-    """
+    """Parallelized meta-device model -> initialized model on the device (ParamInit: the same
+    weights for every dp degree and mode); DDP wraps it only now, as it needs real tensors."""
     to_empty_tied(model, dims.device)
     with torch.no_grad():
         model.init_weights(ParamInit(model, seed))

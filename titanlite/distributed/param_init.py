@@ -1,11 +1,9 @@
 """Initial weights that are bitwise identical for every dp degree and mode.
 
-Drawing a sharded parameter's values from one RNG stream gives each rank the *first* values of
-that stream, so the full tensor changes with the shard count. Here each parameter gets its own
-generator, seeded from (seed, parameter name); the full tensor is drawn and each rank keeps its
-shard. The draw depends only on the name, shape, seed and device type, never on the layout,
-nor on activation checkpointing or compile wrappers.
-Peak extra memory is one full parameter.
+Drawing a sharded parameter from one RNG stream gives each rank the stream's *first* values, so
+the full tensor would change with the shard count. Here each parameter gets a generator seeded
+from (seed, parameter name), the full tensor is drawn (one parameter of extra memory) and each
+rank keeps its shard: the draw never depends on the layout, AC or compile wrappers.
 """
 
 from __future__ import annotations
@@ -55,15 +53,12 @@ class ParamInit:
         digest = hashlib.sha256(f"{self.seed}:{name}".encode()).digest()
         return torch.Generator(device=p.device).manual_seed(int.from_bytes(digest[:8], "little"))
 
-    def _assign(self, p: torch.Tensor, full: torch.Tensor) -> None:
-        copy_full_(p, full)
-
     def _empty_full(self, p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=torch.float32, device=p.device)
 
     def normal_(self, p: torch.Tensor, std: float, mean: float = 0.0) -> None:
         full = self._empty_full(p).normal_(mean, std, generator=self._generator(p))
-        self._assign(p, full)
+        copy_full_(p, full)
 
     def trunc_normal_(self, p: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
         """Normal(0, std) truncated to +-cutoff*std."""
@@ -71,7 +66,7 @@ class ParamInit:
         nn.init.trunc_normal_(
             full, 0.0, std, -cutoff * std, cutoff * std, generator=self._generator(p)
         )
-        self._assign(p, full)
+        copy_full_(p, full)
 
     def constant_(self, p: torch.Tensor, value: float) -> None:
-        self._assign(p, self._empty_full(p).fill_(value))
+        copy_full_(p, self._empty_full(p).fill_(value))

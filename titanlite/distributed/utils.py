@@ -23,15 +23,11 @@ def first_error(error: str | None, group: dist.ProcessGroup | None = None) -> st
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (over shards too), clipped to max_norm if > 0.
-
-    Returns the pre-clip norm as a device tensor; nothing here reads it on the host.
-    """
+    """Global L2 norm of all gradients (over shards too), clipped to max_norm if > 0; returns the
+    pre-clip norm as a device tensor, never read on the host here."""
     params = [p for p in params if p.grad is not None]
     grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(
-        grads, norm_type=2.0, error_if_nonfinite=False, foreach=True
-    )
+    total = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False, foreach=True)
     if isinstance(total, DTensor):  # FSDP: each rank holds the norm of its shards (Partial)
         total = total.full_tensor()
     if max_norm > 0:
@@ -54,10 +50,7 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda" or dtype != torch.bfloat16:
         return None
     name = torch.cuda.get_device_name(device)
-    for key, value in _PEAK_BF16.items():
-        if key in name:
-            return value
-    return None
+    return next((value for key, value in _PEAK_BF16.items() if key in name), None)
 
 
 def set_deterministic() -> None:

@@ -87,14 +87,9 @@ class Faults:
         return batch._replace(labels=labels) if labels is not batch.labels else batch
 
     def ready(self, s: Step) -> None:
-        """The step's microbatches as a stuck loader delivers them (from stuck_loader_step, on
-        stuck_loader_rank: that step's again), and its loss as the loss faults scale it."""
+        """The step's microbatches as a stuck loader delivers them, and its loss as scaled."""
         on = self.on
-        if (
-            on.stuck_loader_step >= 0
-            and self.rank == on.stuck_loader_rank
-            and s.step >= on.stuck_loader_step
-        ):
+        if 0 <= on.stuck_loader_step <= s.step and self.rank == on.stuck_loader_rank:
             if s.step == on.stuck_loader_step or self._stuck is None:
                 self._stuck = s.micro
             s.micro = self._stuck
@@ -113,27 +108,21 @@ class Faults:
 
     # ---- the faults ---------------------------------------------------------------------------
     def phase(self, name: str) -> None:
-        """As this rank enters a phase (or "start" of a step): rank 0's Ctrl-C of signal_step
-        (to its launcher; to itself without torchrun), and freeze_rank's SIGSTOP, which stops
-        its heartbeat with it a second into the phase (the heartbeat publishes every 0.5 s)."""
+        """As this rank enters a phase (or "start" of a step): rank 0's Ctrl-C of signal_step (to
+        its launcher), and freeze_rank's SIGSTOP a second into the phase (after the heartbeat's
+        next publish, every 0.5 s)."""
         on = self.on
         moment = {"checkpoint": "save"}.get(name, name)
-        if (
-            self._step == on.signal_step
-            and moment == on.signal_phase
-            and self.rank == 0
-            and not is_restart()
-        ):
-            os.kill(
-                os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), signal.SIGINT
-            )
+        at_signal = self._step == on.signal_step and moment == on.signal_phase
+        if at_signal and self.rank == 0 and not is_restart():
+            launcher = "TORCHELASTIC_RUN_ID" in os.environ
+            os.kill(os.getppid() if launcher else os.getpid(), signal.SIGINT)
         if self._step == on.freeze_step and name == on.freeze_phase and self.rank == on.freeze_rank:
             time.sleep(1.0)
             os.kill(os.getpid(), signal.SIGSTOP)
 
     def flip_bit(self) -> None:
-        """The lowest bit of the first parameter's first local element flips: this replica
-        silently differs from then on."""
+        """The lowest bit of the first parameter's first local element flips."""
         for p in self.model.parameters():
             local = p.to_local() if isinstance(p, DTensor) else p
             if local.numel():
@@ -143,8 +132,8 @@ class Faults:
                 return
 
     def slow_loader(self, step: int) -> None:
-        """A host delay of (slow_factor - 1) x this rank's own step time (an EMA of its step
-        times less the delays added, so the delay does not feed on itself), from fault_from_step."""
+        """A host delay of (slow_factor - 1) x this rank's own step time (an EMA without the delays
+        added, so the delay does not feed on itself), from fault_from_step."""
         now = time.perf_counter()
         if self._started is not None:
             own = now - self._started - self._slept
@@ -164,8 +153,7 @@ class Faults:
         return OSError(code, f"{os.strerror(code)} (injected by faults.write_error)", name)
 
     def storage_writer(self, step: int, path: str) -> dcp.FileSystemWriter:
-        """The checkpoint writer of `step`: the last rank's fails as on a full disk at
-        fail_save_step, inside DCP, which gathers the failure and raises on every rank."""
+        """The checkpoint writer of `step`: the last rank's fails inside DCP at fail_save_step."""
         if step == self.on.fail_save_step and self.rank == self.world - 1:
             return FullDiskWriter(path)
         return dcp.FileSystemWriter(path)

@@ -29,13 +29,10 @@ def cross_entropy_per_sample(logits: torch.Tensor, labels: torch.Tensor) -> torc
 def chunked_cross_entropy_per_sample(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
 ) -> torch.Tensor:
-    """cross_entropy_per_sample(hidden @ weight.T, labels) with the logits of `chunk` sequence
-    positions alive at a time, forward and backward: each chunk's projection and cross entropy
-    run under activation checkpointing, so backward recomputes that chunk's logits (one extra
-    output matmul) instead of keeping [batch, seq, vocab] of them, and of their gradient.
-    At vocab 128,256 a 2,048-token sequence's fp32 logits alone take 1 GB. The sums are the
-    same per chunk, added in another order (exact to float rounding). `chunk` <= 0: the whole
-    sequence at once, nothing recomputed."""
+    """cross_entropy_per_sample(hidden @ weight.T, labels) with the logits of `chunk` positions
+    alive at a time: each chunk runs under activation checkpointing, so backward recomputes its
+    logits (one extra matmul) instead of keeping [batch, seq, vocab] of them (at vocab 128,256 a
+    2,048-token sequence's fp32 logits take 1 GB). `chunk` <= 0: the whole sequence at once."""
     if chunk <= 0:
         return _projected_ce(hidden, weight, labels)
     # split, not slices: backward gathers the chunks' gradients once, where each slice's would

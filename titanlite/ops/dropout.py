@@ -1,17 +1,12 @@
 """Dropout whose mask is a function of the sample, not of the rank that runs it.
 
-torch's dropout draws from the device generator, so a sequence's mask depends on which rank
-and microbatch it lands in and how many draws came before it there: a dropout run at dp=8 and
-one at dp=16 train on different masks. Here each sequence carries a key derived from its
-position in the data stream (step x global batch + its place in the step's global batch, the
-same however the batch is cut), and the mask of element (sequence, site, i) is a hash of
-(key, site, i): the same sequence gets the same mask at every world size and accumulation, and
-a recomputation (activation checkpointing) gets it again with no RNG state to stash.
-
-The hash is a 32-bit integer mixer (xorshift-multiply rounds, as in Wellons' "Prospecting for
-Hash Functions", 2018) evaluated in int64 with every product below 2**63, so it is exact on
-every backend; each element costs about ten integer operations where torch's fused dropout
-draws one Philox number (scripts/bench_dropout.py measures the difference).
+torch's dropout draws from the device generator, so a sequence's mask depends on where the
+layout puts it: dp=8 and dp=16 train on different masks. Here each sequence's key comes from its
+position in the data stream, and element (sequence, site, i)'s mask is a hash of (key, site, i):
+the same at every world size and accumulation, and again in a recomputation (activation
+checkpointing) with no RNG state to stash. The hash is a 32-bit xorshift-multiply mixer (Wellons,
+"Prospecting for Hash Functions", 2018) in int64 with every product below 2**63, so exact on every
+backend; about ten integer operations an element (scripts/bench_dropout.py measures the cost).
 """
 
 from __future__ import annotations

@@ -29,39 +29,21 @@ class SavedActivations:
     block_input: int
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
-    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return nn.Parameter(m, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else m
-
-
-def _fake_tensors(model: nn.Module, dtype: torch.dtype) -> None:
-    """Each parameter (in `dtype`, a tied one still shared) and buffer made a fake CPU tensor of
-    its shape, in place, inside a FakeTensorMode."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(
-                    torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad
-                )
-            setattr(module, name, made[id(p)])
-        for name, b in list(module.named_buffers(recurse=False)):
-            module.register_buffer(
-                name,
-                torch.empty(b.shape, dtype=b.dtype),
-                persistent=name not in module._non_persistent_buffers_set,
-            )
+def _fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A fake CPU tensor (made inside a FakeTensorMode) of a parameter's shape, in `dtype`, or a
+    buffer's."""
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(torch.empty(t.shape, dtype=dtype), requires_grad=t.requires_grad)
+    return torch.empty(t.shape, dtype=t.dtype)
 
 
 def saved_activations(
     model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int, labels_path: bool = False
 ) -> SavedActivations:
-    """What one sequence's forward and loss save for backward, traced on a copy of the meta
-    model made of fake CPU tensors (no memory, no arithmetic): autograd's saved-tensor hooks see
-    every tensor kept, counted once per storage and charged to the block running when it was
-    first saved; through the model's labels path where it has one (`labels_path`). The kernels are those a CPU picks, so SDPA's flash kernel keeps no attention
-    matrix, as flash kernels on a GPU do not. A fork's model is traced the same way; nothing
-    about its layers is assumed but that its blocks are `model.layers`."""
+    """What one sequence's forward and loss save for backward, traced on a fake-tensor copy of the
+    meta model: each storage autograd keeps is counted once, charged to the block running when it
+    was first saved. CPU kernels are traced, so SDPA keeps no attention matrix, as flash kernels
+    on a GPU do not. Nothing is assumed of a fork's model but that its blocks are `model.layers`."""
     blocks = list(getattr(model, "layers", []))
     owner: list[int | None] = [None]
     storages: dict[int, tuple[int | None, int]] = {}
@@ -84,10 +66,13 @@ def saved_activations(
     def leave(_module: nn.Module, _args: tuple, _out: Any) -> None:
         owner[0] = None
 
-    memo: dict[int, Any] = {id(t): _meta(t) for t in (*model.parameters(), *model.buffers())}
+    mode = FakeTensorMode()
+    with mode:  # a tied parameter is one entry: the copy keeps it shared
+        memo: dict[int, Any] = {
+            id(t): _fake(t, dtype) for t in (*model.parameters(), *model.buffers())
+        }
     fake = copy.deepcopy(model, memo)  # the module tree only: no weight is copied
-    with FakeTensorMode():
-        _fake_tensors(fake, dtype)
+    with mode:
         held = {t.untyped_storage()._cdata for t in (*fake.parameters(), *fake.buffers())}
         handles = [
             h
@@ -96,9 +81,8 @@ def saved_activations(
         ]
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            if (
-                labels_path or 0 < loss_chunk < seq_len
-            ):  # the model's one loss path (titanlite.models.step.LossPath)
+            # the model's one loss path (titanlite.models.step.LossPath)
+            if labels_path or 0 < loss_chunk < seq_len:
                 fake(tokens, labels=tokens, loss_chunk=loss_chunk if loss_chunk < seq_len else 0)
             else:
                 cross_entropy_per_sample(fake(tokens), tokens)
@@ -134,11 +118,10 @@ def activation_bytes(
     n_layers: int,
     labels_path: bool = False,
 ) -> tuple[float, str]:
-    """One sequence's activations kept for backward, under activation checkpointing `checkpoint`,
-    and where the figure comes from: traced (saved_activations); where the model's forward
-    cannot run on fake tensors (data-dependent shapes such as a router's dispatch, a kernel with
-    no fake implementation), the model's own `activation_bytes(seq_len, dtype) -> (bytes per
-    block, the rest)`, else ROUGH. Either of the last two is logged with the trace's error."""
+    """One sequence's activations kept for backward under activation checkpointing `checkpoint`,
+    and where the figure comes from: traced (saved_activations), or where the forward cannot run
+    on fake tensors (a router's data-dependent shapes), the model's own `activation_bytes(seq_len,
+    dtype) -> (bytes per block, the rest)`, else ROUGH; logged with the trace's error."""
     try:
         saved = saved_activations(model, seq_len, dtype, loss_chunk, labels_path)
         blocks, rest, block_input, source = saved.blocks, saved.rest, saved.block_input, "traced"
@@ -148,19 +131,14 @@ def activation_bytes(
             blocks, rest = model.activation_bytes(seq_len, dtype)
             source = "the model's own activation_bytes()"
         else:
-            blocks, rest, source = (
-                [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers,
-                0,
-                ROUGH,
-            )
+            blocks = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers
+            rest, source = 0, ROUGH
         logger.info(
             f"memory estimate: activations from {source} (the forward did not trace on fake tensors: {type(e).__name__}: {e})"
         )
     one = max(blocks, default=0)
     if checkpoint == "full":  # each block's input, and one block's recomputed activations
         return len(blocks) * block_input + one + rest, source
-    if (
-        checkpoint == "selective"
-    ):  # matmul/attention outputs kept: about half, plus one block's rest
+    if checkpoint == "selective":  # matmul/attention outputs kept: about half, and a block's rest
         return (sum(blocks) + one) / 2 + rest, source
     return sum(blocks) + rest, source

@@ -1,22 +1,13 @@
 """The front door of every script (scripts/*.py): its arguments declared with their kind, and
-checked whole before the script does anything.
+checked whole before the script does anything, so bad input writes nothing.
 
-A kind is what a value must be, in the spirit of the config's `opt` fields:
-    int, float      a number: finite, within the declared bounds (every number declares an
-                    upper one: a value past it is a typo, not a wish)
-    choice          one of `choices`
-    text            any text; name: a file name (no '/', not '.' or '..', at most 255 bytes)
-    file, folder, path, out_folder, new_folder, out_file
-                    a path of that kind (titanlite.tools.paths)
-    switch          a flag without a value
-A refusal is one UserError naming the argument, the value and the fix. `Script.run` runs the
-script's body: the refusal, and any other UserError or TrainingError the body raises, is one
-line `<script>: error: ...` with exit 2 (`<script>: stopped: ...`, 3, for a TrainingError), and
-a Ctrl-C or SIGTERM is one line with exit 130 or 143. So no script catches errors on its own, and bad input writes nothing:
-it is refused before the body runs.
-
-A script that passes `--section.key VALUE` overrides on to runs says so (`overrides=`): they are
-checked against the config's schema here too, and listed in its --help.
+Kinds, in the spirit of the config's `opt` fields: int and float (finite, within declared
+bounds, always an upper one: a value past it is a typo), choice, text, name (a file name),
+switch, and the path kinds of titanlite.tools.paths. A refusal is one UserError naming the
+argument, the value and the fix. `Script.run` turns every ending into one line: a UserError
+`<script>: error: ...` (exit 2), a TrainingError `<script>: stopped: ...` (3), a Ctrl-C or
+SIGTERM (130, 143). A script that passes `--section.key VALUE` overrides on to runs
+(`overrides=`) has them checked against the config's schema here too.
 """
 
 from __future__ import annotations
@@ -41,6 +32,13 @@ NUMBERS = ("int", "float")
 PATHS = tuple(KINDS)
 KIND_NAMES = (*NUMBERS, "choice", "text", "name", "switch", *PATHS)
 _INT = re.compile(r"[+-]?\d+")
+# (Arg field, how --help writes it, the test a value must pass)
+_BOUNDS = (
+    ("at_least", ">=", operator.ge),
+    ("above", ">", operator.gt),
+    ("at_most", "<=", operator.le),
+    ("below", "<", operator.lt),
+)
 
 
 class _Stop(Exception):
@@ -81,16 +79,12 @@ class Arg:
         return self.flags[0] if self.positional else self.flags[-1].lstrip("-").replace("-", "_")
 
     def bounds(self) -> str:
-        rules = [
-            f"{op} {int(b):,}" if float(b).is_integer() and abs(b) < 1e16 else f"{op} {b:g}"
-            for op, b in (
-                (">=", self.at_least),
-                (">", self.above),
-                ("<=", self.at_most),
-                ("<", self.below),
-            )
-            if b is not None
-        ]
+        rules = []
+        for field, op, _ in _BOUNDS:
+            b = getattr(self, field)
+            if b is not None:
+                whole = float(b).is_integer() and abs(b) < 1e16
+                rules.append(f"{op} {int(b):,}" if whole else f"{op} {b:g}")
         return " and ".join(rules)
 
     def describe(self) -> str:
@@ -137,14 +131,10 @@ class Arg:
                 raise wrong from None
             if not math.isfinite(number):
                 raise wrong
-        rules = (
-            (self.at_least, operator.ge),
-            (self.above, operator.gt),
-            (self.at_most, operator.le),
-            (self.below, operator.lt),
-        )
-        if any(bound is not None and not ok(number, bound) for bound, ok in rules):
-            raise wrong
+        for field, _, ok in _BOUNDS:
+            bound = getattr(self, field)
+            if bound is not None and not ok(number, bound):
+                raise wrong
         return number
 
 
@@ -160,9 +150,8 @@ class Script:
     every value checked, and returns the exit code (None: 0)."""
 
     def __init__(self, prog: str, doc: str, overrides: str = "", stop_hint: str = "") -> None:
-        """`doc`: the script's docstring (--help's description);
-        `overrides`: where `--section.key VALUE` overrides go ("" if the script takes none);
-        `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
+        """`doc`: --help's description; `overrides`: where `--section.key VALUE` overrides go ("":
+        none); `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
         self.prog, self.overrides, self.stop_hint = prog, overrides, stop_hint
         epilog = (
             f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."
@@ -249,9 +238,8 @@ class Script:
                 close = difflib.get_close_matches(token.split("=")[0], flags, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise UserError(f"unknown argument '{token}'{hint}; see {self.prog} --help")
-        check_values(
-            load_config(None, rest)
-        )  # keys, types, choices, bounds: one line on the first problem
+        # keys, types, choices, bounds: one line on the first problem
+        check_values(load_config(None, rest))
         return rest
 
     def run(
@@ -273,15 +261,11 @@ class Script:
         except (KeyboardInterrupt, _Stop) as e:
             signum = e.signum if isinstance(e, _Stop) else signal.SIGINT
             hint = f"; {self.stop_hint}" if self.stop_hint else ""
-            print(
-                f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}"
+            print(line, file=sys.stderr, flush=True)
             return 128 + signum
-        except (
-            BrokenPipeError
-        ):  # `| head` closed the output: nothing more to say (Python's own advice)
+        # `| head` closed the output: nothing more to say (Python's own advice)
+        except BrokenPipeError:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
         finally:

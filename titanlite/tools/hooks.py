@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partialmethod
 from typing import Any
 
 import torch
@@ -67,25 +68,14 @@ class Hooks:
         for fn in self._calls[name]:
             fn(*args)
 
-    def begin(self, s: Step) -> None:
-        self._run("begin", s)
-
     def microbatch(self, s: Step, m: int, batch: Any) -> Any:
         for fn in self._calls["microbatch"]:
             batch = fn(s, m, batch)
         return batch
 
-    def ready(self, s: Step) -> None:
-        self._run("ready", s)
-
-    def backward(self, s: Step) -> None:
-        self._run("backward", s)
-
-    def before_update(self, s: Step) -> None:
-        self._run("before_update", s)
-
-    def after_update(self, s: Step) -> None:
-        self._run("after_update", s)
-
-    def close(self) -> None:
-        self._run("close")
+    begin = partialmethod(_run, "begin")
+    ready = partialmethod(_run, "ready")
+    backward = partialmethod(_run, "backward")
+    before_update = partialmethod(_run, "before_update")
+    after_update = partialmethod(_run, "after_update")
+    close = partialmethod(_run, "close")

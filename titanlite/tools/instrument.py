@@ -1,8 +1,6 @@
-"""Counters for what a training step must not grow silently: host syncs and collectives.
-
-Used by the tests (exact counts per step) and by scripts/bench.py (counts next to timings).
-Both cost far more than they measure, so they wrap counted steps, never timed ones.
-"""
+"""Counters for what a training step must not grow silently: host syncs and collectives (exact
+counts in the tests, next to timings in scripts/bench.py). They cost far more than they measure,
+so they wrap counted steps, never timed ones."""
 
 from __future__ import annotations
 
@@ -18,15 +16,10 @@ HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float_
 
 
 class HostSyncCounter:
-    """Counts every way a tensor is read on the host (HOST_READS) and torch.cuda.synchronize.
-
-    `install()` patches them once for the process; counts accrue only inside `phase(name)`, per
-    phase name, so a test can tell log steps (where reading metrics is allowed) from the rest.
-
-    The patches are Python-level: code torch.compile traced runs as a graph that never calls
-    them, so a read inside a compiled region goes uncounted. Count eager steps; compiled ones
-    are checked on a GPU by torch.cuda.set_sync_debug_mode (scripts/gpu_check.py, sync).
-    """
+    """Counts every host read of a tensor (HOST_READS) and torch.cuda.synchronize, per
+    `phase(name)`, so a test can tell log steps (where reading metrics is allowed) from the rest.
+    The patches are Python-level, blind inside compiled graphs: count eager steps (compiled ones
+    are checked on a GPU by torch.cuda.set_sync_debug_mode, scripts/gpu_check.py)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
@@ -64,17 +57,11 @@ _NOT_COLLECTIVES = {"wait_tensor", "_wrap_tensor_autograd"}
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives issued while active, per (process group name, op), with their bytes:
-    `payload`, the buffer each moves (an all-gather's whole output, a reduce-scatter's whole
-    input, an all-reduce's tensor), and `wire`, what one rank sends of it in a ring over the
-    group's n ranks: (n-1)/n of the payload, twice for an all-reduce (NCCL's bus-bandwidth
-    convention, nccl-tests' PERFORMANCE.md).
-
-    A dispatch mode sees every collective whatever issued it (Python, DDP's reducer, FSDP's
-    hooks, DTensor's redistributions), with the group it runs on. `groups` maps group names to
-    labels (names differ between ranks: label this rank's groups); the other groups count under
-    `other`, or under their own name if it is None.
-    """
+    """Counts the collectives issued while active (whatever issued them: DDP's reducer, FSDP,
+    DTensor), per (group label, op), with `payload`, the buffer each moves, and `wire`, what one
+    rank sends of it in a ring of n ranks: (n-1)/n of it, twice for an all-reduce (nccl-tests'
+    PERFORMANCE.md). `groups` labels this rank's group names; others count under `other`, or
+    their own name if it is None."""
 
     def __init__(self, groups: dict[str, str] | None = None, other: str | None = None) -> None:
         super().__init__()
@@ -96,7 +83,8 @@ class CollectiveCounter(TorchDispatchMode):
             payload = _payload(ns, op, args, size)
             self.counts[key] += 1
             self.payload[key] += payload
-            self.wire[key] += payload * (size - 1) / size * (2 if _is_all_reduce(op) else 1)
+            twice = op.replace("_", "").startswith("allreduce")  # an all-reduce sends it twice
+            self.wire[key] += payload * (size - 1) / size * (2 if twice else 1)
         return func(*args, **(kwargs or {}))
 
     def by_group(self) -> dict[str, dict[str, int]]:
@@ -116,10 +104,6 @@ def _group(ns: str, args: tuple, kwargs: dict) -> tuple[str, int]:
             pg = torch._C._distributed_c10d.ProcessGroup.unbox(a)
             return pg.group_name, pg.size()
     return "?", 1
-
-
-def _is_all_reduce(op: str) -> bool:
-    return op.replace("_", "").startswith("allreduce")
 
 
 def _bytes(x) -> int:

@@ -1,27 +1,11 @@
-"""Memory per rank: estimated on the meta model before anything is allocated, and the peak
-reached, for the log.
+"""Memory per rank: estimated on the meta model before anything is allocated (a model that cannot
+fit stops with a message instead of being OOM-killed), and the peak reached, for the log.
 
-A model that cannot fit stops with a message instead of swapping or being OOM-killed.
-The estimate adds up terms that peak at different moments of a step, so it stays a little above
-the peak (the cluster rehearsal, titanlite.rehearsal, measures both):
-  - fp32 master params, fp32 grads and two fp32 AdamW moments: 16 bytes per param, divided by
-    the shard degree under FSDP/HSDP (whole under DDP), with FSDP's padding (shard_numel);
-  - FSDP also holds one all-gathered unit (params + grads, in the param dtype) at a time: a block,
-    or the root's embedding and head where the vocabulary makes them larger (a tied head's
-    gradients thrice), or every unit's params when they stay gathered from forward to backward
-    (parallelism.reshard_after_forward: keeps_gathered_params);
-  - activations saved for backward: traced, not guessed (titanlite.tools.activations: the model's own
-    forward and loss on fake tensors, counting what autograd keeps, block by block); with
-    activation checkpointing, each block's input plus one block's worth (full), or about half
-    of every block's plus one block's rest (selective);
-  - the logits beyond what the trace sees: the whole sequence's gradients, or one chunk of
-    loss.chunk_logits_mib's positions recomputed in backward (its output, fp32 copy, gradient);
-  - unsharded gradients that FSDP/HSDP keeps across microbatches (4 bytes x all params, in the
-    fp32 reduce dtype) when the reduction waits for the last microbatch: on every step with
-    skip_grad_sync, on measured steps with diagnostics.method = exact and accumulation;
-  - the diagnostics' own buffers on a measured step: the sketch's sign table and scratch (two
-    segments of 2^20 floats) and the gathered sketches, or exact's all-to-all receive buffer
-    (one block's gradient).
+The estimate adds terms that peak at different moments of a step, so it stays a little above the
+peak (titanlite.rehearsal measures both): fp32 params, grads and AdamW moments (16 bytes a param,
+sharded with FSDP's padding); FSDP's largest gathered unit; the activations autograd keeps (traced:
+titanlite.tools.activations); the logits beyond the trace; unsharded gradients held across
+microbatches; and the diagnostics' buffers on a measured step.
 """
 
 from __future__ import annotations
@@ -82,10 +66,9 @@ class MemoryEstimate:
 def measured_step_bytes(
     cfg: JobConfig, layout: Layout, params: int, unit_params: int
 ) -> tuple[float, float]:
-    """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step: a measured
-    one if diagnostics run (see config.layout.resolve_method for why `exact` can hold gradients).
-    exact's probe holds the largest unit's fp32 gradient, its copy sent in the all-to-all and the
-    buffer received; both hold the dp x dp Gram, which at tens of thousands of ranks is the most."""
+    """(held unsharded gradient bytes, diagnostics buffer bytes) at the heaviest step. exact's probe
+    holds the largest unit's fp32 gradient, its all-to-all copy and the buffer received; both
+    methods hold the dp x dp Gram, which at tens of thousands of ranks is the most."""
     held = 4.0 * params if holds_unsharded_grads(layout) else 0.0
     d = cfg.diagnostics
     if not d.enable or layout.dp < 2:
@@ -102,12 +85,9 @@ KEEP_GATHERED_SHARE = 0.05  # reshard_after_forward = auto keeps params gathered
 
 
 def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, available: float) -> bool:
-    """Whether FSDP keeps each block's gathered params from its forward to its backward
-    (parallelism.reshard_after_forward). Keeping them saves the all-gather of every block but
-    the last in backward, one in three of FSDP's collectives (what that saves a step:
-    scripts/bench.py's fsdp-units group, in scripts/README.md, Performance), and holds
-    the whole model's params through the step; auto keeps them where that costs <= 5% of
-    `available` bytes."""
+    """Whether FSDP keeps each block's gathered params from forward to backward
+    (parallelism.reshard_after_forward): one in three of FSDP's collectives saved, the whole
+    model's params held; auto keeps them where that costs <= 5% of `available` bytes."""
     policy = cfg.parallelism.reshard_after_forward
     if policy == "auto":
         return params * param_bytes <= KEEP_GATHERED_SHARE * available
@@ -115,9 +95,8 @@ def keeps_gathered_params(cfg: JobConfig, params: int, param_bytes: int, availab
 
 
 def shard_numel(shape: torch.Size, shard: int) -> int:
-    """Elements of one rank's shard of a parameter: FSDP2 cuts dim 0 into `shard` equal chunks,
-    padded (torch.distributed.fsdp, FSDPParam), so a dim 0 of 256 over 1,024 ranks holds 1 row
-    a rank, four times its share, and every gather moves the padding too."""
+    """Elements of one rank's shard of a parameter: FSDP2 cuts dim 0 into `shard` equal, padded
+    chunks (FSDPParam), so 256 rows over 1,024 ranks hold 1 row a rank, four times its share."""
     rows = shape[0] if len(shape) else 1
     return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
@@ -158,11 +137,9 @@ def estimate_memory(
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
         # The root stays gathered through the step, so a block's gather comes on top of it.
         root = params - n_layers * block_params
-        unit, grads = (
-            (root + block_params, root * (3 if _tied(model) else 1) + block_params)
-            if root > block_params
-            else (block_params,) * 2
-        )
+        unit, grads = block_params, block_params
+        if root > block_params:
+            unit, grads = root + block_params, root * (3 if _tied(model) else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     positions = loss_positions or seq_len
@@ -177,17 +154,14 @@ def estimate_memory(
         n_layers,
         labels_path,
     )
-    activations = local_batch * one
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
-    logits = (
-        local_batch * positions * vocab_size * ((param_bytes + 8) if chunked else (param_bytes + 4))
-    )
+    logits = local_batch * positions * vocab_size * (param_bytes + (8 if chunked else 4))
     return MemoryEstimate(
         params,
         states,
         gathered,
-        activations,
+        local_batch * one,
         logits,
         held_grads_bytes,
         diagnostics_bytes,
@@ -200,10 +174,7 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
-    avail = _meminfo_available()
-    limit = _cgroup_limit()
-    if limit is not None:
-        avail = min(avail, limit)
+    avail = min(_meminfo_available(), _cgroup_limit())
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return avail / ranks, f"host memory available / {ranks} local rank(s)"
 
@@ -215,13 +186,10 @@ def _meminfo_available() -> float:
     return float("inf")
 
 
-def _cgroup_limit() -> float | None:
+def _cgroup_limit() -> float:
     f = Path("/sys/fs/cgroup/memory.max")
-    if f.exists():
-        raw = f.read_text().strip()
-        if raw.isdigit():
-            return float(raw)
-    return None
+    raw = f.read_text().strip() if f.exists() else ""
+    return float(raw) if raw.isdigit() else float("inf")
 
 
 def job_estimate(
@@ -232,9 +200,7 @@ def job_estimate(
     reshard_after_forward = auto)."""
     t, model, args = cfg.training, meta.model, meta.args
     blocks = getattr(model, "layers", None)
-    block_params = (
-        sum(p.numel() for p in blocks[0].parameters()) if blocks is not None and len(blocks) else 0
-    )
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
     params = sum(p.numel() for p in model.parameters())
     root = params - getattr(args, "n_layers", 0) * block_params
     unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
@@ -269,11 +235,9 @@ def check_memory(
     (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
     est = job_estimate(meta, cfg, layout, param_dtype, avail)
-    model = (
-        f"{cfg.model.name} from {cfg.model.hf_assets_path}"
-        if cfg.model.hf_assets_path
-        else f"{cfg.model.name}/{cfg.model.flavor}"
-    )
+    model = f"{cfg.model.name}/{cfg.model.flavor}"
+    if cfg.model.hf_assets_path:
+        model = f"{cfg.model.name} from {cfg.model.hf_assets_path}"
     logger.info(
         f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
         f"{mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))}, grad accum {layout.grad_accum}; "
@@ -282,11 +246,9 @@ def check_memory(
     if est.total_bytes > avail and not cfg.debug.skip_memory_check:
         fixes = "use more ranks or GPUs, a smaller local_batch_size or seq_len, or training.activation_checkpoint = 'selective' or 'full'"
         if est.held_grads_bytes:
-            why = (
-                "parallelism.skip_grad_sync"
-                if layout.skip_grad_sync
-                else "diagnostics.method = 'exact'"
-            )
+            why = "diagnostics.method = 'exact'"
+            if layout.skip_grad_sync:
+                why = "parallelism.skip_grad_sync"
             fixes = (
                 f"{why} keeps {est.held_grads_bytes / GiB:.2f} GiB of unsharded gradients across "
                 f"microbatches: set it to 'auto', or {fixes}"

@@ -1,8 +1,6 @@
-"""What a path must be before anything uses it: an existing file or folder, or a folder (or
-file) to write, which must not be in the way of a file (or folder) and whose nearest existing
-folder is writable. Each check is one UserError naming the flag, the path and the fix; the
-config's paths (titanlite.preflight), every script's (titanlite.tools.cli) and the launcher's
-environment go through here."""
+"""What a path must be before anything uses it (the config's, every script's, the launcher's):
+an existing file or folder, or one to write, with nothing in its way and a writable nearest
+existing folder. Each check is one UserError naming the flag, the path and the fix."""
 
 from __future__ import annotations
 

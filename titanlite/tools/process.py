@@ -15,9 +15,8 @@ from collections.abc import Callable
 from titanlite.tools.phases import heartbeat
 
 _PR_SET_PDEATHSIG = 1
-AGENT_PID_ENV = (
-    "TITANLITE_AGENT_PID"  # set by titanlite.launch: the pid the workers' parent must have
-)
+# set by titanlite.launch: the pid the workers' parent must have
+AGENT_PID_ENV = "TITANLITE_AGENT_PID"
 
 
 def init_logging() -> logging.Logger:
@@ -53,19 +52,12 @@ CHILD_GRACE_S = 120
 def run_child(
     cmd: list[str], *, cwd=None, env: dict | None = None, say: Callable[[float], None] | None = None
 ) -> subprocess.CompletedProcess:
-    """`cmd` to its end, its output captured; `say(seconds so far)` every HEARTBEAT_S meanwhile. The
-    child runs in a session of its own, so a stop of this script reaches it once, from here: a
-    Ctrl-C or SIGTERM (raised here as an exception with its `signum`, or KeyboardInterrupt) is
-    passed on, the child is waited for (a run finishes its step and checkpoints; killed after
-    CHILD_GRACE_S), and the stop goes on. Nothing the script started trains on without it."""
+    """`cmd` to its end, its output captured; `say(seconds so far)` every HEARTBEAT_S meanwhile.
+    The child runs in a session of its own, so a Ctrl-C or SIGTERM of this script reaches it once,
+    from here (stop_child): nothing the script started trains on without it."""
+    pipe = subprocess.PIPE
     proc = subprocess.Popen(
-        cmd,
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        cmd, cwd=cwd, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
     )
     try:
         with heartbeat(say) if say else contextlib.nullcontext():

@@ -54,31 +54,29 @@ def read_records(path: Path, cut_off: str = "skip") -> list[dict]:
 def read_json(path: Path, what: str = "") -> dict[str, Any]:
     """A JSON object file (run.json, state.json, config.json), or one UserError naming it and
     `what` it should be."""
+    hint = f"; {what}" if what else ""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{path} is missing{f'; {what}' if what else ''}") from None
+        raise UserError(f"{path} is missing{hint}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}){f'; {what}' if what else ''}") from None
+        raise UserError(f"{path} is not valid JSON ({e}){hint}") from None
     if not isinstance(data, dict):
-        raise UserError(
-            f"{path} holds a JSON {type(data).__name__}, not an object{f'; {what}' if what else ''}"
-        )
+        raise UserError(f"{path} holds a JSON {type(data).__name__}, not an object{hint}")
     return data
 
 
 def read_toml(path: Path, what: str = "") -> dict[str, Any]:
     """A TOML file (a run folder's config.toml), or one UserError naming it and `what` it should be."""
+    hint = f"; {what}" if what else ""
     try:
         return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{path} is missing{f'; {what}' if what else ''}") from None
+        raise UserError(f"{path} is missing{hint}") from None
     except UnicodeDecodeError as e:
-        raise UserError(
-            f"{path} is not UTF-8 text (byte {e.start}){f'; {what}' if what else ''}"
-        ) from None
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}){hint}") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise UserError(f"{path} is not valid TOML ({e}){f'; {what}' if what else ''}") from None
+        raise UserError(f"{path} is not valid TOML ({e}){hint}") from None
 
 
 def metrics_rows(path: Path, logged: bool = False) -> list[dict]:

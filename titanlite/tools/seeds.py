@@ -1,23 +1,15 @@
 """Every seed a run derives from training.seed, and the rule for torch's own RNG.
 
-The rule. Every data-parallel rank seeds torch's RNG (dropout; every device's generator) with
-training.seed, and the data order with the same seed, so all ranks draw one stream and the
-sampler cuts one permutation. The stream is then a property of the run, not of a rank: the
-ranks' saved RNG states are equal (they make the same draws, on tensors of the same shape), so a
-resume at any world size gives every rank rank 0's saved state and continues the same stream,
-where per-rank streams would have no counterpart at another world size (rank 5 of 8 at dp=4).
-The price: within a step, rank r's microbatch m gets the same dropout mask as rank s's, and a
-sequence's mask depends on where the layout puts it, so a dropout run at dp=8 is not the run at
-dp=16. model.dropout_masks = "sample" removes both: each sequence's masks are keyed by its place
-in the data stream (titanlite.ops.dropout), so dropout runs are dp-invariant, at the cost of an
-integer hash per element instead of the fused kernel's RNG (scripts/bench.py --only dropout
-measures it; scripts/README.md has the figures). The key is derived from the rank's seed below,
-so the seed faults perturb keyed masks too.
+The rule: every data-parallel rank seeds torch's RNG (dropout) and the data order with
+training.seed, so all ranks draw one stream and the sampler cuts one permutation. The stream is a
+property of the run, not of a rank, so a resume at any world size continues it from rank 0's
+saved state, where per-rank streams would have no counterpart (rank 5 of 8 at dp=4). The price,
+rank r's microbatch m getting rank s's dropout mask and masks depending on the layout, is removed
+by model.dropout_masks = "sample" (titanlite.ops.dropout), whose keys derive from the seed below.
 
-faults.seed_mode injects the seed faults of "Silent Inconsistency in Data-Parallel Full
-Fine-Tuning" (arXiv 2602.14462): "shared" (S1-1) is the rule above; "rank0_differs" (S1-2) and
-"per_rank" (S1-3) give the named ranks a seed of their own, for dropout and data order alike,
-which the diagnostics must detect. A resume at another world size reseeds them per rank.
+faults.seed_mode injects the seed faults of arXiv 2602.14462 ("Silent Inconsistency in
+Data-Parallel Full Fine-Tuning"): "shared" (S1-1) is the rule; "rank0_differs" (S1-2) and
+"per_rank" (S1-3) give ranks seeds of their own, which the diagnostics must detect.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Every script runs from a fresh clone with nothing activated, like `./run_train.sh`.
-
-A script calls `use_project_venv()` before its first import outside the standard library: when
-the interpreter that started it lacks titanlite's dependencies (a system `python3`), the script
-is executed again under the project's interpreter, which scripts/env.sh makes and fills on
-first use (`.venv/`, or `TITANLITE_PYTHON`). An interpreter that has them (the venv, an
-activated environment, a cluster's container) runs the script as it is.
-
-This module imports only the standard library; scripts/env.sh runs it as a script
-(`python titanlite/tools/venv.py [dev]`, exit 1 when something is missing) to check its venv.
+"""Every script runs from a fresh clone with nothing activated, like `./run_train.sh`: a script
+calls `use_project_venv()` before its first import outside the standard library, and an
+interpreter without titanlite's dependencies (a system `python3`) executes it again under the
+project's (`.venv/` or `TITANLITE_PYTHON`, made by scripts/env.sh on first use). Standard library
+only: scripts/env.sh runs it (`python titanlite/tools/venv.py [dev]`, exit 1: something missing).
 """
 
 from __future__ import annotations
@@ -73,18 +68,9 @@ def use_project_venv(dev: bool = False) -> None:
     if not missing(dev) or os.environ.get(_AGAIN):
         return
     env_sh = ROOT / "scripts" / "env.sh"
-    found = subprocess.run(
-        [
-            "bash",
-            "-c",
-            'source "$1" "$2" >&2 && printf %s "$PY"',
-            "env",
-            str(env_sh),
-            "dev" if dev else "",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    script = 'source "$1" "$2" >&2 && printf %s "$PY"'
+    cmd = ["bash", "-c", script, "env", str(env_sh), "dev" if dev else ""]
+    found = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     if found.returncode != 0:
         sys.exit(found.returncode)  # env.sh printed why
     env = dict(os.environ, **{_AGAIN: "1"})
@@ -94,8 +80,5 @@ def use_project_venv(dev: bool = False) -> None:
 
 
 if __name__ == "__main__":  # scripts/env.sh: does $PY hold everything, titanlite installed too?
-    sys.exit(
-        1
-        if missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite")
-        else 0
-    )
+    incomplete = missing(dev=sys.argv[1:] == ["dev"]) or not importlib.util.find_spec("titanlite")
+    sys.exit(1 if incomplete else 0)

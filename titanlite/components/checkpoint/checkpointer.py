@@ -65,7 +65,7 @@ from titanlite.config import JobConfig
 from titanlite.config.fields import due, identity
 from titanlite.datasets.build import build_tokenizer
 from titanlite.distributed.groups import host_group
-from titanlite.distributed.liveness import in_phase
+from titanlite.distributed.liveness import phase
 from titanlite.distributed.utils import first_error
 from titanlite.errors import Stopped, TrainingError, UserError
 from titanlite.tools.cache import disk_full, first_cause
@@ -208,7 +208,7 @@ class Checkpointer:
             "optim": get_optimizer_state_dict(self.model, self.optimizer),
         }
 
-    @in_phase("checkpoint")
+    @phase("checkpoint")
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
         partial folder, keep the older checkpoints, and raise on every rank."""

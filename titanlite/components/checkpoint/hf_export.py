@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 from titanlite.config import JobConfig
-from titanlite.distributed.liveness import in_phase
+from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
@@ -259,7 +259,7 @@ def export_weights(model: torch.nn.Module, path: Path) -> None:
         logger.info(f"exported full weights to {path}")
 
 
-@in_phase("export")
+@phase("export")
 def export_run(
     cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path
 ) -> list[Path]:
