@@ -706,7 +706,7 @@ def run(args) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             flags = ["--worker-out", tmp.name, "--world", str(dp), "--reps", str(reps)]
             flags += ["--config", str(args.config), "--names", *names, *overrides]
-            harness.check(harness.launch(__file__, dp, flags), f"dp={dp}")
+            harness.check(harness.launch(dp, [__file__, *flags]), f"dp={dp}")
             summary = summarize(json.loads(Path(tmp.name).read_text()))
         report["dp"][str(dp)] = summary
         print(table(dp, summary), flush=True)

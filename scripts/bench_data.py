@@ -35,6 +35,7 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis.harness import torchrun_command  # noqa: E402
 from titanlite.datasets.corpus import stdlib_files  # noqa: E402
 from titanlite.datasets.tokenizer import builtin_tokenizer_path, train_builtin_tokenizer  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
@@ -133,24 +134,25 @@ def prepare(corpus: Path, out: Path, workers: int, env: dict, shard_mb: float) -
 
 
 def train(prepared: Path, runs: Path, name: str, steps: int, env: dict) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += [
+    cmd = torchrun_command(
+        2,
         "-m",
         "titanlite.train",
         "--config",
         "train_configs/debug_model.toml",
         "--data.path",
         str(prepared),
-    ]
-    cmd += [
         "--training.steps",
         str(steps),
         "--metrics.log_every",
         "1",
         "--metrics.enable_tensorboard",
         "false",
-    ]
-    cmd += ["--job.dump_folder", str(runs), "--job.run_name", name]
+        "--job.dump_folder",
+        str(runs),
+        "--job.run_name",
+        name,
+    )
     metrics = runs / name / "metrics.jsonl"
     row = watch(cmd, env, until=lambda: metrics.exists() and metrics.stat().st_size > 0)
     row["time_to_first_step_s"] = row.pop("event_s")

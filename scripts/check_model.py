@@ -37,11 +37,11 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis import harness  # noqa: E402
 from titanlite.analysis.model_check import GLOBAL_BATCH, check_config, hf_verdicts, verdicts  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.models.registry import build_meta_model  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.process import run_child  # noqa: E402
 
 SCRIPT = Script("check_model", __doc__, overrides="every rank's model config")
 SCRIPT.arg(
@@ -68,22 +68,14 @@ def body(args) -> int:
         raise UserError(
             "name the model to check: --model.name NAME (and --model.import_module for a fork's)"
         )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
+    pythonpath = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, os.getcwd())
     build_meta_model(check_config(overrides), 0)  # a config error is one line here, not in W ranks
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             out = Path(tmp) / f"world{world}.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                f"--nproc_per_node={world}",
-            ]
-            cmd += ["-m", "titanlite.analysis.model_check", str(out), *overrides]
+            argv = ["-m", "titanlite.analysis.model_check", str(out), *overrides]
             began = time.monotonic()
 
             def say(seconds: float, w: int = world) -> None:
@@ -93,16 +85,8 @@ def body(args) -> int:
                     flush=True,
                 )
 
-            proc = run_child(cmd, env=env, say=say)
-            if proc.returncode or not out.exists():
-                lines = [ln for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
-                error = next(
-                    (ln for ln in reversed(lines) if "Error" in ln),
-                    lines[-1] if lines else "no output",
-                )
-                raise UserError(
-                    f"the check at {world} rank(s) failed (exit {proc.returncode}): {error.strip()}"
-                )
+            proc = harness.launch(world, argv, {"PYTHONPATH": pythonpath}, say, cwd=os.getcwd())
+            harness.check(proc, f"the check at {world} rank(s)")
             results.append(json.loads(out.read_text()))
             print(
                 f"check_model: {world} rank(s) done in {time.monotonic() - began:.0f}s",

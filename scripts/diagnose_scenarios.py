@@ -762,7 +762,7 @@ def run(args) -> int:
         *overrides,
     ]
     say = progress(args.out, args.scenarios, args.steps)
-    harness.check(harness.launch(__file__, args.dp, flags, say=say), "the runs", str(args.out))
+    harness.check(harness.launch(args.dp, [__file__, *flags], say=say), "the runs", str(args.out))
     status = read_json(args.out / "status.json")
     status["onset"] = args.onset
     (args.out / "status.json").write_text(json.dumps(status))

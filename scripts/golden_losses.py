@@ -212,9 +212,8 @@ def launch(out: Path, runs: Path, env: dict[str, str]) -> subprocess.CompletedPr
     """One torchrun of WORLD CPU ranks running every case, under the pins `env`."""
     from titanlite.analysis import harness
 
-    return harness.launch(
-        __file__, WORLD, ["--worker", str(out), str(runs)], {**env, "PYTHONPATH": str(REPO)}
-    )
+    argv = [__file__, "--worker", str(out), str(runs)]
+    return harness.launch(WORLD, argv, {**env, "PYTHONPATH": str(REPO)})
 
 
 SCRIPT = Script("golden_losses", __doc__)

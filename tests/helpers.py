@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from titanlite.analysis.harness import torchrun_command
+
 REPO = Path(__file__).resolve().parents[1]
 # What a launch says before its workers start, once every check passed (titanlite.preflight):
 # the run, what it reads, then its notes. Anything else of titanlite's is a stop or an error.
@@ -42,15 +44,7 @@ def torchrun(
     """Run `torchrun --standalone --nproc_per_node nproc [launch] ARGS` and capture its output
     (launcher "titanlite.launch": with preflight, run lock and the workers' exit codes, as
     run_train.sh does)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        launcher,
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        *launch,
-        *args,
-    ]
+    cmd = torchrun_command(nproc, *launch, *args, launcher=launcher)
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

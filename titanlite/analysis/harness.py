@@ -17,29 +17,35 @@ from titanlite.tools.process import run_child
 REPO = Path(__file__).resolve().parents[2]
 
 
+def torchrun_command(nproc: int, *args: str, launcher: str = "torch.distributed.run") -> list[str]:
+    """`torchrun --standalone --nproc_per_node nproc ARGS` with this interpreter: how every script
+    and test starts ranks on this machine (`launcher` "titanlite.launch": run_train.sh's own)."""
+    return [sys.executable, "-m", launcher, "--standalone", f"--nproc_per_node={nproc}", *args]
+
+
 def launch(
-    script: str | Path,
     nproc: int,
-    args: list[str],
+    argv: list[str],
     env: dict | None = None,
     say: Callable[[float], None] | None = None,
+    cwd: str | Path = REPO,
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node nproc script ARGS` from the repository, one thread
-    per rank, output captured, `say` heartbeats (titanlite.tools.process.run_child); not
-    titanlite.launch, whose preflight reads train flags."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [*torchrun, f"--nproc_per_node={nproc}", str(script), *args]
+    """`torchrun_command(nproc, *argv)` (a script and its arguments, or -m and a module's) from
+    `cwd`, one thread per rank, output captured, `say` heartbeats
+    (titanlite.tools.process.run_child)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
-    return run_child(cmd, cwd=REPO, env=full_env, say=say)
+    return run_child(torchrun_command(nproc, *map(str, argv)), cwd=cwd, env=full_env, say=say)
 
 
 def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:
-    """A failed launch as one UserError: the workers' own error line (or their last line)."""
+    """A failed launch as one UserError: the workers' own error line, else the exception a rank
+    raised, else their last line."""
     if proc.returncode == 0:
         return
-    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("titanlite: error")]
-    last = (errors or lines or ["it printed nothing"])[-1]
+    raised = [line for line in lines if "Error" in line]
+    last = (errors or raised or lines or ["it printed nothing"])[-1]
     raise UserError(
         f"{what} failed (exit {proc.returncode}): {last}"
         + (f"; their logs: {logs}" if logs else "")
