@@ -104,9 +104,8 @@ class Checkpointer:
         # seams for fault injection (titanlite.faults)
         self.storage_writer = lambda step, path: dcp.FileSystemWriter(path)  # a step's DCP writer
         self.written: Callable[[int], None] | None = None  # rank 0: DCP wrote; before the publish
-        self.per_rank_torch = (
-            False  # each rank's torch stream its own: a resharded resume reseeds it
-        )
+        # each rank's torch stream its own: a resharded resume reseeds it
+        self.per_rank_torch = False
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
         self._executor = (
@@ -117,12 +116,8 @@ class Checkpointer:
         self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
         self.tied: list[list[str]] = []  # its parameter names that share a tensor (restore sets it)
         self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
-        self.data = (
-            data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
-        )
-        self.tokenizer = tokenizer_key(
-            cfg
-        )  # what its token ids mean: a start from the checkpoint compares
+        self.data = data  # what the data holds, by content (datasets/spec.py; a resume compares)
+        self.tokenizer = tokenizer_key(cfg)  # what its token ids mean (a start from it compares)
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
         """Register the host-side parts of the training state (read at a log step; saved in
@@ -262,9 +257,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             self._settle(step, tmp, self._save_error(e))
             return
-        self._staged_s = (
-            time.perf_counter() - start
-        )  # what training waited; the write goes on behind it
+        self._staged_s = time.perf_counter() - start  # what training waited; the write goes on
         job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
         self._pending = (step, tmp, job)
 
@@ -342,16 +335,11 @@ class Checkpointer:
         """Model and optimizer (resharded by DCP to this run's layout) and the RNG states
         (_load_rng). Returns state.json."""
         path, error = step_dir(self.folder, step), None
-        try:
+        try:  # its optimizer layout: check_resumable saw to it
             host = self._load_state(path, with_optimizer=True)
             saved_world = host["world_size"]
             self._load_rng(path, step, resharded=saved_world != self.world)
-        except UserError:
-            raise
-        except (
-            Exception,
-            CheckpointException,
-        ) as e:  # damage its files' sizes and checksums missed
+        except (Exception, CheckpointException) as e:  # damage its sizes and checksums missed
             error = f"rank {self.rank}: {first_cause(e)}"
         error = first_error(error, self.group)
         if error:
@@ -392,11 +380,11 @@ class Checkpointer:
         """The model (and optimizer) from the step folder `path`, resharded by DCP to this
         layout; `check`: shapes against its .metadata first. Returns its state.json."""
         host = json.loads((path / "state.json").read_text())
-        if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
-            raise UserError(optimizer_groups_error(path))  # its optimizer state has another layout
         state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
         drop = self.cfg.checkpoint.initial_load_drop if check else []
         if check:
+            if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
+                raise UserError(optimizer_groups_error(path))  # another layout of its state
             check_initial_fits(path, self.model, drop, self.tokenizer)
             state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
         dcp.load(state, checkpoint_id=str(path))
@@ -413,10 +401,7 @@ class Checkpointer:
             host = self._load_state(path, with_optimizer, check=True)
         except UserError as e:
             error = str(e)
-        except (
-            Exception,
-            CheckpointException,
-        ) as e:  # damage its files' sizes and checksums missed
+        except (Exception, CheckpointException) as e:  # damage its sizes and checksums missed
             error = f"checkpoint '{path}' failed to load (rank {self.rank}: {first_cause(e)}); it is damaged: point checkpoint.initial_load_path at an intact step"
         error = first_error(error, self.group)
         if error:

@@ -15,7 +15,6 @@ from titanlite.components.checkpoint.index import read_state, step_dir
 from titanlite.config import JobConfig
 from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
-from titanlite.config.manager import migrate_flat
 from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
 from titanlite.tools.records import read_json
@@ -73,11 +72,10 @@ def check_resumable(
         raise UserError(optimizer_groups_error(step_dir(folder, step)))
     saved = state.get("data")
     by_content = bool(saved) and all(d.get("content") for d in saved)
-    # A key that joined the identity after the checkpoint was written had its default then.
-    theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
+    theirs = state["identity"]
     diff = [
         f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
-        for k, v in ours.items()
+        for k, v in identity(cfg).items()
         if theirs.get(k) != v and not (k == "data.path" and by_content)
     ]
     if diff:
@@ -125,7 +123,7 @@ def resume_changes(
     and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
     (titanlite.components.optimizer.realign_schedule)."""
     step = state["step"]
-    before = migrate_flat(state["config"])  # moved keys under their new names (config/fields.py)
+    before = state["config"]
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):
@@ -159,14 +157,16 @@ def resume_changes(
     return lines
 
 
-def check_fits(path: Path, model_state: dict[str, Any]) -> None:
+def check_fits(path: Path, model_state: dict[str, Any]) -> list[str]:
     """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
-    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
+    DCP's .metadata, before any weight moves); else one UserError naming the first that is not.
+    Returns the names of the checkpoint's model tensors."""
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
     for name, tensor in model_state.items():
-        have = saved.get(f"model.{name}")
+        have = saved.get(name)
         if have is None:
             raise UserError(
                 f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model"
@@ -176,6 +176,7 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
+    return list(saved)
 
 
 # Model args a resume may change: model.dropout is a training setting, like the optimizer's.
@@ -187,23 +188,15 @@ def check_initial_fits(
 ) -> None:
     """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
     each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
-    a tensor of its own in the model, but those `drop` names (checkpoint.initial_load_drop). A
-    tensor the model lacks, or one the model ties to another (a head tied to the embedding, from
-    a run whose head was its own), would go unread: one UserError names them. So is a checkpoint
-    trained with another tokenizer (`tokenizer`: this run's fingerprint, if known), whose
-    embedding rows stand for other tokens of the same count."""
-    import torch.distributed.checkpoint as dcp
-
+    a tensor of its own in the model (not one it ties to another), but those `drop` names
+    (checkpoint.initial_load_drop); and its token ids mean the same (`tokenizer`: this run's
+    fingerprint, if known), or the tables they index are dropped."""
     ours = model.state_dict()
-    check_fits(path, {n: t for n, t in ours.items() if n not in drop})
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    saved = check_fits(path, {n: t for n, t in ours.items() if n not in drop})
     saved = [k for k in saved if k not in drop]
     lacking = [k for k in saved if k not in ours]
     state = read_json(path / "state.json", "it is written with every checkpoint")
-    trained_with = state.get(
-        "tokenizer"
-    )  # shapes fit, checked above: do the token ids mean the same?
+    trained_with = state.get("tokenizer")  # None: synthetic tokens, or an unknown fingerprint
     if (
         trained_with
         and tokenizer
@@ -216,13 +209,8 @@ def check_initial_fits(
             f"config.toml names it), or start {', '.join(token_tables(model))} afresh: name them in "
             "--checkpoint.initial_load_drop"
         )
-    then = state.get("tied")
-    if then is None:  # a checkpoint that recorded no tied groups: its model's args may say
-        then = [] if (state.get("model_args") or {}).get("tie_embeddings") is False else None
-    together = {name: set(group) for group in then or [] for name in group}
-    for names in (
-        tied_groups(model) if then is not None else []
-    ):  # names[0] is read, the rest share it
+    together = {name: set(group) for group in state.get("tied", []) for name in group}
+    for names in tied_groups(model):  # names[0] is read, the rest share it
         lacking += [n for n in names[1:] if n in saved and n not in together.get(names[0], ())]
     if lacking:
         raise UserError(
