@@ -120,8 +120,8 @@ class Checkpointer:
         self.tokenizer = tokenizer_key(cfg)  # what its token ids mean (a start from it compares)
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
-        """Register the host-side parts of the training state (read at a log step; saved in
-        state.json under their names) and RNG streams (saved per rank)."""
+        """Register host-side parts of the training state (saved in state.json under their names)
+        and RNG streams (saved per rank)."""
         self.parts.update(parts)
         self.generators.update(generators)
 
@@ -132,9 +132,8 @@ class Checkpointer:
 
     def restore(self, resume: int | None, meta) -> int:
         """The run's first step. A resume (`resume`: the step to continue after) brings back
-        weights, optimizer, RNG and every tracked part, prints each config value that differs from
-        the checkpoint's run, and with checkpoint.restore_hparams = false continues the schedule
-        under this run's settings. A fresh run starts from checkpoint.initial_load_path, else
+        weights, optimizer, RNG and every tracked part, and says each config value that differs
+        from the checkpoint's run. A fresh run starts from checkpoint.initial_load_path, else
         model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
         self.model_args = model_record(meta.args)
         self.tied = tied_groups(meta.model)
@@ -159,12 +158,17 @@ class Checkpointer:
         path = Path(source).expanduser()
         if initial_load_kind(path) == "hf":
             load_hf_weights(self.model, path, meta.spec.hf, meta.args)
-        else:
-            state = self.load_initial(path, with_optimizer=not c.initial_load_model_only)
-            if not c.initial_load_model_only:
-                continue_schedule(
-                    self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"]
-                )
+            return 1
+        state, error = self._load_state(path, with_optimizer=not c.initial_load_model_only)
+        if error:
+            raise UserError(error)
+        what = "model" if c.initial_load_model_only else "model and optimizer"
+        logger.info(
+            f"checkpoint: {what} loaded from {path} (step {state['step']} of that run) as step 0"
+        )
+        if not c.initial_load_model_only:
+            step = state["scheduler"]["last_epoch"]
+            continue_schedule(self.optimizer, self.scheduler, self.cfg, step)
         return 1
 
     def stop(self, step: int, signum: int, finished: bool = False) -> None:
@@ -207,7 +211,7 @@ class Checkpointer:
     @in_phase("checkpoint")
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
-        partial folder, keep the older checkpoints, and raise on every rank."""
+        partial folder and raise on every rank."""
         self.wait()
         start = time.perf_counter()
         final = step_dir(self.folder, step)
@@ -300,22 +304,15 @@ class Checkpointer:
         )
 
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
-        """Every rank learns whether any rank failed; if one did, all raise the same error (the
-        run stops: exit 3)."""
+        """If any rank failed, every rank raises the same error (the run stops: exit 3)."""
         first = first_error(error, self.group)
         if first is None:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = complete_steps(self.folder)
-        raise TrainingError(
-            f"checkpoint save at step {step} failed: {first}; "
-            + (
-                f"the checkpoint of step {kept[-1]} is intact"
-                if kept
-                else "no earlier checkpoint exists"
-            )
-        )
+        intact = f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier one exists"
+        raise TrainingError(f"checkpoint save at step {step} failed: {first}; {intact}")
 
     def wait(self) -> None:
         """Every rank: finish the pending async save and raise on every rank if it failed."""
@@ -326,22 +323,16 @@ class Checkpointer:
 
     def close(self) -> None:
         """On any exit: let a background write finish (and publish) before the process groups go
-        away. No collectives here, so an exit on an error cannot hang on them."""
+        away; no collectives, so an exit on an error cannot hang on them."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._pending = None
 
     def load(self, step: int) -> dict[str, Any]:
-        """Model and optimizer (resharded by DCP to this run's layout) and the RNG states
-        (_load_rng). Returns state.json."""
-        path, error = step_dir(self.folder, step), None
-        try:  # its optimizer layout: check_resumable saw to it
-            host = self._load_state(path, with_optimizer=True)
-            saved_world = host["world_size"]
-            self._load_rng(path, step, resharded=saved_world != self.world)
-        except (Exception, CheckpointException) as e:  # damage its sizes and checksums missed
-            error = f"rank {self.rank}: {first_cause(e)}"
-        error = first_error(error, self.group)
+        """Resume from checkpoint `step` (its optimizer layout: check_resumable saw to it); one
+        that fails to load is set aside as damaged. Returns its state.json."""
+        path = step_dir(self.folder, step)
+        host, error = self._load_state(path, with_optimizer=True, step=step)
         if error:
             if self.rank == 0:
                 quarantine(path, error, self.cfg.metrics.enable_wandb)
@@ -349,7 +340,9 @@ class Checkpointer:
                 f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
                 "the same command resumes from the newest intact checkpoint"
             )
-        logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
+        logger.info(
+            f"checkpoint: resumed from step {step} ({path}, written at dp={host['world_size']})"
+        )
         return host
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
@@ -359,10 +352,9 @@ class Checkpointer:
         return states | {name: g.get_state() for name, g in self.generators.items()}
 
     def _load_rng(self, path: Path, step: int, resharded: bool) -> None:
-        """At the world size the step was written at, this rank's RNG states; at another
-        (`resharded`), rank 0's torch state on every rank (the seed rule of titanlite.tools.seeds:
-        the ranks' streams are one) and every per-rank stream reseeded from (seed, step, rank),
-        torch's too under a seed fault that gives each rank its own (per_rank_torch)."""
+        """This rank's RNG states; at another world size (`resharded`), rank 0's torch state on
+        every rank (titanlite.tools.seeds: the ranks' streams are one) and every per-rank stream
+        reseeded from (seed, step, rank), torch's too under per_rank_torch."""
         states = torch.load(path / f"rng-rank{0 if resharded else self.rank}.pt", weights_only=True)
         torch.set_rng_state(states["torch"])
         if "cuda" in states and torch.cuda.is_available():
@@ -376,38 +368,37 @@ class Checkpointer:
             elif name in states:
                 g.set_state(states[name])
 
-    def _load_state(self, path: Path, with_optimizer: bool, check: bool = False) -> dict[str, Any]:
-        """The model (and optimizer) from the step folder `path`, resharded by DCP to this
-        layout; `check`: shapes against its .metadata first. Returns its state.json."""
-        host = json.loads((path / "state.json").read_text())
-        state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
-        drop = self.cfg.checkpoint.initial_load_drop if check else []
-        if check:
-            if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
-                raise UserError(optimizer_groups_error(path))  # another layout of its state
-            check_initial_fits(path, self.model, drop, self.tokenizer)
-            state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not drop))
-        if with_optimizer:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        return host
-
-    def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
-        """Another run's step folder as the start of this one: the model and, `with_optimizer`,
-        the optimizer state, resharded to this layout. Only reads `path`; returns its state.json."""
+    def _load_state(
+        self, path: Path, with_optimizer: bool, step: int | None = None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """On every rank, the model (and optimizer) from the step folder `path`, resharded by DCP
+        to this layout; `step`: a resume's, whose RNG states come back too, else another run's
+        step folder as this run's start, checked first (check_initial_fits). Returns its
+        state.json and any rank's failure in one line, the same on every rank."""
         host, error = None, None
+        drop = self.cfg.checkpoint.initial_load_drop if step is None else []
         try:
-            host = self._load_state(path, with_optimizer, check=True)
+            host = json.loads((path / "state.json").read_text())
+            if step is None:
+                if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
+                    raise UserError(optimizer_groups_error(path))  # another layout of its state
+                check_initial_fits(path, self.model, drop, self.tokenizer)
+            state = (
+                self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
+            )
+            state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(
+                self.model, state["model"], options=StateDictOptions(strict=not drop)
+            )
+            if with_optimizer:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+            if step is not None:
+                self._load_rng(path, step, resharded=host["world_size"] != self.world)
         except UserError as e:
             error = str(e)
         except (Exception, CheckpointException) as e:  # damage its sizes and checksums missed
-            error = f"checkpoint '{path}' failed to load (rank {self.rank}: {first_cause(e)}); it is damaged: point checkpoint.initial_load_path at an intact step"
-        error = first_error(error, self.group)
-        if error:
-            raise UserError(error)
-        what = "model and optimizer" if with_optimizer else "model"
-        logger.info(
-            f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0"
-        )
-        return host
+            error = f"rank {self.rank}: {first_cause(e)}"
+            if step is None:
+                error = f"checkpoint '{path}' failed to load ({error}); it is damaged: point checkpoint.initial_load_path at an intact step"
+        return host, first_error(error, self.group)

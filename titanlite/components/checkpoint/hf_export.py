@@ -1,18 +1,12 @@
 """What a run leaves for use outside titanlite when it ends (export_run): the full weights as one
 torch.save file (checkpoint.export_weights), and a Hugging Face transformers folder
-(checkpoint.export_hf): safetensors shards (+ index), config.json and the tokenizer files, for
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.
+(checkpoint.export_hf) for `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`; the same
+folder from a checkpoint (export_checkpoint, scripts/export_hf.py).
 
-One full tensor at a time: each parameter is gathered (FSDP: an all-gather of that tensor only;
-DDP: already whole), converted by the model's HFAdapter (names; Llama's q/k row permutation
-needs the full tensor) and added to the shard being filled, which is written once it reaches
-`max_shard_bytes`. Rank 0 writes; host memory is bounded by one shard, never by the model. The
-shard plan comes from the shapes first, so the file names (`model-00001-of-00003.safetensors`)
-are known before any tensor moves. Everything is written under `<folder>.tmp` and published by
-one rename, so an interrupted export never leaves a folder that looks complete.
-
-`scripts/export_hf.py` does the same from a checkpoint folder (export_checkpoint), reading one
-tensor at a time from DCP instead of gathering it.
+One full tensor at a time (gathered, or read from DCP), converted by the model's HFAdapter
+(Llama's q/k row permutation needs the full tensor): host memory is bounded by one shard, never
+by the model. The shard plan comes from the shapes first, so the file names are known before any
+tensor moves; everything is written under `<folder>.tmp` and published by one rename.
 """
 
 from __future__ import annotations
@@ -61,11 +55,9 @@ _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_e
 
 def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | bytes]:
     """Files written beside the weights (a path: copied; bytes: written): the source folder's
-    generation_config.json (sampling defaults, end-of-turn ids) and the tokenizer the run trained
-    with: a Hugging Face one's files as they are, the built-in (or any) SentencePiece model as
-    tokenizer.model with the tokenizer_config.json that has transformers encode as it does
-    (tests/test_hf.py holds AutoTokenizer to its ids). A run on synthetic tokens has none, and
-    the export says so."""
+    generation_config.json and the run's tokenizer: a Hugging Face one's files as they are, a
+    SentencePiece model as tokenizer.model with the tokenizer_config.json that has transformers
+    encode as titanlite does. A run on synthetic tokens has none, and the export says so."""
     files: dict[str, Path | bytes] = {}
     if source is not None and (source / "generation_config.json").is_file():
         files["generation_config.json"] = source / "generation_config.json"
@@ -244,8 +236,7 @@ def export_run(
     cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path
 ) -> list[Path]:
     """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
-    MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF
-    folder when it is a Hugging Face one). Returns what it wrote."""
+    MetaModel. Returns what it wrote."""
     c = cfg.checkpoint
     written = []
     if c.export_weights:
@@ -265,10 +256,9 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     import_module: str = "",
 ) -> int:
-    """A complete titanlite step folder (index.read_checkpoint checked it) as a Hugging Face
+    """An intact titanlite step folder (index.read_checkpoint checked it) as a Hugging Face
     folder, in one process with no process group: the model rebuilt from its state.json
-    (model.py), every tensor read from DCP on its own, so memory is bounded by one shard. Only
-    reads `step_folder`. Returns the number of shards."""
+    (model.py). Returns the number of shards."""
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
     rebuilt = rebuild(step_folder, import_module)

@@ -1,7 +1,6 @@
-"""The model a checkpoint step folder holds, rebuilt offline (one process, no process group, no
-run config) from what its state.json says the run trained (its identity: model, flavor or
-hf_assets_path, tokenizer, sequence length), the weights then read from DCP: where
-scripts/export_hf.py (hf_export.export_checkpoint) and scripts/generate.py start."""
+"""The model a checkpoint step folder holds, rebuilt offline (one process, no run config) from the
+identity its state.json records, the weights read from DCP: for scripts/export_hf.py and
+scripts/generate.py."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Rebuilt:
 
 
 def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
-    """Config, tokenizer and meta-device model of a complete titanlite step folder (the caller
-    has checked that it is one: titanlite.components.checkpoint.index.initial_load_kind). Only reads it."""
+    """Config, tokenizer and meta-device model of an intact step folder (the caller checked it)."""
     from titanlite.components.checkpoint.resume import check_fits
     from titanlite.config.fields import IDENTITY_KEYS
     from titanlite.datasets.build import build_tokenizer
@@ -64,9 +62,7 @@ def load_model(
     step_folder: Path, device: torch.device, import_module: str = ""
 ) -> tuple[nn.Module, Rebuilt]:
     """The checkpoint's model with its weights (float32, on `device`, eval mode), whole in this
-    process: for a model that fits one device. init_weights runs first only because it is what
-    computes the buffers (RoPE tables), which the checkpoint does not hold; its weights are then
-    overwritten."""
+    process. init_weights runs first for the buffers (RoPE tables) the checkpoint does not hold."""
     from titanlite.distributed.parallelize import to_empty_tied
     from titanlite.distributed.param_init import ParamInit
 

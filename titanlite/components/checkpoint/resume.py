@@ -1,8 +1,6 @@
-"""Whether this run may resume from a saved step: trained on the same model and data (by content),
-written by this run folder, with an optimizer layout this code reads; and which config changes
-take effect on resume. Torch-free but for check_fits: the launcher's preflight asks it before any
-worker starts, the trainer again in rank 0 (components/checkpoint/index.py finds the steps and
-checks that they are intact)."""
+"""Whether this run may resume from a saved step (same model and data, this run folder's, an
+optimizer layout this code reads) or start from another run's, and which config changes take
+effect on resume. Torch-free but for check_fits: the preflight asks it, the trainer again."""
 
 from __future__ import annotations
 
@@ -51,14 +49,11 @@ def optimizer_groups_error(path: Path) -> str:
 def check_resumable(
     folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
 ) -> dict[str, Any]:
-    """Refuse, in one line, a checkpoint trained on something else, or one in a folder outside
-    this run folder that another run folder wrote (resuming would write this run's checkpoints
-    into that run's folder and prune its older ones). A checkpoint inside the run folder is the
-    run's own, even if the folder was moved or copied. `data`: what this run's data holds
-    (titanlite.datasets.spec.data_identity; None: not known yet), compared by content where the
-    checkpoint recorded it, so the same data at another path resumes and other data at the
-    same path does not (unless data.accept_change; then state["data_changed"] says what).
-    Returns its state.json."""
+    """Refuse, in one line, a checkpoint trained on something else, or one outside this run folder
+    that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
+    holds (datasets/spec.py; None: not known yet), compared by content where the checkpoint
+    recorded it (with data.accept_change, state["data_changed"] says what changed). Returns its
+    state.json."""
     state = read_state(folder, step)
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
@@ -119,9 +114,8 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
 def resume_changes(
     state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None
 ) -> list[str]:
-    """One line per config value that differs from the checkpoint's run, with what takes effect
-    and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
-    (titanlite.components.optimizer.realign_schedule)."""
+    """One line per config value that differs from the checkpoint's run, saying what takes effect
+    from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's."""
     step = state["step"]
     before = state["config"]
     lines = []
@@ -130,12 +124,8 @@ def resume_changes(
             lines.append(
                 f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content"
             )
-        if (
-            key in IDENTITY_KEYS
-            or key == "checkpoint.load_step"
-            or key not in before
-            or before[key] == now
-        ):
+        unchecked = key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before
+        if unchecked or before[key] == now:
             continue
         if key in FRESH_ONLY:
             effect = f"not applicable: {FRESH_ONLY[key]}"
@@ -186,11 +176,10 @@ _MAY_CHANGE = frozenset({"dropout"})
 def check_initial_fits(
     path: Path, model: Any, drop: list[str], tokenizer: str | None = None
 ) -> None:
-    """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
-    each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
-    a tensor of its own in the model (not one it ties to another), but those `drop` names
-    (checkpoint.initial_load_drop); and its token ids mean the same (`tokenizer`: this run's
-    fingerprint, if known), or the tables they index are dropped."""
+    """A start from another run's step folder takes every tensor both ways, but those `drop`
+    names: each of the model's is there in its shape, each of the checkpoint's lands in a tensor
+    of its own (not one the model ties to another); and its token ids mean the same
+    (`tokenizer`: this run's fingerprint, if known) or the tables they index are dropped."""
     ours = model.state_dict()
     saved = check_fits(path, {n: t for n, t in ours.items() if n not in drop})
     saved = [k for k in saved if k not in drop]
@@ -233,9 +222,8 @@ def token_tables(model: Any) -> list[str]:
 
 
 def tied_groups(model: Any) -> list[list[str]]:
-    """The parameter names that share one tensor (a head tied to the embedding), in groups of two
-    or more, each in the model's order: state.json records them, so a start from the checkpoint
-    knows which of its tensors a model that ties them would leave unread."""
+    """The parameter names that share one tensor (a head tied to the embedding), in groups:
+    state.json records them for check_initial_fits."""
     by_tensor: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(canonical_name(name))
@@ -243,7 +231,7 @@ def tied_groups(model: Any) -> list[list[str]]:
 
 
 def model_record(args: Any) -> dict[str, Any]:
-    """A model's args (MetaModel.args) as state.json records them, for the resume check below."""
+    """A model's args (MetaModel.args) as state.json records them, for check_same_model."""
     raw = asdict(args) if is_dataclass(args) else dict(vars(args))
     return json.loads(json.dumps(raw, default=str))
 
@@ -257,10 +245,9 @@ def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
 
 
 def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:
-    """The model this run builds (`meta`: a MetaModel) is the one checkpoint `step` trained: its
-    args against those state.json recorded. A model.hf_assets_path's config.json is read anew by
-    every launch, so an edit to it would otherwise reach the load as a size-mismatch traceback,
-    or go unseen."""
+    """The model this run builds (`meta`: a MetaModel) has the args checkpoint `step` recorded:
+    model.hf_assets_path's config.json is read anew by every launch, so an edit to it would
+    otherwise reach the load as a size-mismatch traceback, or go unseen."""
     path = step_dir(folder, step)
     state = read_state(folder, step)
     saved = state.get("model_args")
