@@ -50,13 +50,11 @@ from titanlite.components.checkpoint.index import (
     step_dir,
 )
 from titanlite.components.checkpoint.resume import (
-    OPTIMIZER_GROUPS,
     check_initial_fits,
     check_same_model,
     flat_config,
     hf_config,
     model_record,
-    optimizer_groups_error,
     resume_changes,
     tied_groups,
 )
@@ -88,8 +86,8 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        run_dir: Path | None = None,
-        data: list[dict] | None = None,
+        run_dir: Path,
+        data: list[dict] | None,
     ):
         self.cfg = cfg
         self.folder = folder
@@ -176,17 +174,14 @@ class Checkpointer:
         checkpointing is off), then Stopped with the line that says how to continue and the grace
         a stop needs. `finished`: the stop came as the run ended, every step and export done."""
         name = signal.Signals(signum).name
+        saves = self.cfg.checkpoint.saves
         if finished:
-            kept = (
-                f"checkpoint step-{step} holds it"
-                if self.cfg.checkpoint.saves
-                else "checkpointing is off"
-            )
+            kept = f"checkpoint step-{step} holds it" if saves else "checkpointing is off"
             raise Stopped(
                 signum,
                 f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
             )
-        if not self.cfg.checkpoint.saves:
+        if not saves:
             raise Stopped(
                 signum,
                 f"stopped by {name} after step {step}; checkpointing is off (checkpoint.every = 0 and checkpoint.at_end = false), so nothing was saved",
@@ -237,8 +232,7 @@ class Checkpointer:
                 "world_size": self.world,
                 "identity": identity(self.cfg),
                 "config": flat_config(self.cfg),
-                "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
-                "optimizer_groups": OPTIMIZER_GROUPS,
+                "run_folder": str(self.run_dir.resolve()),
                 "model_args": self.model_args,
                 "tied": self.tied,
                 "hf_config": self.hf_config,
@@ -380,8 +374,6 @@ class Checkpointer:
         try:
             host = json.loads((path / "state.json").read_text())
             if step is None:
-                if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
-                    raise UserError(optimizer_groups_error(path))  # another layout of its state
                 check_initial_fits(path, self.model, drop, self.tokenizer)
             state = (
                 self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}

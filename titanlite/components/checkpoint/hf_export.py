@@ -261,8 +261,7 @@ def export_checkpoint(
     (model.py). Returns the number of shards."""
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
-    rebuilt = rebuild(step_folder, import_module)
-    cfg, meta = rebuilt.cfg, rebuilt.meta
+    cfg, tok, meta = rebuild(step_folder, import_module)
     if meta.spec.hf is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
@@ -283,7 +282,7 @@ def export_checkpoint(
         meta.args,
         dtype_name,
         source,
-        rebuilt.tokenizer,
+        tok,
         max_shard_bytes,
     )
     if error:

@@ -17,7 +17,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from titanlite.config import JobConfig
 from titanlite.config.fields import whole_number
@@ -27,8 +27,6 @@ from titanlite.tools.cache import first_cause, fsync_dir
 
 MARKER = "complete"  # written last into a step folder: its presence means complete
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
-ABANDONED = ".abandoned"  # a rewind's newer steps, set aside (set_aside_abandoned)
-DAMAGED = ".damaged"  # suffix of a step folder set aside
 
 logger = logging.getLogger("titanlite")
 
@@ -166,11 +164,11 @@ def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") ->
     if (path / ".metadata").is_file():
         step_to_read(path, flag=flag)  # complete and intact, or one line
         return "titanlite"
-    steps = sorted(p for p in path.glob("step-*") if (p / MARKER).is_file())
+    steps = complete_steps(path)
     if steps:
         raise UserError(
             f"'{path}' is a checkpoint folder; point {flag} at one of its step folders, e.g. the "
-            f"newest: '{steps[-1]}'"
+            f"newest: '{step_dir(path, steps[-1])}'"
         )
     raise UserError(f"{flag} '{path}' holds no config.json nor a checkpoint; {what}")
 
@@ -214,14 +212,11 @@ def _passed_over(path: Path, why: str, what: str = "is damaged") -> None:
 
 
 def _intact_beside(path: Path) -> str:
-    intact = [
-        s for s in reversed(complete_steps(path.parent)) if damage(step_dir(path.parent, s)) is None
-    ]
+    folders = [step_dir(path.parent, s) for s in reversed(complete_steps(path.parent))]
+    intact = [str(f) for f in folders if damage(f) is None]
     if not intact:
         return f"'{path.parent}' holds no intact checkpoint beside it"
-    return "the intact ones beside it: " + ", ".join(
-        str(step_dir(path.parent, s)) for s in intact[:3]
-    )
+    return "the intact ones beside it: " + ", ".join(intact[:3])
 
 
 T = TypeVar("T")
@@ -264,7 +259,7 @@ def _set_aside(path: Path, suffix: str) -> Path:
 
 def quarantine(path: Path, why: str, wandb: bool = False) -> None:
     """Set the damaged step folder `path` aside as `<name>.damaged`, with one line saying why."""
-    target = _set_aside(path, DAMAGED)
+    target = _set_aside(path, ".damaged")
     again = "; steps after it are logged again in the same W&B run, which cannot rewind"
     logger.warning(
         f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back"
@@ -274,12 +269,8 @@ def quarantine(path: Path, why: str, wandb: bool = False) -> None:
 
 def quarantine_damaged(folder: Path, wandb: bool = False) -> None:
     """Set aside every damaged step newer than the newest intact one, so a resume falls back to
-    it (the holder of the run lock, before the run folder is opened)."""
-    for step in reversed(complete_steps(folder)):
-        why = damage(step_dir(folder, step))
-        if why is None:
-            return
-        quarantine(step_dir(folder, step), why, wandb)
+    it (the holder of the run lock, once resume_plan found an intact step or none)."""
+    find(folder, -1, lambda path, why: quarantine(path, why, wandb))
 
 
 def set_aside_abandoned(folder: Path, load_step: int) -> None:
@@ -289,20 +280,9 @@ def set_aside_abandoned(folder: Path, load_step: int) -> None:
     if load_step < 0 or load_step not in steps:
         return  # no rewind, or a step the preflight refuses
     newer = [s for s in steps if s > load_step]
-    targets = [_set_aside(step_dir(folder, s), ABANDONED).name for s in newer]
+    targets = [_set_aside(step_dir(folder, s), ".abandoned").name for s in newer]
     if targets:
         logger.warning(
             f"checkpoint: resuming from step {load_step} (checkpoint.load_step) abandons the newer step(s) "
             f"{', '.join(map(str, newer))}: set aside as {', '.join(targets)} (kept; delete them when done)"
         )
-
-
-def read_state(folder: Path, step: int) -> dict[str, Any]:
-    """Checkpoint `step`'s state.json; unreadable: one UserError."""
-    path = step_dir(folder, step) / "state.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
-        ) from None

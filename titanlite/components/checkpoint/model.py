@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,16 +16,12 @@ from titanlite.config import JobConfig
 from titanlite.datasets.tokenizer import HFTokenizer, Tokenizer
 from titanlite.models.registry import MetaModel
 
-
-@dataclass
-class Rebuilt:
-    cfg: JobConfig  # defaults, with the checkpoint's identity keys
-    tokenizer: Tokenizer | HFTokenizer | None  # None: the run trained on synthetic data
-    meta: MetaModel  # on the meta device; every parameter is in the checkpoint with its shape
+Rebuilt = tuple[JobConfig, Tokenizer | HFTokenizer | None, MetaModel]
 
 
 def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
-    """Config, tokenizer and meta-device model of an intact step folder (the caller checked it)."""
+    """Config (defaults but the checkpoint's identity keys), tokenizer (None: synthetic data) and
+    meta-device model of an intact step folder (the caller checked it)."""
     from titanlite.components.checkpoint.resume import check_fits
     from titanlite.config.fields import IDENTITY_KEYS
     from titanlite.datasets.build import build_tokenizer
@@ -47,7 +42,7 @@ def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
     tok = build_tokenizer(cfg)
     meta = build_meta_model(cfg, tok.vocab_size if tok else 0)
     check_fits(step_folder, dict(meta.model.named_parameters()))
-    return Rebuilt(cfg, tok, meta)
+    return cfg, tok, meta
 
 
 def read_tensors(step_folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -66,10 +61,10 @@ def load_model(
     from titanlite.distributed.parallelize import to_empty_tied
     from titanlite.distributed.param_init import ParamInit
 
-    rebuilt = rebuild(step_folder, import_module)
-    model = rebuilt.meta.model
+    cfg, tok, meta = rebuild(step_folder, import_module)
+    model = meta.model
     to_empty_tied(model, device)
     with torch.no_grad():
         model.init_weights(ParamInit(model, 0))
     read_tensors(step_folder, {name: p.detach() for name, p in model.named_parameters()})
-    return model.eval(), rebuilt
+    return model.eval(), (cfg, tok, meta)

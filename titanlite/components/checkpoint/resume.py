@@ -1,6 +1,6 @@
-"""Whether this run may resume from a saved step (same model and data, this run folder's, an
-optimizer layout this code reads) or start from another run's, and which config changes take
-effect on resume. Torch-free but for check_fits: the preflight asks it, the trainer again."""
+"""Whether this run may resume from a saved step (same model and data, this run folder's) or
+start from another run's, and which config changes take effect on resume. Torch-free but for
+check_fits: the preflight asks it, the trainer again."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from titanlite.components.checkpoint.index import read_state, step_dir
+from titanlite.components.checkpoint.index import step_dir
 from titanlite.config import JobConfig
 from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
@@ -33,18 +33,6 @@ FRESH_ONLY = {
     "checkpoint.initial_load_model_only": "a resume continues from its own checkpoint",
 }
 
-# The optimizer state's layout in a checkpoint: AdamW's weight-decay groups, each marked with
-# whether it decays (components/optimizer.py: param_groups). Checkpoints before them had none.
-OPTIMIZER_GROUPS = "decay_groups"
-
-
-def optimizer_groups_error(path: Path) -> str:
-    return (
-        f"checkpoint '{path}' holds its optimizer state without titanlite's weight-decay groups (it was "
-        "written before them), so it cannot resume; start a new run from its weights with "
-        f"checkpoint.initial_load_path = '{path}' (initial_load_model_only = true)"
-    )
-
 
 def check_resumable(
     folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
@@ -54,7 +42,7 @@ def check_resumable(
     holds (datasets/spec.py; None: not known yet), compared by content where the checkpoint
     recorded it (with data.accept_change, state["data_changed"] says what changed). Returns its
     state.json."""
-    state = read_state(folder, step)
+    state = json.loads((step_dir(folder, step) / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
         raise UserError(
@@ -63,8 +51,6 @@ def check_resumable(
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
-    if state.get("optimizer_groups") != OPTIMIZER_GROUPS:
-        raise UserError(optimizer_groups_error(step_dir(folder, step)))
     saved = state.get("data")
     by_content = bool(saved) and all(d.get("content") for d in saved)
     theirs = state["identity"]
@@ -249,7 +235,7 @@ def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None
     model.hf_assets_path's config.json is read anew by every launch, so an edit to it would
     otherwise reach the load as a size-mismatch traceback, or go unseen."""
     path = step_dir(folder, step)
-    state = read_state(folder, step)
+    state = json.loads((path / "state.json").read_text())  # find() read it
     saved = state.get("model_args")
     if saved is None:
         raise UserError(
