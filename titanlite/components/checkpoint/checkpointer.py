@@ -91,7 +91,6 @@ class Checkpointer:
     ):
         self.cfg = cfg
         self.folder = folder
-        self.run_dir = run_dir
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler  # a tracked part; restore() also continues its schedule
@@ -111,11 +110,14 @@ class Checkpointer:
         )
         self._pending: tuple[int, Path, Future] | None = None
         self._staged_s = 0.0  # the newest async save's staging time
-        self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
-        self.tied: list[list[str]] = []  # its parameter names that share a tensor (restore sets it)
-        self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
-        self.data = data  # what the data holds, by content (datasets/spec.py; a resume compares)
-        self.tokenizer = tokenizer_key(cfg)  # what its token ids mean (a start from it compares)
+        # what state.json records of the run for resume.py's checks (restore adds the model's)
+        self.record: dict[str, Any] = {
+            "world_size": self.world,
+            "run_folder": str(run_dir.resolve()),
+            "hf_config": hf_config(cfg),  # the config.json the model was built from, if any
+            "data": data,  # what the data holds, by content (datasets/spec.py)
+            "tokenizer": tokenizer_key(cfg),  # what its token ids mean
+        }
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
         """Register host-side parts of the training state (saved in state.json under their names)
@@ -133,8 +135,7 @@ class Checkpointer:
         weights, optimizer, RNG and every tracked part, and says each config value that differs
         from the checkpoint's run. A fresh run starts from checkpoint.initial_load_path, else
         model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
-        self.model_args = model_record(meta.args)
-        self.tied = tied_groups(meta.model)
+        self.record.update(model_args=model_record(meta.args), tied=tied_groups(meta.model))
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
@@ -229,15 +230,9 @@ class Checkpointer:
         state = json.dumps(
             {
                 "step": step,
-                "world_size": self.world,
                 "identity": identity(self.cfg),
                 "config": flat_config(self.cfg),
-                "run_folder": str(self.run_dir.resolve()),
-                "model_args": self.model_args,
-                "tied": self.tied,
-                "hf_config": self.hf_config,
-                "data": self.data,
-                "tokenizer": self.tokenizer,
+                **self.record,
                 **{name: part.state_dict() for name, part in self.parts.items()},
             }
         )
@@ -374,7 +369,7 @@ class Checkpointer:
         try:
             host = json.loads((path / "state.json").read_text())
             if step is None:
-                check_initial_fits(path, self.model, drop, self.tokenizer)
+                check_initial_fits(path, self.model, drop, self.record["tokenizer"])
             state = (
                 self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
             )

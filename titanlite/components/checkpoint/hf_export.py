@@ -262,7 +262,8 @@ def export_checkpoint(
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
     cfg, tok, meta = rebuild(step_folder, import_module)
-    if meta.spec.hf is None:
+    adapter = meta.spec.hf
+    if adapter is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
         )
@@ -275,15 +276,7 @@ def export_checkpoint(
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
     error, n = write_hf_folder(
-        folder,
-        params,
-        fetch,
-        meta.spec.hf,
-        meta.args,
-        dtype_name,
-        source,
-        tok,
-        max_shard_bytes,
+        folder, params, fetch, adapter, meta.args, dtype_name, source, tok, max_shard_bytes
     )
     if error:
         raise TrainingError(f"the export failed ({error}); nothing was published at '{folder}'")

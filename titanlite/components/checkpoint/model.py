@@ -23,17 +23,15 @@ def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
     """Config (defaults but the checkpoint's identity keys), tokenizer (None: synthetic data) and
     meta-device model of an intact step folder (the caller checked it)."""
     from titanlite.components.checkpoint.resume import check_fits
-    from titanlite.config.fields import IDENTITY_KEYS
     from titanlite.datasets.build import build_tokenizer
     from titanlite.models.hf_files import check_hf_folder
     from titanlite.models.registry import build_meta_model
 
     saved = json.loads((step_folder / "state.json").read_text())["identity"]
     cfg = JobConfig()
-    for dotted in IDENTITY_KEYS:  # a key newer than the checkpoint keeps its default, as on resume
+    for dotted, value in saved.items():
         section, key = dotted.split(".")
-        if dotted in saved:
-            setattr(getattr(cfg, section), key, saved[dotted])
+        setattr(getattr(cfg, section), key, value)
     cfg.model.import_module = import_module
     if cfg.model.hf_assets_path:  # the folder the run was made from gives shapes and tokenizer
         check_hf_folder(

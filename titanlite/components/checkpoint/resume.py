@@ -155,10 +155,6 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> list[str]:
     return list(saved)
 
 
-# Model args a resume may change: model.dropout is a training setting, like the optimizer's.
-_MAY_CHANGE = frozenset({"dropout"})
-
-
 def check_initial_fits(
     path: Path, model: Any, drop: list[str], tokenizer: str | None = None
 ) -> None:
@@ -242,11 +238,11 @@ def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None
             f"checkpoint {path} records no model args (an older titanlite wrote it), so it cannot "
             f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
         )
-    ours = model_record(meta.args)
+    ours = model_record(meta.args)  # but dropout, a training setting a resume may change
     diff = [
         f"{k} {saved[k]!r}, now {v!r}"
         for k, v in ours.items()
-        if k in saved and k not in _MAY_CHANGE and saved[k] != v
+        if k in saved and k != "dropout" and saved[k] != v
     ]
     if not diff:
         return
