@@ -360,9 +360,8 @@ class Checkpointer:
     def _load_state(
         self, path: Path, with_optimizer: bool, step: int | None = None
     ) -> tuple[dict[str, Any] | None, str | None]:
-        """On every rank, the model (and optimizer) from the step folder `path`, resharded by DCP
-        to this layout; `step`: a resume's, whose RNG states come back too, else another run's
-        step folder as this run's start, checked first (check_initial_fits). Returns its
+        """On every rank, the model (and optimizer) from step folder `path`, resharded by DCP: a
+        resume's (`step`; its RNG states too) or another run's, checked first. Returns its
         state.json and any rank's failure in one line, the same on every rank."""
         host, error = None, None
         drop = self.cfg.checkpoint.initial_load_drop if step is None else []

@@ -109,10 +109,9 @@ def write_hf_folder(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     writes: bool = True,
 ) -> tuple[str | None, int]:
-    """The folder for `params` (titanlite names; only their shapes are read), written if `writes`
-    (one rank does). `fetch(name)` gives titanlite's full tensor; every rank calls it in the same
-    order, so a gather inside it is collective. Returns this rank's failure in one line (None:
-    fine; on failure nothing is published) and the number of shards."""
+    """The folder for `params` (only their shapes are read), written if `writes`. `fetch(name)`
+    gives the full tensor, called by every rank in the same order (a gather inside is collective).
+    Returns this rank's failure in one line (nothing is published then) and the shard count."""
     from safetensors.torch import save_file
 
     dtype = DTYPES[dtype_name]

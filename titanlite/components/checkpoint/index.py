@@ -38,14 +38,8 @@ def step_dir(folder: Path, step: int) -> Path:
 
 def complete_steps(folder: Path) -> list[int]:
     """Steps of the published, complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for d in folder.iterdir():
-        name = d.name
-        if name.startswith("step-") and whole_number(name[5:]) and (d / MARKER).is_file():
-            steps.append(int(name[5:]))
-    return sorted(steps)
+    numbers = [d.name[5:] for d in folder.glob("step-*") if (d / MARKER).is_file()]
+    return sorted(int(n) for n in numbers if whole_number(n))
 
 
 def _crc32(path: Path) -> int:
@@ -176,10 +170,9 @@ def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") ->
 def step_to_read(
     path: Path, step: int | None = None, flag: str = "RUN_DIR", exclude: Collection[int] = ()
 ) -> Path:
-    """The complete, intact step folder every reader (export, generation, a new run's initial
-    weights, scripts) reads from `path`: a step folder itself (refused in one line if it is not
-    intact), or a run folder (its checkpoint.folder) or checkpoint folder: its newest intact step,
-    or `step`, with one line for each damaged newer one passed over. Only reads."""
+    """The intact step folder every reader (export, generation, initial weights) reads from `path`:
+    a step folder itself, or a run (its checkpoint.folder) or checkpoint folder's newest intact
+    step, or `step`, with one line for each damaged newer one passed over. Only reads."""
     if any((path / name).is_file() for name in (".metadata", "state.json", MARKER)):
         if step is not None:
             raise UserError(
@@ -277,8 +270,8 @@ def set_aside_abandoned(folder: Path, load_step: int) -> None:
     """A rewind (checkpoint.load_step below the newest step) sets the steps after it aside as
     `<name>.abandoned`, in one line, so a later plain resume continues the new timeline."""
     steps = complete_steps(folder)
-    if load_step < 0 or load_step not in steps:
-        return  # no rewind, or a step the preflight refuses
+    if load_step not in steps:
+        return  # no rewind (-1), or a step the preflight refuses
     newer = [s for s in steps if s > load_step]
     targets = [_set_aside(step_dir(folder, s), ".abandoned").name for s in newer]
     if targets:

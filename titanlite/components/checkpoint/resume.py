@@ -39,9 +39,8 @@ def check_resumable(
 ) -> dict[str, Any]:
     """Refuse, in one line, a checkpoint trained on something else, or one outside this run folder
     that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
-    holds (datasets/spec.py; None: not known yet), compared by content where the checkpoint
-    recorded it (with data.accept_change, state["data_changed"] says what changed). Returns its
-    state.json."""
+    holds (None: not known yet), compared by content (with data.accept_change,
+    state["data_changed"] says what changed). Returns its state.json."""
     state = json.loads((step_dir(folder, step) / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
