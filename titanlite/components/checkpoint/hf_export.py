@@ -127,14 +127,14 @@ def write_hf_folder(
         size += nbytes
     tmp = folder.with_name(folder.name + ".tmp")
     error = None
-    if writes:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = f"cannot create {tmp}: {e}"
     weight_map, total = {}, 0
     try:
+        if writes:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = f"cannot create {tmp}: {e}"
         for i, shard in enumerate(shards):
             tensors = {}
             for name, hf_name in shard:
@@ -153,33 +153,30 @@ def write_hf_folder(
                 error = f"writing {tmp / file}: {e}"
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.itemsize for t in tensors.values())
-    except BaseException:  # a tensor that cannot be read, a stop: nothing half-written stays
+        if writes and not error:
+            try:
+                if len(shards) > 1:
+                    weight_map = dict(sorted(weight_map.items()))
+                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                    (tmp / "model.safetensors.index.json").write_text(
+                        json.dumps(index, indent=2) + "\n"
+                    )
+                config = hf_config(adapter, args, dtype_name, source)
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                for name, what in companion_files(source, tokenizer).items():
+                    if isinstance(what, bytes):
+                        (tmp / name).write_bytes(what)
+                    else:
+                        shutil.copy2(what, tmp / name)
+                fsync_dir(tmp)
+                if folder.exists():  # an export of this run from an earlier attempt
+                    shutil.rmtree(folder)
+                os.replace(tmp, folder)
+            except OSError as e:
+                error = f"publishing {folder}: {e}"
+    finally:  # a failure, a tensor that cannot be read, a stop: nothing half-written stays
         if writes:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if writes and not error:
-        try:
-            if len(shards) > 1:
-                weight_map = dict(sorted(weight_map.items()))
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                (tmp / "model.safetensors.index.json").write_text(
-                    json.dumps(index, indent=2) + "\n"
-                )
-            config = hf_config(adapter, args, dtype_name, source)
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            for name, what in companion_files(source, tokenizer).items():
-                if isinstance(what, bytes):
-                    (tmp / name).write_bytes(what)
-                else:
-                    shutil.copy2(what, tmp / name)
-            fsync_dir(tmp)
-            if folder.exists():  # an export of this run from an earlier attempt
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        except OSError as e:
-            error = f"publishing {folder}: {e}"
-    if error and writes:
-        shutil.rmtree(tmp, ignore_errors=True)
     return error, len(shards)
 
 
