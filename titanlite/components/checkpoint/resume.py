@@ -167,12 +167,8 @@ def check_initial_fits(
     lacking = [k for k in saved if k not in ours]
     state = read_json(path / "state.json", "it is written with every checkpoint")
     trained_with = state.get("tokenizer")  # None: synthetic tokens, or an unknown fingerprint
-    if (
-        trained_with
-        and tokenizer
-        and trained_with != tokenizer
-        and not set(token_tables(model)) <= set(drop)
-    ):
+    other = trained_with and tokenizer and trained_with != tokenizer
+    if other and not set(token_tables(model)) <= set(drop):
         raise UserError(
             f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {trained_with}, this "
             f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
