@@ -227,15 +227,9 @@ class Checkpointer:
             error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
         # Serialised now: the scheduler and diagnostics move on while an async write runs.
-        state = json.dumps(
-            {
-                "step": step,
-                "identity": identity(self.cfg),
-                "config": flat_config(self.cfg),
-                **self.record,
-                **{name: part.state_dict() for name, part in self.parts.items()},
-            }
-        )
+        run = {"step": step, "identity": identity(self.cfg), "config": flat_config(self.cfg)}
+        parts = {name: part.state_dict() for name, part in self.parts.items()}
+        state = json.dumps({**run, **self.record, **parts})
         writer = self.storage_writer(step, str(tmp))
         if not self.is_async:
             error = self._write(
@@ -374,9 +368,8 @@ class Checkpointer:
             )
             state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
             dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(
-                self.model, state["model"], options=StateDictOptions(strict=not drop)
-            )
+            options = StateDictOptions(strict=not drop)  # a dropped tensor keeps its init
+            set_model_state_dict(self.model, state["model"], options=options)
             if with_optimizer:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
             if step is not None:
