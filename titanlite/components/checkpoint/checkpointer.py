@@ -312,8 +312,8 @@ class Checkpointer:
         self._pending = None
 
     def load(self, step: int) -> dict[str, Any]:
-        """Resume from checkpoint `step` (its optimizer layout: check_resumable saw to it); one
-        that fails to load is set aside as damaged. Returns its state.json."""
+        """Resume from checkpoint `step`; one that fails to load is set aside as damaged. Returns
+        its state.json."""
         path = step_dir(self.folder, step)
         host, error = self._load_state(path, with_optimizer=True, step=step)
         if error:
