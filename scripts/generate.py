@@ -105,21 +105,21 @@ def complete(args) -> int:
     from titanlite.datasets.records import prompt_format
 
     device = pick_device(args.device)
-    step_folder, (model, rebuilt) = read_checkpoint(
+    step_folder, (model, (cfg, tok, _)) = read_checkpoint(
         args.run_dir,
         lambda p: (p, load_model(p, device, args.import_module)),
         step=args.step,
     )
-    if rebuilt.tokenizer is None:
+    if tok is None:
         raise UserError(
             f"checkpoint '{step_folder}' trained on synthetic data; it has no tokenizer for text"
         )
     completions = sample_text(
         model,
-        rebuilt.tokenizer,
+        tok,
         args.prompt,
         args.max_new_tokens,
-        fmt=prompt_format(args.format, rebuilt.cfg.data.mode, rebuilt.tokenizer),
+        fmt=prompt_format(args.format, cfg.data.mode, tok),
         temperature=args.temperature,
         top_p=args.top_p,
         generator=torch.Generator().manual_seed(

@@ -120,16 +120,12 @@ def _llama(flavor: str):
         ("debugmodel", "debugmodel", True, ["extra.weight"], None),
     ],
 )
-@pytest.mark.parametrize("recorded", ["tied", "args"])
 def test_a_new_runs_initial_weights_are_taken_both_ways(
-    tmp_path, source, target, extra, drop, refused, recorded
+    tmp_path, source, target, extra, drop, refused
 ):
     """checkpoint.initial_load_path: each of the model's tensors in the checkpoint (check_fits),
     and each of the checkpoint's taken by a tensor of its own, but those named in
-    checkpoint.initial_load_drop. Which tensors the source tied: its state.json's groups (any
-    model's), or for a checkpoint without them its Llama args."""
-    from dataclasses import asdict
-
+    checkpoint.initial_load_drop. Which tensors the source tied: its state.json's groups."""
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -141,10 +137,7 @@ def test_a_new_runs_initial_weights_are_taken_both_ways(
         state["extra.weight"] = torch.zeros(3)
     path = tmp_path / "step-00000004"
     dcp.save({"model": state}, checkpoint_id=str(path), no_dist=True)
-    record = (
-        {"tied": tied_groups(model)} if recorded == "tied" else {"model_args": asdict(model.args)}
-    )
-    (path / "state.json").write_text(json.dumps({"step": 4, **record}, default=str))
+    (path / "state.json").write_text(json.dumps({"step": 4, "tied": tied_groups(model)}))
     with torch.device("meta"):
         ours = _llama(target)
     if refused is None:
@@ -163,12 +156,13 @@ def test_a_new_run_refuses_initial_weights_trained_with_another_tokenizer(tmp_pa
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from titanlite.components.checkpoint.resume import check_initial_fits, token_tables
+    from titanlite.components.checkpoint.resume import check_initial_fits, tied_groups, token_tables
 
     model = _llama(flavor)
     path = tmp_path / "step-00000004"
     dcp.save({"model": dict(model.state_dict())}, checkpoint_id=str(path), no_dist=True)
-    (path / "state.json").write_text(json.dumps({"step": 4, "tokenizer": "aaaa"}))
+    state = {"step": 4, "tied": tied_groups(model)}
+    (path / "state.json").write_text(json.dumps({**state, "tokenizer": "aaaa"}))
     with torch.device("meta"):
         ours = _llama(flavor)
     tables = token_tables(ours)
@@ -183,7 +177,5 @@ def test_a_new_run_refuses_initial_weights_trained_with_another_tokenizer(tmp_pa
     with pytest.raises(UserError, match="another tokenizer"):  # the head would still load
         check_initial_fits(path, ours, tables[:1], "bbbb")
     check_initial_fits(path, ours, tables, "bbbb")
-    (path / "state.json").write_text(
-        json.dumps({"step": 4})
-    )  # a checkpoint that names no tokenizer
+    (path / "state.json").write_text(json.dumps(state))  # a checkpoint that names no tokenizer
     check_initial_fits(path, ours, [], "bbbb")

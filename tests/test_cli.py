@@ -356,64 +356,6 @@ def test_help_prints_every_config_key_and_exits_0(cmd):
     assert "--faults." not in proc.stdout  # a plugin's section, only when a config names it
 
 
-# A trainer as titanlite wrote checkpoints before its weight-decay groups: one AdamW group.
-_ONE_GROUP_TRAINER = """
-import sys
-import titanlite.components.optimizer as optimizer
-optimizer.param_groups = lambda model, cfg: [{"params": list(model.parameters()), "weight_decay": 0.1}]
-import titanlite.train
-sys.exit(titanlite.train.main(sys.argv[1:]))
-"""
-
-
-def test_checkpoint_from_before_the_weight_decay_groups_is_refused_in_one_line_and_its_weights_load(
-    tmp_path,
-):
-    args = [
-        *SMALL,
-        "--checkpoint.every",
-        "2",
-        "--checkpoint.at_end",
-        "true",
-        "--job.dump_folder",
-        str(tmp_path),
-        "--metrics.enable_tensorboard",
-        "false",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    old = [
-        sys.executable,
-        "-c",
-        _ONE_GROUP_TRAINER,
-        *args,
-        "--training.steps",
-        "2",
-        "--job.run_name",
-        "old",
-    ]
-    proc = subprocess.run(old, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    step = tmp_path / "old" / "checkpoints" / "step-00000002"
-    state = json.loads((step / "state.json").read_text())
-    del state["optimizer_groups"]  # nor did its state.json say how its optimizer state is laid out
-    (step / "state.json").write_text(json.dumps(state))
-    before = sorted(p.name for p in (tmp_path / "old").iterdir())
-    proc = refused(*args, "--training.steps", "4", "--job.run_name", "old")
-    one_line_error(
-        proc, f"checkpoint.initial_load_path = '{step}' (initial_load_model_only = true)"
-    )
-    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == before
-    start = [*args, "--training.steps", "2", "--checkpoint.initial_load_path", str(step)]
-    proc = refused(
-        *start, "--job.run_name", "with-optimizer", "--checkpoint.initial_load_model_only", "false"
-    )
-    one_line_error(
-        proc, "without titanlite's weight-decay groups"
-    )  # its optimizer state cannot come along
-    proc = single(*start, "--job.run_name", "new")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 @pytest.mark.parametrize(
     "env, message",
     [

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from titanlite.components.checkpoint.index import file_record, step_dir
-from titanlite.components.checkpoint.resume import OPTIMIZER_GROUPS, check_resumable
+from titanlite.components.checkpoint.resume import check_resumable
 from titanlite.config import load_config
 from titanlite.config.fields import identity
 from titanlite.datasets.corpus import discover
@@ -68,12 +68,7 @@ def _checkpoint(run: Path, cfg, data: list[dict]) -> Path:
     """A checkpoint's step folder with the state.json a save writes, recording `data`."""
     step = step_dir(run / "checkpoints", 2)
     step.mkdir(parents=True)
-    state = {
-        "step": 2,
-        "identity": identity(cfg),
-        "optimizer_groups": OPTIMIZER_GROUPS,
-        "data": data,
-    }
+    state = {"step": 2, "identity": identity(cfg), "data": data}
     (step / "state.json").write_text(json.dumps({**state, "files": file_record(step)}))
     (step / "complete").write_text("2\n")
     return run / "checkpoints"

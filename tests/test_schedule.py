@@ -1,8 +1,7 @@
 """One schedule rule (titanlite.config.fields.schedule/due: every N steps, 0: never; the end of a
 run a switch of its own) for checkpoints, evals, logs, measured steps and replica checks, and the
-keys it renamed (titanlite.config.fields.MOVED_KEYS): an old config, flag, config.toml or
-checkpoint state means what it meant, with one note, and a resume never reports a moved key as
-changed."""
+keys it renamed (titanlite.config.fields.MOVED_KEYS): an old config, flag or config.toml means
+what it meant, with one note."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from dataclasses import fields
 import pytest
 from helpers import every_section
 
-from titanlite.components.checkpoint.resume import flat_config, resume_changes
+from titanlite.components.checkpoint.resume import flat_config
 from titanlite.config import load_config
 from titanlite.config.fields import MOVED_KEYS
 from titanlite.config.job_config import JobConfig
@@ -76,22 +75,6 @@ def _toml(value) -> str:
     return (
         ("true" if value else "false") if isinstance(value, bool) else repr(value).replace("'", '"')
     )
-
-
-def test_a_resume_compares_old_settings_by_their_new_names(monkeypatch):
-    """A checkpoint whose state.json kept the old names: the same settings report nothing; a
-    changed one is reported under its new name."""
-    monkeypatch.setenv(NOTES_SHOWN_ENV, "1")
-    now = load_config(None, ["--faults.spike_step", "5", "--faults.seed_mode", "per_rank"])
-    before = flat_config(now)
-    for old, new in MOVED_KEYS.items():
-        before[old] = before.pop(new)
-    state = {"config": before, "step": 4}
-    assert resume_changes(state, now) == []
-    later = load_config(None, ["--faults.spike_step", "6", "--faults.seed_mode", "per_rank"])
-    assert resume_changes(state, later) == [
-        "resume: faults.spike_step was 5, now 6: applied from step 5"
-    ]
 
 
 def test_every_periodic_key_is_a_schedule_field():

@@ -136,16 +136,6 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
     return out, found
 
 
-def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
-    """{"section.key": value} (a checkpoint's state.json) with moved keys under their new names."""
-    nested: dict[str, dict[str, Any]] = {}
-    for key, value in flat.items():
-        section, _, name = key.partition(".")
-        nested.setdefault(section, {})[name] = value
-    out, _ = migrate(nested, "the checkpoint's config")
-    return {f"{s}.{k}": v for s, table in out.items() for k, v in table.items()}
-
-
 def _deprecated(found: list[str]) -> str | None:
     if not found:
         return None

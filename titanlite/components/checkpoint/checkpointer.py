@@ -50,13 +50,11 @@ from titanlite.components.checkpoint.index import (
     step_dir,
 )
 from titanlite.components.checkpoint.resume import (
-    OPTIMIZER_GROUPS,
     check_initial_fits,
     check_same_model,
     flat_config,
     hf_config,
     model_record,
-    optimizer_groups_error,
     resume_changes,
     tied_groups,
 )
@@ -88,12 +86,11 @@ class Checkpointer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LRScheduler,
-        run_dir: Path | None = None,
-        data: list[dict] | None = None,
+        run_dir: Path,
+        data: list[dict] | None,
     ):
         self.cfg = cfg
         self.folder = folder
-        self.run_dir = run_dir
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler  # a tracked part; restore() also continues its schedule
@@ -104,9 +101,8 @@ class Checkpointer:
         # seams for fault injection (titanlite.faults)
         self.storage_writer = lambda step, path: dcp.FileSystemWriter(path)  # a step's DCP writer
         self.written: Callable[[int], None] | None = None  # rank 0: DCP wrote; before the publish
-        self.per_rank_torch = (
-            False  # each rank's torch stream its own: a resharded resume reseeds it
-        )
+        # each rank's torch stream its own: a resharded resume reseeds it
+        self.per_rank_torch = False
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
         self._executor = (
@@ -114,18 +110,19 @@ class Checkpointer:
         )
         self._pending: tuple[int, Path, Future] | None = None
         self._staged_s = 0.0  # the newest async save's staging time
-        self.model_args: dict[str, Any] = {}  # what the model was built with (restore sets it)
-        self.tied: list[list[str]] = []  # its parameter names that share a tensor (restore sets it)
-        self.hf_config = hf_config(cfg)  # the config.json it was built from, if any
-        self.data = (
-            data  # what the data holds, by content (titanlite.datasets.spec; a resume compares it)
-        )
-        tok = build_tokenizer(cfg, train=False)  # what its token ids mean: a start from it compares
-        self.tokenizer = tok.fingerprint if tok else None
+        tok = build_tokenizer(cfg, train=False)
+        # what state.json records of the run for resume.py's checks (restore adds the model's)
+        self.record: dict[str, Any] = {
+            "world_size": self.world,
+            "run_folder": str(run_dir.resolve()),
+            "hf_config": hf_config(cfg),  # the config.json the model was built from, if any
+            "data": data,  # what the data holds, by content (datasets/spec.py)
+            "tokenizer": tok.fingerprint if tok else None,  # what its token ids mean
+        }
 
     def track(self, parts: dict[str, Stateful], generators: dict[str, torch.Generator]) -> None:
-        """Register the host-side parts of the training state (read at a log step; saved in
-        state.json under their names) and RNG streams (saved per rank)."""
+        """Register host-side parts of the training state (saved in state.json under their names)
+        and RNG streams (saved per rank)."""
         self.parts.update(parts)
         self.generators.update(generators)
 
@@ -136,12 +133,10 @@ class Checkpointer:
 
     def restore(self, resume: int | None, meta) -> int:
         """The run's first step. A resume (`resume`: the step to continue after) brings back
-        weights, optimizer, RNG and every tracked part, prints each config value that differs from
-        the checkpoint's run, and with checkpoint.restore_hparams = false continues the schedule
-        under this run's settings. A fresh run starts from checkpoint.initial_load_path, else
+        weights, optimizer, RNG and every tracked part, and says each config value that differs
+        from the checkpoint's run. A fresh run starts from checkpoint.initial_load_path, else
         model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
-        self.model_args = model_record(meta.args)
-        self.tied = tied_groups(meta.model)
+        self.record.update(model_args=model_record(meta.args), tied=tied_groups(meta.model))
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
             state = self.load(resume)
@@ -163,12 +158,17 @@ class Checkpointer:
         path = Path(source).expanduser()
         if initial_load_kind(path) == "hf":
             load_hf_weights(self.model, path, meta.spec.hf, meta.args)
-        else:
-            state = self.load_initial(path, with_optimizer=not c.initial_load_model_only)
-            if not c.initial_load_model_only:
-                continue_schedule(
-                    self.optimizer, self.scheduler, self.cfg, state["scheduler"]["last_epoch"]
-                )
+            return 1
+        state, error = self._load_state(path, with_optimizer=not c.initial_load_model_only)
+        if error:
+            raise UserError(error)
+        what = "model" if c.initial_load_model_only else "model and optimizer"
+        logger.info(
+            f"checkpoint: {what} loaded from {path} (step {state['step']} of that run) as step 0"
+        )
+        if not c.initial_load_model_only:
+            step = state["scheduler"]["last_epoch"]
+            continue_schedule(self.optimizer, self.scheduler, self.cfg, step)
         return 1
 
     def stop(self, step: int, signum: int, finished: bool = False) -> None:
@@ -176,17 +176,14 @@ class Checkpointer:
         checkpointing is off), then Stopped with the line that says how to continue and the grace
         a stop needs. `finished`: the stop came as the run ended, every step and export done."""
         name = signal.Signals(signum).name
+        saves = self.cfg.checkpoint.saves
         if finished:
-            kept = (
-                f"checkpoint step-{step} holds it"
-                if self.cfg.checkpoint.saves
-                else "checkpointing is off"
-            )
+            kept = f"checkpoint step-{step} holds it" if saves else "checkpointing is off"
             raise Stopped(
                 signum,
                 f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
             )
-        if not self.cfg.checkpoint.saves:
+        if not saves:
             raise Stopped(
                 signum,
                 f"stopped by {name} after step {step}; checkpointing is off (checkpoint.every = 0 and checkpoint.at_end = false), so nothing was saved",
@@ -211,7 +208,7 @@ class Checkpointer:
     @phase("checkpoint")
     def save(self, step: int) -> None:
         """Write step-<step> atomically (in async mode: start writing it); on failure remove the
-        partial folder, keep the older checkpoints, and raise on every rank."""
+        partial folder and raise on every rank."""
         self.wait()
         start = time.perf_counter()
         final = step_dir(self.folder, step)
@@ -231,22 +228,9 @@ class Checkpointer:
             error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
         # Serialised now: the scheduler and diagnostics move on while an async write runs.
-        state = json.dumps(
-            {
-                "step": step,
-                "world_size": self.world,
-                "identity": identity(self.cfg),
-                "config": flat_config(self.cfg),
-                "run_folder": str(self.run_dir.resolve()) if self.run_dir else None,
-                "optimizer_groups": OPTIMIZER_GROUPS,
-                "model_args": self.model_args,
-                "tied": self.tied,
-                "hf_config": self.hf_config,
-                "data": self.data,
-                "tokenizer": self.tokenizer,
-                **{name: part.state_dict() for name, part in self.parts.items()},
-            }
-        )
+        run = {"step": step, "identity": identity(self.cfg), "config": flat_config(self.cfg)}
+        parts = {name: part.state_dict() for name, part in self.parts.items()}
+        state = json.dumps({**run, **self.record, **parts})
         writer = self.storage_writer(step, str(tmp))
         if not self.is_async:
             error = self._write(
@@ -261,9 +245,7 @@ class Checkpointer:
         except (Exception, CheckpointException) as e:
             self._settle(step, tmp, self._save_error(e))
             return
-        self._staged_s = (
-            time.perf_counter() - start
-        )  # what training waited; the write goes on behind it
+        self._staged_s = time.perf_counter() - start  # what training waited; the write goes on
         job = self._executor.submit(self._write, step, tmp, staged.result, state, start)
         self._pending = (step, tmp, job)
 
@@ -306,22 +288,15 @@ class Checkpointer:
         )
 
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
-        """Every rank learns whether any rank failed; if one did, all raise the same error (the
-        run stops: exit 3)."""
+        """If any rank failed, every rank raises the same error (the run stops: exit 3)."""
         first = first_error(error, self.group)
         if first is None:
             return
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         kept = complete_steps(self.folder)
-        raise TrainingError(
-            f"checkpoint save at step {step} failed: {first}; "
-            + (
-                f"the checkpoint of step {kept[-1]} is intact"
-                if kept
-                else "no earlier checkpoint exists"
-            )
-        )
+        intact = f"the checkpoint of step {kept[-1]} is intact" if kept else "no earlier one exists"
+        raise TrainingError(f"checkpoint save at step {step} failed: {first}; {intact}")
 
     def wait(self) -> None:
         """Every rank: finish the pending async save and raise on every rank if it failed."""
@@ -332,27 +307,16 @@ class Checkpointer:
 
     def close(self) -> None:
         """On any exit: let a background write finish (and publish) before the process groups go
-        away. No collectives here, so an exit on an error cannot hang on them."""
+        away; no collectives, so an exit on an error cannot hang on them."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._pending = None
 
     def load(self, step: int) -> dict[str, Any]:
-        """Model and optimizer (resharded by DCP to this run's layout) and the RNG states
-        (_load_rng). Returns state.json."""
-        path, error = step_dir(self.folder, step), None
-        try:
-            host = self._load_state(path, with_optimizer=True)
-            saved_world = host["world_size"]
-            self._load_rng(path, step, resharded=saved_world != self.world)
-        except UserError:
-            raise
-        except (
-            Exception,
-            CheckpointException,
-        ) as e:  # damage its files' sizes and checksums missed
-            error = f"rank {self.rank}: {first_cause(e)}"
-        error = first_error(error, self.group)
+        """Resume from checkpoint `step`; one that fails to load is set aside as damaged. Returns
+        its state.json."""
+        path = step_dir(self.folder, step)
+        host, error = self._load_state(path, with_optimizer=True, step=step)
         if error:
             if self.rank == 0:
                 quarantine(path, error, self.cfg.metrics.enable_wandb)
@@ -360,7 +324,9 @@ class Checkpointer:
                 f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
                 "the same command resumes from the newest intact checkpoint"
             )
-        logger.info(f"checkpoint: resumed from step {step} ({path}, written at dp={saved_world})")
+        logger.info(
+            f"checkpoint: resumed from step {step} ({path}, written at dp={host['world_size']})"
+        )
         return host
 
     def _rng_states(self) -> dict[str, torch.Tensor]:
@@ -370,10 +336,9 @@ class Checkpointer:
         return states | {name: g.get_state() for name, g in self.generators.items()}
 
     def _load_rng(self, path: Path, step: int, resharded: bool) -> None:
-        """At the world size the step was written at, this rank's RNG states; at another
-        (`resharded`), rank 0's torch state on every rank (the seed rule of titanlite.tools.seeds:
-        the ranks' streams are one) and every per-rank stream reseeded from (seed, step, rank),
-        torch's too under a seed fault that gives each rank its own (per_rank_torch)."""
+        """This rank's RNG states; at another world size (`resharded`), rank 0's torch state on
+        every rank (titanlite.tools.seeds: the ranks' streams are one) and every per-rank stream
+        reseeded from (seed, step, rank), torch's too under per_rank_torch."""
         states = torch.load(path / f"rng-rank{0 if resharded else self.rank}.pt", weights_only=True)
         torch.set_rng_state(states["torch"])
         if "cuda" in states and torch.cuda.is_available():
@@ -387,41 +352,33 @@ class Checkpointer:
             elif name in states:
                 g.set_state(states[name])
 
-    def _load_state(self, path: Path, with_optimizer: bool, check: bool = False) -> dict[str, Any]:
-        """The model (and optimizer) from the step folder `path`, resharded by DCP to this
-        layout; `check`: shapes against its .metadata first. Returns its state.json."""
-        host = json.loads((path / "state.json").read_text())
-        if with_optimizer and host.get("optimizer_groups") != OPTIMIZER_GROUPS:
-            raise UserError(optimizer_groups_error(path))  # its optimizer state has another layout
-        state = self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
-        drop = self.cfg.checkpoint.initial_load_drop if check else []
-        if check:
-            check_initial_fits(path, self.model, drop, self.tokenizer)
-            state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
-        dcp.load(state, checkpoint_id=str(path))
-        set_model_state_dict(self.model, state["model"], options=StateDictOptions(strict=not drop))
-        if with_optimizer:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
-        return host
-
-    def load_initial(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
-        """Another run's step folder as the start of this one: the model and, `with_optimizer`,
-        the optimizer state, resharded to this layout. Only reads `path`; returns its state.json."""
+    def _load_state(
+        self, path: Path, with_optimizer: bool, step: int | None = None
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """On every rank, the model (and optimizer) from step folder `path`, resharded by DCP: a
+        resume's (`step`; its RNG states too) or another run's, checked first. Returns its
+        state.json and any rank's failure in one line, the same on every rank."""
         host, error = None, None
+        drop = self.cfg.checkpoint.initial_load_drop if step is None else []
         try:
-            host = self._load_state(path, with_optimizer, check=True)
+            host = json.loads((path / "state.json").read_text())
+            if step is None:
+                check_initial_fits(path, self.model, drop, self.record["tokenizer"])
+            state = (
+                self._dcp_state() if with_optimizer else {"model": get_model_state_dict(self.model)}
+            )
+            state["model"] = {k: v for k, v in state["model"].items() if k not in drop}
+            dcp.load(state, checkpoint_id=str(path))
+            options = StateDictOptions(strict=not drop)  # a dropped tensor keeps its init
+            set_model_state_dict(self.model, state["model"], options=options)
+            if with_optimizer:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+            if step is not None:
+                self._load_rng(path, step, resharded=host["world_size"] != self.world)
         except UserError as e:
             error = str(e)
-        except (
-            Exception,
-            CheckpointException,
-        ) as e:  # damage its files' sizes and checksums missed
-            error = f"checkpoint '{path}' failed to load (rank {self.rank}: {first_cause(e)}); it is damaged: point checkpoint.initial_load_path at an intact step"
-        error = first_error(error, self.group)
-        if error:
-            raise UserError(error)
-        what = "model and optimizer" if with_optimizer else "model"
-        logger.info(
-            f"checkpoint: {what} loaded from {path} (step {host['step']} of that run) as step 0"
-        )
-        return host
+        except (Exception, CheckpointException) as e:  # damage its sizes and checksums missed
+            error = f"rank {self.rank}: {first_cause(e)}"
+            if step is None:
+                error = f"checkpoint '{path}' failed to load ({error}); it is damaged: point checkpoint.initial_load_path at an intact step"
+        return host, first_error(error, self.group)

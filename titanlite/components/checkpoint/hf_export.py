@@ -1,18 +1,12 @@
 """What a run leaves for use outside titanlite when it ends (export_run): the full weights as one
 torch.save file (checkpoint.export_weights), and a Hugging Face transformers folder
-(checkpoint.export_hf): safetensors shards (+ index), config.json and the tokenizer files, for
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`.
+(checkpoint.export_hf) for `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`; the same
+folder from a checkpoint (export_checkpoint, scripts/export_hf.py).
 
-One full tensor at a time: each parameter is gathered (FSDP: an all-gather of that tensor only;
-DDP: already whole), converted by the model's HFAdapter (names; Llama's q/k row permutation
-needs the full tensor) and added to the shard being filled, which is written once it reaches
-`max_shard_bytes`. Rank 0 writes; host memory is bounded by one shard, never by the model. The
-shard plan comes from the shapes first, so the file names (`model-00001-of-00003.safetensors`)
-are known before any tensor moves. Everything is written under `<folder>.tmp` and published by
-one rename, so an interrupted export never leaves a folder that looks complete.
-
-`scripts/export_hf.py` does the same from a checkpoint folder (export_checkpoint), reading one
-tensor at a time from DCP instead of gathering it.
+One full tensor at a time (gathered, or read from DCP), converted by the model's HFAdapter
+(Llama's q/k row permutation needs the full tensor): host memory is bounded by one shard, never
+by the model. The shard plan comes from the shapes first, so the file names are known before any
+tensor moves; everything is written under `<folder>.tmp` and published by one rename.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,39 +53,11 @@ TOKENIZER_FILES = (
 _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def plan_shards(
-    tensors: Iterable[tuple[str, tuple[int, ...]]],
-    adapter: HFAdapter,
-    args: Any,
-    dtype: torch.dtype,
-    max_shard_bytes: int,
-) -> list[list[tuple[str, str]]]:
-    """(titanlite name, shape) pairs -> shards of (titanlite name, HF name), each at most
-    `max_shard_bytes` (a single larger tensor gets a shard of its own)."""
-    shards: list[list[tuple[str, str]]] = [[]]
-    size = 0
-    for name, shape in tensors:
-        hf_name, converted = adapter.to_hf(name, torch.empty(shape, device="meta"), args)
-        nbytes = converted.numel() * dtype.itemsize
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, hf_name))
-        size += nbytes
-    return shards
-
-
-def shard_file(i: int, n: int) -> str:
-    return "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-
-
 def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | bytes]:
     """Files written beside the weights (a path: copied; bytes: written): the source folder's
-    generation_config.json (sampling defaults, end-of-turn ids) and the tokenizer the run trained
-    with: a Hugging Face one's files as they are, the built-in (or any) SentencePiece model as
-    tokenizer.model with the tokenizer_config.json that has transformers encode as it does
-    (tests/test_hf.py holds AutoTokenizer to its ids). A run on synthetic tokens has none, and
-    the export says so."""
+    generation_config.json and the run's tokenizer: a Hugging Face one's files as they are, a
+    SentencePiece model as tokenizer.model with the tokenizer_config.json that has transformers
+    encode as titanlite does. A run on synthetic tokens has none, and the export says so."""
     files: dict[str, Path | bytes] = {}
     if source is not None and (source / "generation_config.json").is_file():
         files["generation_config.json"] = source / "generation_config.json"
@@ -119,7 +85,7 @@ def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | byt
     return files
 
 
-def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | None) -> dict:
+def hf_config(adapter: HFAdapter, args: Any, dtype_name: str, source: Path | None) -> dict:
     """config.json: the adapter's, plus the token ids and context length of the source folder's."""
     config = adapter.config_from_args(args)
     max_position = config.get("max_position_embeddings", 0)
@@ -127,81 +93,91 @@ def hf_config(adapter: HFAdapter, args: Any, dtype: torch.dtype, source: Path | 
         theirs = read_json(source / "config.json")
         config.update({key: theirs[key] for key in _CARRIED_KEYS if key in theirs})
         config["max_position_embeddings"] = max(config["max_position_embeddings"], max_position)
-    name = str(dtype).removeprefix("torch.")
-    config["torch_dtype"] = config["dtype"] = name  # the first for transformers 4, the second for 5
+    config["torch_dtype"] = config["dtype"] = dtype_name  # for transformers 4; for 5
     return config
 
 
 def write_hf_folder(
     folder: Path,
-    shards: list[list[tuple[str, str]]],
+    params: dict[str, torch.Tensor],
     fetch: Callable[[str], torch.Tensor],
     adapter: HFAdapter,
     args: Any,
-    dtype: torch.dtype,
-    config: dict,
-    files: dict[str, Path | bytes],
+    dtype_name: str,
+    source: Path | None,
+    tokenizer: Any,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     writes: bool = True,
-) -> str | None:
-    """Write the folder if `writes` (one rank does). `fetch(name)` gives titanlite's full tensor;
-    every rank calls it in the same order, so a gather inside it is collective. Returns this
-    rank's failure in one line (None: fine); on failure nothing is published."""
+) -> tuple[str | None, int]:
+    """The folder for `params` (only their shapes are read), written if `writes`. `fetch(name)`
+    gives the full tensor, called by every rank in the same order (a gather inside is collective).
+    Returns this rank's failure in one line (nothing is published then) and the shard count."""
     from safetensors.torch import save_file
 
+    dtype = DTYPES[dtype_name]
+    shards: list[list[tuple[str, str]]] = [[]]  # (titanlite name, HF name); a big tensor alone
+    size = 0
+    for name, p in params.items():
+        hf_name, converted = adapter.to_hf(name, torch.empty(p.shape, device="meta"), args)
+        nbytes = converted.numel() * dtype.itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, hf_name))
+        size += nbytes
     tmp = folder.with_name(folder.name + ".tmp")
     error = None
-    if writes:
-        try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        except OSError as e:
-            error = f"cannot create {tmp}: {e}"
     weight_map, total = {}, 0
     try:
+        if writes:
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+            except OSError as e:
+                error = f"cannot create {tmp}: {e}"
         for i, shard in enumerate(shards):
             tensors = {}
             for name, hf_name in shard:
                 full = fetch(name)
-                if not writes or error:
-                    continue
-                _, converted = adapter.to_hf(name, full, args)
-                tensors[hf_name] = converted.detach().to(device="cpu", dtype=dtype).contiguous()
-            if not writes or error:
+                if writes and not error:
+                    converted = adapter.to_hf(name, full, args)[1].detach()
+                    tensors[hf_name] = converted.to(device="cpu", dtype=dtype).contiguous()
+            if not tensors:
                 continue
-            file = shard_file(i, len(shards))
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            if len(shards) == 1:
+                file = "model.safetensors"
             try:
                 save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             except OSError as e:
                 error = f"writing {tmp / file}: {e}"
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.itemsize for t in tensors.values())
-    except BaseException:  # a tensor that cannot be read, a stop: nothing half-written stays
+        if writes and not error:
+            try:
+                if len(shards) > 1:
+                    weight_map = dict(sorted(weight_map.items()))
+                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                    (tmp / "model.safetensors.index.json").write_text(
+                        json.dumps(index, indent=2) + "\n"
+                    )
+                config = hf_config(adapter, args, dtype_name, source)
+                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+                for name, what in companion_files(source, tokenizer).items():
+                    if isinstance(what, bytes):
+                        (tmp / name).write_bytes(what)
+                    else:
+                        shutil.copy2(what, tmp / name)
+                fsync_dir(tmp)
+                if folder.exists():  # an export of this run from an earlier attempt
+                    shutil.rmtree(folder)
+                os.replace(tmp, folder)
+            except OSError as e:
+                error = f"publishing {folder}: {e}"
+    finally:  # a failure, a tensor that cannot be read, a stop: nothing half-written stays
         if writes:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if writes and not error:
-        try:
-            if len(shards) > 1:
-                weight_map = dict(sorted(weight_map.items()))
-                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                (tmp / "model.safetensors.index.json").write_text(
-                    json.dumps(index, indent=2) + "\n"
-                )
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            for name, what in files.items():
-                if isinstance(what, bytes):
-                    (tmp / name).write_bytes(what)
-                else:
-                    shutil.copy2(what, tmp / name)
-            fsync_dir(tmp)
-            if folder.exists():  # an export of this run from an earlier attempt
-                shutil.rmtree(folder)
-            os.replace(tmp, folder)
-        except OSError as e:
-            error = f"publishing {folder}: {e}"
-    if error and writes:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return error
+    return error, len(shards)
 
 
 def export_hf(
@@ -212,37 +188,29 @@ def export_hf(
     dtype_name: str,
     source: Path | None,
     tokenizer: Any,
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> None:
     """The trained (possibly sharded) model as a Hugging Face folder; every rank calls it.
     `source`: the folder the model came from (its token ids and context length are kept);
     `tokenizer`: the run's (None: synthetic tokens; see companion_files)."""
     start = time.perf_counter()
-    dtype = DTYPES[dtype_name]
-    params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
-    shards = plan_shards(
-        ((n, tuple(p.shape)) for n, p in params.items()), adapter, args, dtype, max_shard_bytes
-    )
+    params = {canonical_name(n): p.detach() for n, p in unwrap(model).named_parameters()}
     rank = dist.get_rank() if dist.is_initialized() else 0
 
     def fetch(name: str) -> torch.Tensor:
-        p = params[name].detach()
+        p = params[name]
         return p.full_tensor() if isinstance(p, DTensor) else p
 
-    config = hf_config(adapter, args, dtype, source) if rank == 0 else {}
-    files = companion_files(source, tokenizer) if rank == 0 else {}
-    error = first_error(
-        write_hf_folder(
-            folder, shards, fetch, adapter, args, dtype, config, files, writes=rank == 0
-        )
+    error, n = write_hf_folder(
+        folder, params, fetch, adapter, args, dtype_name, source, tokenizer, writes=rank == 0
     )
+    error = first_error(error)
     if error:
         raise TrainingError(
             f"Hugging Face export failed ({error}); the run's checkpoints are intact"
         )
     if rank == 0:
         logger.info(
-            f"exported a Hugging Face folder to {folder} ({len(shards)} shard(s), {dtype_name}) "
+            f"exported a Hugging Face folder to {folder} ({n} shard(s), {dtype_name}) "
             f"in {time.perf_counter() - start:.1f}s"
         )
 
@@ -264,24 +232,15 @@ def export_run(
     cfg: JobConfig, model: torch.nn.Module, meta, tokenizer, run_dir: Path
 ) -> list[Path]:
     """The exports the config asks for, into the run folder (every rank calls it); `meta`: the
-    MetaModel (titanlite.models.registry), `tokenizer`: the run's (its files go with an HF
-    folder when it is a Hugging Face one). Returns what it wrote."""
+    MetaModel. Returns what it wrote."""
     c = cfg.checkpoint
     written = []
     if c.export_weights:
         export_weights(model, run_dir / "weights.pt")
         written.append(run_dir / "weights.pt")
     if c.export_hf:
-        source = cfg.model.hf_assets_path
-        export_hf(
-            model,
-            run_dir / "hf",
-            meta.spec.hf,
-            meta.args,
-            c.export_dtype,
-            Path(source).expanduser() if source else None,
-            tokenizer,
-        )
+        source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
+        export_hf(model, run_dir / "hf", meta.spec.hf, meta.args, c.export_dtype, source, tokenizer)
         written.append(run_dir / "hf")
     return written
 
@@ -293,36 +252,18 @@ def export_checkpoint(
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     import_module: str = "",
 ) -> int:
-    """A titanlite checkpoint step folder as a Hugging Face folder, in one process with no
-    process group: the model rebuilt from its state.json (components/checkpoint/model.py), every
-    tensor read from DCP on its own, so memory is bounded by one shard. Only reads
-    `step_folder`. Returns the number of shards."""
-    from titanlite.components.checkpoint.index import initial_load_kind
+    """An intact titanlite step folder (index.read_checkpoint checked it) as a Hugging Face
+    folder, in one process with no process group: the model rebuilt from its state.json
+    (model.py). Returns the number of shards."""
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
-    if initial_load_kind(step_folder, "STEP_FOLDER") != "titanlite":
-        raise UserError(
-            f"'{step_folder}' is a Hugging Face folder already; give a titanlite step folder"
-        )
-    if folder.exists() and any(folder.iterdir()):
-        raise UserError(
-            f"'{folder}' exists and is not empty; pick a new output folder or remove it"
-        )
-    rebuilt = rebuild(step_folder, import_module)
-    cfg, tok, meta = rebuilt.cfg, rebuilt.tokenizer, rebuilt.meta
-    if meta.spec.hf is None:
+    cfg, tok, meta = rebuild(step_folder, import_module)
+    adapter = meta.spec.hf
+    if adapter is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
         )
-    dtype = DTYPES[dtype_name]
     params = dict(meta.model.named_parameters())
-    shards = plan_shards(
-        ((n, tuple(p.shape)) for n, p in params.items()),
-        meta.spec.hf,
-        meta.args,
-        dtype,
-        max_shard_bytes,
-    )
 
     def fetch(name: str) -> torch.Tensor:
         tensor = torch.empty(params[name].shape, dtype=torch.float32)
@@ -330,9 +271,9 @@ def export_checkpoint(
         return tensor
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
-    config = hf_config(meta.spec.hf, meta.args, dtype, source)
-    files = companion_files(source, tok)
-    error = write_hf_folder(folder, shards, fetch, meta.spec.hf, meta.args, dtype, config, files)
+    error, n = write_hf_folder(
+        folder, params, fetch, adapter, meta.args, dtype_name, source, tok, max_shard_bytes
+    )
     if error:
         raise TrainingError(f"the export failed ({error}); nothing was published at '{folder}'")
-    return len(shards)
+    return n

@@ -1,12 +1,8 @@
-"""Pretrained weights from a Hugging Face model folder (model.safetensors, or shards listed in
-model.safetensors.index.json) into the model as it is sharded, through the model's HFAdapter.
-
-Every name and shape is checked against the model first, from the files' headers (nothing is
-read), so a folder that does not fit fails in one line before any weight moves. Then one full
-tensor at a time is read, converted (names; Llama's q/k row permutation mixes rows across FSDP's
-dim-0 shards, hence full tensors) and copied into each rank's part: memory is bounded by the
-largest single tensor, never by the model. (DCP's HuggingFaceStorageReader reads slices
-straight into shards, which the permutation rules out for q and k.)
+"""Pretrained weights from a Hugging Face model folder into the model as it is sharded, through
+the model's HFAdapter: every name and shape checked first from the files' headers, then one full
+tensor at a time read, converted and copied into each rank's part, so memory is bounded by the
+largest tensor. Full tensors, not DCP's HuggingFaceStorageReader's slices: Llama's q/k row
+permutation mixes rows across FSDP's dim-0 shards.
 """
 
 from __future__ import annotations
@@ -35,10 +31,9 @@ DERIVED_BUFFERS = (".rotary_emb.inv_freq",)
 
 
 def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's name and shape in a safetensors file, from its header alone, after checking
-    the file holds every byte the header describes (an 8-byte little-endian header length, the
-    JSON header, then each tensor at its data_offsets): a truncated or damaged file is one
-    UserError."""
+    """Each tensor's name and shape in a safetensors file, from its header alone (an 8-byte
+    little-endian length, the JSON header, then the data), once the file holds every byte the
+    header describes: a truncated or damaged file is one UserError."""
     again = "download it again"
     if not path.is_file():
         raise UserError(f"'{path}' is missing; {again}")
@@ -66,10 +61,9 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
 
 
 def weight_files(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """HF tensor name -> (the safetensors file that holds it, its shape), every file checked
-    whole (safetensors_header) and, with a shard index, the index and the shards' headers
-    agreeing both ways: a name the index lists that its file lacks, or one a shard holds that the
-    index does not list, is one UserError (the preflight calls it before any worker starts)."""
+    """HF tensor name -> (the safetensors file that holds it, its shape), every file checked whole
+    and, with a shard index, the index and the shards' headers agreeing both ways (one UserError
+    names the first name one lists and the other lacks)."""
     index = folder / "model.safetensors.index.json"
     if not index.is_file():
         path = folder / "model.safetensors"
@@ -111,10 +105,8 @@ def hf_plan(
     args: Any,
 ) -> list[tuple[str, str]]:
     """(HF name, parameter name) for every weight the model takes from `folder` (`files`: its
-    weight_files), from the files' headers alone (nothing is read): `params` (canonical name ->
-    shape) must be covered exactly; a tensor the model has no parameter for, a shape that
-    differs, or a parameter no tensor fills is one UserError. The preflight runs it on the meta
-    model; the load again."""
+    weight_files), from the headers alone: `params` (canonical name -> shape) must be covered
+    exactly, else one UserError. The preflight runs it on the meta model; the load again."""
     if adapter is None:
         raise UserError(
             f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"

@@ -1,16 +1,11 @@
-"""What a checkpoint looks like on disk, which steps a folder holds and whether they are intact
-(whether this run may resume from one: resume.py). Torch-free: the launcher's preflight asks it
-before any worker starts, the trainer again in rank 0.
+"""Which steps a checkpoint folder holds and whether they are intact (checkpointer.py: the
+layout). Torch-free: the launcher's preflight asks it before any worker starts, the trainer again.
 
-A step folder is complete once MARKER is in it (written last, checkpointer.py). Its state.json
-records what the run trained on (titanlite.config.fields), the whole config, the run folder
-that wrote it, and every other file of the step with its size (and, for files up to
-CHECKSUM_MAX_BYTES, a CRC32). Sizes catch a truncated or missing file; the checksum, on the
-small files only, a damaged one. The DCP shards get sizes alone: checking an 8B model's 96 GB
-(bf16 weights would be less; fp32 weights and AdamW's two moments) would cost every launch a
-CRC32 over every byte, a full read of the checkpoint.
-A damaged step is set aside as `step-N.damaged` (never resumed, never pruned) and the run falls
-back to the newest intact one.
+state.json records every other file of the step with its size and, for files up to
+CHECKSUM_MAX_BYTES, a CRC32: sizes catch a truncated or missing file, the checksum a damaged
+small one. The DCP shards get sizes alone: a CRC32 of an 8B model's 96 GB would cost every
+launch a full read. A damaged step is set aside as `step-N.damaged` (never resumed nor pruned)
+and the run falls back to the newest intact one.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import shutil
 import zlib
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from titanlite.config import JobConfig
 from titanlite.config.fields import whole_number
@@ -32,26 +27,19 @@ from titanlite.tools.cache import first_cause, fsync_dir
 
 MARKER = "complete"  # written last into a step folder: its presence means complete
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
-ABANDONED = ".abandoned"  # a rewind's newer steps, set aside (set_aside_abandoned)
-DAMAGED = ".damaged"  # suffix of a step folder set aside
 
 logger = logging.getLogger("titanlite")
 
 
 def step_dir(folder: Path, step: int) -> Path:
+    """The folder of checkpoint `step`."""
     return folder / f"step-{step:08d}"
 
 
 def complete_steps(folder: Path) -> list[int]:
     """Steps of the published, complete checkpoints in `folder`, oldest first."""
-    if not folder.is_dir():
-        return []
-    steps = []
-    for d in folder.iterdir():
-        name = d.name
-        if name.startswith("step-") and whole_number(name[5:]) and (d / MARKER).is_file():
-            steps.append(int(name[5:]))
-    return sorted(steps)
+    numbers = [d.name[5:] for d in folder.glob("step-*") if (d / MARKER).is_file()]
+    return sorted(int(n) for n in numbers if whole_number(n))
 
 
 def _crc32(path: Path) -> int:
@@ -63,8 +51,8 @@ def _crc32(path: Path) -> int:
 
 
 def file_record(path: Path) -> dict[str, list]:
-    """{name: [size, CRC32 or None]} of the files of the step folder being saved (all but
-    state.json and the marker, which are written after it): what damage() checks."""
+    """{name: [size, CRC32 or None]} of a step folder's files but state.json and the marker,
+    written after them: what damage() checks."""
     out = {}
     for f in sorted(path.iterdir()):
         if f.is_file() and f.name not in ("state.json", MARKER):
@@ -74,9 +62,9 @@ def file_record(path: Path) -> dict[str, list]:
 
 
 def publish(tmp: Path, final: Path, state: str) -> None:
-    """A save's last act, rank 0's: state.json (`state`, with file_record's files added), the
-    marker, then one rename of the step's `.tmp` folder to `final` publishes it."""
-    record = {**json.loads(state), "files": file_record(tmp)}  # what damage() checks
+    """A save's last act, rank 0's: state.json (`state` and file_record), the marker, then one
+    rename of the step's `.tmp` folder to `final` publishes it."""
+    record = {**json.loads(state), "files": file_record(tmp)}
     (tmp / "state.json").write_text(json.dumps(record))
     (tmp / MARKER).write_text(f"{record['step']}\n")
     fsync_dir(tmp)
@@ -87,8 +75,7 @@ def publish(tmp: Path, final: Path, state: str) -> None:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with the complete step folder `path`, naming the file; None if it is intact.
-    A step whose state.json records no files (an older titanlite's) is refused in one line."""
+    """What is wrong with the complete step folder `path`, naming the file; None if it is intact."""
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as e:
@@ -119,10 +106,9 @@ def find(
     exclude: Collection[int] = (),
     step_flag: str = "checkpoint.load_step",
 ) -> int | None:
-    """The step to read (None: there is none): the newest complete step that is intact
-    (damage()), or the one `load_step` names (>= 0), which must exist, be complete and intact.
-    `on_damaged(step folder, why)` hears of each damaged newer step passed over; `exclude`: steps
-    to pass over (ones that failed to load)."""
+    """The step to read (None: there is none): the newest intact complete step, or `load_step`
+    (>= 0), which must be one. `on_damaged(step folder, why)` hears of each damaged newer step
+    passed over; `exclude`: steps to pass over (ones that failed to load)."""
     steps = [s for s in complete_steps(folder) if s not in exclude]
     if load_step >= 0:
         if load_step not in steps:
@@ -161,7 +147,7 @@ def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
 
 
 def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") -> str:
-    """Whether `path` is a Hugging Face model folder ("hf") or a complete checkpoint step folder
+    """Whether `path` is a Hugging Face model folder ("hf") or an intact step folder
     ("titanlite"); anything else is one UserError that says what to point `flag` at."""
     what = "point it at a Hugging Face model folder or a titanlite step folder (<run>/checkpoints/step-N)"
     if not path.is_dir():
@@ -170,39 +156,24 @@ def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") ->
         check_hf_folder(path, need_tokenizer=False)
         return "hf"
     if (path / ".metadata").is_file():
-        if not (path / MARKER).is_file() or not (path / "state.json").is_file():
-            raise UserError(
-                f"checkpoint '{path}' is incomplete (its save never finished); point {flag} at a "
-                "complete step folder"
-            )
+        step_to_read(path, flag=flag)  # complete and intact, or one line
         return "titanlite"
-    steps = sorted(p for p in path.glob("step-*") if (p / MARKER).is_file())
+    steps = complete_steps(path)
     if steps:
         raise UserError(
             f"'{path}' is a checkpoint folder; point {flag} at one of its step folders, e.g. the "
-            f"newest: '{steps[-1]}'"
+            f"newest: '{step_dir(path, steps[-1])}'"
         )
     raise UserError(f"{flag} '{path}' holds no config.json nor a checkpoint; {what}")
-
-
-def is_step_folder(path: Path) -> bool:
-    """A checkpoint's step folder (complete or not), as opposed to a run or checkpoint folder."""
-    return (
-        (path / ".metadata").is_file()
-        or (path / "state.json").is_file()
-        or (path / MARKER).is_file()
-    )
 
 
 def step_to_read(
     path: Path, step: int | None = None, flag: str = "RUN_DIR", exclude: Collection[int] = ()
 ) -> Path:
-    """The complete, intact step folder a reader (export, generation, a new run's initial
-    weights, any script) reads from `path`: a step folder itself, refused in one line naming
-    what is wrong and the intact steps beside it if it is damaged; or a run folder (its
-    checkpoint.folder, from its config.toml) or checkpoint folder: its newest intact step, or
-    `step`, with one line for each damaged newer one passed over. Only reads."""
-    if is_step_folder(path):
+    """The intact step folder every reader (export, generation, initial weights) reads from `path`:
+    a step folder itself, or a run (its checkpoint.folder) or checkpoint folder's newest intact
+    step, or `step`, with one line for each damaged newer one passed over. Only reads."""
+    if any((path / name).is_file() for name in (".metadata", "state.json", MARKER)):
         if step is not None:
             raise UserError(
                 f"--step picks a checkpoint of a run folder, but {flag} '{path}' is a step folder already"
@@ -215,10 +186,6 @@ def step_to_read(
         if why:
             raise UserError(f"{flag} '{path}' is damaged ({why}); {_intact_beside(path)}")
         return path
-    if not path.is_dir():
-        raise UserError(
-            f"{flag} '{path}' is not a folder; give a run folder or a checkpoint step folder"
-        )
     folder = path
     if not complete_steps(path) and (path / "config.toml").is_file():
         from titanlite.config.manager import load_config
@@ -238,14 +205,11 @@ def _passed_over(path: Path, why: str, what: str = "is damaged") -> None:
 
 
 def _intact_beside(path: Path) -> str:
-    intact = [
-        s for s in reversed(complete_steps(path.parent)) if damage(step_dir(path.parent, s)) is None
-    ]
+    folders = [step_dir(path.parent, s) for s in reversed(complete_steps(path.parent))]
+    intact = [str(f) for f in folders if damage(f) is None]
     if not intact:
         return f"'{path.parent}' holds no intact checkpoint beside it"
-    return "the intact ones beside it: " + ", ".join(
-        str(step_dir(path.parent, s)) for s in intact[:3]
-    )
+    return "the intact ones beside it: " + ", ".join(intact[:3])
 
 
 T = TypeVar("T")
@@ -254,9 +218,9 @@ T = TypeVar("T")
 def read_checkpoint(
     path: Path, read: Callable[[Path], T], step: int | None = None, flag: str = "RUN_DIR"
 ) -> T:
-    """`read(step folder)` on the step step_to_read picks. A read that fails all the same
-    (damage the sizes and checksums cannot see) counts as damage: from a run folder the next
-    intact step is read instead, with one line; a step folder is refused in one line."""
+    """`read(step folder)` on the step step_to_read picks. A read that fails all the same (damage
+    the sizes and checksums cannot see) counts as damage: from a run folder the next intact step
+    is read instead, with one line; a step folder is refused in one line."""
     failed: list[int] = []
     while True:
         chosen = step_to_read(path, step, flag, failed)
@@ -275,8 +239,8 @@ def read_checkpoint(
 
 
 def _set_aside(path: Path, suffix: str) -> Path:
-    """Rename the step folder `path` to `<name><suffix>` (the first free one): a name no reader
-    takes for a step, so it is never resumed nor pruned, and nothing is deleted."""
+    """Rename the step folder `path` to `<name><suffix>` (the first free one), a name no reader
+    takes for a step: never resumed nor pruned, and nothing is deleted."""
     target = path.with_name(path.name + suffix)
     n = 1
     while target.exists():
@@ -287,50 +251,31 @@ def _set_aside(path: Path, suffix: str) -> Path:
 
 
 def quarantine(path: Path, why: str, wandb: bool = False) -> None:
-    """Set the damaged step folder `path` aside as `<name>.damaged` (never resumed nor pruned),
-    with one line naming what is wrong."""
-    target = _set_aside(path, DAMAGED)
-    again = (
-        "; steps after it are logged again in the same W&B run, which cannot rewind"
-        if wandb
-        else ""
-    )
+    """Set the damaged step folder `path` aside as `<name>.damaged`, with one line saying why."""
+    target = _set_aside(path, ".damaged")
+    again = "; steps after it are logged again in the same W&B run, which cannot rewind"
     logger.warning(
-        f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back{again}"
+        f"checkpoint {path} is damaged ({why}): set aside as {target.name}; the run falls back"
+        f"{again if wandb else ''}"
     )
 
 
 def quarantine_damaged(folder: Path, wandb: bool = False) -> None:
-    """Set aside every damaged complete step newer than the newest intact one: what the holder of
-    the run lock does before the run folder is opened, so a resume falls back to it."""
-    for step in reversed(complete_steps(folder)):
-        why = damage(step_dir(folder, step))
-        if why is None:
-            return
-        quarantine(step_dir(folder, step), why, wandb)
+    """Set aside every damaged step newer than the newest intact one, so a resume falls back to
+    it (the holder of the run lock, once resume_plan found an intact step or none)."""
+    find(folder, -1, lambda path, why: quarantine(path, why, wandb))
 
 
 def set_aside_abandoned(folder: Path, load_step: int) -> None:
-    """A rewind (checkpoint.load_step below the newest step) abandons the steps after it: set
-    them aside as `<name>.abandoned`, named in one line, so the run folder follows one timeline
-    and a later plain resume continues the new one, not the abandoned."""
+    """A rewind (checkpoint.load_step below the newest step) sets the steps after it aside as
+    `<name>.abandoned`, in one line, so a later plain resume continues the new timeline."""
     steps = complete_steps(folder)
-    if load_step < 0 or load_step not in steps:
-        return  # no rewind, or a step the preflight refuses
+    if load_step not in steps:
+        return  # no rewind (-1), or a step the preflight refuses
     newer = [s for s in steps if s > load_step]
-    targets = [_set_aside(step_dir(folder, s), ABANDONED).name for s in newer]
+    targets = [_set_aside(step_dir(folder, s), ".abandoned").name for s in newer]
     if targets:
         logger.warning(
             f"checkpoint: resuming from step {load_step} (checkpoint.load_step) abandons the newer step(s) "
             f"{', '.join(map(str, newer))}: set aside as {', '.join(targets)} (kept; delete them when done)"
         )
-
-
-def read_state(folder: Path, step: int) -> dict[str, Any]:
-    path = step_dir(folder, step) / "state.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"checkpoint {path.parent} is unreadable ({e}); delete it to fall back to an older one"
-        ) from None

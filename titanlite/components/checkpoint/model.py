@@ -1,13 +1,11 @@
-"""The model a checkpoint step folder holds, rebuilt offline (one process, no process group, no
-run config) from what its state.json says the run trained (its identity: model, flavor or
-hf_assets_path, tokenizer, sequence length), the weights then read from DCP: where
-scripts/export_hf.py (hf_export.export_checkpoint) and scripts/generate.py start."""
+"""The model a checkpoint step folder holds, rebuilt offline (one process, no run config) from the
+identity its state.json records, the weights read from DCP: for scripts/export_hf.py and
+scripts/generate.py."""
 
 from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,29 +16,22 @@ from titanlite.config import JobConfig
 from titanlite.datasets.tokenizer import HFTokenizer, Tokenizer
 from titanlite.models.registry import MetaModel
 
-
-@dataclass
-class Rebuilt:
-    cfg: JobConfig  # defaults, with the checkpoint's identity keys
-    tokenizer: Tokenizer | HFTokenizer | None  # None: the run trained on synthetic data
-    meta: MetaModel  # on the meta device; every parameter is in the checkpoint with its shape
+Rebuilt = tuple[JobConfig, Tokenizer | HFTokenizer | None, MetaModel]
 
 
 def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
-    """Config, tokenizer and meta-device model of a complete titanlite step folder (the caller
-    has checked that it is one: titanlite.components.checkpoint.index.initial_load_kind). Only reads it."""
+    """Config (defaults but the checkpoint's identity keys), tokenizer (None: synthetic data) and
+    meta-device model of an intact step folder (the caller checked it)."""
     from titanlite.components.checkpoint.resume import check_fits
-    from titanlite.config.fields import IDENTITY_KEYS
     from titanlite.datasets.build import build_tokenizer
     from titanlite.models.hf_files import check_hf_folder
     from titanlite.models.registry import build_meta_model
 
     saved = json.loads((step_folder / "state.json").read_text())["identity"]
     cfg = JobConfig()
-    for dotted in IDENTITY_KEYS:  # a key newer than the checkpoint keeps its default, as on resume
+    for dotted, value in saved.items():
         section, key = dotted.split(".")
-        if dotted in saved:
-            setattr(getattr(cfg, section), key, saved[dotted])
+        setattr(getattr(cfg, section), key, value)
     cfg.model.import_module = import_module
     if cfg.model.hf_assets_path:  # the folder the run was made from gives shapes and tokenizer
         check_hf_folder(
@@ -49,7 +40,7 @@ def rebuild(step_folder: Path, import_module: str = "") -> Rebuilt:
     tok = build_tokenizer(cfg)
     meta = build_meta_model(cfg, tok.vocab_size if tok else 0)
     check_fits(step_folder, dict(meta.model.named_parameters()))
-    return Rebuilt(cfg, tok, meta)
+    return cfg, tok, meta
 
 
 def read_tensors(step_folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -64,16 +55,14 @@ def load_model(
     step_folder: Path, device: torch.device, import_module: str = ""
 ) -> tuple[nn.Module, Rebuilt]:
     """The checkpoint's model with its weights (float32, on `device`, eval mode), whole in this
-    process: for a model that fits one device. init_weights runs first only because it is what
-    computes the buffers (RoPE tables), which the checkpoint does not hold; its weights are then
-    overwritten."""
+    process. init_weights runs first for the buffers (RoPE tables) the checkpoint does not hold."""
     from titanlite.distributed.parallelize import to_empty_tied
     from titanlite.distributed.param_init import ParamInit
 
-    rebuilt = rebuild(step_folder, import_module)
-    model = rebuilt.meta.model
+    cfg, tok, meta = rebuild(step_folder, import_module)
+    model = meta.model
     to_empty_tied(model, device)
     with torch.no_grad():
         model.init_weights(ParamInit(model, 0))
     read_tensors(step_folder, {name: p.detach() for name, p in model.named_parameters()})
-    return model.eval(), rebuilt
+    return model.eval(), (cfg, tok, meta)

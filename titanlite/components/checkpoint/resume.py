@@ -1,8 +1,6 @@
-"""Whether this run may resume from a saved step: trained on the same model and data (by content),
-written by this run folder, with an optimizer layout this code reads; and which config changes
-take effect on resume. Torch-free but for check_fits: the launcher's preflight asks it before any
-worker starts, the trainer again in rank 0 (components/checkpoint/index.py finds the steps and
-checks that they are intact)."""
+"""Whether this run may resume from a saved step (same model and data, this run folder's) or
+start from another run's, and which config changes take effect on resume. Torch-free but for
+check_fits: the preflight asks it, the trainer again."""
 
 from __future__ import annotations
 
@@ -11,11 +9,10 @@ from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from titanlite.components.checkpoint.index import read_state, step_dir
+from titanlite.components.checkpoint.index import step_dir
 from titanlite.config import JobConfig
 from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
-from titanlite.config.manager import migrate_flat
 from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
 from titanlite.tools.records import read_json
@@ -36,31 +33,15 @@ FRESH_ONLY = {
     "checkpoint.initial_load_model_only": "a resume continues from its own checkpoint",
 }
 
-# The optimizer state's layout in a checkpoint: AdamW's weight-decay groups, each marked with
-# whether it decays (components/optimizer.py: param_groups). Checkpoints before them had none.
-OPTIMIZER_GROUPS = "decay_groups"
-
-
-def optimizer_groups_error(path: Path) -> str:
-    return (
-        f"checkpoint '{path}' holds its optimizer state without titanlite's weight-decay groups (it was "
-        "written before them), so it cannot resume; start a new run from its weights with "
-        f"checkpoint.initial_load_path = '{path}' (initial_load_model_only = true)"
-    )
-
 
 def check_resumable(
     folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
 ) -> dict[str, Any]:
-    """Refuse, in one line, a checkpoint trained on something else, or one in a folder outside
-    this run folder that another run folder wrote (resuming would write this run's checkpoints
-    into that run's folder and prune its older ones). A checkpoint inside the run folder is the
-    run's own, even if the folder was moved or copied. `data`: what this run's data holds
-    (titanlite.datasets.spec.data_identity; None: not known yet), compared by content where the
-    checkpoint recorded it, so the same data at another path resumes and other data at the
-    same path does not (unless data.accept_change; then state["data_changed"] says what).
-    Returns its state.json."""
-    state = read_state(folder, step)
+    """Refuse, in one line, a checkpoint trained on something else, or one outside this run folder
+    that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
+    holds (None: not known yet), compared by content (with data.accept_change,
+    state["data_changed"] says what changed). Returns its state.json."""
+    state = json.loads((step_dir(folder, step) / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
         raise UserError(
@@ -69,15 +50,12 @@ def check_resumable(
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
-    if state.get("optimizer_groups") != OPTIMIZER_GROUPS:
-        raise UserError(optimizer_groups_error(step_dir(folder, step)))
     saved = state.get("data")
     by_content = bool(saved) and all(d.get("content") for d in saved)
-    # A key that joined the identity after the checkpoint was written had its default then.
-    theirs, ours = {**identity(JobConfig()), **state.get("identity", {})}, identity(cfg)
+    theirs = state["identity"]
     diff = [
         f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
-        for k, v in ours.items()
+        for k, v in identity(cfg).items()
         if theirs.get(k) != v and not (k == "data.path" and by_content)
     ]
     if diff:
@@ -121,23 +99,18 @@ def flat_config(cfg: JobConfig) -> dict[str, Any]:
 def resume_changes(
     state: dict[str, Any], cfg: JobConfig, lr: tuple[float, float] | None = None
 ) -> list[str]:
-    """One line per config value that differs from the checkpoint's run, with what takes effect
-    and from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's
-    (titanlite.components.optimizer.realign_schedule)."""
+    """One line per config value that differs from the checkpoint's run, saying what takes effect
+    from which step; `lr`: the next step's lr under the checkpoint's schedule and this run's."""
     step = state["step"]
-    before = migrate_flat(state["config"])  # moved keys under their new names (config/fields.py)
+    before = state["config"]
     lines = []
     for key, now in flat_config(cfg).items():
         if key == "data.path" and key in before and before[key] != now and state.get("data"):
             lines.append(
                 f"resume: data.path was {before[key]!r}, now {now!r}: the same data, by content"
             )
-        if (
-            key in IDENTITY_KEYS
-            or key == "checkpoint.load_step"
-            or key not in before
-            or before[key] == now
-        ):
+        unchecked = key in IDENTITY_KEYS or key == "checkpoint.load_step" or key not in before
+        if unchecked or before[key] == now:
             continue
         if key in FRESH_ONLY:
             effect = f"not applicable: {FRESH_ONLY[key]}"
@@ -159,14 +132,16 @@ def resume_changes(
     return lines
 
 
-def check_fits(path: Path, model_state: dict[str, Any]) -> None:
+def check_fits(path: Path, model_state: dict[str, Any]) -> list[str]:
     """Every tensor of the model is in the checkpoint at `path` with the same shape (read from
-    DCP's .metadata, before any weight moves); else one UserError naming the first that is not."""
+    DCP's .metadata, before any weight moves); else one UserError naming the first that is not.
+    Returns the names of the checkpoint's model tensors."""
     import torch.distributed.checkpoint as dcp
 
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = {k.removeprefix("model."): v for k, v in metadata.items() if k.startswith("model.")}
     for name, tensor in model_state.items():
-        have = saved.get(f"model.{name}")
+        have = saved.get(name)
         if have is None:
             raise UserError(
                 f"checkpoint '{path}' holds no '{name}'; it is not a checkpoint of this model"
@@ -176,53 +151,32 @@ def check_fits(path: Path, model_state: dict[str, Any]) -> None:
                 f"'{name}' in checkpoint '{path}' has shape {tuple(have.size)}, this model's "
                 f"{tuple(tensor.shape)}; use the model (and tokenizer) that run trained"
             )
-
-
-# Model args a resume may change: model.dropout is a training setting, like the optimizer's.
-_MAY_CHANGE = frozenset({"dropout"})
+    return list(saved)
 
 
 def check_initial_fits(
     path: Path, model: Any, drop: list[str], tokenizer: str | None = None
 ) -> None:
-    """A fresh run's start from another run's step folder takes every tensor it holds, both ways:
-    each of the model's is there in its shape (check_fits), and each of the checkpoint's lands in
-    a tensor of its own in the model, but those `drop` names (checkpoint.initial_load_drop). A
-    tensor the model lacks, or one the model ties to another (a head tied to the embedding, from
-    a run whose head was its own), would go unread: one UserError names them. So is a checkpoint
-    trained with another tokenizer (`tokenizer`: this run's fingerprint, if known), whose
-    embedding rows stand for other tokens of the same count."""
-    import torch.distributed.checkpoint as dcp
-
+    """A start from another run's step folder takes every tensor both ways, but those `drop`
+    names: each of the model's is there in its shape, each of the checkpoint's lands in a tensor
+    of its own (not one the model ties to another); and its token ids mean the same
+    (`tokenizer`: this run's fingerprint, if known) or the tables they index are dropped."""
     ours = model.state_dict()
-    check_fits(path, {n: t for n, t in ours.items() if n not in drop})
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = [k.removeprefix("model.") for k in keys if k.startswith("model.")]
+    saved = check_fits(path, {n: t for n, t in ours.items() if n not in drop})
     saved = [k for k in saved if k not in drop]
     lacking = [k for k in saved if k not in ours]
     state = read_json(path / "state.json", "it is written with every checkpoint")
-    trained_with = state.get(
-        "tokenizer"
-    )  # shapes fit, checked above: do the token ids mean the same?
-    if (
-        trained_with
-        and tokenizer
-        and trained_with != tokenizer
-        and not set(token_tables(model)) <= set(drop)
-    ):
+    trained_with = state.get("tokenizer")  # None: synthetic tokens, or an unknown fingerprint
+    other = trained_with and tokenizer and trained_with != tokenizer
+    if other and not set(token_tables(model)) <= set(drop):
         raise UserError(
             f"checkpoint.initial_load_path '{path}' was trained with another tokenizer (fingerprint {trained_with}, this "
             f"run's {tokenizer}): its embedding rows stand for other tokens; use the tokenizer its run used (its "
             f"config.toml names it), or start {', '.join(token_tables(model))} afresh: name them in "
             "--checkpoint.initial_load_drop"
         )
-    then = state.get("tied")
-    if then is None:  # a checkpoint that recorded no tied groups: its model's args may say
-        then = [] if (state.get("model_args") or {}).get("tie_embeddings") is False else None
-    together = {name: set(group) for group in then or [] for name in group}
-    for names in (
-        tied_groups(model) if then is not None else []
-    ):  # names[0] is read, the rest share it
+    together = {name: set(group) for group in state.get("tied", []) for name in group}
+    for names in tied_groups(model):  # names[0] is read, the rest share it
         lacking += [n for n in names[1:] if n in saved and n not in together.get(names[0], ())]
     if lacking:
         raise UserError(
@@ -245,9 +199,8 @@ def token_tables(model: Any) -> list[str]:
 
 
 def tied_groups(model: Any) -> list[list[str]]:
-    """The parameter names that share one tensor (a head tied to the embedding), in groups of two
-    or more, each in the model's order: state.json records them, so a start from the checkpoint
-    knows which of its tensors a model that ties them would leave unread."""
+    """The parameter names that share one tensor (a head tied to the embedding), in groups:
+    state.json records them for check_initial_fits."""
     by_tensor: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(param), []).append(canonical_name(name))
@@ -255,7 +208,7 @@ def tied_groups(model: Any) -> list[list[str]]:
 
 
 def model_record(args: Any) -> dict[str, Any]:
-    """A model's args (MetaModel.args) as state.json records them, for the resume check below."""
+    """A model's args (MetaModel.args) as state.json records them, for check_same_model."""
     raw = asdict(args) if is_dataclass(args) else dict(vars(args))
     return json.loads(json.dumps(raw, default=str))
 
@@ -269,23 +222,22 @@ def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
 
 
 def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None:
-    """The model this run builds (`meta`: a MetaModel) is the one checkpoint `step` trained: its
-    args against those state.json recorded. A model.hf_assets_path's config.json is read anew by
-    every launch, so an edit to it would otherwise reach the load as a size-mismatch traceback,
-    or go unseen."""
+    """The model this run builds (`meta`: a MetaModel) has the args checkpoint `step` recorded:
+    model.hf_assets_path's config.json is read anew by every launch, so an edit to it would
+    otherwise reach the load as a size-mismatch traceback, or go unseen."""
     path = step_dir(folder, step)
-    state = read_state(folder, step)
+    state = json.loads((path / "state.json").read_text())  # find() read it
     saved = state.get("model_args")
     if saved is None:
         raise UserError(
             f"checkpoint {path} records no model args (an older titanlite wrote it), so it cannot "
             f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
         )
-    ours = model_record(meta.args)
+    ours = model_record(meta.args)  # but dropout, a training setting a resume may change
     diff = [
         f"{k} {saved[k]!r}, now {v!r}"
         for k, v in ours.items()
-        if k in saved and k not in _MAY_CHANGE and saved[k] != v
+        if k in saved and k != "dropout" and saved[k] != v
     ]
     if not diff:
         return
