@@ -124,9 +124,7 @@ class MetricsWriter:
         rank0 = run_dir if dist.get_rank() == 0 else None
         tb = cfg.metrics.enable_tensorboard
         writer = cls(rank0, cfg.training.steps, tb, purge, cfg, checkpoints, on_failure)
-        if (
-            rank0 is not None and resume is not None
-        ):  # the summary's "before", evaluated by the first launch
+        if rank0 is not None and resume is not None:  # the summary's "before": the first launch's
             starts = [r for r in read_records(run_dir / "eval.jsonl") if r.get("step") == 0]
             writer.tally.start_eval = starts[-1] if starts else None
         return writer
@@ -219,12 +217,8 @@ class MetricsWriter:
         """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>);
         notes (level "info") the same, on the console as information."""
         for alert in alerts:
-            if alert.is_alert:
-                logger.warning(alert.line())
-                self.tally.alerts[alert.name] += 1
-            else:
-                logger.info(alert.line())
-                self.tally.notes[alert.name] += 1
+            logger.log(logging.WARNING if alert.is_alert else logging.INFO, alert.line())
+            (self.tally.alerts if alert.is_alert else self.tally.notes)[alert.name] += 1
             self._append("events.jsonl", [alert.to_dict()])
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
@@ -232,28 +226,26 @@ class MetricsWriter:
         self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]
     ) -> None:
         """The run's closing lines (components/summary.py), on rank 0; one line elsewhere."""
-        if self.run_dir is not None:
-            quiet = (
-                quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
-            )
-            lines = summary_lines(
-                self.tally,
-                first,
-                last,
-                seconds,
-                self.run_dir,
-                checkpoints,
-                exports,
-                self.tensorboard,
-                quiet,
-            )
-            for line in lines:
-                logger.info(line)
-        else:  # another node's console ends here too, and says where the rest is
+        if self.run_dir is None:  # another node's console ends here too, and says where the rest is
             logger.info(
                 f"done: steps {first}-{last} in {seconds:.1f}s; the run's summary is rank 0's, on the "
                 "first node's console and in its log under <run folder>/logs"
             )
+            return
+        quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg else None
+        lines = summary_lines(
+            self.tally,
+            first,
+            last,
+            seconds,
+            self.run_dir,
+            checkpoints,
+            exports,
+            self.tensorboard,
+            quiet,
+        )
+        for line in lines:
+            logger.info(line)
 
     def close(self) -> None:
         if self.files is not None:
@@ -295,21 +287,9 @@ class TensorBoard:
                 raise FileNotFoundError(errno.ENOENT, "removed", str(self._events()))
             write(self._writer)
             self._writer.flush()
-        except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            if isinstance(e, FileNotFoundError) and not self.run_dir.is_dir():
-                raise TrainingError(
-                    self.files.gone()
-                ) from None  # the run folder itself, moved or removed
-            if not isinstance(e, FileNotFoundError):
-                room = isinstance(e, OSError) and e.errno in NO_ROOM
-                raise TrainingError(
-                    f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
-                    + self.files.what_was_kept(
-                        "make room"
-                        if room
-                        else "mend that, or set metrics.enable_tensorboard = false"
-                    )
-                ) from None
+        except FileNotFoundError:
+            if not self.run_dir.is_dir():  # the run folder itself, moved or removed
+                raise TrainingError(self.files.gone()) from None
             with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
                 self._writer.close()
             logger.warning(
@@ -318,6 +298,13 @@ class TensorBoard:
             self._writer = self._open()
             write(self._writer)
             self._writer.flush()
+        except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
+            room = isinstance(e, OSError) and e.errno in NO_ROOM
+            fix = "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
+            raise TrainingError(
+                f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
+                + self.files.what_was_kept(fix)
+            ) from None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])
