@@ -156,11 +156,6 @@ def _uncached(
     return outs
 
 
-def stops(tokenizer: TextTokenizer) -> frozenset[int]:
-    """The ids that end a completion (a fork's tokenizer without `stop_ids`: its EOS)."""
-    return getattr(tokenizer, "stop_ids", None) or frozenset({tokenizer.eos_id})
-
-
 def sample_text(
     model: nn.Module,
     tokenizer: TextTokenizer,
@@ -178,7 +173,8 @@ def sample_text(
     training framed prompts (prompt_tokens). The completion is the decoded whole minus the decoded
     prompt, so a token that joins onto the prompt's last word decodes as in running text."""
     prompts = [prompt_tokens(t, fmt, tokenizer) for t in texts]
-    stop = stops(tokenizer)
+    # the ids that end a completion (a fork's tokenizer without `stop_ids`: its EOS)
+    stop = getattr(tokenizer, "stop_ids", None) or frozenset({tokenizer.eos_id})
     outs = generate(
         model,
         prompts,
