@@ -80,9 +80,8 @@ class Trainer:
         # The model is checked (name, flavor, capabilities, memory) before the data is tokenized.
         self.tokenizer = build_tokenizer(cfg)
         self.meta = meta = build_meta_model(cfg, self.tokenizer.vocab_size if self.tokenizer else 0)
-        self.loss_path = (
-            meta.loss_path()
-        )  # the model's labels path when it has one, chunked or whole
+        # the model's labels path when it has one, chunked or whole
+        self.loss_path = meta.loss_path()
         self.memory_estimate = check_memory(meta, cfg, self.layout, self.device, dims.param_dtype)
         dataset = build_dataset(cfg, self.tokenizer, meta.args.vocab_size)
         self.evaluator = build_evaluator(cfg, dims, self.tokenizer, meta.loss_path(evaluating=True))
@@ -104,9 +103,8 @@ class Trainer:
         self.run_dir, resume, self.run_lock = open_run_folder(
             cfg, config_path, info, dataset.identity
         )
-        folder = checkpoint_folder(
-            cfg, self.run_dir
-        )  # a failed write of rank 0's stops every rank:
+        folder = checkpoint_folder(cfg, self.run_dir)
+        # a failed write of rank 0's stops every rank
         self.metrics = MetricsWriter.for_run(cfg, self.run_dir, resume, folder, self.stops.fail)
         self.checkpointer = Checkpointer(
             cfg,
@@ -252,9 +250,8 @@ class Trainer:
                         self.evaluate(step)
                     if self.checkpointer.due(step):
                         self.checkpointer.save(step)
-                    stop = (
-                        self.stops.settle() or stop
-                    )  # a signal in the eval or save, a failed write
+                    # a signal in the eval or save, a failed write
+                    stop = self.stops.settle() or stop
                     if stop and step < steps:  # at the last step: after the exports, below
                         self.checkpointer.stop(step, stop)
                     window_start = time.perf_counter()
@@ -266,9 +263,8 @@ class Trainer:
                 raise LostRank(self.heartbeat.explain(step, how)) from None
             raise
         exports = export_run(self.cfg, self.model, self.meta, self.tokenizer, self.run_dir)
-        stop = (
-            self.stops.finish() or stop
-        )  # the last look: a signal after it (after "done:") is void
+        # the last look: a signal after it (after "done:") is void
+        stop = self.stops.finish() or stop
         self.metrics.finish(
             self.start_step, steps, time.perf_counter() - start, self.checkpointer.folder, exports
         )

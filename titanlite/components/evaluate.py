@@ -1,14 +1,9 @@
 """Held-out evaluation: the exact token-mean loss of the whole eval set, and its perplexity.
 
-The maths is training's (titanlite.components.loss.sequence_losses: summed cross entropy over valid
-tokens, through the model's labels path when it has one; the terms a model adds are training's,
-not the eval's), summed in float64 and all-reduced with the valid-token count over the data-parallel
-ranks, so the result does not depend on dp or the eval batch. Rank r of dp reads the items
-r*B .. r*B + B-1 of every round of dp*B, a fixed order independent of the training data's;
-every rank runs the same number of forwards (FSDP gathers in each), the last round padded with
-label-less copies. Nothing here draws from torch's RNG (eval mode: no dropout; text samples
-have a generator of their own, seeded by step), so training after an eval is bitwise what it
-would have been without it.
+Training's maths (sequence_losses; a model's added terms are training's, not the eval's), summed in
+float64 and all-reduced with the token count, so the result does not depend on dp or the batch.
+Every rank runs the same number of forwards (the last round padded with label-less copies), and
+nothing draws from torch's RNG, so training after an eval is bitwise what it would have been.
 """
 
 from __future__ import annotations
@@ -133,9 +128,7 @@ class Evaluator:
         """{"loss", "perplexity", "tokens", "sequences"}; every rank calls it."""
         was_training = model.training
         model.eval()
-        totals = torch.zeros(
-            2, dtype=torch.float64, device=self.dims.device
-        )  # loss sum, valid tokens
+        totals = torch.zeros(2, dtype=torch.float64, device=self.dims.device)  # loss sum, tokens
         rounds = math.ceil(len(self.dataset) / (self.batch_size * self.dims.dp_size))
         try:
             for r in range(rounds):

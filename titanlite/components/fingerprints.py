@@ -1,18 +1,10 @@
 """Per-module fingerprints of one training step (debug.fingerprint_step), which
 titanlite.analysis.localize compares between two layouts to name where they part.
 
-A fingerprint summarises a tensor per sequence by (sum, sum of squares, sum of |x|) over the
-sequence's elements: each module's forward output, and the gradient that backward brings to it;
-an output whose first dimension is the microbatch's tokens ([B*S, ...], a router reading the
-tokens flattened) is read as [B, S, ...]. Sums add over any split of a sequence's elements, so
-the pieces of a sequence that ranks hold between them (context parallelism) add up to the whole
-sequence's fingerprint; a sequence is named by its place in the step's global batch (the
-sampler's stream position), which no layout changes. The reduced gradient of each parameter is
-summarised whole, as every rank holds it after the reduction. Rank 0 gathers all ranks' records,
-summing the pieces of a sequence, and writes them with the order in which its first microbatch's
-forward and backward reached them.
-
-Recording is host work on one debug step only: it reads every fingerprint as it is made.
+A fingerprint is (sum, sum of squares, sum of |x|) per sequence of each module's output and of
+the gradient backward brings to it; sums add over any split of a sequence (context parallelism),
+and a sequence is named by its place in the data stream, which no layout changes. Host work on
+that one debug step only.
 """
 
 from __future__ import annotations
@@ -43,11 +35,13 @@ def summary(t: torch.Tensor, rows: int | None = None) -> list[list[float]]:
 
 
 def _tensors(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
+    items = out if isinstance(out, (tuple, list)) else [out]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _accumulate(table: dict[int, list[float]], row: int, vec: list[float]) -> None:
+    """Add a fingerprint into `table`'s row: the pieces of a sequence sum to its whole."""
+    table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
 
 
 class Recorder:
@@ -63,9 +57,7 @@ class Recorder:
         self.order: list[str] = []
         self._rows: list[int] = []
         self._micro = 0
-        self._positions = (
-            0  # the microbatch's sequence positions (a token-major output's rows per sequence)
-        )
+        self._positions = 0  # the microbatch's sequence positions (a token-major output's rows)
         self._forward = False
         self._calls: Counter[str] = Counter()
         self._handles: list[RemovableHandle] = []
@@ -93,11 +85,8 @@ class Recorder:
             self.records[key] = {}
             if self._micro == 1:
                 self.order.append(key)
-        table = self.records[key]
         for row, vec in zip(rows, summary(t, len(rows)), strict=True):
-            table[row] = (
-                [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
-            )
+            _accumulate(self.records[key], row, vec)
 
     def _hook(self, label: str):
         def hook(_module, _args, out) -> None:
@@ -156,11 +145,8 @@ class Recorder:
         merged = {k: dict(v) for k, v in self.records.items() if k.endswith("reduced grad")}
         for theirs in everyone:
             for key, table in theirs.items():
-                into = merged.setdefault(key, {})
                 for row, vec in table.items():
-                    into[row] = (
-                        [a + b for a, b in zip(into[row], vec, strict=True)] if row in into else vec
-                    )
+                    _accumulate(merged.setdefault(key, {}), row, vec)
         return {"order": self.order, "records": merged, "loss": float(loss)}
 
 

@@ -1,16 +1,9 @@
-"""Text from the model: greedy or nucleus (top-p) decoding of a few prompts, for samples at eval
-time and for scripts/generate.py.
-
-The prompts run as one batch. A model with a KV cache (a `kv_cache(lengths)` method and
-`forward(tokens, cache=...)`, as Llama 3 has) runs the prompts once, then one position per
-prompt per new token. A model without one (a fork's) gets the cache-free path, which needs
-nothing beyond `model(tokens) -> logits`: every new token is a forward over each prefix, so n
-new tokens after a prompt of p cost about n forwards of length p + n/2. Both choose the same
-tokens (greedy; tests/test_generate.py).
-
-Under FSDP every forward is collective, so every rank of the group calls `generate` with the same
-prompts; each step's chosen tokens are then broadcast from one rank, so all ranks extend the
-same sequences and stop together even where their logits differ in the last bit.
+"""Text from the model: greedy or nucleus (top-p) decoding of a few prompts, as one batch, for
+samples at eval time and for scripts/generate.py. A model with a KV cache (`kv_cache(lengths)`,
+`forward(tokens, cache=...)`) runs the prompts once, then one position per new token; one without
+(a fork's) re-runs each prefix; both choose the same tokens (tests/test_generate.py). Under FSDP
+every rank calls `generate` with the same prompts and each step's tokens are broadcast from one
+rank, so all ranks extend the same sequences even where their logits differ in the last bit.
 """
 
 from __future__ import annotations
@@ -36,23 +29,11 @@ class TextTokenizer(Protocol):  # titanlite.datasets.tokenizer's Tokenizer and H
     def decode(self, ids: list[int]) -> str: ...
 
 
-def max_seq_len(model: nn.Module) -> int:
-    """The longest input the model takes (its args.max_seq_len: RoPE tables end there)."""
-    args = getattr(unwrap(model), "args", None)
-    if args is None or not hasattr(args, "max_seq_len"):
-        raise ValueError(
-            "generate needs model.args.max_seq_len (the longest input the model takes)"
-        )
-    return args.max_seq_len
-
-
 def choose(
     logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None
 ) -> torch.Tensor:
-    """The next token of each row of `logits` [n, vocab]: the argmax at temperature 0; else a
-    draw from softmax(logits / temperature) restricted to the smallest set of most likely tokens
-    whose mass reaches top_p (the most likely token always stays). The draw uses `generator`
-    alone, on its own device, so it never touches torch's global RNG."""
+    """The next token of each row of `logits` [n, vocab]: the argmax at temperature 0, else a draw
+    from the top-p nucleus with `generator` alone (torch's global RNG stays untouched)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / temperature, dim=-1)
@@ -78,21 +59,21 @@ def generate(
     group: dist.ProcessGroup | None = None,
     src: int = 0,
 ) -> list[list[int]]:
-    """The new tokens of each prompt: up to `max_new_tokens`, ending with a stop token where the
-    model chose one (`eos_id`: one id or several, e.g. generation_config.json's list and a chat's
-    end of turn). Greedy at temperature 0, else nucleus sampling (`choose`) with `generator`
-    (None: a fresh one seeded 0 on the model's device). Input never exceeds the model's
-    max_seq_len: at most max_seq_len - 1 new tokens, after the prompt's last max_seq_len - (new
-    tokens) tokens. With a `group` (None: the world) of more than one rank, each step's tokens
-    are broadcast from its rank `src` (module doc). The model runs in eval mode, then as it was.
-    """
+    """The new tokens of each prompt: up to `max_new_tokens`, ending with a stop token (`eos_id`:
+    one id or several) where the model chose one. Input never exceeds the model's max_seq_len (its
+    RoPE tables end there): the prompt is cut from the left to leave room for the new tokens."""
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(
             f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}"
         )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
-    limit = max_seq_len(model)
+    args = getattr(unwrap(model), "args", None)
+    if not hasattr(args, "max_seq_len"):
+        raise ValueError(
+            "generate needs model.args.max_seq_len (the longest input the model takes)"
+        )
+    limit = args.max_seq_len
     n_new = max(0, min(max_new_tokens, limit - 1))
     seqs = [list(p[-(limit - n_new) :]) for p in prompts]
     device = next(model.parameters()).device
@@ -126,6 +107,12 @@ def _batch(seqs: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, torch.
     return batch, lengths
 
 
+def _last(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Each row's logits at its prompt's last position."""
+    rows = torch.arange(len(lengths), device=logits.device)
+    return logits[rows, lengths.to(logits.device) - 1]
+
+
 def _cached(
     model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device
 ) -> list[list[int]]:
@@ -135,8 +122,7 @@ def _cached(
     active = list(range(len(seqs)))
     batch, lengths = _batch(seqs, active)
     cache = unwrap(model).kv_cache(lengths.to(device))
-    logits = model(batch.to(device), cache=cache)
-    last = logits[torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1]
+    last = _last(model(batch.to(device), cache=cache), lengths)
     for step in range(n_new):
         for i, token in zip(active, pick(last), strict=True):
             outs[i].append(token)
@@ -162,20 +148,12 @@ def _uncached(
         if not active:
             break
         batch, lengths = _batch(seqs, active)
-        logits = model(batch.to(device))
-        last = logits[
-            torch.arange(len(active), device=logits.device), lengths.to(logits.device) - 1
-        ]
+        last = _last(model(batch.to(device)), lengths)
         for i, token in zip(active, pick(last), strict=True):
             seqs[i].append(token)
             outs[i].append(token)
         active = [i for i in active if outs[i][-1] not in stop]
     return outs
-
-
-def stops(tokenizer: TextTokenizer) -> frozenset[int]:
-    """The ids that end a completion (a fork's tokenizer without `stop_ids`: its EOS)."""
-    return getattr(tokenizer, "stop_ids", None) or frozenset({tokenizer.eos_id})
 
 
 def sample_text(
@@ -191,18 +169,17 @@ def sample_text(
     group: dist.ProcessGroup | None = None,
     src: int = 0,
 ) -> list[str]:
-    """The completion of each text (without the prompt and without EOS). `fmt` puts a text to
-    the model as training put prompts (titanlite.datasets.records.prompt_tokens: "text" is BOS
-    and the text; "alpaca", "chat" the SFT prompt of an instruction or a user turn). The
-    completion is the decoded whole minus the decoded prompt, so a token that joins onto the
-    prompt's last word decodes as it would in running text. Distributed: as `generate` (every
-    rank of `group` calls it with the same texts)."""
+    """The completion of each text, without the prompt and the stop token; `fmt` frames a text as
+    training framed prompts (prompt_tokens). The completion is the decoded whole minus the decoded
+    prompt, so a token that joins onto the prompt's last word decodes as in running text."""
     prompts = [prompt_tokens(t, fmt, tokenizer) for t in texts]
+    # the ids that end a completion (a fork's tokenizer without `stop_ids`: its EOS)
+    stop = getattr(tokenizer, "stop_ids", None) or frozenset({tokenizer.eos_id})
     outs = generate(
         model,
         prompts,
         max_new_tokens,
-        eos_id=stops(tokenizer),
+        eos_id=stop,
         temperature=temperature,
         top_p=top_p,
         generator=generator,
@@ -211,7 +188,7 @@ def sample_text(
     )
     completions = []
     for prompt, out in zip(prompts, outs, strict=True):
-        if out and out[-1] in stops(tokenizer):
+        if out and out[-1] in stop:
             out = out[:-1]
         head, whole = tokenizer.decode(prompt), tokenizer.decode(prompt + out)
         completions.append(whole[len(head) :] if whole.startswith(head) else tokenizer.decode(out))

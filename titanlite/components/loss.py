@@ -1,57 +1,14 @@
 r"""Cross entropy and global-token loss balancing: the one place the normaliser lives.
 
-The maths
----------
-A step has data-parallel ranks r = 1..R and gradient-accumulation microbatches m = 1..M per
-rank. Microbatch (r, m) has n_{r,m} valid tokens (labels != IGNORE_INDEX) and the summed
-cross entropy S_{r,m} = \sum_{j valid} \ell_{r,m,j}. The step's true objective is the token
-mean over the whole global batch
-
-    L = (\sum_{r,m} S_{r,m}) / N,        N = \sum_{r,m} n_{r,m},
-
-so its gradient is  \nabla L = (1/N) \sum_{r,m} \nabla S_{r,m}.
-
-titanlite computes N before the first backward of the step (all labels of the step are on hand:
-count locally, one async all-reduce of a device integer over the data-parallel group, overlapped
-with the first forward), backpropagates S_{r,m} / N for every microbatch, accumulates the
-gradients locally, and reduces them across ranks with a plain SUM (FSDP's and DDP's division by
-the world size is disabled, see titanlite.distributed.parallelize). The reduced gradient is then
-
-    \sum_r \sum_m \nabla S_{r,m} / N = \nabla L
-
-exactly, whatever R and M are and however the valid tokens are spread over them. The logged
-loss is the sum over ranks of the backpropagated losses, i.e. L itself.
-
-The naive alternative ("local_mean", kept as a control) backpropagates S_{r,m} / (n_{r,m} M R):
-the mean over ranks and microbatches of per-microbatch token means. It weights a token on a
-microbatch with few valid tokens more than one on a full microbatch, so it equals \nabla L only
-when every n_{r,m} is the same.
-
-A loss term a model adds (a router's load-balancing or z-loss) is a per-sequence sum A_{r,m}
-like S_{r,m}, and is divided by the same N: the step minimises (\sum S + \sum_k \sum A^k) / N.
-Each term is then exact when \sum_{r,m} A^k_{r,m} / N is the term of the whole global batch;
-titanlite.models.step says how a model makes it so (statistics of the whole step included).
-The logged loss stays the cross entropy; each term and the total are logged beside it.
-
-A step with N = 0 (every label ignored) has S_{r,m} = 0 everywhere; dividing by max(N, 1) keeps
-it finite (zero gradient) and the trainer skips its optimizer update on the device.
-
-The loss path, in the order a step runs it
-------------------------------------------
-1. titanlite.datasets.batch: the step's microbatches (tokens, labels with IGNORE_INDEX).
-2. here, LossBalancer.begin_step: n_{r,m} counted (titanlite.ops.cross_entropy.count_valid) and
-   N all-reduced, asynchronously, before the first forward ends; a model that asks for step
-   statistics has its no-grad counting pass first, whose sums join that all-reduce.
-3. the model's forward (titanlite.models, e.g. llama3/model.py), through its labels path when it
-   has one (LossPath): the head and the loss in the root module's forward, S_{r,m} per sequence
-   (titanlite.ops.cross_entropy, in chunks of loss_chunk positions at a large vocabulary) and
-   the model's named terms.
-4. here, forward_backward: (S_{r,m} + \sum_k A^k_{r,m}) / N backpropagated per microbatch.
-5. titanlite.distributed.parallelize: the gradients reduced with a plain SUM (FSDP's and DDP's
-   division switched off); on a measured step the diagnostics' probe sees each rank's local
-   gradient there first (titanlite.diagnostics.probe).
-6. titanlite.train: the optimizer step (components/optimizer.py), skipped on the device when N = 0,
-   the norm is not finite or the spike guard judges it a spike.
+A step has data-parallel ranks r and microbatches m; microbatch (r, m) has n_{r,m} valid tokens
+and summed cross entropy S_{r,m}. The objective is the token mean of the global batch,
+L = \sum S_{r,m} / N with N = \sum n_{r,m}. N is counted before the first backward (one async
+all-reduce, overlapped with the first forward), every microbatch backpropagates S_{r,m} / N, and
+gradients are reduced with a plain SUM (titanlite.distributed.parallelize), so the result is
+\nabla L exactly for any R, M and token spread; the logged loss is L. "local_mean" (a control)
+backpropagates S_{r,m} / (n_{r,m} M R), exact only when every n_{r,m} is equal. A model's loss
+terms (per-sequence sums, titanlite.models.step) are divided by the same N. N = 0 divides by 1
+(zero gradient) and the trainer skips the update on the device.
 """
 
 from __future__ import annotations
@@ -86,11 +43,9 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
     """A labels path's output, checked against the contract (models/registry.py) from shapes
     alone: a [B] tensor, or ([B] tensor, {name: [B] tensor})."""
     n = batch.labels.shape[0]
-    ce, terms = (
-        (out, {})
-        if isinstance(out, torch.Tensor)
-        else (out if isinstance(out, tuple) else (None, None))
-    )
+    ce, terms = (out, {}) if isinstance(out, torch.Tensor) else (None, None)
+    if isinstance(out, tuple):
+        ce, terms = out
     bad = None
     if not isinstance(ce, torch.Tensor) or ce.shape != (n,) or not isinstance(terms, dict):
         bad = f"returned {type(out).__name__}"
@@ -111,10 +66,8 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
 def sequence_losses(
     model: torch.nn.Module, batch: Microbatch, path: LossPath, step: StepContext | None = None
 ) -> SequenceLosses:
-    """Each sequence's summed cross entropy over its valid tokens and the model's named terms,
-    for a Microbatch (titanlite.datasets.build): training's and eval's maths, through the model's
-    labels path whenever it has one (LossPath). `step`: the training step's context, for a model
-    that takes it."""
+    """Each sequence's summed cross entropy and the model's named terms: training's and eval's
+    maths, through the model's labels path whenever it has one (LossPath)."""
     extra = _inputs(batch)
     if step is not None and path.step:
         extra["step"] = step
@@ -162,8 +115,6 @@ class LossBalancer:
         dp_size: int,
         grad_accum: int,
     ) -> None:
-        if normalization not in ("global", "local_mean"):
-            raise ValueError(f"unknown loss normalization {normalization!r}")
         self.normalization = normalization
         self.dp_group = dp_group
         self.dp_size = dp_size
@@ -181,8 +132,6 @@ class LossBalancer:
         """Count this rank's valid tokens of every microbatch and start the global all-reduce;
         `statistics` (the step-statistics pass's sum on this rank) joins it: one collective
         when they are integers, as counts are, else a second one beside it."""
-        if len(labels) != self.grad_accum:
-            raise ValueError(f"expected {self.grad_accum} microbatches, got {len(labels)}")
         self._local_counts = [count_valid(y) for y in labels]
         count = torch.stack(self._local_counts).sum()
         joined = statistics is not None and statistics.dtype == count.dtype
@@ -202,8 +151,6 @@ class LossBalancer:
 
     def global_tokens(self) -> torch.Tensor:
         """N: valid tokens of the whole step over all ranks (device int64). Never read on host."""
-        if self._global_count is None:
-            raise RuntimeError("begin_step() must run first")
         self._wait()
         return self._global_count
 
@@ -251,12 +198,8 @@ def forward_backward(
     path: LossPath | None = None,
     losses=sequence_losses,
 ) -> StepLosses:
-    """Accumulate this rank's gradients for one step: every microbatch's cross entropy and named
-    terms divided by the step's normaliser, their total backpropagated (see module doc).
-    `path`: how the model computes its loss (None: logits, then the cross entropy here);
-    `losses`: the per-sequence loss function (sequence_losses' signature; the faults and the
-    fingerprints wrap it).
-    """
+    """Accumulate this rank's gradients for one step (module doc). `path`: the model's loss path
+    (None: logits, then the cross entropy here); `losses`: sequence_losses or a wrapper of it."""
     path = path or LossPath()
     micro = [Microbatch(*batch) for batch in micro]
     statistics = None

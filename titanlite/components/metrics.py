@@ -52,10 +52,8 @@ def _scalar(value: Any) -> bool:
 
 
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
-    """tag -> value for every number of a record but its step and format version (None, a bool,
-    a nested dict or list are not scalars): `<prefix>/<key>`, or its FIRST_TAGS name; a training
-    row's loss terms as `5_loss_terms/<name>` and `5_loss_terms/total`. What every sink gets, so
-    their keys are equal."""
+    """tag -> value for every number of a record but its step and version: `<prefix>/<key>` or its
+    FIRST_TAGS name, a training row's loss terms under TERM_TAGS. Every sink gets these keys."""
     tags = {
         f"{prefix}/{key}": value
         for key, value in rec.items()
@@ -70,12 +68,9 @@ def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """Writes on rank 0 only, every record through the run folder's one writer
-    (components/run/files.py: whole records, written as they come so scripts can tail them).
-    TensorBoard and W&B are sinks fed through write_scalars and _text only, so they hold the same
-    keys at the same steps. A write that fails (a full disk, a file replaced by a folder) is one
-    line: `on_failure(line)` hears it (the trainer stops every rank there), or it is raised;
-    either way nothing more is written."""
+    """Rank 0's records, through the run folder's one writer (components/run/files.py) and the
+    sinks (TensorBoard, W&B: same keys at the same steps). A failed write is one line, to
+    `on_failure` (the trainer stops every rank) or raised; after it nothing more is written."""
 
     def __init__(
         self,
@@ -108,8 +103,8 @@ class MetricsWriter:
 
     @fail_write.setter
     def fail_write(self, fail: Callable[[str], OSError | None] | None) -> None:
-        """A test seam (titanlite.faults's write_error): `fail(name)` is an OSError that the
-        write of the run folder's file `name` meets instead of the disk, or None."""
+        """A test seam (titanlite.faults's write_error): `fail(name)` is the OSError the write of
+        the run folder's file `name` meets instead of the disk, or None."""
         for part in [self.files, *self._sinks]:
             if hasattr(part, "fail_write"):
                 part.fail_write = fail
@@ -124,9 +119,7 @@ class MetricsWriter:
         rank0 = run_dir if dist.get_rank() == 0 else None
         tb = cfg.metrics.enable_tensorboard
         writer = cls(rank0, cfg.training.steps, tb, purge, cfg, checkpoints, on_failure)
-        if (
-            rank0 is not None and resume is not None
-        ):  # the summary's "before", evaluated by the first launch
+        if rank0 is not None and resume is not None:  # the summary's "before": the first launch's
             starts = [r for r in read_records(run_dir / "eval.jsonl") if r.get("step") == 0]
             writer.tally.start_eval = starts[-1] if starts else None
         return writer
@@ -164,9 +157,8 @@ class MetricsWriter:
             self.on_failure(self.failure)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        """A log step's rows (components/step_window.py: a row per step since the last log, the
-        log step's last): all to metrics.jsonl and the sinks; the console line and the summary
-        from the log step's."""
+        """A log step's rows (a row per step since the last log, the log step's last) to
+        metrics.jsonl and the sinks; the console line and the summary from the last."""
         logger.info(progress_line(rows[-1], self.total_steps, self.diag_console))
         self.tally.record(rows[-1])
         self._append("metrics.jsonl", rows)
@@ -186,9 +178,7 @@ class MetricsWriter:
             logger.info(diagnostics_line(records[-1]))
 
     def write_eval(self, rec: dict[str, Any], samples: list[dict[str, str]] = ()) -> None:
-        """An eval's record: a console line, a line in eval.jsonl, scalars in the sinks under eval/
-        (its loss as 2_eval_loss); then its samples. The first eval of the run (step 0 with
-        eval.at_start) is the summary's "before"."""
+        """An eval's record: a console line, eval.jsonl, the sinks under eval/; then its samples."""
         logger.info(
             f"eval step {rec['step']} | loss {rec['loss']:.4f} | perplexity {rec['perplexity']:.2f} | "
             f"{rec['tokens']:,} tokens of {rec['sequences']:,} sequences in {rec['seconds']:.1f}s"
@@ -219,12 +209,8 @@ class MetricsWriter:
         """Alerts: a console warning, a line in events.jsonl and text in the sinks (alerts/<name>);
         notes (level "info") the same, on the console as information."""
         for alert in alerts:
-            if alert.is_alert:
-                logger.warning(alert.line())
-                self.tally.alerts[alert.name] += 1
-            else:
-                logger.info(alert.line())
-                self.tally.notes[alert.name] += 1
+            logger.log(logging.WARNING if alert.is_alert else logging.INFO, alert.line())
+            (self.tally.alerts if alert.is_alert else self.tally.notes)[alert.name] += 1
             self._append("events.jsonl", [alert.to_dict()])
             self._text(f"alerts/{alert.name}", alert.line(), alert.step)
 
@@ -232,28 +218,26 @@ class MetricsWriter:
         self, first: int, last: int, seconds: float, checkpoints: Path, exports: list[Path]
     ) -> None:
         """The run's closing lines (components/summary.py), on rank 0; one line elsewhere."""
-        if self.run_dir is not None:
-            quiet = (
-                quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg is not None else None
-            )
-            lines = summary_lines(
-                self.tally,
-                first,
-                last,
-                seconds,
-                self.run_dir,
-                checkpoints,
-                exports,
-                self.tensorboard,
-                quiet,
-            )
-            for line in lines:
-                logger.info(line)
-        else:  # another node's console ends here too, and says where the rest is
+        if self.run_dir is None:  # another node's console ends here too, and says where the rest is
             logger.info(
                 f"done: steps {first}-{last} in {seconds:.1f}s; the run's summary is rank 0's, on the "
                 "first node's console and in its log under <run folder>/logs"
             )
+            return
+        quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg else None
+        lines = summary_lines(
+            self.tally,
+            first,
+            last,
+            seconds,
+            self.run_dir,
+            checkpoints,
+            exports,
+            self.tensorboard,
+            quiet,
+        )
+        for line in lines:
+            logger.info(line)
 
     def close(self) -> None:
         if self.files is not None:
@@ -264,12 +248,9 @@ class MetricsWriter:
 
 
 class TensorBoard:
-    """A sink: TensorBoard events in <run folder>/tb, one TensorBoard run per run folder
-    whatever the folder is called later (TensorBoard names a run by its folder under the log dir:
-    `--logdir <dump folder>` shows each as `<run name>/tb`). `purge_step`: a resumed run drops
-    the events of the steps it repeats. Its writer appends from a thread of its own; each log
-    step flushes it, so a failure shows there: tb/ removed under the run is made again (with one
-    line), a full disk stops the run (exit 3)."""
+    """A sink: TensorBoard events in <run folder>/tb (`--logdir <dump folder>` shows each run as
+    `<run name>/tb`). Each write flushes, so a failure shows there: tb/ removed under the run is
+    made again (with one line), a full disk stops the run (exit 3)."""
 
     def __init__(self, run_dir: Path, purge_step: int | None, files: RunFiles) -> None:
         self.run_dir, self.log_dir = run_dir, tensorboard_dir(run_dir)
@@ -295,21 +276,9 @@ class TensorBoard:
                 raise FileNotFoundError(errno.ENOENT, "removed", str(self._events()))
             write(self._writer)
             self._writer.flush()
-        except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            if isinstance(e, FileNotFoundError) and not self.run_dir.is_dir():
-                raise TrainingError(
-                    self.files.gone()
-                ) from None  # the run folder itself, moved or removed
-            if not isinstance(e, FileNotFoundError):
-                room = isinstance(e, OSError) and e.errno in NO_ROOM
-                raise TrainingError(
-                    f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
-                    + self.files.what_was_kept(
-                        "make room"
-                        if room
-                        else "mend that, or set metrics.enable_tensorboard = false"
-                    )
-                ) from None
+        except FileNotFoundError:
+            if not self.run_dir.is_dir():  # the run folder itself, moved or removed
+                raise TrainingError(self.files.gone()) from None
             with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
                 self._writer.close()
             logger.warning(
@@ -318,6 +287,13 @@ class TensorBoard:
             self._writer = self._open()
             write(self._writer)
             self._writer.flush()
+        except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
+            room = isinstance(e, OSError) and e.errno in NO_ROOM
+            fix = "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
+            raise TrainingError(
+                f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
+                + self.files.what_was_kept(fix)
+            ) from None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])

@@ -17,11 +17,9 @@ from titanlite.config import JobConfig
 
 
 def param_groups(model: nn.Module, cfg: JobConfig) -> list[dict]:
-    """AdamW's parameter groups: weight decay on matrices; none on norms' gains and biases (every
-    parameter of fewer than 2 dims) nor, unless optimizer.weight_decay_embeddings, on embedding
-    tables (a tied output head is the embedding): decay would pull a norm's gain, or the row of
-    a rarely seen token, toward 0 for no regularising gain. Each group says whether it decays
-    ("decay"), so a resumed run's hyperparameters can be set group by group."""
+    """AdamW's groups: weight decay on matrices only, and on embedding tables only with
+    optimizer.weight_decay_embeddings (decay would pull a gain, or a rare token's row, toward 0
+    for no regularising gain); "decay" marks each, so a resume can reset them group by group."""
     embeddings = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }
@@ -74,22 +72,15 @@ def continue_schedule(
     groups carry the source's), and the schedule at `position` (the source's optimizer steps),
     so the first step's lr is lr * lr_factor(position) under this run's schedule settings."""
     o = cfg.optimizer
-    lr = o.lr * lr_factor(position, cfg)
     for group in optimizer.param_groups:
         decay = o.weight_decay if group.get("decay", True) else 0.0
-        group.update(
-            lr=lr, initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay
-        )
+        group.update(initial_lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=decay)
     n = len(optimizer.param_groups)
     # Through its state dict: LambdaLR.step() here would warn that it ran before optimizer.step().
     scheduler.load_state_dict(
-        {
-            **scheduler.state_dict(),
-            "base_lrs": [o.lr] * n,
-            "last_epoch": position,
-            "_last_lr": [lr] * n,
-        }
+        {**scheduler.state_dict(), "base_lrs": [o.lr] * n, "last_epoch": position}
     )
+    realign_schedule(optimizer, scheduler, cfg, position)
 
 
 def realign_schedule(

@@ -1,15 +1,8 @@
 """The spike guard: skip the update of a step whose global gradient norm (or loss) stands far
-above its recent history, the "skip mechanism" that the anomaly tables of the Loss Dispersion
-Reference Manual recommend against single-step anomalies (a toxic batch, an overflow).
-
-Decided on the device, with no host read, through the same found_inf path as the zero-token
-skip, so a skipped step consumes its data and its LR step like one. A step is a spike when at
-least `min_history` earlier values are known and its value exceeds their mean + k * std
-(population std over the last `window` applied steps; [spike_guard]). Skipped steps never enter
-the history, so a run of spikes cannot raise its own threshold. The log step logs every skip and
-stops the run once more than `max_consecutive` were skipped in a row (the steps up to that log
-step are skipped too: nothing unsafe is applied meanwhile). The history is saved in checkpoints,
-so a resumed run decides as the uninterrupted one.
+above its recent history (the "skip mechanism" of the Loss Dispersion Reference Manual's anomaly
+tables), decided on the device through the same found_inf path as the zero-token skip. Skipped
+steps never enter the history, so a run of spikes cannot raise its own threshold; the history is
+checkpointed, so a resumed run decides as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -40,8 +33,6 @@ class SpikeGuard:
         self.cfg = cfg
         self.metric = cfg.skip  # "off", "grad_norm" or "loss"
         self.enabled = self.metric != "off"
-        self.k = cfg.k
-        self.min_history = cfg.min_history
         self.group = group
         self.history = torch.zeros(cfg.window, dtype=torch.float64, device=device)
         self.count = torch.zeros((), dtype=torch.int64, device=device)  # values ever added
@@ -54,9 +45,7 @@ class SpikeGuard:
         """Every rank, every step, before the optimizer step. `skipped`: the step is skipped for
         another reason (no valid token, non-finite norm). Returns [spike, value, threshold,
         consecutive spikes] (float64, device); the spike flag is the same on every rank."""
-        if (
-            self.metric == "loss"
-        ):  # the global loss: the ranks' shares summed (one scalar all-reduce)
+        if self.metric == "loss":  # the global loss: the ranks' shares summed (one all-reduce)
             value = loss_share.detach().double().clone()
             if self.group is not None:
                 dist.all_reduce(value, group=self.group)
@@ -67,8 +56,8 @@ class SpikeGuard:
         n = known.clamp(min=1).double()
         mean = torch.where(used, self.history, 0.0).sum() / n
         std = (torch.where(used, (self.history - mean) ** 2, 0.0).sum() / n).sqrt()
-        threshold = mean + self.k * std
-        spike = (known >= self.min_history) & (value > threshold) & ~skipped
+        threshold = mean + self.cfg.k * std
+        spike = (known >= self.cfg.min_history) & (value > threshold) & ~skipped
         keep = ~(spike | skipped)
         slot = (self.count % self.history.numel()).view(1)
         self.history.index_copy_(
@@ -97,7 +86,7 @@ class SpikeGuard:
             "metric": self.metric,
             "value": verdict.value,
             "threshold": verdict.threshold,
-            "k": self.k,
+            "k": self.cfg.k,
             "run_dir": str(run_dir),
         }
 

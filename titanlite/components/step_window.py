@@ -1,7 +1,6 @@
-"""The steps since the last log step (WindowRecord's fields), kept as device tensors and read on
-the host once, there: the log step sums the loss shares over ranks (the logged loss is that sum,
-see titanlite.components.loss) with one all-reduce and reads everything with one host read, so
-every step gets its row in metrics.jsonl and its point in TensorBoard at no extra cost.
+"""The steps since the last log step, kept as device tensors and read on the host once there:
+one all-reduce sums the loss shares over ranks (titanlite.components.loss) and one host read
+takes everything, so every step gets its row in metrics.jsonl at no extra cost.
 """
 
 from __future__ import annotations
@@ -74,30 +73,23 @@ class WindowRecord:
         """metrics.jsonl's rows of the window, one per step in order: each step's own numbers
         (`"row": "step"`), the last, the log step's, with the window's figures added
         (`"row": "log"`: throughput, memory, ETA; the console line and the summary read it)."""
-        rows = [
-            {
-                "step": s,
+        rows = []
+        for i, step in enumerate(self.steps):
+            skipped = self.skipped[i]
+            row = {
+                "step": step,
                 "row": "step",
-                "loss": None if skipped else loss,
-                "grad_norm": norm,
-                "lr": lr,
-                "valid_tokens": tokens,
+                "loss": None if skipped else self.losses[i],
+                "grad_norm": self.grad_norms[i],
+                "lr": self.lrs[i],
+                "valid_tokens": self.tokens[i],
                 "skipped": skipped,
             }
-            for s, loss, skipped, norm, tokens, lr in zip(
-                self.steps,
-                self.losses,
-                self.skipped,
-                self.grad_norms,
-                self.tokens,
-                self.lrs,
-                strict=True,
-            )
-        ]
-        for row, terms in zip(rows, self.terms or (), strict=False):
+            terms = self.terms[i] if self.terms else None
             if terms:  # the model's own loss terms, and the loss it trained on: the sum
-                row["terms"] = None if row["skipped"] else terms
-                row["loss_total"] = None if row["skipped"] else row["loss"] + sum(terms.values())
+                row["terms"] = None if skipped else terms
+                row["loss_total"] = None if skipped else row["loss"] + sum(terms.values())
+            rows.append(row)
         n = len(self.steps)
         tps = run.tokens_per_rank_step * n / max(window_s, 1e-9)
         log = rows[-1]
@@ -141,9 +133,8 @@ class StepWindow:
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
-        self._said = self._added = (
-            time.monotonic()
-        )  # the last line the console showed; the last step added
+        # the last line the console showed; the last step added
+        self._said = self._added = time.monotonic()
 
     def add(
         self,
@@ -188,8 +179,6 @@ class StepWindow:
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""
         self._said = self._added = time.monotonic()
-        if not self._steps:
-            raise RuntimeError("StepWindow.read() on an empty window")
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values
         dist.all_reduce(shared, group=group)
         guarded = [torch.stack(self._guard)] if self._guard else []
@@ -207,9 +196,6 @@ class StepWindow:
             lrs=list(self._lrs),
             terms=[dict(zip(self._terms, row[2:], strict=True)) for row in shared],
         )
-        self.clear()
-        return record
-
-    def clear(self) -> None:
         for kept in (self._steps, self._shares, self._flags, self._guard, self._norms, self._lrs):
             kept.clear()
+        return record

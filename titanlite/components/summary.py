@@ -1,11 +1,6 @@
-"""What the console says (rank 0): the progress line of a log step (loss, the model's loss terms,
-speed, memory, ETA, the ranks' spread), a measured step's diagnostics line, and the lines a run
-ends with: what this invocation did, how it ended, where to look.
-
-The closing lines hold one fact each, at most eight: the steps this invocation ran (a resumed
-run names where it resumed), the final loss and its window mean, the last eval, the alerts it
-raised, the steps it skipped, the batch against the gradient noise scale (diagnostics), the
-newest checkpoint and the exports, and the commands that open the figures.
+"""What the console says (rank 0): the progress line of a log step, a measured step's
+diagnostics line, and the lines a run ends with (one fact each: what ran, the final loss, the
+last eval, alerts, skips, the gradient noise scale, what was kept, where to look).
 """
 
 from __future__ import annotations
@@ -78,9 +73,8 @@ class RunTally:
     last: dict[str, Any] | None = None  # the newest metrics record
     last_eval: dict[str, Any] | None = None
     start_eval: dict[str, Any] | None = None  # the model as loaded (eval.at_start: step 0)
-    alerts: Counter = field(
-        default_factory=Counter
-    )  # alert name -> how many this invocation raised
+    # alert name -> how many this invocation raised
+    alerts: Counter = field(default_factory=Counter)
     notes: Counter = field(default_factory=Counter)  # the same for notes (batch_size_advice)
     last_diag: dict[str, Any] | None = None  # the newest measured step's diagnostics record
     skipped: int = 0  # steps skipped (no token, non-finite, a spike) by this invocation
