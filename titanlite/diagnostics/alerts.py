@@ -1,16 +1,9 @@
-"""Alerts: the record of one (`Alert`, a line of events.jsonl) and the one runner that raises
-every registered alert (`AlertMonitor`; the records: titanlite.diagnostics.registry, the built-in
-ones in titanlite.diagnostics.catalogue).
-
-A pure function of the sequence of observations (measured-step records, stats.step_metrics; the
-spike guard's skipped steps; the replica comparisons), so it gives the same verdict on every rank
-and can be replayed on a recorded diagnostics.jsonl (titanlite.diagnostics.replay). Every
-built-in threshold is an [alerts] field. An alert fires at most once per `window` measured steps
-per (name, rank). The first `min_steps` measured steps are a burn-in that does not even count as
-a baseline for the statistical rules: early training is not representative (dispersion rises
-from ~0 as the model learns anything; gradients agree strongly at first, then stop), and rules
-need that much history. Exact checks, the rank test, timing and the advice run from the first.
-"""
+"""Alerts: the record of one (`Alert`, a line of events.jsonl) and the one runner of every
+registered alert (`AlertMonitor`). A pure function of the observations, so every rank gives the
+same verdict and a recorded diagnostics.jsonl replays (replay.py). An alert fires at most once per
+`window` measured steps per (name, rank). The first `min_steps` measured steps are a burn-in, not
+even a baseline: early training is not representative (dispersion rises from ~0, gradients agree
+strongly at first). Exact checks, the rank test, timing and the advice run from the first."""
 
 from __future__ import annotations
 
@@ -114,9 +107,7 @@ class AlertMonitor:
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
         self.seen = 0  # measured steps
-        self._last: dict[
-            tuple[str, int], int
-        ] = {}  # (alert, rank key) -> measured step it last fired
+        self._last: dict[tuple[str, int], int] = {}  # (alert, rank key) -> measured step last fired
         # (data check, rank) -> measured step it last failed: what explains a rank's statistics
         self._data_failed: dict[tuple[str, int], int] = {}
 
@@ -156,11 +147,6 @@ class AlertMonitor:
                 f"so their history starts again here (a burn-in of alerts.min_steps = {self.cfg.min_steps} "
                 "measured steps)"
             )
-        self._load_history(state, points)
-        return None
-
-    def _load_history(self, state: dict, points: list[Point]) -> None:
-        """The rules' history and the alerts' own states, kept across a resume at the same layout."""
         self.history = deque(points, maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state["trend"]), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
@@ -169,6 +155,7 @@ class AlertMonitor:
         for name, alert_state in state["alerts"].items():
             if name in self.states:  # an alert no longer registered leaves its state behind
                 self.states[name].load_state_dict(alert_state)
+        return None
 
     def _explained(self, name: str | None, rank: int | None) -> bool:
         """Whether a data check (`name`, any if None) failed for `rank` (any if None) within the
@@ -209,18 +196,9 @@ class AlertMonitor:
                 self._last[key] = self.seen
                 self.named.setdefault(spec.name, set()).update(f.ranks)
             hosts = [self.hosts[r] for r in f.ranks]
-            out.append(
-                Alert(
-                    spec.name,
-                    step,
-                    f.ranks,
-                    hosts,
-                    f.message,
-                    spec.cause,
-                    f.values,
-                    level=spec.level,
-                )
-            )
+            alert = Alert(spec.name, step, f.ranks, hosts, f.message, spec.cause, f.values)
+            alert.level = spec.level
+            out.append(alert)
         return out
 
     def update(self, rec: dict) -> list[Alert]:

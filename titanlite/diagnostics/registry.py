@@ -1,25 +1,8 @@
-"""What an alert is and what it reads.
-
-Every alert is one `AlertSpec`: its name, the cause it points to, its level, what it reads, its
-checks (each from the first measured step or after the burn-in), its thresholds and its own
-state. One runner (titanlite.diagnostics.alerts.AlertMonitor) serves them all: cooldown, hosts,
-the ranks each alert has named, the burn-in, and one state_dict that a checkpoint carries. A
-check reads a `Context`; the statistical rules (titanlite.diagnostics.rules) read its `Window`: a
-measured step reduced to a `Point`, and the window of points before it. Each returns `Finding`s.
-
-Adding an alert is one record plus its thresholds:
-
-    from titanlite.diagnostics.registry import AlertSpec, Check, Finding, register
-
-    def loss_above(ctx):  # a Context: the measured step's Point, the thresholds, this alert's state
-        if ctx.point.loss > ctx.threshold("loss_limit"):
-            return Finding("loss_above", [], f"loss {ctx.point.loss:.3f} above the limit")
-
-    register(AlertSpec("loss_above", cause="...", checks=(Check(loss_above),), defaults={"loss_limit": 9.0}))
-
-in a module the run imports first (`model.import_module`, as a fork's model registers). The
-built-in alerts are registered by titanlite.diagnostics.catalogue, in the order they are checked.
-"""
+"""What an alert is and what it reads. Every alert is one `AlertSpec` (name, cause, level, source,
+checks, thresholds, own state); one runner (alerts.AlertMonitor) serves them all. A check reads a
+`Context`; the statistical rules read its `Window` (the step as a `Point` and the points before).
+A fork adds an alert with `register(AlertSpec(...))` in a module the run imports first
+(`model.import_module`); the built-in ones are registered by catalogue.py, in check order."""
 
 from __future__ import annotations
 
@@ -32,10 +15,8 @@ from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics.stats import cos_medians, rank_noise
 from titanlite.errors import UserError
 
-LEVELS = (
-    "alert",
-    "info",
-)  # an alert counts and may stop a run (diagnostics.on_alert); info is a note
+# an alert counts and may stop a run (diagnostics.on_alert); info is a note
+LEVELS = ("alert", "info")
 # What a check reads: a measured step's record (diagnostics.jsonl), the spike guard's verdict of a
 # skipped step, or a comparison of the replicas' parameters.
 SOURCES = ("measured", "spikes", "replicas")
@@ -149,7 +130,7 @@ class Window:
     past: list[Point]  # the alert window before it
     trend: list[
         tuple[float, float]
-    ]  # (loss, loss_std) of the last trend_window steps, this one included
+    ]  # (loss, loss_std) of the last trend_window steps, this one's too
     seen: int  # measured steps so far, this one included
     world: int
     explained: Callable[[str | None, int | None], bool]  # as Context's
@@ -230,9 +211,7 @@ class AlertSpec:
     level: str = "alert"
     source: str = "measured"
     thresholds: tuple[str, ...] = ()  # the [alerts] fields its checks read
-    defaults: Mapping[str, float] = field(
-        default_factory=dict
-    )  # thresholds of its own (no [alerts] field)
+    defaults: Mapping[str, float] = field(default_factory=dict)  # its own (no [alerts] field)
     # Its own state: made from (the [alerts] config, the world size, the batch unit); saved in checkpoints.
     state: Callable[[AlertsConfig, int, int], AlertState] | None = None
     cooldown: bool = True  # at most once per alerts.window measured steps per (alert, rank)
