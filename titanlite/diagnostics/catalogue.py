@@ -1,9 +1,6 @@
-"""The built-in alerts, one record each, in the order the runner checks them (the checks from the
-first measured step in this order, then those past the burn-in in this order). Their sources:
-the anomaly tables of the Loss Dispersion and the Gradient Direction Consistency Reference
-Manuals (titanlite's source documents), which describe the metrics of "Silent Inconsistency in
-Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in rules.py,
-rank_sum.py, stragglers.py, replicas.py and titanlite.components.spike_guard."""
+"""The built-in alerts, one record each, in the order the runner checks them. Their sources: the
+anomaly tables of the Loss Dispersion and Gradient Direction Consistency Reference Manuals, on the
+metrics of "Silent Inconsistency in Data-Parallel Full Fine-Tuning" (arXiv 2602.14462)."""
 
 from __future__ import annotations
 
@@ -230,14 +227,11 @@ BUILT_IN = (
     AlertSpec(
         "faulty_worker",
         "a faulty worker: possible silent data corruption or a failing device on that host",
-        tuple(
-            _rule(fn)
-            for fn in (
-                rules.faulty_worker_direction,
-                rules.faulty_worker_norm,
-                rules.faulty_worker_norm_rise,
-                rules.faulty_worker_norm_pair,
-            )
+        (
+            _rule(rules.faulty_worker_direction),
+            _rule(rules.faulty_worker_norm),
+            _rule(rules.faulty_worker_norm_rise),
+            _rule(rules.faulty_worker_norm_pair),
         ),
         thresholds=(*_WINDOW, "faulty_margin", "norm_outlier_factor", "own_recent"),
     ),

@@ -140,16 +140,19 @@ class Window:
     def pts(self) -> list[Point]:
         return [*self.past, self.p][-self.cfg.window :]
 
-    def persistent(self, rank_attr: str, value_attr: str) -> tuple[int, int, float] | None:
+    def persistent(
+        self, rank_attr: str, value_attr: str, above: float
+    ) -> tuple[int, int, float] | None:
         """The rank named by `rank_attr` most often in the window, if in at least persist_frac of
-        it and not explained by a data check: (rank, how often, mean `value_attr` over those steps)."""
+        it, not explained by a data check and its mean `value_attr` there above `above`: (rank,
+        how often, that mean)."""
         pts = self.pts
         counts = [sum(getattr(q, rank_attr) == r for q in pts) for r in range(self.world)]
         top = max(range(self.world), key=counts.__getitem__)
         if counts[top] < self.cfg.persist_frac * len(pts) or self.explained(None, top):
             return None
         mean = statistics.fmean(getattr(q, value_attr) for q in pts if getattr(q, rank_attr) == top)
-        return top, counts[top], mean
+        return (top, counts[top], mean) if mean > above else None
 
 
 class AlertState(Protocol):

@@ -1,12 +1,7 @@
-"""Replay: the alerts today's rules raise on recorded measured steps (a run's diagnostics.jsonl),
-with any [alerts] thresholds. This is how thresholds are tuned on a long run recorded once, and
-how a change to the rules is held to the alerts it must keep (tests/recordings/).
-
-A record carries its format's `version`; one written before versions were recorded is version 1.
-A later format adds an upgrade here from the one before, so every recording stays replayable.
-replica_drift and spike_skipped are not replayed: the replica hashes and the spike guard's
-verdicts are not in the records (a run's events.jsonl keeps what they raised).
-"""
+"""Replay: the alerts today's rules raise on a run's recorded measured steps (diagnostics.jsonl),
+with any [alerts] thresholds: how thresholds are tuned and rule changes held to their alerts
+(tests/recordings/). replica_drift and spike_skipped are not replayed: what they read is not in
+the records (events.jsonl keeps what they raised)."""
 
 from __future__ import annotations
 
@@ -28,13 +23,12 @@ NOT_REPLAYED = ("replica_drift", "spike_skipped")
 SAME = ("step", "name", "ranks", "message", "level")
 
 
-def upgrade(rec: dict, where: str = "a diagnostics record") -> dict:
-    """A record in today's format. Version 1 has every pair's cosine and not the summaries that
-    version 2 adds; window.point derives them from its cos_matrix as it reads it."""
+def upgrade(rec: dict) -> dict:
+    """A record in today's format (version 1's summaries registry.point derives as it reads it)."""
     version = rec.get("version", 1)
     if not isinstance(version, int) or version > RECORD_VERSION:
         raise UserError(
-            f"{where} has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
+            f"a diagnostics record has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
             "replay it with the titanlite that wrote it, or update titanlite"
         )
     return rec
@@ -94,20 +88,15 @@ def recorded(run_dir: Path) -> dict:
         "batch_unit": batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],
-        "kept": [
-            e for e in events if e["name"] in NOT_REPLAYED
-        ],  # raised, but not from the records
+        "kept": [e for e in events if e["name"] in NOT_REPLAYED],  # raised, not from the records
     }
 
 
 def save_recording(path: Path, runs: dict[str, Path]) -> None:
     """Runs by name in one xz-compressed JSON file (tests/recordings/)."""
     data = {"format": 1, "runs": {name: recorded(run_dir) for name, run_dir in runs.items()}}
-    path.write_bytes(
-        lzma.compress(
-            json.dumps(data, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME
-        )
-    )
+    text = json.dumps(data, separators=(",", ":")).encode()
+    path.write_bytes(lzma.compress(text, preset=9 | lzma.PRESET_EXTREME))
 
 
 def load_recording(path: Path) -> dict[str, dict]:

@@ -1,24 +1,12 @@
 r"""Diagnostics metrics of one measured step, from what every rank contributed.
 
-Inputs (the same on every rank after the gather):
-  S_r   summed cross entropy of rank r's microbatches of the step
-  n_r   its valid tokens;  N = \sum_r n_r
-  q_r   ||h_r||^2, h_r = \sum_m \nabla S_{r,m} / N: what rank r contributes to the reduction
-  G     Gram matrix of the h_r (exact, or estimated from sketches)
-
-Rank r's own token-mean loss is S_r / n_r and its own token-mean gradient g_r = h_r N / n_r,
-so ||g_r|| = sqrt(q_r) N / n_r (exact, unless q_r comes from a sketch summed per microbatch:
-see probe.py). Cosines are scale-free and come from G alone:
-cos(g_i, g_j) = G_ij / sqrt(G_ii G_jj).
-The step's gradient is \sum_r h_r, so each rank's cosine to it is
-\sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank whose gradient is much larger than the others'
-(a faulty device adding noise, say) dominates that sum and looks well aligned, so each rank's
-cosine to the sum of the *other* ranks is kept too:
-\sum_{j != i} G_ij / sqrt(G_ii \sum_{j,k != i} G_jk). A rank with no valid token has no gradient of its own:
-it is left out of the loss, norm and cosine statistics (and counted in `empty_ranks`).
-Dispersions are population statistics (1/N), as the Loss Dispersion Reference Manual defines
-them (titanlite's source documents, on the metrics of "Silent Inconsistency in Data-Parallel
-Full Fine-Tuning", arXiv 2602.14462).
+S_r: rank r's summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
+h_r = \sum_m \nabla S_{r,m} / N its contribution to the reduction, G the Gram of the h_r. Rank r's
+token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come
+from G alone. A rank much larger than the others dominates the sum and looks aligned with it,
+so each rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is
+left out (counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss
+Dispersion Reference Manual defines them (on the metrics of arXiv 2602.14462).
 """
 
 from __future__ import annotations
