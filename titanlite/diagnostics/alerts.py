@@ -239,29 +239,18 @@ class AlertMonitor:
         return out
 
 
-def too_short(cfg: AlertsConfig, measured: int, world: int) -> dict[str, int]:
-    """The measured-step alerts a run of `measured` measured steps at `world` data-parallel ranks
-    is too short for: name -> the measured step from which their latest check can fire
-    (Check.first_judged). An alert whose other checks judge earlier (an exact data check, the
-    rank test) is among them: its statistical rule cannot judge. At dp=2 the alerts that only
-    compare 3 or more ranks are left out: they never judge there (rules.silent_rules_note)."""
+def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
+    """One sentence on the measured-step alerts that `measured` measured steps are too few for:
+    those whose latest check (Check.first_judged) judges later; at dp=2 not the alerts that only
+    compare 3 or more ranks, which never judge there (rules.silent_rules_note)."""
     skip = SPREAD_ONLY if world == 2 else ()
-    out = {}
+    by_step: dict[int, list[str]] = {}
     for spec in REGISTRY.values():
         judged = max(check.first_judged(cfg) for check in spec.checks)
         if spec.source == "measured" and spec.name not in skip and judged > measured:
-            out[spec.name] = judged
-    return out
-
-
-def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
-    """One sentence on the alerts whose rules need more history than `measured` measured steps."""
-    short = too_short(cfg, measured, world)
-    if not short:
+            by_step.setdefault(judged, []).append(spec.name)
+    if not by_step:
         return None
-    by_step: dict[int, list[str]] = {}
-    for name, judged in short.items():
-        by_step.setdefault(judged, []).append(name)
     parts = [
         f"{', '.join(names)} from measured step {judged}"
         for judged, names in sorted(by_step.items())

@@ -242,22 +242,20 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        per_rank = torch.empty(self.ranks, mine.numel(), dtype=torch.float64, device=mine.device)
-        works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
-        if self.method == "exact":
-            directions = self.probe.gram.clone()
-            works.append(dist.all_reduce(directions, group=self.group, async_op=True))
-        else:
-            sketch = self.probe.sketch.clone()
-            shape = (self.ranks, sketch.numel())
-            directions = torch.empty(shape, dtype=sketch.dtype, device=sketch.device)
-            works.append(
-                dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True)
-            )
+        per_rank, gathered = self._gather(mine)
         exact = self.method == "exact"
-        self._pending.append(
-            _Pending(step, per_rank, directions, grad_norm.detach().double().clone(), works, exact)
-        )
+        if exact:
+            directions = self.probe.gram.clone()
+            reduced = dist.all_reduce(directions, group=self.group, async_op=True)
+        else:
+            directions, reduced = self._gather(self.probe.sketch.clone())
+        norm = grad_norm.detach().double().clone()
+        self._pending.append(_Pending(step, per_rank, directions, norm, [gathered, reduced], exact))
+
+    def _gather(self, mine: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on the group."""
+        out = torch.empty(self.ranks, mine.numel(), dtype=mine.dtype, device=mine.device)
+        return out, dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
 
     def after_update(self, s: Step) -> None:
         """After the optimizer step: start the replica check if one is due. Reads nothing."""

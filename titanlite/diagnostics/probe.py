@@ -98,14 +98,7 @@ _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, fo
 
 
 class GradProbe:
-    def __init__(
-        self,
-        method: str,
-        world: int,
-        sketch_dim: int,
-        seed: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, method: str, world: int, sketch_dim: int, seed: int, device: torch.device):
         self.method = method
         self.world = world
         self.measuring = False

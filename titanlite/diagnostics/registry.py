@@ -53,10 +53,6 @@ class Point:
     step_s: float | None = None  # the ranks' median step time (host clock), seconds
 
 
-def _median_excluding(values: list, r: int) -> float:
-    return statistics.median(v for j, v in enumerate(values) if j != r and v is not None)
-
-
 def point(rec: dict) -> Point | None:
     """A measured-step record (stats.step_metrics) as a Point; None if no rank had tokens."""
     losses, tokens = rec["rank_loss"], rec["rank_tokens"]
@@ -85,8 +81,11 @@ def point(rec: dict) -> Point | None:
     norms = rec.get("rank_grad_norm")
     if norms and len(live) >= SPREAD_RANKS:
         big_rank = max(live, key=norms.__getitem__)
-        rest = _median_excluding(norms, big_rank)
+        rest = statistics.median(v for j, v in enumerate(norms) if j != big_rank and v is not None)
         big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
+    noise = rec.get("rank_noise")
+    if noise is None and norms and cos:  # version 1
+        noise = rank_noise(norms, tokens, cos)
     return Point(
         rec["step"],
         loss,
@@ -101,11 +100,7 @@ def point(rec: dict) -> Point | None:
         big_ratio,
         rank_loss=list(losses),
         rank_norm=list(norms) if norms else None,
-        rank_noise=rec["rank_noise"]
-        if "rank_noise" in rec
-        else rank_noise(norms, tokens, cos)
-        if norms and cos
-        else None,
+        rank_noise=noise,
         rank_wait=rec.get("rank_wait_s"),
         rank_load=rec.get("rank_load_s"),
         step_s=rec.get("step_s"),

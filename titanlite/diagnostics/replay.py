@@ -23,17 +23,6 @@ NOT_REPLAYED = ("replica_drift", "spike_skipped")
 SAME = ("step", "name", "ranks", "message", "level")
 
 
-def upgrade(rec: dict) -> dict:
-    """A record in today's format (version 1's summaries registry.point derives as it reads it)."""
-    version = rec.get("version", 1)
-    if not isinstance(version, int) or version > RECORD_VERSION:
-        raise UserError(
-            f"a diagnostics record has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
-            "replay it with the titanlite that wrote it, or update titanlite"
-        )
-    return rec
-
-
 def last_per_step(records: Iterable[dict]) -> list[dict]:
     """The last record of each step, in step order (a resumed run writes some steps again)."""
     return [r for _, r in sorted({r["step"]: r for r in records}.items())]
@@ -43,9 +32,16 @@ def replay(
     records: list[dict], cfg: AlertsConfig, batch_unit: int = 0, hosts: list[str] | None = None
 ) -> list[Alert]:
     """The alerts a fresh runner raises on `records` (one run's measured steps, in order)."""
-    records = [upgrade(r) for r in last_per_step(records)]
+    records = last_per_step(records)
     if not records:
         return []
+    for rec in records:  # version 1's summaries registry.point derives as it reads them
+        version = rec.get("version", 1)
+        if not isinstance(version, int) or version > RECORD_VERSION:
+            raise UserError(
+                f"a diagnostics record has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
+                "replay it with the titanlite that wrote it, or update titanlite"
+            )
     world = len(records[0]["rank_loss"])
     monitor = AlertMonitor(cfg, hosts or ["-"] * world, batch_unit)
     return [a for rec in records for a in monitor.update(rec)]

@@ -127,10 +127,9 @@ class ReplicaCheck:
                     continue
                 odd.add(r)
                 ref = majority if majority is not None else next(o for o in rows if o != row)
-                first = min(
-                    first, next(i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b)
-                )
+                differs = (i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b)
+                first = min(first, next(differs))
+        if not odd:
+            return None
         # the diagnostics name data-parallel replicas: a rank's is rank // split
-        return (
-            Drift(step, sorted({r // self.split for r in odd}), self.names[first]) if odd else None
-        )
+        return Drift(step, sorted({r // self.split for r in odd}), self.names[first])

@@ -92,23 +92,18 @@ def step_metrics(
     others_sq = total_sq - 2 * row + own  # the Gram's sum over every pair but rank r's
     with np.errstate(divide="ignore", invalid="ignore"):  # masked out below
         cos = np.where(pair_ok, g / (diag[:, None] * diag[None, :]), np.nan)
-        to_mean = _listed(
-            np.where(ok & (total_sq > 0), row / (diag * np.sqrt(max(total_sq, 0.0))), np.nan)
-        )
-        to_others = _listed(
-            np.where(
-                ok & (others_sq > 0), (row - own) / (diag * np.sqrt(np.abs(others_sq))), np.nan
-            )
-        )
+        to_mean = row / (diag * np.sqrt(max(total_sq, 0.0)))
+        to_others = (row - own) / (diag * np.sqrt(np.abs(others_sq)))
+    to_mean = _listed(np.where(ok & (total_sq > 0), to_mean, np.nan))
+    to_others = _listed(np.where(ok & (others_sq > 0), to_others, np.nan))
     pairs = cos[np.triu(pair_ok, k=1)]
-    live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
+    has_cos = [r for r in live if to_mean[r] is not None]
+    live_cos = [to_mean[r] for r in has_cos]
     m.update(
         cos_mean_pairwise=float(pairs.mean()) if pairs.size else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
-        cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
-        if live_cos
-        else None,
+        cos_to_mean_min_rank=_argmin(live_cos, has_cos) if live_cos else None,
         rank_cos_to_others=to_others,
         rank_cos_median=cos_medians(cos, live),
         rank_noise=rank_noise(norms, tokens, cos),
