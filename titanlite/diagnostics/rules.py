@@ -53,7 +53,7 @@ def read(rec: dict) -> list[list[list[float]]] | None:
     return [[[s["index"] for s in rank], [s["content"] for s in rank]] for rank in samples]
 
 
-def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
+def identical(now: list[list[list[float]]]) -> Finding | None:
     """identical_data: ranks handed the same sequences as a lower rank."""
     copies = [
         r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))
@@ -61,14 +61,11 @@ def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
     if not copies:
         return None
     first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
-    return copies, (
-        f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
-    )
+    msg = f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
+    return Finding("identical_data", copies, msg)
 
 
-def stale(
-    now: list[list[list[float]]], prev: list[list[list[float]]] | None
-) -> tuple[list[int], str] | None:
+def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) -> Finding | None:
     """stale_batch: ranks whose tokens are their previous measured step's under new indices."""
     if prev is None or len(prev) != len(now):
         return None
@@ -79,13 +76,11 @@ def stale(
     ]
     if not ranks:
         return None
-    return ranks, (
-        f"rank(s) {ranks} trained on the same tokens as at their previous measured step "
-        "although their sampler assigned other sequences"
-    )
+    msg = f"rank(s) {ranks} trained on the same tokens as at their previous measured step although their sampler assigned other sequences"
+    return Finding("stale_batch", ranks, msg)
 
 
-def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
+def order_mismatch(orders: list[int]) -> Finding | None:
     """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
     (every rank when there is none)."""
     counts: dict[float, int] = {}
@@ -96,10 +91,9 @@ def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
     common, n = max(counts.items(), key=lambda kv: kv[1])
     majority = n > len(orders) / 2
     odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
-    return odd, (
-        f"the samplers of rank(s) {odd} order the global batch differently from "
-        f"{'the other ranks' if majority else 'each other'} ({len(counts)} different orders among {len(orders)} ranks)"
-    )
+    others = "the other ranks" if majority else "each other"
+    msg = f"the samplers of rank(s) {odd} order the global batch differently from {others} ({len(counts)} different orders among {len(orders)} ranks)"
+    return Finding("data_order_mismatch", odd, msg)
 
 
 def dispersion_spike(w: Window) -> Finding | None:
