@@ -60,15 +60,12 @@ class Alert:
         line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
         if not self.samples:
             return line
-        worst = sorted(
-            self.samples, key=lambda s: -(s["loss"] if s.get("loss") is not None else -1.0)
-        )
+        worst = sorted(self.samples, key=lambda s: 1.0 if s.get("loss") is None else -s["loss"])
         shown = ", ".join(_sample(s) for s in worst[:SHOWN_SAMPLES])
         more = len(self.samples) - SHOWN_SAMPLES
         rest = f"; {more} more in events.jsonl" if more > 0 else ""
-        label = (
-            "highest-loss samples" if any(s.get("loss") is not None for s in worst) else "samples"
-        )
+        has_loss = any(s.get("loss") is not None for s in worst)
+        label = "highest-loss samples" if has_loss else "samples"
         return f"{line}; {label}: {shown}{rest} (scripts/inspect_step.py shows them)"
 
 
@@ -90,19 +87,15 @@ class AlertMonitor:
     rank; `batch_unit`: sequences the global batch moves by with the layout kept (dp x local
     batch), for the batch-size advice's flag."""
 
-    def __init__(
-        self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0
-    ) -> None:
+    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0):
         self.cfg = cfg
         self.hosts = hosts
         self.world = len(hosts)
-        # sequences each rank scores per step: the spread of its losses scales with it
-        self.per_rank = per_rank
+        self.per_rank = per_rank  # sequences each rank scores per step: its losses' spread scales
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
         unit = batch_unit or self.world
-        self.states = {
-            s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None
-        }
+        stateful = [s for s in self.specs if s.state is not None]
+        self.states = {s.name: s.state(cfg, self.world, unit) for s in stateful}
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
@@ -209,7 +202,7 @@ class AlertMonitor:
             return []
         self.seen += 1
         history = list(self.history)
-        out = self._measured(False, record=rec, point=p, history=history)
+        out = self._checks("measured", p.step, False, record=rec, point=p, history=history)
         if self.seen <= self.cfg.min_steps:
             return out  # burn-in: not even a baseline
         self.history.append(p)
@@ -218,24 +211,21 @@ class AlertMonitor:
         self.trend.append((p.loss, p.loss_std))
         trend, named = list(self.trend), self.named
         window = Window(self.cfg, p, history, trend, self.seen, self.world, self._explained, named)
-        return out + self._measured(True, record=rec, point=p, history=history, window=window)
-
-    def _measured(self, burn_in: bool, **seen_now) -> list[Alert]:
-        """The alerts of every measured-step check with this `burn_in`, in the registry's order."""
-        step, out = seen_now["point"].step, []
-        for spec in (s for s in self.specs if s.source == "measured"):
-            for check in spec.checks:
-                if check.burn_in == burn_in:
-                    out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
-        return out
+        return out + self._checks(
+            "measured", p.step, True, record=rec, point=p, history=history, window=window
+        )
 
     def observe(self, source: str, step: int, event: dict) -> list[Alert]:
         """The alerts of an observation other than a measured step ("spikes": the spike guard
         skipped `step`'s update; "replicas": the replicas compared after `step`)."""
+        return self._checks(source, step, False, event=event)
+
+    def _checks(self, source: str, step: int, burn_in: bool, **seen_now) -> list[Alert]:
+        """The alerts of every `source` check with this `burn_in`, in the registry's order."""
         out = []
         for spec in (s for s in self.specs if s.source == source):
-            for check in spec.checks:
-                out += self._raise(spec, step, check.fn(self._context(spec, step, event=event)))
+            for check in (c for c in spec.checks if c.burn_in == burn_in):
+                out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
         return out
 
 

@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Callable
 from statistics import NormalDist
 
+import numpy as np
+
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics.registry import Finding, Point
 
@@ -26,18 +28,13 @@ from titanlite.diagnostics.registry import Finding, Point
 def rank_scores(samples: list[list[float]]) -> list[float | None]:
     """z_rt of each rank (module doc) from its sequences' token-mean losses; None for a rank
     with no scored sequence or when no other rank has one."""
-    pooled = sorted((x, r) for r, xs in enumerate(samples) for x in xs)
-    total = len(pooled)
-    rank_sums = [0.0] * len(samples)
-    i = 0
-    while i < total:  # midranks: tied values share the mean of their positions (1-based)
-        j = i
-        while j + 1 < total and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        mid = (i + j) / 2 + 1
-        for k in range(i, j + 1):
-            rank_sums[pooled[k][1]] += mid
-        i = j + 1
+    values = np.array([x for xs in samples for x in xs], dtype=np.float64)
+    owner = np.repeat(np.arange(len(samples)), [len(xs) for xs in samples])
+    total = len(values)
+    # midranks: tied values share the mean of their (1-based) positions; half-integers, so exact
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    mid = (np.cumsum(counts) - (counts - 1) / 2)[inverse]
+    rank_sums = np.bincount(owner, weights=mid, minlength=len(samples)).tolist()
     scores: list[float | None] = []
     for r, xs in enumerate(samples):
         n = len(xs)
