@@ -265,27 +265,23 @@ class Diagnostics:
     def spike_alerts(
         self, spikes: list[tuple[int, dict]], records: list[dict], sampler
     ) -> list[Alert]:
-        """spike_skipped (catalogue.py) of each (step, titanlite.components.spike_guard.SpikeGuard.event), with the
-        step's sequences; `records`: this log step's collected diagnostics."""
+        """spike_skipped (catalogue.py) of each (step, SpikeGuard.event), with the step's sequences:
+        with their losses where `records` (this log step's diagnostics) measured it; else from the
+        data order, on the host (no device read)."""
+        measured = {r["step"]: r["rank_samples"] for r in records}
         alerts = []
         for step, event in spikes:
+            per_rank = measured.get(step)
+            if per_rank is None:
+                shares = sampler.shares(step - 1)
+                per_rank = [
+                    [{"index": int(i), "tokens": None, "loss": None} for i in share]
+                    for share in shares
+                ]
             for alert in self.monitor.observe("spikes", step, event):
-                alert.samples = self.step_samples(step, records, sampler)
+                alert.samples = [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
                 alerts.append(alert)
         return alerts
-
-    def step_samples(self, step: int, records: list[dict], sampler) -> list[dict]:
-        """The sequences of `step`, located (their losses too when `records`, the collected
-        diagnostics, measured it; else from the data order, on the host: no device read)."""
-        measured = {r["step"]: r for r in records}
-        if step in measured:
-            per_rank = measured[step]["rank_samples"]
-        else:
-            shares = sampler.shares(step - 1)
-            per_rank = [
-                [{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares
-            ]
-        return [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
 
     def locate(self, rank: int, sample: dict) -> dict:
         """A sequence record of `rank` with its sources (file, row) added."""

@@ -73,11 +73,8 @@ def recorded(run_dir: Path) -> dict:
     raised from what the records do not hold."""
     cfg, records, batch_unit = _run(run_dir)
     steps = {r["step"] for r in records}
-    events = [
-        {k: e[k] for k in SAME}
-        for e in read_records(run_dir / "events.jsonl")
-        if e["step"] in steps
-    ]
+    events = read_records(run_dir / "events.jsonl")
+    events = [{k: e[k] for k in SAME} for e in events if e["step"] in steps]
     return {
         "alerts": asdict(cfg.alerts),
         "faults": asdict(cfg.faults) if cfg.faults else {},  # what the alerts should name
