@@ -64,12 +64,9 @@ def point(rec: dict) -> Point | None:
     # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
     # in 14 of 20 steps by chance about 6% of the time).
     max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
-    others = [losses[r] for r in live if r != max_rank]
-    gap = (
-        (losses[max_rank] - statistics.fmean(others)) / loss
-        if max_rank is not None and loss > 0
-        else 0.0
-    )
+    gap = 0.0
+    if max_rank is not None and loss > 0:
+        gap = (losses[max_rank] - statistics.fmean(losses[r] for r in live if r != max_rank)) / loss
     low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
     cos = rec.get("cos_matrix")  # a record of version 1 has no summaries of its own
     medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
