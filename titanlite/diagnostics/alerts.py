@@ -1,16 +1,9 @@
-"""Alerts: the record of one (`Alert`, a line of events.jsonl) and the one runner that raises
-every registered alert (`AlertMonitor`; the records: titanlite.diagnostics.registry, the built-in
-ones in titanlite.diagnostics.catalogue).
-
-A pure function of the sequence of observations (measured-step records, stats.step_metrics; the
-spike guard's skipped steps; the replica comparisons), so it gives the same verdict on every rank
-and can be replayed on a recorded diagnostics.jsonl (titanlite.diagnostics.replay). Every
-built-in threshold is an [alerts] field. An alert fires at most once per `window` measured steps
-per (name, rank). The first `min_steps` measured steps are a burn-in that does not even count as
-a baseline for the statistical rules: early training is not representative (dispersion rises
-from ~0 as the model learns anything; gradients agree strongly at first, then stop), and rules
-need that much history. Exact checks, the rank test, timing and the advice run from the first.
-"""
+"""Alerts: the record of one (`Alert`, a line of events.jsonl) and the one runner of every
+registered alert (`AlertMonitor`). A pure function of the observations, so every rank gives the
+same verdict and a recorded diagnostics.jsonl replays (replay.py). An alert fires at most once per
+`window` measured steps per (name, rank). The first `min_steps` measured steps are a burn-in, not
+even a baseline: early training is not representative (dispersion rises from ~0, gradients agree
+strongly at first). Exact checks, the rank test, timing and the advice run from the first."""
 
 from __future__ import annotations
 
@@ -67,15 +60,12 @@ class Alert:
         line = f"ALERT {self.name} at step {self.step}{where}: {self.message}; likely cause: {self.cause}"
         if not self.samples:
             return line
-        worst = sorted(
-            self.samples, key=lambda s: -(s["loss"] if s.get("loss") is not None else -1.0)
-        )
+        worst = sorted(self.samples, key=lambda s: 1.0 if s.get("loss") is None else -s["loss"])
         shown = ", ".join(_sample(s) for s in worst[:SHOWN_SAMPLES])
         more = len(self.samples) - SHOWN_SAMPLES
         rest = f"; {more} more in events.jsonl" if more > 0 else ""
-        label = (
-            "highest-loss samples" if any(s.get("loss") is not None for s in worst) else "samples"
-        )
+        has_loss = any(s.get("loss") is not None for s in worst)
+        label = "highest-loss samples" if has_loss else "samples"
         return f"{line}; {label}: {shown}{rest} (scripts/inspect_step.py shows them)"
 
 
@@ -97,26 +87,20 @@ class AlertMonitor:
     rank; `batch_unit`: sequences the global batch moves by with the layout kept (dp x local
     batch), for the batch-size advice's flag."""
 
-    def __init__(
-        self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0
-    ) -> None:
+    def __init__(self, cfg: AlertsConfig, hosts: list[str], batch_unit: int = 0, per_rank: int = 0):
         self.cfg = cfg
         self.hosts = hosts
         self.world = len(hosts)
-        # sequences each rank scores per step: the spread of its losses scales with it
-        self.per_rank = per_rank
+        self.per_rank = per_rank  # sequences each rank scores per step: its losses' spread scales
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
         unit = batch_unit or self.world
-        self.states = {
-            s.name: s.state(cfg, self.world, unit) for s in self.specs if s.state is not None
-        }
+        stateful = [s for s in self.specs if s.state is not None]
+        self.states = {s.name: s.state(cfg, self.world, unit) for s in stateful}
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
         self.seen = 0  # measured steps
-        self._last: dict[
-            tuple[str, int], int
-        ] = {}  # (alert, rank key) -> measured step it last fired
+        self._last: dict[tuple[str, int], int] = {}  # (alert, rank key) -> measured step last fired
         # (data check, rank) -> measured step it last failed: what explains a rank's statistics
         self._data_failed: dict[tuple[str, int], int] = {}
 
@@ -156,11 +140,6 @@ class AlertMonitor:
                 f"so their history starts again here (a burn-in of alerts.min_steps = {self.cfg.min_steps} "
                 "measured steps)"
             )
-        self._load_history(state, points)
-        return None
-
-    def _load_history(self, state: dict, points: list[Point]) -> None:
-        """The rules' history and the alerts' own states, kept across a resume at the same layout."""
         self.history = deque(points, maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state["trend"]), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
@@ -169,6 +148,7 @@ class AlertMonitor:
         for name, alert_state in state["alerts"].items():
             if name in self.states:  # an alert no longer registered leaves its state behind
                 self.states[name].load_state_dict(alert_state)
+        return None
 
     def _explained(self, name: str | None, rank: int | None) -> bool:
         """Whether a data check (`name`, any if None) failed for `rank` (any if None) within the
@@ -209,18 +189,9 @@ class AlertMonitor:
                 self._last[key] = self.seen
                 self.named.setdefault(spec.name, set()).update(f.ranks)
             hosts = [self.hosts[r] for r in f.ranks]
-            out.append(
-                Alert(
-                    spec.name,
-                    step,
-                    f.ranks,
-                    hosts,
-                    f.message,
-                    spec.cause,
-                    f.values,
-                    level=spec.level,
-                )
-            )
+            alert = Alert(spec.name, step, f.ranks, hosts, f.message, spec.cause, f.values)
+            alert.level = spec.level
+            out.append(alert)
         return out
 
     def update(self, rec: dict) -> list[Alert]:
@@ -231,7 +202,7 @@ class AlertMonitor:
             return []
         self.seen += 1
         history = list(self.history)
-        out = self._measured(False, record=rec, point=p, history=history)
+        out = self._checks("measured", p.step, False, record=rec, point=p, history=history)
         if self.seen <= self.cfg.min_steps:
             return out  # burn-in: not even a baseline
         self.history.append(p)
@@ -240,50 +211,36 @@ class AlertMonitor:
         self.trend.append((p.loss, p.loss_std))
         trend, named = list(self.trend), self.named
         window = Window(self.cfg, p, history, trend, self.seen, self.world, self._explained, named)
-        return out + self._measured(True, record=rec, point=p, history=history, window=window)
-
-    def _measured(self, burn_in: bool, **seen_now) -> list[Alert]:
-        """The alerts of every measured-step check with this `burn_in`, in the registry's order."""
-        step, out = seen_now["point"].step, []
-        for spec in (s for s in self.specs if s.source == "measured"):
-            for check in spec.checks:
-                if check.burn_in == burn_in:
-                    out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
-        return out
+        return out + self._checks(
+            "measured", p.step, True, record=rec, point=p, history=history, window=window
+        )
 
     def observe(self, source: str, step: int, event: dict) -> list[Alert]:
         """The alerts of an observation other than a measured step ("spikes": the spike guard
         skipped `step`'s update; "replicas": the replicas compared after `step`)."""
+        return self._checks(source, step, False, event=event)
+
+    def _checks(self, source: str, step: int, burn_in: bool, **seen_now) -> list[Alert]:
+        """The alerts of every `source` check with this `burn_in`, in the registry's order."""
         out = []
         for spec in (s for s in self.specs if s.source == source):
-            for check in spec.checks:
-                out += self._raise(spec, step, check.fn(self._context(spec, step, event=event)))
+            for check in (c for c in spec.checks if c.burn_in == burn_in):
+                out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
         return out
 
 
-def too_short(cfg: AlertsConfig, measured: int, world: int) -> dict[str, int]:
-    """The measured-step alerts a run of `measured` measured steps at `world` data-parallel ranks
-    is too short for: name -> the measured step from which their latest check can fire
-    (Check.first_judged). An alert whose other checks judge earlier (an exact data check, the
-    rank test) is among them: its statistical rule cannot judge. At dp=2 the alerts that only
-    compare 3 or more ranks are left out: they never judge there (rules.silent_rules_note)."""
+def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
+    """One sentence on the measured-step alerts that `measured` measured steps are too few for:
+    those whose latest check (Check.first_judged) judges later; at dp=2 not the alerts that only
+    compare 3 or more ranks, which never judge there (rules.silent_rules_note)."""
     skip = SPREAD_ONLY if world == 2 else ()
-    out = {}
+    by_step: dict[int, list[str]] = {}
     for spec in REGISTRY.values():
         judged = max(check.first_judged(cfg) for check in spec.checks)
         if spec.source == "measured" and spec.name not in skip and judged > measured:
-            out[spec.name] = judged
-    return out
-
-
-def history_note(cfg: AlertsConfig, measured: int, world: int) -> str | None:
-    """One sentence on the alerts whose rules need more history than `measured` measured steps."""
-    short = too_short(cfg, measured, world)
-    if not short:
+            by_step.setdefault(judged, []).append(spec.name)
+    if not by_step:
         return None
-    by_step: dict[int, list[str]] = {}
-    for name, judged in short.items():
-        by_step.setdefault(judged, []).append(name)
     parts = [
         f"{', '.join(names)} from measured step {judged}"
         for judged, names in sorted(by_step.items())

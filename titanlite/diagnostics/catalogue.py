@@ -1,9 +1,6 @@
-"""The built-in alerts, one record each, in the order the runner checks them (the checks from the
-first measured step in this order, then those past the burn-in in this order). Their sources:
-the anomaly tables of the Loss Dispersion and the Gradient Direction Consistency Reference
-Manuals (titanlite's source documents), which describe the metrics of "Silent Inconsistency in
-Data-Parallel Full Fine-Tuning" (arXiv 2602.14462); the detectors live in rules.py,
-rank_sum.py, stragglers.py, replicas.py and titanlite.components.spike_guard."""
+"""The built-in alerts, one record each, in the order the runner checks them. Their sources: the
+anomaly tables of the Loss Dispersion and Gradient Direction Consistency Reference Manuals, on the
+metrics of "Silent Inconsistency in Data-Parallel Full Fine-Tuning" (arXiv 2602.14462)."""
 
 from __future__ import annotations
 
@@ -22,21 +19,15 @@ _WINDOW = ("window", "min_steps", "persist_frac")
 
 def _rule(fn, needs=None) -> Check:
     """A statistical rule of rules.py: it reads the window, past the burn-in (`needs`: see Check)."""
-
-    def check(ctx: Context) -> Finding | None:
-        return fn(ctx.window)
-
-    check.__name__ = fn.__name__
-    return Check(check, burn_in=True, needs=needs)
+    return Check(lambda ctx: fn(ctx.window), burn_in=True, needs=needs)
 
 
-def _data_check(name: str, fn) -> Check:
-    """An exact data check of rules.py (no threshold, no burn-in)."""
+def _data_check(fn) -> Check:
+    """An exact data check of rules.py (no threshold, no burn-in) on the step's data (rules.read)."""
 
     def check(ctx: Context) -> Finding | None:
         now = rules.read(ctx.record)
-        found = fn(ctx, now) if now is not None else None
-        return Finding(name, *found) if found else None
+        return fn(ctx, now) if now is not None else None
 
     return Check(check)
 
@@ -54,7 +45,7 @@ class PreviousData:
         self.prev = state.get("prev")
 
 
-def _stale(ctx: Context, now: list) -> tuple | None:
+def _stale(ctx: Context, now: list) -> Finding | None:
     found = rules.stale(now, ctx.state.prev)
     ctx.state.prev = now
     return found
@@ -153,7 +144,7 @@ BUILT_IN = (
         "identical_data",
         "ranks read the same data (rank not passed to the loader?): audit the sharding",
         (
-            _data_check("identical_data", lambda ctx, now: rules.identical(now)),
+            _data_check(lambda ctx, now: rules.identical(now)),
             _rule(rules.identical_data),
         ),
         thresholds=(*_WINDOW, "identical_std", "identical_cos"),
@@ -163,7 +154,7 @@ BUILT_IN = (
         "stale_batch",
         "that rank's data loader repeats a batch (a reader stuck on a stale buffer or cache): "
         "check its loader workers and storage, then resume from a checkpoint before the repeats",
-        (_data_check("stale_batch", _stale),),
+        (_data_check(_stale),),
         state=PreviousData,
         explains=True,
     ),
@@ -171,12 +162,7 @@ BUILT_IN = (
         "data_order_mismatch",
         "the ranks shuffle the data with different seeds or epochs (per-rank sampler seeds), so "
         "some sequences are read twice and others never: give every rank's sampler the same seed",
-        (
-            _data_check(
-                "data_order_mismatch",
-                lambda ctx, now: rules.order_mismatch(ctx.record["data_order"]),
-            ),
-        ),
+        (_data_check(lambda ctx, now: rules.order_mismatch(ctx.record["data_order"])),),
         explains=True,
     ),
     AlertSpec(
@@ -230,14 +216,11 @@ BUILT_IN = (
     AlertSpec(
         "faulty_worker",
         "a faulty worker: possible silent data corruption or a failing device on that host",
-        tuple(
-            _rule(fn)
-            for fn in (
-                rules.faulty_worker_direction,
-                rules.faulty_worker_norm,
-                rules.faulty_worker_norm_rise,
-                rules.faulty_worker_norm_pair,
-            )
+        (
+            _rule(rules.faulty_worker_direction),
+            _rule(rules.faulty_worker_norm),
+            _rule(rules.faulty_worker_norm_rise),
+            _rule(rules.faulty_worker_norm_pair),
         ),
         thresholds=(*_WINDOW, "faulty_margin", "norm_outlier_factor", "own_recent"),
     ),

@@ -1,15 +1,7 @@
-"""The diagnostics component, one of the trainer's hooks (titanlite.tools.hooks: begin,
-ready, before_update, after_update), and collect() on log steps.
-
-On a measured step (DiagnosticsConfig.measures) each rank times its data loading and its wait
-at a one-value barrier as the step starts (stragglers.py), and the probe watches the gradient
-reduction (probe.py); at the end of the step each rank's row (step_record.RankStep: its loss,
-tokens, gradient norm, data order and times, and per sequence what an alert names and the data
-checks and the rank test compare) and its partial Gram (`exact`) or sketch (`sketch`) are
-gathered asynchronously on the component's own group, so none of it queues behind, or delays,
-the gradient traffic. Every `replica_check_every` steps the replicas' parameters are compared
-too (replicas.py). Results stay device tensors until collect(), which reads them all at once.
-"""
+"""The diagnostics component, one of the trainer's hooks (titanlite.tools.hooks), and collect()
+on log steps. A measured step's rows (step_record.py) and Gram or sketches are gathered
+asynchronously on the component's own group, so none of it queues behind the gradient traffic;
+results stay device tensors until collect() reads them all at once."""
 
 from __future__ import annotations
 
@@ -66,16 +58,6 @@ class _Pending:
             return self.directions
         d = self.directions.double()
         return d @ d.T
-
-
-@dataclass
-class _Measured:
-    """A measured step on the host: every rank's row, the Gram and the reduced norm."""
-
-    step: int
-    ranks: list[RankRow]
-    gram: list[list[float]]
-    global_norm: float
 
 
 class Diagnostics:
@@ -177,10 +159,8 @@ class Diagnostics:
 
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and state:
-            self.noise.trace_ema, self.noise.gsq_ema = (
-                state["noise"]["trace_ema"],
-                state["noise"]["gsq_ema"],
-            )
+            noise = state["noise"]
+            self.noise.trace_ema, self.noise.gsq_ema = noise["trace_ema"], noise["gsq_ema"]
             if note := self.monitor.load_state_dict(state["monitor"]):
                 logger.info(note)
 
@@ -262,81 +242,46 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        per_rank = torch.empty(self.ranks, mine.numel(), dtype=torch.float64, device=mine.device)
-        works = [dist.all_gather(list(per_rank.unbind(0)), mine, group=self.group, async_op=True)]
-        if self.method == "exact":
-            directions = self.probe.gram.clone()
-            works.append(dist.all_reduce(directions, group=self.group, async_op=True))
-        else:
-            sketch = self.probe.sketch.clone()
-            shape = (self.ranks, sketch.numel())
-            directions = torch.empty(shape, dtype=sketch.dtype, device=sketch.device)
-            works.append(
-                dist.all_gather(list(directions.unbind(0)), sketch, group=self.group, async_op=True)
-            )
+        per_rank, gathered = self._gather(mine)
         exact = self.method == "exact"
-        self._pending.append(
-            _Pending(step, per_rank, directions, grad_norm.detach().double().clone(), works, exact)
-        )
+        if exact:
+            directions = self.probe.gram.clone()
+            reduced = dist.all_reduce(directions, group=self.group, async_op=True)
+        else:
+            directions, reduced = self._gather(self.probe.sketch.clone())
+        norm = grad_norm.detach().double().clone()
+        self._pending.append(_Pending(step, per_rank, directions, norm, [gathered, reduced], exact))
+
+    def _gather(self, mine: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
+        """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on the group."""
+        out = torch.empty(self.ranks, mine.numel(), dtype=mine.dtype, device=mine.device)
+        return out, dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
 
     def after_update(self, s: Step) -> None:
         """After the optimizer step: start the replica check if one is due. Reads nothing."""
         if self.replicas is not None and self.replicas.due(s.step):
             self.replicas.start(s.step)
 
-    def _read(self) -> tuple[list[_Measured], list[tuple[int, list]]]:
-        """Wait for the pending gathers and read them all with one host read: the measured
-        steps, and the replica checks as (step, hashes[rank][parameter])."""
-        for p in self._pending:
-            for w in p.works:
-                w.wait()
-        checks = self.replicas.take() if self.replicas is not None else []
-        steps = [
-            {"per_rank": p.per_rank, "gram": p.gram(), "norm": p.global_norm} for p in self._pending
-        ]
-        steps, hashes = readback((steps, [c.hashes for c in checks]))
-        measured = []
-        for p, got in zip(self._pending, steps, strict=True):
-            rows = [unpack(row) for row in got["per_rank"]]
-            rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
-            measured.append(_Measured(p.step, [RankRow.of(row) for row in rows], gram, got["norm"]))
-        self._pending.clear()
-        return measured, [(c.step, h) for c, h in zip(checks, hashes, strict=True)]
-
-    def _replica_alerts(self, checks: list[tuple[int, list]]) -> list[Alert]:
-        """replica_drift (catalogue.py): each replica check, compared."""
-        return [
-            alert
-            for step, hashes in checks
-            for alert in self.monitor.observe(
-                "replicas", step, {"drift": self.replicas.compare(step, hashes)}
-            )
-        ]
-
     def spike_alerts(
         self, spikes: list[tuple[int, dict]], records: list[dict], sampler
     ) -> list[Alert]:
-        """spike_skipped (catalogue.py) of each (step, titanlite.components.spike_guard.SpikeGuard.event), with the
-        step's sequences; `records`: this log step's collected diagnostics."""
+        """spike_skipped (catalogue.py) of each (step, SpikeGuard.event), with the step's sequences:
+        with their losses where `records` (this log step's diagnostics) measured it; else from the
+        data order, on the host (no device read)."""
+        measured = {r["step"]: r["rank_samples"] for r in records}
         alerts = []
         for step, event in spikes:
+            per_rank = measured.get(step)
+            if per_rank is None:
+                shares = sampler.shares(step - 1)
+                per_rank = [
+                    [{"index": int(i), "tokens": None, "loss": None} for i in share]
+                    for share in shares
+                ]
             for alert in self.monitor.observe("spikes", step, event):
-                alert.samples = self.step_samples(step, records, sampler)
+                alert.samples = [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
                 alerts.append(alert)
         return alerts
-
-    def step_samples(self, step: int, records: list[dict], sampler) -> list[dict]:
-        """The sequences of `step`, located (their losses too when `records`, the collected
-        diagnostics, measured it; else from the data order, on the host: no device read)."""
-        measured = {r["step"]: r for r in records}
-        if step in measured:
-            per_rank = measured[step]["rank_samples"]
-        else:
-            shares = sampler.shares(step - 1)
-            per_rank = [
-                [{"index": int(i), "tokens": None, "loss": None} for i in share] for share in shares
-            ]
-        return [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
 
     def locate(self, rank: int, sample: dict) -> dict:
         """A sequence record of `rank` with its sources (file, row) added."""
@@ -348,44 +293,59 @@ class Diagnostics:
         steps' records and the alerts they raise (the same on every rank)."""
         if not self._pending and (self.replicas is None or not self.replicas.pending):
             return [], []
-        records, alerts = [], []
-        measured, checks = self._read()
-        alerts += self._replica_alerts(checks)
-        for m in measured:
-            rec = {
-                "step": m.step,
-                "version": RECORD_VERSION,
-                "method": self.method,
-                "norms": "sketch" if self.per_microbatch else "exact",
-            }
-            loss_sums, tokens = [r.loss_sum for r in m.ranks], [r.tokens for r in m.ranks]
-            norms_sq = [r.norm_sq for r in m.ranks]
-            rec.update(step_metrics(loss_sums, tokens, norms_sq, m.gram))
-            total = sum(tokens)
-            rank_sq = [
-                g * (total / n) ** 2 if n > 0 else 0.0
-                for g, n in zip(norms_sq, tokens, strict=True)
-            ]
-            rec["noise_scale_tokens"] = self.noise.update(rank_sq, tokens, m.global_norm**2)
-            rec["batch_tokens"], rec["batch_sequences"] = (
-                int(total),
-                sum(len(r.sequences) for r in m.ranks),
-            )
-            noise = rec["noise_scale_tokens"]
-            rec["noise_to_batch"] = noise / total if noise is not None and total > 0 else None
-            rec["rank_load_s"], rec["rank_wait_s"] = (
-                [r.load_s for r in m.ranks],
-                [r.wait_s for r in m.ranks],
-            )
-            known = [r.step_s for r in m.ranks if r.step_s is not None]
-            rec["step_s"] = statistics.median(known) if known else None
-            samples = [r.sequences for r in m.ranks]
-            rec["rank_samples"] = samples
-            rec["data_order"] = [r.order for r in m.ranks]
+        for p in self._pending:
+            for w in p.works:
+                w.wait()
+        checks = self.replicas.take() if self.replicas is not None else []
+        steps = [
+            {"per_rank": p.per_rank, "gram": p.gram(), "norm": p.global_norm} for p in self._pending
+        ]
+        steps, hashes = readback((steps, [c.hashes for c in checks]))
+        alerts = []
+        for check, h in zip(checks, hashes, strict=True):
+            drift = self.replicas.compare(check.step, h)
+            alerts += self.monitor.observe("replicas", check.step, {"drift": drift})
+        records = []
+        for p, got in zip(self._pending, steps, strict=True):
+            rec = self._record(p.step, got)
             raised = self.monitor.update(rec)
             for alert in raised:  # the data behind each rank an alert names
+                samples = rec["rank_samples"]
                 alert.samples = [self.locate(r, s) for r in alert.ranks for s in samples[r]]
             rec["alerts"] = [a.name for a in raised]
             records.append(rec)
             alerts += raised
+        self._pending.clear()
         return records, alerts
+
+    def _record(self, step: int, got: dict) -> dict:
+        """A measured step's diagnostics.jsonl record from what its gathers read back."""
+        rows = [unpack(row) for row in got["per_rank"]]
+        rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
+        ranks = [RankRow.of(row) for row in rows]
+        tokens, norms_sq = [r.tokens for r in ranks], [r.norm_sq for r in ranks]
+        rec = {
+            "step": step,
+            "version": RECORD_VERSION,
+            "method": self.method,
+            "norms": "sketch" if self.per_microbatch else "exact",
+        }
+        rec.update(step_metrics([r.loss_sum for r in ranks], tokens, norms_sq, gram))
+        total = sum(tokens)
+        rank_sq = [
+            g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)
+        ]
+        noise = self.noise.update(rank_sq, tokens, got["norm"] ** 2)
+        known = [r.step_s for r in ranks if r.step_s is not None]
+        rec.update(
+            noise_scale_tokens=noise,
+            batch_tokens=int(total),
+            batch_sequences=sum(len(r.sequences) for r in ranks),
+            noise_to_batch=noise / total if noise is not None and total > 0 else None,
+            rank_load_s=[r.load_s for r in ranks],
+            rank_wait_s=[r.wait_s for r in ranks],
+            step_s=statistics.median(known) if known else None,
+            rank_samples=[r.sequences for r in ranks],
+            data_order=[r.order for r in ranks],
+        )
+        return rec

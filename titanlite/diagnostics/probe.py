@@ -1,40 +1,20 @@
 """Where each rank's local, unreduced gradient passes: FSDP2's reduce-scatter and DDP's comm hook.
 
-On a measured step the probe takes, from what it is handed anyway:
-  - the squared L2 norm of the local gradient;
-  - `sketch`: its CountSketch (O(D), no communication). When FSDP reduces every microbatch, the
-    probe sees each microbatch's gradient in turn and adds up their sketches (the sketch is
-    linear); the norm of a sum cannot be added up that way, so it comes from the sketch then
-    (|sketch|^2 estimates |g|^2 without bias, relative error about sqrt(2 / k));
-  - `exact`: the Gram matrix of all ranks' local gradients, at no more communication volume
-    than the reduction itself: the reduce-scatter becomes an all-to-all (each rank receives
-    every rank's copy of its own shard), the rank sums the rows (the reduce-scatter's result)
-    and keeps rows @ rows.T, a partial Gram over its shard's coordinates. The partials of all
-    ranks add up to the full Gram (one N x N all-reduce later). DDP's all-reduce is done as the
-    same all-to-all followed by an all-gather of the summed chunks.
-On other steps it performs the plain SUM reduction. It never reads a value on the host.
-Under HSDP the reduce-scatter spans one replica only, so `exact` is not available there.
+On a measured step the probe takes the squared norm of the local gradient and either
+  - `sketch`: its CountSketch (linear, so microbatch sketches add up; the norm then comes from the
+    sketch, unbiased, relative error about sqrt(2 / k)), or
+  - `exact`: the Gram of all ranks' local gradients at no extra volume: the reduce-scatter becomes
+    an all-to-all, each rank sums the rows (the reduce-scatter's result) and keeps rows @ rows.T
+    over its shard; the partials add up to the full Gram (DDP: the same, then an all-gather).
+Other steps do the plain SUM reduction. It never reads a value on the host; under HSDP the
+reduce-scatter spans one replica, so `exact` is not available there.
 
-The sketch is a CountSketch, a shared-seed sparse random projection of a gradient to k
-dimensions: coordinate i goes to bucket h(i) with sign s(i), both the same on every rank, so
-<sketch(a), sketch(b)> is an unbiased estimate of <a, b> with variance about
-(|a|^2 |b|^2 + <a, b>^2) / k: a cosine's error is about sqrt(2 / k) (0.044 at k = 1021).
-
-Built to cost two passes over the values (a multiply and a column sum), no per-value hashing
-and no scatter. Coordinates come in segments of P (a prime near 2^20). Within a segment the sign
-of offset j is T[(phi + j) mod P] from a cached random +-1 table T, and the bucket is
-(j + beta) mod k; phi, beta and a whole-segment sign flip come from a hash of the segment's
-index. So every pair of coordinates that share a bucket carries the product of two distinct
-independent table signs (times independent flips across segments): the estimate is unbiased
-with the CountSketch variance above. The segment is multiplied by a slice of T, viewed as
-rows of k and summed over rows.
-
-k is rounded down to a prime. With a power of two, a weight matrix's column (stride = row
-length, a multiple of k) would land in a single bucket, and LLM gradients concentrate on a few
-outlier feature columns: with a prime k the cosine's error on such a matrix stays within the
-bound above, with a power of two it does not (tests/test_diagnostics.py holds both). Those
-errors, and the sketch's time per value against a table-hashed index_add, as measured:
-titanlite/diagnostics/README.md, `sketch`.
+The CountSketch costs two passes (a multiply and a column sum), no per-value hashing: segments of
+P (a prime near 2^20) take signs from a cached random +-1 table at a hashed phase, buckets
+(j + beta) mod k and a hashed whole-segment flip, so colliding pairs carry independent signs and
+the estimate keeps the CountSketch variance. k is rounded down to a prime: with a power of two a
+weight matrix's column (stride a multiple of k) lands in one bucket, and LLM gradients concentrate
+on a few feature columns (tests/test_diagnostics.py; titanlite/diagnostics/README.md, `sketch`).
 """
 
 from __future__ import annotations
@@ -118,14 +98,7 @@ _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, fo
 
 
 class GradProbe:
-    def __init__(
-        self,
-        method: str,
-        world: int,
-        sketch_dim: int,
-        seed: int,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, method: str, world: int, sketch_dim: int, seed: int, device: torch.device):
         self.method = method
         self.world = world
         self.measuring = False

@@ -1,30 +1,15 @@
 r"""The per-sample rank test: is one rank's data worse (or better) than the rest of its step?
 
-Why it is exact under health. Within one step the sampler cuts one permuted global batch into
-contiguous per-rank slices (titanlite.datasets.sampler), and with the exact loss path the model
-that scores step t does not depend on how earlier steps were cut into ranks. So, given the
-step's sequences, every assignment of them to ranks is equally likely: the per-sequence losses
-(token means) of the ranks are exchangeable within a step, whatever the loss level, the data
-mixture or the learning rate do across steps. A rank test needs no baseline and no burn-in.
-
-Per step t and rank r with n of the step's N scored sequences, the Mann-Whitney statistic
-U_rt = #{(x, y): x of rank r, y of another rank, x > y} (+1/2 per tie) has, under that null,
-mean n (N - n) / 2 and variance n (N - n) (N + 1) / 12 (the variance without ties; ties only
-shrink it, so z is conservative). Its standard score z_rt has mean 0 and variance 1, and the
-z_rt of different steps are independent (each step's cut is its own permutation). Over the last
-W measured steps, Z_r = \sum_t z_rt / sqrt(W) (Stouffer) has mean 0 and variance 1 again, and is
-close to normal (a sum of W bounded terms; its exact tail is lighter than the normal one).
-
-False alarms. The rule fires when |Z_r| > z*, with z* = Phi^-1(1 - alpha / (2 m)) and m the
-ranks tested (m = 1 at dp = 2, where Z_0 = -Z_1). By the union bound over ranks and steps (valid
-for the overlapping windows too), a healthy run raises it at most alpha times per measured step
-in expectation: alpha = 1e-5 is at most 0.01 false alarms per 1,000 measured steps.
-
-Power. A rank whose every sequence scores above every other rank's reaches
-z_max = sqrt(3 n (N - n) / (N + 1)) per step, so the rule can fire only if
-z_max sqrt(W) > z*: one sequence per rank at dp = 8 gives z_max = 1.53, below what W = 10
-needs (4.85 / sqrt(10) = 1.53); two give 2.22. The start-up note says when a layout cannot
-reach z* (reachable()).
+The sampler cuts each step's permuted global batch into per-rank slices, and with the exact loss
+path the model scoring step t does not depend on that cut, so under health the ranks' per-sequence
+losses are exchangeable within a step: no baseline, no burn-in. Per step t and rank r with n of
+the step's N sequences, the Mann-Whitney U_rt has mean n (N - n) / 2 and variance
+n (N - n) (N + 1) / 12 (ties only shrink it: conservative); over the last W measured steps the
+Stouffer sum Z_r = \sum_t z_rt / sqrt(W) is about standard normal. The rule fires when
+|Z_r| > z* = Phi^-1(1 - alpha / (2 m)), m the ranks tested (1 at dp = 2, where Z_0 = -Z_1): by the
+union bound at most alpha false alarms per measured step. A rank whose every sequence scores
+above all others' reaches z_max = sqrt(3 n (N - n) / (N + 1)) per step, so it can fire only if
+z_max sqrt(W) > z* (reachable(); one sequence per rank at dp = 8 and W = 10 cannot).
 """
 
 from __future__ import annotations
@@ -34,6 +19,8 @@ import statistics
 from collections.abc import Callable
 from statistics import NormalDist
 
+import numpy as np
+
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics.registry import Finding, Point
 
@@ -41,18 +28,13 @@ from titanlite.diagnostics.registry import Finding, Point
 def rank_scores(samples: list[list[float]]) -> list[float | None]:
     """z_rt of each rank (module doc) from its sequences' token-mean losses; None for a rank
     with no scored sequence or when no other rank has one."""
-    pooled = sorted((x, r) for r, xs in enumerate(samples) for x in xs)
-    total = len(pooled)
-    rank_sums = [0.0] * len(samples)
-    i = 0
-    while i < total:  # midranks: tied values share the mean of their positions (1-based)
-        j = i
-        while j + 1 < total and pooled[j + 1][0] == pooled[i][0]:
-            j += 1
-        mid = (i + j) / 2 + 1
-        for k in range(i, j + 1):
-            rank_sums[pooled[k][1]] += mid
-        i = j + 1
+    values = np.array([x for xs in samples for x in xs], dtype=np.float64)
+    owner = np.repeat(np.arange(len(samples)), [len(xs) for xs in samples])
+    total = len(values)
+    # midranks: tied values share the mean of their (1-based) positions; half-integers, so exact
+    _, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    mid = (np.cumsum(counts) - (counts - 1) / 2)[inverse]
+    rank_sums = np.bincount(owner, weights=mid, minlength=len(samples)).tolist()
     scores: list[float | None] = []
     for r, xs in enumerate(samples):
         n = len(xs)

@@ -1,25 +1,8 @@
-"""What an alert is and what it reads.
-
-Every alert is one `AlertSpec`: its name, the cause it points to, its level, what it reads, its
-checks (each from the first measured step or after the burn-in), its thresholds and its own
-state. One runner (titanlite.diagnostics.alerts.AlertMonitor) serves them all: cooldown, hosts,
-the ranks each alert has named, the burn-in, and one state_dict that a checkpoint carries. A
-check reads a `Context`; the statistical rules (titanlite.diagnostics.rules) read its `Window`: a
-measured step reduced to a `Point`, and the window of points before it. Each returns `Finding`s.
-
-Adding an alert is one record plus its thresholds:
-
-    from titanlite.diagnostics.registry import AlertSpec, Check, Finding, register
-
-    def loss_above(ctx):  # a Context: the measured step's Point, the thresholds, this alert's state
-        if ctx.point.loss > ctx.threshold("loss_limit"):
-            return Finding("loss_above", [], f"loss {ctx.point.loss:.3f} above the limit")
-
-    register(AlertSpec("loss_above", cause="...", checks=(Check(loss_above),), defaults={"loss_limit": 9.0}))
-
-in a module the run imports first (`model.import_module`, as a fork's model registers). The
-built-in alerts are registered by titanlite.diagnostics.catalogue, in the order they are checked.
-"""
+"""What an alert is and what it reads. Every alert is one `AlertSpec` (name, cause, level, source,
+checks, thresholds, own state); one runner (alerts.AlertMonitor) serves them all. A check reads a
+`Context`; the statistical rules read its `Window` (the step as a `Point` and the points before).
+A fork adds an alert with `register(AlertSpec(...))` in a module the run imports first
+(`model.import_module`); the built-in ones are registered by catalogue.py, in check order."""
 
 from __future__ import annotations
 
@@ -32,10 +15,8 @@ from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics.stats import cos_medians, rank_noise
 from titanlite.errors import UserError
 
-LEVELS = (
-    "alert",
-    "info",
-)  # an alert counts and may stop a run (diagnostics.on_alert); info is a note
+# an alert counts and may stop a run (diagnostics.on_alert); info is a note
+LEVELS = ("alert", "info")
 # What a check reads: a measured step's record (diagnostics.jsonl), the spike guard's verdict of a
 # skipped step, or a comparison of the replicas' parameters.
 SOURCES = ("measured", "spikes", "replicas")
@@ -72,10 +53,6 @@ class Point:
     step_s: float | None = None  # the ranks' median step time (host clock), seconds
 
 
-def _median_excluding(values: list, r: int) -> float:
-    return statistics.median(v for j, v in enumerate(values) if j != r and v is not None)
-
-
 def point(rec: dict) -> Point | None:
     """A measured-step record (stats.step_metrics) as a Point; None if no rank had tokens."""
     losses, tokens = rec["rank_loss"], rec["rank_tokens"]
@@ -87,12 +64,9 @@ def point(rec: dict) -> Point | None:
     # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
     # in 14 of 20 steps by chance about 6% of the time).
     max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
-    others = [losses[r] for r in live if r != max_rank]
-    gap = (
-        (losses[max_rank] - statistics.fmean(others)) / loss
-        if max_rank is not None and loss > 0
-        else 0.0
-    )
+    gap = 0.0
+    if max_rank is not None and loss > 0:
+        gap = (losses[max_rank] - statistics.fmean(losses[r] for r in live if r != max_rank)) / loss
     low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
     cos = rec.get("cos_matrix")  # a record of version 1 has no summaries of its own
     medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
@@ -104,8 +78,11 @@ def point(rec: dict) -> Point | None:
     norms = rec.get("rank_grad_norm")
     if norms and len(live) >= SPREAD_RANKS:
         big_rank = max(live, key=norms.__getitem__)
-        rest = _median_excluding(norms, big_rank)
+        rest = statistics.median(v for j, v in enumerate(norms) if j != big_rank and v is not None)
         big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
+    noise = rec.get("rank_noise")
+    if noise is None and norms and cos:  # version 1
+        noise = rank_noise(norms, tokens, cos)
     return Point(
         rec["step"],
         loss,
@@ -120,11 +97,7 @@ def point(rec: dict) -> Point | None:
         big_ratio,
         rank_loss=list(losses),
         rank_norm=list(norms) if norms else None,
-        rank_noise=rec["rank_noise"]
-        if "rank_noise" in rec
-        else rank_noise(norms, tokens, cos)
-        if norms and cos
-        else None,
+        rank_noise=noise,
         rank_wait=rec.get("rank_wait_s"),
         rank_load=rec.get("rank_load_s"),
         step_s=rec.get("step_s"),
@@ -149,7 +122,7 @@ class Window:
     past: list[Point]  # the alert window before it
     trend: list[
         tuple[float, float]
-    ]  # (loss, loss_std) of the last trend_window steps, this one included
+    ]  # (loss, loss_std) of the last trend_window steps, this one's too
     seen: int  # measured steps so far, this one included
     world: int
     explained: Callable[[str | None, int | None], bool]  # as Context's
@@ -159,16 +132,19 @@ class Window:
     def pts(self) -> list[Point]:
         return [*self.past, self.p][-self.cfg.window :]
 
-    def persistent(self, rank_attr: str, value_attr: str) -> tuple[int, int, float] | None:
+    def persistent(
+        self, rank_attr: str, value_attr: str, above: float
+    ) -> tuple[int, int, float] | None:
         """The rank named by `rank_attr` most often in the window, if in at least persist_frac of
-        it and not explained by a data check: (rank, how often, mean `value_attr` over those steps)."""
+        it, not explained by a data check and its mean `value_attr` there above `above`: (rank,
+        how often, that mean)."""
         pts = self.pts
         counts = [sum(getattr(q, rank_attr) == r for q in pts) for r in range(self.world)]
         top = max(range(self.world), key=counts.__getitem__)
         if counts[top] < self.cfg.persist_frac * len(pts) or self.explained(None, top):
             return None
         mean = statistics.fmean(getattr(q, value_attr) for q in pts if getattr(q, rank_attr) == top)
-        return top, counts[top], mean
+        return (top, counts[top], mean) if mean > above else None
 
 
 class AlertState(Protocol):
@@ -230,9 +206,7 @@ class AlertSpec:
     level: str = "alert"
     source: str = "measured"
     thresholds: tuple[str, ...] = ()  # the [alerts] fields its checks read
-    defaults: Mapping[str, float] = field(
-        default_factory=dict
-    )  # thresholds of its own (no [alerts] field)
+    defaults: Mapping[str, float] = field(default_factory=dict)  # its own (no [alerts] field)
     # Its own state: made from (the [alerts] config, the world size, the batch unit); saved in checkpoints.
     state: Callable[[AlertsConfig, int, int], AlertState] | None = None
     cooldown: bool = True  # at most once per alerts.window measured steps per (alert, rank)

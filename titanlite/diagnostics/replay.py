@@ -1,12 +1,7 @@
-"""Replay: the alerts today's rules raise on recorded measured steps (a run's diagnostics.jsonl),
-with any [alerts] thresholds. This is how thresholds are tuned on a long run recorded once, and
-how a change to the rules is held to the alerts it must keep (tests/recordings/).
-
-A record carries its format's `version`; one written before versions were recorded is version 1.
-A later format adds an upgrade here from the one before, so every recording stays replayable.
-replica_drift and spike_skipped are not replayed: the replica hashes and the spike guard's
-verdicts are not in the records (a run's events.jsonl keeps what they raised).
-"""
+"""Replay: the alerts today's rules raise on a run's recorded measured steps (diagnostics.jsonl),
+with any [alerts] thresholds: how thresholds are tuned and rule changes held to their alerts
+(tests/recordings/). replica_drift and spike_skipped are not replayed: what they read is not in
+the records (events.jsonl keeps what they raised)."""
 
 from __future__ import annotations
 
@@ -28,18 +23,6 @@ NOT_REPLAYED = ("replica_drift", "spike_skipped")
 SAME = ("step", "name", "ranks", "message", "level")
 
 
-def upgrade(rec: dict, where: str = "a diagnostics record") -> dict:
-    """A record in today's format. Version 1 has every pair's cosine and not the summaries that
-    version 2 adds; window.point derives them from its cos_matrix as it reads it."""
-    version = rec.get("version", 1)
-    if not isinstance(version, int) or version > RECORD_VERSION:
-        raise UserError(
-            f"{where} has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
-            "replay it with the titanlite that wrote it, or update titanlite"
-        )
-    return rec
-
-
 def last_per_step(records: Iterable[dict]) -> list[dict]:
     """The last record of each step, in step order (a resumed run writes some steps again)."""
     return [r for _, r in sorted({r["step"]: r for r in records}.items())]
@@ -49,9 +32,16 @@ def replay(
     records: list[dict], cfg: AlertsConfig, batch_unit: int = 0, hosts: list[str] | None = None
 ) -> list[Alert]:
     """The alerts a fresh runner raises on `records` (one run's measured steps, in order)."""
-    records = [upgrade(r) for r in last_per_step(records)]
+    records = last_per_step(records)
     if not records:
         return []
+    for rec in records:  # version 1's summaries registry.point derives as it reads them
+        version = rec.get("version", 1)
+        if not isinstance(version, int) or version > RECORD_VERSION:
+            raise UserError(
+                f"a diagnostics record has format version {version!r}, newer than this titanlite's {RECORD_VERSION}: "
+                "replay it with the titanlite that wrote it, or update titanlite"
+            )
     world = len(records[0]["rank_loss"])
     monitor = AlertMonitor(cfg, hosts or ["-"] * world, batch_unit)
     return [a for rec in records for a in monitor.update(rec)]
@@ -83,31 +73,23 @@ def recorded(run_dir: Path) -> dict:
     raised from what the records do not hold."""
     cfg, records, batch_unit = _run(run_dir)
     steps = {r["step"] for r in records}
-    events = [
-        {k: e[k] for k in SAME}
-        for e in read_records(run_dir / "events.jsonl")
-        if e["step"] in steps
-    ]
+    events = read_records(run_dir / "events.jsonl")
+    events = [{k: e[k] for k in SAME} for e in events if e["step"] in steps]
     return {
         "alerts": asdict(cfg.alerts),
         "faults": asdict(cfg.faults) if cfg.faults else {},  # what the alerts should name
         "batch_unit": batch_unit,
         "records": records,
         "raised": [e for e in events if e["name"] not in (*NOT_REPLAYED, "data_changed")],
-        "kept": [
-            e for e in events if e["name"] in NOT_REPLAYED
-        ],  # raised, but not from the records
+        "kept": [e for e in events if e["name"] in NOT_REPLAYED],  # raised, not from the records
     }
 
 
 def save_recording(path: Path, runs: dict[str, Path]) -> None:
     """Runs by name in one xz-compressed JSON file (tests/recordings/)."""
     data = {"format": 1, "runs": {name: recorded(run_dir) for name, run_dir in runs.items()}}
-    path.write_bytes(
-        lzma.compress(
-            json.dumps(data, separators=(",", ":")).encode(), preset=9 | lzma.PRESET_EXTREME
-        )
-    )
+    text = json.dumps(data, separators=(",", ":")).encode()
+    path.write_bytes(lzma.compress(text, preset=9 | lzma.PRESET_EXTREME))
 
 
 def load_recording(path: Path) -> dict[str, dict]:

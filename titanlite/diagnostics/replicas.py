@@ -1,14 +1,8 @@
-"""Replica consistency: under DDP, and across HSDP's replicas, every replica must hold bitwise the
-same parameters after every update. Silent data corruption, a failing device, or an op that is
-not deterministic across replicas (the "precision drift" of the Loss Dispersion Reference Manual)
-make them drift apart, and no loss curve shows it. FSDP alone has no replicas: each rank holds
-its own shard, so there is nothing to compare.
-
-Every `replica_check_every` steps, after the update, each rank hashes each of its parameters
-(its local shard under HSDP) on the device and all-gathers the hashes asynchronously on the
-diagnostics group; the next log step reads them with the diagnostics' one host read and compares
-each shard's replicas. The hash is integer arithmetic, exact in any order, so equal bytes give
-equal hashes on any device, and one flipped bit changes it (except with probability 2**-52).
+"""Replica consistency: under DDP and across HSDP's replicas every replica must hold bitwise the
+same parameters after every update; silent data corruption, a failing device or an op that is
+not deterministic across replicas make them drift, and no loss curve shows it. Every
+`replica_check_every` steps each rank hashes its parameters on the device (integer arithmetic,
+exact in any order) and all-gathers the hashes; the next log step compares each shard's replicas.
 """
 
 from __future__ import annotations
@@ -133,10 +127,9 @@ class ReplicaCheck:
                     continue
                 odd.add(r)
                 ref = majority if majority is not None else next(o for o in rows if o != row)
-                first = min(
-                    first, next(i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b)
-                )
+                differs = (i for i, (a, b) in enumerate(zip(row, ref, strict=True)) if a != b)
+                first = min(first, next(differs))
+        if not odd:
+            return None
         # the diagnostics name data-parallel replicas: a rank's is rank // split
-        return (
-            Drift(step, sorted({r // self.split for r in odd}), self.names[first]) if odd else None
-        )
+        return Drift(step, sorted({r // self.split for r in odd}), self.names[first])

@@ -1,25 +1,13 @@
-"""The rules behind the named alerts, each a check in one alert's record
-(titanlite.diagnostics.catalogue); the runner (titanlite.diagnostics.alerts) adds the cooldown,
-the hosts and the cause.
+"""The rules behind the named alerts, each a check in one alert's record (catalogue.py).
 
-The exact data checks, from a measured step's per-sequence records. Each rank reports per
-sequence the dataset index its sampler assigned and a fingerprint of the tokens its loader
-delivered (step_record.content_fingerprint), plus a hash of the whole global batch as its sampler
-orders it. Three faults show as equalities, with no threshold and no burn-in:
-- identical_data: two ranks were handed the same sequences (the "rank not passed to the
-  loader" bug), at the first measured step;
-- stale_batch: a rank's tokens are those of its previous measured step although its sampler
-  assigned other sequences (a reader stuck on a stale buffer), at the second;
-- data_order_mismatch: the ranks' samplers order the global batch differently (per-rank shuffle
-  seeds: S1-2 / S1-3 of "Silent Inconsistency in Data-Parallel Full Fine-Tuning", arXiv
-  2602.14462), so some sequences are read twice and others never, at the first.
-Sequences that legitimately repeat do not trip them: a dataset's duplicate documents have other
-indices (identical_data compares indices), and stale_batch needs every sequence of a rank to
-repeat, under new indices, at two measured steps in a row.
-
-The statistical rules, past the burn-in: each reads a `Window` (the measured step reduced to a
-`Point`, the points before it, the thresholds of the [alerts] section) and returns a `Finding`
-or None.
+The exact data checks compare, per rank, each sequence's dataset index and content fingerprint
+(step_record.content_fingerprint) and the sampler's hash of the global batch order; with no
+threshold and no burn-in: identical_data (two ranks handed the same indices), stale_batch (a
+rank's tokens repeat its previous measured step's under new indices: a stuck reader) and
+data_order_mismatch (per-rank shuffle seeds: S1-2 / S1-3 of "Silent Inconsistency in
+Data-Parallel Full Fine-Tuning", arXiv 2602.14462). A dataset's duplicate documents have other
+indices, so they do not trip them. The statistical rules, past the burn-in, read a `Window` and
+return a `Finding` or None.
 """
 
 from __future__ import annotations
@@ -65,7 +53,7 @@ def read(rec: dict) -> list[list[list[float]]] | None:
     return [[[s["index"] for s in rank], [s["content"] for s in rank]] for rank in samples]
 
 
-def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
+def identical(now: list[list[list[float]]]) -> Finding | None:
     """identical_data: ranks handed the same sequences as a lower rank."""
     copies = [
         r for r in range(len(now)) if now[r][0] and any(now[r][0] == now[q][0] for q in range(r))
@@ -73,14 +61,11 @@ def identical(now: list[list[list[float]]]) -> tuple[list[int], str] | None:
     if not copies:
         return None
     first = next(q for q in range(copies[0]) if now[q][0] == now[copies[0]][0])
-    return copies, (
-        f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
-    )
+    msg = f"rank(s) {copies} were handed the same sequences as rank {first} (indices {now[copies[0]][0][:4]}...)"
+    return Finding("identical_data", copies, msg)
 
 
-def stale(
-    now: list[list[list[float]]], prev: list[list[list[float]]] | None
-) -> tuple[list[int], str] | None:
+def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) -> Finding | None:
     """stale_batch: ranks whose tokens are their previous measured step's under new indices."""
     if prev is None or len(prev) != len(now):
         return None
@@ -91,13 +76,11 @@ def stale(
     ]
     if not ranks:
         return None
-    return ranks, (
-        f"rank(s) {ranks} trained on the same tokens as at their previous measured step "
-        "although their sampler assigned other sequences"
-    )
+    msg = f"rank(s) {ranks} trained on the same tokens as at their previous measured step although their sampler assigned other sequences"
+    return Finding("stale_batch", ranks, msg)
 
 
-def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
+def order_mismatch(orders: list[int]) -> Finding | None:
     """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
     (every rank when there is none)."""
     counts: dict[float, int] = {}
@@ -108,10 +91,9 @@ def order_mismatch(orders: list[int]) -> tuple[list[int], str] | None:
     common, n = max(counts.items(), key=lambda kv: kv[1])
     majority = n > len(orders) / 2
     odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
-    return odd, (
-        f"the samplers of rank(s) {odd} order the global batch differently from "
-        f"{'the other ranks' if majority else 'each other'} ({len(counts)} different orders among {len(orders)} ranks)"
-    )
+    others = "the other ranks" if majority else "each other"
+    msg = f"the samplers of rank(s) {odd} order the global batch differently from {others} ({len(counts)} different orders among {len(orders)} ranks)"
+    return Finding("data_order_mismatch", odd, msg)
 
 
 def dispersion_spike(w: Window) -> Finding | None:
@@ -131,11 +113,9 @@ def dispersion_spike(w: Window) -> Finding | None:
 
 
 def dispersion_rising_loss_falling(w: Window) -> Finding | None:
-    """The Loss Dispersion manual's critical warning. Dispersion grows naturally for a long time
-    while the model learns, so the rule has its own, longer burn-in; a drift is a long trend and
-    the std over a few ranks is noisy from step to step, so it compares medians of thirds of a
-    long window (means of thirds of the alert window raise it in healthy runs). What healthy
-    runs measured, both ways: titanlite/diagnostics/README.md, on the trend rule."""
+    """The Loss Dispersion manual's critical warning. Dispersion grows naturally while the model
+    learns, so it has a longer burn-in, and compares medians of thirds of a long window (the std
+    over a few ranks is noisy; titanlite/diagnostics/README.md, on the trend rule)."""
     c = w.cfg
     if w.p.ranks < SPREAD_RANKS or w.seen <= c.trend_burn_in or len(w.trend) < c.trend_window:
         return None
@@ -151,8 +131,8 @@ def dispersion_rising_loss_falling(w: Window) -> Finding | None:
 
 def single_rank_outlier(w: Window) -> Finding | None:
     """One rank has the highest loss, by a margin, in most of the window."""
-    hit = w.persistent("max_rank", "gap")
-    if not hit or hit[2] <= w.cfg.outlier_margin:
+    hit = w.persistent("max_rank", "gap", w.cfg.outlier_margin)
+    if not hit:
         return None
     top, n, gap = hit
     msg = f"rank {top} had the highest loss in {n} of the last {len(w.pts)} measured steps, {100 * gap:.1f}% above the others"
@@ -190,8 +170,8 @@ def cosine_drop(w: Window) -> Finding | None:
 
 def faulty_worker_direction(w: Window) -> Finding | None:
     """One rank's gradient persistently disagrees with the others'."""
-    hit = w.persistent("low_rank", "low_margin")
-    if not hit or hit[2] <= w.cfg.faulty_margin:
+    hit = w.persistent("low_rank", "low_margin", w.cfg.faulty_margin)
+    if not hit:
         return None
     low, n, margin = hit
     msg = (
@@ -203,8 +183,8 @@ def faulty_worker_direction(w: Window) -> Finding | None:
 
 def faulty_worker_norm(w: Window) -> Finding | None:
     """One rank's gradient norm persistently stands apart."""
-    hit = w.persistent("big_rank", "big_ratio")
-    if not hit or hit[2] <= w.cfg.norm_outlier_factor:
+    hit = w.persistent("big_rank", "big_ratio", w.cfg.norm_outlier_factor)
+    if not hit:
         return None
     big, n, ratio = hit
     msg = (
@@ -235,10 +215,8 @@ def noise_rises(w: Window) -> list[float | None]:
 
 def faulty_worker_norm_rise(w: Window) -> Finding | None:
     """One rank's gradient noise rises to a multiple of its own history while the others' does
-    not (what moves every rank, a learning-rate change say, is the trend). Needs no third rank:
-    at dp = 2 a comparison across ranks cannot say which of two is off, a rank's own history can.
-    The noise per token, not the norm: a rank's token-mean gradient from few valid tokens (an SFT
-    step that handed it short answers) is larger by chance alone, by sqrt(tokens) in the noise."""
+    not (what moves every rank is the trend). Works at dp = 2. The noise per token, not the norm:
+    a rank handed few valid tokens (SFT) has a larger token-mean gradient by chance alone."""
     rises, limit = noise_rises(w), math.log(w.cfg.norm_outlier_factor)
     for r in sorted((r for r, x in enumerate(rises) if x is not None), key=lambda r: -rises[r]):
         others = [x for j, x in enumerate(rises) if j != r and x is not None]
@@ -266,9 +244,7 @@ def faulty_worker_norm_rise(w: Window) -> Finding | None:
 
 def faulty_worker_norm_pair(w: Window) -> Finding | None:
     """dp = 2, the norms a multiple apart throughout the window and no rank named for it yet (a
-    fault there from the start: no history in which they agreed). Which of two is off cannot be
-    told from their norms (noise adds to a gradient; a gradient that vanished lowers one), so both
-    are named."""
+    fault from the start): which of two is off cannot be told from their norms, so both are named."""
     if w.world != 2 or w.named.get("faulty_worker") or w.explained(None, None):
         return None
     pairs = [
@@ -294,22 +270,11 @@ def faulty_worker_norm_pair(w: Window) -> Finding | None:
 
 
 class BatchAdvisor:
-    """batch_size_advice: what the measured gradient noise scale says about the run's batch.
-
-    "An Empirical Model of Large-Batch Training" (McCandlish et al., arXiv 1812.06162) finds that
-    the critical batch, past which a larger batch stops buying fewer steps, is about the gradient
-    noise scale B_noise, estimated by B_simple (stats.NoiseScale, in tokens, EMA-smoothed). Well
-    below it a step's gradient is mostly noise: doubling the batch nearly halves the steps to a
-    given loss, for about the same tokens. Well above it the extra batch buys little: the same loss
-    costs more tokens. B_simple moves as training goes (it grows as the loss falls), so the advice
-    is given only when the ratio (to the batch's mean tokens over those steps: an SFT batch's vary
-    by step) stays past `advice_ratio` either way for `advice_steps` measured steps, and again only
-    when it has moved a further `advice_ratio`-fold the same way (the noise scale keeps growing over
-    a long run, and the batch it asks for with it). The batch is part of the run's identity (a
-    resumed run keeps it), so the advice is for the next run, with the flag that would set it.
-
-    `unit`: the sequences the global batch moves by with everything else kept (dp x the local
-    batch: only the accumulation changes), for the suggested flag."""
+    """batch_size_advice: the critical batch is about the gradient noise scale ("An Empirical
+    Model of Large-Batch Training", McCandlish et al., arXiv 1812.06162), estimated by B_simple
+    (stats.NoiseScale). It moves as training goes, so the advice comes only when its ratio to the
+    batch stays past `advice_ratio` either way for `advice_steps` measured steps, and again only a
+    further `advice_ratio`-fold on. `unit`: the sequences the global batch moves by (dp x local)."""
 
     def __init__(self, cfg: AlertsConfig, unit: int) -> None:
         self.cfg = cfg
@@ -334,11 +299,8 @@ class BatchAdvisor:
     def update(self, rec: dict) -> Finding | None:
         """A measured-step record (component.Diagnostics.collect: noise_scale_tokens,
         batch_tokens, batch_sequences): the advice, when it is due."""
-        noise, tokens, sequences = (
-            rec.get("noise_scale_tokens"),
-            rec.get("batch_tokens"),
-            rec.get("batch_sequences"),
-        )
+        noise, tokens = rec.get("noise_scale_tokens"), rec.get("batch_tokens")
+        sequences = rec.get("batch_sequences")
         # B_simple <= 0: the ranks' gradients agree beyond their noise (the same data, say), and
         # the estimate says nothing about the batch
         if noise is None or noise <= 0 or not tokens or not sequences:
@@ -352,13 +314,9 @@ class BatchAdvisor:
             self.advised = 0.0  # back in the band: a later excursion is advised again
             return None
         edge = r if side > 0 else 1 / r
-        if self.advised and (self.advised > 1) == (
-            side > 0
-        ):  # advised on this side: a further fold
+        if self.advised and (self.advised > 1) == (side > 0):  # advised this side: a further fold
             edge = self.advised * r if side > 0 else self.advised / r
-        past = (
-            all(x >= edge for x in self.ratios) if side > 0 else all(x <= edge for x in self.ratios)
-        )
+        past = all((x - edge) * side >= 0 for x in self.ratios)
         if len(self.ratios) < self.cfg.advice_steps or not past:
             return None
         before, ratio = self.advised, statistics.median(self.ratios)

@@ -1,8 +1,6 @@
-"""The fault scenarios and the alert that must name each: the table scripts/diagnose_scenarios.py
-runs, tests/test_scenarios.py and tests/test_alerts.py (the recordings) check, and the
-diagnostics README's detection table states. Each scenario is a set of trainer overrides: the
-[faults] switches of the fault plugin (titanlite.faults) (and the seed settings of "Silent
-Inconsistency in Data-Parallel Full Fine-Tuning", arXiv 2602.14462, for S1-1 to S1-3)."""
+"""The fault scenarios (trainer overrides: [faults] switches, and the seed settings of arXiv
+2602.14462 for S1-1 to S1-3) and the alert that must name each: scripts/diagnose_scenarios.py
+runs them, tests/test_scenarios.py and tests/test_alerts.py check them."""
 
 from __future__ import annotations
 
@@ -37,6 +35,7 @@ def scenarios(dp: int, onset: int = 1) -> dict[str, list[str]]:
 def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None]:
     """Per scenario: (the alert that names its fault, the rank(s) at fault, the step the fault
     starts), or None where no alert is right."""
+    pair = [0, 1]  # of two ranks: both (two replicas), or neither the majority (S1-2)
     return {
         "healthy": None,
         "healthy_sft": None,
@@ -44,18 +43,10 @@ def expected(dp: int, onset: int) -> dict[str, tuple[str, list[int], int] | None
         "corrupt_labels": ("single_rank_outlier", [dp // 2], onset),
         "grad_noise": ("faulty_worker", [1], onset),
         "slow_rank": ("slow_rank", [dp - 1], onset),
-        "replica_flip": (
-            "replica_drift",
-            [dp - 1] if dp > 2 else [0, 1],
-            5,
-        ),  # of two replicas, both
+        "replica_flip": ("replica_drift", [dp - 1] if dp > 2 else pair, 5),
         "stuck_loader": ("stale_batch", [dp - 1], 5),
         "S1-1": None,  # every rank shares the seeds: titanlite's normal mode
-        "S1-2": (
-            "data_order_mismatch",
-            [0] if dp > 2 else [0, 1],
-            1,
-        ),  # of two, neither is the majority
+        "S1-2": ("data_order_mismatch", [0] if dp > 2 else pair, 1),
         "S1-3": ("data_order_mismatch", list(range(dp)), 1),
     }
 

@@ -1,24 +1,12 @@
 r"""Diagnostics metrics of one measured step, from what every rank contributed.
 
-Inputs (the same on every rank after the gather):
-  S_r   summed cross entropy of rank r's microbatches of the step
-  n_r   its valid tokens;  N = \sum_r n_r
-  q_r   ||h_r||^2, h_r = \sum_m \nabla S_{r,m} / N: what rank r contributes to the reduction
-  G     Gram matrix of the h_r (exact, or estimated from sketches)
-
-Rank r's own token-mean loss is S_r / n_r and its own token-mean gradient g_r = h_r N / n_r,
-so ||g_r|| = sqrt(q_r) N / n_r (exact, unless q_r comes from a sketch summed per microbatch:
-see probe.py). Cosines are scale-free and come from G alone:
-cos(g_i, g_j) = G_ij / sqrt(G_ii G_jj).
-The step's gradient is \sum_r h_r, so each rank's cosine to it is
-\sum_j G_ij / sqrt(G_ii \sum_jk G_jk). A rank whose gradient is much larger than the others'
-(a faulty device adding noise, say) dominates that sum and looks well aligned, so each rank's
-cosine to the sum of the *other* ranks is kept too:
-\sum_{j != i} G_ij / sqrt(G_ii \sum_{j,k != i} G_jk). A rank with no valid token has no gradient of its own:
-it is left out of the loss, norm and cosine statistics (and counted in `empty_ranks`).
-Dispersions are population statistics (1/N), as the Loss Dispersion Reference Manual defines
-them (titanlite's source documents, on the metrics of "Silent Inconsistency in Data-Parallel
-Full Fine-Tuning", arXiv 2602.14462).
+S_r: rank r's summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
+h_r = \sum_m \nabla S_{r,m} / N its contribution to the reduction, G the Gram of the h_r. Rank r's
+token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come
+from G alone. A rank much larger than the others dominates the sum and looks aligned with it,
+so each rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is
+left out (counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss
+Dispersion Reference Manual defines them (on the metrics of arXiv 2602.14462).
 """
 
 from __future__ import annotations
@@ -104,23 +92,18 @@ def step_metrics(
     others_sq = total_sq - 2 * row + own  # the Gram's sum over every pair but rank r's
     with np.errstate(divide="ignore", invalid="ignore"):  # masked out below
         cos = np.where(pair_ok, g / (diag[:, None] * diag[None, :]), np.nan)
-        to_mean = _listed(
-            np.where(ok & (total_sq > 0), row / (diag * np.sqrt(max(total_sq, 0.0))), np.nan)
-        )
-        to_others = _listed(
-            np.where(
-                ok & (others_sq > 0), (row - own) / (diag * np.sqrt(np.abs(others_sq))), np.nan
-            )
-        )
+        to_mean = row / (diag * np.sqrt(max(total_sq, 0.0)))
+        to_others = (row - own) / (diag * np.sqrt(np.abs(others_sq)))
+    to_mean = _listed(np.where(ok & (total_sq > 0), to_mean, np.nan))
+    to_others = _listed(np.where(ok & (others_sq > 0), to_others, np.nan))
     pairs = cos[np.triu(pair_ok, k=1)]
-    live_cos = [to_mean[r] for r in live if to_mean[r] is not None]
+    has_cos = [r for r in live if to_mean[r] is not None]
+    live_cos = [to_mean[r] for r in has_cos]
     m.update(
         cos_mean_pairwise=float(pairs.mean()) if pairs.size else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
-        cos_to_mean_min_rank=_argmin(live_cos, [r for r in live if to_mean[r] is not None])
-        if live_cos
-        else None,
+        cos_to_mean_min_rank=_argmin(live_cos, has_cos) if live_cos else None,
         rank_cos_to_others=to_others,
         rank_cos_median=cos_medians(cos, live),
         rank_noise=rank_noise(norms, tokens, cos),

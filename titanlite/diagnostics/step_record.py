@@ -1,16 +1,11 @@
-"""What each rank contributes to a measured step, packed into one float64 row for one all-gather
-and read back by name on the host (component.py): `unpack`, then `fold_replicas`, then
-`RankRow.of`. Float64 keeps the integers in it exact: dataset indices and the sampler's order
-hash are below 2**53.
-
-A row is the fields of SCALARS, then, per sequence of the rank's step (microbatch order), the
-fields of PER_SEQUENCE, field by field: [loss sums x n, tokens x n, indices x n, contents x n].
-"""
+"""What each rank contributes to a measured step: one float64 row (exact for the dataset indices
+and the order hash, below 2**53) for one all-gather, read back by name on the host: `unpack`,
+then `fold_replicas`, then `RankRow.of`. A row is SCALARS, then PER_SEQUENCE field by field."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -45,9 +40,7 @@ class RankStep:
     loss_sum: torch.Tensor  # [] its summed token loss
     tokens: torch.Tensor  # [] its valid (target) tokens
     norm_sq: torch.Tensor  # [] squared norm of what it contributes to the gradient reduction
-    order: (
-        torch.Tensor
-    )  # [1] its sampler's hash of the global batch (GlobalBatchSampler.order_hash)
+    order: torch.Tensor  # [1] its sampler's hash of the global batch
     times: torch.Tensor  # [3] data loading, wait at the start barrier, step time (s; NaN: unknown)
     sequence_loss_sums: torch.Tensor  # [n] per sequence
     sequence_tokens: torch.Tensor  # [n]
@@ -56,8 +49,7 @@ class RankStep:
 
     def pack(self) -> torch.Tensor:
         """The row (module doc), float64, on the tensors' device; reads nothing on the host."""
-        parts = ["loss_sum", "tokens", "norm_sq", "order", "times", *PER_SEQUENCE]
-        return torch.cat([getattr(self, name).double().reshape(-1) for name in parts])
+        return torch.cat([getattr(self, f.name).double().reshape(-1) for f in fields(self)])
 
 
 def unpack(row: list[float]) -> dict[str, Any]:
@@ -105,14 +97,10 @@ def _latest(t: float) -> float:
 def fold_replicas(
     rows: list[dict[str, Any]], gram: list[list[float]], split: int, exact_norms: bool
 ) -> tuple[list[dict[str, Any]], list[list[float]]]:
-    """Rows (`unpack`'s) and Gram of ranks that split each sequence in `split` pieces
-    (parallelism.axes: runs of `split` consecutive ranks share a replica's sequences) as one row
-    per replica, which is what the diagnostics compare. Sums add (losses, tokens, per sequence
-    too, and the content fingerprints, which are linear in the tokens); the batch's order and the
-    sequences' indices are the replica's; it loads as slowly as its slowest piece and waits as
-    briefly as its latest. A replica's gradient is the sum of its pieces', so its inner products
-    are the Gram's block sums and its squared norm the block's whole (`exact_norms`: the diagonal
-    from each rank's own exact norm, the cross terms from the Gram)."""
+    """Rows (`unpack`'s) and Gram of ranks that split each sequence in `split` pieces as one row
+    per replica, which the diagnostics compare. Sums add (the content fingerprints are linear in
+    the tokens); a replica loads as slowly as its slowest piece and waits as briefly as its
+    latest; its Gram is the block sums (`exact_norms`: the diagonal from each rank's exact norm)."""
     if split == 1:
         return rows, gram
     blocks = [range(a, a + split) for a in range(0, len(rows), split)]
@@ -129,9 +117,7 @@ def fold_replicas(
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
                 "load_s": max((r["load_s"] for r in part), key=_latest),
-                "wait_s": min(
-                    (r["wait_s"] for r in part), key=lambda t: math.inf if math.isnan(t) else t
-                ),
+                "wait_s": min((r["wait_s"] for r in part), key=lambda t: -_latest(-t)),
                 "step_s": max((r["step_s"] for r in part), key=_latest),
                 "sequence_index": part[0]["sequence_index"],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},

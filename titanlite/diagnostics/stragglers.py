@@ -1,19 +1,10 @@
 """Stragglers: which rank the others wait for, and by how much.
 
-A late rank makes every other rank wait at the next collective, so the step time shows that the
-job is slow but not who is late. On a measured step each rank times its data loading and then
-waits at a one-value all-reduce on the diagnostics' own group, as the step starts: the last rank
-to arrive waits least, and the others wait about as long as it is late. The times travel in the
-measured step's gather (component.py) to the `slow_rank` rule (slow_rank below).
-
-What it sees: lateness built up since the previous step's last collective (the optimizer step,
-data loading, anything the host does between steps). A device slow throughout also makes the
-others wait inside the forward and backward collectives, which this does not time: the figure is
-a lower bound of the lateness there.
-
-Clocks: the host's on the CPU (gloo's all-reduce blocks the host); device events on CUDA, read
-when they are complete without waiting (Event.query), so a measured step carries the wait of the
-latest measured step whose events are done, usually the one before it. Nothing waits on the host.
+On a measured step each rank times its data loading, then waits at a one-value all-reduce as the
+step starts: the last to arrive waits least, the others about as long as it is late. This sees
+lateness built up since the previous step's last collective (a lower bound for a device slow
+throughout). CUDA waits are read from events once complete (Event.query), so a step usually
+carries the previous measured step's wait; nothing waits on the host.
 """
 
 from __future__ import annotations
