@@ -94,6 +94,11 @@ def _latest(t: float) -> float:
     return -math.inf if math.isnan(t) else t
 
 
+def _earliest(t: float) -> float:
+    """A time's key for min(): NaN (unknown) above any."""
+    return math.inf if math.isnan(t) else t
+
+
 def fold_replicas(
     rows: list[dict[str, Any]], gram: list[list[float]], split: int, exact_norms: bool
 ) -> tuple[list[dict[str, Any]], list[list[float]]]:
@@ -117,7 +122,7 @@ def fold_replicas(
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
                 "load_s": max((r["load_s"] for r in part), key=_latest),
-                "wait_s": min((r["wait_s"] for r in part), key=lambda t: -_latest(-t)),
+                "wait_s": min((r["wait_s"] for r in part), key=_earliest),
                 "step_s": max((r["step_s"] for r in part), key=_latest),
                 "sequence_index": part[0]["sequence_index"],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},
