@@ -218,13 +218,14 @@ class AlertMonitor:
     def observe(self, source: str, step: int, event: dict) -> list[Alert]:
         """The alerts of an observation other than a measured step ("spikes": the spike guard
         skipped `step`'s update; "replicas": the replicas compared after `step`)."""
-        return self._checks(source, step, False, event=event)
+        return self._checks(source, step, None, event=event)
 
-    def _checks(self, source: str, step: int, burn_in: bool, **seen_now) -> list[Alert]:
-        """The alerts of every `source` check with this `burn_in`, in the registry's order."""
+    def _checks(self, source: str, step: int, burn_in: bool | None, **seen_now) -> list[Alert]:
+        """The alerts of every `source` check with this `burn_in` (None: every check), in the
+        registry's order."""
         out = []
         for spec in (s for s in self.specs if s.source == source):
-            for check in (c for c in spec.checks if c.burn_in == burn_in):
+            for check in (c for c in spec.checks if burn_in in (None, c.burn_in)):
                 out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
         return out
 
