@@ -1,20 +1,8 @@
-"""The run's plan: every quantity derived from a config at a world size, computed once here.
-
-The mesh degrees and mode, gradient accumulation, tokens per step, the batch unit, the
-diagnostics method and the loss chunk; the sampler, the loss, the registry, the memory estimate
-and the diagnostics read them from the plan, and bad input is found here as one UserError. Kept
-free of torch so the launcher's preflight check can use it before any worker starts.
-
-What a rehearsal (`rehearsal.world` > 0, ./run_train.sh --rehearse W) changes in the run it
-rehearses is decided here too, from the config alone, so the preflight, the trainer and the
-report all read the same plan. A rehearsal builds the run as configured, as rank 0 of `world`
-ranks in one process on torch's fake process group (titanlite.rehearsal): collectives return at
-once, shapes are true, values are meaningless. So it keeps all that costs memory, compute or
-traffic (the model, its sharding and mixed precision, activation checkpointing, compile, the loss
-path, the optimizer, the diagnostics) and drops what would read or keep the meaningless values:
-checkpoints, evals, exports, an initial load, the metrics files, the spike guard's skips. The
-global batch is the config's where it splits over `world` ranks, else `world` x the local batch.
-"""
+"""The run's plan: every quantity derived from a config at a world size (mesh, accumulation,
+tokens per step, batch unit, diagnostics method, loss chunk), computed once, torch-free so the
+preflight can use it. Also what a rehearsal (titanlite.rehearsal: rank 0 of `world` on a fake
+process group, values meaningless) changes: it keeps what costs memory, compute or traffic and
+drops what would read or keep the values (checkpoints, evals, exports, metrics files, skips)."""
 
 from __future__ import annotations
 
@@ -146,14 +134,10 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
         )
     mode = p.mode
-    if mode == "auto":
-        mode = (
-            "hsdp"
-            if (p.dp_replicate > 1 and shard > 1)
-            else "ddp"
-            if p.dp_replicate > 1
-            else "fsdp"
-        )
+    if mode == "auto" and p.dp_replicate > 1:
+        mode = "hsdp" if shard > 1 else "ddp"
+    elif mode == "auto":
+        mode = "fsdp"
     if mode == "fsdp" and p.dp_replicate != 1:
         raise UserError(
             "parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas"
@@ -210,18 +194,9 @@ def resolve_method(
     dp: int = 2,
     sketch_dim: int = 1024,
 ) -> str:
-    """diagnostics.method (`method`) at a layout, `auto` resolved (Layout.diagnostics_method).
-
-    `exact` needs each rank's whole-step local gradient at once. That is free under DDP, with one
-    microbatch, or when the earlier microbatches skip the reduction anyway; otherwise a measured
-    step must skip it, and FSDP then keeps every unit's unsharded gradient across microbatches
-    (4 bytes x all parameters per rank). The sketch is linear (the sketch of a sum is the sum of
-    the sketches), so it accumulates per microbatch while FSDP reduce-scatters as usual, at
-    O(world x sketch_dim) memory: `auto` takes it there, and under HSDP, where exact cannot work.
-    It also takes it past dp = sketch_dim / 4 ranks, where exact's all-reduce of the dp x dp
-    float64 Gram (16 dp^2 bytes a rank sends) outweighs the gather of the float32 sketches
-    (4 dp sketch_dim bytes; scripts/rehearse_sweep.py measures both).
-    """
+    """diagnostics.method at a layout, `auto` resolved: exact needs each rank's whole-step local
+    gradient at once (free under ddp, one microbatch, or skip_grad_sync); else, under hsdp, or
+    past dp = sketch_dim / 4 (where the dp x dp Gram outweighs gathering sketches), the sketch."""
     if method != "auto":
         return method
     if mode == "hsdp" or 4 * dp > sketch_dim:
@@ -244,9 +219,8 @@ def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
     (titanlite.models.registry.build_meta_model computes them there, once)."""
     t, budget = cfg.training, cfg.loss.chunk_logits_mib
     eval_batch = cfg.eval.local_batch_size or t.local_batch_size
-    return loss_chunk(budget, t.local_batch_size, t.seq_len, vocab), loss_chunk(
-        budget, eval_batch, t.seq_len, vocab
-    )
+    train = loss_chunk(budget, t.local_batch_size, t.seq_len, vocab)
+    return train, loss_chunk(budget, eval_batch, t.seq_len, vocab)
 
 
 def rank_share(cfg: JobConfig, dp: int) -> int:

@@ -108,6 +108,40 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(section, key, value)
 
 
+HELP_FLAGS = ("-h", "--help")
+REHEARSE = "--rehearse"
+
+
+def words(argv: list[str]) -> list[tuple[str, str | None]]:
+    """[(name, value)] in order: `--name value` and `--name=value` as pairs, -h / --help alone;
+    a word in a value's place is that value, whatever it holds."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in HELP_FLAGS:
+            out.append((arg, None))
+            i += 1
+            continue
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if eq:
+            out.append((name, value))
+            i += 1
+        elif i + 1 < len(argv):
+            out.append((name, argv[i + 1]))
+            i += 2
+        elif name == "config":
+            raise UserError("--config has no value; write --config path/to/file.toml")
+        elif arg == REHEARSE:
+            raise UserError(
+                "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
+            )
+        else:
+            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
+    return out
+
+
 # Set by the launcher once it has loaded the config and printed its notes, so that the workers,
 # which load it again, do not repeat them.
 NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
@@ -147,14 +181,11 @@ def migrate_flat(flat: dict[str, Any]) -> dict[str, Any]:
 
 
 def _deprecated(found: list[str]) -> str | None:
+    """The one note on the old [debug] fault keys (MOVED_KEYS) a config still names."""
     if not found:
         return None
-    moved: dict[tuple[str, str], list[str]] = {}  # (old section, new section) -> the keys
-    for old in dict.fromkeys(found):
-        (old_sec, key), new_sec = old.split("."), MOVED_KEYS[old].split(".")[0]
-        moved.setdefault((old_sec, new_sec), []).append(key)
-    said = "; ".join(f"[{a}] {', '.join(keys)} -> [{b}]" for (a, b), keys in moved.items())
-    return f"config keys moved (the old names still load; use the new ones): {said}"
+    keys = ", ".join(dict.fromkeys(old.split(".")[1] for old in found))
+    return f"config keys moved (the old names still load; use the new ones): [debug] {keys} -> [faults]"
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -221,7 +252,13 @@ def load_config(
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
     typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
-    for dotted, value in _pairs(overrides or []):
+    for dotted, value in words(overrides or []):
+        if value is None:  # -h / --help
+            raise UserError(
+                f"unexpected argument '{dotted}'; overrides look like --section.key value"
+            )
+        if "." not in dotted:
+            raise UserError(f"unknown flag '--{dotted}'; overrides look like --section.key value")
         key = MOVED_KEYS.get(dotted, dotted)
         if key != dotted:
             found.append(dotted)
@@ -241,27 +278,6 @@ def load_config(
         for note in said:
             print(f"titanlite: note: {note}", file=sys.stderr)
     return cfg
-
-
-def _pairs(args: list[str]) -> list[tuple[str, str]]:
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
-        name = arg[2:]
-        if "=" in name:
-            name, value = name.split("=", 1)
-            i += 1
-        elif i + 1 < len(args):
-            value = args[i + 1]
-            i += 2
-        else:
-            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
-        if "." not in name:
-            raise UserError(f"unknown flag '--{name}'; overrides look like --section.key value")
-        out.append((name, value))
-    return out
 
 
 def _toml_value(v: Any) -> str:
