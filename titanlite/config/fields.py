@@ -4,7 +4,11 @@ identity (IDENTITY_KEYS) and which keys moved (MOVED_KEYS)."""
 
 from __future__ import annotations
 
-from dataclasses import field
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 # The longest history or window in steps a field may ask for: beyond any run titanlite plans,
@@ -20,7 +24,7 @@ def whole_number(text: str) -> bool:
 
 def opt(
     default: Any,
-    help: str,
+    help: str = "",
     choices: tuple[str, ...] | None = None,
     *,
     at_least: float | None = None,
@@ -30,7 +34,8 @@ def opt(
     path: str | None = None,
     whole_items: bool = False,
 ) -> Any:
-    """A dataclass field with its one-line doc (printed in --help) and, for strings, the allowed
+    """A dataclass field with its one-line doc (printed in --help; in a `section`, the string under
+    the field) and, for strings, the allowed
     values; for numbers, the bounds a value must keep (checked with every config:
     titanlite.config.manager.check_values); for paths, `path` "file" (one path) or "mixture"
     (data.path's), read from the caller's folder (titanlite.config.command_line); for lists whose
@@ -48,6 +53,18 @@ def opt(
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def section(cls: type) -> type:
+    """A dataclass whose fields' docs are the strings under them (attribute docstrings), so a
+    field and its doc read as one unit; --help prints them."""
+    cls = dataclass(cls)
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, doc in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr):
+            found = next(f for f in fields(cls) if f.name == ast.unparse(node.target))
+            found.metadata = MappingProxyType({**found.metadata, "help": doc.value.value})
+    return cls
 
 
 def schedule(default: int, what: str, note: str = "") -> Any:
