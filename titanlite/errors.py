@@ -48,12 +48,11 @@ def report(e: Exception) -> int:
     """Print `e`'s one line to stderr; returns its exit code (see the module doc)."""
     if isinstance(e, Stopped):
         line, code = f"titanlite: {e}", 128 + e.signum
+    elif isinstance(e, UserError):
+        line, code = f"titanlite: error: {e}", EXIT_USER
     else:
-        user = isinstance(e, UserError)
-        line = f"titanlite: {'error' if user else 'stopped'}: {e}"
-        code = (
-            EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
-        )
+        line = f"titanlite: stopped: {e}"
+        code = EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
     # a worker's stderr is its log in the run folder: a full disk may take the line, not the code
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)

@@ -34,20 +34,13 @@ def opt(
     path: str | None = None,
     whole_items: bool = False,
 ) -> Any:
-    """A dataclass field with its one-line doc (printed in --help; in a `section`, the string under
-    the field) and, for strings, the allowed
-    values; for numbers, the bounds a value must keep (checked with every config:
-    titanlite.config.manager.check_values); for paths, `path` "file" (one path) or "mixture"
-    (data.path's), read from the caller's folder (titanlite.config.command_line); for lists whose
-    items may hold commas (prompts), `whole_items`: a command-line value is one item unless it is
-    a JSON list."""
-    meta: dict[str, Any] = {"help": help}
-    if whole_items:
-        meta["whole_items"] = True
+    """A dataclass field with its one-line doc (--help), a string's allowed values, a number's
+    bounds (checked by titanlite.config.manager.check_values), a path's kind ("file", or data.path's
+    "mixture": read from the caller's folder), and `whole_items`: a list whose command-line value
+    is one item unless it is a JSON list (prompts may hold commas)."""
+    meta: dict[str, Any] = {"help": help, "choices": choices, "whole_items": whole_items}
     if path is not None:
         meta["path"] = path
-    if choices is not None:
-        meta["choices"] = choices
     bounds = {">=": at_least, ">": above, "<=": at_most, "<": below}
     meta["bounds"] = {op: v for op, v in bounds.items() if v is not None}
     if isinstance(default, list):
@@ -123,11 +116,8 @@ def identity(cfg: Any) -> dict[str, Any]:
     return {dotted: value_of(cfg, dotted) for dotted in IDENTITY_KEYS}
 
 
-# Config keys that moved, and where they live now: an older config file, a --section.key flag, a
-# run folder's config.toml and a checkpoint's state.json naming them still load and mean what they
-# meant, with one note that names the new keys (titanlite.config.manager); a resume compares old
-# settings by their new names, so a moved key is never reported as a changed setting.
-# The fault switches that [debug] held, now the [faults] plugin's section (titanlite.faults)
+# The fault switches [debug] held, now the [faults] plugin's: a config, flag, config.toml or
+# checkpoint naming the old keys still loads, with one note (titanlite.config.manager).
 _FAULTS = (
     "ignore_all_labels_steps",
     "nan_loss_step",

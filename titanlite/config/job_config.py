@@ -1,11 +1,6 @@
-"""The configuration schema. Every field carries a one-line doc in its metadata ("help") and,
-for numbers, its bounds. The sections of the diagnostics, alerts and debugging switches are in
-titanlite.config.monitor_config. A plugin adds a section of its own (PLUGIN_SECTIONS), which a
-config has only when it names it.
-
-This module imports nothing heavy (no torch) so the launcher can validate a config before it
-starts any worker process.
-"""
+"""The configuration schema: each section a `section` dataclass whose fields carry their doc and
+bounds (the diagnostics', alerts' and debug sections: titanlite.config.monitor_config), plus the
+plugins' sections (PLUGIN_SECTIONS). Torch-free, so the launcher validates before any worker."""
 
 from __future__ import annotations
 

@@ -288,11 +288,9 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
     t, world = cfg.training, cfg.rehearsal.world
     batch = changes.get("training.global_batch_size", t.global_batch_size)
     accum = batch // (world * t.local_batch_size)
-    why = (
-        ""
-        if batch == t.global_batch_size
-        else f"; the config's {t.global_batch_size} does not split over {world}"
-    )
+    why = ""
+    if batch != t.global_batch_size:
+        why = f"; the config's {t.global_batch_size} does not split over {world}"
     for key, value in changes.items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)

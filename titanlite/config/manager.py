@@ -269,9 +269,7 @@ def load_config(
                 f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"
             )
         typed[key] = (dotted, got)
-    said = [
-        n for n in (_deprecated(found), apply_rehearsal(cfg)) if n
-    ]  # a rehearsal's, whoever reads it
+    said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]
     if notes is not None:
         notes += said
     elif not os.environ.get(NOTES_SHOWN_ENV):

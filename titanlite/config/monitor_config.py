@@ -1,7 +1,5 @@
-"""The config sections of the diagnostics, their alerts and the debugging switches.
-
-Imports nothing heavy, like titanlite.config.job_config, which assembles them into JobConfig.
-"""
+"""The config sections of the diagnostics, their alerts and the debugging switches (torch-free,
+like titanlite.config.job_config, which assembles them into JobConfig)."""
 
 from __future__ import annotations
 
