@@ -72,9 +72,8 @@ TRACEBACK_ENV = "TITANLITE_TRACEBACK"
 
 @contextlib.contextmanager
 def foreign(origin: str, fix: str) -> Iterator[None]:
-    """The boundary to what titanlite does not own (a fork's module and model, a file a script
-    reads, a value's parse): any exception inside, or an exit, becomes one UserError naming
-    `origin`, what it raised, and `fix`. KeyboardInterrupt passes: it is a stop, not a fault."""
+    """The boundary to what titanlite does not own (a fork's code, a file a script reads): any
+    exception or exit inside becomes one UserError naming `origin`, what it raised, and `fix`."""
     try:
         yield
     except ENDINGS:

@@ -47,7 +47,7 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
         raise UserError(
             "--config is empty; pass a .toml file, or leave --config out for the default config"
         )
-    return files[0] if files else None
+    return resolved(files[0]) if files else None
 
 
 def _rehearse(value: str) -> str:
@@ -70,7 +70,7 @@ def launcher_words(argv: list[str]) -> list[str]:
         raise UserError(
             "--rehearse (or --rehearsal.world) is given more than once; give one --rehearse W"
         )
-    out = ["--config", resolved(path) if path is not None else str(ROOT / DEFAULT_CONFIG)]
+    out = ["--config", path if path is not None else str(ROOT / DEFAULT_CONFIG)]
     for name, value in pairs:
         if name in HELP_FLAGS or name == "config":
             continue
@@ -87,8 +87,6 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     titanlite.config.manager.load_config's."""
     pairs = words(argv)
     path = _config_file(pairs)
-    if path is not None:
-        path = resolved(path)
     given = [(n, v or "") for n, v in pairs if n != "config" and n not in HELP_FLAGS]
     overrides = [w for n, v in given for w in (f"--{n}", v)]
     for name, times in Counter(n for n, _ in given).items():  # the last applies: said, not silent
@@ -102,17 +100,12 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     return cfg, path
 
 
-def caller_folder() -> Path:
-    """The folder the user ran the command in."""
-    return Path(os.environ.get(CALLER_ENV) or os.getcwd())
-
-
 def resolved(value: str) -> str:
     """`value` as read from the caller's folder: unchanged when empty, absolute, under ~ or when
     the caller's folder is the working folder; else joined to the caller's folder."""
     if not value.strip() or Path(value).expanduser().is_absolute():
         return value
-    caller = caller_folder()
+    caller = Path(os.environ.get(CALLER_ENV) or os.getcwd())  # where the user ran the command
     if caller.resolve() == Path.cwd().resolve():
         return value
     return str(caller / value)

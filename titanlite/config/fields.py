@@ -71,18 +71,14 @@ def schedule(default: int, what: str, note: str = "") -> Any:
 
 
 def due(step: int, every: int) -> bool:
-    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never.
-    The one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
-    follows."""
+    """Whether a schedule field (`every`) is due after `step` (1-based): the one rule of every
+    periodic action."""
     return every > 0 and step % every == 0
 
 
-# What makes two runs train the same thing: one definition, used by the checkpointer (a checkpoint
-# resumes only into a run that shares it) and by run comparison (two runs get an invariance
-# verdict only if they share it). Everything else may differ: the layout (dp degrees, mode, local
-# batch, accumulation), logging, and settings that change the curve without changing what is
-# trained (optimizer, precision, dropout), which run comparison reports and whose effect its
-# verdict shows.
+# What makes two runs train the same thing: a checkpoint resumes only into a run that shares it,
+# and run comparison gives a verdict only then. The layout, logging, optimizer, precision, dropout
+# may differ (they change the curve, not what is trained).
 IDENTITY_KEYS = (
     "model.name",
     "model.flavor",

@@ -280,13 +280,11 @@ class JobConfig:
     alerts: Alerts = field(default_factory=Alerts)
     debug: Debug = field(default_factory=Debug)
     rehearsal: Rehearsal = field(default_factory=Rehearsal)
-    # [faults] (titanlite.faults), a plugin's section: None, and in no --help or config.toml,
-    # until a config or a flag names it
+    # [faults] (titanlite.faults), a plugin's section: None until a config or a flag names it
     faults: Any = None
 
 
-# The sections plugins add: name -> (the section's dataclass, the hook a trainer builds from it),
-# each "module:name", imported once a config names the section.
+# name -> ("module:name" of its dataclass, of the hook a trainer builds), imported once named
 PLUGIN_SECTIONS = {
     "faults": ("titanlite.faults.switches:FaultSwitches", "titanlite.faults.inject:Faults")
 }

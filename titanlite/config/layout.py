@@ -180,9 +180,8 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:
-    """Whether FSDP/HSDP keeps every unit's unsharded gradient from one microbatch to the next:
-    when the reduction waits for the last microbatch (skip_grad_sync). DDP always holds its full
-    gradient, so it holds nothing more."""
+    """Whether FSDP/HSDP keeps unsharded gradients across microbatches (skip_grad_sync with
+    accumulation); DDP holds its full gradient anyway."""
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
 
 
@@ -225,12 +224,12 @@ def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
 
 def rank_share(cfg: JobConfig, dp: int) -> int:
     """Sequences each of `dp` data-parallel ranks scores per step: the global batch split evenly."""
-    gb = cfg.training.global_batch_size
-    if gb % max(dp, 1):
+    gb, dp = cfg.training.global_batch_size, max(dp, 1)
+    if gb % dp:
         raise UserError(
             f"global batch {gb} does not split over dp={dp}; pick a global_batch_size divisible by {dp}"
         )
-    return gb // max(dp, 1)
+    return gb // dp
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:

@@ -6,6 +6,7 @@ Every problem is a UserError with one line that names the key and the closest va
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -13,7 +14,7 @@ import operator
 import os
 import sys
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -67,14 +68,11 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) 
             return value
         raise UserError(f"config key '{key}' must be true or false, got {value!r}")
     if typ in (int, float):
+        allowed = (int,) if typ is int else (int, float)
         if from_cli:
-            try:
+            with contextlib.suppress(ValueError):
                 return typ(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(
-            value, bool
-        ):
+        elif isinstance(value, allowed) and not isinstance(value, bool):
             return typ(value)
         kind = "an integer" if typ is int else "a number"
         raise UserError(f"config key '{key}' must be {kind}, got {value!r}")
@@ -294,7 +292,6 @@ def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML, one commented key per line; load_config reads it back."""
     lines = []
     for name, section in sections(cfg):
-        assert is_dataclass(section)
         lines.append(f"[{name}]")
         for f in fields(section):
             lines.append(
