@@ -123,8 +123,7 @@ def mixture_items(path: str) -> list[tuple[str, float | None]]:
 
 
 def resolve_paths(cfg: Any, how: Callable[[str], str] = resolved) -> None:
-    """Every path field of `cfg` (a JobConfig) as read from the caller's folder (`how` of each
-    path), in place."""
+    """Every path field of `cfg` (a JobConfig) as `how` reads it (the caller's folder), in place."""
     for _, section in sections(cfg):
         for f in fields(section):
             kind, value = f.metadata.get("path"), getattr(section, f.name)

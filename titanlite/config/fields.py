@@ -11,8 +11,7 @@ from dataclasses import dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
-# The longest history or window in steps a field may ask for: beyond any run titanlite plans,
-# and small enough that what it holds per step fits any machine.
+# The longest history or window in steps a field may ask for (what it holds fits any machine).
 STEPS_MAX = 1_000_000
 
 

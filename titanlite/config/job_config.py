@@ -244,8 +244,7 @@ class Comm:
     """NCCL flight recorder: collectives kept per rank, dumped into <run>/comm_trace on a timeout; 0: off"""
 
 
-# The most ranks a rehearsal plans for: the largest clusters titanlite's users train on, and a
-# preflight whose work grows with the world stays seconds long.
+# The most ranks a rehearsal plans for: the largest clusters, with a preflight still seconds long.
 REHEARSAL_WORLD_MAX = 65536
 
 
@@ -307,8 +306,7 @@ def plugin_hook(cfg: JobConfig, name: str, *args: Any) -> Any:
 
 
 def with_plugins() -> JobConfig:
-    """The defaults of every section, the plugins' included: what a run that named none of them
-    ran with (a comparison of runs reads a missing section so)."""
+    """The defaults of every section, the plugins' included (run comparison's)."""
     return JobConfig(**{name: plugin_section(name) for name in PLUGIN_SECTIONS})
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from titanlite.config.fields import value_of, whole_number
 from titanlite.config.job_config import JobConfig
@@ -71,8 +70,7 @@ def mesh_text(
 
 
 def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
-    """Microbatches per rank per step: the global batch in whole local batches on every rank; one
-    UserError that says what to change when it does not split."""
+    """Microbatches per rank per step; one UserError that says what to change if it won't split."""
     for name, value in (("global_batch_size", global_batch), ("local_batch_size", local_batch)):
         if value < 1:
             raise UserError(f"training.{name} is {value}; it must be >= 1")
@@ -214,8 +212,7 @@ def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) ->
 
 
 def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
-    """(training's, eval's) loss chunk at vocabulary `vocab`, known once the model is built
-    (titanlite.models.registry.build_meta_model computes them there, once)."""
+    """(training's, eval's) loss chunk at vocabulary `vocab`, known once the model is built."""
     t, budget = cfg.training, cfg.loss.chunk_logits_mib
     eval_batch = cfg.eval.local_batch_size or t.local_batch_size
     train = loss_chunk(budget, t.local_batch_size, t.seq_len, vocab)
@@ -233,29 +230,27 @@ def rank_share(cfg: JobConfig, dp: int) -> int:
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
-    """The largest local batch <= the config's that carries this rank's share of the global
-    batch in whole microbatches: how the tools keep the global batch at any dp."""
+    """The largest local batch <= the config's that splits a rank's share (the global batch kept at
+    any dp)."""
     share = rank_share(cfg, dp)
     return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)
 
 
-# Of the rehearsed steps, the first builds AdamW's state (and compiles); from the second, every
-# other step is measured by the diagnostics, so the report has both kinds side by side.
+# From the second rehearsed step, every other one is measured, so the report has both kinds.
 MEASURED_EVERY = 2
 
 
 def rehearsal_batch(global_batch: int, local_batch: int, world: int) -> int:
-    """The global batch at `world` ranks: the config's if world x local divides it (the
-    accumulation it gives then), else world x local (one microbatch per step)."""
+    """The global batch at `world` ranks: the config's if world x local divides it, else that."""
     return global_batch if global_batch % (world * local_batch) == 0 else world * local_batch
 
 
-def rehearsal_changes(cfg: JobConfig) -> dict[str, Any]:
-    """The `section.key -> value` a rehearsal sets ({} when none is asked for)."""
-    world = cfg.rehearsal.world
+def apply_rehearsal(cfg: JobConfig) -> str | None:
+    """Set what a rehearsal changes; the one line that says so (None when it changes nothing: a
+    training run, or a rehearsal's config.toml read back)."""
+    t, world = cfg.training, cfg.rehearsal.world
     if world <= 0:  # 0: a training run; below: the bounds check refuses it
-        return {}
-    t = cfg.training
+        return None
     changes = {
         "training.global_batch_size": rehearsal_batch(
             t.global_batch_size, t.local_batch_size, world
@@ -275,16 +270,9 @@ def rehearsal_changes(cfg: JobConfig) -> dict[str, Any]:
         "diagnostics.every": MEASURED_EVERY,
         "diagnostics.on_alert": "warn",
     }
-    return {k: v for k, v in changes.items() if value_of(cfg, k) != v}
-
-
-def apply_rehearsal(cfg: JobConfig) -> str | None:
-    """Set what a rehearsal changes; the one line that says so (None when it changes nothing: a
-    training run, or a rehearsal's config.toml read back)."""
-    changes = rehearsal_changes(cfg)
+    changes = {k: v for k, v in changes.items() if value_of(cfg, k) != v}
     if not changes:
         return None
-    t, world = cfg.training, cfg.rehearsal.world
     batch = changes.get("training.global_batch_size", t.global_batch_size)
     accum = batch // (world * t.local_batch_size)
     why = ""

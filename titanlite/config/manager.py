@@ -146,8 +146,7 @@ NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the keys of MOVED_KEYS under their new names, and the old names
-    found."""
+    """A parsed config with the MOVED_KEYS under their new names, and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
     for old in MOVED_KEYS:
@@ -309,8 +308,7 @@ def _type_name(typ: Any) -> str:
 
 
 def config_help(usage: str) -> str:
-    """`usage`, then every section and key with its type, default, choices and one-line doc,
-    from the schema itself (titanlite.config.job_config)."""
+    """`usage`, then every section and key with its type, default, choices, bounds and doc."""
     lines = [
         usage,
         "",

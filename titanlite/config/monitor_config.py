@@ -44,8 +44,7 @@ class Diagnostics:
         return step <= self.measure_first or due(step, self.every)
 
     def measured_steps(self, last: int) -> int:
-        """How many of the steps 1..last `measures` (the first measure_first, then the multiples
-        of `every` past them)."""
+        """How many of the steps 1..last `measures`."""
         first = min(last, self.measure_first)
         later = last // self.every - first // self.every if self.every > 0 else 0
         return first + max(later, 0)
