@@ -99,8 +99,7 @@ def check_run_name(name: str) -> None:
 
 
 def check_documents_and_eval(cfg: JobConfig) -> None:
-    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range (its data:
-    titanlite.datasets.spec.check_data_files)."""
+    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range."""
     d, e = cfg.data, cfg.eval
     if d.packing and d.mode != "sft":
         raise UserError(

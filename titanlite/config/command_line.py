@@ -60,9 +60,8 @@ def _rehearse(value: str) -> str:
 
 
 def launcher_words(argv: list[str]) -> list[str]:
-    """The launcher's words as the workers read them: `--config FILE` first (the default config
-    when none is named; a file typed relative, as the caller's folder means it), `--rehearse W`
-    as `--rehearsal.world W`, the overrides as typed."""
+    """The launcher's words as the workers read them: `--config FILE` first (resolved, or the
+    default), `--rehearse W` as `--rehearsal.world W`, the overrides as typed."""
     pairs = words(argv)
     path = _config_file(pairs)
     rehearse = [n for n, _ in pairs if n in ("rehearse", "rehearsal.world")]
@@ -82,9 +81,8 @@ def launcher_words(argv: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConfig, str | None]:
-    """`--config FILE` (at most one) plus overrides, in any order; relative paths are the
-    caller's (module doc). Returns the config and the file's path; `notes` as
-    titanlite.config.manager.load_config's."""
+    """The config and its file from `--config FILE` (at most one) plus overrides, in any order;
+    relative paths are the caller's; `notes` as load_config's."""
     pairs = words(argv)
     path = _config_file(pairs)
     given = [(n, v or "") for n, v in pairs if n != "config" and n not in HELP_FLAGS]

@@ -56,8 +56,7 @@ class Layout:
 
     @property
     def batch_unit(self) -> int:
-        """Sequences the global batch moves by with the layout kept (dp x the local batch): the
-        step of the batch-size advice."""
+        """Sequences the global batch moves by with the layout kept (batch-size advice's step)."""
         return self.dp * self.local_batch
 
 
@@ -178,8 +177,7 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:
-    """Whether FSDP/HSDP keeps unsharded gradients across microbatches (skip_grad_sync with
-    accumulation); DDP holds its full gradient anyway."""
+    """Whether FSDP/HSDP keeps unsharded gradients across microbatches (DDP holds them anyway)."""
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
 
 
@@ -202,9 +200,8 @@ def resolve_method(
 
 
 def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
-    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
-    (loss.chunk_logits_mib); 0 (logits then loss, no chunks) when the whole sequence fits, or
-    when the budget is 0."""
+    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`; 0
+    (no chunks) when the whole sequence fits, or when the budget is 0."""
     if budget_mib <= 0:
         return 0
     chunk = max(1, int(budget_mib * 2**20 // (local_batch * vocab * 4)))
@@ -246,8 +243,7 @@ def rehearsal_batch(global_batch: int, local_batch: int, world: int) -> int:
 
 
 def apply_rehearsal(cfg: JobConfig) -> str | None:
-    """Set what a rehearsal changes; the one line that says so (None when it changes nothing: a
-    training run, or a rehearsal's config.toml read back)."""
+    """Set what a rehearsal changes; the one line that says so (None when it changes nothing)."""
     t, world = cfg.training, cfg.rehearsal.world
     if world <= 0:  # 0: a training run; below: the bounds check refuses it
         return None

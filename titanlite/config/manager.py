@@ -40,8 +40,7 @@ def _field_types(section: Any) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) -> Any:
-    """Check (TOML) or parse (CLI string) one value against the field's declared type; a list
-    from the CLI is a JSON list, else comma-separated (`split`) or one item."""
+    """Check (TOML) or parse (CLI string) one value; a CLI list: JSON, comma-separated, one item."""
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
@@ -198,9 +197,8 @@ INT_LIMIT = 2**31 - 1
 
 
 def check_values(cfg: JobConfig) -> None:
-    """Every number finite and within its field's bounds (titanlite.config.fields.opt; a whole
-    number at most INT_LIMIT unless its field allows more): one line naming the key, the value
-    and the bounds."""
+    """Every number finite and within its field's bounds (a whole number at most INT_LIMIT unless
+    its field allows more): one line naming the key, the value and the bounds."""
     for name, section in sections(cfg):
         for f in fields(section):
             value, bounds = getattr(section, f.name), dict(f.metadata.get("bounds", {}))
@@ -218,9 +216,8 @@ def check_values(cfg: JobConfig) -> None:
 def load_config(
     path: str | None, overrides: list[str] | None = None, notes: list[str] | None = None
 ) -> JobConfig:
-    """Defaults, then the TOML file (if any), then `--section.key value` overrides. What a user
-    should know of it (renamed keys, what a rehearsal changes) goes into `notes`, or without
-    it is printed (once per launch: not by the workers)."""
+    """Defaults, then the TOML file (if any), then `--section.key value` overrides. Its notes (moved
+    keys, a rehearsal's changes) go into `notes`, else are printed once per launch."""
     cfg, found = JobConfig(), []
     if path:
         p = Path(path)
