@@ -48,12 +48,11 @@ def report(e: Exception) -> int:
     """Print `e`'s one line to stderr; returns its exit code (see the module doc)."""
     if isinstance(e, Stopped):
         line, code = f"titanlite: {e}", 128 + e.signum
+    elif isinstance(e, UserError):
+        line, code = f"titanlite: error: {e}", EXIT_USER
     else:
-        user = isinstance(e, UserError)
-        line = f"titanlite: {'error' if user else 'stopped'}: {e}"
-        code = (
-            EXIT_USER if user else EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
-        )
+        line = f"titanlite: stopped: {e}"
+        code = EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
     # a worker's stderr is its log in the run folder: a full disk may take the line, not the code
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)
@@ -73,9 +72,8 @@ TRACEBACK_ENV = "TITANLITE_TRACEBACK"
 
 @contextlib.contextmanager
 def foreign(origin: str, fix: str) -> Iterator[None]:
-    """The boundary to what titanlite does not own (a fork's module and model, a file a script
-    reads, a value's parse): any exception inside, or an exit, becomes one UserError naming
-    `origin`, what it raised, and `fix`. KeyboardInterrupt passes: it is a stop, not a fault."""
+    """The boundary to what titanlite does not own (a fork's code, a file a script reads): any
+    exception or exit inside becomes one UserError naming `origin`, what it raised, and `fix`."""
     try:
         yield
     except ENDINGS:

@@ -1,22 +1,9 @@
-"""The command line's words, read in one place: which config file applies, what `--rehearse`
-means, and the `--section.key value` overrides, each word taken in its position (a value that
-holds `--config` is a value). run_train.sh hands its words here untouched (through
-titanlite.launch); the workers, the preflight and the analysis harness read the launcher's
-canonical words with `parse_args`.
+"""The command line's words, read in one place: the config file (DEFAULT_CONFIG when none is
+named), `--rehearse W` (--rehearsal.world W) and the `--section.key value` overrides.
 
-    ./run_train.sh                      train_configs/debug_model.toml (DEFAULT_CONFIG)
-    ./run_train.sh --config FILE        FILE; a second --config, or an empty one, is refused
-    ./run_train.sh --rehearse W         --rehearsal.world W, W from 1 to REHEARSAL_WORLD_MAX
-    ./run_train.sh --help | -h          every config key
-
-Paths mean what the user typed: a relative path, on the command line or in a config file, is
-read from the folder the command was run in (the caller's folder), though run_train.sh and the
-launcher work from the checkout. run_train.sh passes that folder to the launcher
-(`--caller-cwd`), which hands it to its workers in CALLER_ENV; any other entry point's caller is
-its own working folder. The config fields that hold paths say so (titanlite.config.fields.opt:
-path="file" or, for data.path's mixture 'a:0.7,b:0.3', path="mixture"); `resolve_paths` makes
-each relative one absolute when the caller's folder is not the working folder, so every later
-reader (the preflight, the workers, the run folder's config.toml) names the same file."""
+A relative path, on the command line or in a config, means what the user typed: it is read from
+the caller's folder (run_train.sh passes it; workers get it in CALLER_ENV), and `resolve_paths`
+makes it absolute so every later reader names the same file."""
 
 from __future__ import annotations
 
@@ -30,46 +17,14 @@ from typing import Any
 
 from titanlite.config.fields import whole_number
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX, JobConfig, sections
-from titanlite.config.manager import load_config
+from titanlite.config.manager import HELP_FLAGS, load_config, words
 from titanlite.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
 DEFAULT_CONFIG = "train_configs/debug_model.toml"  # of the checkout: the config when none is named
-HELP_FLAGS = ("-h", "--help")
-REHEARSE = "--rehearse"
 CALLER_ENV = "TITANLITE_CALLER_CWD"
 # one dataset of a mixture: a path, then its weight after the last colon
 _WEIGHTED = re.compile(r"^(.*):([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)$")
-
-
-def words(argv: list[str]) -> list[tuple[str, str | None]]:
-    """[(name, value)] in order: `--name value` and `--name=value` as pairs, -h / --help alone;
-    a word in a value's place is that value, whatever it holds."""
-    out, i = [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg in HELP_FLAGS:
-            out.append((arg, None))
-            i += 1
-            continue
-        if not arg.startswith("--") or arg == "--":
-            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
-        name, eq, value = arg[2:].partition("=")
-        if eq:
-            out.append((name, value))
-            i += 1
-        elif i + 1 < len(argv):
-            out.append((name, argv[i + 1]))
-            i += 2
-        elif name == "config":
-            raise UserError("--config has no value; write --config path/to/file.toml")
-        elif arg == REHEARSE:
-            raise UserError(
-                "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
-            )
-        else:
-            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
-    return out
 
 
 def wants_help(argv: list[str]) -> bool:
@@ -92,7 +47,7 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
         raise UserError(
             "--config is empty; pass a .toml file, or leave --config out for the default config"
         )
-    return files[0] if files else None
+    return resolved(files[0]) if files else None
 
 
 def _rehearse(value: str) -> str:
@@ -105,9 +60,8 @@ def _rehearse(value: str) -> str:
 
 
 def launcher_words(argv: list[str]) -> list[str]:
-    """The launcher's words as the workers read them: `--config FILE` first (the default config
-    when none is named; a file typed relative, as the caller's folder means it), `--rehearse W`
-    as `--rehearsal.world W`, the overrides as typed."""
+    """The launcher's words as the workers read them: `--config FILE` first (resolved, or the
+    default), `--rehearse W` as `--rehearsal.world W`, the overrides as typed."""
     pairs = words(argv)
     path = _config_file(pairs)
     rehearse = [n for n, _ in pairs if n in ("rehearse", "rehearsal.world")]
@@ -115,7 +69,7 @@ def launcher_words(argv: list[str]) -> list[str]:
         raise UserError(
             "--rehearse (or --rehearsal.world) is given more than once; give one --rehearse W"
         )
-    out = ["--config", resolved(path) if path is not None else str(ROOT / DEFAULT_CONFIG)]
+    out = ["--config", path if path is not None else str(ROOT / DEFAULT_CONFIG)]
     for name, value in pairs:
         if name in HELP_FLAGS or name == "config":
             continue
@@ -127,13 +81,10 @@ def launcher_words(argv: list[str]) -> list[str]:
 
 
 def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConfig, str | None]:
-    """`--config FILE` (at most one) plus overrides, in any order; relative paths are the
-    caller's (module doc). Returns the config and the file's path; `notes` as
-    titanlite.config.manager.load_config's."""
+    """The config and its file from `--config FILE` (at most one) plus overrides, in any order;
+    relative paths are the caller's; `notes` as load_config's."""
     pairs = words(argv)
     path = _config_file(pairs)
-    if path is not None:
-        path = resolved(path)
     given = [(n, v or "") for n, v in pairs if n != "config" and n not in HELP_FLAGS]
     overrides = [w for n, v in given for w in (f"--{n}", v)]
     for name, times in Counter(n for n, _ in given).items():  # the last applies: said, not silent
@@ -147,17 +98,12 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     return cfg, path
 
 
-def caller_folder() -> Path:
-    """The folder the user ran the command in."""
-    return Path(os.environ.get(CALLER_ENV) or os.getcwd())
-
-
 def resolved(value: str) -> str:
     """`value` as read from the caller's folder: unchanged when empty, absolute, under ~ or when
     the caller's folder is the working folder; else joined to the caller's folder."""
     if not value.strip() or Path(value).expanduser().is_absolute():
         return value
-    caller = caller_folder()
+    caller = Path(os.environ.get(CALLER_ENV) or os.getcwd())  # where the user ran the command
     if caller.resolve() == Path.cwd().resolve():
         return value
     return str(caller / value)
@@ -175,8 +121,7 @@ def mixture_items(path: str) -> list[tuple[str, float | None]]:
 
 
 def resolve_paths(cfg: Any, how: Callable[[str], str] = resolved) -> None:
-    """Every path field of `cfg` (a JobConfig) as read from the caller's folder (`how` of each
-    path), in place."""
+    """Every path field of `cfg` (a JobConfig) as `how` reads it (the caller's folder), in place."""
     for _, section in sections(cfg):
         for f in fields(section):
             kind, value = f.metadata.get("path"), getattr(section, f.name)

@@ -4,11 +4,14 @@ identity (IDENTITY_KEYS) and which keys moved (MOVED_KEYS)."""
 
 from __future__ import annotations
 
-from dataclasses import field
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
-# The longest history or window in steps a field may ask for: beyond any run titanlite plans,
-# and small enough that what it holds per step fits any machine.
+# The longest history or window in steps a field may ask for (what it holds fits any machine).
 STEPS_MAX = 1_000_000
 
 
@@ -20,7 +23,7 @@ def whole_number(text: str) -> bool:
 
 def opt(
     default: Any,
-    help: str,
+    help: str = "",
     choices: tuple[str, ...] | None = None,
     *,
     at_least: float | None = None,
@@ -30,24 +33,30 @@ def opt(
     path: str | None = None,
     whole_items: bool = False,
 ) -> Any:
-    """A dataclass field with its one-line doc (printed in --help) and, for strings, the allowed
-    values; for numbers, the bounds a value must keep (checked with every config:
-    titanlite.config.manager.check_values); for paths, `path` "file" (one path) or "mixture"
-    (data.path's), read from the caller's folder (titanlite.config.command_line); for lists whose
-    items may hold commas (prompts), `whole_items`: a command-line value is one item unless it is
-    a JSON list."""
-    meta: dict[str, Any] = {"help": help}
-    if whole_items:
-        meta["whole_items"] = True
+    """A dataclass field with its one-line doc (--help), a string's allowed values, a number's
+    bounds (checked by titanlite.config.manager.check_values), a path's kind ("file", or data.path's
+    "mixture": read from the caller's folder), and `whole_items`: a list whose command-line value
+    is one item unless it is a JSON list (prompts may hold commas)."""
+    meta: dict[str, Any] = {"help": help, "choices": choices, "whole_items": whole_items}
     if path is not None:
         meta["path"] = path
-    if choices is not None:
-        meta["choices"] = choices
     bounds = {">=": at_least, ">": above, "<=": at_most, "<": below}
     meta["bounds"] = {op: v for op, v in bounds.items() if v is not None}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def section(cls: type) -> type:
+    """A dataclass whose fields' docs are the strings under them (attribute docstrings), so a
+    field and its doc read as one unit; --help prints them."""
+    cls = dataclass(cls)
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    for node, doc in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr):
+            found = next(f for f in fields(cls) if f.name == ast.unparse(node.target))
+            found.metadata = MappingProxyType({**found.metadata, "help": doc.value.value})
+    return cls
 
 
 def schedule(default: int, what: str, note: str = "") -> Any:
@@ -61,18 +70,14 @@ def schedule(default: int, what: str, note: str = "") -> Any:
 
 
 def due(step: int, every: int) -> bool:
-    """Whether a schedule field (`every`) is due after `step` (1-based): a multiple; 0: never.
-    The one rule every periodic action (checkpoints, evals, logs, measured steps, replica checks)
-    follows."""
+    """Whether a schedule field (`every`) is due after `step` (1-based): the one rule of every
+    periodic action."""
     return every > 0 and step % every == 0
 
 
-# What makes two runs train the same thing: one definition, used by the checkpointer (a checkpoint
-# resumes only into a run that shares it) and by run comparison (two runs get an invariance
-# verdict only if they share it). Everything else may differ: the layout (dp degrees, mode, local
-# batch, accumulation), logging, and settings that change the curve without changing what is
-# trained (optimizer, precision, dropout), which run comparison reports and whose effect its
-# verdict shows.
+# What makes two runs train the same thing: a checkpoint resumes only into a run that shares it,
+# and run comparison gives a verdict only then. The layout, logging, optimizer, precision, dropout
+# may differ (they change the curve, not what is trained).
 IDENTITY_KEYS = (
     "model.name",
     "model.flavor",
@@ -106,11 +111,8 @@ def identity(cfg: Any) -> dict[str, Any]:
     return {dotted: value_of(cfg, dotted) for dotted in IDENTITY_KEYS}
 
 
-# Config keys that moved, and where they live now: an older config file, a --section.key flag, a
-# run folder's config.toml and a checkpoint's state.json naming them still load and mean what they
-# meant, with one note that names the new keys (titanlite.config.manager); a resume compares old
-# settings by their new names, so a moved key is never reported as a changed setting.
-# The fault switches that [debug] held, now the [faults] plugin's section (titanlite.faults)
+# The fault switches [debug] held, now the [faults] plugin's: a config, flag, config.toml or
+# checkpoint naming the old keys still loads, with one note (titanlite.config.manager).
 _FAULTS = (
     "ignore_all_labels_steps",
     "nan_loss_step",

@@ -1,26 +1,13 @@
-"""The run's plan: every quantity derived from a config at a world size, computed once here.
-
-The mesh degrees and mode, gradient accumulation, tokens per step, the batch unit, the
-diagnostics method and the loss chunk; the sampler, the loss, the registry, the memory estimate
-and the diagnostics read them from the plan, and bad input is found here as one UserError. Kept
-free of torch so the launcher's preflight check can use it before any worker starts.
-
-What a rehearsal (`rehearsal.world` > 0, ./run_train.sh --rehearse W) changes in the run it
-rehearses is decided here too, from the config alone, so the preflight, the trainer and the
-report all read the same plan. A rehearsal builds the run as configured, as rank 0 of `world`
-ranks in one process on torch's fake process group (titanlite.rehearsal): collectives return at
-once, shapes are true, values are meaningless. So it keeps all that costs memory, compute or
-traffic (the model, its sharding and mixed precision, activation checkpointing, compile, the loss
-path, the optimizer, the diagnostics) and drops what would read or keep the meaningless values:
-checkpoints, evals, exports, an initial load, the metrics files, the spike guard's skips. The
-global batch is the config's where it splits over `world` ranks, else `world` x the local batch.
-"""
+"""The run's plan: every quantity derived from a config at a world size (mesh, accumulation,
+tokens per step, batch unit, diagnostics method, loss chunk), computed once, torch-free so the
+preflight can use it. Also what a rehearsal (titanlite.rehearsal: rank 0 of `world` on a fake
+process group, values meaningless) changes: it keeps what costs memory, compute or traffic and
+drops what would read or keep the values (checkpoints, evals, exports, metrics files, skips)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from titanlite.config.fields import value_of, whole_number
 from titanlite.config.job_config import JobConfig
@@ -69,8 +56,7 @@ class Layout:
 
     @property
     def batch_unit(self) -> int:
-        """Sequences the global batch moves by with the layout kept (dp x the local batch): the
-        step of the batch-size advice."""
+        """Sequences the global batch moves by with the layout kept (batch-size advice's step)."""
         return self.dp * self.local_batch
 
 
@@ -83,8 +69,7 @@ def mesh_text(
 
 
 def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
-    """Microbatches per rank per step: the global batch in whole local batches on every rank; one
-    UserError that says what to change when it does not split."""
+    """Microbatches per rank per step; one UserError that says what to change if it won't split."""
     for name, value in (("global_batch_size", global_batch), ("local_batch_size", local_batch)):
         if value < 1:
             raise UserError(f"training.{name} is {value}; it must be >= 1")
@@ -146,14 +131,10 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
         )
     mode = p.mode
-    if mode == "auto":
-        mode = (
-            "hsdp"
-            if (p.dp_replicate > 1 and shard > 1)
-            else "ddp"
-            if p.dp_replicate > 1
-            else "fsdp"
-        )
+    if mode == "auto" and p.dp_replicate > 1:
+        mode = "hsdp" if shard > 1 else "ddp"
+    elif mode == "auto":
+        mode = "fsdp"
     if mode == "fsdp" and p.dp_replicate != 1:
         raise UserError(
             "parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas"
@@ -196,9 +177,7 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:
-    """Whether FSDP/HSDP keeps every unit's unsharded gradient from one microbatch to the next:
-    when the reduction waits for the last microbatch (skip_grad_sync). DDP always holds its full
-    gradient, so it holds nothing more."""
+    """Whether FSDP/HSDP keeps unsharded gradients across microbatches (DDP holds them anyway)."""
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
 
 
@@ -210,18 +189,9 @@ def resolve_method(
     dp: int = 2,
     sketch_dim: int = 1024,
 ) -> str:
-    """diagnostics.method (`method`) at a layout, `auto` resolved (Layout.diagnostics_method).
-
-    `exact` needs each rank's whole-step local gradient at once. That is free under DDP, with one
-    microbatch, or when the earlier microbatches skip the reduction anyway; otherwise a measured
-    step must skip it, and FSDP then keeps every unit's unsharded gradient across microbatches
-    (4 bytes x all parameters per rank). The sketch is linear (the sketch of a sum is the sum of
-    the sketches), so it accumulates per microbatch while FSDP reduce-scatters as usual, at
-    O(world x sketch_dim) memory: `auto` takes it there, and under HSDP, where exact cannot work.
-    It also takes it past dp = sketch_dim / 4 ranks, where exact's all-reduce of the dp x dp
-    float64 Gram (16 dp^2 bytes a rank sends) outweighs the gather of the float32 sketches
-    (4 dp sketch_dim bytes; scripts/rehearse_sweep.py measures both).
-    """
+    """diagnostics.method at a layout, `auto` resolved: exact needs each rank's whole-step local
+    gradient at once (free under ddp, one microbatch, or skip_grad_sync); else, under hsdp, or
+    past dp = sketch_dim / 4 (where the dp x dp Gram outweighs gathering sketches), the sketch."""
     if method != "auto":
         return method
     if mode == "hsdp" or 4 * dp > sketch_dim:
@@ -230,9 +200,8 @@ def resolve_method(
 
 
 def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
-    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`
-    (loss.chunk_logits_mib); 0 (logits then loss, no chunks) when the whole sequence fits, or
-    when the budget is 0."""
+    """Sequence positions per loss chunk so that one chunk's fp32 logits fit in `budget_mib`; 0
+    (no chunks) when the whole sequence fits, or when the budget is 0."""
     if budget_mib <= 0:
         return 0
     chunk = max(1, int(budget_mib * 2**20 // (local_batch * vocab * 4)))
@@ -240,49 +209,44 @@ def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) ->
 
 
 def loss_chunks(cfg: JobConfig, vocab: int) -> tuple[int, int]:
-    """(training's, eval's) loss chunk at vocabulary `vocab`, known once the model is built
-    (titanlite.models.registry.build_meta_model computes them there, once)."""
+    """(training's, eval's) loss chunk at vocabulary `vocab`, known once the model is built."""
     t, budget = cfg.training, cfg.loss.chunk_logits_mib
     eval_batch = cfg.eval.local_batch_size or t.local_batch_size
-    return loss_chunk(budget, t.local_batch_size, t.seq_len, vocab), loss_chunk(
-        budget, eval_batch, t.seq_len, vocab
-    )
+    train = loss_chunk(budget, t.local_batch_size, t.seq_len, vocab)
+    return train, loss_chunk(budget, eval_batch, t.seq_len, vocab)
 
 
 def rank_share(cfg: JobConfig, dp: int) -> int:
     """Sequences each of `dp` data-parallel ranks scores per step: the global batch split evenly."""
-    gb = cfg.training.global_batch_size
-    if gb % max(dp, 1):
+    gb, dp = cfg.training.global_batch_size, max(dp, 1)
+    if gb % dp:
         raise UserError(
             f"global batch {gb} does not split over dp={dp}; pick a global_batch_size divisible by {dp}"
         )
-    return gb // max(dp, 1)
+    return gb // dp
 
 
 def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
-    """The largest local batch <= the config's that carries this rank's share of the global
-    batch in whole microbatches: how the tools keep the global batch at any dp."""
+    """The largest local batch <= the config's that splits a rank's share (the global batch kept at
+    any dp)."""
     share = rank_share(cfg, dp)
     return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)
 
 
-# Of the rehearsed steps, the first builds AdamW's state (and compiles); from the second, every
-# other step is measured by the diagnostics, so the report has both kinds side by side.
+# From the second rehearsed step, every other one is measured, so the report has both kinds.
 MEASURED_EVERY = 2
 
 
 def rehearsal_batch(global_batch: int, local_batch: int, world: int) -> int:
-    """The global batch at `world` ranks: the config's if world x local divides it (the
-    accumulation it gives then), else world x local (one microbatch per step)."""
+    """The global batch at `world` ranks: the config's if world x local divides it, else that."""
     return global_batch if global_batch % (world * local_batch) == 0 else world * local_batch
 
 
-def rehearsal_changes(cfg: JobConfig) -> dict[str, Any]:
-    """The `section.key -> value` a rehearsal sets ({} when none is asked for)."""
-    world = cfg.rehearsal.world
+def apply_rehearsal(cfg: JobConfig) -> str | None:
+    """Set what a rehearsal changes; the one line that says so (None when it changes nothing)."""
+    t, world = cfg.training, cfg.rehearsal.world
     if world <= 0:  # 0: a training run; below: the bounds check refuses it
-        return {}
-    t = cfg.training
+        return None
     changes = {
         "training.global_batch_size": rehearsal_batch(
             t.global_batch_size, t.local_batch_size, world
@@ -302,23 +266,14 @@ def rehearsal_changes(cfg: JobConfig) -> dict[str, Any]:
         "diagnostics.every": MEASURED_EVERY,
         "diagnostics.on_alert": "warn",
     }
-    return {k: v for k, v in changes.items() if value_of(cfg, k) != v}
-
-
-def apply_rehearsal(cfg: JobConfig) -> str | None:
-    """Set what a rehearsal changes; the one line that says so (None when it changes nothing: a
-    training run, or a rehearsal's config.toml read back)."""
-    changes = rehearsal_changes(cfg)
+    changes = {k: v for k, v in changes.items() if value_of(cfg, k) != v}
     if not changes:
         return None
-    t, world = cfg.training, cfg.rehearsal.world
     batch = changes.get("training.global_batch_size", t.global_batch_size)
     accum = batch // (world * t.local_batch_size)
-    why = (
-        ""
-        if batch == t.global_batch_size
-        else f"; the config's {t.global_batch_size} does not split over {world}"
-    )
+    why = ""
+    if batch != t.global_batch_size:
+        why = f"; the config's {t.global_batch_size} does not split over {world}"
     for key, value in changes.items():
         section, name = key.split(".")
         setattr(getattr(cfg, section), name, value)

@@ -6,6 +6,7 @@ Every problem is a UserError with one line that names the key and the closest va
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import math
@@ -13,7 +14,7 @@ import operator
 import os
 import sys
 import typing
-from dataclasses import fields, is_dataclass
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,7 @@ def _field_types(section: Any) -> dict[str, Any]:
 
 
 def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) -> Any:
-    """Check (TOML) or parse (CLI string) one value against the field's declared type; a list
-    from the CLI is a JSON list, else comma-separated (`split`) or one item."""
+    """Check (TOML) or parse (CLI string) one value; a CLI list: JSON, comma-separated, one item."""
     origin = typing.get_origin(typ)
     if origin is list:
         (item,) = typing.get_args(typ)
@@ -67,14 +67,11 @@ def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) 
             return value
         raise UserError(f"config key '{key}' must be true or false, got {value!r}")
     if typ in (int, float):
+        allowed = (int,) if typ is int else (int, float)
         if from_cli:
-            try:
+            with contextlib.suppress(ValueError):
                 return typ(value)
-            except ValueError:
-                pass
-        elif isinstance(value, (int,) if typ is int else (int, float)) and not isinstance(
-            value, bool
-        ):
+        elif isinstance(value, allowed) and not isinstance(value, bool):
             return typ(value)
         kind = "an integer" if typ is int else "a number"
         raise UserError(f"config key '{key}' must be {kind}, got {value!r}")
@@ -108,14 +105,47 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
     setattr(section, key, value)
 
 
+HELP_FLAGS = ("-h", "--help")
+REHEARSE = "--rehearse"
+
+
+def words(argv: list[str]) -> list[tuple[str, str | None]]:
+    """[(name, value)] in order: `--name value` and `--name=value` as pairs, -h / --help alone;
+    a word in a value's place is that value, whatever it holds."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in HELP_FLAGS:
+            out.append((arg, None))
+            i += 1
+            continue
+        if not arg.startswith("--") or arg == "--":
+            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        if eq:
+            out.append((name, value))
+            i += 1
+        elif i + 1 < len(argv):
+            out.append((name, argv[i + 1]))
+            i += 2
+        elif name == "config":
+            raise UserError("--config has no value; write --config path/to/file.toml")
+        elif arg == REHEARSE:
+            raise UserError(
+                "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
+            )
+        else:
+            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
+    return out
+
+
 # Set by the launcher once it has loaded the config and printed its notes, so that the workers,
 # which load it again, do not repeat them.
 NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the keys of MOVED_KEYS under their new names, and the old names
-    found."""
+    """A parsed config with the MOVED_KEYS under their new names, and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     found = []
     for old in MOVED_KEYS:
@@ -137,14 +167,11 @@ def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]
 
 
 def _deprecated(found: list[str]) -> str | None:
+    """The one note on the old [debug] fault keys (MOVED_KEYS) a config still names."""
     if not found:
         return None
-    moved: dict[tuple[str, str], list[str]] = {}  # (old section, new section) -> the keys
-    for old in dict.fromkeys(found):
-        (old_sec, key), new_sec = old.split("."), MOVED_KEYS[old].split(".")[0]
-        moved.setdefault((old_sec, new_sec), []).append(key)
-    said = "; ".join(f"[{a}] {', '.join(keys)} -> [{b}]" for (a, b), keys in moved.items())
-    return f"config keys moved (the old names still load; use the new ones): {said}"
+    keys = ", ".join(dict.fromkeys(old.split(".")[1] for old in found))
+    return f"config keys moved (the old names still load; use the new ones): [debug] {keys} -> [faults]"
 
 
 _COMPARE = {">=": operator.ge, ">": operator.gt, "<=": operator.le, "<": operator.lt}
@@ -160,9 +187,8 @@ INT_LIMIT = 2**31 - 1
 
 
 def check_values(cfg: JobConfig) -> None:
-    """Every number finite and within its field's bounds (titanlite.config.fields.opt; a whole
-    number at most INT_LIMIT unless its field allows more): one line naming the key, the value
-    and the bounds."""
+    """Every number finite and within its field's bounds (a whole number at most INT_LIMIT unless
+    its field allows more): one line naming the key, the value and the bounds."""
     for name, section in sections(cfg):
         for f in fields(section):
             value, bounds = getattr(section, f.name), dict(f.metadata.get("bounds", {}))
@@ -180,9 +206,8 @@ def check_values(cfg: JobConfig) -> None:
 def load_config(
     path: str | None, overrides: list[str] | None = None, notes: list[str] | None = None
 ) -> JobConfig:
-    """Defaults, then the TOML file (if any), then `--section.key value` overrides. What a user
-    should know of it (renamed keys, what a rehearsal changes) goes into `notes`, or without
-    it is printed (once per launch: not by the workers)."""
+    """Defaults, then the TOML file (if any), then `--section.key value` overrides. Its notes (moved
+    keys, a rehearsal's changes) go into `notes`, else are printed once per launch."""
     cfg, found = JobConfig(), []
     if path:
         p = Path(path)
@@ -211,7 +236,13 @@ def load_config(
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
     typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
-    for dotted, value in _pairs(overrides or []):
+    for dotted, value in words(overrides or []):
+        if value is None:  # -h / --help
+            raise UserError(
+                f"unexpected argument '{dotted}'; overrides look like --section.key value"
+            )
+        if "." not in dotted:
+            raise UserError(f"unknown flag '--{dotted}'; overrides look like --section.key value")
         key = MOVED_KEYS.get(dotted, dotted)
         if key != dotted:
             found.append(dotted)
@@ -222,36 +253,13 @@ def load_config(
                 f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"
             )
         typed[key] = (dotted, got)
-    said = [
-        n for n in (_deprecated(found), apply_rehearsal(cfg)) if n
-    ]  # a rehearsal's, whoever reads it
+    said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]
     if notes is not None:
         notes += said
     elif not os.environ.get(NOTES_SHOWN_ENV):
         for note in said:
             print(f"titanlite: note: {note}", file=sys.stderr)
     return cfg
-
-
-def _pairs(args: list[str]) -> list[tuple[str, str]]:
-    out, i = [], 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise UserError(f"unexpected argument '{arg}'; overrides look like --section.key value")
-        name = arg[2:]
-        if "=" in name:
-            name, value = name.split("=", 1)
-            i += 1
-        elif i + 1 < len(args):
-            value = args[i + 1]
-            i += 2
-        else:
-            raise UserError(f"override '{arg}' has no value; write {arg} VALUE")
-        if "." not in name:
-            raise UserError(f"unknown flag '--{name}'; overrides look like --section.key value")
-        out.append((name, value))
-    return out
 
 
 def _toml_value(v: Any) -> str:
@@ -270,7 +278,6 @@ def to_toml(cfg: JobConfig) -> str:
     """The resolved config as TOML, one commented key per line; load_config reads it back."""
     lines = []
     for name, section in sections(cfg):
-        assert is_dataclass(section)
         lines.append(f"[{name}]")
         for f in fields(section):
             lines.append(
@@ -288,8 +295,7 @@ def _type_name(typ: Any) -> str:
 
 
 def config_help(usage: str) -> str:
-    """`usage`, then every section and key with its type, default, choices and one-line doc,
-    from the schema itself (titanlite.config.job_config)."""
+    """`usage`, then every section and key with its type, default, choices, bounds and doc."""
     lines = [
         usage,
         "",
