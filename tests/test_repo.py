@@ -24,7 +24,10 @@ from helpers import REPO, load_script
 # Line budgets: review triggers, not walls. A file over its budget is listed in OVER_BUDGET with
 # the reason it is let through; no code is packed to stay under one.
 TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 400
-OVER_BUDGET: dict[str, str] = {}
+OVER_BUDGET: dict[str, str] = {
+    "titanlite/train.py": "the loop with the Trainer's set-up of its parts, read top to bottom; "
+    "the step is the hooks' calls, and the set-up of each part lives with that part",
+}
 # A figures file (by the start of its name) -> the script and function that render it: the
 # script writes the file, a README holds its rendering between
 # `<!-- figures: PATH -->` and `<!-- end figures -->` (PATH relative to the README).

@@ -51,7 +51,11 @@ def section(cls: type) -> type:
     """A dataclass whose fields' docs are the strings under them (attribute docstrings), so a
     field and its doc read as one unit; --help prints them."""
     cls = dataclass(cls)
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    try:
+        source = inspect.getsource(cls)
+    except OSError:  # no source (a .pyc-only install): --help lists the keys without their docs
+        return cls
+    body = ast.parse(textwrap.dedent(source)).body[0].body
     for node, doc in zip(body, body[1:], strict=False):
         if isinstance(node, ast.AnnAssign) and isinstance(doc, ast.Expr):
             found = next(f for f in fields(cls) if f.name == ast.unparse(node.target))
