@@ -377,6 +377,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from titanlite.components.step_window import StepWindow
     from titanlite.distributed.utils import peak_flops
     from titanlite.tools.instrument import HostSyncCounter
 
@@ -411,7 +412,7 @@ def worker(args) -> None:
         for obj in objs.values():  # what a log step does, outside the timed region
             t = _trainer(obj)
             t.diagnostics.collect()
-            t.window.clear()
+            t.window = StepWindow()
     steps = range(1, max(args.reps + 3, DATA_STEPS + 1))  # the timed steps and more, for the mean
     data = {n: data_stats(objs[n], steps) for n in names} if dist.get_rank() == 0 else {}
     summed = torch.tensor([cpu[n] for n in names], dtype=torch.float64)

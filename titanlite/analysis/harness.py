@@ -39,12 +39,12 @@ def launch(
 
 def check(proc: subprocess.CompletedProcess, what: str, logs: str = "") -> None:
     """A failed launch as one UserError: the workers' own error line, else the exception a rank
-    raised, else their last line."""
+    raised (not torchrun's ChildFailedError, which wraps it), else their last line."""
     if proc.returncode == 0:
         return
     lines = [line.strip() for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("titanlite: error")]
-    raised = [line for line in lines if "Error" in line]
+    raised = [line for line in lines if "Error" in line and "ChildFailedError" not in line]
     last = (errors or raised or lines or ["it printed nothing"])[-1]
     raise UserError(
         f"{what} failed (exit {proc.returncode}): {last}"
