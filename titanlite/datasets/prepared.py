@@ -45,10 +45,6 @@ def load_meta(folder: Path) -> dict:
             f"prepared data '{folder}' has format {meta.get('format')} but this titanlite reads format "
             f"{FORMAT}; prepare it again"
         )
-    if "content" not in meta:
-        raise UserError(
-            f"prepared data '{folder}' was prepared by an older titanlite (no content key); prepare it again"
-        )
     return meta
 
 
