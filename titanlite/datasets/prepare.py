@@ -27,7 +27,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -196,17 +195,6 @@ def write_shard(job: tuple, batch_chars: int = 1 << 20) -> dict:
 # ---- the whole preparation ------------------------------------------------------------------------
 
 
-@contextmanager
-def _locked(out: Path, say: Callable[[str], None]):
-    with open(out / LOCK, "a") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            say(f"waiting for another preparation of '{out}' to finish")
-            fcntl.flock(fh, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
-
-
 def _clean_tmp(out: Path) -> None:
     for f in out.glob(f".shard-*{TMP}*"):
         f.unlink(missing_ok=True)
@@ -259,7 +247,12 @@ def prepare(
     """Prepare `files` into `out` (resuming a preparation that stopped); returns meta.json's content."""
     out.mkdir(parents=True, exist_ok=True)
     key = data_key(files, tok, mode, text_field)
-    with _locked(out, say):
+    with open(out / LOCK, "a") as lock:  # closing the file releases the lock
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say(f"waiting for another preparation of '{out}' to finish")
+            fcntl.flock(lock, fcntl.LOCK_EX)
         meta = read_json(out / META)
         if meta is not None:
             if meta.get("key") == key:

@@ -31,33 +31,25 @@ def _mapped(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype, "r") if count else np.zeros(0, dtype)
 
 
-def load_meta(folder: Path) -> dict:
-    """meta.json of a complete prepared folder, or one UserError that says what to do."""
-    meta = read_json(folder / META)
-    if meta is None:
-        if (folder / META).is_file():
-            raise UserError(f"prepared data '{folder}': meta.json is unreadable; {PREPARE_HINT}")
-        raise UserError(
-            f"prepared data '{folder}' is incomplete (its preparation did not finish); {PREPARE_HINT} to resume it"
-        )
-    if meta.get("format") != FORMAT:
-        raise UserError(
-            f"prepared data '{folder}' has format {meta.get('format')} but this titanlite reads format "
-            f"{FORMAT}; prepare it again"
-        )
-    if "content" not in meta:
-        raise UserError(
-            f"prepared data '{folder}' was prepared by an older titanlite (no content key); prepare it again"
-        )
-    return meta
-
-
 class Prepared:
     """Token ranges, documents and their sources of one prepared folder."""
 
     def __init__(self, folder: Path) -> None:
-        self.folder = Path(folder)
-        self.meta = meta = load_meta(self.folder)
+        self.folder = folder = Path(folder)
+        self.meta = meta = read_json(folder / META)
+        if meta is None:
+            if (folder / META).is_file():
+                raise UserError(
+                    f"prepared data '{folder}': meta.json is unreadable; {PREPARE_HINT}"
+                )
+            raise UserError(
+                f"prepared data '{folder}' is incomplete (its preparation did not finish); {PREPARE_HINT} to resume it"
+            )
+        if meta.get("format") != FORMAT:
+            raise UserError(
+                f"prepared data '{folder}' has format {meta.get('format')} but this titanlite reads format "
+                f"{FORMAT}; prepare it again"
+            )
         self.mode: str = meta["mode"]
         self.dtype = np.dtype(meta["dtype"])
         self.shards: list[dict] = meta["shards"]

@@ -139,7 +139,17 @@ class Checkpointer:
         self.record.update(model_args=model_record(meta.args), tied=tied_groups(meta.model))
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did
-            state = self.load(resume)
+            path = step_dir(self.folder, resume)
+            state, error = self._load_state(path, with_optimizer=True, step=resume)
+            if error:  # damage the sizes and checksums missed: set aside, the rerun falls back
+                if self.rank == 0:
+                    quarantine(path, error, self.cfg.metrics.enable_wandb)
+                raise TrainingError(
+                    f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
+                    "the same command resumes from the newest intact checkpoint"
+                )
+            written = f"written at dp={state['world_size']}"
+            logger.info(f"checkpoint: resumed from step {resume} ({path}, {written})")
             for name, part in self.parts.items():  # the scheduler's position among them
                 part.load_state_dict(state.get(name, {}))
             if self.cfg.checkpoint.restore_hparams:
@@ -222,8 +232,12 @@ class Checkpointer:
             except OSError as e:
                 error = f"cannot create {tmp}: {e}"
         self._settle(step, tmp, error)
+        states = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["cuda"] = torch.cuda.get_rng_state()
+        states |= {name: g.get_state() for name, g in self.generators.items()}
         try:
-            torch.save(self._rng_states(), tmp / f"rng-rank{self.rank}.pt")
+            torch.save(states, tmp / f"rng-rank{self.rank}.pt")
         except (OSError, RuntimeError) as e:  # RuntimeError: the zip writer's short write
             error = self._save_error(e, f"rank {self.rank}: ")
         self._settle(step, tmp, error)
@@ -311,29 +325,6 @@ class Checkpointer:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._pending = None
-
-    def load(self, step: int) -> dict[str, Any]:
-        """Resume from checkpoint `step`; one that fails to load is set aside as damaged. Returns
-        its state.json."""
-        path = step_dir(self.folder, step)
-        host, error = self._load_state(path, with_optimizer=True, step=step)
-        if error:
-            if self.rank == 0:
-                quarantine(path, error, self.cfg.metrics.enable_wandb)
-            raise TrainingError(
-                f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
-                "the same command resumes from the newest intact checkpoint"
-            )
-        logger.info(
-            f"checkpoint: resumed from step {step} ({path}, written at dp={host['world_size']})"
-        )
-        return host
-
-    def _rng_states(self) -> dict[str, torch.Tensor]:
-        states = {"torch": torch.get_rng_state()}
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            states["cuda"] = torch.cuda.get_rng_state()
-        return states | {name: g.get_state() for name, g in self.generators.items()}
 
     def _load_rng(self, path: Path, step: int, resharded: bool) -> None:
         """This rank's RNG states; at another world size (`resharded`), rank 0's torch state on

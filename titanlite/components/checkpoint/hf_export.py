@@ -125,21 +125,23 @@ def write_hf_folder(
             size = 0
         shards[-1].append((name, hf_name))
         size += nbytes
+    if not writes:  # the other ranks take part in each gather, in the same order
+        for name in params:
+            fetch(name)
+        return None, len(shards)
     tmp = folder.with_name(folder.name + ".tmp")
-    error = None
-    weight_map, total = {}, 0
+    error, weight_map, total = None, {}, 0
     try:
-        if writes:
-            try:
-                shutil.rmtree(tmp, ignore_errors=True)
-                tmp.mkdir(parents=True)
-            except OSError as e:
-                error = f"cannot create {tmp}: {e}"
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            error = f"cannot create {tmp}: {e}"
         for i, shard in enumerate(shards):
             tensors = {}
             for name, hf_name in shard:
-                full = fetch(name)
-                if writes and not error:
+                full = fetch(name)  # after a failure too: the gathers go on
+                if not error:
                     converted = adapter.to_hf(name, full, args)[1].detach()
                     tensors[hf_name] = converted.to(device="cpu", dtype=dtype).contiguous()
             if not tensors:
@@ -153,7 +155,7 @@ def write_hf_folder(
                 error = f"writing {tmp / file}: {e}"
             weight_map.update(dict.fromkeys(tensors, file))
             total += sum(t.numel() * t.itemsize for t in tensors.values())
-        if writes and not error:
+        if not error:
             try:
                 if len(shards) > 1:
                     weight_map = dict(sorted(weight_map.items()))
@@ -175,8 +177,7 @@ def write_hf_folder(
             except OSError as e:
                 error = f"publishing {folder}: {e}"
     finally:  # a failure, a tensor that cannot be read, a stop: nothing half-written stays
-        if writes:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
     return error, len(shards)
 
 

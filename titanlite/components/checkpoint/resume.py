@@ -51,7 +51,7 @@ def check_resumable(
             "with its own --job.run_name"
         )
     saved = state.get("data")
-    by_content = bool(saved) and all(d.get("content") for d in saved)
+    by_content = bool(saved)
     theirs = state["identity"]
     diff = [
         f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
