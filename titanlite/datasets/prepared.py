@@ -45,10 +45,10 @@ class Prepared:
             raise UserError(
                 f"prepared data '{folder}' is incomplete (its preparation did not finish); {PREPARE_HINT} to resume it"
             )
-        if meta.get("format") != FORMAT:
+        if meta.get("format") != FORMAT or "content" not in meta:  # older: no content key
             raise UserError(
-                f"prepared data '{folder}' has format {meta.get('format')} but this titanlite reads format "
-                f"{FORMAT}; prepare it again"
+                f"prepared data '{folder}' was written by another titanlite (format {meta.get('format')}) "
+                f"than this one, which reads format {FORMAT} with a content key; prepare it again"
             )
         self.mode: str = meta["mode"]
         self.dtype = np.dtype(meta["dtype"])
