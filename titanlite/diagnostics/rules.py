@@ -157,14 +157,12 @@ def cosine_drop(w: Window) -> Finding | None:
     """Alignment collapsing: typically above cos_high, now near 0 or below."""
     cos_past = [q.cos for q in w.past if q.cos is not None]
     cos = w.p.cos
-    if (
-        not cos_past
-        or statistics.median(cos_past) <= w.cfg.cos_high
-        or cos is None
-        or cos >= w.cfg.cos_low
-    ):
+    if not cos_past or cos is None or cos >= w.cfg.cos_low:
         return None
-    msg = f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {statistics.median(cos_past):.3f}"
+    median = statistics.median(cos_past)
+    if median <= w.cfg.cos_high:
+        return None
+    msg = f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {median:.3f}"
     return Finding("cosine_drop", [], msg, {"cos": cos})
 
 
@@ -353,8 +351,5 @@ def _since(before: float) -> str:
     """The ratio of an earlier advice in this excursion, as the message says it."""
     if not before:
         return ""
-    return (
-        f" (advised at {before:.0f}x before)"
-        if before >= 1
-        else f" (advised at 1/{1 / before:.0f} before)"
-    )
+    shown = f"{before:.0f}x" if before >= 1 else f"1/{1 / before:.0f}"
+    return f" (advised at {shown} before)"
