@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics import rank_sum
@@ -83,12 +83,10 @@ def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) ->
 def order_mismatch(orders: list[int]) -> Finding | None:
     """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
     (every rank when there is none)."""
-    counts: dict[float, int] = {}
-    for h in orders:
-        counts[h] = counts.get(h, 0) + 1
+    counts = Counter(orders)
     if len(counts) < 2:
         return None
-    common, n = max(counts.items(), key=lambda kv: kv[1])
+    common, n = counts.most_common(1)[0]
     majority = n > len(orders) / 2
     odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
     others = "the other ranks" if majority else "each other"
