@@ -39,9 +39,8 @@ class Alert:
     values: dict = field(default_factory=dict)
     # The sequences the named ranks trained on at `step`: rank, index, tokens, loss, sources.
     samples: list[dict] = field(default_factory=list)
-    level: str = (
-        "alert"  # or "info": a note (batch_size_advice) that neither counts nor stops a run
-    )
+    # or "info": a note (batch_size_advice) that neither counts nor stops a run
+    level: str = "alert"
 
     def __post_init__(self) -> None:
         self.cause = self.cause or cause(self.name)

@@ -4,7 +4,8 @@ metrics of "Silent Inconsistency in Data-Parallel Full Fine-Tuning" (arXiv 2602.
 
 from __future__ import annotations
 
-from collections import deque
+import copy
+from collections.abc import Callable
 from dataclasses import asdict
 
 from titanlite.config.job_config import Alerts as AlertsConfig
@@ -32,96 +33,66 @@ def _data_check(fn) -> Check:
     return Check(check)
 
 
-class PreviousData:
-    """stale_batch's state: the ranks' data at their previous measured step."""
+class Kept:
+    """A built-in alert's own state: plain values (lists, numbers), saved in checkpoints as they
+    are; a resume at another layout starts them afresh (AlertMonitor.load_state_dict)."""
 
-    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
-        self.prev: list | None = None
+    def __init__(self, values: dict) -> None:
+        self.values = values
 
     def state_dict(self) -> dict:
-        return {"prev": self.prev}
+        return dict(self.values)
 
     def load_state_dict(self, state: dict) -> None:
-        self.prev = state.get("prev")
+        self.values.update(state)
+
+
+def _kept(**initial) -> Callable[[AlertsConfig, int, int], Kept]:
+    """The state factory of an alert that keeps `initial`'s values."""
+    return lambda cfg, world, unit: Kept(copy.deepcopy(initial))
 
 
 def _stale(ctx: Context, now: list) -> Finding | None:
-    found = rules.stale(now, ctx.state.prev)
-    ctx.state.prev = now
+    """stale_batch, against the ranks' data at their previous measured step."""
+    found = rules.stale(now, ctx.state.values["prev"])
+    ctx.state.values["prev"] = now
     return found
 
 
-class RankScores:
-    """The per-sample rank test's window: (step, z per rank), from the first measured step (its
-    null needs no baseline; rank_sum.py). A resume at another world size starts it afresh."""
-
-    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
-        self.world = world
-        self.scores: deque[tuple[int, list]] = deque(maxlen=cfg.rank_test_window)
-
-    def state_dict(self) -> dict:
-        return {"scores": [[step, z] for step, z in self.scores]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scores.extend((step, z) for step, z in state.get("scores", []) if len(z) == self.world)
-
-
 def _rank_test(ctx: Context) -> Finding | None:
+    """The per-sample rank test over the window of (step, z per rank) from the first measured
+    step (its null needs no baseline; rank_sum.py)."""
     samples = ctx.record.get("rank_samples")
     if not samples or ctx.world < 2:
         return None
     losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in samples]
-    ctx.state.scores.append((ctx.step, rank_scores(losses)))
+    scores = ctx.state.values["scores"]
+    scores.append([ctx.step, rank_scores(losses)])
+    del scores[: -ctx.cfg.rank_test_window]
     named = ctx.named.get("single_rank_outlier", set())
-    return rank_outlier(
-        list(ctx.state.scores), [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named
-    )
-
-
-class RecentSteps:
-    """slow_rank's window of measured steps, from the first (timing needs no burn-in)."""
-
-    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
-        self.world = world
-        self.recent: deque[Point] = deque(maxlen=cfg.slow_window)
-
-    def state_dict(self) -> dict:
-        return {"recent": [asdict(p) for p in self.recent]}
-
-    def load_state_dict(self, state: dict) -> None:
-        points = (Point(**p) for p in state.get("recent", []))
-        self.recent.extend(
-            p for p in points if p.rank_wait is not None and len(p.rank_wait) == self.world
-        )
+    return rank_outlier(scores, [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named)
 
 
 def _slow(ctx: Context) -> Finding | None:
-    ctx.state.recent.append(ctx.point)
-    return slow_rank(list(ctx.state.recent), ctx.cfg, ctx.explained) if ctx.world > 1 else None
-
-
-class Drifted:
-    """replica_drift's state: the ranks it has named since the replicas last agreed (a drifted
-    replica stays so: named once)."""
-
-    def __init__(self, cfg: AlertsConfig, world: int, unit: int) -> None:
-        self.ranks: set[int] = set()
-
-    def state_dict(self) -> dict:
-        return {"ranks": sorted(self.ranks)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ranks = set(state.get("ranks", []))
+    """slow_rank over its window of measured steps, from the first (timing needs no burn-in)."""
+    recent = ctx.state.values["recent"]
+    recent.append(asdict(ctx.point))
+    del recent[: -ctx.cfg.slow_window]
+    if ctx.world < 2:
+        return None
+    return slow_rank([Point(**p) for p in recent], ctx.cfg, ctx.explained)
 
 
 def _replica_drift(ctx: Context) -> Finding | None:
+    """A drifted replica stays so: each rank is named once until the replicas agree again."""
     drift = ctx.event["drift"]  # replicas.ReplicaCheck.compare's: None when every replica agrees
+    named = ctx.state.values["ranks"]
     if drift is None:
-        ctx.state.ranks.clear()
+        named.clear()
         return None
-    if set(drift.ranks) <= ctx.state.ranks:
+    if set(drift.ranks) <= set(named):
         return None
-    ctx.state.ranks |= set(drift.ranks)
+    named[:] = sorted(set(named) | set(drift.ranks))
     msg = (
         f"after step {ctx.step} the parameters of rank(s) {drift.ranks} differ bitwise from the other "
         f"replicas of their shard, first in {drift.parameter}"
@@ -155,7 +126,7 @@ BUILT_IN = (
         "that rank's data loader repeats a batch (a reader stuck on a stale buffer or cache): "
         "check its loader workers and storage, then resume from a checkpoint before the repeats",
         (_data_check(_stale),),
-        state=PreviousData,
+        state=_kept(prev=None),
         explains=True,
     ),
     AlertSpec(
@@ -170,7 +141,7 @@ BUILT_IN = (
         "a bad batch on that rank (corrupted, extreme or noisy samples): inspect its data",
         (Check(_rank_test), _rule(rules.single_rank_outlier)),
         thresholds=(*_WINDOW, "rank_test_alpha", "rank_test_window", "outlier_margin"),
-        state=RankScores,
+        state=_kept(scores=[]),
     ),
     AlertSpec(
         "slow_rank",
@@ -178,7 +149,7 @@ BUILT_IN = (
         "or storage; otherwise its host or device (a busy neighbour process, throttling: nvidia-smi -q -d PERFORMANCE)",
         (Check(_slow),),
         thresholds=("window", "persist_frac", "slow_window", "slow_margin"),
-        state=RecentSteps,
+        state=_kept(recent=[]),
     ),
     AlertSpec(
         "batch_size_advice",
@@ -237,7 +208,7 @@ BUILT_IN = (
         "or an op that is not deterministic across replicas; resume from the last checkpoint without that host",
         (Check(_replica_drift),),
         source="replicas",
-        state=Drifted,
+        state=_kept(ranks=[]),
         cooldown=False,  # named once per rank until the replicas agree again
     ),
 )

@@ -120,9 +120,7 @@ class Window:
     cfg: AlertsConfig
     p: Point  # this step
     past: list[Point]  # the alert window before it
-    trend: list[
-        tuple[float, float]
-    ]  # (loss, loss_std) of the last trend_window steps, this one's too
+    trend: list[tuple[float, float]]  # (loss, loss_std) of the last trend_window steps, this one's
     seen: int  # measured steps so far, this one included
     world: int
     explained: Callable[[str | None, int | None], bool]  # as Context's

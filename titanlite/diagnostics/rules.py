@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
+from collections import Counter, deque
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics import rank_sum
@@ -83,12 +83,10 @@ def stale(now: list[list[list[float]]], prev: list[list[list[float]]] | None) ->
 def order_mismatch(orders: list[int]) -> Finding | None:
     """data_order_mismatch: the ranks whose sampler orders the global batch unlike the majority
     (every rank when there is none)."""
-    counts: dict[float, int] = {}
-    for h in orders:
-        counts[h] = counts.get(h, 0) + 1
+    counts = Counter(orders)
     if len(counts) < 2:
         return None
-    common, n = max(counts.items(), key=lambda kv: kv[1])
+    common, n = counts.most_common(1)[0]
     majority = n > len(orders) / 2
     odd = [r for r, h in enumerate(orders) if h != common] if majority else list(range(len(orders)))
     others = "the other ranks" if majority else "each other"
@@ -157,14 +155,12 @@ def cosine_drop(w: Window) -> Finding | None:
     """Alignment collapsing: typically above cos_high, now near 0 or below."""
     cos_past = [q.cos for q in w.past if q.cos is not None]
     cos = w.p.cos
-    if (
-        not cos_past
-        or statistics.median(cos_past) <= w.cfg.cos_high
-        or cos is None
-        or cos >= w.cfg.cos_low
-    ):
+    if not cos_past or cos is None or cos >= w.cfg.cos_low:
         return None
-    msg = f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {statistics.median(cos_past):.3f}"
+    median = statistics.median(cos_past)
+    if median <= w.cfg.cos_high:
+        return None
+    msg = f"mean pairwise gradient cosine fell to {cos:.3f} from a median of {median:.3f}"
     return Finding("cosine_drop", [], msg, {"cos": cos})
 
 
@@ -353,8 +349,5 @@ def _since(before: float) -> str:
     """The ratio of an earlier advice in this excursion, as the message says it."""
     if not before:
         return ""
-    return (
-        f" (advised at {before:.0f}x before)"
-        if before >= 1
-        else f" (advised at 1/{1 / before:.0f} before)"
-    )
+    shown = f"{before:.0f}x" if before >= 1 else f"1/{1 / before:.0f}"
+    return f" (advised at {shown} before)"
