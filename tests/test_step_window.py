@@ -42,9 +42,10 @@ def window(losses: list[float], skipped: list[bool]) -> WindowRecord:
 
 
 def test_window_mean_is_over_the_steps_that_trained():
-    w = window([8.0, 0.0, 6.0], [False, True, False])
-    assert w.trained_losses == [8.0, 6.0] and w.loss_mean == 7.0
-    assert window([0.0, 0.0], [True, True]).loss_mean is None
+    rates = RunRates(64, 2, 10, 0, torch.device("cpu"), torch.float32)
+    log = window([8.0, 0.0, 6.0], [False, True, False]).rows(1.0, 1.0, rates)[-1]
+    assert (log["loss_window_mean"], log["loss_window_steps"]) == (7.0, 2)
+    assert window([0.0, 0.0], [True, True]).rows(1.0, 1.0, rates)[-1]["loss_window_mean"] is None
 
 
 def test_every_step_gets_its_row_and_the_log_step_the_windows_figures():
@@ -54,20 +55,10 @@ def test_every_step_gets_its_row_and_the_log_step_the_windows_figures():
     )
     assert [(r["step"], r["row"]) for r in rows] == [(1, "step"), (2, "step"), (3, "log")]
     assert [r["loss"] for r in rows] == [8.0, None, 6.0]  # a skipped step's loss is no loss
-    assert [r["grad_norm"] for r in rows] == [0.5, 1.0, 1.5] and [
-        r["valid_tokens"] for r in rows
-    ] == [
-        10,
-        20,
-        30,
-    ]
-    assert [r["lr"] for r in rows] == [1e-3, 1e-3 / 2, 1e-3 / 3] and [
-        r["skipped"] for r in rows
-    ] == [
-        False,
-        True,
-        False,
-    ]
+    assert [r["grad_norm"] for r in rows] == [0.5, 1.0, 1.5]
+    assert [r["valid_tokens"] for r in rows] == [10, 20, 30]
+    assert [r["lr"] for r in rows] == [1e-3, 1e-3 / 2, 1e-3 / 3]
+    assert [r["skipped"] for r in rows] == [False, True, False]
     step_keys = {"step", "row", "loss", "grad_norm", "lr", "valid_tokens", "skipped"}
     assert set(rows[0]) == set(rows[1]) == step_keys  # one row format: the log row adds to it
     log = rows[-1]

@@ -92,67 +92,42 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return (_cached if cached else _uncached)(model, seqs, n_new, stop, pick, device)
+        return _decode(model, seqs, n_new, stop, pick, device, cached)
     finally:
         model.train(was_training)
 
 
-def _batch(seqs: list[list[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """These prompts as one batch, left-aligned and padded on the right, and their lengths: under
-    causal attention the padding never reaches a real position."""
-    lengths = torch.tensor([len(seqs[i]) for i in rows])
-    batch = torch.zeros(len(rows), int(lengths.max()), dtype=torch.long)
-    for row, i in enumerate(rows):
-        batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
-    return batch, lengths
-
-
-def _last(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Each row's logits at its prompt's last position."""
-    rows = torch.arange(len(lengths), device=logits.device)
-    return logits[rows, lengths.to(logits.device) - 1]
-
-
-def _cached(
-    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device
+def _decode(
+    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device, cached: bool
 ) -> list[list[int]]:
-    """With the model's KV cache: one forward over the prompts, then one token per prompt per
-    step; a finished prompt leaves the batch (and the cache)."""
+    """One token per prompt per step; a finished prompt leaves the batch (and the cache). With the
+    model's KV cache the prompts run once, then one position per step; without, every step is a
+    full forward over each prompt's prefix. Prompts are left-aligned and padded on the right:
+    under causal attention the padding never reaches a real position."""
     outs: list[list[int]] = [[] for _ in seqs]
     active = list(range(len(seqs)))
-    batch, lengths = _batch(seqs, active)
-    cache = unwrap(model).kv_cache(lengths.to(device))
-    last = _last(model(batch.to(device), cache=cache), lengths)
-    for step in range(n_new):
-        for i, token in zip(active, pick(last), strict=True):
-            outs[i].append(token)
-        going = [row for row, i in enumerate(active) if outs[i][-1] not in stop]
-        if not going or step == n_new - 1:
-            break
-        if len(going) < len(active):
-            cache.keep(torch.tensor(going, device=device))
-            active = [active[row] for row in going]
-        tokens = torch.tensor([[outs[i][-1]] for i in active], device=device)
-        last = model(tokens, cache=cache)[:, -1]
-    return outs
-
-
-def _uncached(
-    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device
-) -> list[list[int]]:
-    """Without a cache: every step is a full forward over each prompt's prefix; a finished prompt
-    leaves the batch."""
-    outs: list[list[int]] = [[] for _ in seqs]
-    active = list(range(len(seqs)))
+    cache = None
     for _ in range(n_new):
-        if not active:
-            break
-        batch, lengths = _batch(seqs, active)
-        last = _last(model(batch.to(device)), lengths)
+        if cache is None:
+            lengths = torch.tensor([len(seqs[i]) for i in active])
+            batch = torch.zeros(len(active), int(lengths.max()), dtype=torch.long)
+            for row, i in enumerate(active):
+                batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
+            cache = unwrap(model).kv_cache(lengths.to(device)) if cached else None
+            logits = model(batch.to(device), cache=cache) if cached else model(batch.to(device))
+            last = logits[torch.arange(len(active), device=device), lengths.to(device) - 1]
+        else:
+            tokens = torch.tensor([[seqs[i][-1]] for i in active], device=device)
+            last = model(tokens, cache=cache)[:, -1]
         for i, token in zip(active, pick(last), strict=True):
             seqs[i].append(token)
             outs[i].append(token)
-        active = [i for i in active if outs[i][-1] not in stop]
+        going = [row for row, i in enumerate(active) if outs[i][-1] not in stop]
+        if not going:
+            break
+        if cache is not None and len(going) < len(active):
+            cache.keep(torch.tensor(going, device=device))
+        active = [active[row] for row in going]
     return outs
 
 

@@ -104,10 +104,9 @@ class MetricsWriter:
     @fail_write.setter
     def fail_write(self, fail: Callable[[str], OSError | None] | None) -> None:
         """A test seam (titanlite.faults's write_error): `fail(name)` is the OSError the write of
-        the run folder's file `name` meets instead of the disk, or None."""
-        for part in [self.files, *self._sinks]:
-            if hasattr(part, "fail_write"):
-                part.fail_write = fail
+        the run folder's file `name` (tb: TensorBoard's) meets instead of the disk, or None."""
+        if self.files is not None:
+            self.files.fail_write = fail
 
     @classmethod
     def for_run(
@@ -254,7 +253,6 @@ class TensorBoard:
 
     def __init__(self, run_dir: Path, purge_step: int | None, files: RunFiles) -> None:
         self.run_dir, self.log_dir = run_dir, tensorboard_dir(run_dir)
-        self.fail_write: Callable[[str], OSError | None] | None = None  # RunFiles' seam, for tb/
         self.files = files  # the run folder's writer: the stop lines' words of what the run leaves
         _quiet_writer_thread()
         self._writer = self._open(purge_step)
@@ -269,7 +267,8 @@ class TensorBoard:
 
     def _call(self, write: Callable[[Any], None]) -> None:
         try:
-            error = self.fail_write("tb") if self.fail_write else None
+            fail = self.files.fail_write
+            error = fail("tb") if fail else None
             if error is not None:
                 raise error
             if not self._events().is_file():  # tb/ or its event file removed under the run

@@ -114,19 +114,12 @@ class SpikeGuard:
     def load_state_dict(self, state: dict) -> None:
         if not self.enabled or not state:
             return
-        if len(state["history"]) != self.history.numel():
-            # Another window: keep the most recent values, in order, as the new history.
-            values = _chronological(state["history"], state["count"])[-self.history.numel() :]
-            state = {"history": values, "count": len(values), "consecutive": state["consecutive"]}
-            state["history"] += [0.0] * (self.history.numel() - len(values))
-        self.history.copy_(torch.tensor(state["history"], dtype=torch.float64))
-        self.count.fill_(state["count"])
+        history, count, window = state["history"], state["count"], self.history.numel()
+        if len(history) != window:  # another window: the most recent values, oldest first
+            start = count % len(history) if count > len(history) else 0
+            history = (history[start:] + history[:start])[: min(count, len(history))][-window:]
+            count = len(history)
+            history += [0.0] * (window - count)
+        self.history.copy_(torch.tensor(history, dtype=torch.float64))
+        self.count.fill_(count)
         self.consecutive.fill_(state["consecutive"])
-
-
-def _chronological(history: list[float], count: int) -> list[float]:
-    """A ring buffer's values, oldest first."""
-    if count <= len(history):
-        return history[:count]
-    start = count % len(history)
-    return history[start:] + history[:start]

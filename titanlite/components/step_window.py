@@ -38,19 +38,6 @@ class WindowRecord:
     # each step's named loss terms the model adds, global like the loss ({}: none)
     terms: list[dict[str, float]] | None = None
 
-    @property
-    def trained_losses(self) -> list[float]:
-        """The losses of the steps whose update was applied: a skipped step's loss is 0 (no
-        token) or meaningless, and must not pull the window's mean down."""
-        return [
-            loss for loss, skipped in zip(self.losses, self.skipped, strict=True) if not skipped
-        ]
-
-    @property
-    def loss_mean(self) -> float | None:
-        kept = self.trained_losses
-        return sum(kept) / len(kept) if kept else None
-
     def check_skips(self, spike_steps: set[int], dp_size: int) -> None:
         """A non-finite loss stops the run; every other skipped step (but the spike guard's,
         which are events of their own) gets a warning saying why."""
@@ -91,12 +78,14 @@ class WindowRecord:
                 row["loss_total"] = None if skipped else row["loss"] + sum(terms.values())
             rows.append(row)
         n = len(self.steps)
+        # the steps that trained: a skipped step's loss is 0 (no token) or meaningless
+        trained = [row["loss"] for row in rows if not row["skipped"]]
         tps = run.tokens_per_rank_step * n / max(window_s, 1e-9)
         log = rows[-1]
         log.update(
             row="log",
-            loss_window_mean=self.loss_mean,  # over the steps since the last log that trained
-            loss_window_steps=len(self.trained_losses),
+            loss_window_mean=sum(trained) / len(trained) if trained else None,
+            loss_window_steps=len(trained),
             tokens_per_s=tps,
             tokens_per_s_global=tps * run.dp_size,
             skipped_steps=sum(self.skipped),
