@@ -174,11 +174,11 @@ def wrap_ddp(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return ddp
 
 
-def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
-    """(module, name, owner, owner_name) for each parameter slot holding a parameter that
-    another slot holds first: tied weights, e.g. Llama 3.2's output head and embedding."""
+def to_empty_tied(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)` with its tied weights (e.g. Llama 3.2's head and embedding) still
+    tied: on an unsharded model to_empty makes a Parameter per module (FSDP keeps one sharded)."""
     first: dict[int, tuple[nn.Module, str]] = {}
-    tied = []
+    tied = []  # (module, name, owner, owner_name): a slot holding a parameter another holds first
     for module in model.modules():
         for name, p in module._parameters.items():
             if p is None:
@@ -187,17 +187,9 @@ def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, 
                 tied.append((module, name, *first[id(p)]))
             else:
                 first[id(p)] = (module, name)
-    return tied
-
-
-def to_empty_tied(model: nn.Module, device: torch.device) -> None:
-    """`model.to_empty(device)` with its tied weights still tied: on an unsharded model to_empty
-    makes a Parameter per module (FSDP keeps one sharded tensor)."""
-    tied = _tied_parameters(model)
     model.to_empty(device=device)
     for module, name, owner, owner_name in tied:
-        if getattr(module, name) is not getattr(owner, owner_name):
-            setattr(module, name, getattr(owner, owner_name))
+        setattr(module, name, getattr(owner, owner_name))
 
 
 def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:

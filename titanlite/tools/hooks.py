@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partialmethod
 from typing import Any
 
 import torch
@@ -73,9 +72,20 @@ class Hooks:
             batch = fn(s, m, batch)
         return batch
 
-    begin = partialmethod(_run, "begin")
-    ready = partialmethod(_run, "ready")
-    backward = partialmethod(_run, "backward")
-    before_update = partialmethod(_run, "before_update")
-    after_update = partialmethod(_run, "after_update")
-    close = partialmethod(_run, "close")
+    def begin(self, s: Step) -> None:
+        self._run("begin", s)
+
+    def ready(self, s: Step) -> None:
+        self._run("ready", s)
+
+    def backward(self, s: Step) -> None:
+        self._run("backward", s)
+
+    def before_update(self, s: Step) -> None:
+        self._run("before_update", s)
+
+    def after_update(self, s: Step) -> None:
+        self._run("after_update", s)
+
+    def close(self) -> None:
+        self._run("close")
