@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from titanlite.config.layout import loss_chunk
+
 IGNORE_INDEX = -100
 """Label value that marks a position without a target (prompt, padding)."""
 
@@ -44,6 +46,12 @@ def chunked_cross_entropy_per_sample(
 
 def _projected_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return cross_entropy_per_sample(F.linear(hidden, weight), labels)
+
+
+def chunk_positions(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
+    """Sequence positions per chunk for a fork's own chunked loss: seq_len when one sequence's
+    fp32 logits fit in `budget_mib` (the plan's loss_chunk, titanlite.config.layout, says 0)."""
+    return loss_chunk(budget_mib, local_batch, seq_len, vocab) or seq_len
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
