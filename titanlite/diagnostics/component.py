@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
+from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
@@ -120,6 +121,29 @@ class Diagnostics:
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
             self.probe = GradProbe(self.method, self.ranks, cfg.sketch_dim, seed, dims.device)
             install(model, self.probe)
+
+    @classmethod
+    def for_job(
+        cls,
+        cfg: JobConfig,
+        model: torch.nn.Module,
+        dims: ParallelDims,
+        layout: Layout,
+        sampler,
+        trace: Callable[[int], list[dict]] | None,
+    ) -> Diagnostics:
+        """The trainer's diagnostics, set up from the job's config here rather than in the loop."""
+        return cls(
+            cfg.diagnostics,
+            model,
+            dims,
+            layout,
+            seed=cfg.training.seed,
+            sampler=sampler,
+            timeout_s=cfg.comm.timeout_s,
+            trace=trace,
+            alerts=cfg.alerts,
+        )
 
     @property
     def method_used(self) -> str:
