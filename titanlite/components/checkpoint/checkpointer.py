@@ -1,18 +1,11 @@
 """Distributed checkpoints (torch.distributed.checkpoint) that a crash cannot corrupt.
 
-A checkpoint of step N is the folder `<folder>/step-<N>`:
-    DCP shards + .metadata   model and optimizer, sharded as they live (FSDP DTensors or DDP
-                             replicas); DCP reshards on load, so dp degree and mode may change
-    state.json               the step, the host-side parts registered with track() under their
-                             names (LR schedule, diagnostics' history, spike guard: a new one is
-                             one line there), and what resume.py checks (identity, config, ...)
-    rng-rank<r>.pt           each rank's RNG states (dropout, fault injection; _load_rng)
-    complete                 the marker, written last
-Everything is written under `step-<N>.tmp`, then the marker, then one rename publishes it
-(index.publish): a run killed mid-save leaves a `.tmp` folder that loading ignores (and the next
-save removes), never a half checkpoint that looks complete. The dataloader state is the step
-itself: the data order is a function of (seed, global batch, step) only (datasets/sampler.py),
-which holds at any dp.
+A step folder `<folder>/step-<N>` holds the DCP shards of model and optimizer (resharded on load,
+so dp degree and mode may change), state.json (the step, the parts registered with track(), what
+resume.py checks), each rank's RNG states and the `complete` marker, written last. It is written
+as `step-<N>.tmp` and published by one rename (index.publish): a run killed mid-save leaves only a
+`.tmp` folder that loading ignores. The data position is the step itself: the order is a function
+of (seed, global batch, step) only (datasets/sampler.py), at any dp.
 """
 
 from __future__ import annotations
@@ -43,7 +36,9 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanlite.components.checkpoint.hf_load import load_hf_weights
 from titanlite.components.checkpoint.index import (
+    MARKER,
     complete_steps,
+    file_record,
     initial_load_kind,
     publish,
     quarantine,
@@ -100,14 +95,12 @@ class Checkpointer:
         self.world = dist.get_world_size()
         # seams for fault injection (titanlite.faults)
         self.storage_writer = lambda step, path: dcp.FileSystemWriter(path)  # a step's DCP writer
-        self.written: Callable[[int], None] | None = None  # rank 0: DCP wrote; before the publish
+        self.written: Callable[[int], None] = lambda step: None  # rank 0: DCP wrote, not published
         # each rank's torch stream its own: a resharded resume reseeds it
         self.per_rank_torch = False
         self.is_async = cfg.checkpoint.async_mode == "async"
         self.group = host_group(timedelta(seconds=cfg.comm.timeout_s)) if self.is_async else None
-        self._executor = (
-            ThreadPoolExecutor(1, thread_name_prefix="checkpoint") if self.is_async else None
-        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")  # async writes
         self._pending: tuple[int, Path, Future] | None = None
         self._staged_s = 0.0  # the newest async save's staging time
         tok = build_tokenizer(cfg, train=False)
@@ -189,25 +182,17 @@ class Checkpointer:
         saves = self.cfg.checkpoint.saves
         if finished:
             kept = f"checkpoint step-{step} holds it" if saves else "checkpointing is off"
-            raise Stopped(
-                signum,
-                f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})",
-            )
-        if not saves:
-            raise Stopped(
-                signum,
-                f"stopped by {name} after step {step}; checkpointing is off (checkpoint.every = 0 and checkpoint.at_end = false), so nothing was saved",
-            )
-        began = time.perf_counter()
-        if not self.due(step):
-            self.save(step)
-        self.wait()
-        took = time.perf_counter() - began
-        raise Stopped(
-            signum,
-            f"stopped by {name} after step {step}; checkpoint step-{step} (saved in {took:.1f}s: a "
-            f"scheduler's grace period must cover a step plus that); rerun the same command to continue",
-        )
+            line = f"stopped by {name} as the run ended: its steps up to {step} and its exports are done ({kept})"
+        elif not saves:
+            line = f"stopped by {name} after step {step}; checkpointing is off (checkpoint.every = 0 and checkpoint.at_end = false), so nothing was saved"
+        else:
+            began = time.perf_counter()
+            if not self.due(step):
+                self.save(step)
+            self.wait()
+            took = time.perf_counter() - began
+            line = f"stopped by {name} after step {step}; checkpoint step-{step} (saved in {took:.1f}s: a scheduler's grace period must cover a step plus that); rerun the same command to continue"
+        raise Stopped(signum, line)
 
     def _dcp_state(self) -> dict[str, Any]:
         return {
@@ -275,10 +260,12 @@ class Checkpointer:
             return error
         final = step_dir(self.folder, step)
         if self.rank == 0:
-            if self.written is not None:
-                self.written(step)
+            self.written(step)
             try:
-                publish(tmp, final, state)
+                record = {**json.loads(state), "files": file_record(tmp)}
+                (tmp / "state.json").write_text(json.dumps(record))
+                (tmp / MARKER).write_text(f"{step}\n")
+                publish(tmp, final)
             except OSError as e:
                 return str(e)
             keep = self.cfg.checkpoint.keep_latest_k
@@ -322,8 +309,7 @@ class Checkpointer:
     def close(self) -> None:
         """On any exit: let a background write finish (and publish) before the process groups go
         away; no collectives, so an exit on an error cannot hang on them."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        self._executor.shutdown(wait=True)
         self._pending = None
 
     def _load_rng(self, path: Path, step: int, resharded: bool) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from titanlite.components.checkpoint.index import publish
 from titanlite.config import JobConfig
 from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallelize import unwrap
@@ -34,7 +34,7 @@ from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
 from titanlite.models.registry import HFAdapter
-from titanlite.tools.cache import atomic_write_bytes, fsync_dir
+from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_json
 
 logger = logging.getLogger("titanlite")
@@ -53,22 +53,22 @@ TOKENIZER_FILES = (
 _CARRIED_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def companion_files(source: Path | None, tokenizer: Any) -> dict[str, Path | bytes]:
-    """Files written beside the weights (a path: copied; bytes: written): the source folder's
-    generation_config.json and the run's tokenizer: a Hugging Face one's files as they are, a
-    SentencePiece model as tokenizer.model with the tokenizer_config.json that has transformers
-    encode as titanlite does. A run on synthetic tokens has none, and the export says so."""
-    files: dict[str, Path | bytes] = {}
+def companion_files(source: Path | None, tokenizer: Any) -> dict[str, bytes]:
+    """Files written beside the weights: the source folder's generation_config.json and the run's
+    tokenizer: a Hugging Face one's files as they are, a SentencePiece model as tokenizer.model with
+    the tokenizer_config.json that has transformers encode as titanlite does (none for synthetic
+    tokens)."""
+    files: dict[str, bytes] = {}
     if source is not None and (source / "generation_config.json").is_file():
-        files["generation_config.json"] = source / "generation_config.json"
+        files["generation_config.json"] = (source / "generation_config.json").read_bytes()
     if tokenizer is None:
         logger.info(
             "the export holds no tokenizer: the run trained on synthetic tokens, which have none"
         )
     elif tokenizer.folder is not None:
-        files.update(
-            {n: tokenizer.folder / n for n in TOKENIZER_FILES if (tokenizer.folder / n).is_file()}
-        )
+        for name in TOKENIZER_FILES:
+            if (tokenizer.folder / name).is_file():
+                files[name] = (tokenizer.folder / name).read_bytes()
     else:
         piece = tokenizer.sp.id_to_piece
         config = {
@@ -116,7 +116,7 @@ def write_hf_folder(
 
     dtype = DTYPES[dtype_name]
     shards: list[list[tuple[str, str]]] = [[]]  # (titanlite name, HF name); a big tensor alone
-    size = 0
+    size = total = 0
     for name, p in params.items():
         hf_name, converted = adapter.to_hf(name, torch.empty(p.shape, device="meta"), args)
         nbytes = converted.numel() * dtype.itemsize
@@ -125,12 +125,13 @@ def write_hf_folder(
             size = 0
         shards[-1].append((name, hf_name))
         size += nbytes
+        total += nbytes
     if not writes:  # the other ranks take part in each gather, in the same order
         for name in params:
             fetch(name)
         return None, len(shards)
     tmp = folder.with_name(folder.name + ".tmp")
-    error, weight_map, total = None, {}, 0
+    error, weight_map = None, {}
     try:
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -138,42 +139,33 @@ def write_hf_folder(
         except OSError as e:
             error = f"cannot create {tmp}: {e}"
         for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            if len(shards) == 1:
+                file = "model.safetensors"
             tensors = {}
             for name, hf_name in shard:
                 full = fetch(name)  # after a failure too: the gathers go on
                 if not error:
                     converted = adapter.to_hf(name, full, args)[1].detach()
                     tensors[hf_name] = converted.to(device="cpu", dtype=dtype).contiguous()
-            if not tensors:
-                continue
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            if len(shards) == 1:
-                file = "model.safetensors"
+                    weight_map[hf_name] = file
             try:
-                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+                if not error:
+                    save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             except OSError as e:
                 error = f"writing {tmp / file}: {e}"
-            weight_map.update(dict.fromkeys(tensors, file))
-            total += sum(t.numel() * t.itemsize for t in tensors.values())
         if not error:
+            written = {"config.json": hf_config(adapter, args, dtype_name, source)}
+            if len(shards) > 1:
+                weight_map = dict(sorted(weight_map.items()))
+                index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+                written["model.safetensors.index.json"] = index
             try:
-                if len(shards) > 1:
-                    weight_map = dict(sorted(weight_map.items()))
-                    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-                    (tmp / "model.safetensors.index.json").write_text(
-                        json.dumps(index, indent=2) + "\n"
-                    )
-                config = hf_config(adapter, args, dtype_name, source)
-                (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-                for name, what in companion_files(source, tokenizer).items():
-                    if isinstance(what, bytes):
-                        (tmp / name).write_bytes(what)
-                    else:
-                        shutil.copy2(what, tmp / name)
-                fsync_dir(tmp)
-                if folder.exists():  # an export of this run from an earlier attempt
-                    shutil.rmtree(folder)
-                os.replace(tmp, folder)
+                for name, content in written.items():
+                    (tmp / name).write_text(json.dumps(content, indent=2) + "\n")
+                for name, data in companion_files(source, tokenizer).items():
+                    (tmp / name).write_bytes(data)
+                publish(tmp, folder)
             except OSError as e:
                 error = f"publishing {folder}: {e}"
     finally:  # a failure, a tensor that cannot be read, a stop: nothing half-written stays

@@ -1,12 +1,7 @@
-"""Which steps a checkpoint folder holds and whether they are intact (checkpointer.py: the
-layout). Torch-free: the launcher's preflight asks it before any worker starts, the trainer again.
-
-state.json records every other file of the step with its size and, for files up to
-CHECKSUM_MAX_BYTES, a CRC32: sizes catch a truncated or missing file, the checksum a damaged
-small one. The DCP shards get sizes alone: a CRC32 of an 8B model's 96 GB would cost every
-launch a full read. A damaged step is set aside as `step-N.damaged` (never resumed nor pruned)
-and the run falls back to the newest intact one.
-"""
+"""Which steps a checkpoint folder holds and whether they are intact (torch-free: the preflight
+asks it, the trainer again). state.json records every other file's size and, up to
+CHECKSUM_MAX_BYTES, its CRC32: the DCP shards get sizes alone, as a CRC32 of an 8B model's 96 GB
+would cost every launch a full read. A damaged step is set aside as `step-N.damaged`."""
 
 from __future__ import annotations
 
@@ -61,14 +56,11 @@ def file_record(path: Path) -> dict[str, list]:
     return out
 
 
-def publish(tmp: Path, final: Path, state: str) -> None:
-    """A save's last act, rank 0's: state.json (`state` and file_record), the marker, then one
-    rename of the step's `.tmp` folder to `final` publishes it."""
-    record = {**json.loads(state), "files": file_record(tmp)}
-    (tmp / "state.json").write_text(json.dumps(record))
-    (tmp / MARKER).write_text(f"{record['step']}\n")
+def publish(tmp: Path, final: Path) -> None:
+    """One rename publishes the finished folder `tmp` (a step's, an export's) as `final`,
+    replacing an earlier attempt's."""
     fsync_dir(tmp)
-    if final.exists():  # a checkpoint of this step from an earlier attempt
+    if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     fsync_dir(final.parent)
@@ -110,18 +102,17 @@ def find(
     (>= 0), which must be one. `on_damaged(step folder, why)` hears of each damaged newer step
     passed over; `exclude`: steps to pass over (ones that failed to load)."""
     steps = [s for s in complete_steps(folder) if s not in exclude]
+    newest = ", or -1 for the newest intact one" if step_flag == "checkpoint.load_step" else ""
     if load_step >= 0:
+        have = ", ".join(map(str, steps)) or "none"
         if load_step not in steps:
-            have = ", ".join(map(str, steps)) or "none"
             raise UserError(
-                f"{step_flag} {load_step}: {folder} holds no complete checkpoint of that step "
-                f"(complete: {have}); pick one of them{' or -1 for the newest' if step_flag.startswith('checkpoint') else ''}"
+                f"{step_flag} {load_step}: {folder} holds no complete checkpoint of that step (complete: {have}); pick one of them{newest}"
             )
         why = damage(step_dir(folder, load_step))
         if why:
             raise UserError(
-                f"{step_flag} {load_step}: {step_dir(folder, load_step)} is damaged ({why}); "
-                f"pick another step{', or -1 for the newest intact one' if step_flag.startswith('checkpoint') else ''}"
+                f"{step_flag} {load_step}: {step_dir(folder, load_step)} is damaged ({why}); pick another step{newest}"
             )
         return load_step
     damaged = []
@@ -146,9 +137,10 @@ def checkpoint_folder(cfg: JobConfig, run_dir: Path) -> Path:
     return folder if folder.is_absolute() else run_dir / folder
 
 
-def initial_load_kind(path: Path, flag: str = "checkpoint.initial_load_path") -> str:
+def initial_load_kind(path: Path) -> str:
     """Whether `path` is a Hugging Face model folder ("hf") or an intact step folder
-    ("titanlite"); anything else is one UserError that says what to point `flag` at."""
+    ("titanlite"); anything else is one UserError that says what to point it at."""
+    flag = "checkpoint.initial_load_path"
     what = "point it at a Hugging Face model folder or a titanlite step folder (<run>/checkpoints/step-N)"
     if not path.is_dir():
         raise UserError(f"{flag} '{path}' is not a folder; {what}")

@@ -39,8 +39,8 @@ def check_resumable(
 ) -> dict[str, Any]:
     """Refuse, in one line, a checkpoint trained on something else, or one outside this run folder
     that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
-    holds (None: not known yet), compared by content (with data.accept_change,
-    state["data_changed"] says what changed). Returns its state.json."""
+    holds (None: not known yet), compared by content. Returns what changed in the data, which
+    data.accept_change lets through (None: nothing)."""
     state = json.loads((step_dir(folder, step) / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
@@ -70,8 +70,7 @@ def check_resumable(
             "data it trained on, or add --data.accept_change true to go on with this data knowingly "
             "(recorded in run.json and events.jsonl)"
         )
-    state["data_changed"] = changed
-    return state
+    return changed
 
 
 def data_change(saved: list[dict], now: list[dict]) -> str | None:
@@ -242,19 +241,18 @@ def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None
     if not diff:
         return
     m = cfg.model
-    what = f"{m.name} flavor '{m.flavor}' gives another model ({'; '.join(diff)})"
-    if m.hf_assets_path:
-        before, now = state.get("hf_config") or {}, hf_config(cfg) or {}
-        keys = [
-            f"{k} {before.get(k)!r}, now {now.get(k)!r}"
-            for k in sorted({*before, *now})
-            if before.get(k) != now.get(k)
-        ]
-        what = (
-            f"{m.hf_assets_path}/config.json changed ({'; '.join(keys)})"
-            if before and keys
-            else f"model.hf_assets_path's config.json ({m.hf_assets_path}) gives another model ({'; '.join(diff)})"
-        )
+    what = f"model.hf_assets_path's config.json ({m.hf_assets_path})"
+    if not m.hf_assets_path:
+        what = f"{m.name} flavor '{m.flavor}'"
+    what += f" gives another model ({'; '.join(diff)})"
+    before, now = state.get("hf_config") or {}, hf_config(cfg) or {}
+    keys = [
+        f"{k} {before.get(k)!r}, now {now.get(k)!r}"
+        for k in sorted({*before, *now})
+        if before.get(k) != now.get(k)
+    ]
+    if keys:  # the same model.hf_assets_path (an identity key): its config.json was edited
+        what = f"{m.hf_assets_path}/config.json changed ({'; '.join(keys)})"
     raise UserError(
         f"the model changed since checkpoint {path} was written: {what}; restore it as it was, or start a "
         "new run under another job.run_name"

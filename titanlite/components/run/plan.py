@@ -70,7 +70,7 @@ def resume_plan(
             raise UserError(
                 f"training.steps is {cfg.training.steps} but the checkpoint to resume in '{folder}' is at step {resume}; raise --training.steps to {resume} or more, or rewind with --checkpoint.load_step (an earlier step of that folder)"
             )
-        return resume, check_resumable(folder, resume, cfg, run_dir, data)["data_changed"]
+        return resume, check_resumable(folder, resume, cfg, run_dir, data)
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0 and not restarted:
         raise UserError(
