@@ -68,11 +68,9 @@ logger = logging.getLogger("titanlite")
 
 
 class Checkpointer:
-    """Saves and loads the training state; every rank calls save(), wait() and load() together.
-    async_mode = "async": save() returns once DCP has copied the state to host memory; the write
-    and the publish run on a background thread, whose DCP collectives use a gloo group of their
-    own so they never queue behind the training step's. The next save(), and wait() at the end
-    of training, settle it: a failure there raises on every rank, as a synchronous save would."""
+    """Saves and loads the training state; every rank calls it together. In async mode the write
+    runs on a thread whose DCP collectives use a gloo group of their own, so they never queue
+    behind the step's; the next save() or wait() settles it, a failure raising on every rank."""
 
     def __init__(
         self,
@@ -125,10 +123,8 @@ class Checkpointer:
         return due(step, c.every) or (c.at_end and step == self.cfg.training.steps)
 
     def restore(self, resume: int | None, meta) -> int:
-        """The run's first step. A resume (`resume`: the step to continue after) brings back
-        weights, optimizer, RNG and every tracked part, and says each config value that differs
-        from the checkpoint's run. A fresh run starts from checkpoint.initial_load_path, else
-        model.hf_assets_path's weights, else the random init (`meta`: the MetaModel)."""
+        """The run's first step: after `resume` with everything it saved (saying each config value
+        that changed), or from checkpoint.initial_load_path, model.hf_assets_path or the init."""
         self.record.update(model_args=model_record(meta.args), tied=tied_groups(meta.model))
         if resume is not None:
             check_same_model(self.folder, resume, meta, self.cfg)  # as the preflight did

@@ -1,13 +1,7 @@
-"""What a run leaves for use outside titanlite when it ends (export_run): the full weights as one
-torch.save file (checkpoint.export_weights), and a Hugging Face transformers folder
-(checkpoint.export_hf) for `AutoModelForCausalLM.from_pretrained` and `AutoTokenizer`; the same
-folder from a checkpoint (export_checkpoint, scripts/export_hf.py).
-
-One full tensor at a time (gathered, or read from DCP), converted by the model's HFAdapter
-(Llama's q/k row permutation needs the full tensor): host memory is bounded by one shard, never
-by the model. The shard plan comes from the shapes first, so the file names are known before any
-tensor moves; everything is written under `<folder>.tmp` and published by one rename.
-"""
+"""What a run leaves for use outside titanlite (export_run): its full weights as one torch.save file
+(checkpoint.export_weights) and a Hugging Face folder (checkpoint.export_hf), the latter from a
+checkpoint too (export_checkpoint). One full tensor at a time (Llama's q/k row permutation needs it
+whole), so host memory is bounded by one shard; the shard plan comes from the shapes first."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Pretrained weights from a Hugging Face model folder into the model as it is sharded, through
-the model's HFAdapter: every name and shape checked first from the files' headers, then one full
-tensor at a time read, converted and copied into each rank's part, so memory is bounded by the
-largest tensor. Full tensors, not DCP's HuggingFaceStorageReader's slices: Llama's q/k row
-permutation mixes rows across FSDP's dim-0 shards.
-"""
+"""Pretrained weights from a Hugging Face folder into the sharded model through its HFAdapter: names
+and shapes checked from the headers, then one full tensor at a time (memory bounded by the largest),
+not DCP's HuggingFaceStorageReader's slices: Llama's q/k row permutation mixes FSDP's dim-0 shards."""
 
 from __future__ import annotations
 
@@ -22,6 +19,7 @@ from titanlite.distributed.param_init import canonical_name, copy_full_
 from titanlite.errors import UserError
 from titanlite.models.registry import HFAdapter
 from titanlite.tools.phases import heartbeat
+from titanlite.tools.records import read_json
 
 logger = logging.getLogger("titanlite")
 
@@ -68,14 +66,11 @@ def weight_files(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     if not index.is_file():
         path = folder / "model.safetensors"
         return {name: (path, shape) for name, shape in safetensors_header(path).items()}
-    try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(f, str) for f in weight_map.values()
-        ):
-            raise ValueError("its weight_map is not names to files")
-    except (ValueError, KeyError, TypeError) as e:
-        raise UserError(f"'{index}' is not a safetensors index ({e}); download it again") from None
+    weight_map = read_json(index, "download it again").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise UserError(
+            f"'{index}' is not a safetensors index (no weight_map of names to files); download it again"
+        )
     again = f"the index and the shards disagree: download {index.name} and the shards again"
     out = {}
     for file in sorted(set(weight_map.values())):

@@ -36,7 +36,7 @@ FRESH_ONLY = {
 
 def check_resumable(
     folder: Path, step: int, cfg: JobConfig, run_dir: Path, data: list[dict] | None = None
-) -> dict[str, Any]:
+) -> str | None:
     """Refuse, in one line, a checkpoint trained on something else, or one outside this run folder
     that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
     holds (None: not known yet), compared by content. Returns what changed in the data, which
