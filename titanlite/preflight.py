@@ -168,7 +168,7 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
 def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     """A fresh run's initial weights (checkpoint.initial_load_path or model.hf_assets_path) are
     whole and fit the model (`meta`) both ways; a resume never reads them."""
-    from titanlite.components.checkpoint.hf_load import hf_plan, weight_files
+    from titanlite.components.checkpoint.hf_load import hf_plan
     from titanlite.components.checkpoint.index import initial_load_kind
     from titanlite.datasets.build import build_tokenizer
     from titanlite.distributed.param_init import canonical_name
@@ -179,7 +179,7 @@ def check_initial_weights(cfg: JobConfig, meta: Any) -> None:
     path = Path(source).expanduser()
     if initial_load_kind(path) == "hf":
         shapes = {canonical_name(n): tuple(p.shape) for n, p in meta.model.named_parameters()}
-        hf_plan(shapes, weight_files(path), path, meta.spec.hf, meta.args)
+        hf_plan(shapes, path, meta.spec.hf, meta.args)
     else:  # a titanlite step folder: verified as every reader of a checkpoint verifies it
         step = step_to_read(path, flag="checkpoint.initial_load_path")
         # every tensor taken, both ways, and token ids that mean what they meant

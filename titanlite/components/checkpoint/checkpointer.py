@@ -275,14 +275,11 @@ class Checkpointer:
 
     def _save_error(self, e: BaseException, where: str = "") -> str:
         """A failed save in one line, which says so when the disk is full."""
-        full = disk_full(e, self.folder)
         cause = f"{where}{first_cause(e)}"
-        if full is None:
-            return cause
-        return (
-            f"{full}: {cause}; free space, lower checkpoint.keep_latest_k or point checkpoint.folder at a "
-            "larger disk, then rerun the same command"
-        )
+        full = disk_full(e, self.folder)
+        if full is not None:
+            cause = f"{full}: {cause}; free space, lower checkpoint.keep_latest_k or point checkpoint.folder at a larger disk, then rerun the same command"
+        return cause
 
     def _settle(self, step: int, tmp: Path, error: str | None) -> None:
         """If any rank failed, every rank raises the same error (the run stops: exit 3)."""

@@ -93,21 +93,17 @@ def _some(names: list[str]) -> str:
 
 
 def hf_plan(
-    params: dict[str, tuple[int, ...]],
-    files: dict[str, tuple[Path, tuple[int, ...]]],
-    folder: Path,
-    adapter: HFAdapter | None,
-    args: Any,
-) -> list[tuple[str, str]]:
-    """(HF name, parameter name) for every weight the model takes from `folder` (`files`: its
-    weight_files), from the headers alone: `params` (canonical name -> shape) must be covered
-    exactly, else one UserError. The preflight runs it on the meta model; the load again."""
+    params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
+) -> list[tuple[str, str, Path]]:
+    """(HF name, parameter name, file) for every weight the model takes from `folder`, from the
+    headers alone: `params` (canonical name -> shape) must be covered exactly, else one
+    UserError. The preflight runs it on the meta model; the load again."""
     if adapter is None:
         raise UserError(
             f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
         )
     plan = []
-    for hf_name, (_, shape) in files.items():
+    for hf_name, (path, shape) in weight_files(folder).items():
         if hf_name.endswith(DERIVED_BUFFERS):
             continue
         mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
@@ -121,8 +117,8 @@ def hf_plan(
                 f"'{hf_name}' in '{folder}' has shape {shape}, the model's '{name}' "
                 f"{tuple(params[name])}; the folder's config.json does not match its weights"
             )
-        plan.append((hf_name, name))
-    missing = sorted(set(params) - {name for _, name in plan})
+        plan.append((hf_name, name, path))
+    missing = sorted(set(params) - {name for _, name, _ in plan})
     if missing:
         raise UserError(
             f"'{folder}' lacks weights for {_some(missing)}; download the folder again, or point "
@@ -137,8 +133,7 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
 
     start = time.perf_counter()
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
-    files = weight_files(folder)  # the headers, read once for the plan and the load
-    plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, files, folder, adapter, args)
+    plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, folder, adapter, args)
     done = 0
 
     def say(seconds: float) -> None:
@@ -147,10 +142,10 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
         )
 
     with ExitStack() as stack, heartbeat(say):
-        paths = sorted({path for path, _ in files.values()})
+        paths = sorted({path for _, _, path in plan})
         handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in paths}
-        for hf_name, name in plan:
-            tensor = handles[files[hf_name][0]].get_tensor(hf_name)
+        for hf_name, name, path in plan:
+            tensor = handles[path].get_tensor(hf_name)
             _, converted = adapter.from_hf(hf_name, tensor, args)
             copy_full_(params[name], converted)
             done += 1

@@ -74,11 +74,8 @@ def damage(path: Path) -> str | None:
         return f"state.json is unreadable ({e})"
     if whole_number(path.name[5:]) and state.get("step") != int(path.name[5:]):
         return f"state.json says step {state.get('step')}, its folder step {int(path.name[5:])}"
-    if state.get("files") is None:
-        raise UserError(
-            f"checkpoint '{path}' records no file sizes in its state.json: an older titanlite wrote "
-            "it, which this one does not read; continue or export it with that version"
-        )
+    if not isinstance(state.get("files"), dict):
+        return "state.json records no file sizes"
     for name, (size, crc) in state["files"].items():
         f = path / name
         if not f.is_file():
@@ -94,7 +91,7 @@ def damage(path: Path) -> str | None:
 def find(
     folder: Path,
     load_step: int,
-    on_damaged: Callable[[Path, str], None] | None = None,
+    on_damaged: Callable[[Path, str], None] = lambda path, why: None,
     exclude: Collection[int] = (),
     step_flag: str = "checkpoint.load_step",
 ) -> int | None:
@@ -121,8 +118,7 @@ def find(
         if why is None:
             return step
         damaged.append(f"step {step}: {why}")
-        if on_damaged is not None:
-            on_damaged(step_dir(folder, step), why)
+        on_damaged(step_dir(folder, step), why)
     if damaged:
         raise UserError(
             f"every checkpoint in {folder} is damaged ({'; '.join(damaged)}); start a new run (another "

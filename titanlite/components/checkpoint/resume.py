@@ -41,12 +41,13 @@ def check_resumable(
     that another run wrote (resuming would prune its checkpoints). `data`: what this run's data
     holds (None: not known yet), compared by content. Returns what changed in the data, which
     data.accept_change lets through (None: nothing)."""
-    state = json.loads((step_dir(folder, step) / "state.json").read_text())  # find() read it
+    path = step_dir(folder, step)
+    state = json.loads((path / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
         raise UserError(
             f"checkpoint.folder '{folder}' holds the checkpoints of run '{owner}'; to start a new run "
-            f"from one, set checkpoint.initial_load_path = '{step_dir(folder, step)}' (add "
+            f"from one, set checkpoint.initial_load_path = '{path}' (add "
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
@@ -60,13 +61,13 @@ def check_resumable(
     ]
     if diff:
         raise UserError(
-            f"checkpoint {step_dir(folder, step)} was trained on something else ({'; '.join(diff)}); "
+            f"checkpoint {path} was trained on something else ({'; '.join(diff)}); "
             "use a matching config, another checkpoint.folder, or start a new run"
         )
     changed = data_change(saved, data) if by_content and data is not None else None
     if changed and not cfg.data.accept_change:
         raise UserError(
-            f"the data changed since checkpoint {step_dir(folder, step)} was written: {changed}; resume on the "
+            f"the data changed since checkpoint {path} was written: {changed}; resume on the "
             "data it trained on, or add --data.accept_change true to go on with this data knowingly "
             "(recorded in run.json and events.jsonl)"
         )
@@ -118,15 +119,13 @@ def resume_changes(
                 "not applied: the checkpoint's value is restored "
                 "(--checkpoint.restore_hparams false applies this config's)"
             )
-        elif key in RESTORED:
-            effect = f"applied from step {step + 1} (checkpoint.restore_hparams = false)"
-        elif key.startswith("lr_scheduler.") or key == "training.steps":
-            moved = f"; its lr {lr[0]:.3g} -> {lr[1]:.3g}" if lr and lr[0] != lr[1] else ""
-            effect = (
-                f"applied from step {step + 1}: the schedule continues under the new setting{moved}"
-            )
         else:
             effect = f"applied from step {step + 1}"
+            if key in RESTORED:
+                effect += " (checkpoint.restore_hparams = false)"
+            elif key.startswith("lr_scheduler.") or key == "training.steps":
+                moved = f"; its lr {lr[0]:.3g} -> {lr[1]:.3g}" if lr and lr[0] != lr[1] else ""
+                effect += f": the schedule continues under the new setting{moved}"
         lines.append(f"resume: {key} was {before[key]!r}, now {now!r}: {effect}")
     return lines
 
