@@ -303,7 +303,6 @@ class Checkpointer:
         """On any exit: let a background write finish (and publish) before the process groups go
         away; no collectives, so an exit on an error cannot hang on them."""
         self._executor.shutdown(wait=True)
-        self._pending = None
 
     def _load_rng(self, path: Path, step: int, resharded: bool) -> None:
         """This rank's RNG states; at another world size (`resharded`), rank 0's torch state on

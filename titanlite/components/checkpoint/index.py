@@ -166,13 +166,11 @@ def step_to_read(
             raise UserError(
                 f"--step picks a checkpoint of a run folder, but {flag} '{path}' is a step folder already"
             )
-        if not (path / MARKER).is_file() or not (path / "state.json").is_file():
-            raise UserError(
-                f"{flag} '{path}' is incomplete (its save never finished); {_intact_beside(path)}"
-            )
-        why = damage(path)
+        complete = (path / MARKER).is_file()
+        why = damage(path) if complete else "its save never finished"
         if why:
-            raise UserError(f"{flag} '{path}' is damaged ({why}); {_intact_beside(path)}")
+            what = "damaged" if complete else "incomplete"
+            raise UserError(f"{flag} '{path}' is {what} ({why}); {_intact_beside(path)}")
         return path
     folder = path
     if not complete_steps(path) and (path / "config.toml").is_file():
