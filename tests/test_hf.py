@@ -714,8 +714,7 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
 
 def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_path, capsys):
     """model.hf_assets_path's config.json is read anew by every launch: a resume compares the model
-    it builds with the args state.json recorded (a checkpoint that recorded none is refused); a
-    folder left as it was resumes."""
+    it builds with the args state.json recorded; a folder left as it was resumes."""
     import shutil
 
     from titanlite import preflight
@@ -773,13 +772,6 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
     assert f"{hf}/config.json changed (intermediate_size {size}, now {2 * size})" in err, err
     (hf / "config.json").write_text(json.dumps(config))
     assert preflight.main(argv) == 0
-    capsys.readouterr()
-    edit_states(lambda state: state.pop("model_args"))  # a checkpoint from before the record
-    assert preflight.main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "records no model args" in err and "initial_load_path" in err, (
-        err
-    )
 
 
 @pytest.mark.parametrize("config", ["llama3_2_1b_sft", "llama3_1_8b_sft"])

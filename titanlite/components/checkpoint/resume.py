@@ -5,7 +5,7 @@ check_fits: the preflight asks it, the trainer again."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields, is_dataclass
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -207,8 +207,7 @@ def tied_groups(model: Any) -> list[list[str]]:
 
 def model_record(args: Any) -> dict[str, Any]:
     """A model's args (MetaModel.args) as state.json records them, for check_same_model."""
-    raw = asdict(args) if is_dataclass(args) else dict(vars(args))
-    return json.loads(json.dumps(raw, default=str))
+    return json.loads(json.dumps(asdict(args), default=str))
 
 
 def hf_config(cfg: JobConfig) -> dict[str, Any] | None:
@@ -225,12 +224,7 @@ def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None
     otherwise reach the load as a size-mismatch traceback, or go unseen."""
     path = step_dir(folder, step)
     state = json.loads((path / "state.json").read_text())  # find() read it
-    saved = state.get("model_args")
-    if saved is None:
-        raise UserError(
-            f"checkpoint {path} records no model args (an older titanlite wrote it), so it cannot "
-            f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
-        )
+    saved = state["model_args"]
     ours = model_record(meta.args)  # but dropout, a training setting a resume may change
     diff = [
         f"{k} {saved[k]!r}, now {v!r}"
