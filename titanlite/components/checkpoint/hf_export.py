@@ -60,9 +60,8 @@ def companion_files(source: Path | None, tokenizer: Any) -> dict[str, bytes]:
             "the export holds no tokenizer: the run trained on synthetic tokens, which have none"
         )
     elif tokenizer.folder is not None:
-        for name in TOKENIZER_FILES:
-            if (tokenizer.folder / name).is_file():
-                files[name] = (tokenizer.folder / name).read_bytes()
+        folder = tokenizer.folder
+        files |= {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
     else:
         piece = tokenizer.sp.id_to_piece
         config = {
@@ -143,9 +142,10 @@ def write_hf_folder(
                     converted = adapter.to_hf(name, full, args)[1].detach()
                     tensors[hf_name] = converted.to(device="cpu", dtype=dtype).contiguous()
                     weight_map[hf_name] = file
+            if error:
+                continue
             try:
-                if not error:
-                    save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+                save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             except OSError as e:
                 error = f"writing {tmp / file}: {e}"
         if not error:
