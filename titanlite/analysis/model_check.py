@@ -296,7 +296,7 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
         grad_err, worst = max((grad_err, worst), (err, hf_name))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
-        export_hf(ours, out, meta.spec.hf, meta.args, "float32", folder, None)
+        export_hf(ours, out, meta, "float32", folder, None)
         written = _tensors(out)
     source = {  # what the adapter reads: not derived buffers, not a tied head's stored copy
         k: v.float()

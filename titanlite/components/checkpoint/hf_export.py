@@ -27,7 +27,7 @@ from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError, UserError
-from titanlite.models.registry import HFAdapter
+from titanlite.models.registry import MetaModel
 from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_json
 
@@ -78,9 +78,9 @@ def companion_files(source: Path | None, tokenizer: Any) -> dict[str, bytes]:
     return files
 
 
-def hf_config(adapter: HFAdapter, args: Any, dtype_name: str, source: Path | None) -> dict:
+def hf_config(meta: MetaModel, dtype_name: str, source: Path | None) -> dict:
     """config.json: the adapter's, plus the token ids and context length of the source folder's."""
-    config = adapter.config_from_args(args)
+    config = meta.spec.hf.config_from_args(meta.args)
     max_position = config.get("max_position_embeddings", 0)
     if source is not None and (source / "config.json").is_file():
         theirs = read_json(source / "config.json")
@@ -94,8 +94,7 @@ def write_hf_folder(
     folder: Path,
     params: dict[str, torch.Tensor],
     fetch: Callable[[str], torch.Tensor],
-    adapter: HFAdapter,
-    args: Any,
+    meta: MetaModel,
     dtype_name: str,
     source: Path | None,
     tokenizer: Any,
@@ -107,7 +106,7 @@ def write_hf_folder(
     Returns this rank's failure in one line (nothing is published then) and the shard count."""
     from safetensors.torch import save_file
 
-    dtype = DTYPES[dtype_name]
+    adapter, args, dtype = meta.spec.hf, meta.args, DTYPES[dtype_name]
     shards: list[list[tuple[str, str]]] = [[]]  # (titanlite name, HF name); a big tensor alone
     size = total = 0
     for name, p in params.items():
@@ -149,7 +148,7 @@ def write_hf_folder(
             except OSError as e:
                 error = f"writing {tmp / file}: {e}"
         if not error:
-            written = {"config.json": hf_config(adapter, args, dtype_name, source)}
+            written = {"config.json": hf_config(meta, dtype_name, source)}
             if len(shards) > 1:
                 weight_map = dict(sorted(weight_map.items()))
                 index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -170,8 +169,7 @@ def write_hf_folder(
 def export_hf(
     model: nn.Module,
     folder: Path,
-    adapter: HFAdapter,
-    args: Any,
+    meta: MetaModel,
     dtype_name: str,
     source: Path | None,
     tokenizer: Any,
@@ -188,7 +186,7 @@ def export_hf(
         return p.full_tensor() if isinstance(p, DTensor) else p
 
     error, n = write_hf_folder(
-        folder, params, fetch, adapter, args, dtype_name, source, tokenizer, writes=rank == 0
+        folder, params, fetch, meta, dtype_name, source, tokenizer, writes=rank == 0
     )
     error = first_error(error)
     if error:
@@ -227,7 +225,7 @@ def export_run(
         written.append(run_dir / "weights.pt")
     if c.export_hf:
         source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
-        export_hf(model, run_dir / "hf", meta.spec.hf, meta.args, c.export_dtype, source, tokenizer)
+        export_hf(model, run_dir / "hf", meta, c.export_dtype, source, tokenizer)
         written.append(run_dir / "hf")
     return written
 
@@ -245,8 +243,7 @@ def export_checkpoint(
     from titanlite.components.checkpoint.model import read_tensors, rebuild
 
     cfg, tok, meta = rebuild(step_folder, import_module)
-    adapter = meta.spec.hf
-    if adapter is None:
+    if meta.spec.hf is None:
         raise UserError(
             f"model '{meta.spec.name}' has no HFAdapter in its registry entry; it cannot be exported"
         )
@@ -259,7 +256,7 @@ def export_checkpoint(
 
     source = Path(cfg.model.hf_assets_path).expanduser() if cfg.model.hf_assets_path else None
     error, n = write_hf_folder(
-        folder, params, fetch, adapter, meta.args, dtype_name, source, tok, max_shard_bytes
+        folder, params, fetch, meta, dtype_name, source, tok, max_shard_bytes
     )
     if error:
         raise TrainingError(f"the export failed ({error}); nothing was published at '{folder}'")

@@ -37,8 +37,7 @@ def safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
         raise UserError(f"'{path}' is missing; {again}")
     size = path.stat().st_size
     with path.open("rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        length = int.from_bytes(f.read(8), "little")  # a shorter file fails the bound below
         if not 0 < length <= size - 8:
             raise UserError(
                 f"'{path}' is not a safetensors file or is cut short ({size:,} bytes); {again}"
