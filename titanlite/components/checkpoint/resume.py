@@ -51,20 +51,19 @@ def check_resumable(
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
-    saved = state.get("data")
-    by_content = bool(saved)
+    saved = state.get("data")  # what its data held, by content (none: data.path is compared)
     theirs = state["identity"]
     diff = [
         f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
         for k, v in identity(cfg).items()
-        if theirs.get(k) != v and not (k == "data.path" and by_content)
+        if theirs.get(k) != v and not (k == "data.path" and saved)
     ]
     if diff:
         raise UserError(
             f"checkpoint {path} was trained on something else ({'; '.join(diff)}); "
             "use a matching config, another checkpoint.folder, or start a new run"
         )
-    changed = data_change(saved, data) if by_content and data is not None else None
+    changed = data_change(saved, data) if saved and data is not None else None
     if changed and not cfg.data.accept_change:
         raise UserError(
             f"the data changed since checkpoint {path} was written: {changed}; resume on the "
