@@ -38,6 +38,7 @@ class MemoryEstimate:
     gathered_bytes: float
     activation_bytes: float
     logits_bytes: float
+    unit_params: int = 0  # the largest unit's params: a block, or the root's own under FSDP
     held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
     diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
     diagnostics_after_backward: bool = False  # exact's buffers peak once a unit's backward is done
@@ -108,63 +109,56 @@ def _tied(model: nn.Module) -> bool:
 
 def estimate_memory(
     model: nn.Module,
-    block_params: int,
+    args: Any,
     *,
-    dim: int,
-    n_layers: int,
-    vocab_size: int,
     local_batch: int,
     seq_len: int,
-    shard: int,
-    mode: str,
     param_dtype: torch.dtype,
     activation_checkpoint: str,
-    held_grads_bytes: float = 0.0,
-    diagnostics_bytes: float = 0.0,
-    loss_positions: int | None = None,
+    shard: int = 1,
+    mode: str = "fsdp",
+    loss_chunk: int = 0,
     keep_gathered: bool = False,
     labels_path: bool = False,
 ) -> MemoryEstimate:
+    """The estimate for `model` (blocks in `model.layers`; `args`: its vocab_size, dim, n_layers)
+    before the measured step's terms (job_estimate adds them)."""
+    blocks = getattr(model, "layers", None)
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    n_layers = getattr(args, "n_layers", 0)
     params = sum(p.numel() for p in model.parameters())
+    root = params - n_layers * block_params
     param_bytes = param_dtype.itemsize
-    divisor = shard if mode in ("fsdp", "hsdp") else 1
+    sharded_mode = mode in ("fsdp", "hsdp")
+    divisor = shard if sharded_mode else 1
     sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
-    states = 16 * sharded
     gathered = 0.0
-    if mode in ("fsdp", "hsdp"):
+    if sharded_mode:
         # The largest unit gathered at once with its unsharded gradient: a block, or the root's
         # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
         # The root stays gathered through the step, so a block's gather comes on top of it.
-        root = params - n_layers * block_params
         unit, grads = block_params, block_params
         if root > block_params:
             unit, grads = root + block_params, root * (3 if _tied(model) else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
-    positions = loss_positions or seq_len
-    chunked = positions < seq_len
+    chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
+    dim = getattr(args, "dim", 0)
     one, source = activation_bytes(
-        model,
-        seq_len,
-        param_dtype,
-        positions if chunked else 0,
-        activation_checkpoint,
-        dim,
-        n_layers,
-        labels_path,
+        model, seq_len, param_dtype, chunk, activation_checkpoint, dim, n_layers, labels_path
     )
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
-    logits = local_batch * positions * vocab_size * (param_bytes + (8 if chunked else 4))
+    positions = chunk or seq_len
+    logits = local_batch * positions * args.vocab_size * (param_bytes + (8 if chunk else 4))
     return MemoryEstimate(
         params,
-        states,
+        16 * sharded,
         gathered,
         local_batch * one,
         logits,
-        held_grads_bytes,
-        diagnostics_bytes,
+        unit_params=max(block_params, root) if sharded_mode else block_params,
         activations_from=source,
     )
 
@@ -198,33 +192,26 @@ def job_estimate(
     """The estimate for `meta` (titanlite.models.registry.MetaModel: the meta model, its args and
     loss chunk) under cfg and its layout, on a rank with `available` bytes (which decides
     reshard_after_forward = auto)."""
-    t, model, args = cfg.training, meta.model, meta.args
-    blocks = getattr(model, "layers", None)
-    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    t, model = cfg.training, meta.model
     params = sum(p.numel() for p in model.parameters())
-    root = params - getattr(args, "n_layers", 0) * block_params
-    unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
-    held, diag = measured_step_bytes(cfg, layout, params, unit)
-    piece = t.seq_len // layout.seq_split
     est = estimate_memory(
         model,
-        block_params,
-        dim=getattr(args, "dim", 0),
-        n_layers=getattr(args, "n_layers", 0),
-        vocab_size=args.vocab_size,
+        meta.args,
         local_batch=t.local_batch_size,
-        seq_len=piece,  # a rank that splits sequences holds one piece of each (parallelism.axes)
-        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
-        mode=layout.mode,
+        seq_len=t.seq_len // layout.seq_split,  # a rank that splits sequences holds one piece each
         param_dtype=param_dtype,
         activation_checkpoint=t.activation_checkpoint,
-        held_grads_bytes=held,
-        diagnostics_bytes=diag,
-        loss_positions=min(meta.loss_chunk or piece, piece),
+        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
+        mode=layout.mode,
+        loss_chunk=meta.loss_chunk,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
         labels_path=meta.loss_path().own,
     )
-    return dataclasses.replace(est, diagnostics_after_backward=layout.diagnostics_method == "exact")
+    held, diag = measured_step_bytes(cfg, layout, params, est.unit_params)
+    exact = layout.diagnostics_method == "exact"
+    return dataclasses.replace(
+        est, held_grads_bytes=held, diagnostics_bytes=diag, diagnostics_after_backward=exact
+    )
 
 
 def check_memory(
