@@ -137,7 +137,7 @@ def test_a_long_log_interval_says_it_is_going_before_a_step_would_pass_the_heart
     import logging
 
     from titanlite.components import step_window
-    from titanlite.tools.phases import HEARTBEAT_S
+    from titanlite.tools.process import HEARTBEAT_S
 
     clock = [0.0]
     monkeypatch.setattr(step_window.time, "monotonic", lambda: clock[0])
