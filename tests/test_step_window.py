@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titanlite.components.step_window import RunRates, StepWindow, WindowRecord
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError
-from titanlite.tools.readback import readback
+from titanlite.tools.instrument import readback
 
 
 def test_readback_returns_each_tensor_as_tolist_would():
