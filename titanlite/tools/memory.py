@@ -102,11 +102,6 @@ def shard_numel(shape: torch.Size, shard: int) -> int:
     return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
-def _tied(model: nn.Module) -> bool:
-    """Whether a parameter is shared by two modules (a head tied to the embedding)."""
-    return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-
-
 def estimate_memory(
     model: nn.Module,
     args: Any,
@@ -126,21 +121,23 @@ def estimate_memory(
     blocks = getattr(model, "layers", None)
     block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
     n_layers = getattr(args, "n_layers", 0)
-    params = sum(p.numel() for p in model.parameters())
+    weights = list(model.parameters())
+    params = sum(p.numel() for p in weights)
     root = params - n_layers * block_params
     param_bytes = param_dtype.itemsize
     sharded_mode = mode in ("fsdp", "hsdp")
     divisor = shard if sharded_mode else 1
-    sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
+    sharded = sum(shard_numel(p.shape, divisor) for p in weights)
     gathered = 0.0
     if sharded_mode:
         # The largest unit gathered at once with its unsharded gradient: a block, or the root's
         # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
         # The root stays gathered through the step, so a block's gather comes on top of it.
+        tied = len(list(model.named_parameters(remove_duplicate=False))) > len(weights)
         unit, grads = block_params, block_params
         if root > block_params:
-            unit, grads = root + block_params, root * (3 if _tied(model) else 1) + block_params
+            unit, grads = root + block_params, root * (3 if tied else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
@@ -168,22 +165,15 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
-    avail = min(_meminfo_available(), _cgroup_limit())
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return avail / ranks, f"host memory available / {ranks} local rank(s)"
-
-
-def _meminfo_available() -> float:
+    avail = math.inf
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return float("inf")
-
-
-def _cgroup_limit() -> float:
-    f = Path("/sys/fs/cgroup/memory.max")
-    raw = f.read_text().strip() if f.exists() else ""
-    return float(raw) if raw.isdigit() else float("inf")
+            avail = float(line.split()[1]) * 1024
+    cgroup = Path("/sys/fs/cgroup/memory.max")  # this container's limit, where it sets one
+    raw = cgroup.read_text().strip() if cgroup.exists() else ""
+    avail = min(avail, float(raw) if raw.isdigit() else math.inf)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return avail / ranks, f"host memory available / {ranks} local rank(s)"
 
 
 def job_estimate(
