@@ -153,11 +153,9 @@ class Script:
         """`doc`: --help's description; `overrides`: where `--section.key VALUE` overrides go ("":
         none); `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
         self.prog, self.overrides, self.stop_hint = prog, overrides, stop_hint
-        epilog = (
-            f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."
-            if overrides
-            else None
-        )
+        epilog = None
+        if overrides:
+            epilog = f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."
         self.parser = _Parser(
             prog=prog,
             description=doc.strip(),
@@ -217,13 +215,8 @@ class Script:
         takes = {f for a in self.args if not a.positional and a.kind != "switch" for f in a.flags}
         out: list[str] = []
         for token in argv:
-            if (
-                out
-                and out[-1] in takes
-                and token.startswith("-")
-                and not token.startswith("--")
-                and token not in flags
-            ):
+            value = token.startswith("-") and not token.startswith("--") and token not in flags
+            if value and out and out[-1] in takes:
                 out[-1] = f"{out[-1]}={token}"
             else:
                 out.append(token)
