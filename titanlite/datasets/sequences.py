@@ -6,8 +6,8 @@ once from training.seed, in every block of BLOCK items: O(1) memory, the same on
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -174,7 +174,26 @@ class SyntheticDataset:
         return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": tokens}]
 
 
-class MixtureDataset:
+class _Remapped:
+    """A dataset whose item i is item j of another (`_locate`): read, traced and counted there."""
+
+    def _locate(self, i: int) -> tuple[Any, int]:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        dataset, j = self._locate(i)
+        return dataset[j]
+
+    def trace(self, i: int) -> list[dict]:
+        dataset, j = self._locate(i)
+        return dataset.trace(j)
+
+    def content_slots(self, i: int) -> int:
+        dataset, j = self._locate(i)
+        return dataset.content_slots(j)
+
+
+class MixtureDataset(_Remapped):
     """Datasets as one index space, with their weights (the sampler decides how often each is
     read)."""
 
@@ -190,21 +209,9 @@ class MixtureDataset:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _find(self, i: int) -> tuple[int, int]:
+    def _locate(self, i: int) -> tuple[Any, int]:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return k, i - int(self.starts[k])
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        k, j = self._find(i)
-        return self.parts[k][j]
-
-    def trace(self, i: int) -> list[dict]:
-        k, j = self._find(i)
-        return self.parts[k].trace(j)
-
-    def content_slots(self, i: int) -> int:
-        k, j = self._find(i)
-        return self.parts[k].content_slots(j)
+        return self.parts[k], i - int(self.starts[k])
 
 
 BLOCK = 10_000  # the held-out split's block of items
@@ -231,12 +238,8 @@ class HeldOut:
         block, k = np.divmod(np.asarray(i, dtype=np.int64), len(offsets))
         return block * BLOCK + offsets[k]
 
-    def subset(self, dataset, part: str) -> Subset:
-        """The "train" or "eval" part of `dataset`."""
-        return Subset(dataset, self.size(part), functools.partial(self.indices, part))
 
-
-class Subset:
+class Subset(_Remapped):
     """Items `index(i)` of a dataset, for i in [0, size): a split part, or an eval set's sample."""
 
     def __init__(self, dataset, size: int, index: Callable[[int], int | np.ndarray]) -> None:
@@ -247,19 +250,10 @@ class Subset:
     def __len__(self) -> int:
         return self.size
 
-    def _at(self, i: int) -> int:
+    def _locate(self, i: int) -> tuple[Any, int]:
         if not 0 <= i < self.size:
             raise IndexError(i)
-        return int(self.index(i))
-
-    def __getitem__(self, i: int):
-        return self.dataset[self._at(i)]
-
-    def trace(self, i: int) -> list[dict]:
-        return self.dataset.trace(self._at(i))
-
-    def content_slots(self, i: int) -> int:
-        return self.dataset.content_slots(self._at(i))
+        return self.dataset, int(self.index(i))
 
 
 def spaced(total: int, count: int, i: int) -> int:

@@ -83,13 +83,9 @@ def disk_full(e: BaseException, folder: Path) -> str | None:
         free = None
     if not _no_space_errno(e) and (free is None or free >= LOW_SPACE):
         return None
-    left = (
-        "?"
-        if free is None
-        else f"{free / 2**30:.1f} GiB"
-        if free >= 2**30
-        else f"{free / 2**20:.1f} MiB"
-    )
+    left = "?"
+    if free is not None:
+        left = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     return f"disk full under '{folder}' ({left} left)"
 
 
