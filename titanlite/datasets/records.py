@@ -149,11 +149,6 @@ PROMPT_NO_INPUT = (
 SFT_COLUMNS = ("messages", "instruction", "input", "output")  # what an arrow SFT reader keeps
 
 
-def render_prompt(record: dict) -> str:
-    template = PROMPT_WITH_INPUT if record.get("input") else PROMPT_NO_INPUT
-    return template.format(instruction=record["instruction"], input=record.get("input", ""))
-
-
 def sft_record(rec: Any, where: str) -> dict:
     """A checked SFT record: chat ({"messages": [...]}) or alpaca (instruction, input, output)."""
     if not isinstance(rec, dict):
@@ -173,7 +168,9 @@ def sft_record(rec: Any, where: str) -> dict:
 def record_segments(record: dict, tok: Any) -> list[Segment]:
     if "messages" in record:
         return chat_segments(record["messages"], tok)
-    prompt = [tok.bos_id, *tok.encode(render_prompt(record))]
+    template = PROMPT_WITH_INPUT if record.get("input") else PROMPT_NO_INPUT
+    text = template.format(instruction=record["instruction"], input=record.get("input", ""))
+    prompt = [tok.bos_id, *tok.encode(text)]
     return [(prompt, False), ([*tok.encode(record["output"]), tok.eos_id], True)]
 
 
