@@ -307,10 +307,5 @@ def _document(rec: Any, piece: Piece, mode: str, text_field: str, where) -> Any:
 
 def files_fingerprint(files: list[Path]) -> list[dict]:
     """What identifies the inputs: path, size and modification time of every file."""
-    out = []
-    for f in files:
-        st = os.stat(f)
-        out.append(
-            {"path": str(Path(f).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-        )
-    return out
+    stats = [(Path(f).resolve(), os.stat(f)) for f in files]
+    return [{"path": str(p), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns} for p, st in stats]

@@ -128,9 +128,8 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             f'{where} has "messages" that is not a non-empty list; chat records need one'
         )
     for j, m in enumerate(messages):
-        if not (
-            isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
-        ):
+        ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        if not ok:
             raise UserError(
                 f'{where} message {j} is not {{"role": str, "content": str}}; fix that message'
             )

@@ -239,10 +239,8 @@ class Script:
         self, body: Callable[[argparse.Namespace], int | None], argv: Sequence[str] | None = None
     ) -> int:
         """The script: its arguments checked, then `body`; every ending as one line."""
-        previous = (
-            signal.signal(signal.SIGTERM, self._on_term),
-            signal.signal(signal.SIGINT, signal.default_int_handler),
-        )
+        term = signal.signal(signal.SIGTERM, self._on_term)
+        interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return int(body(self.parse(sys.argv[1:] if argv is None else argv)) or 0)
         except UserError as e:
@@ -262,8 +260,8 @@ class Script:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
         finally:
-            signal.signal(signal.SIGTERM, previous[0])
-            signal.signal(signal.SIGINT, previous[1])
+            signal.signal(signal.SIGTERM, term)
+            signal.signal(signal.SIGINT, interrupt)
 
     @staticmethod
     def _on_term(signum: int, frame) -> None:

@@ -197,11 +197,10 @@ def job_estimate(
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
         labels_path=meta.loss_path().own,
     )
-    held, diag = measured_step_bytes(cfg, layout, params, est.unit_params)
-    exact = layout.diagnostics_method == "exact"
-    return dataclasses.replace(
-        est, held_grads_bytes=held, diagnostics_bytes=diag, diagnostics_after_backward=exact
-    )
+    measured = measured_step_bytes(cfg, layout, params, est.unit_params)
+    est.held_grads_bytes, est.diagnostics_bytes = measured
+    est.diagnostics_after_backward = layout.diagnostics_method == "exact"
+    return est
 
 
 def check_memory(
