@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from titanlite.errors import TrainingError, UserError
+from titanlite.errors import Stopped, TrainingError, UserError
 from titanlite.tools.paths import KINDS, check_path
 
 NUMBERS = ("int", "float")
@@ -39,12 +39,6 @@ _BOUNDS = (
     ("at_most", "<=", operator.le),
     ("below", "<", operator.lt),
 )
-
-
-class _Stop(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -100,26 +94,23 @@ class Arg:
 
     def check(self, value: str) -> Any:
         """One value (text, as given) as this argument's kind, or one UserError."""
+        wrong = f"{self.name} is {value!r}; it must be {self.describe()}"
         if self.kind in NUMBERS:
-            return self._number(value)
-        if self.kind == "choice":
-            if value not in self.choices:
-                close = difflib.get_close_matches(value, self.choices, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise UserError(f"{self.name} is {value!r}; it must be {self.describe()}{hint}")
-            return value
-        if self.kind == "name":
-            if "/" in value or value in (".", "..") or len(value.encode()) > 255:
-                raise UserError(f"{self.name} is {value!r}; it must be {self.describe()}")
-            return value
+            return self._number(value, UserError(wrong))
+        if self.kind == "choice" and value not in self.choices:
+            close = difflib.get_close_matches(value, self.choices, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(wrong + hint)
+        too_long = len(value.encode()) > 255
+        if self.kind == "name" and ("/" in value or value in (".", "..") or too_long):
+            raise UserError(wrong)
         if self.kind in PATHS:
             if not value:
                 raise UserError(f"{self.name} is empty; give {KINDS[self.kind]}")
             return check_path(Path(value).expanduser(), self.kind, self.name)
         return value
 
-    def _number(self, value: str) -> int | float:
-        wrong = UserError(f"{self.name} is {value!r}; it must be {self.describe()}")
+    def _number(self, value: str, wrong: UserError) -> int | float:
         if self.kind == "int":
             if not _INT.fullmatch(value.strip()):
                 raise wrong
@@ -249,8 +240,8 @@ class Script:
         except TrainingError as e:
             print(f"{self.prog}: stopped: {e}", file=sys.stderr, flush=True)
             return 3
-        except (KeyboardInterrupt, _Stop) as e:
-            signum = e.signum if isinstance(e, _Stop) else signal.SIGINT
+        except (KeyboardInterrupt, Stopped) as e:
+            signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
             hint = f"; {self.stop_hint}" if self.stop_hint else ""
             line = f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}"
             print(line, file=sys.stderr, flush=True)
@@ -265,4 +256,4 @@ class Script:
 
     @staticmethod
     def _on_term(signum: int, frame) -> None:
-        raise _Stop(signum)
+        raise Stopped(signum, signal.Signals(signum).name)
