@@ -1,14 +1,7 @@
-"""The front door of every script (scripts/*.py): its arguments declared with their kind, and
-checked whole before the script does anything, so bad input writes nothing.
-
-Kinds, in the spirit of the config's `opt` fields: int and float (finite, within declared
-bounds, always an upper one: a value past it is a typo), choice, text, name (a file name),
-switch, and the path kinds of titanlite.tools.paths. A refusal is one UserError naming the
-argument, the value and the fix. `Script.run` turns every ending into one line: a UserError
-`<script>: error: ...` (exit 2), a TrainingError `<script>: stopped: ...` (3), a Ctrl-C or
-SIGTERM (130, 143). A script that passes `--section.key VALUE` overrides on to runs
-(`overrides=`) has them checked against the config's schema here too.
-"""
+"""The front door of every script (scripts/*.py): its arguments declared with their kind, in the
+spirit of the config's `opt` fields (a number always has an upper bound: a value past it is a
+typo), and checked whole before the script does anything, so bad input writes nothing. A refusal
+is one UserError naming the argument, the value and the fix; `Script.run` ends in one line."""
 
 from __future__ import annotations
 

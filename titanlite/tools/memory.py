@@ -1,12 +1,7 @@
 """Memory per rank: estimated on the meta model before anything is allocated (a model that cannot
-fit stops with a message instead of being OOM-killed), and the peak reached, for the log.
-
-The estimate adds terms that peak at different moments of a step, so it stays a little above the
-peak (titanlite.rehearsal measures both): fp32 params, grads and AdamW moments (16 bytes a param,
-sharded with FSDP's padding); FSDP's largest gathered unit; the activations autograd keeps (traced:
-titanlite.tools.activations); the logits beyond the trace; unsharded gradients held across
-microbatches; and the diagnostics' buffers on a measured step.
-"""
+fit stops with a message instead of being OOM-killed), and the peak reached, for the log. The
+estimate adds terms that peak at different moments of a step (MemoryEstimate's), so it stays a
+little above the peak (titanlite.rehearsal measures both)."""
 
 from __future__ import annotations
 
@@ -34,10 +29,10 @@ logger = logging.getLogger("titanlite")
 @dataclass
 class MemoryEstimate:
     params: int
-    states_bytes: float
-    gathered_bytes: float
-    activation_bytes: float
-    logits_bytes: float
+    states_bytes: float  # fp32 params, grads and AdamW moments: 16 bytes a param, sharded
+    gathered_bytes: float  # FSDP's largest unit gathered at once, with its gradient
+    activation_bytes: float  # what autograd keeps for backward (tools/activations.py)
+    logits_bytes: float  # the loss's logits beyond what the activations' trace saw
     unit_params: int = 0  # the largest unit's params: a block, or the root's own under FSDP
     held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
     diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
