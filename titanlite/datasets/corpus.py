@@ -198,13 +198,11 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
             if pos > 0:  # the line holding byte start-1 belongs to the previous piece
                 fh.seek(pos - 1)
                 pos += len(fh.readline()) - 1
-            row = 0
-            while pos < stop:
-                line = fh.readline()
-                if not line:
+            for row, line in enumerate(fh):
+                if pos >= stop:
                     break
                 yield row, line, pos
-                row, pos = row + 1, pos + len(line)
+                pos += len(line)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
         raise UserError(
             f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it"
