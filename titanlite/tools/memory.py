@@ -174,9 +174,8 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
 def job_estimate(
     meta: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype, available: float
 ) -> MemoryEstimate:
-    """The estimate for `meta` (titanlite.models.registry.MetaModel: the meta model, its args and
-    loss chunk) under cfg and its layout, on a rank with `available` bytes (which decides
-    reshard_after_forward = auto)."""
+    """The estimate for `meta` (a registry.MetaModel) under cfg and its layout, measured step
+    included, on a rank with `available` bytes (by which reshard_after_forward = auto decides)."""
     t, model = cfg.training, meta.model
     params = sum(p.numel() for p in model.parameters())
     est = estimate_memory(
@@ -201,9 +200,8 @@ def job_estimate(
 def check_memory(
     meta: Any, cfg: JobConfig, layout: Layout, device: torch.device, param_dtype: torch.dtype
 ) -> MemoryEstimate:
-    """Log the estimate for `meta` (see job_estimate; before the model is parallelized, which
-    the activations' trace needs) and refuse, in one line, a job that cannot fit on this rank
-    (unless debug.skip_memory_check)."""
+    """Log the estimate (before the model is parallelized: the activations' trace needs that) and
+    refuse, in one line, a job that cannot fit on this rank (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
     est = job_estimate(meta, cfg, layout, param_dtype, avail)
     model = f"{cfg.model.name}/{cfg.model.flavor}"
