@@ -10,6 +10,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,20 +24,10 @@ def readback(tensors: Any) -> Any:
     leaves, spec = tree_flatten(tensors)
     flat = torch.cat([t.detach().reshape(-1).double() for t in leaves]).tolist()
     out, pos = [], 0
-    for t in leaves:
-        values = flat[pos : pos + t.numel()]
+    for t in leaves:  # each leaf's values back in its shape, on the host
+        out.append(np.reshape(flat[pos : pos + t.numel()], tuple(t.shape)).tolist())
         pos += t.numel()
-        out.append(_nest(values, tuple(t.shape)))
     return tree_unflatten(out, spec)
-
-
-def _nest(values: list[float], shape: tuple[int, ...]) -> Any:
-    if not shape:
-        return values[0]
-    if len(shape) == 1:
-        return values
-    step = len(values) // shape[0] if shape[0] else 0
-    return [_nest(values[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
