@@ -334,7 +334,7 @@ COLUMNS = [
 
 
 def table(rows: dict[str, dict]) -> str:
-    from titanlite.tools.formatting import fmt
+    from titanlite.tools.records import fmt
 
     head = f"{'scenario':<16}{'steps':>6}" + "".join(f"{t:>14}" for _, t, _ in COLUMNS)
     head += f"{'low-cos rank':>14}{'top-loss rank':>15}  alerts"

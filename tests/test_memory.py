@@ -62,19 +62,14 @@ def test_refusal_names_the_setting_that_holds_gradients(monkeypatch):
     cfg, layout = config("--diagnostics.method", "exact")
     meta = build_meta_model(cfg, 512)
     params = sum(p.numel() for p in meta.model.parameters())
-    block = sum(p.numel() for p in meta.model.layers[0].parameters())
     base = memory.estimate_memory(
         meta.model,
-        block,
-        dim=meta.args.dim,
-        n_layers=meta.args.n_layers,
-        vocab_size=meta.args.vocab_size,
+        meta.args,
         local_batch=1,
         seq_len=cfg.training.seq_len,
-        shard=4,
-        mode="fsdp",
         param_dtype=torch.float32,
         activation_checkpoint="none",
+        shard=4,
     ).total_bytes
     budget = base + SKETCH_BYTES + 2 * params  # room for the sketch, half of exact's 4 B/param
     monkeypatch.setattr(memory, "available_bytes", lambda device: (budget, "test budget"))

@@ -12,9 +12,14 @@ import torch
 
 from titanlite.config import parse_args
 from titanlite.datasets.build import build_dataset, build_eval_dataset, build_tokenizer, collate
-from titanlite.datasets.packing import best_fit_decreasing, restart_positions
 from titanlite.datasets.prepared import Prepared
-from titanlite.datasets.sequences import HeldOut, PackedSFTDataset, SFTDataset
+from titanlite.datasets.sequences import (
+    HeldOut,
+    PackedSFTDataset,
+    SFTDataset,
+    best_fit_decreasing,
+    restart_positions,
+)
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import attend, block_document_mask, dense_document_mask
 from titanlite.models.llama3 import Llama3, Llama3Args

@@ -14,7 +14,7 @@ from helpers import REPO
 
 from titanlite.datasets.build import _built_once
 from titanlite.errors import UserError
-from titanlite.tools.phases import phase, quietly
+from titanlite.tools.process import phase, quietly
 
 
 def _env_phase(*command: str) -> subprocess.CompletedProcess:

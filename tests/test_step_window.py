@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titanlite.components.step_window import RunRates, StepWindow, WindowRecord
 from titanlite.distributed.utils import first_error
 from titanlite.errors import TrainingError
-from titanlite.tools.readback import readback
+from titanlite.tools.instrument import readback
 
 
 def test_readback_returns_each_tensor_as_tolist_would():
@@ -137,7 +137,7 @@ def test_a_long_log_interval_says_it_is_going_before_a_step_would_pass_the_heart
     import logging
 
     from titanlite.components import step_window
-    from titanlite.tools.phases import HEARTBEAT_S
+    from titanlite.tools.process import HEARTBEAT_S
 
     clock = [0.0]
     monkeypatch.setattr(step_window.time, "monotonic", lambda: clock[0])

@@ -17,7 +17,7 @@ from titanlite.analysis.runs import Run, differing, pyplot, series, whole_steps
 from titanlite.analysis.tolerance import Tolerance, gradient_tolerance
 from titanlite.config.fields import IDENTITY_KEYS
 from titanlite.errors import UserError
-from titanlite.tools.formatting import fmt
+from titanlite.tools.records import fmt
 
 # Expected to differ between the runs of an invariance comparison ("x." is a whole section).
 LAYOUT = (

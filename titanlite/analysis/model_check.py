@@ -30,7 +30,7 @@ from titanlite.components.loss import (
 from titanlite.config import JobConfig, parse_args
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
-from titanlite.datasets.packing import restart_positions
+from titanlite.datasets.sequences import restart_positions
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name

@@ -16,8 +16,7 @@ from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
 from titanlite.config.manager import to_toml, tomllib
 from titanlite.errors import UserError
-from titanlite.tools.formatting import fmt
-from titanlite.tools.records import read_json, read_records, read_toml
+from titanlite.tools.records import fmt, read_json, read_records, read_toml
 
 
 @dataclass

@@ -28,8 +28,8 @@ from titanlite.distributed.liveness import phase
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX
-from titanlite.tools.phases import heartbeat
-from titanlite.tools.readback import readback
+from titanlite.tools.instrument import readback
+from titanlite.tools.process import heartbeat
 from titanlite.tools.seeds import sample_seed
 
 logger = logging.getLogger("titanlite")

@@ -14,9 +14,9 @@ import torch.distributed as dist
 
 from titanlite.distributed.utils import peak_flops
 from titanlite.errors import TrainingError
+from titanlite.tools.instrument import readback
 from titanlite.tools.memory import peak_memory_gib
-from titanlite.tools.phases import HEARTBEAT_S
-from titanlite.tools.readback import readback
+from titanlite.tools.process import HEARTBEAT_S
 
 logger = logging.getLogger("titanlite")
 

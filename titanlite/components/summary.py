@@ -16,7 +16,7 @@ from typing import Any
 from titanlite.components.checkpoint.index import complete_steps, step_dir
 from titanlite.config.job_config import JobConfig
 from titanlite.diagnostics.alerts import history_note
-from titanlite.tools.formatting import fmt, format_duration
+from titanlite.tools.records import fmt, format_duration
 
 # TensorBoard shows 1,000 points of a tag, sampled, unless told to keep more (0 keeps none).
 TENSORBOARD_ALL_POINTS = "--samples_per_plugin scalars=100000"

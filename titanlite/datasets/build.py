@@ -145,12 +145,13 @@ def _sequences(cfg: JobConfig, data: Prepared, tok: Tokenizer | HFTokenizer, par
             logger.warning(note)
     else:
         dataset = PackedDataset(data, seq_len, d.document_mask)
-    size = data.num_docs if d.mode == "sft" else len(dataset)
-    held = HeldOut(size, cfg.eval.fraction, cfg.training.seed) if part else None
+    held = HeldOut(len(dataset), cfg.eval.fraction, cfg.training.seed) if part else None
     if d.packing:
         records = held.indices(part, np.arange(held.size(part))) if held else None
         return PackedSFTDataset(data, seq_len, tok.pad_id, records)
-    return held.subset(dataset, part) if held else dataset
+    if not held:
+        return dataset
+    return Subset(dataset, held.size(part), functools.partial(held.indices, part))
 
 
 def build_dataset(cfg: JobConfig, tok: Tokenizer | HFTokenizer | None, vocab_size: int = 0):

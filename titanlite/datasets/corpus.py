@@ -24,37 +24,33 @@ from typing import Any
 from titanlite.datasets.records import SFT_COLUMNS, sft_record
 from titanlite.errors import UserError, first_line
 
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 _SKIP_TOP = {"site-packages", "test", "idlelib", "lib2to3", "tkinter", "turtledemo", "ensurepip"}
-
-
-def _stdlib_root() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
 
 
 def _module(path: Path) -> str:
     """A stdlib file's dotted module name."""
-    return ".".join(path.relative_to(_stdlib_root()).with_suffix("").parts)
+    return ".".join(path.relative_to(STDLIB).with_suffix("").parts)
 
 
 @functools.lru_cache(maxsize=1)
 def stdlib_files() -> tuple[Path, ...]:
     """The stdlib's .py files (tests, GUI and vendored code left out), in a fixed order."""
-    root = _stdlib_root()
     files = []
-    for path in sorted(root.rglob("*.py")):
-        top = path.relative_to(root).parts[0]
+    for path in sorted(STDLIB.rglob("*.py")):
+        top = path.relative_to(STDLIB).parts[0]
         if top in _SKIP_TOP or top.startswith("config-") or "__pycache__" in path.parts:
             continue
         files.append(path)
     if not files:
-        raise UserError(f"no stdlib sources under {root}; set data.path to your own data")
+        raise UserError(f"no stdlib sources under {STDLIB}; set data.path to your own data")
     return tuple(files)
 
 
 def source_name(file: str) -> str:
     """A source file as people name it: "stdlib:json.decoder" for the built-in data, else the path."""
     path = Path(file)
-    if path.suffix == ".py" and path.is_relative_to(_stdlib_root()):
+    if path.suffix == ".py" and path.is_relative_to(STDLIB):
         return "stdlib:" + _module(path).removesuffix(".__init__")
     return file
 
@@ -64,7 +60,7 @@ def corpus_fingerprint() -> str:
     """Changes when the interpreter's stdlib does (names and sizes of the files)."""
     h = hashlib.sha256(sys.version.encode())
     for f in stdlib_files():
-        h.update(f"{f.relative_to(_stdlib_root())}:{f.stat().st_size}\n".encode())
+        h.update(f"{f.relative_to(STDLIB)}:{f.stat().st_size}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -202,13 +198,11 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes, int]]:
             if pos > 0:  # the line holding byte start-1 belongs to the previous piece
                 fh.seek(pos - 1)
                 pos += len(fh.readline()) - 1
-            row = 0
-            while pos < stop:
-                line = fh.readline()
-                if not line:
+            for row, line in enumerate(fh):
+                if pos >= stop:
                     break
                 yield row, line, pos
-                row, pos = row + 1, pos + len(line)
+                pos += len(line)
     except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
         raise UserError(
             f"data file '{piece.path}' cannot be read ({first_line(e)}); replace it"
@@ -311,10 +305,5 @@ def _document(rec: Any, piece: Piece, mode: str, text_field: str, where) -> Any:
 
 def files_fingerprint(files: list[Path]) -> list[dict]:
     """What identifies the inputs: path, size and modification time of every file."""
-    out = []
-    for f in files:
-        st = os.stat(f)
-        out.append(
-            {"path": str(Path(f).resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
-        )
-    return out
+    stats = [(Path(f).resolve(), os.stat(f)) for f in files]
+    return [{"path": str(p), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns} for p, st in stats]

@@ -27,20 +27,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from titanlite.datasets.corpus import Piece, files_fingerprint, kind_of, plan_pieces, read_piece
 from titanlite.datasets.records import record_tokens, sft_format_key
 from titanlite.errors import TrainingError, UserError
-from titanlite.tools.cache import atomic_write_bytes, disk_full, fsync_dir
+from titanlite.tools.cache import atomic_file, atomic_write_bytes, disk_full, fsync_dir
 
 FORMAT = 1
 META = "meta.json"
 LOCK = ".lock"
-TMP = ".tmp-"
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -105,15 +105,19 @@ def _init_worker(tok: Any) -> None:
 
 
 class _ShardWriter:
-    """The files of one shard under temporary names; publish() renames them and writes .json."""
+    """The files of one shard; each is renamed into place as `files` closes (cache.atomic_file),
+    so a shard interrupted leaves only temporary files."""
 
     def __init__(self, out: Path, name: str, mode: str, dtype: np.dtype) -> None:
-        self.out, self.name, self.mode, self.dtype = out, name, mode, dtype
-        self.suffix = f"{TMP}{os.getpid()}"
-        self.tokens = open(out / f".{name}.tokens{self.suffix}", "wb")  # noqa: SIM115 - closed in publish()
-        self.mask = open(out / f".{name}.mask{self.suffix}", "wb") if mode == "sft" else None  # noqa: SIM115
+        self.out, self.name, self.dtype = out, name, dtype
+        self.files = ExitStack()
+        self.tokens = self._open("tokens")
+        self.mask = self._open("mask") if mode == "sft" else None
         self.offsets, self.rows, self.first = [0], [], []
         self.content = hashlib.blake2b(digest_size=16)  # what the shard trains on: see content_key
+
+    def _open(self, suffix: str) -> BinaryIO:
+        return self.files.enter_context(atomic_file(self.out / f"{self.name}.{suffix}"))
 
     def add(self, ids: np.ndarray, row: int, mask: np.ndarray | None = None) -> None:
         ids = ids.astype(self.dtype, copy=False)
@@ -130,24 +134,12 @@ class _ShardWriter:
             self.first.append(int(hits[0]) if len(hits) else -1)
 
     def publish(self, info: dict) -> dict:
-        arrays = {
-            "offsets.npy": np.asarray(self.offsets, np.int64),
-            "rows.npy": np.asarray(self.rows, np.int64),
-        }
-        if self.mode == "sft":
-            arrays["first.npy"] = np.asarray(self.first, np.int32)
-        files = [f for f in (self.tokens, self.mask) if f is not None]
-        for name, array in arrays.items():
-            fh = open(self.out / f".{self.name}.{name}{self.suffix}", "wb")  # noqa: SIM115
-            np.save(fh, array)
-            files.append(fh)
-        for fh in files:
-            fh.flush()
-            os.fsync(fh.fileno())
-            fh.close()
-        for fh in files:
-            tmp = Path(fh.name)
-            os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(self.suffix)))
+        """The document arrays, every file renamed into place, then .json, written last."""
+        np.save(self._open("offsets.npy"), np.asarray(self.offsets, np.int64))
+        np.save(self._open("rows.npy"), np.asarray(self.rows, np.int64))
+        if self.mask is not None:
+            np.save(self._open("first.npy"), np.asarray(self.first, np.int32))
+        self.files.close()
         counts = {"tokens": self.offsets[-1], "docs": len(self.rows)}
         info = {**info, **counts, "content": self.content.hexdigest()}
         atomic_write_bytes(self.out / f"{self.name}.json", json.dumps(info).encode())
@@ -173,30 +165,31 @@ def write_shard(job: tuple, batch_chars: int = 1 << 20) -> dict:
     tok = _TOKENIZER
     writer = _ShardWriter(out, name, mode, token_dtype(tok.vocab_size))
     piece_info = []  # per piece: source, first document, rows
-    for piece in pieces:
-        first_doc, n_rows = len(writer.rows), 0
-        rows, docs, chars = [], [], 0
-        for row, doc in read_piece(piece, mode, text_field):
-            n_rows = row + 1
-            if doc is None:
-                continue
-            rows.append(row)
-            docs.append(doc)
-            chars += len(doc) if isinstance(doc, str) else 1024
-            if chars >= batch_chars:
-                _add(writer, tok, mode, rows, docs)
-                rows, docs, chars = [], [], 0
-        _add(writer, tok, mode, rows, docs)
-        piece_info.append([piece.source, first_doc, n_rows])
-    nbytes = sum(p.nbytes for p in pieces)
-    return writer.publish({"key": key, "pieces": piece_info, "input_bytes": nbytes})
+    with writer.files:  # on an error, every file is removed
+        for piece in pieces:
+            first_doc, n_rows = len(writer.rows), 0
+            rows, docs, chars = [], [], 0
+            for row, doc in read_piece(piece, mode, text_field):
+                n_rows = row + 1
+                if doc is None:
+                    continue
+                rows.append(row)
+                docs.append(doc)
+                chars += len(doc) if isinstance(doc, str) else 1024
+                if chars >= batch_chars:
+                    _add(writer, tok, mode, rows, docs)
+                    rows, docs, chars = [], [], 0
+            _add(writer, tok, mode, rows, docs)
+            piece_info.append([piece.source, first_doc, n_rows])
+        nbytes = sum(p.nbytes for p in pieces)
+        return writer.publish({"key": key, "pieces": piece_info, "input_bytes": nbytes})
 
 
 # ---- the whole preparation ------------------------------------------------------------------------
 
 
 def _clean_tmp(out: Path) -> None:
-    for f in out.glob(f".shard-*{TMP}*"):
+    for f in out.glob(".shard-*.tmp"):
         f.unlink(missing_ok=True)
 
 

@@ -128,9 +128,8 @@ def check_messages(messages: Any, where: str) -> list[dict]:
             f'{where} has "messages" that is not a non-empty list; chat records need one'
         )
     for j, m in enumerate(messages):
-        if not (
-            isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
-        ):
+        ok = isinstance(m, dict) and all(isinstance(m.get(k), str) for k in ("role", "content"))
+        if not ok:
             raise UserError(
                 f'{where} message {j} is not {{"role": str, "content": str}}; fix that message'
             )
@@ -147,11 +146,6 @@ PROMPT_NO_INPUT = (
     "completes the request.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
 )
 SFT_COLUMNS = ("messages", "instruction", "input", "output")  # what an arrow SFT reader keeps
-
-
-def render_prompt(record: dict) -> str:
-    template = PROMPT_WITH_INPUT if record.get("input") else PROMPT_NO_INPUT
-    return template.format(instruction=record["instruction"], input=record.get("input", ""))
 
 
 def sft_record(rec: Any, where: str) -> dict:
@@ -173,7 +167,9 @@ def sft_record(rec: Any, where: str) -> dict:
 def record_segments(record: dict, tok: Any) -> list[Segment]:
     if "messages" in record:
         return chat_segments(record["messages"], tok)
-    prompt = [tok.bos_id, *tok.encode(render_prompt(record))]
+    template = PROMPT_WITH_INPUT if record.get("input") else PROMPT_NO_INPUT
+    text = template.format(instruction=record["instruction"], input=record.get("input", ""))
+    prompt = [tok.bos_id, *tok.encode(text)]
     return [(prompt, False), ([*tok.encode(record["output"]), tok.eos_id], True)]
 
 

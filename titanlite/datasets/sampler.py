@@ -119,9 +119,8 @@ class GlobalBatchSampler:
         epochs = self.epochs(steps)
         said = ", ".join(f"{e:.3g}" for e in epochs)
         said = f"{said} epoch(s) of it" if len(epochs) == 1 else f"of its datasets {said} epoch(s)"
-        again = (
-            " (past one epoch a sequence is read again, in a new order)" if max(epochs) > 1 else ""
-        )
+        reread = max(epochs) > 1
+        again = " (past one epoch a sequence is read again, in a new order)" if reread else ""
         return f"data: {sum(self.sizes):,} sequences; {steps} steps of {self.global_batch_size} read {said}{again}"
 
     def _block(self, block: int) -> tuple[np.ndarray, np.ndarray]:

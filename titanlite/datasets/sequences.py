@@ -6,16 +6,57 @@ once from training.seed, in every block of BLOCK items: O(1) memory, the same on
 
 from __future__ import annotations
 
-import functools
+import bisect
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from titanlite.datasets.packing import best_fit_decreasing, restart_positions
 from titanlite.datasets.prepared import Prepared
 from titanlite.datasets.sampler import permute, stream_keys
 from titanlite.errors import UserError
 from titanlite.ops.cross_entropy import IGNORE_INDEX
+
+
+def best_fit_decreasing(costs: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which SFT records share a packed sequence, from their lengths and seq_len only, so every
+    rank computes the same packs: items of `costs` (each in 1..capacity), longest first, each into
+    the fullest bin of `capacity` it still fits (Johnson et al., "Worst-case performance bounds for
+    simple one-dimensional packing algorithms", SIAM J. Comput. 1974: at most 11/9 OPT + 1 bins).
+    Returns (members, starts): bin b holds items members[starts[b]:starts[b+1]], longest first."""
+    order = np.argsort(-np.asarray(costs), kind="stable")
+    open_at: dict[int, list[int]] = {}  # free capacity -> open bins with exactly that much
+    free: list[int] = []  # the free capacities some open bin has, sorted (at most `capacity`)
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for item in order.tolist():
+        cost = int(costs[item])
+        at = bisect.bisect_left(free, cost)  # the fullest bin it fits
+        if at == len(free):
+            b = len(bins)
+            bins.append([])
+            room.append(capacity)
+        else:
+            b = open_at[free[at]].pop()
+            if not open_at[free[at]]:
+                free.pop(at)
+        bins[b].append(item)
+        room[b] -= cost
+        if room[b] > 0:
+            if not open_at.get(room[b]):
+                bisect.insort(free, room[b])
+            open_at.setdefault(room[b], []).append(b)
+    starts = np.cumsum([0, *(len(x) for x in bins)], dtype=np.int64)
+    members = np.fromiter((i for x in bins for i in x), dtype=np.int64, count=int(starts[-1]))
+    return members, starts
+
+
+def restart_positions(starts: np.ndarray, length: int) -> np.ndarray:
+    """Each of `length` slots' position within its document, given the slots where documents
+    start (slot 0 always starts one): the RoPE positions and document boundaries of attention."""
+    slots = np.arange(length, dtype=np.int64)
+    bounds = np.union1d([0], np.asarray(starts, dtype=np.int64))
+    return slots - bounds[np.searchsorted(bounds, slots, side="right") - 1]
 
 
 class PackedDataset:
@@ -115,7 +156,7 @@ class SFTDataset:
 
 
 class PackedSFTDataset(SFTDataset):
-    """Records packed into sequences of seq_len (titanlite.datasets.packing), with positions that
+    """Records packed into sequences of seq_len (best_fit_decreasing), with positions that
     restart at every record: each record's loss and gradient are those of the record run alone.
     A record longer than the window is truncated; one of a single token (no label) is dropped.
     `records`: the records to pack (a split's part); None: all."""
@@ -174,7 +215,26 @@ class SyntheticDataset:
         return [{"file": "synthetic", "kind": "synthetic", "row": int(i), "tokens": tokens}]
 
 
-class MixtureDataset:
+class _Remapped:
+    """A dataset whose item i is item j of another (`_locate`): read, traced and counted there."""
+
+    def _locate(self, i: int) -> tuple[Any, int]:
+        raise NotImplementedError
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, ...]:
+        dataset, j = self._locate(i)
+        return dataset[j]
+
+    def trace(self, i: int) -> list[dict]:
+        dataset, j = self._locate(i)
+        return dataset.trace(j)
+
+    def content_slots(self, i: int) -> int:
+        dataset, j = self._locate(i)
+        return dataset.content_slots(j)
+
+
+class MixtureDataset(_Remapped):
     """Datasets as one index space, with their weights (the sampler decides how often each is
     read)."""
 
@@ -190,21 +250,9 @@ class MixtureDataset:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def _find(self, i: int) -> tuple[int, int]:
+    def _locate(self, i: int) -> tuple[Any, int]:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        return k, i - int(self.starts[k])
-
-    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        k, j = self._find(i)
-        return self.parts[k][j]
-
-    def trace(self, i: int) -> list[dict]:
-        k, j = self._find(i)
-        return self.parts[k].trace(j)
-
-    def content_slots(self, i: int) -> int:
-        k, j = self._find(i)
-        return self.parts[k].content_slots(j)
+        return self.parts[k], i - int(self.starts[k])
 
 
 BLOCK = 10_000  # the held-out split's block of items
@@ -231,12 +279,8 @@ class HeldOut:
         block, k = np.divmod(np.asarray(i, dtype=np.int64), len(offsets))
         return block * BLOCK + offsets[k]
 
-    def subset(self, dataset, part: str) -> Subset:
-        """The "train" or "eval" part of `dataset`."""
-        return Subset(dataset, self.size(part), functools.partial(self.indices, part))
 
-
-class Subset:
+class Subset(_Remapped):
     """Items `index(i)` of a dataset, for i in [0, size): a split part, or an eval set's sample."""
 
     def __init__(self, dataset, size: int, index: Callable[[int], int | np.ndarray]) -> None:
@@ -247,19 +291,10 @@ class Subset:
     def __len__(self) -> int:
         return self.size
 
-    def _at(self, i: int) -> int:
+    def _locate(self, i: int) -> tuple[Any, int]:
         if not 0 <= i < self.size:
             raise IndexError(i)
-        return int(self.index(i))
-
-    def __getitem__(self, i: int):
-        return self.dataset[self._at(i)]
-
-    def trace(self, i: int) -> list[dict]:
-        return self.dataset.trace(self._at(i))
-
-    def content_slots(self, i: int) -> int:
-        return self.dataset.content_slots(self._at(i))
+        return self.dataset, int(self.index(i))
 
 
 def spaced(total: int, count: int, i: int) -> int:

@@ -78,12 +78,10 @@ class HFTokenizer:
         config = read_json(config_file) if config_file.is_file() else {}
         specials = _special_tokens(path.parent, config)
         self.bos_id, self.eos_id = self._id(specials, "bos"), self._id(specials, "eos")
-        has_pad = specials.get("pad") is not None
-        self.pad_id = self._id(specials, "pad") if has_pad else self.eos_id
+        self.pad_id = self._id(specials, "pad") if "pad" in specials else self.eos_id
         # What a chat template sees as bos_token, eos_token (and pad_token), as transformers passes them.
-        kinds = ("bos", "eos", "pad") if has_pad else ("bos", "eos")
         self.special_tokens = {
-            f"{k}_token": self.tok.id_to_token(getattr(self, f"{k}_id")) for k in kinds
+            f"{k}_token": self.tok.id_to_token(self._id(specials, k)) for k in specials
         }
         self.chat_template = _chat_template(path.parent)
         # What ends a generated completion: EOS, every EOS generation_config.json and config.json

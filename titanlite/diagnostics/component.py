@@ -36,7 +36,7 @@ from titanlite.diagnostics.stragglers import Arrival
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.tools.hooks import Step
-from titanlite.tools.readback import readback
+from titanlite.tools.instrument import readback
 
 logger = logging.getLogger("titanlite")
 

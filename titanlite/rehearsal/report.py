@@ -14,7 +14,7 @@ import torch
 
 from titanlite.config.layout import mesh_text
 from titanlite.rehearsal.meter import StepCost
-from titanlite.tools.formatting import fmt
+from titanlite.tools.records import fmt
 
 if TYPE_CHECKING:
     from titanlite.train import Trainer

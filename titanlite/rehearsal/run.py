@@ -16,8 +16,7 @@ from titanlite.config import JobConfig
 from titanlite.errors import Stopped
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
 from titanlite.rehearsal.report import summarize, table
-from titanlite.tools.phases import heartbeat
-from titanlite.tools.process import init_logging
+from titanlite.tools.process import heartbeat, init_logging
 from titanlite.train import Trainer
 
 logger = init_logging()
@@ -26,7 +25,7 @@ WATCHED = (2, 3)  # the steps whose memory, bytes and host reads are counted
 
 def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
     """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json.
-    Every phase says it is still going (titanlite.tools.phases.heartbeat): a large model's steps
+    Every phase says it is still going (titanlite.tools.process.heartbeat): a large model's steps
     may take minutes where the rehearsal runs."""
     building = "rehearsal: still building the model and its optimizer"
     with heartbeat(lambda s: logger.info(f"{building} ({s:.0f}s)")):

@@ -40,10 +40,11 @@ def _fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def saved_activations(
     model: nn.Module, seq_len: int, dtype: torch.dtype, loss_chunk: int, labels_path: bool = False
 ) -> SavedActivations:
-    """What one sequence's forward and loss save for backward, traced on a fake-tensor copy of the
-    meta model: each storage autograd keeps is counted once, charged to the block running when it
-    was first saved. CPU kernels are traced, so SDPA keeps no attention matrix, as flash kernels
-    on a GPU do not. Nothing is assumed of a fork's model but that its blocks are `model.layers`."""
+    """What one sequence's forward and loss (in chunks of `loss_chunk` < seq_len positions; 0: whole)
+    save for backward, traced on a fake-tensor copy of the meta model: each storage autograd keeps
+    is counted once, charged to the block running when it was first saved. CPU kernels are traced,
+    so SDPA keeps no attention matrix, as flash kernels on a GPU do not. Nothing is assumed of a
+    fork's model but that its blocks are `model.layers`."""
     blocks = list(getattr(model, "layers", []))
     owner: list[int | None] = [None]
     storages: dict[int, tuple[int | None, int]] = {}
@@ -74,20 +75,16 @@ def saved_activations(
     fake = copy.deepcopy(model, memo)  # the module tree only: no weight is copied
     with mode:
         held = {t.untyped_storage()._cdata for t in (*fake.parameters(), *fake.buffers())}
-        handles = [
-            h
-            for i, b in enumerate(fake.layers if blocks else [])
-            for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave))
-        ]
+        for i, block in enumerate(fake.layers if blocks else []):  # a copy: its hooks die with it
+            block.register_forward_pre_hook(enter(i))
+            block.register_forward_hook(leave)
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             # the model's one loss path (titanlite.models.step.LossPath)
-            if labels_path or 0 < loss_chunk < seq_len:
-                fake(tokens, labels=tokens, loss_chunk=loss_chunk if loss_chunk < seq_len else 0)
+            if labels_path or loss_chunk:
+                fake(tokens, labels=tokens, loss_chunk=loss_chunk)
             else:
                 cross_entropy_per_sample(fake(tokens), tokens)
-        for h in handles:
-            h.remove()
     per_block = [0] * len(blocks)
     rest = 0
     for who, nbytes in storages.values():

@@ -7,7 +7,10 @@ import errno
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 # Under this much left after a failed write, the disk is taken as full: numpy's tofile and
 # torch.save's zip writer report a short write with no errno ("unexpected pos 704 vs 598").
@@ -30,19 +33,29 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temporary file in the same folder, then rename over `path`. The file gets the
-    mode the user's umask gives (created 0666 & ~umask, as open() would), not mkstemp's 0600."""
+@contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A file written under a temporary name in the same folder, synced and renamed over `path`
+    as the block ends (removed if it raises): never a half file. It gets the mode the user's umask
+    gives (created 0666 & ~umask, as open() would), not mkstemp's 0600."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """`data` as the whole of `path`, through atomic_file."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def _no_space_errno(e: BaseException) -> bool:
@@ -70,13 +83,9 @@ def disk_full(e: BaseException, folder: Path) -> str | None:
         free = None
     if not _no_space_errno(e) and (free is None or free >= LOW_SPACE):
         return None
-    left = (
-        "?"
-        if free is None
-        else f"{free / 2**30:.1f} GiB"
-        if free >= 2**30
-        else f"{free / 2**20:.1f} MiB"
-    )
+    left = "?"
+    if free is not None:
+        left = f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
     return f"disk full under '{folder}' ({left} left)"
 
 

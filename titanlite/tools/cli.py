@@ -1,14 +1,7 @@
-"""The front door of every script (scripts/*.py): its arguments declared with their kind, and
-checked whole before the script does anything, so bad input writes nothing.
-
-Kinds, in the spirit of the config's `opt` fields: int and float (finite, within declared
-bounds, always an upper one: a value past it is a typo), choice, text, name (a file name),
-switch, and the path kinds of titanlite.tools.paths. A refusal is one UserError naming the
-argument, the value and the fix. `Script.run` turns every ending into one line: a UserError
-`<script>: error: ...` (exit 2), a TrainingError `<script>: stopped: ...` (3), a Ctrl-C or
-SIGTERM (130, 143). A script that passes `--section.key VALUE` overrides on to runs
-(`overrides=`) has them checked against the config's schema here too.
-"""
+"""The front door of every script (scripts/*.py): its arguments declared with their kind, in the
+spirit of the config's `opt` fields (a number always has an upper bound: a value past it is a
+typo), and checked whole before the script does anything, so bad input writes nothing. A refusal
+is one UserError naming the argument, the value and the fix; `Script.run` ends in one line."""
 
 from __future__ import annotations
 
@@ -25,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from titanlite.errors import TrainingError, UserError
+from titanlite.errors import Stopped, TrainingError, UserError
 from titanlite.tools.paths import KINDS, check_path
 
 NUMBERS = ("int", "float")
@@ -39,12 +32,6 @@ _BOUNDS = (
     ("at_most", "<=", operator.le),
     ("below", "<", operator.lt),
 )
-
-
-class _Stop(Exception):
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
 
 
 @dataclass(frozen=True)
@@ -100,26 +87,23 @@ class Arg:
 
     def check(self, value: str) -> Any:
         """One value (text, as given) as this argument's kind, or one UserError."""
+        wrong = f"{self.name} is {value!r}; it must be {self.describe()}"
         if self.kind in NUMBERS:
-            return self._number(value)
-        if self.kind == "choice":
-            if value not in self.choices:
-                close = difflib.get_close_matches(value, self.choices, n=1)
-                hint = f" (did you mean '{close[0]}'?)" if close else ""
-                raise UserError(f"{self.name} is {value!r}; it must be {self.describe()}{hint}")
-            return value
-        if self.kind == "name":
-            if "/" in value or value in (".", "..") or len(value.encode()) > 255:
-                raise UserError(f"{self.name} is {value!r}; it must be {self.describe()}")
-            return value
+            return self._number(value, UserError(wrong))
+        if self.kind == "choice" and value not in self.choices:
+            close = difflib.get_close_matches(value, self.choices, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise UserError(wrong + hint)
+        too_long = len(value.encode()) > 255
+        if self.kind == "name" and ("/" in value or value in (".", "..") or too_long):
+            raise UserError(wrong)
         if self.kind in PATHS:
             if not value:
                 raise UserError(f"{self.name} is empty; give {KINDS[self.kind]}")
             return check_path(Path(value).expanduser(), self.kind, self.name)
         return value
 
-    def _number(self, value: str) -> int | float:
-        wrong = UserError(f"{self.name} is {value!r}; it must be {self.describe()}")
+    def _number(self, value: str, wrong: UserError) -> int | float:
         if self.kind == "int":
             if not _INT.fullmatch(value.strip()):
                 raise wrong
@@ -153,11 +137,9 @@ class Script:
         """`doc`: --help's description; `overrides`: where `--section.key VALUE` overrides go ("":
         none); `stop_hint`: what the stop line adds after a Ctrl-C or SIGTERM."""
         self.prog, self.overrides, self.stop_hint = prog, overrides, stop_hint
-        epilog = (
-            f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."
-            if overrides
-            else None
-        )
+        epilog = None
+        if overrides:
+            epilog = f"Any --section.key VALUE of the config (./run_train.sh --help lists them) is passed on to {overrides}."
         self.parser = _Parser(
             prog=prog,
             description=doc.strip(),
@@ -217,13 +199,8 @@ class Script:
         takes = {f for a in self.args if not a.positional and a.kind != "switch" for f in a.flags}
         out: list[str] = []
         for token in argv:
-            if (
-                out
-                and out[-1] in takes
-                and token.startswith("-")
-                and not token.startswith("--")
-                and token not in flags
-            ):
+            value = token.startswith("-") and not token.startswith("--") and token not in flags
+            if value and out and out[-1] in takes:
                 out[-1] = f"{out[-1]}={token}"
             else:
                 out.append(token)
@@ -246,10 +223,8 @@ class Script:
         self, body: Callable[[argparse.Namespace], int | None], argv: Sequence[str] | None = None
     ) -> int:
         """The script: its arguments checked, then `body`; every ending as one line."""
-        previous = (
-            signal.signal(signal.SIGTERM, self._on_term),
-            signal.signal(signal.SIGINT, signal.default_int_handler),
-        )
+        term = signal.signal(signal.SIGTERM, self._on_term)
+        interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             return int(body(self.parse(sys.argv[1:] if argv is None else argv)) or 0)
         except UserError as e:
@@ -258,8 +233,8 @@ class Script:
         except TrainingError as e:
             print(f"{self.prog}: stopped: {e}", file=sys.stderr, flush=True)
             return 3
-        except (KeyboardInterrupt, _Stop) as e:
-            signum = e.signum if isinstance(e, _Stop) else signal.SIGINT
+        except (KeyboardInterrupt, Stopped) as e:
+            signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
             hint = f"; {self.stop_hint}" if self.stop_hint else ""
             line = f"{self.prog}: stopped by {signal.Signals(signum).name}{hint}"
             print(line, file=sys.stderr, flush=True)
@@ -269,9 +244,9 @@ class Script:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
         finally:
-            signal.signal(signal.SIGTERM, previous[0])
-            signal.signal(signal.SIGINT, previous[1])
+            signal.signal(signal.SIGTERM, term)
+            signal.signal(signal.SIGINT, interrupt)
 
     @staticmethod
     def _on_term(signum: int, frame) -> None:
-        raise _Stop(signum)
+        raise Stopped(signum, signal.Signals(signum).name)

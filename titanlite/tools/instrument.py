@@ -1,16 +1,34 @@
-"""Counters for what a training step must not grow silently: host syncs and collectives (exact
-counts in the tests, next to timings in scripts/bench.py). They cost far more than they measure,
-so they wrap counted steps, never timed ones."""
+"""Host reads and collectives: readback, the one kind of host sync the training loop allows (on
+log steps only), and counters for what a step must not grow silently (exact counts in the tests,
+next to timings in scripts/bench.py), which cost far more than they measure, so they wrap
+counted steps, never timed ones."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+def readback(tensors: Any) -> Any:
+    """The values of the device tensors in `tensors` (a tensor, or lists, tuples and dicts of
+    them) with one host read (one sync, not one per tensor), in the same structure. Each comes
+    back as `tensor.tolist()` gives it, as floats (exact for integers below 2**53)."""
+    leaves, spec = tree_flatten(tensors)
+    flat = torch.cat([t.detach().reshape(-1).double() for t in leaves]).tolist()
+    out, pos = [], 0
+    for t in leaves:  # each leaf's values back in its shape, on the host
+        out.append(np.reshape(flat[pos : pos + t.numel()], tuple(t.shape)).tolist())
+        pos += t.numel()
+    return tree_unflatten(out, spec)
+
 
 HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 

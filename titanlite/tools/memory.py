@@ -1,12 +1,7 @@
 """Memory per rank: estimated on the meta model before anything is allocated (a model that cannot
-fit stops with a message instead of being OOM-killed), and the peak reached, for the log.
-
-The estimate adds terms that peak at different moments of a step, so it stays a little above the
-peak (titanlite.rehearsal measures both): fp32 params, grads and AdamW moments (16 bytes a param,
-sharded with FSDP's padding); FSDP's largest gathered unit; the activations autograd keeps (traced:
-titanlite.tools.activations); the logits beyond the trace; unsharded gradients held across
-microbatches; and the diagnostics' buffers on a measured step.
-"""
+fit stops with a message instead of being OOM-killed), and the peak reached, for the log. The
+estimate adds terms that peak at different moments of a step (MemoryEstimate's), so it stays a
+little above the peak (titanlite.rehearsal measures both)."""
 
 from __future__ import annotations
 
@@ -34,10 +29,11 @@ logger = logging.getLogger("titanlite")
 @dataclass
 class MemoryEstimate:
     params: int
-    states_bytes: float
-    gathered_bytes: float
-    activation_bytes: float
-    logits_bytes: float
+    states_bytes: float  # fp32 params, grads and AdamW moments: 16 bytes a param, sharded
+    gathered_bytes: float  # FSDP's largest unit gathered at once, with its gradient
+    activation_bytes: float  # what autograd keeps for backward (tools/activations.py)
+    logits_bytes: float  # the loss's logits beyond what the activations' trace saw
+    unit_params: int = 0  # the largest unit's params: a block, or the root's own under FSDP
     held_grads_bytes: float = 0.0  # unsharded gradients kept across microbatches
     diagnostics_bytes: float = 0.0  # what a measured step adds besides held gradients
     diagnostics_after_backward: bool = False  # exact's buffers peak once a unit's backward is done
@@ -101,70 +97,60 @@ def shard_numel(shape: torch.Size, shard: int) -> int:
     return -(-rows // shard) * (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
-def _tied(model: nn.Module) -> bool:
-    """Whether a parameter is shared by two modules (a head tied to the embedding)."""
-    return len(list(model.named_parameters(remove_duplicate=False))) > len(list(model.parameters()))
-
-
 def estimate_memory(
     model: nn.Module,
-    block_params: int,
+    args: Any,
     *,
-    dim: int,
-    n_layers: int,
-    vocab_size: int,
     local_batch: int,
     seq_len: int,
-    shard: int,
-    mode: str,
     param_dtype: torch.dtype,
     activation_checkpoint: str,
-    held_grads_bytes: float = 0.0,
-    diagnostics_bytes: float = 0.0,
-    loss_positions: int | None = None,
+    shard: int = 1,
+    mode: str = "fsdp",
+    loss_chunk: int = 0,
     keep_gathered: bool = False,
     labels_path: bool = False,
 ) -> MemoryEstimate:
-    params = sum(p.numel() for p in model.parameters())
+    """The estimate for `model` (blocks in `model.layers`; `args`: its vocab_size, dim, n_layers)
+    before the measured step's terms (job_estimate adds them)."""
+    blocks = getattr(model, "layers", None)
+    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    n_layers = getattr(args, "n_layers", 0)
+    weights = list(model.parameters())
+    params = sum(p.numel() for p in weights)
+    root = params - n_layers * block_params
     param_bytes = param_dtype.itemsize
-    divisor = shard if mode in ("fsdp", "hsdp") else 1
-    sharded = sum(shard_numel(p.shape, divisor) for p in model.parameters())
-    states = 16 * sharded
+    sharded_mode = mode in ("fsdp", "hsdp")
+    divisor = shard if sharded_mode else 1
+    sharded = sum(shard_numel(p.shape, divisor) for p in weights)
     gathered = 0.0
-    if mode in ("fsdp", "hsdp"):
+    if sharded_mode:
         # The largest unit gathered at once with its unsharded gradient: a block, or the root's
         # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
         # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
         # The root stays gathered through the step, so a block's gather comes on top of it.
-        root = params - n_layers * block_params
+        tied = len(list(model.named_parameters(remove_duplicate=False))) > len(weights)
         unit, grads = block_params, block_params
         if root > block_params:
-            unit, grads = root + block_params, root * (3 if _tied(model) else 1) + block_params
+            unit, grads = root + block_params, root * (3 if tied else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
-    positions = loss_positions or seq_len
-    chunked = positions < seq_len
+    chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
+    dim = getattr(args, "dim", 0)
     one, source = activation_bytes(
-        model,
-        seq_len,
-        param_dtype,
-        positions if chunked else 0,
-        activation_checkpoint,
-        dim,
-        n_layers,
-        labels_path,
+        model, seq_len, param_dtype, chunk, activation_checkpoint, dim, n_layers, labels_path
     )
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
-    logits = local_batch * positions * vocab_size * (param_bytes + (8 if chunked else 4))
+    positions = chunk or seq_len
+    logits = local_batch * positions * args.vocab_size * (param_bytes + (8 if chunk else 4))
     return MemoryEstimate(
         params,
-        states,
+        16 * sharded,
         gathered,
         local_batch * one,
         logits,
-        held_grads_bytes,
-        diagnostics_bytes,
+        unit_params=max(block_params, root) if sharded_mode else block_params,
         activations_from=source,
     )
 
@@ -174,65 +160,48 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free), f"free on {torch.cuda.get_device_name(device)}"
-    avail = min(_meminfo_available(), _cgroup_limit())
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return avail / ranks, f"host memory available / {ranks} local rank(s)"
-
-
-def _meminfo_available() -> float:
+    avail = math.inf
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
-            return float(line.split()[1]) * 1024
-    return float("inf")
-
-
-def _cgroup_limit() -> float:
-    f = Path("/sys/fs/cgroup/memory.max")
-    raw = f.read_text().strip() if f.exists() else ""
-    return float(raw) if raw.isdigit() else float("inf")
+            avail = float(line.split()[1]) * 1024
+    cgroup = Path("/sys/fs/cgroup/memory.max")  # this container's limit, where it sets one
+    raw = cgroup.read_text().strip() if cgroup.exists() else ""
+    avail = min(avail, float(raw) if raw.isdigit() else math.inf)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return avail / ranks, f"host memory available / {ranks} local rank(s)"
 
 
 def job_estimate(
     meta: Any, cfg: JobConfig, layout: Layout, param_dtype: torch.dtype, available: float
 ) -> MemoryEstimate:
-    """The estimate for `meta` (titanlite.models.registry.MetaModel: the meta model, its args and
-    loss chunk) under cfg and its layout, on a rank with `available` bytes (which decides
-    reshard_after_forward = auto)."""
-    t, model, args = cfg.training, meta.model, meta.args
-    blocks = getattr(model, "layers", None)
-    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    """The estimate for `meta` (a registry.MetaModel) under cfg and its layout, measured step
+    included, on a rank with `available` bytes (by which reshard_after_forward = auto decides)."""
+    t, model = cfg.training, meta.model
     params = sum(p.numel() for p in model.parameters())
-    root = params - getattr(args, "n_layers", 0) * block_params
-    unit = max(block_params, root) if layout.mode in ("fsdp", "hsdp") else block_params
-    held, diag = measured_step_bytes(cfg, layout, params, unit)
-    piece = t.seq_len // layout.seq_split
     est = estimate_memory(
         model,
-        block_params,
-        dim=getattr(args, "dim", 0),
-        n_layers=getattr(args, "n_layers", 0),
-        vocab_size=args.vocab_size,
+        meta.args,
         local_batch=t.local_batch_size,
-        seq_len=piece,  # a rank that splits sequences holds one piece of each (parallelism.axes)
-        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
-        mode=layout.mode,
+        seq_len=t.seq_len // layout.seq_split,  # a rank that splits sequences holds one piece each
         param_dtype=param_dtype,
         activation_checkpoint=t.activation_checkpoint,
-        held_grads_bytes=held,
-        diagnostics_bytes=diag,
-        loss_positions=min(meta.loss_chunk or piece, piece),
+        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
+        mode=layout.mode,
+        loss_chunk=meta.loss_chunk,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
         labels_path=meta.loss_path().own,
     )
-    return dataclasses.replace(est, diagnostics_after_backward=layout.diagnostics_method == "exact")
+    measured = measured_step_bytes(cfg, layout, params, est.unit_params)
+    est.held_grads_bytes, est.diagnostics_bytes = measured
+    est.diagnostics_after_backward = layout.diagnostics_method == "exact"
+    return est
 
 
 def check_memory(
     meta: Any, cfg: JobConfig, layout: Layout, device: torch.device, param_dtype: torch.dtype
 ) -> MemoryEstimate:
-    """Log the estimate for `meta` (see job_estimate; before the model is parallelized, which
-    the activations' trace needs) and refuse, in one line, a job that cannot fit on this rank
-    (unless debug.skip_memory_check)."""
+    """Log the estimate (before the model is parallelized: the activations' trace needs that) and
+    refuse, in one line, a job that cannot fit on this rank (unless debug.skip_memory_check)."""
     avail, what = available_bytes(device)
     est = job_estimate(meta, cfg, layout, param_dtype, avail)
     model = f"{cfg.model.name}/{cfg.model.flavor}"

@@ -50,22 +50,14 @@ def check_writable(path: Path, flag: str) -> None:
 def check_path(path: Path, kind: str, flag: str) -> Path:
     """`path` as `kind` (one of KINDS) wants it, or one UserError naming `flag` and the fix."""
     want = KINDS[kind]
-    if kind in ("file", "folder", "path"):
-        if not path.exists():
-            raise UserError(f"{flag} '{path}' does not exist; give {want}")
-        if kind == "file" and not path.is_file():
-            raise UserError(f"{flag} '{path}' is a folder; give {want}")
-        if kind == "folder" and not path.is_dir():
-            raise UserError(f"{flag} '{path}' is a file; give {want}")
-        return path
-    if kind == "out_file":
-        if path.is_dir():
-            raise UserError(f"{flag} '{path}' is a folder; give {want}")
-        check_writable(path.parent, flag)
-        return path
-    if path.exists() and not path.is_dir():
+    if kind in ("file", "folder", "path") and not path.exists():
+        raise UserError(f"{flag} '{path}' does not exist; give {want}")
+    if kind in ("file", "out_file") and path.is_dir():
+        raise UserError(f"{flag} '{path}' is a folder; give {want}")
+    if kind in ("folder", "out_folder", "new_folder") and path.exists() and not path.is_dir():
         raise UserError(f"{flag} '{path}' is a file; give {want}")
     if kind == "new_folder" and path.is_dir() and any(path.iterdir()):
         raise UserError(f"{flag} '{path}' is a folder that is not empty; give {want}")
-    check_writable(path, flag)
+    if kind in ("out_file", "out_folder", "new_folder"):
+        check_writable(path.parent if kind == "out_file" else path, flag)
     return path

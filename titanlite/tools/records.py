@@ -2,7 +2,8 @@
 samples) and JSON files (run.json, a checkpoint's state.json). The one reader of them: a file
 that cannot be read is one UserError naming it, never a traceback. A JSONL line can only be cut
 off at the end of a file, by a run killed while writing (components/run/files.py writes whole
-records): readers skip it, or, when a verdict depends on every record, refuse it."""
+records): readers skip it, or, when a verdict depends on every record, refuse it. Also the number
+formats the reports of them share (the console line, the run comparison, the scripts' tables)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,14 @@ def metrics_rows(path: Path, logged: bool = False) -> list[dict]:
     without "row" (written before rows per step) is a log step's."""
     rows = read_records(path)
     return [r for r in rows if r.get("row", "log") == "log"] if logged else rows
+
+
+def fmt(value: Any, spec: str) -> str:
+    """`format(value, spec)`, or "-" for a missing value (a skipped step, an empty rank)."""
+    return "-" if value is None else format(value, spec)
+
+
+def format_duration(seconds: float) -> str:
+    """H:MM:SS."""
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"

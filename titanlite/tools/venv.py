@@ -51,11 +51,8 @@ def _stopped_while_starting(signum: int, frame) -> None:
     """A Ctrl-C or SIGTERM while the script imports (seconds, before its front door is up):
     one line, nothing written yet (titanlite.tools.cli takes over from there)."""
     name = signal.Signals(signum).name
-    print(
-        f"{Path(sys.argv[0]).stem}: stopped by {name} as it started; nothing was written",
-        file=sys.stderr,
-        flush=True,
-    )
+    line = f"{Path(sys.argv[0]).stem}: stopped by {name} as it started; nothing was written"
+    print(line, file=sys.stderr, flush=True)
     os._exit(128 + signum)
 
 

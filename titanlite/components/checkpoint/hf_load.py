@@ -18,7 +18,7 @@ from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name, copy_full_
 from titanlite.errors import UserError
 from titanlite.models.registry import HFAdapter
-from titanlite.tools.phases import heartbeat
+from titanlite.tools.process import heartbeat
 from titanlite.tools.records import read_json
 
 logger = logging.getLogger("titanlite")
