@@ -29,11 +29,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before 
     from titanlite.config.command_line import wants_help
     from titanlite.preflight import main as preflight
 
-    _words = sys.argv[2:]
-    if _words[:1] == ["--caller-cwd"]:  # run_train.sh's own option, before the user's words
-        _words = _words[2:]
-    if wants_help(_words):
-        sys.exit(preflight(_words))  # the usage and every config key
+    if wants_help(sys.argv[2:]):  # (it steps over run_train.sh's --caller-cwd DIR as a flag's)
+        sys.exit(preflight(sys.argv[2:]))  # the usage and every config key
 
 # the rest after the handler: importing torch takes seconds
 import contextlib
