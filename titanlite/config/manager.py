@@ -106,7 +106,6 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
 
 
 HELP_FLAGS = ("-h", "--help")
-REHEARSE = "--rehearse"
 
 
 def words(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -130,7 +129,7 @@ def words(argv: list[str]) -> list[tuple[str, str | None]]:
             i += 2
         elif name == "config":
             raise UserError("--config has no value; write --config path/to/file.toml")
-        elif arg == REHEARSE:
+        elif arg == "--rehearse":
             raise UserError(
                 "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
             )
