@@ -1,8 +1,5 @@
 """Load a TOML file into JobConfig, apply `--section.key value` overrides, write it back, and
-describe every key (`--help`).
-
-Every problem is a UserError with one line that names the key and the closest valid one.
-"""
+describe every key (`--help`); a problem is one UserError line naming the key and the fix."""
 
 from __future__ import annotations
 

@@ -109,8 +109,7 @@ class Heartbeat:
             else None
         )
         if self._store is not None:
-            self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def ready(self, s) -> None:
         """The trainer's hook (titanlite.tools.hooks): the step has its batch."""
