@@ -154,16 +154,6 @@ class _NoTag(str):
         return True
 
 
-def _world_size(args) -> tuple[int, int]:
-    try:
-        nnodes = int(str(args.nnodes).split(":")[-1])
-        return nnodes * int(args.nproc_per_node), nnodes
-    except ValueError:
-        raise UserError(
-            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
-        ) from None
-
-
 def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
     """(--from-env given, the rest) after the launcher's own leading options; --caller-cwd DIR
     becomes the workers' caller folder (relative paths are read there; a fork's module too)."""
@@ -201,7 +191,13 @@ def main(argv: list[str]) -> int:
             argv = [*rdzv, "-m", "titanlite.train", *argv]
         args = get_args_parser().parse_args(argv)
         args.training_script_args = launcher_words(args.training_script_args)
-        world, nnodes = _world_size(args)
+        try:
+            nnodes = int(str(args.nnodes).split(":")[-1])
+            world = nnodes * int(args.nproc_per_node)
+        except ValueError:
+            raise UserError(
+                f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
+            ) from None
 
         def hold(cfg: JobConfig, run_dir: Path) -> None:
             """Make the run folder and, on node 0, take its lock (then the preflight reads its checkpoints)."""

@@ -303,10 +303,10 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
         for k, v in _tensors(folder).items()
         if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.from_hf(k, v, meta.args) is not None
     }
-    both = written.keys() & source.keys()
     differ = sorted(
-        (written.keys() ^ source.keys())
-        | {k for k in both if not torch.equal(written[k], source[k])}
+        k
+        for k in written.keys() | source.keys()
+        if k not in written or k not in source or not torch.equal(written[k], source[k])
     )
     exported = f"{len(written)} tensors written back as read"
     if differ:

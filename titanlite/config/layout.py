@@ -114,10 +114,8 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
         )
     mode = p.mode
-    if mode == "auto" and p.dp_replicate > 1:
-        mode = "hsdp" if shard > 1 else "ddp"
-    elif mode == "auto":
-        mode = "fsdp"
+    if mode == "auto":
+        mode = ("hsdp" if shard > 1 else "ddp") if p.dp_replicate > 1 else "fsdp"
     if mode == "fsdp" and p.dp_replicate != 1:
         raise UserError(
             "parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas"
