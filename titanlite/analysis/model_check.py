@@ -270,8 +270,7 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     load_hf_weights(ours, folder, meta.spec.hf, meta.args)
     theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
-    labels = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
+    tokens, labels = torch.randint(0, meta.args.vocab_size, (2, 2, SEQ), generator=g)
     mine, hf = ours(tokens), theirs(tokens).logits
     logits_err = ((mine - hf).abs().max() / hf.abs().max()).item()
     losses = [cross_entropy_sum(x, labels) for x in (mine, hf)]
