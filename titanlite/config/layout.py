@@ -204,10 +204,6 @@ def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
     return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)
 
 
-# From the second rehearsed step, every other one is measured, so the report has both kinds.
-MEASURED_EVERY = 2
-
-
 def rehearsal_batch(global_batch: int, local_batch: int, world: int) -> int:
     """The global batch at `world` ranks: the config's if world x local divides it, else that."""
     return global_batch if global_batch % (world * local_batch) == 0 else world * local_batch
@@ -234,7 +230,7 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
         "metrics.enable_wandb": False,
         "spike_guard.skip": "off",
         "diagnostics.measure_first": 0,
-        "diagnostics.every": MEASURED_EVERY,
+        "diagnostics.every": 2,  # from the second step every other one: the report has both kinds
         "diagnostics.on_alert": "warn",
     }
     changes = {k: v for k, v in changes.items() if value_of(cfg, k) != v}
