@@ -24,9 +24,8 @@ from titanlite.config.command_line import (
     mixture_items,
     wants_help,
 )
-from titanlite.config.fields import MOVED_KEYS
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX
-from titanlite.config.manager import check_values
+from titanlite.config.manager import check_values, moved_keys
 from titanlite.errors import UserError
 
 TEXT = st.text(
@@ -131,10 +130,10 @@ def _example(default: object, choices: tuple[str, ...] | None) -> tuple[str, str
     return examples[type(default)]
 
 
-@pytest.mark.parametrize("old", sorted(MOVED_KEYS))
+@pytest.mark.parametrize("old", sorted(moved_keys()))
 def test_a_moved_key_beside_its_new_name_on_the_command_line(old: str) -> None:
     """Disagreeing: refused in one line naming both, as in a file; agreeing: taken."""
-    new = MOVED_KEYS[old]
+    new = moved_keys()[old]
     section, _, key = new.partition(".")
     (f,) = [f for f in fields(dict(every_section())[section]) if f.name == key]
     default = f.default if f.default_factory is MISSING else f.default_factory()

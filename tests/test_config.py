@@ -157,7 +157,6 @@ def test_layout_modes_and_accumulation():
             dict(parallelism__dp_replicate=2, parallelism__skip_grad_sync="off"),
             "cannot be exact with ddp",
         ),
-        (1, dict(training__steps=0), "training.steps is 0"),
         (
             4,
             dict(parallelism__axes='["cp=3"]'),
@@ -206,6 +205,7 @@ def test_missing_files_are_named(tmp_path):
             "leave data.path empty",
         ),
         (["--model.vocab_size", "-1"], "model.vocab_size is -1; it must be >= 0"),
+        (["--training.steps", "0"], "training.steps is 0; it must be >= 1"),
     ],
 )
 def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, message):
@@ -400,7 +400,7 @@ def test_the_plan_is_resolved_once_or_refused_in_one_line(
     cfg.diagnostics.method, cfg.diagnostics.enable = method, diagnostics
     cfg.diagnostics.sketch_dim = sketch_dim
     try:
-        plan = resolve_layout(cfg, world)
+        plan = validate(cfg, world)  # the door: bounds, then the layout
     except UserError as e:
         assert "\n" not in str(e) and str(e)
         return

@@ -1,6 +1,6 @@
 """One schedule rule (titanlite.config.fields.schedule/due: every N steps, 0: never; the end of a
 run a switch of its own) for checkpoints, evals, logs, measured steps and replica checks, and the
-keys it renamed (titanlite.config.fields.MOVED_KEYS): an old config, flag or config.toml means
+keys it renamed (titanlite.config.manager.moved_keys): an old config, flag or config.toml means
 what it meant, with one note."""
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from helpers import every_section
 
 from titanlite.components.checkpoint.resume import flat_config
 from titanlite.config import load_config
-from titanlite.config.fields import MOVED_KEYS
 from titanlite.config.job_config import JobConfig
-from titanlite.config.manager import NOTES_SHOWN_ENV
+from titanlite.config.manager import NOTES_SHOWN_ENV, moved_keys
 from titanlite.errors import UserError
 
 
@@ -36,7 +35,7 @@ def test_every_moved_key_lands_with_one_note(tmp_path, capsys, monkeypatch):
     defaults = dict(every_section())
     sections: dict[str, list[str]] = {}
     expected = {}
-    for old, new in MOVED_KEYS.items():
+    for old, new in moved_keys().items():
         section, name = old.split(".")
         value = _other_value(defaults, new)
         sections.setdefault(section, []).append(f"{name} = {_toml(value)}")
@@ -48,7 +47,7 @@ def test_every_moved_key_lands_with_one_note(tmp_path, capsys, monkeypatch):
     assert {k: flat[k] for k in expected} == expected
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    for old, new in MOVED_KEYS.items():
+    for old, new in moved_keys().items():
         (sec, key), new_sec = old.split("."), new.split(".")[0]
         assert re.search(rf"\[{sec}\] [^;]*\b{key}\b[^;]* -> \[{new_sec}\]", err[0]), old
     (tmp_path / "both.toml").write_text("[debug]\nspike_step = 5\n[faults]\nspike_step = 6\n")
@@ -82,7 +81,7 @@ def test_every_periodic_key_is_a_schedule_field():
     says it acts every N steps is a schedule field (its rule, 0 allowed); none named *_interval
     or *_freq remains."""
     docs = {f"{name}.{f.name}": f for name, s in every_section() for f in fields(s)}
-    assert not set(MOVED_KEYS) & set(docs)
+    assert not set(moved_keys()) & set(docs)
     periodic = {k for k, f in docs.items() if "every this many steps" in f.metadata["help"]}
     assert periodic == {
         "eval.every",

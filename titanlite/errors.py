@@ -81,11 +81,9 @@ def foreign(origin: str, fix: str) -> Iterator[None]:
     except (Exception, SystemExit) as e:  # noqa: BLE001 - the boundary: anything a user's code raises
         if os.environ.get(TRACEBACK_ENV):
             traceback.print_exc()
-        what = (
-            f"exited with code {e.code}"
-            if isinstance(e, SystemExit)
-            else f"raised {type(e).__name__}: {first_line(e)}"
-        )
+        what = f"raised {type(e).__name__}: {first_line(e)}"
+        if isinstance(e, SystemExit):
+            what = f"exited with code {e.code}"
         raise UserError(
             f"{origin} {what}; {fix} (set {TRACEBACK_ENV}=1 for its traceback)"
         ) from None

@@ -29,11 +29,8 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before 
     from titanlite.config.command_line import wants_help
     from titanlite.preflight import main as preflight
 
-    _words = sys.argv[2:]
-    if _words[:1] == ["--caller-cwd"]:  # run_train.sh's own option, before the user's words
-        _words = _words[2:]
-    if wants_help(_words):
-        sys.exit(preflight(_words))  # the usage and every config key
+    if wants_help(sys.argv[2:]):  # (it steps over run_train.sh's --caller-cwd DIR as a flag's)
+        sys.exit(preflight(sys.argv[2:]))  # the usage and every config key
 
 # the rest after the handler: importing torch takes seconds
 import contextlib
@@ -157,16 +154,6 @@ class _NoTag(str):
         return True
 
 
-def _world_size(args) -> tuple[int, int]:
-    try:
-        nnodes = int(str(args.nnodes).split(":")[-1])
-        return nnodes * int(args.nproc_per_node), nnodes
-    except ValueError:
-        raise UserError(
-            f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
-        ) from None
-
-
 def _launcher_options(argv: list[str]) -> tuple[bool, list[str]]:
     """(--from-env given, the rest) after the launcher's own leading options; --caller-cwd DIR
     becomes the workers' caller folder (relative paths are read there; a fork's module too)."""
@@ -204,7 +191,13 @@ def main(argv: list[str]) -> int:
             argv = [*rdzv, "-m", "titanlite.train", *argv]
         args = get_args_parser().parse_args(argv)
         args.training_script_args = launcher_words(args.training_script_args)
-        world, nnodes = _world_size(args)
+        try:
+            nnodes = int(str(args.nnodes).split(":")[-1])
+            world = nnodes * int(args.nproc_per_node)
+        except ValueError:
+            raise UserError(
+                f"titanlite.launch needs numbers for --nnodes and --nproc-per-node, got {args.nnodes!r} and {args.nproc_per_node!r}"
+            ) from None
 
         def hold(cfg: JobConfig, run_dir: Path) -> None:
             """Make the run folder and, on node 0, take its lock (then the preflight reads its checkpoints)."""

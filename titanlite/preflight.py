@@ -22,7 +22,7 @@ from titanlite.components.run.plan import (
     run_folder,
 )
 from titanlite.config import JobConfig
-from titanlite.config.command_line import parse_args, wants_help
+from titanlite.config.command_line import absolute, parse_args, wants_help
 from titanlite.config.fields import whole_number
 from titanlite.config.layout import mesh_text, rank_share
 from titanlite.config.manager import NOTES_SHOWN_ENV, config_help
@@ -119,15 +119,11 @@ def plan_line(cfg: JobConfig, layout: Any, params: int, world_size: int) -> str:
 
 def inputs(cfg: JobConfig, path: str | None) -> list[str]:
     """What the run reads, each by its absolute path (titanlite.config.command_line's)."""
-
-    def where(value: str) -> str:
-        return str(Path(value).expanduser().absolute())
-
     data = ", ".join(
-        where(n) + (f" ({w:.0%})" if w != 1 else "") for n, w in parse_data_path(cfg.data.path)
+        absolute(n) + (f" ({w:.0%})" if w != 1 else "") for n, w in parse_data_path(cfg.data.path)
     )
     out = [
-        f"config {where(path) if path else '(built-in defaults)'}",
+        f"config {absolute(path) if path else '(built-in defaults)'}",
         f"data {data or '(built-in stdlib text)'}",
     ]
     optional = {
@@ -135,7 +131,7 @@ def inputs(cfg: JobConfig, path: str | None) -> list[str]:
         "initial weights": cfg.checkpoint.initial_load_path or cfg.model.hf_assets_path,
         "tokenizer": cfg.model.tokenizer_path,
     }
-    return out + [f"{what} {where(value)}" for what, value in optional.items() if value]
+    return out + [f"{what} {absolute(value)}" for what, value in optional.items() if value]
 
 
 def startup_notes(cfg: JobConfig, dp: int) -> list[str]:

@@ -3,8 +3,7 @@ torchrun; ./run_train.sh checks the config first).
 
 Hot-path rule: between log steps nothing waits on the host. Metrics stay device tensors and are
 read once per log step (`_log`); zero-token, non-finite and spiking steps are skipped on the
-device. Each part is set up where it lives (models/registry, distributed/parallelize,
-components/..., diagnostics/...); this file holds the step, the loop and the log step.
+device.
 """
 
 from __future__ import annotations

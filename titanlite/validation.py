@@ -53,18 +53,42 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "metrics.enable_wandb: the wandb package is not installed; `pip install wandb` or set "
             "metrics.enable_wandb = false"
         )
-    m = cfg.model
+    m, d, e = cfg.model, cfg.data, cfg.eval
     if m.vocab_size and m.hf_assets_path:
         raise UserError(
             f"model.vocab_size is {m.vocab_size}; it must be 0 with model.hf_assets_path "
             "(whose config.json gives the vocabulary)"
         )
-    if cfg.data.mode == "synthetic" and (cfg.data.path or not (m.vocab_size or m.hf_assets_path)):
+    if d.mode == "synthetic" and (d.path or not (m.vocab_size or m.hf_assets_path)):
         raise UserError(
             "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
             "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
         )
-    check_documents_and_eval(cfg)
+    if d.packing and d.mode != "sft":
+        raise UserError(
+            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
+            "already: set data.document_mask = true to keep attention within documents"
+        )
+    if d.document_mask and d.mode != "pretrain":
+        raise UserError(
+            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
+            "data.packing = true (packed records always attend within themselves)"
+        )
+    if not 0.0 <= e.fraction <= 0.5:
+        raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
+    if e.path and e.fraction:
+        raise UserError(
+            f"eval.path and eval.fraction = {e.fraction:g} are both set: the eval set is eval.path's, so the "
+            "fraction would leave training data unused; set one of them"
+        )
+    if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
+        raise UserError(
+            "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
+        )
+    if e.prompts and not (e.path or e.fraction):
+        raise UserError(
+            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
+        )
     if m.tokenizer_path and not Path(m.tokenizer_path).expanduser().is_file():
         raise UserError(
             f"model.tokenizer_path '{m.tokenizer_path}' is not a file; point it at a "
@@ -95,34 +119,4 @@ def check_run_name(name: str) -> None:
     if long is not None:
         raise UserError(
             f"job.run_name: the folder name '{long[:20]}...' is {len(long.encode())} bytes; file systems allow 255"
-        )
-
-
-def check_documents_and_eval(cfg: JobConfig) -> None:
-    """data.packing and data.document_mask fit data.mode; [eval]'s values are in range."""
-    d, e = cfg.data, cfg.eval
-    if d.packing and d.mode != "sft":
-        raise UserError(
-            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
-            "already: set data.document_mask = true to keep attention within documents"
-        )
-    if d.document_mask and d.mode != "pretrain":
-        raise UserError(
-            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
-            "data.packing = true (packed records always attend within themselves)"
-        )
-    if not 0.0 <= e.fraction <= 0.5:
-        raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")
-    if e.path and e.fraction:
-        raise UserError(
-            f"eval.path and eval.fraction = {e.fraction:g} are both set: the eval set is eval.path's, so the "
-            "fraction would leave training data unused; set one of them"
-        )
-    if d.mode == "synthetic" and (e.fraction or e.path or e.prompts):
-        raise UserError(
-            "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
-        )
-    if e.prompts and not (e.path or e.fraction):
-        raise UserError(
-            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
         )

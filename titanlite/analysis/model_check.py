@@ -270,8 +270,7 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     load_hf_weights(ours, folder, meta.spec.hf, meta.args)
     theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)
     g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
-    labels = torch.randint(0, meta.args.vocab_size, (2, SEQ), generator=g)
+    tokens, labels = torch.randint(0, meta.args.vocab_size, (2, 2, SEQ), generator=g)
     mine, hf = ours(tokens), theirs(tokens).logits
     logits_err = ((mine - hf).abs().max() / hf.abs().max()).item()
     losses = [cross_entropy_sum(x, labels) for x in (mine, hf)]
@@ -303,10 +302,10 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
         for k, v in _tensors(folder).items()
         if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.from_hf(k, v, meta.args) is not None
     }
-    both = written.keys() & source.keys()
     differ = sorted(
-        (written.keys() ^ source.keys())
-        | {k for k in both if not torch.equal(written[k], source[k])}
+        k
+        for k in written.keys() | source.keys()
+        if k not in written or k not in source or not torch.equal(written[k], source[k])
     )
     exported = f"{len(written)} tensors written back as read"
     if differ:

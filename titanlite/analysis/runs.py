@@ -53,9 +53,7 @@ def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
 
 def load_run(path: str | Path) -> Run:
     """A run folder read whole; anything unreadable is one UserError naming the file."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"{path}: no such run folder")
+    path = Path(path)  # an existing folder: the scripts' arguments are checked at their door
     if not (path / "config.toml").is_file():
         raise UserError(
             f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)"

@@ -40,10 +40,10 @@ DEFAULT_TOLERANCE = {
 
 
 def default_tolerance(runs: list[Any]) -> Tolerance:
-    """The loosest tolerance of the runs' parameter dtypes (`param_dtype`; unknown counts as bf16)."""
-    bf16 = DEFAULT_TOLERANCE["bfloat16"]
-    tolerances = [DEFAULT_TOLERANCE.get(r.param_dtype, bf16) for r in runs]
-    return max(tolerances, key=lambda t: t.at(1_000_000))
+    """The loosest tolerance of the runs' parameter dtypes (`param_dtype`): fp32's only when
+    every run's is float32 (an unknown dtype counts as bf16)."""
+    fp32 = all(r.param_dtype == "float32" for r in runs)
+    return DEFAULT_TOLERANCE["float32" if fp32 else "bfloat16"]
 
 
 # Each parameter's reduced gradient at the first compared step (same weights: only the step's

@@ -50,15 +50,6 @@ def _config_file(pairs: list[tuple[str, str | None]]) -> str | None:
     return resolved(files[0]) if files else None
 
 
-def _rehearse(value: str) -> str:
-    if not whole_number(value.strip()) or not 1 <= int(value) <= REHEARSAL_WORLD_MAX:
-        raise UserError(
-            f"--rehearse {value!r}: give the number of ranks to rehearse, a whole number from 1 to "
-            f"{REHEARSAL_WORLD_MAX:,} (or leave --rehearse out to train)"
-        )
-    return str(int(value))
-
-
 def launcher_words(argv: list[str]) -> list[str]:
     """The launcher's words as the workers read them: `--config FILE` first (resolved, or the
     default), `--rehearse W` as `--rehearsal.world W`, the overrides as typed."""
@@ -74,7 +65,13 @@ def launcher_words(argv: list[str]) -> list[str]:
         if name in HELP_FLAGS or name == "config":
             continue
         if name == "rehearse":
-            out += ["--rehearsal.world", _rehearse(value or "")]
+            world = (value or "").strip()
+            if not whole_number(world) or not 1 <= int(world) <= REHEARSAL_WORLD_MAX:
+                raise UserError(
+                    f"--rehearse {value!r}: give the number of ranks to rehearse, a whole number from 1 to "
+                    f"{REHEARSAL_WORLD_MAX:,} (or leave --rehearse out to train)"
+                )
+            out += ["--rehearsal.world", str(int(world))]
         else:
             out += [f"--{name}", value or ""]
     return out

@@ -1,6 +1,6 @@
 """What the config's keys are, apart from their sections (titanlite.config.job_config): how a
 field is declared (`opt`, `schedule`, and `due`, the one schedule rule), which keys make a run's
-identity (IDENTITY_KEYS) and which keys moved (MOVED_KEYS)."""
+identity (IDENTITY_KEYS)."""
 
 from __future__ import annotations
 
@@ -113,40 +113,3 @@ def value_of(cfg: Any, dotted: str) -> Any:
 def identity(cfg: Any) -> dict[str, Any]:
     """The identity keys' values of a JobConfig, as {"section.key": value}."""
     return {dotted: value_of(cfg, dotted) for dotted in IDENTITY_KEYS}
-
-
-# The fault switches [debug] held, now the [faults] plugin's: a config, flag, config.toml or
-# checkpoint naming the old keys still loads, with one note (titanlite.config.manager).
-_FAULTS = (
-    "ignore_all_labels_steps",
-    "nan_loss_step",
-    "same_data",
-    "corrupt_labels_rank",
-    "grad_noise_rank",
-    "grad_noise_scale",
-    "slow_rank",
-    "slow_factor",
-    "fault_from_step",
-    "sigkill_step",
-    "sigkill_rank",
-    "signal_step",
-    "signal_phase",
-    "hang_step",
-    "hang_rank",
-    "freeze_step",
-    "freeze_rank",
-    "freeze_phase",
-    "fail_save_step",
-    "write_error",
-    "write_error_step",
-    "sigkill_in_save",
-    "spike_step",
-    "spike_scale",
-    "flip_bit_step",
-    "flip_bit_rank",
-    "stuck_loader_step",
-    "stuck_loader_rank",
-    "seed_mode",
-)
-
-MOVED_KEYS: dict[str, str] = {f"debug.{k}": f"faults.{k}" for k in _FAULTS}

@@ -24,7 +24,7 @@ class Layout:
     global_batch: int  # sequences per optimizer step over all ranks
     local_batch: int  # sequences per microbatch on one rank
     seq_len: int  # positions per sequence
-    diagnostics_method: str  # diagnostics.method with 'auto' resolved (see resolve_method)
+    diagnostics_method: str  # diagnostics.method with 'auto' resolved (see resolve_layout)
     # Extra mesh axes after the data-parallel ones, (name, degree): each splits every sequence's
     # positions over its ranks, which read the same sequences (parallelism.axes).
     axes: tuple[tuple[str, int], ...] = ()
@@ -68,21 +68,6 @@ def mesh_text(
     return f"{mode} {dp_replicate}x{dp_shard}{extra}"
 
 
-def accumulation(global_batch: int, local_batch: int, dp: int) -> int:
-    """Microbatches per rank per step; one UserError that says what to change if it won't split."""
-    for name, value in (("global_batch_size", global_batch), ("local_batch_size", local_batch)):
-        if value < 1:
-            raise UserError(f"training.{name} is {value}; it must be >= 1")
-    per_micro = local_batch * dp
-    if global_batch % per_micro:
-        raise UserError(
-            f"training.global_batch_size={global_batch} is not a multiple of "
-            f"local_batch_size x dp = {local_batch} x {dp} = {per_micro}; "
-            "change one of them so it divides"
-        )
-    return global_batch // per_micro
-
-
 def extra_axes(entries: list[str]) -> tuple[tuple[str, int], ...]:
     """parallelism.axes ("name=degree" each) as (name, degree) pairs; one UserError if malformed."""
     out: list[tuple[str, int]] = []
@@ -112,8 +97,6 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
         )
     world_size //= split  # the data-parallel ranks
     extra = f" (after the {split} that split a sequence)" if split > 1 else ""
-    if p.dp_replicate < 1:
-        raise UserError(f"parallelism.dp_replicate is {p.dp_replicate}; it must be >= 1")
     if p.dp_shard == -1:
         if world_size % p.dp_replicate:
             raise UserError(
@@ -131,10 +114,8 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "set --parallelism.dp_shard -1 or launch that many ranks (NPROC)"
         )
     mode = p.mode
-    if mode == "auto" and p.dp_replicate > 1:
-        mode = "hsdp" if shard > 1 else "ddp"
-    elif mode == "auto":
-        mode = "fsdp"
+    if mode == "auto":
+        mode = ("hsdp" if shard > 1 else "ddp") if p.dp_replicate > 1 else "fsdp"
     if mode == "fsdp" and p.dp_replicate != 1:
         raise UserError(
             "parallelism.mode 'fsdp' needs dp_replicate 1; use mode 'hsdp' for replicas"
@@ -153,15 +134,23 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             f"parallelism.reshard_after_forward '{p.reshard_after_forward}' is for fsdp/hsdp, which shard "
             "parameters; ddp holds them whole: leave it 'auto', or use mode fsdp/hsdp"
         )
-    for name in ("seq_len", "steps"):
-        if getattr(t, name) < 1:
-            raise UserError(f"training.{name} is {getattr(t, name)}; it must be >= 1")
     dp = p.dp_replicate * shard
-    accum = accumulation(t.global_batch_size, t.local_batch_size, dp)
+    per_micro = t.local_batch_size * dp
+    if t.global_batch_size % per_micro:
+        raise UserError(
+            f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+            f"local_batch_size x dp = {t.local_batch_size} x {dp} = {per_micro}; "
+            "change one of them so it divides"
+        )
+    accum = t.global_batch_size // per_micro
     skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
-    method = resolve_method(
-        cfg.diagnostics.method, mode, accum, skip, dp, cfg.diagnostics.sketch_dim
-    )
+    method = cfg.diagnostics.method
+    if method == "auto":
+        # exact needs each rank's whole-step local gradient at once (free under ddp, one
+        # microbatch, or skip_grad_sync); not under hsdp, nor past dp = sketch_dim / 4, where the
+        # dp x dp Gram outweighs gathering sketches
+        small = mode != "hsdp" and 4 * dp <= cfg.diagnostics.sketch_dim
+        method = "exact" if small and (accum == 1 or skip) else "sketch"
     if cfg.diagnostics.enable and method == "exact" and mode == "hsdp":
         raise UserError(
             "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
@@ -179,24 +168,6 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
 def holds_unsharded_grads(layout: Layout) -> bool:
     """Whether FSDP/HSDP keeps unsharded gradients across microbatches (DDP holds them anyway)."""
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
-
-
-def resolve_method(
-    method: str,
-    mode: str,
-    grad_accum: int,
-    skip_grad_sync: bool,
-    dp: int = 2,
-    sketch_dim: int = 1024,
-) -> str:
-    """diagnostics.method at a layout, `auto` resolved: exact needs each rank's whole-step local
-    gradient at once (free under ddp, one microbatch, or skip_grad_sync); else, under hsdp, or
-    past dp = sketch_dim / 4 (where the dp x dp Gram outweighs gathering sketches), the sketch."""
-    if method != "auto":
-        return method
-    if mode == "hsdp" or 4 * dp > sketch_dim:
-        return "sketch"
-    return "exact" if grad_accum == 1 or skip_grad_sync else "sketch"
 
 
 def loss_chunk(budget_mib: float, local_batch: int, seq_len: int, vocab: int) -> int:
@@ -233,10 +204,6 @@ def fitting_local_batch(cfg: JobConfig, dp: int) -> int:
     return max(b for b in range(1, min(cfg.training.local_batch_size, share) + 1) if share % b == 0)
 
 
-# From the second rehearsed step, every other one is measured, so the report has both kinds.
-MEASURED_EVERY = 2
-
-
 def rehearsal_batch(global_batch: int, local_batch: int, world: int) -> int:
     """The global batch at `world` ranks: the config's if world x local divides it, else that."""
     return global_batch if global_batch % (world * local_batch) == 0 else world * local_batch
@@ -263,7 +230,7 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
         "metrics.enable_wandb": False,
         "spike_guard.skip": "off",
         "diagnostics.measure_first": 0,
-        "diagnostics.every": MEASURED_EVERY,
+        "diagnostics.every": 2,  # from the second step every other one: the report has both kinds
         "diagnostics.on_alert": "warn",
     }
     changes = {k: v for k, v in changes.items() if value_of(cfg, k) != v}

@@ -1,8 +1,5 @@
 """Load a TOML file into JobConfig, apply `--section.key value` overrides, write it back, and
-describe every key (`--help`).
-
-Every problem is a UserError with one line that names the key and the closest valid one.
-"""
+describe every key (`--help`); a problem is one UserError line naming the key and the fix."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python < 3.11
     import tomli as tomllib
 
-from titanlite.config.fields import MOVED_KEYS, value_of
+from titanlite.config.fields import value_of
 from titanlite.config.job_config import PLUGIN_SECTIONS, JobConfig, plugin_section, sections
 from titanlite.config.layout import apply_rehearsal
 from titanlite.errors import UserError
@@ -106,7 +103,6 @@ def _set(cfg: JobConfig, dotted: str, value: Any, from_cli: bool) -> None:
 
 
 HELP_FLAGS = ("-h", "--help")
-REHEARSE = "--rehearse"
 
 
 def words(argv: list[str]) -> list[tuple[str, str | None]]:
@@ -130,7 +126,7 @@ def words(argv: list[str]) -> list[tuple[str, str | None]]:
             i += 2
         elif name == "config":
             raise UserError("--config has no value; write --config path/to/file.toml")
-        elif arg == REHEARSE:
+        elif arg == "--rehearse":
             raise UserError(
                 "--rehearse has no value; write --rehearse W (the number of ranks to rehearse)"
             )
@@ -144,30 +140,34 @@ def words(argv: list[str]) -> list[tuple[str, str | None]]:
 NOTES_SHOWN_ENV = "TITANLITE_CONFIG_NOTES_SHOWN"
 
 
+def moved_keys() -> dict[str, str]:
+    """Every [faults] switch by its old name: each was a [debug] key before the plugin took it; a
+    config or a flag naming one still loads, with one note."""
+    return {f"debug.{f.name}": f"faults.{f.name}" for f in fields(plugin_section("faults"))}
+
+
 def migrate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], list[str]]:
-    """A parsed config with the MOVED_KEYS under their new names, and the old names found."""
+    """A parsed config with the old [debug] fault keys under [faults], and the old names found."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
-    found = []
-    for old in MOVED_KEYS:
-        old_sec, old_key = old.split(".")
-        table = out.get(old_sec)
-        if not isinstance(table, dict) or old_key not in table:
-            continue
-        value, new = table.pop(old_key), MOVED_KEYS[old]
-        found.append(old)
-        new_sec, new_key = new.split(".")
-        if new_sec in PLUGIN_SECTIONS and value == getattr(plugin_section(new_sec), new_key):
+    debug, found = out.get("debug"), []
+    if not isinstance(debug, dict):
+        return out, found
+    defaults = plugin_section("faults")
+    for key in [f.name for f in fields(defaults) if f.name in debug]:
+        value = debug.pop(key)
+        found.append(f"debug.{key}")
+        if value == getattr(defaults, key):
             continue  # an old file's switch at its default asks for no plugin
-        target = out.setdefault(new_sec, {})
-        if isinstance(target, dict) and target.setdefault(new_key, value) != value:
+        target = out.setdefault("faults", {})
+        if isinstance(target, dict) and target.setdefault(key, value) != value:
             raise UserError(
-                f"{where} sets both '{old}' and '{new}', which disagree; keep only '{new}'"
+                f"{where} sets both 'debug.{key}' and 'faults.{key}', which disagree; keep only 'faults.{key}'"
             )
     return out, found
 
 
 def _deprecated(found: list[str]) -> str | None:
-    """The one note on the old [debug] fault keys (MOVED_KEYS) a config still names."""
+    """The one note on the old [debug] fault keys (moved_keys) a config still names."""
     if not found:
         return None
     keys = ", ".join(dict.fromkeys(old.split(".")[1] for old in found))
@@ -237,13 +237,9 @@ def load_config(
                 _set(cfg, f"{section_name}.{key}", value, False)
     typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
     for dotted, value in words(overrides or []):
-        if value is None:  # -h / --help
-            raise UserError(
-                f"unexpected argument '{dotted}'; overrides look like --section.key value"
-            )
         if "." not in dotted:
             raise UserError(f"unknown flag '--{dotted}'; overrides look like --section.key value")
-        key = MOVED_KEYS.get(dotted, dotted)
+        key = moved_keys().get(dotted, dotted) if dotted.startswith("debug.") else dotted
         if key != dotted:
             found.append(dotted)
         _set(cfg, key, value, from_cli=True)

@@ -8,6 +8,7 @@ upgrade moves it (tests/test_rehearsal.py holds that).
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import torch
@@ -53,7 +54,9 @@ def init_distributed(device: torch.device, timeout_s: int = 600, fake_world: int
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        with socket.socket() as s:  # a free port
+            s.bind(("127.0.0.1", 0))
+            os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
     timeout = timedelta(seconds=timeout_s)
@@ -72,11 +75,3 @@ def init_distributed(device: torch.device, timeout_s: int = 600, fake_world: int
             world_size=int(env["WORLD_SIZE"]),
         )
     dist.init_process_group(backend, timeout=timeout, **kwargs)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -102,15 +102,10 @@ class Heartbeat:
         self._since = time.monotonic()
         self._period = period
         self._stop = threading.Event()
-        # a rehearsal's store is fake: there is no peer to tell
-        self._store = (
-            dist.distributed_c10d._get_default_store()
-            if self.world > 1 and not rehearsing()
-            else None
-        )
-        if self._store is not None:
-            self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-            self._thread.start()
+        self._store = None  # one rank, or a rehearsal's fake store: there is no peer to tell
+        if self.world > 1 and not rehearsing():
+            self._store = dist.distributed_c10d._get_default_store()
+            threading.Thread(target=self._run, name="heartbeat", daemon=True).start()
 
     def ready(self, s) -> None:
         """The trainer's hook (titanlite.tools.hooks): the step has its batch."""

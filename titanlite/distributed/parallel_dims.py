@@ -43,10 +43,6 @@ class ParallelDims:
     def build(
         cls, layout: Layout, device: torch.device, param_dtype: str, reduce_dtype: str
     ) -> ParallelDims:
-        if dist.get_world_size() != layout.world:
-            raise UserError(
-                f"layout needs {layout.world} ranks but the job has {dist.get_world_size()}"
-            )
         names = ("dp_replicate", "dp_shard", *(n for n, _ in layout.axes))
         shape = (layout.dp_replicate, layout.dp_shard, *(d for _, d in layout.axes))
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
