@@ -82,3 +82,20 @@ def test_no_fault_parameter_reaches_the_checkpointer_the_metrics_writer_or_the_l
             "grad_noise_scale",
             "fault_from_step",
         }, fn
+
+
+def test_the_fault_plugin_hears_phases_only_between_its_first_step_and_its_close():
+    """A Trainer that fails in its set-up is never closed: its injector must leave no phase
+    listener behind in the process (a later Trainer there would fire its faults)."""
+    from titanlite.distributed import liveness
+    from titanlite.faults.inject import Faults
+    from titanlite.faults.switches import FaultSwitches
+
+    before = list(liveness._on_phase)
+    faults = Faults(FaultSwitches(), seed=0, rank=0, world=1)
+    assert liveness._on_phase == before  # built, as in a set-up that then fails
+    faults.begin(Step(1, False, None))
+    assert liveness._on_phase == [*before, faults.phase]
+    faults.close()
+    faults.close()  # the trainer's close after a failed step closes it again
+    assert liveness._on_phase == before

@@ -7,6 +7,7 @@ import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,7 +40,9 @@ class Faults:
         self._started: float | None = None  # host time the step started (slow_rank)
         self._own_s: float | None = None  # slow_rank: this rank's step time without its delay (EMA)
         self._slept = 0.0  # the delay slow_rank added to the step before
-        self._listening = on_phase(self.phase)
+        # phases are heard from the first step: a Trainer that fails in its set-up (never closed)
+        # leaves no listener behind in the process
+        self._listening: Callable[[], None] | None = None
 
     def attach(self, trainer: Any) -> None:
         """Reach the trainer's parts through their seams, before it restores a checkpoint or
@@ -59,6 +62,8 @@ class Faults:
         """As a step starts, before its batch: the faults that fire at a step."""
         self._step = step = s.step
         on = self.on
+        if self._listening is None:
+            self._listening = on_phase(self.phase)
         if step == on.sigkill_step and self.rank == on.sigkill_rank and not is_restart():
             os.kill(os.getpid(), signal.SIGKILL)  # a crash; a restarted worker group gets past it
         self.phase("start")
@@ -104,7 +109,9 @@ class Faults:
             s.losses = scaled
 
     def close(self) -> None:
-        self._listening()
+        if self._listening is not None:
+            self._listening()
+            self._listening = None
 
     # ---- the faults ---------------------------------------------------------------------------
     def phase(self, name: str) -> None:
