@@ -92,9 +92,9 @@ class AlertMonitor:
         self.world = len(hosts)
         self.per_rank = per_rank  # sequences each rank scores per step: its losses' spread scales
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
-        unit = batch_unit or self.world
+        self.unit = batch_unit or self.world
         stateful = [s for s in self.specs if s.state is not None]
-        self.states = {s.name: s.state(cfg, self.world, unit) for s in stateful}
+        self.states = {s.name: s.state(cfg, self.world, self.unit) for s in stateful}
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
@@ -169,6 +169,7 @@ class AlertMonitor:
             self.states.get(spec.name),
             self._explained,
             self.named,
+            self.unit,
             **seen_now,
         )
 

@@ -154,10 +154,10 @@ BUILT_IN = (
     AlertSpec(
         "batch_size_advice",
         "information, not an alert: the run is healthy",
-        (Check(lambda ctx: ctx.state.update(ctx.record)),),
+        (Check(lambda ctx: rules.batch_advice(ctx.state.values, ctx.record, ctx.cfg, ctx.unit)),),
         level="info",
         thresholds=("advice_ratio", "advice_steps"),
-        state=lambda cfg, world, unit: rules.BatchAdvisor(cfg, unit or world),
+        state=_kept(ratios=[], tokens=[], advised_ratio=0.0),
         cooldown=False,  # the advisor says it again only when the ratio moves a further fold
     ),
     AlertSpec(

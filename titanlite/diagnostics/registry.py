@@ -167,6 +167,7 @@ class Context:
     # the cause, so statistical checks about the same ranks stay quiet.
     explained: Callable[[str | None, int | None], bool]
     named: dict[str, set[int]]  # the ranks each alert has named so far in the run
+    unit: int = 1  # the sequences the global batch moves by with the layout kept (dp x local)
     record: dict | None = None  # source "measured": the step's record
     point: Point | None = None  # ... reduced to what the rules compare
     history: list[Point] = field(default_factory=list)  # the rules' history before this step
