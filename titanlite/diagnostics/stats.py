@@ -118,17 +118,10 @@ def _listed(values: np.ndarray) -> list[float | None]:
     return [None if v != v else v for v in values.tolist()]
 
 
-def _matrix(cos: np.ndarray | list) -> np.ndarray:
-    """Cosines as a float64 matrix, NaN where a record holds None (a rank without a gradient)."""
-    if isinstance(cos, np.ndarray):
-        return cos
-    return np.array([[math.nan if v is None else v for v in row] for row in cos], dtype=np.float64)
-
-
 def cos_medians(cos: np.ndarray | list, live: list[int]) -> list[float | None]:
     """Each live rank's median cosine to the other live ranks (the mean of the two middle values
-    of an even count, as statistics.median); None without any."""
-    c = _matrix(cos)
+    of an even count, as statistics.median); None without any. A record's None reads NaN."""
+    c = np.asarray(cos, dtype=np.float64)
     world = c.shape[0]
     in_live = np.zeros(world, dtype=bool)
     in_live[live] = True
@@ -149,7 +142,7 @@ def rank_noise(norms: list, tokens: list, cos: np.ndarray | list) -> list[float 
     for all when fewer than 2 ranks have them or a cosine is missing."""
     live = [r for r, n in enumerate(tokens) if n > 0 and norms[r] is not None]
     total = sum(tokens[r] for r in live)
-    c = _matrix(cos)[np.ix_(live, live)] if len(live) >= 2 else None
+    c = np.asarray(cos, dtype=np.float64)[np.ix_(live, live)] if len(live) >= 2 else None
     if c is None or np.isnan(c).any():
         return [None] * len(tokens)
     weighted = np.array([norms[r] * tokens[r] / total for r in live], dtype=np.float64)  # ||h_r||

@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 # The format of a diagnostics.jsonl record (component.Diagnostics.collect builds it from the rows);
-# replay.upgrade reads every earlier one. 2: each rank's median cosine to the others and its
-# gradient noise (rank_cos_median, rank_noise), every pair's cosine only up to stats.PAIRS_KEPT ranks.
+# registry.point derives version 1's missing summaries. 2: each rank's median cosine to the others
+# and its gradient noise (rank_cos_median, rank_noise), every pair's cosine only up to
+# stats.PAIRS_KEPT ranks.
 RECORD_VERSION = 2
 SCALARS = ("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s")
 PER_SEQUENCE = ("sequence_loss_sums", "sequence_tokens", "sequence_index", "sequence_content")
