@@ -89,9 +89,7 @@ class Trainer:
         self.dataloader = build_dataloader(cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed)
         sampler = self.dataloader.batch_sampler
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
-        self.diagnostics = Diagnostics.for_job(
-            cfg, self.model, dims, self.layout, sampler, dataset.trace
-        )
+        self.diagnostics = Diagnostics(cfg, self.model, dims, self.layout, sampler, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)

@@ -16,8 +16,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
@@ -68,17 +66,14 @@ class Diagnostics:
 
     def __init__(
         self,
-        cfg: DiagnosticsConfig,
+        job: JobConfig,
         model: torch.nn.Module,
         dims: ParallelDims,
         layout: Layout,
-        *,
-        seed: int,
         sampler=None,
-        timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
-        alerts: AlertsConfig | None = None,
     ) -> None:
+        cfg = job.diagnostics
         self.cfg = cfg
         # The replicas compared: data-parallel ranks. With parallelism.axes each is `split`
         # consecutive ranks that split its sequences; every rank measures its piece, and the
@@ -108,42 +103,19 @@ class Diagnostics:
         # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
         hosts: list = [socket.gethostname()] * self.ranks
         if self.enabled:
-            timeout = timedelta(seconds=timeout_s)
+            timeout = timedelta(seconds=job.comm.timeout_s)
             self.group = dist.new_group(ranks=list(range(self.ranks)), timeout=timeout)
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        self.monitor = AlertMonitor(
-            alerts or AlertsConfig(), hosts, layout.batch_unit, layout.rank_share
-        )
+        self.monitor = AlertMonitor(job.alerts, hosts, layout.batch_unit, layout.rank_share)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
-            self.probe = GradProbe(self.method, self.ranks, cfg.sketch_dim, seed, dims.device)
+            self.probe = GradProbe(
+                self.method, self.ranks, cfg.sketch_dim, job.training.seed, dims.device
+            )
             install(model, self.probe)
-
-    @classmethod
-    def for_job(
-        cls,
-        cfg: JobConfig,
-        model: torch.nn.Module,
-        dims: ParallelDims,
-        layout: Layout,
-        sampler,
-        trace: Callable[[int], list[dict]] | None,
-    ) -> Diagnostics:
-        """The trainer's diagnostics, set up from the job's config here rather than in the loop."""
-        return cls(
-            cfg.diagnostics,
-            model,
-            dims,
-            layout,
-            seed=cfg.training.seed,
-            sampler=sampler,
-            timeout_s=cfg.comm.timeout_s,
-            trace=trace,
-            alerts=cfg.alerts,
-        )
 
     @property
     def method_used(self) -> str:
@@ -243,14 +215,15 @@ class Diagnostics:
             sequence_content=sequence_content,
         ).pack()
         per_rank, gathered = self._gather(mine)
-        exact = self.method == "exact"
-        if exact:
+        if self.whole_step:
             directions = self.probe.gram.clone()
             reduced = dist.all_reduce(directions, group=self.group, async_op=True)
         else:
             directions, reduced = self._gather(self.probe.sketch.clone())
         norm = grad_norm.detach().double().clone()
-        self._pending.append(_Pending(step, per_rank, directions, norm, [gathered, reduced], exact))
+        self._pending.append(
+            _Pending(step, per_rank, directions, norm, [gathered, reduced], self.whole_step)
+        )
 
     def _gather(self, mine: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
         """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on the group."""
