@@ -140,12 +140,9 @@ class Diagnostics:
         """RNG streams a checkpoint must carry (the gradient-noise fault's)."""
         return {"grad_noise": self.probe.noise_generator} if self.probe is not None else {}
 
-    def is_measured(self, step: int) -> bool:
-        return self.cfg.measures(step)
-
     def begin(self, s: Step) -> None:
         """As the step starts, before its data: arm the probe and start the step's clock."""
-        self.measuring = self.enabled and self.is_measured(s.step)
+        self.measuring = self.enabled and self.cfg.measures(s.step)
         if self.enabled:
             self.probe.start(self.measuring, self.per_microbatch)
             self.arrival.start()

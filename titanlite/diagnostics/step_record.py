@@ -90,14 +90,9 @@ class RankRow:
         return cls(**head, order=int(row["order"]), **times, sequences=sequences)
 
 
-def _latest(t: float) -> float:
-    """A time's key for max(): NaN (unknown) below any."""
-    return -math.inf if math.isnan(t) else t
-
-
-def _earliest(t: float) -> float:
-    """A time's key for min(): NaN (unknown) above any."""
-    return math.inf if math.isnan(t) else t
+def _known(part: list[dict[str, Any]], key: str) -> list[float]:
+    """The pieces' times under `key` that are known (not NaN)."""
+    return [r[key] for r in part if not math.isnan(r[key])]
 
 
 def fold_replicas(
@@ -122,9 +117,9 @@ def fold_replicas(
                 "tokens": sum(r["tokens"] for r in part),
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
-                "load_s": max((r["load_s"] for r in part), key=_latest),
-                "wait_s": min((r["wait_s"] for r in part), key=_earliest),
-                "step_s": max((r["step_s"] for r in part), key=_latest),
+                "load_s": max(_known(part, "load_s"), default=math.nan),
+                "wait_s": min(_known(part, "wait_s"), default=math.nan),
+                "step_s": max(_known(part, "step_s"), default=math.nan),
                 "sequence_index": part[0]["sequence_index"],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},
             }
