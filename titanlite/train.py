@@ -205,7 +205,7 @@ class Trainer:
                 k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()
             }
         spiked = [(s, self.guard.event(v, self.run_dir)) for s, v in spikes]
-        events = self.diagnostics.spike_alerts(spiked, diag, self.dataloader.batch_sampler)
+        events = self.diagnostics.spike_alerts(spiked, diag)
         if self.rank == 0:
             self.metrics.check()
             self.metrics.write(rows)

@@ -232,9 +232,7 @@ class Diagnostics:
         if self.replicas is not None and self.replicas.due(s.step):
             self.replicas.start(s.step)
 
-    def spike_alerts(
-        self, spikes: list[tuple[int, dict]], records: list[dict], sampler
-    ) -> list[Alert]:
+    def spike_alerts(self, spikes: list[tuple[int, dict]], records: list[dict]) -> list[Alert]:
         """spike_skipped (catalogue.py) of each (step, SpikeGuard.event), with the step's sequences:
         with their losses where `records` (this log step's diagnostics) measured it; else from the
         data order, on the host (no device read)."""
@@ -243,7 +241,7 @@ class Diagnostics:
         for step, event in spikes:
             per_rank = measured.get(step)
             if per_rank is None:
-                shares = sampler.shares(step - 1)
+                shares = self.sampler.shares(step - 1)
                 per_rank = [
                     [{"index": int(i), "tokens": None, "loss": None} for i in share]
                     for share in shares

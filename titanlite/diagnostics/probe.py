@@ -1,21 +1,12 @@
 """Where each rank's local, unreduced gradient passes: FSDP2's reduce-scatter and DDP's comm hook.
-
-On a measured step the probe takes the squared norm of the local gradient and either
-  - `sketch`: its CountSketch (linear, so microbatch sketches add up; the norm then comes from the
-    sketch, unbiased, relative error about sqrt(2 / k)), or
-  - `exact`: the Gram of all ranks' local gradients at no extra volume: the reduce-scatter becomes
-    an all-to-all, each rank sums the rows (the reduce-scatter's result) and keeps rows @ rows.T
-    over its shard; the partials add up to the full Gram (DDP: the same, then an all-gather).
-Other steps do the plain SUM reduction. It never reads a value on the host; under HSDP the
-reduce-scatter spans one replica, so `exact` is not available there.
-
-The CountSketch costs two passes (a multiply and a column sum), no per-value hashing: segments of
-P (a prime near 2^20) take signs from a cached random +-1 table at a hashed phase, buckets
-(j + beta) mod k and a hashed whole-segment flip, so colliding pairs carry independent signs and
-the estimate keeps the CountSketch variance. k is rounded down to a prime: with a power of two a
-weight matrix's column (stride a multiple of k) lands in one bucket, and LLM gradients concentrate
-on a few feature columns (tests/test_diagnostics.py; titanlite/diagnostics/README.md, `sketch`).
-"""
+On a measured step the probe takes the local gradient's squared norm and either its CountSketch
+(`sketch`: linear, so microbatch sketches add up; the norm then comes from the sketch) or, at no
+extra volume, the Gram of all ranks' local gradients (`exact`: the reduce-scatter becomes an
+all-to-all, each rank sums the rows and keeps rows @ rows.T over its shard; not under HSDP, whose
+reduce-scatter spans one replica). It never reads a value on the host. The sketch takes signs from
+a cached +-1 table at a hashed phase per segment, with a hashed whole-segment flip, so colliding
+pairs carry independent signs and the estimate keeps the CountSketch variance; k is a prime
+(titanlite/diagnostics/README.md, `sketch`: LLM gradients concentrate on a few feature columns)."""
 
 from __future__ import annotations
 

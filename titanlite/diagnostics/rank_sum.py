@@ -69,9 +69,7 @@ def max_step_score(per_rank: int, world: int) -> float:
 def reachable(per_rank: int, world: int, window: int, alpha: float) -> bool:
     """Whether a rank whose sequences all score above the others' can raise the alert within
     `window` measured steps, at `per_rank` sequences per rank per step."""
-    return world >= 2 and max_step_score(per_rank, world) * math.sqrt(window) > threshold(
-        alpha, world
-    )
+    return max_step_score(per_rank, world) * math.sqrt(window) > threshold(alpha, world)
 
 
 # At dp = 2 the rank whose loss moved is the one that left the global trend of the steps before

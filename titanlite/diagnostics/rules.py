@@ -1,14 +1,8 @@
-"""The rules behind the named alerts, each a check in one alert's record (catalogue.py).
-
-The exact data checks compare, per rank, each sequence's dataset index and content fingerprint
-(step_record.content_fingerprint) and the sampler's hash of the global batch order; with no
-threshold and no burn-in: identical_data (two ranks handed the same indices), stale_batch (a
-rank's tokens repeat its previous measured step's under new indices: a stuck reader) and
-data_order_mismatch (per-rank shuffle seeds: S1-2 / S1-3 of "Silent Inconsistency in
-Data-Parallel Full Fine-Tuning", arXiv 2602.14462). A dataset's duplicate documents have other
-indices, so they do not trip them. The statistical rules, past the burn-in, read a `Window` and
-return a `Finding` or None.
-"""
+"""The rules behind the named alerts, each a check in one alert's record (catalogue.py). The exact
+data checks compare each sequence's dataset index and content fingerprint and the sampler's hash
+of the batch order, with no threshold and no burn-in (data_order_mismatch: S1-2 / S1-3 of "Silent
+Inconsistency in Data-Parallel Full Fine-Tuning", arXiv 2602.14462); a dataset's duplicate
+documents have other indices, so they do not trip them. The statistical rules read a `Window`."""
 
 from __future__ import annotations
 
