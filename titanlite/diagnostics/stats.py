@@ -29,14 +29,6 @@ def _pstd(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
-def _argmax(values: list[float], ranks: list[int]) -> int:
-    return ranks[max(range(len(values)), key=values.__getitem__)]
-
-
-def _argmin(values: list[float], ranks: list[int]) -> int:
-    return ranks[min(range(len(values)), key=values.__getitem__)]
-
-
 def step_metrics(
     loss_sums: list[float],
     tokens: list[float],
@@ -64,8 +56,8 @@ def step_metrics(
         m.update(
             loss_std=_pstd(live_losses),
             loss_range=max(live_losses) - min(live_losses),
-            loss_max_rank=_argmax(live_losses, live),
-            loss_min_rank=_argmin(live_losses, live),
+            loss_max_rank=max(live, key=losses.__getitem__),
+            loss_min_rank=min(live, key=losses.__getitem__),
         )
     if norms_sq is None or gram is None or not live:
         return m
@@ -81,7 +73,7 @@ def step_metrics(
         grad_norm_std=_pstd(live_norms),
         grad_norm_cv=_pstd(live_norms) / mean_norm if mean_norm > 0 else float("nan"),
         grad_norm_range=max(live_norms) - min(live_norms),
-        grad_norm_max_rank=_argmax(live_norms, live),
+        grad_norm_max_rank=max(live, key=norms.__getitem__),
     )
     g = np.asarray(gram, dtype=np.float64)
     own = np.diagonal(g).copy()
@@ -103,7 +95,7 @@ def step_metrics(
         cos_mean_pairwise=float(pairs.mean()) if pairs.size else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
-        cos_to_mean_min_rank=_argmin(live_cos, has_cos) if live_cos else None,
+        cos_to_mean_min_rank=min(has_cos, key=to_mean.__getitem__) if live_cos else None,
         rank_cos_to_others=to_others,
         rank_cos_median=cos_medians(cos, live),
         rank_noise=rank_noise(norms, tokens, cos),
