@@ -111,10 +111,7 @@ BUILT_IN = (
     AlertSpec(
         "identical_data",
         "ranks read the same data (rank not passed to the loader?): audit the sharding",
-        (
-            _data_check(lambda ctx, now: rules.identical(now)),
-            _rule(rules.identical_data),
-        ),
+        (_data_check(lambda ctx, now: rules.identical(now)), _rule(rules.identical_data)),
         thresholds=(*_WINDOW, "identical_std", "identical_cos"),
         explains=True,
     ),

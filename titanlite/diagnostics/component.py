@@ -148,10 +148,9 @@ class Diagnostics:
             self.arrival.start()
 
     def ready(self, s: Step) -> None:
-        """The data loaded. A measured step times it and waits for the other ranks at a
-        one-value barrier (stragglers.py; the times go out with the step's gather); a measured
-        `exact` step skips the earlier microbatches' reduction, so that the probe sees each
-        rank's whole-step gradient at once."""
+        """The data loaded. A measured step times it and waits for the other ranks at a one-value
+        barrier (stragglers.py); a measured `exact` step skips the earlier microbatches' reduction,
+        so that the probe sees each rank's whole-step gradient at once."""
         if self.measuring:
             self._times = self.arrival.arrive()
             s.skip_grad_sync = s.skip_grad_sync or self.whole_step

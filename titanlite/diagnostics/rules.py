@@ -264,8 +264,7 @@ def batch_advice(kept: dict, rec: dict, cfg: AlertsConfig, unit: int) -> Finding
     Model of Large-Batch Training", McCandlish et al., arXiv 1812.06162), estimated by B_simple
     (stats.NoiseScale). It moves as training goes, so the advice comes only when its ratio to the
     batch stays past `advice_ratio` either way for `advice_steps` measured steps, and again only a
-    further `advice_ratio`-fold on. `kept`: the alert's state (the window's ratios and batch
-    tokens, the ratio last advised on: 0 since back in the band); `unit`: the sequences the global
+    further `advice_ratio`-fold on. `kept`: the alert's state; `unit`: the sequences the global
     batch moves by (dp x local)."""
     noise, tokens = rec.get("noise_scale_tokens"), rec.get("batch_tokens")
     sequences = rec.get("batch_sequences")

@@ -56,7 +56,7 @@ def summarize(trainer: Trainer, costs: list[StepCost]) -> dict[str, Any]:
             "host_s": _median([c.collect_s for c in collect]),
             "record_bytes": max((c.record_bytes for c in collect), default=0),
         }
-    method = layout.diagnostics_method if trainer.diagnostics.enabled else "off"
+    method = trainer.diagnostics.method_used
     internal = ("skip_grad_sync", "diagnostics_method")
     shape = {k: v for k, v in asdict(layout).items() if k not in internal}
     return {
