@@ -20,7 +20,7 @@ from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
-from titanlite.diagnostics.replicas import ReplicaCheck
+from titanlite.diagnostics.replicas import ReplicaCheck, gather
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.diagnostics.step_record import (
     RECORD_VERSION,
@@ -131,8 +131,7 @@ class Diagnostics:
 
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and state:
-            noise = state["noise"]
-            self.noise.trace_ema, self.noise.gsq_ema = noise["trace_ema"], noise["gsq_ema"]
+            self.noise = NoiseScale(self.cfg.noise_scale_ema, **state["noise"])
             if note := self.monitor.load_state_dict(state["monitor"]):
                 logger.info(note)
 
@@ -210,21 +209,16 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        per_rank, gathered = self._gather(mine)
+        per_rank, gathered = gather(mine, self.ranks, self.group)
         if self.whole_step:
             directions = self.probe.gram.clone()
             reduced = dist.all_reduce(directions, group=self.group, async_op=True)
         else:
-            directions, reduced = self._gather(self.probe.sketch.clone())
+            directions, reduced = gather(self.probe.sketch.clone(), self.ranks, self.group)
         norm = grad_norm.detach().double().clone()
         self._pending.append(
             _Pending(step, per_rank, directions, norm, [gathered, reduced], self.whole_step)
         )
-
-    def _gather(self, mine: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
-        """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on the group."""
-        out = torch.empty(self.ranks, mine.numel(), dtype=mine.dtype, device=mine.device)
-        return out, dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
 
     def after_update(self, s: Step) -> None:
         """After the optimizer step: start the replica check if one is due. Reads nothing."""
@@ -240,10 +234,9 @@ class Diagnostics:
         for step, event in spikes:
             per_rank = measured.get(step)
             if per_rank is None:
-                shares = self.sampler.shares(step - 1)
                 per_rank = [
                     [{"index": int(i), "tokens": None, "loss": None} for i in share]
-                    for share in shares
+                    for share in self.sampler.shares(step - 1)
                 ]
             for alert in self.monitor.observe("spikes", step, event):
                 alert.samples = [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]
