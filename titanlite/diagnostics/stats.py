@@ -1,13 +1,11 @@
-r"""Diagnostics metrics of one measured step, from what every rank contributed.
-
-S_r: rank r's summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
+r"""Diagnostics metrics of one measured step, from what every rank contributed. S_r: rank r's
+summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
 h_r = \sum_m \nabla S_{r,m} / N its contribution to the reduction, G the Gram of the h_r. Rank r's
-token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come
-from G alone. A rank much larger than the others dominates the sum and looks aligned with it,
-so each rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is
-left out (counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss
-Dispersion Reference Manual defines them (on the metrics of arXiv 2602.14462).
-"""
+token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come from
+G alone. A rank much larger than the others dominates the sum and looks aligned with it, so each
+rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is left out
+(counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss Dispersion
+Reference Manual defines them (on the metrics of arXiv 2602.14462)."""
 
 from __future__ import annotations
 
@@ -147,16 +145,12 @@ def rank_noise(norms: list, tokens: list, cos: np.ndarray | list) -> list[float 
 
 @dataclass
 class NoiseScale:
-    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 ("An Empirical Model of
-    Large-Batch Training", McCandlish et al., arXiv 1812.06162, appendix A), counted in tokens,
-    from per-rank and global gradient norms, smoothed by EMA.
-
-    For a gradient averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b. Rank r has
-    b = n_r and the whole step b = N, so with q = mean_r(1/n_r) (q = 1/B_small when the counts
-    are equal, which is the appendix's case):
-        tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N.
-    Both are noisy per step, so each is smoothed by EMA before the ratio, as that appendix advises.
-    """
+    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 in tokens ("An Empirical Model of
+    Large-Batch Training", McCandlish et al., arXiv 1812.06162, appendix A). For a gradient
+    averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b; rank r has b = n_r and the
+    step b = N, so with q = mean_r(1/n_r) (1/B_small at equal counts, the appendix's case)
+        tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N,
+    each smoothed by EMA before the ratio, as that appendix advises (both are noisy per step)."""
 
     decay: float = 0.9
     trace_ema: float | None = None
