@@ -210,8 +210,7 @@ def _advice_median(records: list[dict]) -> float | None:
     from titanlite.config.job_config import Alerts
     from titanlite.diagnostics.rules import batch_advice
 
-    cfg, best = Alerts(), None
-    kept = {"ratios": [], "tokens": [], "advised_ratio": 0.0}
+    cfg, best, kept = Alerts(), None, {"ratios": [], "tokens": [], "advised_ratio": 0.0}
     for rec in records:
         batch_advice(kept, rec, cfg, 1)
         if len(kept["ratios"]) == cfg.advice_steps:
