@@ -27,12 +27,11 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
             f"with 2 data-parallel ranks the alerts that compare ranks with each other ({', '.join(NEED_SPREAD)}) "
             f"need {SPREAD_RANKS} or more and stay off; each rank is still checked against its own history"
         )
-    if world >= 2 and not rank_sum.reachable(
-        per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha
-    ):
+    window = cfg.rank_test_window
+    if world >= 2 and not rank_sum.reachable(per_rank, world, window, cfg.rank_test_alpha):
         notes.append(
             f"single_rank_outlier's per-sample test cannot fire with {per_rank} sequence(s) per rank per step "
-            f"at dp={world} (it needs more within alerts.rank_test_window = {cfg.rank_test_window} measured "
+            f"at dp={world} (it needs more within alerts.rank_test_window = {window} measured "
             "steps): a bad batch on one rank is named later, by persistence, if at all"
         )
     return "; ".join(notes) or None
