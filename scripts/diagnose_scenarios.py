@@ -206,16 +206,15 @@ def _latest_rank(records: list[dict]) -> tuple[int | None, float, float | None]:
 def _advice_median(records: list[dict]) -> float | None:
     """batch_size_advice's statistic at its farthest from 1 (either way): the median, over its
     advice_steps measured steps, of B_simple over the batch's mean tokens
-    (titanlite/diagnostics/rules.py BatchAdvisor)."""
+    (titanlite/diagnostics/rules.py batch_advice)."""
     from titanlite.config.job_config import Alerts
-    from titanlite.diagnostics.rules import BatchAdvisor
+    from titanlite.diagnostics.rules import batch_advice
 
-    cfg, best = Alerts(), None
-    advisor = BatchAdvisor(cfg, 1)
+    cfg, best, kept = Alerts(), None, {"ratios": [], "tokens": [], "advised_ratio": 0.0}
     for rec in records:
-        advisor.update(rec)
-        if len(advisor.ratios) == cfg.advice_steps:
-            m = statistics.median(advisor.ratios)
+        batch_advice(kept, rec, cfg, 1)
+        if len(kept["ratios"]) == cfg.advice_steps:
+            m = statistics.median(kept["ratios"])
             best = m if best is None or abs(math.log(m)) > abs(math.log(best)) else best
     return best
 
@@ -546,7 +545,7 @@ def healthy_markdown(figures: dict) -> str:
 
 
 def notes_table(rows: dict[str, dict]) -> str:
-    """The batch-size advice each run was given (titanlite/diagnostics/rules.py BatchAdvisor)."""
+    """The batch-size advice each run was given (titanlite/diagnostics/rules.py batch_advice)."""
     lines = [
         f"{name:<16}step {n['step']}: noise scale {n['noise_scale_tokens']:,.0f} tokens, batch {n['batch_tokens']:,.0f} "
         f"tokens -> --training.global_batch_size {n['suggested_global_batch']}"

@@ -387,7 +387,7 @@ def test_a_run_resumed_at_another_dp_starts_its_history_again():
     assert (
         resumed.seen == 0
         and not resumed.history
-        and not resumed.states["single_rank_outlier"].values["scores"]
+        and not resumed.states["single_rank_outlier"]["scores"]
     )
     assert resumed.named == {"faulty_worker": {1}}
     # at dp=4 from step 31: after the burn-in, a noisy gradient is still named

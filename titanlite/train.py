@@ -88,9 +88,7 @@ class Trainer:
         self.dataloader = build_dataloader(cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed)
         sampler = self.dataloader.batch_sampler
         self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
-        self.diagnostics = Diagnostics.for_job(
-            cfg, self.model, dims, self.layout, sampler, dataset.trace
-        )
+        self.diagnostics = Diagnostics(cfg, self.model, dims, self.layout, sampler, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
@@ -206,7 +204,7 @@ class Trainer:
                 k.split("/", 1)[1]: v for k, v in scalar_tags("diag", diag[-1]).items()
             }
         spiked = [(s, self.guard.event(v, self.run_dir)) for s, v in spikes]
-        events = self.diagnostics.spike_alerts(spiked, diag, self.dataloader.batch_sampler)
+        events = self.diagnostics.spike_alerts(spiked, diag)
         if self.rank == 0:
             self.metrics.check()
             self.metrics.write(rows)

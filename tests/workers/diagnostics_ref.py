@@ -109,11 +109,12 @@ def run_case(
         cfg.training.activation_checkpoint = "selective"
     cfg.diagnostics.method = method
     cfg.diagnostics.sketch_dim = k
+    cfg.training.seed = SEED + sketch_seed
     cfg.parallelism.skip_grad_sync = skip_sync
     layout, dims, model = build(
         cfg, world, mode, accum=2, param="bfloat16" if compiled else "float32"
     )
-    diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED + sketch_seed)
+    diag = Diagnostics(cfg, model, dims, layout)
     micro = rank_microbatches(world, accum=2)
     balancer = LossBalancer("global", dims.dp_group, world, layout.grad_accum)
     s = Step(1, layout.skip_grad_sync, None)
@@ -157,7 +158,7 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     cfg = JobConfig()
     cfg.diagnostics.replica_check_every = 1
     layout, dims, model = build(cfg, world, mode, accum=1)
-    diag = Diagnostics(cfg.diagnostics, model, dims, layout, seed=SEED)
+    diag = Diagnostics(cfg, model, dims, layout)
     faults = Faults(
         FaultSwitches(flip_bit_step=2, flip_bit_rank=flip_rank), SEED, dist.get_rank(), world
     )

@@ -92,9 +92,9 @@ class AlertMonitor:
         self.world = len(hosts)
         self.per_rank = per_rank  # sequences each rank scores per step: its losses' spread scales
         self.specs: tuple[AlertSpec, ...] = tuple(REGISTRY.values())
-        unit = batch_unit or self.world
+        self.unit = batch_unit or self.world
         stateful = [s for s in self.specs if s.state is not None]
-        self.states = {s.name: s.state(cfg, self.world, unit) for s in stateful}
+        self.states = {s.name: s.state(cfg, self.world, self.unit) for s in stateful}
         self.named: dict[str, set[int]] = {}  # alert -> the ranks it has named in this run
         self.history: deque[Point] = deque(maxlen=cfg.window)  # the rules' points, past the burn-in
         self.trend: deque[tuple[float, float]] = deque(maxlen=cfg.trend_window)  # (loss, loss_std)
@@ -120,14 +120,13 @@ class AlertMonitor:
     def load_state_dict(self, state: dict) -> str | None:
         """Continue from a checkpoint's state; at another layout, start the rules' history again
         and return the note that says so (None otherwise)."""
+        again = f"a burn-in of alerts.min_steps = {self.cfg.min_steps} measured steps"
         if state.get("version") != STATE_VERSION:
             return (
                 f"diagnostics: the checkpoint's alert history is of another format (version "
-                f"{state.get('version', 1)}, this titanlite's {STATE_VERSION}); the alert rules start again "
-                f"(a burn-in of alerts.min_steps = {self.cfg.min_steps} measured steps)"
+                f"{state.get('version', 1)}, this titanlite's {STATE_VERSION}); the alert rules start again ({again})"
             )
         self.named = {name: set(ranks) for name, ranks in state["named"].items()}
-        points = [Point(**p) for p in state["history"]]
         world, per_rank = state["world"], state["per_rank"]
         if (world, per_rank) != (self.world, self.per_rank):
             # The spread of per-rank losses and norms, the gaps and the cosines scale with the
@@ -136,10 +135,9 @@ class AlertMonitor:
             return (
                 f"diagnostics: resumed at dp={self.world} with {self.per_rank} sequence(s) per rank per step, where "
                 f"the checkpoint's run had dp={world} with {per_rank}; the alert rules' statistics depend on both, "
-                f"so their history starts again here (a burn-in of alerts.min_steps = {self.cfg.min_steps} "
-                "measured steps)"
+                f"so their history starts again here ({again})"
             )
-        self.history = deque(points, maxlen=self.cfg.window)
+        self.history = deque((Point(**p) for p in state["history"]), maxlen=self.cfg.window)
         self.trend = deque((tuple(t) for t in state["trend"]), maxlen=self.cfg.trend_window)
         self.seen = state["seen"]
         self._last = {(name, rank): seen for name, rank, seen in state["last"]}
@@ -157,19 +155,6 @@ class AlertMonitor:
             and (rank is None or r == rank)
             and self.seen - seen < self.cfg.window
             for (n, r), seen in self._data_failed.items()
-        )
-
-    def _context(self, spec: AlertSpec, step: int, **seen_now) -> Context:
-        return Context(
-            spec,
-            self.cfg,
-            step,
-            self.world,
-            self.seen,
-            self.states.get(spec.name),
-            self._explained,
-            self.named,
-            **seen_now,
         )
 
     def _raise(
@@ -224,8 +209,20 @@ class AlertMonitor:
         registry's order."""
         out = []
         for spec in (s for s in self.specs if s.source == source):
+            ctx = Context(
+                spec,
+                self.cfg,
+                step,
+                self.world,
+                self.seen,
+                self.states.get(spec.name),
+                self._explained,
+                self.named,
+                self.unit,
+                **seen_now,
+            )
             for check in (c for c in spec.checks if burn_in in (None, c.burn_in)):
-                out += self._raise(spec, step, check.fn(self._context(spec, step, **seen_now)))
+                out += self._raise(spec, step, check.fn(ctx))
         return out
 
 

@@ -33,18 +33,15 @@ def _data_check(fn) -> Check:
     return Check(check)
 
 
-class Kept:
+class Kept(dict):
     """A built-in alert's own state: plain values (lists, numbers), saved in checkpoints as they
     are; a resume at another layout starts them afresh (AlertMonitor.load_state_dict)."""
 
-    def __init__(self, values: dict) -> None:
-        self.values = values
-
     def state_dict(self) -> dict:
-        return dict(self.values)
+        return dict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        self.values.update(state)
+        self.update(state)
 
 
 def _kept(**initial) -> Callable[[AlertsConfig, int, int], Kept]:
@@ -54,8 +51,8 @@ def _kept(**initial) -> Callable[[AlertsConfig, int, int], Kept]:
 
 def _stale(ctx: Context, now: list) -> Finding | None:
     """stale_batch, against the ranks' data at their previous measured step."""
-    found = rules.stale(now, ctx.state.values["prev"])
-    ctx.state.values["prev"] = now
+    found = rules.stale(now, ctx.state["prev"])
+    ctx.state["prev"] = now
     return found
 
 
@@ -66,7 +63,7 @@ def _rank_test(ctx: Context) -> Finding | None:
     if not samples or ctx.world < 2:
         return None
     losses = [[s["loss"] for s in rank if s.get("loss") is not None] for rank in samples]
-    scores = ctx.state.values["scores"]
+    scores = ctx.state["scores"]
     scores.append([ctx.step, rank_scores(losses)])
     del scores[: -ctx.cfg.rank_test_window]
     named = ctx.named.get("single_rank_outlier", set())
@@ -75,7 +72,7 @@ def _rank_test(ctx: Context) -> Finding | None:
 
 def _slow(ctx: Context) -> Finding | None:
     """slow_rank over its window of measured steps, from the first (timing needs no burn-in)."""
-    recent = ctx.state.values["recent"]
+    recent = ctx.state["recent"]
     recent.append(asdict(ctx.point))
     del recent[: -ctx.cfg.slow_window]
     if ctx.world < 2:
@@ -86,7 +83,7 @@ def _slow(ctx: Context) -> Finding | None:
 def _replica_drift(ctx: Context) -> Finding | None:
     """A drifted replica stays so: each rank is named once until the replicas agree again."""
     drift = ctx.event["drift"]  # replicas.ReplicaCheck.compare's: None when every replica agrees
-    named = ctx.state.values["ranks"]
+    named = ctx.state["ranks"]
     if drift is None:
         named.clear()
         return None
@@ -114,10 +111,7 @@ BUILT_IN = (
     AlertSpec(
         "identical_data",
         "ranks read the same data (rank not passed to the loader?): audit the sharding",
-        (
-            _data_check(lambda ctx, now: rules.identical(now)),
-            _rule(rules.identical_data),
-        ),
+        (_data_check(lambda ctx, now: rules.identical(now)), _rule(rules.identical_data)),
         thresholds=(*_WINDOW, "identical_std", "identical_cos"),
         explains=True,
     ),
@@ -154,10 +148,10 @@ BUILT_IN = (
     AlertSpec(
         "batch_size_advice",
         "information, not an alert: the run is healthy",
-        (Check(lambda ctx: ctx.state.update(ctx.record)),),
+        (Check(lambda ctx: rules.batch_advice(ctx.state, ctx.record, ctx.cfg, ctx.unit)),),
         level="info",
         thresholds=("advice_ratio", "advice_steps"),
-        state=lambda cfg, world, unit: rules.BatchAdvisor(cfg, unit or world),
+        state=_kept(ratios=[], tokens=[], advised_ratio=0.0),
         cooldown=False,  # the advisor says it again only when the ratio moves a further fold
     ),
     AlertSpec(

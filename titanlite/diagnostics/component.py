@@ -16,13 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from titanlite.config.job_config import Alerts as AlertsConfig
-from titanlite.config.job_config import Diagnostics as DiagnosticsConfig
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
-from titanlite.diagnostics.replicas import ReplicaCheck
+from titanlite.diagnostics.replicas import ReplicaCheck, gather
 from titanlite.diagnostics.stats import NoiseScale, step_metrics
 from titanlite.diagnostics.step_record import (
     RECORD_VERSION,
@@ -68,17 +66,14 @@ class Diagnostics:
 
     def __init__(
         self,
-        cfg: DiagnosticsConfig,
+        job: JobConfig,
         model: torch.nn.Module,
         dims: ParallelDims,
         layout: Layout,
-        *,
-        seed: int,
         sampler=None,
-        timeout_s: int = 600,
         trace: Callable[[int], list[dict]] | None = None,
-        alerts: AlertsConfig | None = None,
     ) -> None:
+        cfg = job.diagnostics
         self.cfg = cfg
         # The replicas compared: data-parallel ranks. With parallelism.axes each is `split`
         # consecutive ranks that split its sequences; every rank measures its piece, and the
@@ -108,42 +103,19 @@ class Diagnostics:
         # each rank's host (gathered below); off, only the spike guard's alerts, which name no rank
         hosts: list = [socket.gethostname()] * self.ranks
         if self.enabled:
-            timeout = timedelta(seconds=timeout_s)
+            timeout = timedelta(seconds=job.comm.timeout_s)
             self.group = dist.new_group(ranks=list(range(self.ranks)), timeout=timeout)
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
         hosts = hosts[:: self.split]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
-        self.monitor = AlertMonitor(
-            alerts or AlertsConfig(), hosts, layout.batch_unit, layout.rank_share
-        )
+        self.monitor = AlertMonitor(job.alerts, hosts, layout.batch_unit, layout.rank_share)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
-            self.probe = GradProbe(self.method, self.ranks, cfg.sketch_dim, seed, dims.device)
+            self.probe = GradProbe(
+                self.method, self.ranks, cfg.sketch_dim, job.training.seed, dims.device
+            )
             install(model, self.probe)
-
-    @classmethod
-    def for_job(
-        cls,
-        cfg: JobConfig,
-        model: torch.nn.Module,
-        dims: ParallelDims,
-        layout: Layout,
-        sampler,
-        trace: Callable[[int], list[dict]] | None,
-    ) -> Diagnostics:
-        """The trainer's diagnostics, set up from the job's config here rather than in the loop."""
-        return cls(
-            cfg.diagnostics,
-            model,
-            dims,
-            layout,
-            seed=cfg.training.seed,
-            sampler=sampler,
-            timeout_s=cfg.comm.timeout_s,
-            trace=trace,
-            alerts=cfg.alerts,
-        )
 
     @property
     def method_used(self) -> str:
@@ -159,8 +131,7 @@ class Diagnostics:
 
     def load_state_dict(self, state: dict) -> None:
         if self.enabled and state:
-            noise = state["noise"]
-            self.noise.trace_ema, self.noise.gsq_ema = noise["trace_ema"], noise["gsq_ema"]
+            self.noise = NoiseScale(self.cfg.noise_scale_ema, **state["noise"])
             if note := self.monitor.load_state_dict(state["monitor"]):
                 logger.info(note)
 
@@ -168,21 +139,17 @@ class Diagnostics:
         """RNG streams a checkpoint must carry (the gradient-noise fault's)."""
         return {"grad_noise": self.probe.noise_generator} if self.probe is not None else {}
 
-    def is_measured(self, step: int) -> bool:
-        return self.cfg.measures(step)
-
     def begin(self, s: Step) -> None:
         """As the step starts, before its data: arm the probe and start the step's clock."""
-        self.measuring = self.enabled and self.is_measured(s.step)
+        self.measuring = self.enabled and self.cfg.measures(s.step)
         if self.enabled:
             self.probe.start(self.measuring, self.per_microbatch)
             self.arrival.start()
 
     def ready(self, s: Step) -> None:
-        """The data loaded. A measured step times it and waits for the other ranks at a
-        one-value barrier (stragglers.py; the times go out with the step's gather); a measured
-        `exact` step skips the earlier microbatches' reduction, so that the probe sees each
-        rank's whole-step gradient at once."""
+        """The data loaded. A measured step times it and waits for the other ranks at a one-value
+        barrier (stragglers.py); a measured `exact` step skips the earlier microbatches' reduction,
+        so that the probe sees each rank's whole-step gradient at once."""
         if self.measuring:
             self._times = self.arrival.arrive()
             s.skip_grad_sync = s.skip_grad_sync or self.whole_step
@@ -242,29 +209,23 @@ class Diagnostics:
             sequence_index=sequence_index,
             sequence_content=sequence_content,
         ).pack()
-        per_rank, gathered = self._gather(mine)
-        exact = self.method == "exact"
-        if exact:
+        per_rank, gathered = gather(mine, self.ranks, self.group)
+        if self.whole_step:
             directions = self.probe.gram.clone()
             reduced = dist.all_reduce(directions, group=self.group, async_op=True)
         else:
-            directions, reduced = self._gather(self.probe.sketch.clone())
+            directions, reduced = gather(self.probe.sketch.clone(), self.ranks, self.group)
         norm = grad_norm.detach().double().clone()
-        self._pending.append(_Pending(step, per_rank, directions, norm, [gathered, reduced], exact))
-
-    def _gather(self, mine: torch.Tensor) -> tuple[torch.Tensor, dist.Work]:
-        """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on the group."""
-        out = torch.empty(self.ranks, mine.numel(), dtype=mine.dtype, device=mine.device)
-        return out, dist.all_gather(list(out.unbind(0)), mine, group=self.group, async_op=True)
+        self._pending.append(
+            _Pending(step, per_rank, directions, norm, [gathered, reduced], self.whole_step)
+        )
 
     def after_update(self, s: Step) -> None:
         """After the optimizer step: start the replica check if one is due. Reads nothing."""
         if self.replicas is not None and self.replicas.due(s.step):
             self.replicas.start(s.step)
 
-    def spike_alerts(
-        self, spikes: list[tuple[int, dict]], records: list[dict], sampler
-    ) -> list[Alert]:
+    def spike_alerts(self, spikes: list[tuple[int, dict]], records: list[dict]) -> list[Alert]:
         """spike_skipped (catalogue.py) of each (step, SpikeGuard.event), with the step's sequences:
         with their losses where `records` (this log step's diagnostics) measured it; else from the
         data order, on the host (no device read)."""
@@ -273,10 +234,9 @@ class Diagnostics:
         for step, event in spikes:
             per_rank = measured.get(step)
             if per_rank is None:
-                shares = sampler.shares(step - 1)
                 per_rank = [
                     [{"index": int(i), "tokens": None, "loss": None} for i in share]
-                    for share in shares
+                    for share in self.sampler.shares(step - 1)
                 ]
             for alert in self.monitor.observe("spikes", step, event):
                 alert.samples = [self.locate(r, x) for r, rank in enumerate(per_rank) for x in rank]

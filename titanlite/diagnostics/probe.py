@@ -1,21 +1,12 @@
 """Where each rank's local, unreduced gradient passes: FSDP2's reduce-scatter and DDP's comm hook.
-
-On a measured step the probe takes the squared norm of the local gradient and either
-  - `sketch`: its CountSketch (linear, so microbatch sketches add up; the norm then comes from the
-    sketch, unbiased, relative error about sqrt(2 / k)), or
-  - `exact`: the Gram of all ranks' local gradients at no extra volume: the reduce-scatter becomes
-    an all-to-all, each rank sums the rows (the reduce-scatter's result) and keeps rows @ rows.T
-    over its shard; the partials add up to the full Gram (DDP: the same, then an all-gather).
-Other steps do the plain SUM reduction. It never reads a value on the host; under HSDP the
-reduce-scatter spans one replica, so `exact` is not available there.
-
-The CountSketch costs two passes (a multiply and a column sum), no per-value hashing: segments of
-P (a prime near 2^20) take signs from a cached random +-1 table at a hashed phase, buckets
-(j + beta) mod k and a hashed whole-segment flip, so colliding pairs carry independent signs and
-the estimate keeps the CountSketch variance. k is rounded down to a prime: with a power of two a
-weight matrix's column (stride a multiple of k) lands in one bucket, and LLM gradients concentrate
-on a few feature columns (tests/test_diagnostics.py; titanlite/diagnostics/README.md, `sketch`).
-"""
+On a measured step the probe takes the local gradient's squared norm and either its CountSketch
+(`sketch`: linear, so microbatch sketches add up; the norm then comes from the sketch) or, at no
+extra volume, the Gram of all ranks' local gradients (`exact`: the reduce-scatter becomes an
+all-to-all, each rank sums the rows and keeps rows @ rows.T over its shard; not under HSDP, whose
+reduce-scatter spans one replica). It never reads a value on the host. The sketch takes signs from
+a cached +-1 table at a hashed phase per segment, with a hashed whole-segment flip, so colliding
+pairs carry independent signs and the estimate keeps the CountSketch variance; k is a prime
+(titanlite/diagnostics/README.md, `sketch`: LLM gradients concentrate on a few feature columns)."""
 
 from __future__ import annotations
 
@@ -50,26 +41,19 @@ def _mix(x: int) -> int:
 
 
 class CountSketch:
-    def __init__(self, k: int, seed: int) -> None:
+    def __init__(self, k: int, seed: int, device: torch.device | str = "cpu") -> None:
         self.k = prev_prime(k)
         self.seed = seed
         g = torch.Generator().manual_seed(seed)
-        self._sign = torch.randint(0, 2, (_P,), generator=g).float() * 2 - 1
-        self._on: dict[torch.device, torch.Tensor] = {}
-        self._scratch: dict[torch.device, torch.Tensor] = {}
+        self._sign = (torch.randint(0, 2, (_P,), generator=g).float() * 2 - 1).to(device)
+        self._scratch = torch.empty(0, device=device)
 
-    def _table(self, device: torch.device) -> torch.Tensor:
-        if device not in self._on:
-            self._on[device] = self._sign.to(device)
-        return self._on[device]
-
-    def _rows(self, n: int, device: torch.device) -> torch.Tensor:
+    def _rows(self, n: int) -> torch.Tensor:
         """A reused zeroed-tail buffer of whole rows of k for n values."""
         size = -(-n // self.k) * self.k
-        buf = self._scratch.get(device)
-        if buf is None or buf.numel() < size:
-            buf = self._scratch[device] = torch.empty(size, device=device)
-        buf = buf[:size]
+        if self._scratch.numel() < size:
+            self._scratch = torch.empty(size, device=self._sign.device)
+        buf = self._scratch[:size]
         buf[n:].zero_()
         return buf
 
@@ -77,18 +61,17 @@ class CountSketch:
         """out[k] += sketch of the flat `values`, whose first element is coordinate `offset`
         (the same coordinates on every rank: that is all the ranks share)."""
         flat = values.reshape(-1)
-        sign = self._table(flat.device)
         pos = 0
         while pos < flat.numel():
             segment, within = divmod(offset + pos, _P)
             n = min(_P - within, flat.numel() - pos)
             h = _mix(self.seed * 0x100000001B3 + segment)
             phi, beta = (h + within) % _P, ((h >> 24) + within) % self.k
-            rows = self._rows(n, flat.device)
+            rows = self._rows(n)
             head = min(n, _P - phi)  # the table slice may wrap around
-            torch.mul(flat[pos : pos + head], sign[phi : phi + head], out=rows[:head])
+            torch.mul(flat[pos : pos + head], self._sign[phi : phi + head], out=rows[:head])
             if head < n:
-                torch.mul(flat[pos + head : pos + n], sign[: n - head], out=rows[head:n])
+                torch.mul(flat[pos + head : pos + n], self._sign[: n - head], out=rows[head:n])
             summed = rows.view(-1, self.k).sum(0)
             out.add_(summed.roll(beta), alpha=1.0 if (h >> 63) & 1 else -1.0)
             pos += n
@@ -107,7 +90,7 @@ class GradProbe:
         self.noise_generator = torch.Generator(device=device).manual_seed(seed + 17)
         self.norm_sq = torch.zeros((), dtype=torch.float64, device=device)
         self.gram = torch.zeros(world, world, dtype=torch.float64, device=device)
-        self.countsketch = CountSketch(sketch_dim, seed) if method == "sketch" else None
+        self.countsketch = CountSketch(sketch_dim, seed, device) if method == "sketch" else None
         k = self.countsketch.k if self.countsketch else 0
         self.sketch = torch.zeros(k, dtype=torch.float32, device=device)
 

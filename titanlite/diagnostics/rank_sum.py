@@ -1,7 +1,6 @@
-r"""The per-sample rank test: is one rank's data worse (or better) than the rest of its step?
-
-The sampler cuts each step's permuted global batch into per-rank slices, and with the exact loss
-path the model scoring step t does not depend on that cut, so under health the ranks' per-sequence
+r"""The per-sample rank test: is one rank's data worse (or better) than the rest of its step? The
+sampler cuts each step's permuted global batch into per-rank slices, and with the exact loss path
+the model scoring step t does not depend on that cut, so under health the ranks' per-sequence
 losses are exchangeable within a step: no baseline, no burn-in. Per step t and rank r with n of
 the step's N sequences, the Mann-Whitney U_rt has mean n (N - n) / 2 and variance
 n (N - n) (N + 1) / 12 (ties only shrink it: conservative); over the last W measured steps the
@@ -9,8 +8,7 @@ Stouffer sum Z_r = \sum_t z_rt / sqrt(W) is about standard normal. The rule fire
 |Z_r| > z* = Phi^-1(1 - alpha / (2 m)), m the ranks tested (1 at dp = 2, where Z_0 = -Z_1): by the
 union bound at most alpha false alarms per measured step. A rank whose every sequence scores
 above all others' reaches z_max = sqrt(3 n (N - n) / (N + 1)) per step, so it can fire only if
-z_max sqrt(W) > z* (reachable(); one sequence per rank at dp = 8 and W = 10 cannot).
-"""
+z_max sqrt(W) > z* (reachable(); one sequence per rank at dp = 8 and W = 10 cannot)."""
 
 from __future__ import annotations
 
@@ -69,9 +67,7 @@ def max_step_score(per_rank: int, world: int) -> float:
 def reachable(per_rank: int, world: int, window: int, alpha: float) -> bool:
     """Whether a rank whose sequences all score above the others' can raise the alert within
     `window` measured steps, at `per_rank` sequences per rank per step."""
-    return world >= 2 and max_step_score(per_rank, world) * math.sqrt(window) > threshold(
-        alpha, world
-    )
+    return max_step_score(per_rank, world) * math.sqrt(window) > threshold(alpha, world)
 
 
 # At dp = 2 the rank whose loss moved is the one that left the global trend of the steps before
@@ -88,10 +84,9 @@ def rank_outlier(
     explained: Callable[[str | None, int | None], bool],
     named: set[int] | frozenset[int] = frozenset(),
 ) -> Finding | None:
-    """single_rank_outlier from the per-sample rank test (module doc). `scores`: (step, z_rt per
-    rank) of the last rank_test_window measured steps; `history`: the points before and during
-    them (this step's last), for telling at dp = 2 which rank moved; `named`: the ranks this
-    alert has named so far in the run."""
+    """single_rank_outlier from the per-sample rank test (module doc) over `scores`, (step, z_rt
+    per rank) of the window; `history`, the points up to this step, tells at dp = 2 which rank
+    moved; `named`: the ranks this alert has named so far in the run."""
     world = len(scores[-1][1])
     z_star = threshold(cfg.rank_test_alpha, world)
     totals = [window_score([s[r] for _, s in scores]) for r in range(world)]

@@ -38,12 +38,13 @@ class Point:
     loss_std: float
     ranks: int  # live ranks (with valid tokens)
     cos: float | None
-    max_rank: int | None
-    gap: float  # (max rank loss - mean of the others) / global loss
-    low_rank: int | None  # lowest median cosine to the other ranks
-    low_margin: float  # median of the others' median cosines minus the lowest one
-    big_rank: int | None  # largest own gradient norm
-    big_ratio: float  # its norm / median of the others' norms
+    # The rank that stands out (None below SPREAD_RANKS live ranks) and by how much:
+    max_rank: int | None = None
+    gap: float = 0.0  # (max rank loss - mean of the others) / global loss
+    low_rank: int | None = None  # lowest median cosine to the other ranks
+    low_margin: float = 0.0  # median of the others' median cosines minus the lowest one
+    big_rank: int | None = None  # largest own gradient norm
+    big_ratio: float = 0.0  # its norm / median of the others' norms
     # Per rank (None where a rank had no valid token, or a run recorded before they were kept):
     rank_loss: list | None = None  # token-mean loss
     rank_norm: list | None = None  # norm of its own token-mean gradient
@@ -60,41 +61,16 @@ def point(rec: dict) -> Point | None:
     if not live:
         return None
     total = sum(tokens[r] for r in live)
-    loss = sum(losses[r] * tokens[r] for r in live) / total
-    # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
-    # in 14 of 20 steps by chance about 6% of the time).
-    max_rank = max(live, key=losses.__getitem__) if len(live) >= SPREAD_RANKS else None
-    gap = 0.0
-    if max_rank is not None and loss > 0:
-        gap = (losses[max_rank] - statistics.fmean(losses[r] for r in live if r != max_rank)) / loss
-    low_rank, low_margin, big_rank, big_ratio = None, 0.0, None, 0.0
-    cos = rec.get("cos_matrix")  # a record of version 1 has no summaries of its own
-    medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
-    if medians and len(live) >= SPREAD_RANKS:
-        # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
-        med = {r: medians[r] for r in live if medians[r] is not None}
-        low_rank = min(med, key=med.get)
-        low_margin = statistics.median(v for r, v in med.items() if r != low_rank) - med[low_rank]
-    norms = rec.get("rank_grad_norm")
-    if norms and len(live) >= SPREAD_RANKS:
-        big_rank = max(live, key=norms.__getitem__)
-        rest = statistics.median(v for j, v in enumerate(norms) if j != big_rank and v is not None)
-        big_ratio = norms[big_rank] / rest if rest > 0 else 0.0
+    norms, cos = rec.get("rank_grad_norm"), rec.get("cos_matrix")
     noise = rec.get("rank_noise")
-    if noise is None and norms and cos:  # version 1
+    if noise is None and norms and cos:  # a record of version 1 has no summaries of its own
         noise = rank_noise(norms, tokens, cos)
-    return Point(
+    p = Point(
         rec["step"],
-        loss,
+        sum(losses[r] * tokens[r] for r in live) / total,
         rec.get("loss_std", 0.0),
         len(live),
         rec.get("cos_mean_pairwise"),
-        max_rank,
-        gap,
-        low_rank,
-        low_margin,
-        big_rank,
-        big_ratio,
         rank_loss=list(losses),
         rank_norm=list(norms) if norms else None,
         rank_noise=noise,
@@ -102,6 +78,24 @@ def point(rec: dict) -> Point | None:
         rank_load=rec.get("rank_load_s"),
         step_s=rec.get("step_s"),
     )
+    # "One rank drives the range" needs 3+ ranks: of two, one is always the higher (and is so
+    # in 14 of 20 steps by chance about 6% of the time).
+    if len(live) < SPREAD_RANKS:
+        return p
+    top = p.max_rank = max(live, key=losses.__getitem__)
+    if p.loss > 0:
+        p.gap = (losses[top] - statistics.fmean(losses[r] for r in live if r != top)) / p.loss
+    medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
+    if medians:
+        # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
+        med = {r: medians[r] for r in live if medians[r] is not None}
+        low = p.low_rank = min(med, key=med.get)
+        p.low_margin = statistics.median(v for r, v in med.items() if r != low) - med[low]
+    if norms:
+        big = p.big_rank = max(live, key=norms.__getitem__)
+        rest = statistics.median(v for j, v in enumerate(norms) if j != big and v is not None)
+        p.big_ratio = norms[big] / rest if rest > 0 else 0.0
+    return p
 
 
 @dataclass
@@ -167,6 +161,7 @@ class Context:
     # the cause, so statistical checks about the same ranks stay quiet.
     explained: Callable[[str | None, int | None], bool]
     named: dict[str, set[int]]  # the ranks each alert has named so far in the run
+    unit: int = 1  # the sequences the global batch moves by with the layout kept (dp x local)
     record: dict | None = None  # source "measured": the step's record
     point: Point | None = None  # ... reduced to what the rules compare
     history: list[Point] = field(default_factory=list)  # the rules' history before this step

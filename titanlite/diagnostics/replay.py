@@ -28,9 +28,7 @@ def last_per_step(records: Iterable[dict]) -> list[dict]:
     return [r for _, r in sorted({r["step"]: r for r in records}.items())]
 
 
-def replay(
-    records: list[dict], cfg: AlertsConfig, batch_unit: int = 0, hosts: list[str] | None = None
-) -> list[Alert]:
+def replay(records: list[dict], cfg: AlertsConfig, batch_unit: int = 0) -> list[Alert]:
     """The alerts a fresh runner raises on `records` (one run's measured steps, in order)."""
     records = last_per_step(records)
     if not records:
@@ -43,7 +41,7 @@ def replay(
                 "replay it with the titanlite that wrote it, or update titanlite"
             )
     world = len(records[0]["rank_loss"])
-    monitor = AlertMonitor(cfg, hosts or ["-"] * world, batch_unit)
+    monitor = AlertMonitor(cfg, ["-"] * world, batch_unit)
     return [a for rec in records for a in monitor.update(rec)]
 
 

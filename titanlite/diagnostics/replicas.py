@@ -56,6 +56,12 @@ def fingerprint(t: torch.Tensor) -> torch.Tensor:
     return h & ((1 << _BITS) - 1)
 
 
+def gather(mine: torch.Tensor, ranks: int, group) -> tuple[torch.Tensor, dist.Work]:
+    """[ranks, mine.numel()]: every rank's `mine`, gathered asynchronously on `group`."""
+    out = torch.empty(ranks, mine.numel(), dtype=mine.dtype, device=mine.device)
+    return out, dist.all_gather(list(out.unbind(0)), mine, group=group, async_op=True)
+
+
 def replica_groups(dims: ParallelDims) -> list[list[int]]:
     """The ranks that hold the same parameters, one list per shard: the dp_replicate x dp_shard
     (x the sequence-split axes, which FSDP shards over too) mesh puts rank r * shards + s at
@@ -101,8 +107,7 @@ class ReplicaCheck:
         mine = torch.stack(
             [fingerprint(p.to_local() if isinstance(p, DTensor) else p) for p in self.params]
         )
-        hashes = torch.empty(self.world, mine.numel(), dtype=mine.dtype, device=mine.device)
-        work = dist.all_gather(list(hashes.unbind(0)), mine, group=self.group, async_op=True)
+        hashes, work = gather(mine, self.world, self.group)
         self.pending.append(_Pending(step, hashes, work))
 
     def take(self) -> list[_Pending]:

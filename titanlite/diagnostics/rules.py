@@ -1,20 +1,14 @@
-"""The rules behind the named alerts, each a check in one alert's record (catalogue.py).
-
-The exact data checks compare, per rank, each sequence's dataset index and content fingerprint
-(step_record.content_fingerprint) and the sampler's hash of the global batch order; with no
-threshold and no burn-in: identical_data (two ranks handed the same indices), stale_batch (a
-rank's tokens repeat its previous measured step's under new indices: a stuck reader) and
-data_order_mismatch (per-rank shuffle seeds: S1-2 / S1-3 of "Silent Inconsistency in
-Data-Parallel Full Fine-Tuning", arXiv 2602.14462). A dataset's duplicate documents have other
-indices, so they do not trip them. The statistical rules, past the burn-in, read a `Window` and
-return a `Finding` or None.
-"""
+"""The rules behind the named alerts, each a check in one alert's record (catalogue.py). The exact
+data checks compare each sequence's dataset index and content fingerprint and the sampler's hash
+of the batch order, with no threshold and no burn-in (data_order_mismatch: S1-2 / S1-3 of "Silent
+Inconsistency in Data-Parallel Full Fine-Tuning", arXiv 2602.14462); a dataset's duplicate
+documents have other indices, so they do not trip them. The statistical rules read a `Window`."""
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import Counter, deque
+from collections import Counter
 
 from titanlite.config.job_config import Alerts as AlertsConfig
 from titanlite.diagnostics import rank_sum
@@ -33,12 +27,11 @@ def silent_rules_note(world: int, per_rank: int, cfg: AlertsConfig) -> str | Non
             f"with 2 data-parallel ranks the alerts that compare ranks with each other ({', '.join(NEED_SPREAD)}) "
             f"need {SPREAD_RANKS} or more and stay off; each rank is still checked against its own history"
         )
-    if world >= 2 and not rank_sum.reachable(
-        per_rank, world, cfg.rank_test_window, cfg.rank_test_alpha
-    ):
+    window = cfg.rank_test_window
+    if world >= 2 and not rank_sum.reachable(per_rank, world, window, cfg.rank_test_alpha):
         notes.append(
             f"single_rank_outlier's per-sample test cannot fire with {per_rank} sequence(s) per rank per step "
-            f"at dp={world} (it needs more within alerts.rank_test_window = {cfg.rank_test_window} measured "
+            f"at dp={world} (it needs more within alerts.rank_test_window = {window} measured "
             "steps): a bad batch on one rank is named later, by persistence, if at all"
         )
     return "; ".join(notes) or None
@@ -265,84 +258,63 @@ def faulty_worker_norm_pair(w: Window) -> Finding | None:
     return Finding("faulty_worker", [0, 1], msg, {"ratio": ratio})
 
 
-class BatchAdvisor:
+def batch_advice(kept: dict, rec: dict, cfg: AlertsConfig, unit: int) -> Finding | None:
     """batch_size_advice: the critical batch is about the gradient noise scale ("An Empirical
     Model of Large-Batch Training", McCandlish et al., arXiv 1812.06162), estimated by B_simple
     (stats.NoiseScale). It moves as training goes, so the advice comes only when its ratio to the
     batch stays past `advice_ratio` either way for `advice_steps` measured steps, and again only a
-    further `advice_ratio`-fold on. `unit`: the sequences the global batch moves by (dp x local)."""
-
-    def __init__(self, cfg: AlertsConfig, unit: int) -> None:
-        self.cfg = cfg
-        self.unit = max(1, unit)
-        # B_simple over the batch's mean tokens in the window: an SFT batch's tokens vary by step
-        self.ratios: deque[float] = deque(maxlen=cfg.advice_steps)
-        self.tokens: deque[float] = deque(maxlen=cfg.advice_steps)  # the batch's tokens per step
-        self.advised = 0.0  # the ratio last advised on (0: none since the ratio was in the band)
-
-    def state_dict(self) -> dict:
-        return {
-            "ratios": list(self.ratios),
-            "tokens": list(self.tokens),
-            "advised_ratio": self.advised,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.ratios.extend(state.get("ratios", []))
-        self.tokens.extend(state.get("tokens", []))
-        self.advised = state.get("advised_ratio", 0.0)
-
-    def update(self, rec: dict) -> Finding | None:
-        """A measured-step record (component.Diagnostics.collect: noise_scale_tokens,
-        batch_tokens, batch_sequences): the advice, when it is due."""
-        noise, tokens = rec.get("noise_scale_tokens"), rec.get("batch_tokens")
-        sequences = rec.get("batch_sequences")
-        # B_simple <= 0: the ranks' gradients agree beyond their noise (the same data, say), and
-        # the estimate says nothing about the batch
-        if noise is None or noise <= 0 or not tokens or not sequences:
-            return None
-        self.tokens.append(tokens)
-        tokens = statistics.fmean(self.tokens)
-        self.ratios.append(noise / tokens)
-        r, typical = self.cfg.advice_ratio, statistics.median(self.ratios)
-        side = 1 if typical >= r else -1 if typical <= 1 / r else 0
-        if side == 0:
-            self.advised = 0.0  # back in the band: a later excursion is advised again
-            return None
-        edge = r if side > 0 else 1 / r
-        if self.advised and (self.advised > 1) == (side > 0):  # advised this side: a further fold
-            edge = self.advised * r if side > 0 else self.advised / r
-        past = all((x - edge) * side >= 0 for x in self.ratios)
-        if len(self.ratios) < self.cfg.advice_steps or not past:
-            return None
-        before, ratio = self.advised, statistics.median(self.ratios)
-        self.advised = ratio
-        per_seq = tokens / sequences
-        suggest = max(self.unit, round(ratio * sequences / self.unit) * self.unit)
-        flag = f"--training.global_batch_size {suggest}"
-        head = (
-            f"the gradient noise scale B_simple (McCandlish et al., arXiv 1812.06162) has been about "
-            f"{ratio * tokens:,.0f} tokens for the last {len(self.ratios)} measured steps, "
+    further `advice_ratio`-fold on. `kept`: the alert's state; `unit`: the sequences the global
+    batch moves by (dp x local)."""
+    noise, tokens = rec.get("noise_scale_tokens"), rec.get("batch_tokens")
+    sequences = rec.get("batch_sequences")
+    # B_simple <= 0: the ranks' gradients agree beyond their noise (the same data, say), and
+    # the estimate says nothing about the batch
+    if noise is None or noise <= 0 or not tokens or not sequences:
+        return None
+    ratios, batches = kept["ratios"], kept["tokens"]
+    batches.append(tokens)
+    del batches[: -cfg.advice_steps]
+    tokens = statistics.fmean(batches)  # an SFT batch's tokens vary by step
+    ratios.append(noise / tokens)
+    del ratios[: -cfg.advice_steps]
+    r, ratio, before = cfg.advice_ratio, statistics.median(ratios), kept["advised_ratio"]
+    side = 1 if ratio >= r else -1 if ratio <= 1 / r else 0
+    if side == 0:
+        kept["advised_ratio"] = 0.0  # back in the band: a later excursion is advised again
+        return None
+    edge = r if side > 0 else 1 / r
+    if before and (before > 1) == (side > 0):  # advised this side: a further fold
+        edge = before * r if side > 0 else before / r
+    past = all((x - edge) * side >= 0 for x in ratios)
+    if len(ratios) < cfg.advice_steps or not past:
+        return None
+    kept["advised_ratio"] = ratio
+    per_seq = tokens / sequences
+    suggest = max(unit, round(ratio * sequences / unit) * unit)
+    flag = f"--training.global_batch_size {suggest}"
+    head = (
+        f"the gradient noise scale B_simple (McCandlish et al., arXiv 1812.06162) has been about "
+        f"{ratio * tokens:,.0f} tokens for the last {len(ratios)} measured steps, "
+    )
+    if side > 0:
+        msg = head + (
+            f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens{_since(before)}: its steps are dominated by gradient noise, "
+            "so a larger batch would reach a given loss in nearly proportionally fewer steps for about the "
+            f"same tokens, up to about that size ({suggest} sequences of ~{per_seq:,.0f} tokens)"
         )
-        if side > 0:
-            msg = head + (
-                f"{ratio:.0f}x this run's batch of {tokens:,.0f} tokens{_since(before)}: its steps are dominated by gradient noise, "
-                "so a larger batch would reach a given loss in nearly proportionally fewer steps for about the "
-                f"same tokens, up to about that size ({suggest} sequences of ~{per_seq:,.0f} tokens)"
-            )
-        else:
-            msg = head + (
-                f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens{_since(before)}: past the noise scale extra batch "
-                "buys little, so each step spends more tokens than its gradient needs, and a smaller batch would "
-                f"reach a given loss with fewer tokens (in more steps): about {suggest} sequences"
-            )
-        msg += f"; the batch is part of the run's identity, so this is for the next run: {flag} (re-tune the learning rate)"
-        values = {
-            "noise_scale_tokens": ratio * tokens,
-            "batch_tokens": tokens,
-            "suggested_global_batch": suggest,
-        }
-        return Finding("batch_size_advice", [], msg, values)
+    else:
+        msg = head + (
+            f"1/{1 / ratio:.0f} of this run's batch of {tokens:,.0f} tokens{_since(before)}: past the noise scale extra batch "
+            "buys little, so each step spends more tokens than its gradient needs, and a smaller batch would "
+            f"reach a given loss with fewer tokens (in more steps): about {suggest} sequences"
+        )
+    msg += f"; the batch is part of the run's identity, so this is for the next run: {flag} (re-tune the learning rate)"
+    values = {
+        "noise_scale_tokens": ratio * tokens,
+        "batch_tokens": tokens,
+        "suggested_global_batch": suggest,
+    }
+    return Finding("batch_size_advice", [], msg, values)
 
 
 def _since(before: float) -> str:

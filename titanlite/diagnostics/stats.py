@@ -1,13 +1,11 @@
-r"""Diagnostics metrics of one measured step, from what every rank contributed.
-
-S_r: rank r's summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
+r"""Diagnostics metrics of one measured step, from what every rank contributed. S_r: rank r's
+summed cross entropy, n_r its valid tokens (N their sum), q_r = ||h_r||^2 with
 h_r = \sum_m \nabla S_{r,m} / N its contribution to the reduction, G the Gram of the h_r. Rank r's
-token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come
-from G alone. A rank much larger than the others dominates the sum and looks aligned with it,
-so each rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is
-left out (counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss
-Dispersion Reference Manual defines them (on the metrics of arXiv 2602.14462).
-"""
+token-mean loss is S_r / n_r and its gradient norm ||g_r|| = sqrt(q_r) N / n_r; cosines come from
+G alone. A rank much larger than the others dominates the sum and looks aligned with it, so each
+rank's cosine to the sum of the *other* ranks is kept too. A rank with no valid token is left out
+(counted in `empty_ranks`). Dispersions are population statistics (1/N), as the Loss Dispersion
+Reference Manual defines them (on the metrics of arXiv 2602.14462)."""
 
 from __future__ import annotations
 
@@ -27,14 +25,6 @@ def _pstd(xs: list[float]) -> float:
         return float("nan")
     mean = sum(xs) / len(xs)
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
-
-
-def _argmax(values: list[float], ranks: list[int]) -> int:
-    return ranks[max(range(len(values)), key=values.__getitem__)]
-
-
-def _argmin(values: list[float], ranks: list[int]) -> int:
-    return ranks[min(range(len(values)), key=values.__getitem__)]
 
 
 def step_metrics(
@@ -64,8 +54,8 @@ def step_metrics(
         m.update(
             loss_std=_pstd(live_losses),
             loss_range=max(live_losses) - min(live_losses),
-            loss_max_rank=_argmax(live_losses, live),
-            loss_min_rank=_argmin(live_losses, live),
+            loss_max_rank=max(live, key=losses.__getitem__),
+            loss_min_rank=min(live, key=losses.__getitem__),
         )
     if norms_sq is None or gram is None or not live:
         return m
@@ -81,7 +71,7 @@ def step_metrics(
         grad_norm_std=_pstd(live_norms),
         grad_norm_cv=_pstd(live_norms) / mean_norm if mean_norm > 0 else float("nan"),
         grad_norm_range=max(live_norms) - min(live_norms),
-        grad_norm_max_rank=_argmax(live_norms, live),
+        grad_norm_max_rank=max(live, key=norms.__getitem__),
     )
     g = np.asarray(gram, dtype=np.float64)
     own = np.diagonal(g).copy()
@@ -103,7 +93,7 @@ def step_metrics(
         cos_mean_pairwise=float(pairs.mean()) if pairs.size else None,
         rank_cos_to_mean=to_mean,
         cos_to_mean_min=min(live_cos) if live_cos else None,
-        cos_to_mean_min_rank=_argmin(live_cos, has_cos) if live_cos else None,
+        cos_to_mean_min_rank=min(has_cos, key=to_mean.__getitem__) if live_cos else None,
         rank_cos_to_others=to_others,
         rank_cos_median=cos_medians(cos, live),
         rank_noise=rank_noise(norms, tokens, cos),
@@ -118,17 +108,10 @@ def _listed(values: np.ndarray) -> list[float | None]:
     return [None if v != v else v for v in values.tolist()]
 
 
-def _matrix(cos: np.ndarray | list) -> np.ndarray:
-    """Cosines as a float64 matrix, NaN where a record holds None (a rank without a gradient)."""
-    if isinstance(cos, np.ndarray):
-        return cos
-    return np.array([[math.nan if v is None else v for v in row] for row in cos], dtype=np.float64)
-
-
 def cos_medians(cos: np.ndarray | list, live: list[int]) -> list[float | None]:
     """Each live rank's median cosine to the other live ranks (the mean of the two middle values
-    of an even count, as statistics.median); None without any."""
-    c = _matrix(cos)
+    of an even count, as statistics.median); None without any. A record's None reads NaN."""
+    c = np.asarray(cos, dtype=np.float64)
     world = c.shape[0]
     in_live = np.zeros(world, dtype=bool)
     in_live[live] = True
@@ -149,7 +132,7 @@ def rank_noise(norms: list, tokens: list, cos: np.ndarray | list) -> list[float 
     for all when fewer than 2 ranks have them or a cosine is missing."""
     live = [r for r, n in enumerate(tokens) if n > 0 and norms[r] is not None]
     total = sum(tokens[r] for r in live)
-    c = _matrix(cos)[np.ix_(live, live)] if len(live) >= 2 else None
+    c = np.asarray(cos, dtype=np.float64)[np.ix_(live, live)] if len(live) >= 2 else None
     if c is None or np.isnan(c).any():
         return [None] * len(tokens)
     weighted = np.array([norms[r] * tokens[r] / total for r in live], dtype=np.float64)  # ||h_r||
@@ -162,16 +145,12 @@ def rank_noise(norms: list, tokens: list, cos: np.ndarray | list) -> list[float 
 
 @dataclass
 class NoiseScale:
-    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 ("An Empirical Model of
-    Large-Batch Training", McCandlish et al., arXiv 1812.06162, appendix A), counted in tokens,
-    from per-rank and global gradient norms, smoothed by EMA.
-
-    For a gradient averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b. Rank r has
-    b = n_r and the whole step b = N, so with q = mean_r(1/n_r) (q = 1/B_small when the counts
-    are equal, which is the appendix's case):
-        tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N.
-    Both are noisy per step, so each is smoothed by EMA before the ratio, as that appendix advises.
-    """
+    r"""Simple gradient noise scale B_simple = tr(\Sigma) / |G|^2 in tokens ("An Empirical Model of
+    Large-Batch Training", McCandlish et al., arXiv 1812.06162, appendix A). For a gradient
+    averaged over b iid tokens, E||g_b||^2 = |G|^2 + tr(\Sigma) / b; rank r has b = n_r and the
+    step b = N, so with q = mean_r(1/n_r) (1/B_small at equal counts, the appendix's case)
+        tr(\Sigma) = (mean_r ||g_r||^2 - ||G_N||^2) / (q - 1/N),   |G|^2 = ||G_N||^2 - tr(\Sigma)/N,
+    each smoothed by EMA before the ratio, as that appendix advises (both are noisy per step)."""
 
     decay: float = 0.9
     trace_ema: float | None = None

@@ -4,33 +4,31 @@ then `fold_replicas`, then `RankRow.of`. A row is SCALARS, then PER_SEQUENCE fie
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-# The format of a diagnostics.jsonl record (component.Diagnostics.collect builds it from the rows);
-# replay.upgrade reads every earlier one. 2: each rank's median cosine to the others and its
-# gradient noise (rank_cos_median, rank_noise), every pair's cosine only up to stats.PAIRS_KEPT ranks.
+# The format of a diagnostics.jsonl record (component.Diagnostics.collect builds it); version 1's
+# missing summaries registry.point derives. 2: each rank's median cosine to the others and its
+# gradient noise (rank_cos_median, rank_noise); cos_matrix only up to stats.PAIRS_KEPT ranks.
 RECORD_VERSION = 2
 SCALARS = ("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s")
 PER_SEQUENCE = ("sequence_loss_sums", "sequence_tokens", "sequence_index", "sequence_content")
 
 
-_WEIGHTS: dict[tuple[int, torch.device], torch.Tensor] = {}
+@functools.cache
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0x5EED)
+    return (1 + torch.rand(n, generator=g, dtype=torch.float64)).to(device)
 
 
 def content_fingerprint(tokens: torch.Tensor) -> torch.Tensor:
     """[batch, seq] token ids -> [batch] float64: a fixed random weighting of each row, equal for
     equal rows (the same reduction on the same device), different otherwise with probability ~1."""
-    key = (tokens.shape[-1], tokens.device)
-    if key not in _WEIGHTS:
-        g = torch.Generator().manual_seed(0x5EED)
-        _WEIGHTS[key] = (1 + torch.rand(tokens.shape[-1], generator=g, dtype=torch.float64)).to(
-            tokens.device
-        )
-    return (tokens.double() * _WEIGHTS[key]).sum(-1)
+    return (tokens.double() * _weights(tokens.shape[-1], tokens.device)).sum(-1)
 
 
 @dataclass(kw_only=True)
@@ -89,14 +87,9 @@ class RankRow:
         return cls(**head, order=int(row["order"]), **times, sequences=sequences)
 
 
-def _latest(t: float) -> float:
-    """A time's key for max(): NaN (unknown) below any."""
-    return -math.inf if math.isnan(t) else t
-
-
-def _earliest(t: float) -> float:
-    """A time's key for min(): NaN (unknown) above any."""
-    return math.inf if math.isnan(t) else t
+def _known(part: list[dict[str, Any]], key: str) -> list[float]:
+    """The pieces' times under `key` that are known (not NaN)."""
+    return [r[key] for r in part if not math.isnan(r[key])]
 
 
 def fold_replicas(
@@ -121,9 +114,9 @@ def fold_replicas(
                 "tokens": sum(r["tokens"] for r in part),
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
-                "load_s": max((r["load_s"] for r in part), key=_latest),
-                "wait_s": min((r["wait_s"] for r in part), key=_earliest),
-                "step_s": max((r["step_s"] for r in part), key=_latest),
+                "load_s": max(_known(part, "load_s"), default=math.nan),
+                "wait_s": min(_known(part, "wait_s"), default=math.nan),
+                "step_s": max(_known(part, "step_s"), default=math.nan),
                 "sequence_index": part[0]["sequence_index"],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},
             }

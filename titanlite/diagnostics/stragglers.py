@@ -1,11 +1,9 @@
-"""Stragglers: which rank the others wait for, and by how much.
-
-On a measured step each rank times its data loading, then waits at a one-value all-reduce as the
-step starts: the last to arrive waits least, the others about as long as it is late. This sees
-lateness built up since the previous step's last collective (a lower bound for a device slow
-throughout). CUDA waits are read from events once complete (Event.query), so a step usually
-carries the previous measured step's wait; nothing waits on the host.
-"""
+"""Stragglers: which rank the others wait for, and by how much. On a measured step each rank
+times its data loading, then waits at a one-value all-reduce as the step starts: the last to
+arrive waits least, the others about as long as it is late. This sees lateness built up since the
+previous step's last collective (a lower bound for a device slow throughout). CUDA waits are read
+from events once complete (Event.query), so a step usually carries the previous measured step's
+wait; nothing waits on the host."""
 
 from __future__ import annotations
 

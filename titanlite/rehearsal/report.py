@@ -56,7 +56,7 @@ def summarize(trainer: Trainer, costs: list[StepCost]) -> dict[str, Any]:
             "host_s": _median([c.collect_s for c in collect]),
             "record_bytes": max((c.record_bytes for c in collect), default=0),
         }
-    method = layout.diagnostics_method if trainer.diagnostics.enabled else "off"
+    method = trainer.diagnostics.method_used
     internal = ("skip_grad_sync", "diagnostics_method")
     shape = {k: v for k, v in asdict(layout).items() if k not in internal}
     return {
@@ -102,7 +102,7 @@ def table(r: dict[str, Any]) -> str:
     lay = r["layout"]
     lines = [
         f"rehearsal of rank 0 of {r['world']} on {r['device']}: {r['model']} ({r['params']:,} params), "
-        f"{mesh_text(lay['mode'], lay['dp_replicate'], lay['dp_shard'], lay.get('axes'))}, global batch {lay['global_batch']} "
+        f"{mesh_text(lay['mode'], lay['dp_replicate'], lay['dp_shard'], lay['axes'])}, global batch {lay['global_batch']} "
         f"({lay['local_batch']} x {lay['seq_len']} tokens x accumulation {lay['grad_accum']} per rank)",
         f"  peak tensor memory   {r['peak_bytes'] / GiB:.2f} GiB; the estimate: {r['estimate']}",
         f"  step compute         {fmt(r['compute_s'], '.3f')} s; {fmt(r['tokens_per_s'], ',.0f')} tokens/s "
@@ -114,7 +114,7 @@ def table(r: dict[str, Any]) -> str:
     link = f"{r['comm_s']:.3f} s per step at {r['link_gbps']:g} Gbit/s"
     lines.append(f"  communication        {link} ({HIDES[r['comm_hidden']]})")
     reads = f"  host reads           {r['host_reads']} in the watched steps (0 expected)"
-    if r.get("sync_debug"):
+    if r["sync_debug"]:
         reads += "; no device sync in any step from the second (sync_debug)"
     lines.append(reads)
     d = r["diagnostics"]
@@ -144,7 +144,7 @@ DEVICE_OVERHEAD_BYTES = 2 * GiB
 
 def verdict(r: dict[str, Any]) -> str:
     """Whether rank 0's peak, plus a device's context and slack, fits rehearsal.device_gb."""
-    device = r.get("device_bytes", 80e9)
+    device = r["device_bytes"]
     need = r["peak_bytes"] + DEVICE_OVERHEAD_BYTES
     size = f"{device / 1e9:g}"
     name = f"fits {'an' if size.startswith(('8', '11', '18')) else 'a'} {size} GB device"

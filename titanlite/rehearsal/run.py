@@ -64,7 +64,7 @@ class EveryUpdate:
 
 def _step(trainer: Trainer, meter: StepMeter, step: int) -> StepCost:
     diagnostics = trainer.diagnostics
-    measured = diagnostics.enabled and diagnostics.is_measured(step)
+    measured = diagnostics.enabled and diagnostics.cfg.measures(step)
     # debug.sync_debug on CUDA: a host sync inside the step raises, from the second step (the
     # first compiles), as in training; the diagnostics' read after it is the log step's, allowed
     checked = trainer.cfg.debug.sync_debug and trainer.device.type == "cuda" and step > 1
