@@ -82,17 +82,20 @@ def point(rec: dict) -> Point | None:
     # in 14 of 20 steps by chance about 6% of the time).
     if len(live) < SPREAD_RANKS:
         return p
-    top = p.max_rank = max(live, key=losses.__getitem__)
+    top = max(live, key=losses.__getitem__)
+    p.max_rank = top
     if p.loss > 0:
         p.gap = (losses[top] - statistics.fmean(losses[r] for r in live if r != top)) / p.loss
     medians = rec.get("rank_cos_median") or (cos_medians(cos, live) if cos else None)
     if medians:
         # A rank's median cosine to the others: one dominant rank cannot drag everyone's down.
         med = {r: medians[r] for r in live if medians[r] is not None}
-        low = p.low_rank = min(med, key=med.get)
+        low = min(med, key=med.get)
+        p.low_rank = low
         p.low_margin = statistics.median(v for r, v in med.items() if r != low) - med[low]
     if norms:
-        big = p.big_rank = max(live, key=norms.__getitem__)
+        big = max(live, key=norms.__getitem__)
+        p.big_rank = big
         rest = statistics.median(v for j, v in enumerate(norms) if j != big and v is not None)
         p.big_ratio = norms[big] / rest if rest > 0 else 0.0
     return p
