@@ -5,7 +5,6 @@ and, when metrics.enable_wandb is on, Weights & Biases, which take scalars and t
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import secrets
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titanlite.components.run.files import NO_ROOM, RunFiles
+from titanlite.components.run.files import RunFiles
 from titanlite.components.run.plan import is_restart
 from titanlite.components.summary import (
     RunTally,
@@ -27,7 +26,7 @@ from titanlite.components.summary import (
 )
 from titanlite.config.job_config import JobConfig
 from titanlite.errors import TrainingError, UserError, first_line
-from titanlite.tools.cache import atomic_write_bytes, disk_full
+from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_records
 
 logger = logging.getLogger("titanlite")
@@ -96,17 +95,6 @@ class MetricsWriter:
             self._sinks.append(TensorBoard(run_dir, purge_step, self.files))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(WandB(run_dir, cfg))
-
-    @property
-    def fail_write(self) -> Callable[[str], OSError | None] | None:
-        return self.files.fail_write if self.files is not None else None
-
-    @fail_write.setter
-    def fail_write(self, fail: Callable[[str], OSError | None] | None) -> None:
-        """A test seam (titanlite.faults's write_error): `fail(name)` is the OSError the write of
-        the run folder's file `name` (tb: TensorBoard's) meets instead of the disk, or None."""
-        if self.files is not None:
-            self.files.fail_write = fail
 
     @classmethod
     def for_run(
@@ -266,33 +254,29 @@ class TensorBoard:
         return Path(self._writer._get_file_writer().event_writer._file_name)
 
     def _call(self, write: Callable[[Any], None]) -> None:
+        if not self._events().is_file():  # tb/ or its event file removed under the run
+            self._reopen()
         try:
             fail = self.files.fail_write
             error = fail("tb") if fail else None
             if error is not None:
                 raise error
-            if not self._events().is_file():  # tb/ or its event file removed under the run
-                raise FileNotFoundError(errno.ENOENT, "removed", str(self._events()))
-            write(self._writer)
-            self._writer.flush()
-        except FileNotFoundError:
-            if not self.run_dir.is_dir():  # the run folder itself, moved or removed
-                raise TrainingError(self.files.gone()) from None
-            with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
-                self._writer.close()
-            logger.warning(
-                f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
-            )
-            self._writer = self._open()
             write(self._writer)
             self._writer.flush()
         except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            room = isinstance(e, OSError) and e.errno in NO_ROOM
-            fix = "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
-            raise TrainingError(
-                f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
-                + self.files.what_was_kept(fix)
-            ) from None
+            what = f"TensorBoard's writer under {self.log_dir}"
+            fix = "mend that, or set metrics.enable_tensorboard = false"
+            raise TrainingError(self.files.failed(e, what, fix)) from None
+
+    def _reopen(self) -> None:
+        if not self.run_dir.is_dir():  # the run folder itself, moved or removed
+            raise TrainingError(self.files.gone())
+        with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
+            self._writer.close()
+        logger.warning(
+            f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
+        )
+        self._writer = self._open()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])
@@ -327,22 +311,8 @@ def tensorboard_dir(run_dir: Path) -> Path:
     return run_dir / "tb"
 
 
-def _cause(e: BaseException, folder: Path) -> str:
-    return (disk_full(e, folder) if isinstance(e, OSError) else None) or first_line(e)
-
-
 WANDB_ID_FILE = "wandb_id"  # in the run folder: a resumed run continues the same W&B run
 WANDB_STEP = "step"  # the x axis of every W&B chart (see WandB)
-
-
-def wandb_run_id(run_dir: Path) -> str:
-    """The run folder's W&B run id, made on its first use and kept in the folder."""
-    path = run_dir / WANDB_ID_FILE
-    run_id = path.read_text().strip() if path.is_file() else ""
-    if not run_id:
-        run_id = secrets.token_hex(8)
-        atomic_write_bytes(path, (run_id + "\n").encode())
-    return run_id
 
 
 class WandB:
@@ -356,6 +326,11 @@ class WandB:
         import wandb
 
         metrics = cfg.metrics
+        id_file = run_dir / WANDB_ID_FILE  # made at the folder's first run, kept for its resumes
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = secrets.token_hex(8)
+            atomic_write_bytes(id_file, (run_id + "\n").encode())
         try:
             self._run = wandb.init(
                 project=metrics.wandb_project,
@@ -363,7 +338,7 @@ class WandB:
                 mode=metrics.wandb_mode,
                 dir=str(run_dir),
                 name=run_dir.name,
-                id=wandb_run_id(run_dir),
+                id=run_id,
                 resume="allow",
                 config=asdict(cfg),
             )
