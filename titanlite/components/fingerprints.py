@@ -34,11 +34,6 @@ def summary(t: torch.Tensor, rows: int | None = None) -> list[list[float]]:
     return torch.stack([x.sum(1), (x * x).sum(1), x.abs().sum(1)], 1).tolist()
 
 
-def _tensors(out) -> list[torch.Tensor]:
-    items = out if isinstance(out, (tuple, list)) else [out]
-    return [t for t in items if isinstance(t, torch.Tensor)]
-
-
 def _accumulate(table: dict[int, list[float]], row: int, vec: list[float]) -> None:
     """Add a fingerprint into `table`'s row: the pieces of a sequence sum to its whole."""
     table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
@@ -92,7 +87,8 @@ class Recorder:
         def hook(_module, _args, out) -> None:
             if not self._forward:
                 return
-            outs = [t for t in _tensors(out) if self._per_row(t)]
+            items = out if isinstance(out, (tuple, list)) else [out]
+            outs = [t for t in items if isinstance(t, torch.Tensor) and self._per_row(t)]
             for i, t in enumerate(t for t in outs if t.is_floating_point()):
                 name = label if len(outs) == 1 else f"{label}[{i}]"
                 self._calls[name] += 1

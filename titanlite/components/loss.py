@@ -43,9 +43,7 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
     """A labels path's output, checked against the contract (models/registry.py) from shapes
     alone: a [B] tensor, or ([B] tensor, {name: [B] tensor})."""
     n = batch.labels.shape[0]
-    ce, terms = (out, {}) if isinstance(out, torch.Tensor) else (None, None)
-    if isinstance(out, tuple):
-        ce, terms = out
+    ce, terms = out if isinstance(out, tuple) else (out, {})
     bad = None
     if not isinstance(ce, torch.Tensor) or ce.shape != (n,) or not isinstance(terms, dict):
         bad = f"returned {type(out).__name__}"
