@@ -43,11 +43,9 @@ class Recorder:
     """Hooks on every module of `model` for one step. Wrap the step's loss function with
     `losses`, call `parameters` after backward (before clipping), then `gather`."""
 
-    def __init__(
-        self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], step: int = 1
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, rows: Callable[[int, int], list[int]]) -> None:
         """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`."""
-        self.rows_of, self.step = rows, step
+        self.rows_of = rows
         self.records: dict[str, dict[int, list[float]]] = {}
         self.order: list[str] = []
         self._rows: list[int] = []
@@ -107,18 +105,6 @@ class Recorder:
         n = len(self._rows)
         return t.ndim >= 1 and t.shape[0] in (n, n * self._positions)
 
-    def finish(self, model: torch.nn.Module, loss_share: torch.Tensor, folder: Path) -> None:
-        """After backward, before clipping: the reduced gradients, then everything gathered and
-        written by rank 0 into `folder`."""
-        self.parameters(model)
-        loss = loss_share.detach().clone()
-        dist.all_reduce(loss)  # the logged loss: every rank's share
-        record = self.gather(loss)
-        if record is not None:
-            path = folder / FILE
-            path.write_text(json.dumps({"step": self.step, **record}))
-            logger.info(f"fingerprints of step {self.step}: {path}")
-
     def parameters(self, model: torch.nn.Module) -> None:
         """Each parameter's reduced gradient, whole (every rank calls this: FSDP gathers)."""
         for name, p in unwrap(model).named_parameters():
@@ -163,11 +149,21 @@ class FingerprintStep:
         if s.step == self.step:
             at = self.sampler.stream_position
             self.recorder = Recorder(
-                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)], s.step
+                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)]
             )
             s.losses = self.recorder.losses(s.losses)
 
     def backward(self, s) -> None:
-        if self.recorder is not None:  # host work on that step only
-            self.recorder.finish(self.model, s.loss, self.folder)
-            self.recorder = None
+        """After backward, before clipping: the reduced gradients, then everything gathered and
+        written by rank 0 (host work on that step only)."""
+        if self.recorder is None:
+            return
+        self.recorder.parameters(self.model)
+        loss = s.loss.detach().clone()
+        dist.all_reduce(loss)  # the logged loss: every rank's share
+        record = self.recorder.gather(loss)
+        self.recorder = None
+        if record is not None:
+            path = self.folder / FILE
+            path.write_text(json.dumps({"step": self.step, **record}))
+            logger.info(f"fingerprints of step {self.step}: {path}")
