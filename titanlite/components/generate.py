@@ -9,24 +9,14 @@ rank, so all ranks extend the same sequences even where their logits differ in t
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.datasets.records import prompt_tokens
+from titanlite.datasets.tokenizer import HFTokenizer, Tokenizer
 from titanlite.distributed.parallelize import unwrap
-
-
-class TextTokenizer(Protocol):  # titanlite.datasets.tokenizer's Tokenizer and HFTokenizer
-    bos_id: int
-    eos_id: int
-    stop_ids: frozenset[int]  # the ids that end a completion: EOS, and a chat's end of turn
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def choose(
@@ -118,7 +108,7 @@ def generate(
 
 def sample_text(
     model: nn.Module,
-    tokenizer: TextTokenizer,
+    tokenizer: Tokenizer | HFTokenizer,
     texts: list[str],
     max_new_tokens: int,
     *,
