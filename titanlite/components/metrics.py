@@ -90,7 +90,7 @@ class MetricsWriter:
         self._sinks: list[TensorBoard | WandB] = []
         if run_dir is None:
             return
-        self.files.open()
+        self.files.check()
         if tensorboard:
             self._sinks.append(TensorBoard(run_dir, purge_step, self.files))
         if cfg is not None and cfg.metrics.enable_wandb:
@@ -250,11 +250,9 @@ class TensorBoard:
 
         return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
-    def _events(self) -> Path:
-        return Path(self._writer._get_file_writer().event_writer._file_name)
-
     def _call(self, write: Callable[[Any], None]) -> None:
-        if not self._events().is_file():  # tb/ or its event file removed under the run
+        events = Path(self._writer._get_file_writer().event_writer._file_name)
+        if not events.is_file():  # tb/ or its event file removed under the run
             self._reopen()
         try:
             fail = self.files.fail_write

@@ -48,11 +48,9 @@ class WindowRecord:
                 )
         for s, tokens, skipped in zip(self.steps, self.tokens, self.skipped, strict=True):
             if skipped and s not in spike_steps:
-                why = (
-                    "a non-finite gradient norm"
-                    if tokens
-                    else "no valid token in the whole global batch"
-                )
+                why = "a non-finite gradient norm"
+                if not tokens:
+                    why = "no valid token in the whole global batch"
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
 
     def rows(self, window_s: float, elapsed_s: float, run: RunRates) -> list[dict]:

@@ -56,14 +56,10 @@ class RunFiles:
             raise TrainingError(self.failed(e, f"writing {self.run_dir / name}")) from None
         self.kept[name] = max(r.get("step", 0) for r in records)
 
-    def open(self) -> None:
-        """Create the files (empty) as the run starts, so a reader finds each from the start."""
-        for name in RECORD_FILES:
-            self._fd(name)
-
     def check(self) -> None:
-        """Every log step: each file still where it was written (one removed is written again)."""
-        for name in list(self._fds):
+        """As the run starts, each file created (empty: a reader finds each from the start); every
+        log step, each still where it was written (one removed is written again)."""
+        for name in RECORD_FILES:
             self._fd(name)
 
     def _fd(self, name: str) -> int:
@@ -134,11 +130,9 @@ class RunFiles:
             records = f"its records up to step {step} are whole"
         checkpoints = checkpoints or self.checkpoints
         steps = complete_steps(checkpoints) if checkpoints is not None else []
-        saved = (
-            f", its newest checkpoint is step {steps[-1]}"
-            if steps
-            else ", and it has no checkpoint"
-        )
+        saved = ", and it has no checkpoint"
+        if steps:
+            saved = f", its newest checkpoint is step {steps[-1]}"
         return f"the run stopped: {records}{saved}; {fix}, then rerun the same command to resume"
 
     def close(self) -> None:
