@@ -1,10 +1,8 @@
-"""Held-out evaluation: the exact token-mean loss of the whole eval set, and its perplexity.
-
-Training's maths (sequence_losses; a model's added terms are training's, not the eval's), summed in
-float64 and all-reduced with the token count, so the result does not depend on dp or the batch.
-Every rank runs the same number of forwards (the last round padded with label-less copies), and
-nothing draws from torch's RNG, so training after an eval is bitwise what it would have been.
-"""
+"""Held-out evaluation: the exact token-mean loss of the whole eval set and its perplexity, with
+training's maths (sequence_losses, without a model's added terms) summed in float64 and all-reduced
+with the token count, so it depends on neither dp nor the batch. Every rank runs the same number of
+forwards (the last round padded with label-less copies) and nothing draws from torch's RNG, so
+training after an eval is bitwise what it would have been."""
 
 from __future__ import annotations
 

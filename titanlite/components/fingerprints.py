@@ -1,11 +1,8 @@
 """Per-module fingerprints of one training step (debug.fingerprint_step), which
-titanlite.analysis.localize compares between two layouts to name where they part.
-
-A fingerprint is (sum, sum of squares, sum of |x|) per sequence of each module's output and of
-the gradient backward brings to it; sums add over any split of a sequence (context parallelism),
-and a sequence is named by its place in the data stream, which no layout changes. Host work on
-that one debug step only.
-"""
+titanlite.analysis.localize compares between two layouts to name where they part: (sum, sum of
+squares, sum of |x|) per sequence of each module's output and of its gradient. Sums add over any
+split of a sequence (context parallelism), and a sequence is named by its place in the data
+stream, which no layout changes."""
 
 from __future__ import annotations
 

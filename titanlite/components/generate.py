@@ -1,10 +1,8 @@
-"""Text from the model: greedy or nucleus (top-p) decoding of a few prompts, as one batch, for
-samples at eval time and for scripts/generate.py. A model with a KV cache (`kv_cache(lengths)`,
-`forward(tokens, cache=...)`) runs the prompts once, then one position per new token; one without
-(a fork's) re-runs each prefix; both choose the same tokens (tests/test_generate.py). Under FSDP
-every rank calls `generate` with the same prompts and each step's tokens are broadcast from one
-rank, so all ranks extend the same sequences even where their logits differ in the last bit.
-"""
+"""Greedy or nucleus (top-p) decoding of a few prompts as one batch (eval samples,
+scripts/generate.py). A model with a KV cache (`kv_cache(lengths)`, `forward(tokens, cache=...)`)
+runs the prompts once, then one position per token; one without (a fork's) re-runs each prefix,
+choosing the same tokens. Under FSDP each step's tokens are broadcast from one rank, so all ranks
+extend the same sequences even where their logits differ in the last bit."""
 
 from __future__ import annotations
 
@@ -70,9 +68,8 @@ def generate(
     cached = callable(getattr(unwrap(model), "kv_cache", None))
     was_training = model.training
     model.eval()
-    # One token per prompt per step; a finished prompt leaves the batch (and the cache). Prompts
-    # are left-aligned and padded on the right: under causal attention the padding never reaches
-    # a real position.
+    # A finished prompt leaves the batch (and the cache). Prompts are left-aligned and padded on
+    # the right: under causal attention the padding never reaches a real position.
     outs: list[list[int]] = [[] for _ in seqs]
     active = list(range(len(seqs)))
     cache = None

@@ -185,10 +185,8 @@ class MetricsWriter:
         logger.info(
             f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}"
         )
-        self._append(
-            "samples.jsonl",
-            [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)],
-        )
+        rows = [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)]
+        self._append("samples.jsonl", rows)
         for i, sample in enumerate(samples):
             self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
 

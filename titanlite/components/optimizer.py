@@ -1,9 +1,7 @@
-"""AdamW (fused) with weight-decay groups, and warmup + decay LR schedule.
-
-The fused AdamW kernel takes a device flag `found_inf`; when it is 1 the whole update (params,
-moments and step count) is skipped on the device. titanlite sets it for steps with no valid
-token or a non-finite gradient norm, so skipping needs no host sync.
-"""
+"""AdamW (fused) with weight-decay groups, and the warmup + decay LR schedule. The fused kernel
+skips the whole update (params, moments, step count) on the device where its `found_inf` flag is 1,
+which titanlite sets for a step with no valid token or a non-finite gradient norm: skipping needs
+no host sync."""
 
 from __future__ import annotations
 
