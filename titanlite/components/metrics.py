@@ -312,11 +312,10 @@ WANDB_STEP = "step"  # the x axis of every W&B chart (see WandB)
 
 
 class WandB:
-    """A sink: Weights & Biases (imported only when metrics.enable_wandb is on).
-
-    Values are logged against our own `step` key (define_metric), never wandb's `step=`: W&B
-    drops a value whose step is below one it has seen, yet a log step writes the diagnostics of
-    earlier steps after its train record, and a resumed run repeats the steps after its checkpoint."""
+    """A sink: Weights & Biases (imported only when metrics.enable_wandb is on). Values are logged
+    against our own `step` key (define_metric), never wandb's `step=`: W&B drops a value whose step
+    is below one it has seen, yet a log step writes the diagnostics of earlier steps after its
+    train record, and a resumed run repeats the steps after its checkpoint."""
 
     def __init__(self, run_dir: Path, cfg: JobConfig) -> None:
         import wandb

@@ -85,9 +85,8 @@ def realign_schedule(
     optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: JobConfig, position: int
 ) -> tuple[float, float]:
     """On a resume with the checkpoint's hyperparameters: the next step's lr under this run's
-    schedule (training.steps or [lr_scheduler] may have changed), from the restored peak lr;
-    the checkpoint's groups hold the old schedule's. Returns (old, new) of the first group:
-    equal, bit for bit, when the schedule did not change."""
+    schedule (training.steps or [lr_scheduler] may have changed), from the restored peak lr.
+    Returns the first group's (old, new): equal, bit for bit, if the schedule did not change."""
     old = optimizer.param_groups[0]["lr"]
     lrs = [group["initial_lr"] * lr_factor(position, cfg) for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):

@@ -108,11 +108,8 @@ def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str 
 def shown(path: Path) -> str:
     """`path` as a command line takes it: relative to the working folder when inside it."""
     absolute = Path(os.path.abspath(path))
-    try:
-        text = str(absolute.relative_to(Path.cwd()))
-    except ValueError:
-        text = str(absolute)
-    return shlex.quote(text)
+    inside = absolute.is_relative_to(Path.cwd())
+    return shlex.quote(str(absolute.relative_to(Path.cwd()) if inside else absolute))
 
 
 def summary_lines(

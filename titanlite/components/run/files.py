@@ -1,8 +1,7 @@
 """The one writer of a run folder's records (rank 0). A record is written whole or not at all: a
 failed append (a full disk) is cut back, and the run stops (exit 3) in one line naming the disk
-and what was kept. A file removed under the live run (appends to an unlinked file are silently
-lost) is written again, said in one line; one replaced by a folder, or the run folder gone, stops
-the run. titanlite.tools.records reads what this writes; a resume first cuts it back."""
+and what was kept. A file removed under the live run (appends to an unlinked file are lost) is
+written again; one replaced by a folder, or the run folder gone, stops the run."""
 
 from __future__ import annotations
 
