@@ -112,13 +112,10 @@ class Evaluator:
         """This rank's microbatch of one round; past the end, copies of item 0 without labels."""
         per_round = self.batch_size * self.dims.dp_size
         first = round_ * per_round + self.dims.dp_rank * self.batch_size
-        items = []
-        for i in range(first, first + self.batch_size):
-            if i < len(self.dataset):
-                items.append(self.dataset[i])
-            else:
-                inputs, labels, *rest = self.dataset[0]
-                items.append((inputs, np.full_like(labels, IGNORE_INDEX), *rest))
+        inputs, labels, *rest = self.dataset[0]
+        pad = (inputs, np.full_like(labels, IGNORE_INDEX), *rest)
+        n = len(self.dataset)
+        items = [self.dataset[i] if i < n else pad for i in range(first, first + self.batch_size)]
         return self.dims.piece(collate(items).to(self.dims.device))
 
     @torch.no_grad()
