@@ -251,7 +251,14 @@ class TensorBoard:
     def _call(self, write: Callable[[Any], None]) -> None:
         events = Path(self._writer._get_file_writer().event_writer._file_name)
         if not events.is_file():  # tb/ or its event file removed under the run
-            self._reopen()
+            if not self.run_dir.is_dir():  # the run folder itself, moved or removed
+                raise TrainingError(self.files.gone())
+            with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
+                self._writer.close()
+            logger.warning(
+                f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
+            )
+            self._writer = self._open()
         try:
             fail = self.files.fail_write
             error = fail("tb") if fail else None
@@ -263,16 +270,6 @@ class TensorBoard:
             what = f"TensorBoard's writer under {self.log_dir}"
             fix = "mend that, or set metrics.enable_tensorboard = false"
             raise TrainingError(self.files.failed(e, what, fix)) from None
-
-    def _reopen(self) -> None:
-        if not self.run_dir.is_dir():  # the run folder itself, moved or removed
-            raise TrainingError(self.files.gone())
-        with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
-            self._writer.close()
-        logger.warning(
-            f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
-        )
-        self._writer = self._open()
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])
