@@ -114,7 +114,6 @@ def sample_text(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
-    src: int = 0,
 ) -> list[str]:
     """The completion of each text, without the prompt and the stop token; `fmt` frames a text as
     training framed prompts (prompt_tokens). The completion is the decoded whole minus the decoded
@@ -131,7 +130,6 @@ def sample_text(
         top_p=top_p,
         generator=generator,
         group=group,
-        src=src,
     )
     completions = []
     for prompt, out in zip(prompts, outs, strict=True):
