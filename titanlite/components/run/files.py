@@ -24,9 +24,9 @@ RECORD_FILES = ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.json
 
 
 class RunFiles:
-    """Rank 0's appends to the run folder's record files. `fail_write(name)`, a test seam
-    (titanlite.faults's write_error): an OSError to meet instead of the disk (name "tb":
-    TensorBoard's writes), or None."""
+    """Rank 0's appends to the run folder's record files. `fail_write(name)` (a test seam:
+    titanlite.faults's write_error) is the OSError a write of file `name` ("tb": TensorBoard's
+    events) meets instead of the disk, or None."""
 
     def __init__(self, run_dir: Path, checkpoints: Path | None = None) -> None:
         self.run_dir, self.checkpoints = run_dir, checkpoints
