@@ -210,7 +210,7 @@ class MetricsWriter:
             )
             return
         quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg else None
-        lines = summary_lines(
+        for line in summary_lines(
             self.tally,
             first,
             last,
@@ -220,8 +220,7 @@ class MetricsWriter:
             exports,
             self.tensorboard,
             quiet,
-        )
-        for line in lines:
+        ):
             logger.info(line)
 
     def close(self) -> None:

@@ -53,9 +53,8 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
     if s.decay_type == "constant" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = (
-        1.0 - progress if s.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    )
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if s.decay_type == "linear" else cosine
     return s.min_lr_factor + (1.0 - s.min_lr_factor) * decay
 
 
