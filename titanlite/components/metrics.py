@@ -53,12 +53,11 @@ def _scalar(value: Any) -> bool:
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
     """tag -> value for every number of a record but its step and version: `<prefix>/<key>` or its
     FIRST_TAGS name, a training row's loss terms under TERM_TAGS. Every sink gets these keys."""
-    tags = {
-        f"{prefix}/{key}": value
-        for key, value in rec.items()
-        if key not in ("step", "version", "loss_total") and _scalar(value)
-    }
-    out = {FIRST_TAGS.get(tag, tag): value for tag, value in tags.items()}
+    out = {}
+    for key, value in rec.items():
+        if key not in ("step", "version", "loss_total") and _scalar(value):
+            tag = f"{prefix}/{key}"
+            out[FIRST_TAGS.get(tag, tag)] = value
     if prefix == "train" and isinstance(rec.get("terms"), dict):
         out.update({f"{TERM_TAGS}/{name}": v for name, v in rec["terms"].items() if _scalar(v)})
         if _scalar(rec.get("loss_total")):
