@@ -70,7 +70,7 @@ def generate(
     model.eval()
     # A finished prompt leaves the batch (and the cache). Prompts are left-aligned and padded on
     # the right: under causal attention the padding never reaches a real position.
-    outs: list[list[int]] = [[] for _ in seqs]
+    starts = [len(seq) for seq in seqs]  # where each prompt's new tokens begin
     active = list(range(len(seqs)))
     cache = None
     try:
@@ -91,8 +91,7 @@ def generate(
                 dist.broadcast(chosen, group=group, group_src=src)
             for i, token in zip(active, chosen.tolist(), strict=True):
                 seqs[i].append(token)
-                outs[i].append(token)
-            going = [row for row, i in enumerate(active) if outs[i][-1] not in stop]
+            going = [row for row, i in enumerate(active) if seqs[i][-1] not in stop]
             if not going:
                 break
             if cache is not None and len(going) < len(active):
@@ -100,7 +99,7 @@ def generate(
             active = [active[row] for row in going]
     finally:
         model.train(was_training)
-    return outs
+    return [seq[start:] for seq, start in zip(seqs, starts, strict=True)]
 
 
 def sample_text(
