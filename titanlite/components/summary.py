@@ -72,9 +72,8 @@ class RunTally:
     last: dict[str, Any] | None = None  # the newest metrics record
     last_eval: dict[str, Any] | None = None
     start_eval: dict[str, Any] | None = None  # the model as loaded (eval.at_start: step 0)
-    alerts: Counter = field(
-        default_factory=Counter
-    )  # alert name -> how many this invocation raised
+    # alert name -> how many this invocation raised
+    alerts: Counter = field(default_factory=Counter)
     notes: Counter = field(default_factory=Counter)  # the same for notes (batch_size_advice)
     last_diag: dict[str, Any] | None = None  # the newest measured step's diagnostics record
     skipped: int = 0  # steps skipped (no token, non-finite, a spike) by this invocation
