@@ -90,9 +90,8 @@ class Evaluator:
         e = self.cfg.eval
         if not e.prompts:
             return rec, []
-        generator = torch.Generator(device=self.dims.device).manual_seed(
-            sample_seed(self.cfg.training.seed, step)
-        )
+        seed = sample_seed(self.cfg.training.seed, step)
+        generator = torch.Generator(device=self.dims.device).manual_seed(seed)
         say = f"eval step {step}: still decoding {len(e.prompts)} prompt(s) of {e.sample_tokens} tokens"
         with self.dims.autocast(), heartbeat(lambda t: logger.info(f"{say} ({t:.0f}s)")):
             texts = sample_text(
