@@ -54,9 +54,8 @@ class WindowRecord:
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
 
     def rows(self, window_s: float, elapsed_s: float, run: RunRates) -> list[dict]:
-        """metrics.jsonl's rows of the window, one per step in order: each step's own numbers
-        (`"row": "step"`), the last, the log step's, with the window's figures added
-        (`"row": "log"`: throughput, memory, ETA; the console line and the summary read it)."""
+        """metrics.jsonl's rows of the window, one per step (`"row": "step"`); the last, the log
+        step's, adds the window's throughput, memory and ETA (`"row": "log"`)."""
         rows = []
         for i, step in enumerate(self.steps):
             skipped = self.skipped[i]
