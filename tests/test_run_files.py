@@ -92,7 +92,7 @@ def test_a_run_folder_moved_under_the_run_stops_it_naming_where_it_went(tmp_path
 def test_tensorboard_made_again_after_tb_is_removed_and_a_full_disk_stops_the_run(tmp_path):
     full = {"on": False}
     writer = MetricsWriter(tmp_path, 10, True)
-    writer.fail_write = lambda name: OSError(errno.ENOSPC, "no space") if full["on"] else None
+    writer.files.fail_write = lambda name: OSError(errno.ENOSPC, "no space") if full["on"] else None
     writer.write_scalars("train", {"step": 1, "loss": 2.0})
     shutil.rmtree(tmp_path / "tb")
     writer.check()

@@ -34,7 +34,6 @@ def window(losses: list[float], skipped: list[bool]) -> WindowRecord:
         losses,
         [0] * n,
         skipped,
-        skipped,
         [0.5 * s for s in steps],
         [10 * s for s in steps],
         [1e-3 / s for s in steps],

@@ -1,10 +1,8 @@
-"""Held-out evaluation: the exact token-mean loss of the whole eval set, and its perplexity.
-
-Training's maths (sequence_losses; a model's added terms are training's, not the eval's), summed in
-float64 and all-reduced with the token count, so the result does not depend on dp or the batch.
-Every rank runs the same number of forwards (the last round padded with label-less copies), and
-nothing draws from torch's RNG, so training after an eval is bitwise what it would have been.
-"""
+"""Held-out evaluation: the exact token-mean loss of the whole eval set and its perplexity, with
+training's maths (sequence_losses, without a model's added terms) summed in float64 and all-reduced
+with the token count, so it depends on neither dp nor the batch. Every rank runs the same number of
+forwards (the last round padded with label-less copies) and nothing draws from torch's RNG, so
+training after an eval is bitwise what it would have been."""
 
 from __future__ import annotations
 
@@ -92,9 +90,8 @@ class Evaluator:
         e = self.cfg.eval
         if not e.prompts:
             return rec, []
-        generator = torch.Generator(device=self.dims.device).manual_seed(
-            sample_seed(self.cfg.training.seed, step)
-        )
+        seed = sample_seed(self.cfg.training.seed, step)
+        generator = torch.Generator(device=self.dims.device).manual_seed(seed)
         say = f"eval step {step}: still decoding {len(e.prompts)} prompt(s) of {e.sample_tokens} tokens"
         with self.dims.autocast(), heartbeat(lambda t: logger.info(f"{say} ({t:.0f}s)")):
             texts = sample_text(
@@ -114,13 +111,10 @@ class Evaluator:
         """This rank's microbatch of one round; past the end, copies of item 0 without labels."""
         per_round = self.batch_size * self.dims.dp_size
         first = round_ * per_round + self.dims.dp_rank * self.batch_size
-        items = []
-        for i in range(first, first + self.batch_size):
-            if i < len(self.dataset):
-                items.append(self.dataset[i])
-            else:
-                inputs, labels, *rest = self.dataset[0]
-                items.append((inputs, np.full_like(labels, IGNORE_INDEX), *rest))
+        inputs, labels, *rest = self.dataset[0]
+        pad = (inputs, np.full_like(labels, IGNORE_INDEX), *rest)
+        n = len(self.dataset)
+        items = [self.dataset[i] if i < n else pad for i in range(first, first + self.batch_size)]
         return self.dims.piece(collate(items).to(self.dims.device))
 
     @torch.no_grad()

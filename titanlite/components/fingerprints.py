@@ -1,11 +1,8 @@
 """Per-module fingerprints of one training step (debug.fingerprint_step), which
-titanlite.analysis.localize compares between two layouts to name where they part.
-
-A fingerprint is (sum, sum of squares, sum of |x|) per sequence of each module's output and of
-the gradient backward brings to it; sums add over any split of a sequence (context parallelism),
-and a sequence is named by its place in the data stream, which no layout changes. Host work on
-that one debug step only.
-"""
+titanlite.analysis.localize compares between two layouts to name where they part: (sum, sum of
+squares, sum of |x|) per sequence of each module's output and of its gradient. Sums add over any
+split of a sequence (context parallelism), and a sequence is named by its place in the data
+stream, which no layout changes."""
 
 from __future__ import annotations
 
@@ -34,11 +31,6 @@ def summary(t: torch.Tensor, rows: int | None = None) -> list[list[float]]:
     return torch.stack([x.sum(1), (x * x).sum(1), x.abs().sum(1)], 1).tolist()
 
 
-def _tensors(out) -> list[torch.Tensor]:
-    items = out if isinstance(out, (tuple, list)) else [out]
-    return [t for t in items if isinstance(t, torch.Tensor)]
-
-
 def _accumulate(table: dict[int, list[float]], row: int, vec: list[float]) -> None:
     """Add a fingerprint into `table`'s row: the pieces of a sequence sum to its whole."""
     table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
@@ -48,11 +40,9 @@ class Recorder:
     """Hooks on every module of `model` for one step. Wrap the step's loss function with
     `losses`, call `parameters` after backward (before clipping), then `gather`."""
 
-    def __init__(
-        self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], step: int = 1
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, rows: Callable[[int, int], list[int]]) -> None:
         """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`."""
-        self.rows_of, self.step = rows, step
+        self.rows_of = rows
         self.records: dict[str, dict[int, list[float]]] = {}
         self.order: list[str] = []
         self._rows: list[int] = []
@@ -92,7 +82,8 @@ class Recorder:
         def hook(_module, _args, out) -> None:
             if not self._forward:
                 return
-            outs = [t for t in _tensors(out) if self._per_row(t)]
+            items = out if isinstance(out, (tuple, list)) else [out]
+            outs = [t for t in items if isinstance(t, torch.Tensor) and self._per_row(t)]
             for i, t in enumerate(t for t in outs if t.is_floating_point()):
                 name = label if len(outs) == 1 else f"{label}[{i}]"
                 self._calls[name] += 1
@@ -110,18 +101,6 @@ class Recorder:
         per sequence (`summary` views it as [B, -1])."""
         n = len(self._rows)
         return t.ndim >= 1 and t.shape[0] in (n, n * self._positions)
-
-    def finish(self, model: torch.nn.Module, loss_share: torch.Tensor, folder: Path) -> None:
-        """After backward, before clipping: the reduced gradients, then everything gathered and
-        written by rank 0 into `folder`."""
-        self.parameters(model)
-        loss = loss_share.detach().clone()
-        dist.all_reduce(loss)  # the logged loss: every rank's share
-        record = self.gather(loss)
-        if record is not None:
-            path = folder / FILE
-            path.write_text(json.dumps({"step": self.step, **record}))
-            logger.info(f"fingerprints of step {self.step}: {path}")
 
     def parameters(self, model: torch.nn.Module) -> None:
         """Each parameter's reduced gradient, whole (every rank calls this: FSDP gathers)."""
@@ -167,11 +146,21 @@ class FingerprintStep:
         if s.step == self.step:
             at = self.sampler.stream_position
             self.recorder = Recorder(
-                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)], s.step
+                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)]
             )
             s.losses = self.recorder.losses(s.losses)
 
     def backward(self, s) -> None:
-        if self.recorder is not None:  # host work on that step only
-            self.recorder.finish(self.model, s.loss, self.folder)
-            self.recorder = None
+        """After backward, before clipping: the reduced gradients, then everything gathered and
+        written by rank 0 (host work on that step only)."""
+        if self.recorder is None:
+            return
+        self.recorder.parameters(self.model)
+        loss = s.loss.detach().clone()
+        dist.all_reduce(loss)  # the logged loss: every rank's share
+        record = self.recorder.gather(loss)
+        self.recorder = None
+        if record is not None:
+            path = self.folder / FILE
+            path.write_text(json.dumps({"step": self.step, **record}))
+            logger.info(f"fingerprints of step {self.step}: {path}")

@@ -1,32 +1,20 @@
-"""Text from the model: greedy or nucleus (top-p) decoding of a few prompts, as one batch, for
-samples at eval time and for scripts/generate.py. A model with a KV cache (`kv_cache(lengths)`,
-`forward(tokens, cache=...)`) runs the prompts once, then one position per new token; one without
-(a fork's) re-runs each prefix; both choose the same tokens (tests/test_generate.py). Under FSDP
-every rank calls `generate` with the same prompts and each step's tokens are broadcast from one
-rank, so all ranks extend the same sequences even where their logits differ in the last bit.
-"""
+"""Greedy or nucleus (top-p) decoding of a few prompts as one batch (eval samples,
+scripts/generate.py). A model with a KV cache (`kv_cache(lengths)`, `forward(tokens, cache=...)`)
+runs the prompts once, then one position per token; one without (a fork's) re-runs each prefix,
+choosing the same tokens. Under FSDP each step's tokens are broadcast from one rank, so all ranks
+extend the same sequences even where their logits differ in the last bit."""
 
 from __future__ import annotations
 
 from collections.abc import Collection
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from titanlite.datasets.records import prompt_tokens
+from titanlite.datasets.tokenizer import HFTokenizer, Tokenizer
 from titanlite.distributed.parallelize import unwrap
-
-
-class TextTokenizer(Protocol):  # titanlite.datasets.tokenizer's Tokenizer and HFTokenizer
-    bos_id: int
-    eos_id: int
-    stop_ids: frozenset[int]  # the ids that end a completion: EOS, and a chat's end of turn
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 def choose(
@@ -62,10 +50,6 @@ def generate(
     """The new tokens of each prompt: up to `max_new_tokens`, ending with a stop token (`eos_id`:
     one id or several) where the model chose one. Input never exceeds the model's max_seq_len (its
     RoPE tables end there): the prompt is cut from the left to leave room for the new tokens."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(
-            f"temperature must be >= 0 and top_p in (0, 1]; got {temperature}, {top_p}"
-        )
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
     args = getattr(unwrap(model), "args", None)
@@ -80,60 +64,47 @@ def generate(
     if generator is None and temperature > 0:
         generator = torch.Generator(device=device).manual_seed(0)
     lockstep = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-    def pick(logits: torch.Tensor) -> list[int]:
-        tokens = choose(logits, temperature, top_p, generator)
-        if lockstep:
-            dist.broadcast(tokens, group=group, group_src=src)
-        return tokens.tolist()
-
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     cached = callable(getattr(unwrap(model), "kv_cache", None))
     was_training = model.training
     model.eval()
-    try:
-        return _decode(model, seqs, n_new, stop, pick, device, cached)
-    finally:
-        model.train(was_training)
-
-
-def _decode(
-    model: nn.Module, seqs: list[list[int]], n_new: int, stop: set[int], pick, device, cached: bool
-) -> list[list[int]]:
-    """One token per prompt per step; a finished prompt leaves the batch (and the cache). With the
-    model's KV cache the prompts run once, then one position per step; without, every step is a
-    full forward over each prompt's prefix. Prompts are left-aligned and padded on the right:
-    under causal attention the padding never reaches a real position."""
-    outs: list[list[int]] = [[] for _ in seqs]
+    # A finished prompt leaves the batch (and the cache). Prompts are left-aligned and padded on
+    # the right: under causal attention the padding never reaches a real position.
+    starts = [len(seq) for seq in seqs]  # where each prompt's new tokens begin
     active = list(range(len(seqs)))
     cache = None
-    for _ in range(n_new):
-        if cache is None:
-            lengths = torch.tensor([len(seqs[i]) for i in active])
-            batch = torch.zeros(len(active), int(lengths.max()), dtype=torch.long)
-            for row, i in enumerate(active):
-                batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
-            cache = unwrap(model).kv_cache(lengths.to(device)) if cached else None
-            logits = model(batch.to(device), cache=cache) if cached else model(batch.to(device))
-            last = logits[torch.arange(len(active), device=device), lengths.to(device) - 1]
-        else:
-            tokens = torch.tensor([[seqs[i][-1]] for i in active], device=device)
-            last = model(tokens, cache=cache)[:, -1]
-        for i, token in zip(active, pick(last), strict=True):
-            seqs[i].append(token)
-            outs[i].append(token)
-        going = [row for row, i in enumerate(active) if outs[i][-1] not in stop]
-        if not going:
-            break
-        if cache is not None and len(going) < len(active):
-            cache.keep(torch.tensor(going, device=device))
-        active = [active[row] for row in going]
-    return outs
+    try:
+        for _ in range(n_new):
+            if cache is None:
+                lengths = torch.tensor([len(seqs[i]) for i in active])
+                batch = torch.zeros(len(active), int(lengths.max()), dtype=torch.long)
+                for row, i in enumerate(active):
+                    batch[row, : len(seqs[i])] = torch.tensor(seqs[i])
+                cache = unwrap(model).kv_cache(lengths.to(device)) if cached else None
+                logits = model(batch.to(device), cache=cache) if cached else model(batch.to(device))
+                last = logits[torch.arange(len(active), device=device), lengths.to(device) - 1]
+            else:
+                tokens = torch.tensor([[seqs[i][-1]] for i in active], device=device)
+                last = model(tokens, cache=cache)[:, -1]
+            chosen = choose(last, temperature, top_p, generator)
+            if lockstep:
+                dist.broadcast(chosen, group=group, group_src=src)
+            for i, token in zip(active, chosen.tolist(), strict=True):
+                seqs[i].append(token)
+            going = [row for row, i in enumerate(active) if seqs[i][-1] not in stop]
+            if not going:
+                break
+            if cache is not None and len(going) < len(active):
+                cache.keep(torch.tensor(going, device=device))
+            active = [active[row] for row in going]
+    finally:
+        model.train(was_training)
+    return [seq[start:] for seq, start in zip(seqs, starts, strict=True)]
 
 
 def sample_text(
     model: nn.Module,
-    tokenizer: TextTokenizer,
+    tokenizer: Tokenizer | HFTokenizer,
     texts: list[str],
     max_new_tokens: int,
     *,
@@ -142,7 +113,6 @@ def sample_text(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
     group: dist.ProcessGroup | None = None,
-    src: int = 0,
 ) -> list[str]:
     """The completion of each text, without the prompt and the stop token; `fmt` frames a text as
     training framed prompts (prompt_tokens). The completion is the decoded whole minus the decoded
@@ -159,7 +129,6 @@ def sample_text(
         top_p=top_p,
         generator=generator,
         group=group,
-        src=src,
     )
     completions = []
     for prompt, out in zip(prompts, outs, strict=True):

@@ -43,9 +43,7 @@ def model_losses(out, batch: Microbatch) -> SequenceLosses:
     """A labels path's output, checked against the contract (models/registry.py) from shapes
     alone: a [B] tensor, or ([B] tensor, {name: [B] tensor})."""
     n = batch.labels.shape[0]
-    ce, terms = (out, {}) if isinstance(out, torch.Tensor) else (None, None)
-    if isinstance(out, tuple):
-        ce, terms = out
+    ce, terms = out if isinstance(out, tuple) else (out, {})
     bad = None
     if not isinstance(ce, torch.Tensor) or ce.shape != (n,) or not isinstance(terms, dict):
         bad = f"returned {type(out).__name__}"
@@ -179,15 +177,6 @@ class LossBalancer:
         return loss_sum / (local * (self.grad_accum * self.dp_size))
 
 
-class StepLosses(NamedTuple):
-    """What one rank's step leaves: its shares of the step's losses (each rank's sum to the
-    logged values) and its per-sequence cross entropy, in microbatch order, for the diagnostics."""
-
-    ce: torch.Tensor  # this rank's share of the logged loss (the cross entropy)
-    sample_sums: torch.Tensor  # [sequences] summed cross entropy
-    terms: dict[str, torch.Tensor]  # name -> this rank's share of the term
-
-
 def forward_backward(
     model: nn.Module,
     micro: list[Microbatch] | list[tuple[torch.Tensor, torch.Tensor]],
@@ -197,9 +186,11 @@ def forward_backward(
     skip_grad_sync: bool,
     path: LossPath | None = None,
     losses=sequence_losses,
-) -> StepLosses:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Accumulate this rank's gradients for one step (module doc). `path`: the model's loss path
-    (None: logits, then the cross entropy here); `losses`: sequence_losses or a wrapper of it."""
+    (None: logits, then the cross entropy here); `losses`: sequence_losses or a wrapper of it.
+    Returns this rank's share of the logged loss, its per-sequence summed cross entropy in
+    microbatch order (for the diagnostics) and its share of each term (shares sum over ranks)."""
     path = path or LossPath()
     micro = [Microbatch(*batch) for batch in micro]
     statistics = None
@@ -223,4 +214,4 @@ def forward_backward(
         for name, t in scaled.items():
             terms[name] = terms[name] + t.detach() if name in terms else t.detach()
         sample_sums.append(out.ce.detach())
-    return StepLosses(loss_total, torch.cat(sample_sums), terms)
+    return loss_total, torch.cat(sample_sums), terms

@@ -5,7 +5,6 @@ and, when metrics.enable_wandb is on, Weights & Biases, which take scalars and t
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import secrets
 import threading
@@ -16,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from titanlite.components.run.files import NO_ROOM, RunFiles
+from titanlite.components.run.files import RunFiles
 from titanlite.components.run.plan import is_restart
 from titanlite.components.summary import (
     RunTally,
@@ -27,7 +26,7 @@ from titanlite.components.summary import (
 )
 from titanlite.config.job_config import JobConfig
 from titanlite.errors import TrainingError, UserError, first_line
-from titanlite.tools.cache import atomic_write_bytes, disk_full
+from titanlite.tools.cache import atomic_write_bytes
 from titanlite.tools.records import read_records
 
 logger = logging.getLogger("titanlite")
@@ -54,12 +53,11 @@ def _scalar(value: Any) -> bool:
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
     """tag -> value for every number of a record but its step and version: `<prefix>/<key>` or its
     FIRST_TAGS name, a training row's loss terms under TERM_TAGS. Every sink gets these keys."""
-    tags = {
-        f"{prefix}/{key}": value
-        for key, value in rec.items()
-        if key not in ("step", "version", "loss_total") and _scalar(value)
-    }
-    out = {FIRST_TAGS.get(tag, tag): value for tag, value in tags.items()}
+    out = {}
+    for key, value in rec.items():
+        if key not in ("step", "version", "loss_total") and _scalar(value):
+            tag = f"{prefix}/{key}"
+            out[FIRST_TAGS.get(tag, tag)] = value
     if prefix == "train" and isinstance(rec.get("terms"), dict):
         out.update({f"{TERM_TAGS}/{name}": v for name, v in rec["terms"].items() if _scalar(v)})
         if _scalar(rec.get("loss_total")):
@@ -91,22 +89,11 @@ class MetricsWriter:
         self._sinks: list[TensorBoard | WandB] = []
         if run_dir is None:
             return
-        self.files.open()
+        self.files.check()
         if tensorboard:
             self._sinks.append(TensorBoard(run_dir, purge_step, self.files))
         if cfg is not None and cfg.metrics.enable_wandb:
             self._sinks.append(WandB(run_dir, cfg))
-
-    @property
-    def fail_write(self) -> Callable[[str], OSError | None] | None:
-        return self.files.fail_write if self.files is not None else None
-
-    @fail_write.setter
-    def fail_write(self, fail: Callable[[str], OSError | None] | None) -> None:
-        """A test seam (titanlite.faults's write_error): `fail(name)` is the OSError the write of
-        the run folder's file `name` (tb: TensorBoard's) meets instead of the disk, or None."""
-        if self.files is not None:
-            self.files.fail_write = fail
 
     @classmethod
     def for_run(
@@ -197,10 +184,8 @@ class MetricsWriter:
         logger.info(
             f"sample step {step} | {samples[0]['prompt'][:40]!r} -> {samples[0]['text'][:80]!r}"
         )
-        self._append(
-            "samples.jsonl",
-            [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)],
-        )
+        rows = [{"step": step, "index": i, **sample} for i, sample in enumerate(samples)]
+        self._append("samples.jsonl", rows)
         for i, sample in enumerate(samples):
             self._text(f"samples/{i}", f"{sample['prompt']}{sample['text']}", step)
 
@@ -224,7 +209,7 @@ class MetricsWriter:
             )
             return
         quiet = quiet_faults(self.cfg, last, self.tally.last_diag) if self.cfg else None
-        lines = summary_lines(
+        for line in summary_lines(
             self.tally,
             first,
             last,
@@ -234,8 +219,7 @@ class MetricsWriter:
             exports,
             self.tensorboard,
             quiet,
-        )
-        for line in lines:
+        ):
             logger.info(line)
 
     def close(self) -> None:
@@ -262,37 +246,28 @@ class TensorBoard:
 
         return SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
 
-    def _events(self) -> Path:
-        return Path(self._writer._get_file_writer().event_writer._file_name)
-
     def _call(self, write: Callable[[Any], None]) -> None:
-        try:
-            fail = self.files.fail_write
-            error = fail("tb") if fail else None
-            if error is not None:
-                raise error
-            if not self._events().is_file():  # tb/ or its event file removed under the run
-                raise FileNotFoundError(errno.ENOENT, "removed", str(self._events()))
-            write(self._writer)
-            self._writer.flush()
-        except FileNotFoundError:
+        events = Path(self._writer._get_file_writer().event_writer._file_name)
+        if not events.is_file():  # tb/ or its event file removed under the run
             if not self.run_dir.is_dir():  # the run folder itself, moved or removed
-                raise TrainingError(self.files.gone()) from None
+                raise TrainingError(self.files.gone())
             with contextlib.suppress(Exception):  # the broken writer's own close fails the same way
                 self._writer.close()
             logger.warning(
                 f"{self.log_dir} was removed while the run wrote to it; writing it again from here"
             )
             self._writer = self._open()
+        try:
+            fail = self.files.fail_write
+            error = fail("tb") if fail else None
+            if error is not None:
+                raise error
             write(self._writer)
             self._writer.flush()
         except Exception as e:  # noqa: BLE001 - the writer's thread re-raises whatever stopped it
-            room = isinstance(e, OSError) and e.errno in NO_ROOM
-            fix = "make room" if room else "mend that, or set metrics.enable_tensorboard = false"
-            raise TrainingError(
-                f"TensorBoard's writer under {self.log_dir} failed: {_cause(e, self.log_dir)}; "
-                + self.files.what_was_kept(fix)
-            ) from None
+            what = f"TensorBoard's writer under {self.log_dir}"
+            fix = "mend that, or set metrics.enable_tensorboard = false"
+            raise TrainingError(self.files.failed(e, what, fix)) from None
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
         self._call(lambda w: [w.add_scalar(tag, value, step) for tag, value in values.items()])
@@ -327,35 +302,25 @@ def tensorboard_dir(run_dir: Path) -> Path:
     return run_dir / "tb"
 
 
-def _cause(e: BaseException, folder: Path) -> str:
-    return (disk_full(e, folder) if isinstance(e, OSError) else None) or first_line(e)
-
-
 WANDB_ID_FILE = "wandb_id"  # in the run folder: a resumed run continues the same W&B run
 WANDB_STEP = "step"  # the x axis of every W&B chart (see WandB)
 
 
-def wandb_run_id(run_dir: Path) -> str:
-    """The run folder's W&B run id, made on its first use and kept in the folder."""
-    path = run_dir / WANDB_ID_FILE
-    run_id = path.read_text().strip() if path.is_file() else ""
-    if not run_id:
-        run_id = secrets.token_hex(8)
-        atomic_write_bytes(path, (run_id + "\n").encode())
-    return run_id
-
-
 class WandB:
-    """A sink: Weights & Biases (imported only when metrics.enable_wandb is on).
-
-    Values are logged against our own `step` key (define_metric), never wandb's `step=`: W&B
-    drops a value whose step is below one it has seen, yet a log step writes the diagnostics of
-    earlier steps after its train record, and a resumed run repeats the steps after its checkpoint."""
+    """A sink: Weights & Biases (imported only when metrics.enable_wandb is on). Values are logged
+    against our own `step` key (define_metric), never wandb's `step=`: W&B drops a value whose step
+    is below one it has seen, yet a log step writes the diagnostics of earlier steps after its
+    train record, and a resumed run repeats the steps after its checkpoint."""
 
     def __init__(self, run_dir: Path, cfg: JobConfig) -> None:
         import wandb
 
         metrics = cfg.metrics
+        id_file = run_dir / WANDB_ID_FILE  # made at the folder's first run, kept for its resumes
+        run_id = id_file.read_text().strip() if id_file.is_file() else ""
+        if not run_id:
+            run_id = secrets.token_hex(8)
+            atomic_write_bytes(id_file, (run_id + "\n").encode())
         try:
             self._run = wandb.init(
                 project=metrics.wandb_project,
@@ -363,7 +328,7 @@ class WandB:
                 mode=metrics.wandb_mode,
                 dir=str(run_dir),
                 name=run_dir.name,
-                id=wandb_run_id(run_dir),
+                id=run_id,
                 resume="allow",
                 config=asdict(cfg),
             )

@@ -1,9 +1,7 @@
-"""AdamW (fused) with weight-decay groups, and warmup + decay LR schedule.
-
-The fused AdamW kernel takes a device flag `found_inf`; when it is 1 the whole update (params,
-moments and step count) is skipped on the device. titanlite sets it for steps with no valid
-token or a non-finite gradient norm, so skipping needs no host sync.
-"""
+"""AdamW (fused) with weight-decay groups, and the warmup + decay LR schedule. The fused kernel
+skips the whole update (params, moments, step count) on the device where its `found_inf` flag is 1,
+which titanlite sets for a step with no valid token or a non-finite gradient norm: skipping needs
+no host sync."""
 
 from __future__ import annotations
 
@@ -55,9 +53,8 @@ def lr_factor(step: int, cfg: JobConfig) -> float:
     if s.decay_type == "constant" or total <= warmup:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = (
-        1.0 - progress if s.decay_type == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    )
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if s.decay_type == "linear" else cosine
     return s.min_lr_factor + (1.0 - s.min_lr_factor) * decay
 
 
@@ -87,9 +84,8 @@ def realign_schedule(
     optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: JobConfig, position: int
 ) -> tuple[float, float]:
     """On a resume with the checkpoint's hyperparameters: the next step's lr under this run's
-    schedule (training.steps or [lr_scheduler] may have changed), from the restored peak lr;
-    the checkpoint's groups hold the old schedule's. Returns (old, new) of the first group:
-    equal, bit for bit, when the schedule did not change."""
+    schedule (training.steps or [lr_scheduler] may have changed), from the restored peak lr.
+    Returns the first group's (old, new): equal, bit for bit, if the schedule did not change."""
     old = optimizer.param_groups[0]["lr"]
     lrs = [group["initial_lr"] * lr_factor(position, cfg) for group in optimizer.param_groups]
     for group, lr in zip(optimizer.param_groups, lrs, strict=True):

@@ -1,9 +1,8 @@
 """The spike guard: skip the update of a step whose global gradient norm (or loss) stands far
 above its recent history (the "skip mechanism" of the Loss Dispersion Reference Manual's anomaly
-tables), decided on the device through the same found_inf path as the zero-token skip. Skipped
-steps never enter the history, so a run of spikes cannot raise its own threshold; the history is
-checkpointed, so a resumed run decides as the uninterrupted one.
-"""
+tables), on the device through the zero-token skip's found_inf path. Skipped steps never enter
+the history, so a run of spikes cannot raise its own threshold; the history is checkpointed, so a
+resumed run decides as the uninterrupted one."""
 
 from __future__ import annotations
 

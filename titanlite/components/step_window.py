@@ -28,10 +28,9 @@ class WindowRecord:
     steps: list[int]
     losses: list[float]  # each step's global loss (NaN where a rank's loss was non-finite)
     nonfinite_ranks: list[int]  # how many ranks had a non-finite loss, per step
-    empty: list[bool]  # no valid token in the whole global batch
     skipped: list[bool]  # the optimizer update was skipped (empty, a non-finite grad norm, a spike)
     grad_norms: list[float]  # each step's pre-clip gradient norm
-    tokens: list[int]  # each step's valid tokens over all ranks
+    tokens: list[int]  # each step's valid tokens over all ranks (0: none in the global batch)
     lrs: list[float]  # each step's learning rate
     # The spike guard's [spike, value, threshold, spikes in a row] per step (None: guard off).
     guard: list[list[float] | None] | None = None
@@ -47,19 +46,16 @@ class WindowRecord:
                     f"non-finite loss at step {s} on {bad} of {dp_size} rank(s); its update was skipped "
                     "and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
-        for s, empty, skipped in zip(self.steps, self.empty, self.skipped, strict=True):
+        for s, tokens, skipped in zip(self.steps, self.tokens, self.skipped, strict=True):
             if skipped and s not in spike_steps:
-                why = (
-                    "no valid token in the whole global batch"
-                    if empty
-                    else "a non-finite gradient norm"
-                )
+                why = "a non-finite gradient norm"
+                if not tokens:
+                    why = "no valid token in the whole global batch"
                 logger.warning(f"step {s}: {why}; its optimizer update was skipped")
 
     def rows(self, window_s: float, elapsed_s: float, run: RunRates) -> list[dict]:
-        """metrics.jsonl's rows of the window, one per step in order: each step's own numbers
-        (`"row": "step"`), the last, the log step's, with the window's figures added
-        (`"row": "log"`: throughput, memory, ETA; the console line and the summary read it)."""
+        """metrics.jsonl's rows of the window, one per step (`"row": "step"`); the last, the log
+        step's, adds the window's throughput, memory and ETA (`"row": "log"`)."""
         rows = []
         for i, step in enumerate(self.steps):
             skipped = self.skipped[i]
@@ -117,8 +113,7 @@ class StepWindow:
     def __init__(self) -> None:
         self._steps: list[int] = []
         self._shares: list[torch.Tensor] = []  # per step: [loss share, loss non-finite]
-        self._flags: list[torch.Tensor] = []  # per step: [no valid token, update skipped]
-        self._norms: list[torch.Tensor] = []  # per step: [grad norm, valid tokens]
+        self._norms: list[torch.Tensor] = []  # per step: [grad norm, valid tokens, update skipped]
         self._lrs: list[float] = []  # per step, from the host's scheduler
         self._guard: list[torch.Tensor] = []  # per step, when the spike guard is on
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
@@ -151,8 +146,7 @@ class StepWindow:
         self._shares.append(
             torch.stack([loss_share, flag, *(terms[n].to(loss_share.dtype) for n in self._terms)])
         )
-        self._flags.append(torch.stack([tokens == 0, skipped]))
-        self._norms.append(torch.stack([grad_norm.double(), tokens.double()]))
+        self._norms.append(torch.stack([grad_norm.double(), tokens.double(), skipped.double()]))
         self._lrs.append(lr)
         if guard is not None:
             self._guard.append(guard)
@@ -171,20 +165,18 @@ class StepWindow:
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values
         dist.all_reduce(shared, group=group)
         guarded = [torch.stack(self._guard)] if self._guard else []
-        norms = torch.stack(self._norms)
-        shared, flags, norms, *guard = readback([shared, torch.stack(self._flags), norms, *guarded])
+        shared, norms, *guard = readback([shared, torch.stack(self._norms), *guarded])
         record = WindowRecord(
             steps=list(self._steps),
             losses=[loss for loss, *_ in shared],
             nonfinite_ranks=[int(bad) for _, bad, *_ in shared],
-            empty=[bool(e) for e, _ in flags],
-            skipped=[bool(s) for _, s in flags],
+            skipped=[bool(s) for _, _, s in norms],
             guard=guard[0] if guard else None,
-            grad_norms=[norm for norm, _ in norms],
-            tokens=[int(t) for _, t in norms],
+            grad_norms=[norm for norm, _, _ in norms],
+            tokens=[int(t) for _, t, _ in norms],
             lrs=list(self._lrs),
             terms=[dict(zip(self._terms, row[2:], strict=True)) for row in shared],
         )
-        for kept in (self._steps, self._shares, self._flags, self._guard, self._norms, self._lrs):
+        for kept in (self._steps, self._shares, self._guard, self._norms, self._lrs):
             kept.clear()
         return record

@@ -47,17 +47,16 @@ def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") ->
 
 def diagnostics_line(d: dict[str, Any]) -> str:
     noise = d.get("noise_scale_tokens")  # below zero: not measurable (summary_lines)
-    return " | ".join(
-        [
-            f"diag step {d['step']}",
-            f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
-            f"tokens {d['tokens_min']}..{d['tokens_max']}",
-            f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
-            f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
-            f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
-            f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
-        ]
-    )
+    parts = [
+        f"diag step {d['step']}",
+        f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
+        f"tokens {d['tokens_min']}..{d['tokens_max']}",
+        f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
+        f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
+        f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
+        f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
+    ]
+    return " | ".join(parts)
 
 
 def terms_text(rec: dict[str, Any]) -> str:
@@ -108,11 +107,8 @@ def quiet_faults(cfg: JobConfig, last: int, diag: dict[str, Any] | None) -> str 
 def shown(path: Path) -> str:
     """`path` as a command line takes it: relative to the working folder when inside it."""
     absolute = Path(os.path.abspath(path))
-    try:
-        text = str(absolute.relative_to(Path.cwd()))
-    except ValueError:
-        text = str(absolute)
-    return shlex.quote(text)
+    inside = absolute.is_relative_to(Path.cwd())
+    return shlex.quote(str(absolute.relative_to(Path.cwd()) if inside else absolute))
 
 
 def summary_lines(

@@ -55,7 +55,8 @@ class Faults:
         ckpt.track({}, {"labels": self.label_generator})
         ckpt.per_rank_torch = self.on.seed_mode != "shared"  # a resharded resume reseeds them
         ckpt.storage_writer, ckpt.written = self.storage_writer, self.kill_in_save
-        trainer.metrics.fail_write = self.write_error
+        if trainer.metrics.files is not None:  # rank 0 writes the run folder
+            trainer.metrics.files.fail_write = self.write_error
 
     # ---- the hook calls -----------------------------------------------------------------------
     def begin(self, s: Step) -> None:

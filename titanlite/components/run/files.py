@@ -1,8 +1,7 @@
 """The one writer of a run folder's records (rank 0). A record is written whole or not at all: a
 failed append (a full disk) is cut back, and the run stops (exit 3) in one line naming the disk
-and what was kept. A file removed under the live run (appends to an unlinked file are silently
-lost) is written again, said in one line; one replaced by a folder, or the run folder gone, stops
-the run. titanlite.tools.records reads what this writes; a resume first cuts it back."""
+and what was kept. A file removed under the live run (appends to an unlinked file are lost) is
+written again; one replaced by a folder, or the run folder gone, stops the run."""
 
 from __future__ import annotations
 
@@ -16,18 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.checkpoint.index import complete_steps
-from titanlite.errors import TrainingError
+from titanlite.errors import TrainingError, first_line
 from titanlite.tools.cache import atomic_write_bytes, disk_full
 
 logger = logging.getLogger("titanlite")
 
 RECORD_FILES = ("metrics.jsonl", "diagnostics.jsonl", "events.jsonl", "eval.jsonl", "samples.jsonl")
-NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG}  # a disk that cannot take it
 
 
 class RunFiles:
-    """Rank 0's appends to the run folder's record files. `fail_write(name)`, a test seam
-    (titanlite.faults's write_error): an OSError to meet instead of the disk, or None."""
+    """Rank 0's appends to the run folder's record files. `fail_write(name)` (a test seam:
+    titanlite.faults's write_error) is the OSError a write of file `name` ("tb": TensorBoard's
+    events) meets instead of the disk, or None."""
 
     def __init__(self, run_dir: Path, checkpoints: Path | None = None) -> None:
         self.run_dir, self.checkpoints = run_dir, checkpoints
@@ -53,17 +52,13 @@ class RunFiles:
                 view = view[os.write(fd, view) :]
         except OSError as e:
             os.ftruncate(fd, end)  # no half record; shrinking a file needs no room
-            raise TrainingError(self._failed(name, e)) from None
-        self.kept[name] = max((r.get("step", 0) for r in records), default=0)
-
-    def open(self, names: Iterable[str] = RECORD_FILES) -> None:
-        """Create the files (empty) as the run starts, so a reader finds each from the start."""
-        for name in names:
-            self._fd(name)
+            raise TrainingError(self.failed(e, f"writing {self.run_dir / name}")) from None
+        self.kept[name] = max(r.get("step", 0) for r in records)
 
     def check(self) -> None:
-        """Every log step: each file still where it was written (one removed is written again)."""
-        for name in list(self._fds):
+        """As the run starts, each file created (empty: a reader finds each from the start); every
+        log step, each still where it was written (one removed is written again)."""
+        for name in RECORD_FILES:
             self._fd(name)
 
     def _fd(self, name: str) -> int:
@@ -75,7 +70,7 @@ class RunFiles:
         except FileNotFoundError:
             here = None
         except OSError as e:
-            raise TrainingError(self._failed(name, e)) from None
+            raise TrainingError(self.failed(e, f"writing {path}")) from None
         if fd is not None and here is not None and os.path.samestat(here, os.fstat(fd)):
             return fd
         if here is not None and stat.S_ISDIR(here.st_mode):
@@ -93,21 +88,22 @@ class RunFiles:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
         except OSError as e:
-            raise TrainingError(self._failed(name, e)) from None
+            raise TrainingError(self.failed(e, f"writing {path}")) from None
         self._fds[name] = fd
         return fd
 
-    def _failed(self, name: str, e: OSError) -> str:
-        """The one line of a write that failed: the disk, the file, what was kept."""
-        path, where = self.run_dir / name, f"'{self.run_dir}'"
+    def failed(self, e: BaseException, what: str, fix: str = "mend that") -> str:
+        """The stop line of a write into the run folder that failed (`what`: "writing <file>"):
+        the disk, what was kept, how to go on."""
+        where = f"'{self.run_dir}'"
         full = disk_full(e, self.run_dir)
         why, fix = {
             errno.ENOSPC: (full or f"disk full under {where}", "make room"),
             errno.EDQUOT: (f"the disk quota under {where} is used up", "make room"),
             errno.EROFS: (f"the disk under {where} is read-only", "make it writable"),
-            errno.EFBIG: (f"{path.name} is larger than its file system allows", "make room"),
-        }.get(e.errno, (full or f"{type(e).__name__}: {e.strerror or e}", "mend that"))
-        return f"writing {path} failed: {why}; {self.what_was_kept(fix)}"
+            errno.EFBIG: ("the file is larger than its file system allows", "make room"),
+        }.get(getattr(e, "errno", None), (full or first_line(e), fix))
+        return f"{what} failed: {why}; {self.what_was_kept(fix)}"
 
     def gone(self) -> str:
         """The stop line of a run folder moved (an open file says where, in /proc) or removed."""
@@ -133,11 +129,9 @@ class RunFiles:
             records = f"its records up to step {step} are whole"
         checkpoints = checkpoints or self.checkpoints
         steps = complete_steps(checkpoints) if checkpoints is not None else []
-        saved = (
-            f", its newest checkpoint is step {steps[-1]}"
-            if steps
-            else ", and it has no checkpoint"
-        )
+        saved = ", and it has no checkpoint"
+        if steps:
+            saved = f", its newest checkpoint is step {steps[-1]}"
         return f"the run stopped: {records}{saved}; {fix}, then rerun the same command to resume"
 
     def close(self) -> None:

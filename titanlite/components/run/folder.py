@@ -24,6 +24,7 @@ from titanlite.components.run.plan import (
 )
 from titanlite.config import JobConfig
 from titanlite.config.manager import to_toml
+from titanlite.diagnostics.alerts import Alert
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.errors import UserError
 
@@ -136,11 +137,10 @@ def open_run_folder(
 def _data_changed(run_dir: Path, step: int, change: str) -> None:
     """The note of a resume on changed data: the console and events.jsonl (as an alert's record)."""
     message = f"resumed on changed data (data.accept_change): {change}"
-    logger.warning(f"NOTE data_changed at step {step}: {message}")
-    note = {"name": "data_changed", "step": step, "ranks": [], "hosts": [], "message": message}
-    note |= {"cause": "", "values": {}, "samples": [], "level": "info"}
+    note = Alert("data_changed", step, [], [], message, level="info")
+    logger.warning(note.line())
     files = RunFiles(run_dir)
-    files.append("events.jsonl", [note])
+    files.append("events.jsonl", [note.to_dict()])
     files.close()
 
 

@@ -43,16 +43,6 @@ WARNINGS = (
 )
 
 
-def read(environ: Mapping[str, str]) -> dict:
-    """The variables that are set, each checked (one UserError on the first problem)."""
-    out = {}
-    for name, a in VARS.items():
-        value = environ.get(name, "").strip()
-        if value:  # set and empty is unset, as in a shell's ${NAME:-default}
-            out[name] = a.check(value)
-    return out
-
-
 def gpu_count() -> int:
     """GPUs nvidia-smi lists on this node (0 without it)."""
     if shutil.which("nvidia-smi") is None:
@@ -62,8 +52,13 @@ def gpu_count() -> int:
 
 
 def torchrun_args(environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
-    """torchrun's arguments from the environment, and the variables the workers get."""
-    v = read(environ)
+    """torchrun's arguments from the environment (each variable that is set checked: one
+    UserError on the first problem), and the variables the workers get."""
+    v = {}
+    for name, a in VARS.items():
+        value = environ.get(name, "").strip()
+        if value:  # set and empty is unset, as in a shell's ${NAME:-default}
+            v[name] = a.check(value)
     ngpu = v.get("NGPU", gpu_count() if "NPROC" not in v else 0)
     nproc = v.get("NPROC", ngpu or 2)
     nnodes = v.get("NNODES", 1)
@@ -155,9 +150,8 @@ def printed_by(text: str, log_dir: Path, ranks: set[int] | None) -> bool:
 
 def _said(log: Path) -> str | None:
     """The last one-line error a rank wrote to its log."""
-    own = [
-        ln for ln in log.read_text(errors="replace").splitlines() if ln.startswith("titanlite: ")
-    ]
+    lines = log.read_text(errors="replace").splitlines()
+    own = [ln for ln in lines if ln.startswith("titanlite: ")]
     return own[-1] if own else None
 
 
