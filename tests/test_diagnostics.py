@@ -356,7 +356,8 @@ def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, see
     # The others' squared norm is the Gram's sum less rank r's row and column: when rank r
     # dominates, cancellation costs it about eps x sum|gram| / that norm (9e-9 seen at 3e9).
     scale = sum(abs(v) for row in gram for v in row)
-    for r, (a, b) in enumerate(zip(m["rank_cos_to_others"], want["rank_cos_to_others"])):
+    pairs = zip(m["rank_cos_to_others"], want["rank_cos_to_others"], strict=True)
+    for r, (a, b) in enumerate(pairs):
         sq = want["others_sq"][r]
         rel = 1e-9 + (4e-16 * scale / sq if sq > 0 else 0.0)
         assert (a is None) == (b is None), r
