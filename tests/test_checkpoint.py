@@ -342,10 +342,6 @@ DAMAGE = {  # how a step folder gets damaged -> what the line names
         "state.json says step 40, its folder step 6",
     ),
     "file record gone": (lambda d: _edit_state(d, files=None), "state.json records no file sizes"),
-    "model record gone": (
-        lambda d: _edit_state(d, model_args=None),
-        "state.json records no model_args",
-    ),
 }
 
 

@@ -714,7 +714,8 @@ def test_bad_initial_loads_are_one_line_errors_before_any_worker(loaded, assets,
 
 def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_path, capsys):
     """model.hf_assets_path's config.json is read anew by every launch: a resume compares the model
-    it builds with the args state.json recorded; a folder left as it was resumes."""
+    it builds with the args state.json recorded (a checkpoint that recorded none, or no identity,
+    is refused); a folder left as it was resumes."""
     import shutil
 
     from titanlite import preflight
@@ -772,6 +773,13 @@ def test_a_resume_refuses_an_hf_folder_whose_shapes_changed(loaded, assets, tmp_
     assert f"{hf}/config.json changed (intermediate_size {size}, now {2 * size})" in err, err
     (hf / "config.json").write_text(json.dumps(config))
     assert preflight.main(argv) == 0
+    for key in ("model_args", "identity"):  # what the resume compares, gone
+        capsys.readouterr()
+        edit_states(lambda state, key=key: state.pop(key, None))
+        assert preflight.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"records no {key}" in err, err
+        assert "initial_load_path" in err, err
 
 
 @pytest.mark.parametrize("config", ["llama3_2_1b_sft", "llama3_1_8b_sft"])

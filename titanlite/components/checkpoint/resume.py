@@ -51,6 +51,12 @@ def check_resumable(
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
+    missing = [k for k in ("identity", "model_args") if not isinstance(state.get(k), dict)]
+    if missing:  # what the resume compares (identity here, the model's args in check_same_model)
+        raise UserError(
+            f"checkpoint {path} records no {' and no '.join(missing)} in its state.json, so it cannot "
+            f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
+        )
     saved = state.get("data")  # what its data held, by content (none: data.path is compared)
     theirs = state["identity"]
     diff = [
