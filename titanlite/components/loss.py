@@ -70,9 +70,8 @@ def sequence_losses(
     if step is not None and path.step:
         extra["step"] = step
     if path.own:
-        return model_losses(
-            model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra), batch
-        )
+        out = model(batch.inputs, labels=batch.labels, loss_chunk=path.chunk, **extra)
+        return model_losses(out, batch)
     return SequenceLosses(cross_entropy_per_sample(model(batch.inputs, **extra), batch.labels), {})
 
 
