@@ -51,12 +51,7 @@ def check_resumable(
             "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
             "with its own --job.run_name"
         )
-    missing = [k for k in ("identity", "model_args") if not isinstance(state.get(k), dict)]
-    if missing:  # what the resume compares (identity here, the model's args in check_same_model)
-        raise UserError(
-            f"checkpoint {path} records no {' and no '.join(missing)} in its state.json, so it cannot "
-            f"resume; start a new run from its weights with checkpoint.initial_load_path = '{path}'"
-        )
+    _require(state, "identity", path)
     saved = state.get("data")  # what its data held, by content (none: data.path is compared)
     theirs = state["identity"]
     diff = [
@@ -77,6 +72,15 @@ def check_resumable(
             "(recorded in run.json and events.jsonl)"
         )
     return changed
+
+
+def _require(state: dict, key: str, path: Path) -> None:
+    """What a resume compares, recorded: else one line with the way out."""
+    if not isinstance(state.get(key), dict):
+        raise UserError(
+            f"checkpoint {path} records no {key} in its state.json, so it cannot resume; start "
+            f"a new run from its weights with checkpoint.initial_load_path = '{path}'"
+        )
 
 
 def data_change(saved: list[dict], now: list[dict]) -> str | None:
@@ -229,6 +233,7 @@ def check_same_model(folder: Path, step: int, meta: Any, cfg: JobConfig) -> None
     otherwise reach the load as a size-mismatch traceback, or go unseen."""
     path = step_dir(folder, step)
     state = json.loads((path / "state.json").read_text())  # find() read it
+    _require(state, "model_args", path)
     saved = state["model_args"]
     ours = model_record(meta.args)  # but dropout, a training setting a resume may change
     diff = [
