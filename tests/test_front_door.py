@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import socket
 import subprocess
 import sys
@@ -76,6 +77,8 @@ class Assets:
         (self.full / "something").write_text("x")
         self.read_only = tmp / "read-only"
         self.read_only.mkdir()
+        self.fifo = tmp / "a-fifo"  # exists, but a reader or writer of it would block
+        os.mkfifo(self.fifo)
 
     def good(self, a: Arg) -> str:
         if a.kind in NUMBERS:
@@ -125,6 +128,7 @@ class Assets:
             out += [("a path", "../escaped"), ("a slash", "a/b"), ("too long", "x" * 300)]
         elif a.kind == "file":
             out += [("a folder", str(self.folder)), ("missing", str(self.tmp / "missing"))]
+            out.append(("a fifo", str(self.fifo)))
         elif a.kind == "folder":
             out += [("a file", str(self.file)), ("missing", str(self.tmp / "missing"))]
         elif a.kind == "path":
@@ -134,6 +138,7 @@ class Assets:
             out += [("not empty", str(self.full))] if a.kind == "new_folder" else []
         elif a.kind == "out_file":
             out += [("a folder", str(self.folder)), ("read-only", str(self.read_only / "out.json"))]
+            out.append(("a fifo", str(self.fifo)))
         return out
 
 

@@ -54,7 +54,7 @@ def check_path(path: Path, kind: str, flag: str) -> Path:
         raise UserError(f"{flag} '{path}' does not exist; give {want}")
     if kind in ("file", "out_file") and path.is_dir():
         raise UserError(f"{flag} '{path}' is a folder; give {want}")
-    if kind == "file" and not path.is_file():  # a fifo or a device would block its reader
+    if kind in ("file", "out_file") and path.exists() and not path.is_file():  # a fifo blocks
         raise UserError(f"{flag} '{path}' is not a regular file; give {want}")
     if kind in ("folder", "out_folder", "new_folder") and path.exists() and not path.is_dir():
         raise UserError(f"{flag} '{path}' is a file; give {want}")
