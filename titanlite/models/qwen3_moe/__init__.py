@@ -1,0 +1,40 @@
+"""Qwen3-MoE flavors and registration."""
+
+from dataclasses import replace
+
+from titanlite.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeArgs
+from titanlite.models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from titanlite.models.registry import ModelSpec, register_model
+
+_DEBUG = Qwen3MoeArgs(
+    dim=256,
+    n_layers=4,
+    n_heads=8,
+    n_kv_heads=4,
+    head_dim=32,
+    experts=8,
+    top_k=2,
+    moe_hidden=128,
+    dense_hidden=512,
+)
+
+qwen3_moe_flavors = {
+    # a few experts at tiny dims; the vocabulary comes from the tokenizer (2048 built in)
+    "debugmodel": _DEBUG,
+    # the same with a load-balancing coefficient 100 times transformers' default, and a z-loss
+    "debugmodel_strong": replace(_DEBUG, aux_loss_coef=0.1, z_loss_coef=0.001),
+    # Qwen3-30B-A3B (128 experts, 8 active: 30.5B parameters, 3.3B active)
+    "30B-A3B": Qwen3MoeArgs(max_seq_len=4096),
+}
+
+register_model(
+    ModelSpec(
+        "qwen3_moe",
+        Qwen3Moe,
+        qwen3_moe_flavors,
+        parallelize_qwen3_moe,
+        step_statistics=True,
+    )
+)
+
+__all__ = ["Qwen3Moe", "Qwen3MoeArgs", "qwen3_moe_flavors"]

@@ -1,0 +1,353 @@
+"""Qwen3-MoE: RMSNorm, grouped-query attention with an explicit head_dim and RMSNorm on each q
+and k head, RoPE on the two halves of a head (transformers' layout, so its weights need no
+permutation), and in each MLP a top-k router over SwiGLU experts (Qwen3 Technical Report,
+arXiv 2505.09388; transformers' Qwen3MoeForCausalLM is the reference the tests hold it to).
+
+The loss terms, both exact at any layout (titanlite/models/step.py):
+- `aux`: the Switch load-balancing loss (Fedus et al., arXiv 2101.03961) as transformers'
+  load_balancing_loss_func computes it, coef * E * sum_e f_e P_e with the routing rows of every
+  MoE layer taken together, but over the whole step: f comes from the step-statistics pass
+  (pattern 2), so the term is the global batch's at any dp, accumulation and mode;
+- `z`: the router z-loss (Zoph et al., ST-MoE, arXiv 2202.08906), coef * logsumexp(logits)^2
+  summed over the MoE layers, a per-token sum over the valid tokens (pattern 1). Off by default:
+  Qwen3 was not trained with it.
+
+The statistics pass returns each MoE layer's expert counts and the routed tokens; the trainer sums
+them over the step and every rank, so they are also the expert load a log step reports
+(`expert_load`), with no collective of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.distributed.param_init import ParamInit
+from titanlite.models.attention import DocumentMask, attend, document_mask
+from titanlite.models.llama3.model import RMSNorm
+from titanlite.models.step import StepContext
+from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
+
+
+@dataclass(frozen=True)
+class Qwen3MoeArgs:
+    dim: int = 2048
+    """hidden size"""
+    n_layers: int = 48
+    """transformer blocks"""
+    n_heads: int = 32
+    """query heads"""
+    n_kv_heads: int = 4
+    """key/value heads (grouped-query attention)"""
+    head_dim: int = 128
+    """features per head (n_heads x head_dim need not be dim)"""
+    experts: int = 128
+    """experts in each MoE layer"""
+    top_k: int = 8
+    """experts each token is routed to"""
+    moe_hidden: int = 768
+    """each expert's SwiGLU width (HF's moe_intermediate_size)"""
+    dense_hidden: int = 6144
+    """the SwiGLU width of a dense layer (HF's intermediate_size)"""
+    dense_layers: tuple[int, ...] = ()
+    """layers with a dense SwiGLU MLP instead of experts (HF's mlp_only_layers, decoder_sparse_step)"""
+    norm_topk_prob: bool = True
+    """renormalise the chosen experts' probabilities to sum to 1"""
+    aux_loss_coef: float = 0.001
+    """load-balancing loss coefficient (HF's router_aux_loss_coef; 0: none)"""
+    z_loss_coef: float = 0.0
+    """router z-loss coefficient (0: none)"""
+    experts_impl: str = "auto"
+    """loop: one matmul pair per expert; grouped: torch's grouped_mm; auto: grouped on CUDA where torch has it"""
+    norm_eps: float = 1e-6
+    """RMSNorm epsilon"""
+    rope_theta: float = 1_000_000.0
+    """RoPE base"""
+    vocab_size: int = -1
+    """filled in from the tokenizer or config.json"""
+    max_seq_len: int = 4096
+    """filled in from training.seq_len"""
+    tie_embeddings: bool = False
+    """output head shares the embedding's weight"""
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if i not in self.dense_layers]
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE with the head's first half rotated against its second (transformers' rotate_half).
+    x: [B, S, heads, head_dim]; cos, sin: [1 or B, S, 1, head_dim / 2]."""
+    xf = x.float()
+    a, b = xf.chunk(2, dim=-1)
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        if args.n_heads % args.n_kv_heads:
+            raise ValueError("n_heads must divide by n_kv_heads")
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim))
+        k = self.k_norm(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim))
+        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
+        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:  # grouped-query attention: each k/v head serves `rep` query heads
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU, for the layers without experts."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)), None
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked as transformers 5 holds them: `gate_up` [E, 2 x hidden, dim]
+    (gate rows first) and `down` [E, dim, hidden]. FSDP shards them over the experts.
+
+    Each token's k routing slots are sorted by expert, so each expert reads one contiguous run
+    of rows. Two ways to run the runs, the same sums: `loop`, one matmul pair per expert in
+    expert order on every rank (an expert with no tokens runs on an empty run, so every
+    parameter takes part in every step, as DDP's reducer and FSDP's hooks need; its run lengths
+    are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
+    grouped_mm calls over all experts with the offsets on the device (no host read)."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.n = args.experts
+        self.gate_up = nn.Parameter(torch.empty(args.experts, 2 * args.moe_hidden, args.dim))
+        self.down = nn.Parameter(torch.empty(args.experts, args.dim, args.moe_hidden))
+        self.impl = args.experts_impl
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        return x.is_cuda and grouped_mm_available()
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # routing slots by expert, token order within one
+        rows = x[order // chosen.shape[1]]  # [T x k, dim]
+        counts = torch.zeros(self.n, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        if self.grouped(x):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offsets).chunk(2, -1)
+            out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offsets)
+        else:
+            outs = []
+            for e, run in enumerate(rows.split(counts.tolist())):
+                gate, up = (run @ self.gate_up[e].T).chunk(2, -1)
+                outs.append((F.silu(gate) * up) @ self.down[e].T)
+            out = torch.cat(outs)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        return torch.zeros_like(x).index_add_(0, order // chosen.shape[1], out)
+
+
+class MoE(nn.Module):
+    """Top-k routing (softmax over the experts in fp32, the k largest, optionally renormalised)
+    into the experts. Returns the output and the router logits [B x S, E]."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
+        self.router = nn.Linear(args.dim, args.experts, bias=False)
+        self.experts = Experts(args)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.flatten(0, 1)
+        logits = self.router(flat)
+        top, chosen = logits.float().softmax(-1).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        out = self.experts(flat, chosen, top.to(x.dtype))
+        return out.view_as(x), logits
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id: int, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        dense = layer_id in args.dense_layers
+        self.mlp = DenseMLP(args.dim, args.dense_hidden) if dense else MoE(args)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block's output and its router logits (None in a dense layer)."""
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        out, logits = self.mlp(self.mlp_norm(h))
+        return h + out, logits
+
+    def init_weights(self, init: ParamInit) -> None:
+        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))  # residual outputs scaled by depth
+        a = self.attention
+        for w in (a.wq.weight, a.wk.weight, a.wv.weight):
+            init.trunc_normal_(w, 0.02)
+        init.trunc_normal_(a.wo.weight, out_std)
+        for norm in (self.attention_norm, self.mlp_norm, a.q_norm, a.k_norm):
+            init.constant_(norm.weight, 1.0)
+        if isinstance(self.mlp, MoE):
+            init.trunc_normal_(self.mlp.router.weight, 0.02)
+            init.trunc_normal_(self.mlp.experts.gate_up, 0.02)
+            init.trunc_normal_(self.mlp.experts.down, out_std)
+        else:
+            init.trunc_normal_(self.mlp.w1.weight, 0.02)
+            init.trunc_normal_(self.mlp.w3.weight, 0.02)
+            init.trunc_normal_(self.mlp.w2.weight, out_std)
+
+
+class Qwen3Moe(nn.Module):
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError("Qwen3MoeArgs.vocab_size must be set (it comes from the tokenizer)")
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(i, args) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
+        self._init_rope()
+
+    def _init_rope(self) -> None:
+        device = self.tok_embeddings.weight.device
+        half = torch.arange(0, self.args.head_dim, 2, device=device).float() / self.args.head_dim
+        freqs = 1.0 / self.args.rope_theta**half
+        angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), freqs)
+        self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
+
+    def init_weights(self, init: ParamInit) -> None:
+        self._init_rope()
+        out_std = self.args.dim**-0.5
+        if self.args.tie_embeddings:
+            init.trunc_normal_(self.tok_embeddings.weight, out_std)
+        else:
+            init.normal_(self.tok_embeddings.weight, 1.0)
+            init.trunc_normal_(self.output.weight, out_std)
+        for layer in self.layers:
+            layer.init_weights(init)
+        init.constant_(self.norm.weight, 1.0)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        loss_chunk: int = 0,
+        positions: torch.Tensor | None = None,
+        step: StepContext | None = None,
+    ):
+        """Logits; with `labels`, each sequence's summed cross entropy (the output projection run
+        `loss_chunk` positions at a time, here in the root's forward where FSDP has it
+        unsharded), and in training (`step`) the loss terms beside it; in the statistics pass
+        (`step.counting`) this microbatch's routing counts (`routing_counts`). `positions`
+        [B, S]: each token's position in its document (0 starts one); None: one causal
+        sequence."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}"
+            )
+        if positions is None:
+            cos, sin = self.rope_cos[None, :seqlen, None], self.rope_sin[None, :seqlen, None]
+            mask = None
+        else:
+            cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
+            mask = document_mask(positions)
+        h = self.tok_embeddings(tokens)
+        router_logits = []
+        for layer in self.layers:
+            h, logits = layer(h, cos, sin, mask)
+            if logits is not None:
+                router_logits.append(logits)
+        if step is not None and step.counting:
+            return self.routing_counts(router_logits)
+        h = self.norm(h)
+        if labels is None:
+            return self.output(h)
+        ce = chunked_cross_entropy_per_sample(h, self.output.weight, labels, loss_chunk)
+        if step is None or not router_logits:  # eval reads the cross entropy alone
+            return ce
+        terms = {}
+        if self.args.aux_loss_coef:
+            terms["aux"] = self.balance_loss(router_logits, tokens.shape, step)
+        if self.args.z_loss_coef:
+            valid = (labels != IGNORE_INDEX).flatten()
+            z = sum(logits.float().logsumexp(-1) ** 2 for logits in router_logits) * valid
+            terms["z"] = self.args.z_loss_coef * z.view(labels.shape).sum(1)
+        return ce, terms
+
+    def routing_counts(self, router_logits: list[torch.Tensor]) -> torch.Tensor:
+        """[each MoE layer's expert counts (layers x E), routed tokens] as int64: how many of
+        this microbatch's routing slots chose each expert in each layer, and its tokens."""
+        counts = []
+        for logits in router_logits:
+            chosen = logits.float().softmax(-1).topk(self.args.top_k, dim=-1).indices.flatten()
+            per_expert = torch.zeros(self.args.experts, dtype=torch.int64, device=chosen.device)
+            counts.append(per_expert.index_add_(0, chosen, torch.ones_like(chosen)))
+        tokens = torch.full((1,), len(router_logits[0]), dtype=torch.int64, device=chosen.device)
+        return torch.cat([*counts, tokens])
+
+    def balance_loss(
+        self, router_logits: list[torch.Tensor], shape: torch.Size, step: StepContext
+    ) -> torch.Tensor:
+        """Each sequence's share of coef * E * sum_e f_e P_e over the step's routing rows R
+        (tokens x MoE layers): f_e the share of the step's routing slots that chose e (from the
+        statistics), P_e the mean probability of e over R. As per-token sums scaled by N / R, the
+        trainer's division by N leaves exactly the step's term (pattern 2)."""
+        stats = step.statistics
+        counts, tokens = stats[:-1].view(len(router_logits), -1).sum(0), stats[-1]
+        rows = tokens * len(router_logits)
+        f = counts.float() / rows
+        probs = sum(logits.float().softmax(-1) for logits in router_logits)  # [B x S, E]
+        per_token = (probs * f).sum(-1).view(shape)
+        return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * (step.tokens / rows)
+
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6 per active non-embedding parameter (a token meets its k
+        experts, not all E) plus attention's 12 x layers x heads x head_dim x S."""
+        a = self.args
+        active = self.output.weight.numel() + self.norm.weight.numel()
+        for layer in self.layers:
+            active += sum(p.numel() for n, p in layer.named_parameters() if "experts" not in n)
+            if isinstance(layer.mlp, MoE):
+                active += a.top_k * 3 * a.moe_hidden * a.dim
+        return 6 * active + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
