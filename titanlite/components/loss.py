@@ -92,7 +92,8 @@ def step_statistics(
     with torch.no_grad():
         for m, batch in enumerate(micro):
             # the same inputs as the training forward: with dropout keyed by sample, the same masks
-            out = model(batch.inputs, step=balancer.context(m, counting=True), **_inputs(batch))
+            context = balancer.context(m, counting=True)
+            out = model(batch.inputs, labels=batch.labels, step=context, **_inputs(batch))
             if not isinstance(out, torch.Tensor) or out.ndim != 1:
                 raise TrainingError(
                     f"the model's statistics pass returned {getattr(out, 'shape', type(out).__name__)}; with "

@@ -36,7 +36,8 @@ contract for a registered model:
   training (the normaliser's group, the microbatch index, the accumulation count, the step's
   valid tokens as a device tensor, a counted SUM all-reduce); None elsewhere. With
   `step_statistics=True` in its ModelSpec the trainer first runs the forward without gradient
-  on every microbatch of the step with `step.counting` set, expecting this microbatch's
+  on every microbatch of the step with `step.counting` set (and the microbatch's labels and
+  positions, as in training: which tokens count is the model's to say), expecting this microbatch's
   statistics (a 1-D tensor), and hands their sum over the step to every training forward as
   `step.statistics`;
 - the root rule: the output head and the loss run inside the root module's own forward (as
@@ -287,10 +288,11 @@ def _check_capabilities(spec: ModelSpec, cfg: JobConfig, chunked: bool) -> None:
             f"(its ModelSpec.axes: {list(spec.axes)}); remove the axis, or declare it and split "
             "attention over it in the model (the sequence-split rule in titanlite/models/registry.py)"
         )
-    if spec.step_statistics and "step" not in takes:
+    if spec.step_statistics and not {"step", "labels"} <= takes.keys():
         raise UserError(
             f"model '{spec.name}' asks for step statistics (ModelSpec.step_statistics) but its forward takes "
-            "no step; give it forward(tokens, ..., step=None) (titanlite/models/step.py), or drop the flag"
+            "no step or no labels; give it forward(tokens, labels=None, ..., step=None) "
+            "(titanlite/models/step.py), or drop the flag"
         )
     if chunked and not {"labels", "loss_chunk"} <= takes.keys():
         raise UserError(

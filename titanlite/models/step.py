@@ -19,7 +19,8 @@ tests/fork_moe.py:
    a per-token sum the trainer's division makes exact, given the step's f and T. A rank cannot
    see its later microbatches' routing before its first backward, so the model opts in
    (`ModelSpec.step_statistics = True`) to a no-grad pass over all of the step's microbatches
-   before the first training forward: each call has `step.counting` set and returns this
+   before the first training forward: each call has `step.counting` set (and the labels and
+   positions of a training forward, so it can say which tokens count) and returns this
    microbatch's statistics (a 1-D tensor: the expert counts and T), which the trainer sums over
    the microbatches and the data-parallel ranks in the normaliser's all-reduce and hands to
    every training forward as `step.statistics`. Exact at any dp, accumulation and mode; it

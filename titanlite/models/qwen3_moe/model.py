@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from titanlite.distributed.param_init import ParamInit
-from titanlite.models.attention import DocumentMask, attend, document_mask
+from titanlite.models.attention import DocumentMask, attend, document_ids, document_mask
 from titanlite.models.llama3.model import RMSNorm
 from titanlite.models.step import StepContext
 from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
@@ -232,6 +232,25 @@ class Block(nn.Module):
             init.trunc_normal_(self.mlp.w2.weight, out_std)
 
 
+def routed_tokens(labels: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """[B, S] bool: the tokens the load-balancing loss counts, every position of a document up
+    to its last trained token (a label other than IGNORE_INDEX). Prompts count, padding (which
+    no trained token follows) does not: transformers' load_balancing_loss_func given the
+    attention mask, for records that end in a trained token. In pretraining every token counts.
+    Documents are rows, or with `positions` the runs that start at each 0."""
+    valid = (labels != IGNORE_INDEX).long()
+    ahead = valid.flip(-1).cumsum(-1).flip(-1)  # trained tokens at t or after it in the row
+    if positions is None:
+        return ahead > 0
+    docs = document_ids(positions)  # 1, 2, ... along the row
+    per_doc = torch.zeros(
+        *docs.shape[:-1], docs.shape[-1] + 2, dtype=torch.long, device=docs.device
+    )
+    per_doc.scatter_add_(-1, docs, valid)
+    later = per_doc.flip(-1).cumsum(-1).flip(-1).gather(-1, docs + 1)  # in the documents after t's
+    return ahead - later > 0
+
+
 class Qwen3Moe(nn.Module):
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
@@ -299,7 +318,9 @@ class Qwen3Moe(nn.Module):
             if logits is not None:
                 router_logits.append(logits)
         if step is not None and step.counting:
-            return self.routing_counts(router_logits)
+            every = torch.ones_like(tokens, dtype=torch.bool)
+            routed = every if labels is None else routed_tokens(labels, positions)
+            return self.routing_counts(router_logits, routed)
         h = self.norm(h)
         if labels is None:
             return self.output(h)
@@ -308,37 +329,41 @@ class Qwen3Moe(nn.Module):
             return ce
         terms = {}
         if self.args.aux_loss_coef:
-            terms["aux"] = self.balance_loss(router_logits, tokens.shape, step)
+            routed = routed_tokens(labels, positions)
+            terms["aux"] = self.balance_loss(router_logits, routed, step)
         if self.args.z_loss_coef:
             valid = (labels != IGNORE_INDEX).flatten()
             z = sum(logits.float().logsumexp(-1) ** 2 for logits in router_logits) * valid
             terms["z"] = self.args.z_loss_coef * z.view(labels.shape).sum(1)
         return ce, terms
 
-    def routing_counts(self, router_logits: list[torch.Tensor]) -> torch.Tensor:
+    def routing_counts(
+        self, router_logits: list[torch.Tensor], routed: torch.Tensor
+    ) -> torch.Tensor:
         """[each MoE layer's expert counts (layers x E), routed tokens] as int64: how many of
-        this microbatch's routing slots chose each expert in each layer, and its tokens."""
+        this microbatch's routing slots chose each expert in each layer, and its tokens, over
+        the tokens `routed` [B, S] marks."""
+        weight = routed.flatten().long()[:, None].expand(-1, self.args.top_k).flatten()
         counts = []
         for logits in router_logits:
             chosen = logits.float().softmax(-1).topk(self.args.top_k, dim=-1).indices.flatten()
             per_expert = torch.zeros(self.args.experts, dtype=torch.int64, device=chosen.device)
-            counts.append(per_expert.index_add_(0, chosen, torch.ones_like(chosen)))
-        tokens = torch.full((1,), len(router_logits[0]), dtype=torch.int64, device=chosen.device)
-        return torch.cat([*counts, tokens])
+            counts.append(per_expert.index_add_(0, chosen, weight))
+        return torch.cat([*counts, routed.sum().long()[None]])
 
     def balance_loss(
-        self, router_logits: list[torch.Tensor], shape: torch.Size, step: StepContext
+        self, router_logits: list[torch.Tensor], routed: torch.Tensor, step: StepContext
     ) -> torch.Tensor:
-        """Each sequence's share of coef * E * sum_e f_e P_e over the step's routing rows R
-        (tokens x MoE layers): f_e the share of the step's routing slots that chose e (from the
-        statistics), P_e the mean probability of e over R. As per-token sums scaled by N / R, the
-        trainer's division by N leaves exactly the step's term (pattern 2)."""
+        """Each sequence's share of coef * E * sum_e f_e P_e over the step's routing rows R (its
+        routed tokens x MoE layers): f_e the share of the step's routing slots that chose e
+        (from the statistics), P_e the mean probability of e over R. As per-token sums scaled by
+        N / R, the trainer's division by N leaves exactly the step's term (pattern 2)."""
         stats = step.statistics
         counts, tokens = stats[:-1].view(len(router_logits), -1).sum(0), stats[-1]
         rows = tokens * len(router_logits)
         f = counts.float() / rows
         probs = sum(logits.float().softmax(-1) for logits in router_logits)  # [B x S, E]
-        per_token = (probs * f).sum(-1).view(shape)
+        per_token = (probs * f).sum(-1).view(routed.shape) * routed
         return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * (step.tokens / rows)
 
     def num_flops_per_token(self, seq_len: int) -> int:
