@@ -137,18 +137,31 @@ class MoELM(nn.Module):
         return ce, terms
 
     def routing_counts(self, logits: torch.Tensor) -> torch.Tensor:
-        """[expert counts..., routing rows]: how many of the microbatch's routing slots chose each
-        expert, and its rows (tokens x layers), as int64, which the normaliser's all-reduce sums."""
+        """[expert counts of each layer (layers x experts)..., routing rows]: how many of the
+        microbatch's routing slots chose each expert in each layer, and its rows (tokens x
+        layers), as int64, which the normaliser's all-reduce sums."""
         chosen = logits.float().softmax(-1).topk(self.args.top_k, dim=-1).indices
-        counts = torch.bincount(chosen.flatten(), minlength=self.args.experts)
+        layer = torch.arange(self.args.n_layers, device=logits.device)[:, None]
+        slots = (
+            chosen + layer * self.args.experts
+        )  # [B, S, layers, k]: one bin per layer and expert
+        counts = torch.bincount(slots.flatten(), minlength=self.args.n_layers * self.args.experts)
         rows = torch.tensor([logits[..., 0].numel()], device=logits.device)
         return torch.cat([counts, rows])
 
+    def expert_load(self, statistics: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The contract's optional expert load: each layer's share of its routing slots per
+        expert, from statistics summed over steps, on the device."""
+        counts = statistics[:-1].view(self.args.n_layers, self.args.experts).double()
+        shares = counts / counts.sum(-1, keepdim=True)
+        return {str(i): row for i, row in enumerate(shares)}
+
     def balance_loss(self, logits: torch.Tensor, step: StepContext) -> torch.Tensor:
         """Each sequence's share of coef * E * sum_e f_e P_e over the step (pattern 2): f from
-        the step's statistics, the per-token sum scaled by N / T so that the trainer's division
-        by N leaves the mean over the step's T routing rows."""
-        counts, rows = step.statistics[:-1], step.statistics[-1]
+        the step's statistics (the layers' counts together), the per-token sum scaled by N / T so
+        that the trainer's division by N leaves the mean over the step's T routing rows."""
+        counts = step.statistics[:-1].view(self.args.n_layers, -1).sum(0)
+        rows = step.statistics[-1]
         f = counts.float() / rows
         probs = logits.float().softmax(-1)
         per_token = self.args.experts * (probs * f).sum(-1)  # [B, S, layers]

@@ -19,7 +19,8 @@ blocks and the root), L blocks, B DDP buckets:
   of the reduced shards) and adds a gather and a Gram all-reduce on its own group;
   `sketch` keeps the reduction and gathers twice on its own group (statistics, sketches); an
   unmeasured step issues nothing extra;
-- a log step reads the metrics with one all-reduce, whatever the configuration.
+- a log step reads the metrics with one all-reduce, whatever the configuration (a mixture of
+  experts' expert load included: it rides the metrics' read).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def test_no_host_sync_outside_log_steps(counts):
         # The instrument works: each of the 4 log steps (1, 3, 6, 7) reads the trainer's metrics
         # once and the diagnostics' once.
         assert phases["log"] == {"tolist": 8}, (case, phases)
+    # Qwen3-MoE (train_configs/debug_moe.toml): its expert load rides the same reads
+    assert counts["qwen3_moe"]["log"] == {"tolist": 8}, counts["qwen3_moe"]
 
 
 RS = "alltoall_base"  # FSDP's reduce-scatter as titanlite does it on gloo
@@ -136,3 +139,33 @@ def test_window_mean_leaves_out_skipped_steps(counts):
     assert recs[3]["loss_window_mean"] == pytest.approx(recs[3]["loss"], rel=1e-12)
     assert recs[6]["skipped_steps"] == 1 and recs[6]["loss_window_steps"] == 2
     assert recs[7]["loss_window_mean"] == pytest.approx(recs[7]["loss"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "run, layers, experts, top_k",
+    [("moe_metrics", 2, 4, 2), ("qwen3_moe_metrics", 4, 8, 2)],
+)
+def test_a_mixture_of_experts_reports_its_expert_load_at_log_steps(
+    counts, run, layers, experts, top_k
+):
+    """tests/fork_moe.py and Qwen3-MoE (train_configs/debug_moe.toml) in training: every log
+    step's row (1, 3, 6, 7) holds the expert load of its window per MoE layer, read with the
+    log step's reads above; the other rows hold none. The figures agree with each other: the
+    worst layer has the largest max/min, the most loaded expert holds at least an even share
+    and at most 1/top_k of a layer's slots (a token picks an expert once), the least at most an
+    even share."""
+    rows = {r["step"]: r for r in counts[run]}
+    logged = {s for s, r in rows.items() if r["row"] == "log"}
+    assert logged == {1, 3, 6, 7} and {s for s, r in rows.items() if "expert_load" in r} == logged
+    names = [str(i) for i in range(layers)]
+    for step in sorted(logged):
+        load = rows[step]["expert_load"]
+        assert list(load["max_min"]) == list(load["cv"]) == names, (step, load)
+        assert all(x >= 1 for x in load["max_min"].values()), (step, load)
+        assert all(0 <= x < 1 for x in load["cv"].values()), (step, load)
+        assert load["max_min"][load["worst"]] == max(load["max_min"].values()), (step, load)
+        most, least = load["most"], load["least"]
+        assert 1 <= most["x_even"] <= experts / top_k and 0 <= least["x_even"] <= 1, (step, load)
+        assert most["share"] == pytest.approx(most["x_even"] / experts, rel=1e-12)
+        assert {most["layer"], least["layer"]} <= set(names), (step, load)
+        assert 0 <= most["expert"] < experts and 0 <= least["expert"] < experts, (step, load)

@@ -136,7 +136,7 @@ class Trainer:
             self.device,
             dims.param_dtype,
         )
-        self.window = StepWindow()
+        self.window = StepWindow.of(self.model, self.balancer.statistics)
         self.last_step = min(t.steps, s) if (s := cfg.debug.stop_after_step) > 0 else t.steps
 
     # ---- the step -------------------------------------------------------------------------------

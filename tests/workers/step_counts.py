@@ -12,13 +12,16 @@ collectives: per case, the collectives of one ordinary step (step 3: DDP rebuild
 
 metrics: the metrics.jsonl records of the DDP host-sync run (log steps 1, 3, 6, 7; steps 2 and
     5 have no valid token, so their updates are skipped). The "moe" cases: tests/fork_moe.py, its
-    loss terms and its step-statistics pass.
+    loss terms, its step-statistics pass and its expert load; moe_metrics and qwen3_moe_metrics:
+    the records of its host-sync run and of train_configs/debug_moe.toml's (host_syncs
+    "qwen3_moe"), the same steps.
 golden: first, before anything is counted, the golden-curve cases of scripts/golden_losses.py
     (this torchrun is launched with its pins) and the deliberately reordered case, with the
     identity (torch, machine, data, the kernels' hashes) that decides a bitwise comparison.
 
-Writes {"host_syncs": {case: {phase: counts}}, "collectives": {case: {...}}, "metrics": [...],
-"golden": {"identity", "curves", "reordered"}} (rank 0).
+Writes {"host_syncs": {case: {phase: counts}}, "qwen3_moe": {phase: counts}, "collectives":
+{case: {...}}, "metrics": [...], "moe_metrics": [...], "qwen3_moe_metrics": [...], "golden":
+{"identity", "curves", "reordered"}} (rank 0).
 """
 
 from __future__ import annotations
@@ -44,11 +47,13 @@ HSDP = ["--parallelism.dp_replicate", "2"]
 MOE = ["--model.name", "fork_moe", "--model.import_module", "fork_moe", "--model.flavor", "tiny"]
 
 
-def trainer(out_dir: str, name: str, *overrides: str) -> Trainer:
+def trainer(
+    out_dir: str, name: str, *overrides: str, config: str = "train_configs/debug_model.toml"
+) -> Trainer:
     cfg, _ = parse_args(
         [
             "--config",
-            "train_configs/debug_model.toml",
+            config,
             "--training.steps",
             "7",
             "--metrics.log_every",
@@ -71,8 +76,8 @@ def trainer(out_dir: str, name: str, *overrides: str) -> Trainer:
     return Trainer(cfg)
 
 
-def host_syncs(out_dir: str, name: str, *overrides: str) -> dict:
-    t = trainer(out_dir, name, *overrides)
+def host_syncs(out_dir: str, name: str, *overrides: str, **config: str) -> dict:
+    t = trainer(out_dir, name, *overrides, **config)
     HOST.counts.clear()
     log = t._log
 
@@ -169,6 +174,9 @@ def main() -> None:
             ),
             "fsdp_moe": host_syncs(out_dir, "h-moe", *MOE),
         },
+        # train_configs/debug_moe.toml (Qwen3-MoE): its experts' loop reads run lengths on the
+        # host (free on a CPU), so only its log steps' reads are compared
+        "qwen3_moe": host_syncs(out_dir, "h-qwen3-moe", config="train_configs/debug_moe.toml"),
         "collectives": {
             name: collectives(out_dir, f"c-{name}", *extra)
             for name, extra in {
@@ -211,8 +219,13 @@ def main() -> None:
         },
     }
     if dist.get_rank() == 0:
-        lines = (Path(out_dir) / "h-ddp" / "metrics.jsonl").read_text().splitlines()
-        results["metrics"] = [json.loads(line) for line in lines]
+        for key, run in (
+            ("metrics", "h-ddp"),
+            ("moe_metrics", "h-moe"),
+            ("qwen3_moe_metrics", "h-qwen3-moe"),
+        ):
+            lines = (Path(out_dir) / run / "metrics.jsonl").read_text().splitlines()
+            results[key] = [json.loads(line) for line in lines]
         results["golden"] = golden_runs
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

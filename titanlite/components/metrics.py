@@ -44,6 +44,9 @@ FIRST_TAGS = {
 
 # The loss terms a model adds (a training row's "terms") and their sum with the loss, next after them.
 TERM_TAGS = "5_loss_terms"
+# A mixture of experts' load per MoE layer (a log row's "expert_load"): <LOAD_TAGS>/max_min/<layer>
+# and <LOAD_TAGS>/cv/<layer> (components/expert_load.py).
+LOAD_TAGS = "6_expert_load"
 
 
 def _scalar(value: Any) -> bool:
@@ -52,7 +55,8 @@ def _scalar(value: Any) -> bool:
 
 def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
     """tag -> value for every number of a record but its step and version: `<prefix>/<key>` or its
-    FIRST_TAGS name, a training row's loss terms under TERM_TAGS. Every sink gets these keys."""
+    FIRST_TAGS name, a training row's loss terms under TERM_TAGS and expert load under
+    LOAD_TAGS. Every sink gets these keys."""
     out = {}
     for key, value in rec.items():
         if key not in ("step", "version", "loss_total") and _scalar(value):
@@ -62,6 +66,10 @@ def scalar_tags(prefix: str, rec: dict[str, Any]) -> dict[str, float]:
         out.update({f"{TERM_TAGS}/{name}": v for name, v in rec["terms"].items() if _scalar(v)})
         if _scalar(rec.get("loss_total")):
             out[f"{TERM_TAGS}/total"] = rec["loss_total"]
+    if prefix == "train" and isinstance(rec.get("expert_load"), dict):
+        for figure in ("max_min", "cv"):
+            per_layer = rec["expert_load"][figure].items()
+            out.update({f"{LOAD_TAGS}/{figure}/{layer}": v for layer, v in per_layer if _scalar(v)})
     return out
 
 

@@ -1,17 +1,21 @@
 """The steps since the last log step, kept as device tensors and read on the host once there:
 one all-reduce sums the loss shares over ranks (titanlite.components.loss) and one host read
-takes everything, so every step gets its row in metrics.jsonl at no extra cost.
+takes everything, so every step gets its row in metrics.jsonl at no extra cost; a
+mixture-of-experts model's expert load (components/expert_load.py) rides the same read.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
+from titanlite.components.expert_load import ExpertLoad, load_record
 from titanlite.distributed.utils import peak_flops
 from titanlite.errors import TrainingError
 from titanlite.tools.instrument import readback
@@ -36,6 +40,8 @@ class WindowRecord:
     guard: list[list[float] | None] | None = None
     # each step's named loss terms the model adds, global like the loss ({}: none)
     terms: list[dict[str, float]] | None = None
+    # the window's expert load (expert_load.load_record; None: the model reports none)
+    expert_load: dict | None = None
 
     def check_skips(self, spike_steps: set[int], dp_size: int) -> None:
         """A non-finite loss stops the run; every other skipped step (but the spike guard's,
@@ -89,6 +95,8 @@ class WindowRecord:
             elapsed_s=elapsed_s,
             eta_s=(run.total_steps - log["step"]) * window_s / n,
         )
+        if self.expert_load is not None:
+            log["expert_load"] = self.expert_load
         if run.flops_per_token:
             log["tflops"] = run.flops_per_token * tps / 1e12
             peak = peak_flops(run.device, run.param_dtype)
@@ -110,7 +118,8 @@ class RunRates:
 
 
 class StepWindow:
-    def __init__(self) -> None:
+    def __init__(self, load: ExpertLoad | None = None) -> None:
+        self._load = load  # the expert load of a model that reports one, summed on the device
         self._steps: list[int] = []
         self._shares: list[torch.Tensor] = []  # per step: [loss share, loss non-finite]
         self._norms: list[torch.Tensor] = []  # per step: [grad norm, valid tokens, update skipped]
@@ -119,6 +128,12 @@ class StepWindow:
         self._terms: list[str] | None = None  # the model's loss terms' names, in the shares' order
         # the last line the console showed; the last step added
         self._said = self._added = time.monotonic()
+
+    @classmethod
+    def of(cls, model: nn.Module, statistics: Callable[[], torch.Tensor | None]) -> StepWindow:
+        """The trainer's window, with the expert load when the model reports one (`statistics`:
+        the step's, LossBalancer.statistics)."""
+        return cls(ExpertLoad.of(model, statistics))
 
     def add(
         self,
@@ -150,6 +165,8 @@ class StepWindow:
         self._lrs.append(lr)
         if guard is not None:
             self._guard.append(guard)
+        if self._load is not None:
+            self._load.add()
         # a host clock, no device read: said before the next step would end past HEARTBEAT_S
         now = time.monotonic()
         last, self._added = now - self._added, now
@@ -165,7 +182,10 @@ class StepWindow:
         shared = torch.stack(self._shares).double()  # summed over ranks -> global values
         dist.all_reduce(shared, group=group)
         guarded = [torch.stack(self._guard)] if self._guard else []
-        shared, norms, *guard = readback([shared, torch.stack(self._norms), *guarded])
+        figures = self._load.take() if self._load is not None else None
+        loaded = [] if figures is None else [figures]
+        shared, norms, *rest = readback([shared, torch.stack(self._norms), *guarded, *loaded])
+        guard, load = rest[: len(guarded)], rest[len(guarded) :]
         record = WindowRecord(
             steps=list(self._steps),
             losses=[loss for loss, *_ in shared],
@@ -176,6 +196,7 @@ class StepWindow:
             tokens=[int(t) for _, t, _ in norms],
             lrs=list(self._lrs),
             terms=[dict(zip(self._terms, row[2:], strict=True)) for row in shared],
+            expert_load=load_record(self._load.names, load[0]) if load else None,
         )
         for kept in (self._steps, self._shares, self._guard, self._norms, self._lrs):
             kept.clear()

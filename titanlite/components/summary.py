@@ -29,6 +29,7 @@ def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") ->
         f"step {rec['step']:>{width}}/{total_steps}",
         "loss skipped" if rec["loss"] is None else f"loss {rec['loss']:.4f}",
         *([terms_text(rec)] if rec.get("terms") else []),
+        *([load_text(rec["expert_load"])] if rec.get("expert_load") else []),
         f"grad_norm {rec['grad_norm']:.3f}",
         f"lr {rec['lr']:.2e}",
         f"tok/s {rec['tokens_per_s']:,.0f}",
@@ -63,6 +64,30 @@ def terms_text(rec: dict[str, Any]) -> str:
     """A row's loss terms beside its loss (the cross entropy), and what the step minimised."""
     terms = ", ".join(f"{name} {value:.4g}" for name, value in rec["terms"].items())
     return f"{terms}, total {rec['loss_total']:.4f}"
+
+
+def load_text(load: dict[str, Any]) -> str:
+    """A log row's expert load in a few words: the most uneven layer's largest expert share over
+    its smallest (components/expert_load.py; inf: an expert of that layer got no token)."""
+    worst = load["worst"]
+    ratio = load["max_min"][worst]
+    return f"experts max/min {'inf' if ratio is None else f'{ratio:.1f}x'} (layer {worst})"
+
+
+def load_lines(rec: dict[str, Any]) -> list[str]:
+    """The summary's expert load: the most and the least loaded expert of the last log step's
+    window (components/expert_load.py)."""
+    load = rec.get("expert_load")
+    if not load:
+        return []
+
+    most, least = load["most"], load["least"]
+    return [
+        f"expert load at step {rec['step']} (its log window): most loaded expert {most['expert']} "
+        f"of layer {most['layer']} ({100 * most['share']:.1f}% of the layer's routing slots, "
+        f"{most['x_even']:.2f}x even); least loaded expert {least['expert']} of layer "
+        f"{least['layer']} ({100 * least['share']:.1f}%, {least['x_even']:.2f}x even); {load_text(load)}"
+    ]
 
 
 @dataclass
@@ -143,6 +168,7 @@ def summary_lines(
             lines.append(
                 f"loss terms at step {rec['step']}: {terms_text(rec)} (the loss above is the cross entropy)"
             )
+        lines += load_lines(rec)
     e, e0 = tally.last_eval, tally.start_eval
     if e is not None and e0 is not None and e is not e0:
         lines.append(

@@ -40,6 +40,14 @@ contract for a registered model:
   positions, as in training: which tokens count is the model's to say), expecting this microbatch's
   statistics (a 1-D tensor), and hands their sum over the step to every training forward as
   `step.statistics`;
+- optional expert load, for a mixture of experts with step statistics:
+  `model.expert_load(statistics) -> {layer name: shares[E]}` maps the statistics, summed over
+  the steps since the last log step, to each MoE layer's share of its routing slots per expert
+  (summing to 1), on the device without a host read (no `.item()`, no `.tolist()`); each log
+  step reports it with no collective and no host read of its own
+  (titanlite.components.expert_load: the most uneven layer's max/min share on the console, max/min
+  and the coefficient of variation per layer in metrics.jsonl and TensorBoard, the most and
+  least loaded expert in the summary);
 - the root rule: the output head and the loss run inside the root module's own forward (as
   above), never in a submodule FSDP wraps on its own or in a function after forward returns:
   FSDP gathers the root's parameters (embedding, final norm, head) for the root's forward and

@@ -26,7 +26,10 @@ tests/fork_moe.py:
    every training forward as `step.statistics`. Exact at any dp, accumulation and mode; it
    costs one more forward without gradient per microbatch (scripts/README.md, "Step
    statistics", has the measured cost). A model that gathers its statistics inside the training
-   forward with `step.all_reduce` is exact only at one microbatch per rank.
+   forward with `step.all_reduce` is exact only at one microbatch per rank. The same counts are
+   the expert load a log step reports: a model with `expert_load(statistics)` (the contract in
+   models/registry.py) gets their sum over the steps since the last log step and returns each
+   MoE layer's expert shares (titanlite.components.expert_load), so nothing more is gathered.
 3. The previous step's statistics (f from step t-1, kept in a buffer): invariant, since every
    rank sees the same previous step, and no extra forward, but not transformers' objective (its
    f is the current batch's), so its curve is not transformers' curve; say so where you use it.

@@ -351,6 +351,14 @@ class Qwen3Moe(nn.Module):
             counts.append(per_expert.index_add_(0, chosen, weight))
         return torch.cat([*counts, routed.sum().long()[None]])
 
+    def expert_load(self, statistics: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each MoE layer's (by its index in `layers`) share of its routing slots per expert,
+        from statistics summed over steps (`routing_counts`' layout): the load a log step
+        reports (titanlite.components.expert_load). On the device, no host read."""
+        counts = statistics[:-1].view(len(self.args.moe_layers), self.args.experts).double()
+        shares = counts / counts.sum(-1, keepdim=True)
+        return {str(i): row for i, row in zip(self.args.moe_layers, shares, strict=True)}
+
     def balance_loss(
         self, router_logits: list[torch.Tensor], routed: torch.Tensor, step: StepContext
     ) -> torch.Tensor:
