@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanlite.diagnostics.probe import CountSketch
-from titanlite.diagnostics.stats import PAIRS_KEPT, NoiseScale, rank_noise, step_metrics
+from titanlite.diagnostics.stats import (
+    PAIRS_KEPT,
+    NoiseScale,
+    rank_noise,
+    step_metrics,
+    term_metrics,
+)
 from titanlite.diagnostics.step_record import (
     PER_SEQUENCE,
     SCALARS,
@@ -282,6 +288,32 @@ def test_a_measured_step_row_unpacks_by_name_what_was_packed():
         {"index": 6, "tokens": 0, "loss": None, "content": 0.75},
     ]
     assert len(step.pack()) == len(SCALARS) + n * len(PER_SEQUENCE)
+
+
+def test_a_models_loss_terms_ride_the_measured_row_and_get_their_spread():
+    """Each rank's shares of the model's loss terms (a mixture of experts' aux and z) travel in
+    the row the measured step gathers anyway, after SCALARS; pieces of a replica add up; each
+    rank's share as a token mean (share x N / n_r) and their spread over the ranks with tokens."""
+    rows = []
+    for r, (aux, z) in enumerate([(0.25, 0.5), (0.5, 0.0), (0.0, 0.25), (0.125, 0.0)]):
+        step = RankStep(
+            loss_sum=torch.tensor(1.0), tokens=torch.tensor(10.0 * r), norm_sq=torch.tensor(1.0),
+            order=torch.tensor([7.0]), times=torch.zeros(3), terms=torch.tensor([aux, z]),
+            sequence_loss_sums=torch.tensor([1.0]), sequence_tokens=torch.tensor([10.0 * r]),
+            sequence_index=torch.tensor([r]), sequence_content=torch.tensor([0.5]),
+        )  # fmt: skip
+        assert len(step.pack()) == len(SCALARS) + 2 + len(PER_SEQUENCE)
+        rows.append(unpack(step.pack().tolist(), terms=2))
+    assert [row["terms"] for row in rows] == [[0.25, 0.5], [0.5, 0.0], [0.0, 0.25], [0.125, 0.0]]
+    assert [RankRow.of(row).sequences[0]["index"] for row in rows] == [0, 1, 2, 3]
+    folded, _ = fold_replicas(rows, [[0.0] * 4] * 4, 2, True)
+    assert [RankRow.of(row).terms for row in folded] == [[0.75, 0.5], [0.125, 0.25]]
+    shares = [RankRow.of(row).terms for row in rows]
+    m = term_metrics(["aux", "z"], shares, [0.0, 10.0, 20.0, 30.0])  # N = 60; rank 0 empty
+    assert m["rank_terms"] == {"aux": [None, 3.0, 0.0, 0.25], "z": [None, 0.0, 0.75, 0.0]}
+    assert m["term_aux_std"] == pytest.approx(statistics.pstdev([3.0, 0.0, 0.25]))
+    assert m["term_z_std"] == pytest.approx(statistics.pstdev([0.0, 0.75, 0.0]))
+    assert term_metrics([], [[]] * 4, [1.0] * 4) == {}
 
 
 def _reference(tokens: list[float], gram: list[list[float]]) -> dict:

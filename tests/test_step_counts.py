@@ -153,7 +153,8 @@ def test_a_mixture_of_experts_reports_its_expert_load_at_log_steps(
     log step's reads above; the other rows hold none. The figures agree with each other: the
     worst layer has the largest max/min, the most loaded expert holds at least an even share
     and at most 1/top_k of a layer's slots (a token picks an expert once), the least at most an
-    even share."""
+    even share. The diagnostics' record of a measured step holds each loss term's spread over the
+    ranks beside the cross entropy's."""
     rows = {r["step"]: r for r in counts[run]}
     logged = {s for s, r in rows.items() if r["row"] == "log"}
     assert logged == {1, 3, 6, 7} and {s for s, r in rows.items() if "expert_load" in r} == logged
@@ -169,3 +170,6 @@ def test_a_mixture_of_experts_reports_its_expert_load_at_log_steps(
         assert most["share"] == pytest.approx(most["x_even"] / experts, rel=1e-12)
         assert {most["layer"], least["layer"]} <= set(names), (step, load)
         assert 0 <= most["expert"] < experts and 0 <= least["expert"] < experts, (step, load)
+        # the diagnostics (every log step here measures) add each loss term's spread over ranks
+        spread = {f"term_{name}_std" for name in rows[step]["terms"]}
+        assert spread and spread <= set(rows[step]["diag"]), (step, rows[step]["diag"])

@@ -21,7 +21,7 @@ from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.probe import GradProbe, install
 from titanlite.diagnostics.replicas import ReplicaCheck, gather
-from titanlite.diagnostics.stats import NoiseScale, step_metrics
+from titanlite.diagnostics.stats import NoiseScale, step_metrics, term_metrics
 from titanlite.diagnostics.step_record import (
     RECORD_VERSION,
     RankRow,
@@ -90,6 +90,7 @@ class Diagnostics:
         self.replicas: ReplicaCheck | None = None
         self.arrival: Arrival | None = None
         self._times = [float("nan")] * 3  # this measured step's Arrival times
+        self._terms: list[str] = []  # the model's loss terms, in the measured rows' order
         self.sampler = sampler
         if cfg.enable and self.world == 1:
             logger.info("diagnostics: off (they compare ranks, and dp = 1)")
@@ -176,6 +177,7 @@ class Diagnostics:
             sequence_content=content,
             order=order,
             times=times,
+            terms=s.terms,
         )
 
     def end_step(
@@ -189,21 +191,25 @@ class Diagnostics:
         sequence_content: torch.Tensor,
         order: torch.Tensor,
         times: torch.Tensor | None = None,
+        terms: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Start the async gathers of this measured step (step_record.RankStep's fields, per
-        sequence in microbatch order; `times`: NaN, none, unless given). Reads nothing on the host."""
+        sequence in microbatch order; `times`: NaN, none, unless given; `terms`: this rank's
+        shares of the model's loss terms, which ride the same gather). Reads nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
         sums, tokens = sequence_loss_sums.double(), sequence_tokens.double()
         if times is None:
             times = torch.full((3,), float("nan"), dtype=torch.float64, device=sums.device)
+        self._terms = list(terms or {})
         mine = RankStep(
             loss_sum=sums.sum(),
             tokens=tokens.sum(),
             norm_sq=self.probe.local_norm_sq(),
             order=order,
             times=times,
+            terms=torch.stack([t.double() for t in terms.values()]) if terms else None,
             sequence_loss_sums=sums,
             sequence_tokens=tokens,
             sequence_index=sequence_index,
@@ -280,7 +286,7 @@ class Diagnostics:
 
     def _record(self, step: int, got: dict) -> dict:
         """A measured step's diagnostics.jsonl record from what its gathers read back."""
-        rows = [unpack(row) for row in got["per_rank"]]
+        rows = [unpack(row, len(self._terms)) for row in got["per_rank"]]
         rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
         ranks = [RankRow.of(row) for row in rows]
         tokens, norms_sq = [r.tokens for r in ranks], [r.norm_sq for r in ranks]
@@ -291,6 +297,7 @@ class Diagnostics:
             "norms": "sketch" if self.per_microbatch else "exact",
         }
         rec.update(step_metrics([r.loss_sum for r in ranks], tokens, norms_sq, gram))
+        rec.update(term_metrics(self._terms, [r.terms for r in ranks], tokens))
         total = sum(tokens)
         rank_sq = [
             g * (total / n) ** 2 if n > 0 else 0.0 for g, n in zip(norms_sq, tokens, strict=True)

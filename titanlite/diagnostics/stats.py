@@ -27,6 +27,26 @@ def _pstd(xs: list[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in xs) / len(xs))
 
 
+def term_metrics(names: list[str], shares: list[list[float]], tokens: list[float]) -> dict:
+    """The loss terms a model adds, per rank as rank_loss is the cross entropy: rank r's share
+    of term k (its per-sequence sums over N) as a token mean, shares[r][k] N / n_r
+    (`rank_terms`, None without tokens), and their spread over the ranks with tokens
+    (`term_<name>_std`). {} when the model adds none."""
+    if not names:
+        return {}
+    total = sum(tokens)
+    live = [r for r in range(len(tokens)) if tokens[r] > 0]
+    out: dict = {"rank_terms": {}}
+    for k, name in enumerate(names):
+        per_rank = [
+            s[k] * total / n if n > 0 else None for s, n in zip(shares, tokens, strict=True)
+        ]
+        out["rank_terms"][name] = per_rank
+        if live:
+            out[f"term_{name}_std"] = _pstd([per_rank[r] for r in live])
+    return out
+
+
 def step_metrics(
     loss_sums: list[float],
     tokens: list[float],

@@ -1,12 +1,13 @@
 """What each rank contributes to a measured step: one float64 row (exact for the dataset indices
 and the order hash, below 2**53) for one all-gather, read back by name on the host: `unpack`,
-then `fold_replicas`, then `RankRow.of`. A row is SCALARS, then PER_SEQUENCE field by field."""
+then `fold_replicas`, then `RankRow.of`. A row is SCALARS, then the model's loss terms (as many
+as it adds, in their order), then PER_SEQUENCE field by field."""
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ class RankStep:
     norm_sq: torch.Tensor  # [] squared norm of what it contributes to the gradient reduction
     order: torch.Tensor  # [1] its sampler's hash of the global batch
     times: torch.Tensor  # [3] data loading, wait at the start barrier, step time (s; NaN: unknown)
+    # [k] its shares of the k loss terms the model adds (each divided by the step's N; None: none)
+    terms: torch.Tensor | None = None
     sequence_loss_sums: torch.Tensor  # [n] per sequence
     sequence_tokens: torch.Tensor  # [n]
     sequence_index: torch.Tensor  # [n] dataset indices
@@ -47,13 +50,16 @@ class RankStep:
 
     def pack(self) -> torch.Tensor:
         """The row (module doc), float64, on the tensors' device; reads nothing on the host."""
-        return torch.cat([getattr(self, f.name).double().reshape(-1) for f in fields(self)])
+        parts = [getattr(self, f.name) for f in fields(self)]
+        return torch.cat([t.double().reshape(-1) for t in parts if t is not None])
 
 
-def unpack(row: list[float]) -> dict[str, Any]:
-    """A packed row by name: each of SCALARS a number, each of PER_SEQUENCE a list."""
+def unpack(row: list[float], terms: int = 0) -> dict[str, Any]:
+    """A packed row of `terms` loss terms by name: each of SCALARS a number, "terms" and each of
+    PER_SEQUENCE a list."""
     out: dict[str, Any] = dict(zip(SCALARS, row[: len(SCALARS)], strict=True))
-    rest = row[len(SCALARS) :]
+    out["terms"] = row[len(SCALARS) : len(SCALARS) + terms]
+    rest = row[len(SCALARS) + terms :]
     n = len(rest) // len(PER_SEQUENCE)
     out.update({name: rest[i * n : (i + 1) * n] for i, name in enumerate(PER_SEQUENCE)})
     return out
@@ -71,6 +77,7 @@ class RankRow:
     wait_s: float | None
     step_s: float | None
     sequences: list[dict]  # index, tokens, token-mean loss (None without tokens), content
+    terms: list[float] = field(default_factory=list)  # its shares of the model's loss terms
 
     @classmethod
     def of(cls, row: dict[str, Any]) -> RankRow:
@@ -84,7 +91,8 @@ class RankRow:
             for s, t, i, c in zip(*(row[name] for name in PER_SEQUENCE), strict=True)
         ]
         head = {"loss_sum": row["loss_sum"], "tokens": row["tokens"], "norm_sq": row["norm_sq"]}
-        return cls(**head, order=int(row["order"]), **times, sequences=sequences)
+        terms = list(row.get("terms", []))
+        return cls(**head, order=int(row["order"]), **times, sequences=sequences, terms=terms)
 
 
 def _known(part: list[dict[str, Any]], key: str) -> list[float]:
@@ -118,6 +126,7 @@ def fold_replicas(
                 "wait_s": min(_known(part, "wait_s"), default=math.nan),
                 "step_s": max(_known(part, "step_s"), default=math.nan),
                 "sequence_index": part[0]["sequence_index"],
+                "terms": [sum(v) for v in zip(*(r.get("terms", []) for r in part), strict=True)],
                 **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},
             }
         )
