@@ -62,6 +62,20 @@ def test_an_expert_without_a_token_makes_its_layer_the_worst(model):
     assert record(model, statistics([0] * 4, [0] * 4)) is None
 
 
+def test_layers_of_different_expert_counts_each_get_their_figures():
+    """A fork's layers need not have one expert count: each layer's figures from its own
+    shares, the most and least loaded expert by its share over an even one (1 of 2 at 0.55 is
+    1.1x even, 1 of 4 at 0.4 is 1.6x; 0.45 of 2 is 0.9x, 0.2 of 4 is 0.8x)."""
+    shares = {
+        "a": torch.tensor([0.45, 0.55], dtype=torch.float64),
+        "b": torch.tensor([0.4, 0.2, 0.2, 0.2], dtype=torch.float64),
+    }
+    rec = load_record(list(shares), load_figures(shares).tolist())
+    assert rec["max_min"] == pytest.approx({"a": 0.55 / 0.45, "b": 2.0}) and rec["worst"] == "b"
+    assert rec["most"] == pytest.approx({"layer": "b", "expert": 0, "share": 0.4, "x_even": 1.6})
+    assert rec["least"] == pytest.approx({"layer": "b", "expert": 1, "share": 0.2, "x_even": 0.8})
+
+
 @pytest.fixture
 def one_process(tmp_path):
     store = dist.FileStore(str(tmp_path / "store"), 1)

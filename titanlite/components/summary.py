@@ -80,7 +80,6 @@ def load_lines(rec: dict[str, Any]) -> list[str]:
     load = rec.get("expert_load")
     if not load:
         return []
-
     most, least = load["most"], load["least"]
     return [
         f"expert load at step {rec['step']} (its log window): most loaded expert {most['expert']} "
