@@ -142,9 +142,8 @@ class MoELM(nn.Module):
         layers), as int64, which the normaliser's all-reduce sums."""
         chosen = logits.float().softmax(-1).topk(self.args.top_k, dim=-1).indices
         layer = torch.arange(self.args.n_layers, device=logits.device)[:, None]
-        slots = (
-            chosen + layer * self.args.experts
-        )  # [B, S, layers, k]: one bin per layer and expert
+        # [B, S, layers, k]: one bin per layer and expert
+        slots = chosen + layer * self.args.experts
         counts = torch.bincount(slots.flatten(), minlength=self.args.n_layers * self.args.experts)
         rows = torch.tensor([logits[..., 0].numel()], device=logits.device)
         return torch.cat([counts, rows])
