@@ -237,6 +237,21 @@ def test_every_loss_term_a_model_adds_is_exact_and_the_per_microbatch_formula_is
     assert passed == alone, sorted(passed ^ alone)
 
 
+def test_qwen3_moe_is_exact_at_every_layout(results):
+    """titanlite's Qwen3-MoE (flavors tiny and tiny_strong: two MoE layers around a dense one)
+    through scripts/check_model.py's cases at dp 1, 2 and 4: fsdp, ddp and hsdp at accumulation
+    1 and 2 on unequal tokens and on packed documents with the loss in chunks. The gradient, the
+    logged loss, the load-balancing term over the step (coefficients 0.001 and 0.1) and the
+    z-loss (with 0.1) equal one process's; so do the initial weights."""
+    for flavor, want in (("tiny", {"aux"}), ("tiny_strong", {"aux", "z"})):
+        checks = [results[w]["moe_checks"][f"qwen3_moe/{flavor}"] for w in WORLDS]
+        lines = verdicts(checks)
+        failed = [(what, detail) for what, ok, detail in lines if not ok]
+        terms = {what.split()[1] for what, _, _ in lines if what.startswith("term ")}
+        per_case = 1 + len(want)  # the gradient's line and a line per term
+        assert not failed and terms == want and len(lines) == per_case * 27 + 1, failed
+
+
 def test_a_context_parallel_fork_is_exact_at_every_split(results):
     """tests/fork_cp.py (Ulysses attention over the cp axis, written from the contract's
     sequence-split rule): at dp x cp = 1 x 2 and 2 x 2 in every mode, on unequal tokens and

@@ -8,7 +8,8 @@ once for the module (dp8_dp16). With --long: the dp=8 run's checkpoint of step 2
 new run folder, continues at dp=16 on the same curve; DDP and HSDP 2x4 at dp=8 give the FSDP dp=8
 run's curve. The naive local_mean control, dp=2 (one microbatch of 8) vs dp=4 (one of 4), 3
 steps, must fail the verdict and name the step. --localize names the module of each bug planted
-in tests/fork_planted.py and tests/fork_moe.py (three of the six with --long). (Accumulation
+in tests/fork_planted.py and tests/fork_moe.py (three of the six with --long). titanlite's
+Qwen3-MoE trains one curve with its loss terms at dp=1 and 2 (8 and 16 with --long). (Accumulation
 against a single process: tests/test_distributed.py.)
 """
 
@@ -381,6 +382,37 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
                 name: scalars[(f"5_loss_terms/{name}", r["step"])] for name in ("aux", "z", "total")
             }
             assert got == pytest.approx({**r["terms"], "total": r["loss_total"]}, rel=1e-6)
+
+
+# titanlite's Qwen3-MoE through its debug config at the model check's size (tiny_strong: the
+# load-balancing loss at 0.1 and a z-loss), global batch 16 of 32 tokens, 3 steps
+QWEN3_MOE = (
+    "--config", "train_configs/debug_moe.toml",
+    "--model.flavor", "tiny_strong",
+    "--training.global_batch_size", "16",
+    "--training.local_batch_size", "1",
+    "--training.seq_len", "32",
+    "--steps", "3",
+)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "dp", [("1", "2"), pytest.param(("8", "16"), marks=pytest.mark.long)], ids="-".join
+)
+def test_qwen3_moe_trains_one_curve_with_its_terms_at_any_dp(tmp_path, dp):
+    """The debug Qwen3-MoE at dp 1 and 2 (microbatches of one sequence: accumulation 16 and 8;
+    with --long dp 8 and 16, accumulation 2 and 1): the loss curve, both loss terms at every step
+    and every gradient at step 1 equal the first layout's (scripts/invariance.py's verdict). The
+    layouts' exactness at dp 4 and more cases: tests/test_distributed.py."""
+    proc, summary = invariance(tmp_path, "--dp", *dp, *QWEN3_MOE)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    comparisons = summary["comparisons"]
+    assert len(comparisons) == len(dp) - 1 and all(c["steps"] == 3 for c in comparisons)
+    judged = "(and the loss terms aux, z) <= rtol 1e-05"
+    assert proc.stdout.count(judged) == len(dp) - 1 and "FAIL" not in proc.stdout
+    assert all(set(r["terms"]) == {"aux", "z"} for c in comparisons for r in c["rows"])
+    assert proc.stdout.count("PASS gradient at step 1: ") == len(dp) - 1
 
 
 # tests/fork_cp.py (context parallelism from outside the package) through the trainer: packed

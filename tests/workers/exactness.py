@@ -12,7 +12,8 @@ restarting per record) against the reference of every record run as a sequence o
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
 model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
-cases (titanlite.analysis.model_check); "moe_checks": tests/fork_moe.py's loss terms the same way.
+cases (titanlite.analysis.model_check); "moe_checks": tests/fork_moe.py's loss terms the same way,
+and titanlite's Qwen3-MoE's.
 "golden_elsewhere" (world 4): scripts/golden_losses.py's first case run here, without its numerics
 pins, as another CPU runs it (tests/test_golden.py).
 "dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
@@ -323,6 +324,11 @@ def main() -> None:
             ("fork_moe", "strong"),
             ("fork_moe_local", "tiny"),
         )
+    }
+    # ... and the package's Qwen3-MoE at the model check's size, at both coefficients (~16 s in all)
+    moe |= {
+        f"qwen3_moe/{flavor}": check(["--model.name", "qwen3_moe", "--model.flavor", flavor])
+        for flavor in ("tiny", "tiny_strong")
     }
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).

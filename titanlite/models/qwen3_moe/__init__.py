@@ -18,11 +18,30 @@ _DEBUG = Qwen3MoeArgs(
     dense_hidden=512,
 )
 
+# the model check's size (scripts/check_model.py, the suite's exactness worker): two MoE layers
+# around a dense one (mlp_only_layers), 4 experts, 2 active; dims of 16 bytes' multiples, as
+# grouped_mm needs
+_TINY = Qwen3MoeArgs(
+    dim=32,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=8,
+    experts=4,
+    top_k=2,
+    moe_hidden=16,
+    dense_hidden=48,
+    dense_layers=(1,),
+)
+
 qwen3_moe_flavors = {
     # a few experts at tiny dims; the vocabulary comes from the tokenizer (2048 built in)
     "debugmodel": _DEBUG,
     # the same with a load-balancing coefficient 100 times transformers' default, and a z-loss
     "debugmodel_strong": replace(_DEBUG, aux_loss_coef=0.1, z_loss_coef=0.001),
+    # the debug flavors' coefficients at the model check's size
+    "tiny": _TINY,
+    "tiny_strong": replace(_TINY, aux_loss_coef=0.1, z_loss_coef=0.001),
     # Qwen3-30B-A3B (128 experts, 8 active: 30.5B parameters, 3.3B active)
     "30B-A3B": Qwen3MoeArgs(max_seq_len=4096),
 }

@@ -141,7 +141,9 @@ class Experts(nn.Module):
     expert order on every rank (an expert with no tokens runs on an empty run, so every
     parameter takes part in every step, as DDP's reducer and FSDP's hooks need; its run lengths
     are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
-    grouped_mm calls over all experts with the offsets on the device (no host read)."""
+    grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
+    whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
+    only in bfloat16, so `auto` runs the loop where a compiled block computes in float32."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
@@ -153,7 +155,9 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "grouped"
-        return x.is_cuda and grouped_mm_available()
+        # compiled, torch traces grouped_mm in bfloat16 only (its meta function checks the dtype)
+        traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+        return x.is_cuda and grouped_mm_available() and traceable
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
@@ -173,7 +177,8 @@ class Experts(nn.Module):
                 outs.append((F.silu(gate) * up) @ self.down[e].T)
             out = torch.cat(outs)
         out = out * weights.flatten()[order, None].to(out.dtype)
-        return torch.zeros_like(x).index_add_(0, order // chosen.shape[1], out)
+        # under autocast (DDP's bf16) the loop's matmuls give bf16 while x stays fp32
+        return torch.zeros_like(x).index_add_(0, order // chosen.shape[1], out.to(x.dtype))
 
 
 class MoE(nn.Module):
