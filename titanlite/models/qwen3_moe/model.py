@@ -62,7 +62,7 @@ class Qwen3MoeArgs:
     z_loss_coef: float = 0.0
     """router z-loss coefficient (0: none)"""
     experts_impl: str = "auto"
-    """loop: one matmul pair per expert; grouped: torch's grouped_mm; auto: grouped on CUDA where torch has it"""
+    """loop: one matmul pair per expert; grouped: torch's grouped_mm; auto: grouped on CUDA in bfloat16, else loop"""
     norm_eps: float = 1e-6
     """RMSNorm epsilon"""
     rope_theta: float = 1_000_000.0
@@ -143,7 +143,7 @@ class Experts(nn.Module):
     are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
     grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
     whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
-    only in bfloat16, so `auto` runs the loop where a compiled block computes in float32."""
+    only in bfloat16, so `auto` takes it on CUDA at bfloat16 parameters and the loop elsewhere."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
@@ -155,9 +155,9 @@ class Experts(nn.Module):
     def grouped(self, x: torch.Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "grouped"
-        # compiled, torch traces grouped_mm in bfloat16 only (its meta function checks the dtype)
-        traceable = x.dtype == torch.bfloat16 or not torch.compiler.is_compiling()
-        return x.is_cuda and grouped_mm_available() and traceable
+        # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
+        # compiles it in (its meta function checks); float32 and DDP's autocast run the loop
+        return x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_available()
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
