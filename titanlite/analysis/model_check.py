@@ -280,19 +280,19 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     hf_grads = saved_gradients(theirs)
     grad_err, worst = 0.0, ""
     for name, p in ours.named_parameters():
-        hf_name, grad = meta.spec.hf.to_hf(name, p.grad, meta.args)
-        if hf_name not in hf_grads:
-            raise UserError(
-                f"the adapter's to_hf maps {name} to '{hf_name}', which transformers does not save "
-                f"(it saves e.g. {next(iter(hf_grads))}); map to the names of the folder's safetensors"
-            )
-        if grad.shape != hf_grads[hf_name].shape:
-            raise UserError(
-                f"the adapter's to_hf gives {name} as {list(grad.shape)} but transformers saves '{hf_name}' as "
-                f"{list(hf_grads[hf_name].shape)}; to_hf must write the folder's layout (permutations, splits)"
-            )
-        err = ((grad - hf_grads[hf_name]).norm() / hf_grads[hf_name].norm()).item()
-        grad_err, worst = max((grad_err, worst), (err, hf_name))
+        for hf_name, grad in meta.spec.hf.write(name, p.grad, meta.args):
+            if hf_name not in hf_grads:
+                raise UserError(
+                    f"the adapter's to_hf maps {name} to '{hf_name}', which transformers does not save "
+                    f"(it saves e.g. {next(iter(hf_grads))}); map to the names of the folder's safetensors"
+                )
+            if grad.shape != hf_grads[hf_name].shape:
+                raise UserError(
+                    f"the adapter's to_hf gives {name} as {list(grad.shape)} but transformers saves '{hf_name}' as "
+                    f"{list(hf_grads[hf_name].shape)}; to_hf must write the folder's layout (permutations, splits)"
+                )
+            err = ((grad - hf_grads[hf_name]).norm() / hf_grads[hf_name].norm()).item()
+            grad_err, worst = max((grad_err, worst), (err, hf_name))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "export"
         export_hf(ours, out, meta, "float32", folder, None)
@@ -300,7 +300,7 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
     source = {  # what the adapter reads: not derived buffers, not a tied head's stored copy
         k: v.float()
         for k, v in _tensors(folder).items()
-        if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.from_hf(k, v, meta.args) is not None
+        if not k.endswith(DERIVED_BUFFERS) and meta.spec.hf.read(k, v, meta.args) is not None
     }
     differ = sorted(
         k

@@ -81,7 +81,9 @@ contract for a registered model:
 - optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder:
   `architectures` (config.json's names it reads), `args_from_config` and `config_from_args`
   (config.json <-> the args), `from_hf` and `to_hf` (one full tensor at a time, HF name <->
-  titanlite name, any permutation applied both ways), and `reads`, every config.json key
+  titanlite name, any permutation applied both ways; a parameter a folder holds in pieces,
+  one tensor per expert say, is read piece by piece, `from_hf` giving each one's Index in it,
+  and written as the list `to_hf` returns), and `reads`, every config.json key
   `args_from_config` uses, since a folder's configs are read whole (titanlite.models.hf_files: a
   key neither used nor known to be harmless is refused). The tied-head rule: a head tied to its
   embedding is one Parameter assigned to both modules, so named_parameters lists it once, under
@@ -111,23 +113,43 @@ from titanlite.models.hf_files import read_config
 from titanlite.models.step import LossPath
 from titanlite.tools.records import read_json
 
+# Where a Hugging Face tensor goes in a parameter: an index (ints and slices, leading dims) of
+# the parameter it fills a piece of; None: the whole parameter.
+Index = tuple[int | slice, ...] | None
+
 
 @dataclass(frozen=True)
 class HFAdapter:
     """A model's mapping to a Hugging Face transformers folder (config.json + safetensors).
 
     The weight maps work on one full tensor at a time, so a sharded model is converted tensor
-    by tensor and no rank ever holds the whole model."""
+    by tensor and no rank ever holds the whole model. Where a folder splits one parameter into
+    several tensors (each expert of a mixture of experts on its own), `from_hf` places each as
+    a piece of it (name, tensor, index) and `to_hf` returns the list of pieces."""
 
     architectures: tuple[str, ...]  # config.json "architectures" this adapter reads
     args_from_config: Callable[[dict], Any]  # config.json -> the model's args
     config_from_args: Callable[[Any], dict]  # the model's args -> config.json
-    # (HF name, tensor, args) -> titanlite's name and tensor; None: no place of its own (a tied copy)
-    from_hf: Callable[[str, Any, Any], tuple[str, Any] | None]
-    to_hf: Callable[[str, Any, Any], tuple[str, Any]]  # (titanlite name, tensor, args) -> HF's
+    # (HF name, tensor, args) -> titanlite's name and tensor, or name, tensor and the Index of
+    # the piece it fills; None: no place of its own (a tied copy)
+    from_hf: Callable[[str, Any, Any], tuple | None]
+    # (titanlite name, tensor, args) -> HF's name and tensor, or a list of them
+    to_hf: Callable[[str, Any, Any], tuple[str, Any] | list[tuple[str, Any]]]
     # the config.json keys args_from_config reads; with titanlite's own and the harmless ones
     # (models/hf_files.py), every key of a folder's config.json must be one of them
     reads: frozenset[str] = frozenset()
+
+    def read(self, name: str, tensor: Any, args: Any) -> tuple[str, Any, Index] | None:
+        """from_hf, its answer always (titanlite name, tensor, Index) or None."""
+        mapped = self.from_hf(name, tensor, args)
+        if mapped is None or len(mapped) == 3:
+            return mapped
+        return (*mapped, None)
+
+    def write(self, name: str, tensor: Any, args: Any) -> list[tuple[str, Any]]:
+        """to_hf, its answer always a list of (HF name, tensor)."""
+        out = self.to_hf(name, tensor, args)
+        return out if isinstance(out, list) else [out]
 
 
 @dataclass(frozen=True)

@@ -107,15 +107,15 @@ def write_hf_folder(
     from safetensors.torch import save_file
 
     adapter, args, dtype = meta.spec.hf, meta.args, DTYPES[dtype_name]
-    shards: list[list[tuple[str, str]]] = [[]]  # (titanlite name, HF name); a big tensor alone
+    shards: list[list[str]] = [[]]  # titanlite names (each one or more HF tensors); a big one alone
     size = total = 0
     for name, p in params.items():
-        hf_name, converted = adapter.to_hf(name, torch.empty(p.shape, device="meta"), args)
-        nbytes = converted.numel() * dtype.itemsize
+        pieces = adapter.write(name, torch.empty(p.shape, device="meta"), args)
+        nbytes = sum(converted.numel() for _, converted in pieces) * dtype.itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, hf_name))
+        shards[-1].append(name)
         size += nbytes
         total += nbytes
     if not writes:  # the other ranks take part in each gather, in the same order
@@ -135,12 +135,13 @@ def write_hf_folder(
             if len(shards) == 1:
                 file = "model.safetensors"
             tensors = {}
-            for name, hf_name in shard:
+            for name in shard:
                 full = fetch(name)  # after a failure too: the gathers go on
                 if not error:
-                    converted = adapter.to_hf(name, full, args)[1].detach()
-                    tensors[hf_name] = converted.to(device="cpu", dtype=dtype).contiguous()
-                    weight_map[hf_name] = file
+                    for hf_name, converted in adapter.write(name, full, args):
+                        converted = converted.detach().to(device="cpu", dtype=dtype)
+                        tensors[hf_name] = converted.contiguous()
+                        weight_map[hf_name] = file
             if error:
                 continue
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -91,33 +92,75 @@ def _some(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
+def _piece_shape(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple] | None:
+    """The shape a piece at `index` of a parameter of `shape` has, and its box (each dim's
+    start and stop); None: the index does not fit the shape."""
+    if len(index) > len(shape):
+        return None
+    piece, box = [], []
+    for at, size in zip(index, shape, strict=False):
+        if isinstance(at, int):
+            if not 0 <= at < size:
+                return None
+            box.append((at, at + 1))
+        else:
+            start, stop, step = at.indices(size)
+            if step != 1 or stop <= start:
+                return None
+            piece.append(stop - start)
+            box.append((start, stop))
+    rest = list(shape[len(index) :])
+    return tuple(piece + rest), tuple(box + [(0, n) for n in rest])
+
+
 def hf_plan(
     params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
-) -> list[tuple[str, str, Path]]:
-    """(HF name, parameter name, file) for every weight the model takes from `folder`, from the
-    headers alone: `params` (canonical name -> shape) must be covered exactly, else one
-    UserError. The preflight runs it on the meta model; the load again."""
+) -> list[tuple[str, str, Path, tuple | None]]:
+    """(HF name, parameter name, file, Index) for every weight the model takes from `folder`,
+    from the headers alone: `params` (canonical name -> shape) must be covered exactly, a
+    parameter held in pieces by distinct pieces whose sizes add up to it, else one UserError.
+    The preflight runs it on the meta model; the load again."""
     if adapter is None:
         raise UserError(
             f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
         )
     plan = []
+    pieces: dict[str, dict[tuple, str]] = {}  # parameter -> its pieces' boxes -> HF name
     for hf_name, (path, shape) in weight_files(folder).items():
         if hf_name.endswith(DERIVED_BUFFERS):
             continue
-        mapped = adapter.from_hf(hf_name, torch.empty(shape, device="meta"), args)
+        mapped = adapter.read(hf_name, torch.empty(shape, device="meta"), args)
         if mapped is None:
             continue
-        name, converted = mapped
+        name, converted, index = mapped
         if name not in params:
             raise UserError(f"'{folder}' holds '{hf_name}', which this model has no parameter for")
-        if tuple(converted.shape) != tuple(params[name]):
+        want = tuple(params[name])
+        fits = None if index is None else _piece_shape(index, want)
+        if fits is not None:
+            want, box = fits
+            if box in pieces.setdefault(name, {}):
+                raise UserError(
+                    f"'{folder}' holds '{hf_name}' and '{pieces[name][box]}', which fill the same "
+                    f"part of the model's '{name}'; remove the duplicate or download the folder again"
+                )
+            pieces[name][box] = hf_name
+        if tuple(converted.shape) != want or (index is not None and fits is None):
             raise UserError(
                 f"'{hf_name}' in '{folder}' has shape {shape}, the model's '{name}' "
                 f"{tuple(params[name])}; the folder's config.json does not match its weights"
             )
-        plan.append((hf_name, name, path))
-    missing = sorted(set(params) - {name for _, name, _ in plan})
+        plan.append((hf_name, name, path, index))
+    for name, boxes in pieces.items():
+        whole = [n for hf, n, _, index in plan if n == name and index is None]
+        held = sum(math.prod(b - a for a, b in box) for box in boxes)
+        if whole or held != math.prod(params[name]):
+            raise UserError(
+                f"'{folder}' holds {len(boxes)} pieces of the model's '{name}' covering {held:,} of its "
+                f"{math.prod(params[name]):,} values{' and the whole of it' if whole else ''}; "
+                "download the folder again, or point model.hf_assets_path at the model its config.json describes"
+            )
+    missing = sorted(set(params) - {name for _, name, _, _ in plan})
     if missing:
         raise UserError(
             f"'{folder}' lacks weights for {_some(missing)}; download the folder again, or point "
@@ -127,12 +170,16 @@ def hf_plan(
 
 
 def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, args: Any) -> None:
-    """Every parameter of `model` from `folder`'s weights, after hf_plan checked them all."""
+    """Every parameter of `model` from `folder`'s weights, after hf_plan checked them all; a
+    parameter held in pieces is put together on the host first, one parameter at a time."""
     from safetensors import safe_open
 
     start = time.perf_counter()
     params = {canonical_name(n): p for n, p in unwrap(model).named_parameters()}
     plan = hf_plan({n: tuple(p.shape) for n, p in params.items()}, folder, adapter, args)
+    by_param: dict[str, list[tuple[str, Path, tuple | None]]] = {}
+    for hf_name, name, path, index in plan:
+        by_param.setdefault(name, []).append((hf_name, path, index))
     done = 0
 
     def say(seconds: float) -> None:
@@ -141,13 +188,20 @@ def load_hf_weights(model: nn.Module, folder: Path, adapter: HFAdapter | None, a
         )
 
     with ExitStack() as stack, heartbeat(say):
-        paths = sorted({path for _, _, path in plan})
+        paths = sorted({path for _, _, path, _ in plan})
         handles = {path: stack.enter_context(safe_open(path, framework="pt")) for path in paths}
-        for hf_name, name, path in plan:
-            tensor = handles[path].get_tensor(hf_name)
-            _, converted = adapter.from_hf(hf_name, tensor, args)
-            copy_full_(params[name], converted)
-            done += 1
+        for name, entries in by_param.items():
+            full = None
+            for hf_name, path, index in entries:
+                _, converted, _ = adapter.read(hf_name, handles[path].get_tensor(hf_name), args)
+                if index is None:
+                    full = converted
+                else:
+                    if full is None:
+                        full = torch.empty(params[name].shape, dtype=converted.dtype)
+                    full[index] = converted
+                done += 1
+            copy_full_(params[name], full)
     logger.info(
         f"loaded {len(plan)} pretrained tensors from {folder} in {time.perf_counter() - start:.1f}s"
     )

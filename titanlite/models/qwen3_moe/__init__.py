@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+from titanlite.models.qwen3_moe.hf import QWEN3_MOE_HF
 from titanlite.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeArgs
 from titanlite.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from titanlite.models.registry import ModelSpec, register_model
@@ -52,6 +53,7 @@ register_model(
         Qwen3Moe,
         qwen3_moe_flavors,
         parallelize_qwen3_moe,
+        hf=QWEN3_MOE_HF,
         step_statistics=True,
     )
 )
