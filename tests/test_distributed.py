@@ -241,8 +241,9 @@ def test_qwen3_moe_is_exact_at_every_layout(results):
     """titanlite's Qwen3-MoE (flavors tiny and tiny_strong: two MoE layers around a dense one)
     through scripts/check_model.py's cases at dp 1, 2 and 4: fsdp, ddp and hsdp at accumulation
     1 and 2 on unequal tokens and on packed documents with the loss in chunks. The gradient, the
-    logged loss, the load-balancing term over the step (coefficients 0.001 and 0.1) and the
-    z-loss (with 0.1) equal one process's; so do the initial weights."""
+    logged loss, the load-balancing term over the step (tiny: the layers pooled at 0.001, as
+    transformers'; tiny_strong: each layer's own at 0.1) and the z-loss (with 0.1) equal one
+    process's; so do the initial weights."""
     for flavor, want in (("tiny", {"aux"}), ("tiny_strong", {"aux", "z"})):
         checks = [results[w]["moe_checks"][f"qwen3_moe/{flavor}"] for w in WORLDS]
         lines = verdicts(checks)

@@ -384,8 +384,8 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
             assert got == pytest.approx({**r["terms"], "total": r["loss_total"]}, rel=1e-6)
 
 
-# titanlite's Qwen3-MoE through its debug config at the model check's size (tiny_strong: the
-# load-balancing loss at 0.1 and a z-loss), global batch 16 of 32 tokens, 3 steps
+# titanlite's Qwen3-MoE through its debug config at the model check's size (tiny_strong: each
+# layer's load-balancing loss at 0.1 and a z-loss), global batch 16 of 32 tokens, 3 steps
 QWEN3_MOE = (
     "--config", "train_configs/debug_moe.toml",
     "--model.flavor", "tiny_strong",

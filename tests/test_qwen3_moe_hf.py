@@ -235,3 +235,24 @@ def test_the_fine_tune_config_trains_a_folder_and_hands_it_back(tmp_path, capsys
     ids = AutoTokenizer.from_pretrained(run / "sft" / "hf")("def f(x):", return_tensors="pt")
     out = exported(**ids, output_router_logits=True)
     assert torch.isfinite(out.logits).all() and out.aux_loss > 0
+
+
+def test_the_per_layer_load_balancing_loss_is_each_layers_switch_loss_averaged(tmp_path):
+    """aux_per_layer: coef x E x (1/L) sum_l sum_e f_le P_le, each MoE layer's f and P over its
+    own routing rows (the real tokens), from transformers' router logits of the same weights."""
+    hf = hf_folder(tmp_path, norm_topk_prob=True)
+    ours = load_titanlite(tmp_path)
+    ours.args = dataclasses.replace(ours.args, aux_per_layer=True)
+    tokens, labels, mask = batch()
+    real = mask.flatten().bool()
+    per_layer = []
+    for logits in hf(tokens, attention_mask=mask, output_router_logits=True).router_logits:
+        probs = logits.float().softmax(-1)[real]
+        chosen = probs.topk(2, dim=-1).indices.flatten()
+        f = torch.bincount(chosen, minlength=4).float() / len(probs)
+        per_layer.append(4 * (f * probs.mean(0)).sum())
+    want = COEF * torch.stack(per_layer).mean()
+    _, aux = objective(ours, tokens, labels)
+    assert abs((aux - want) / want).item() <= TOL, (aux.item(), want.item())
+    ours.args = dataclasses.replace(ours.args, aux_per_layer=False)  # pooled: another number
+    assert abs((objective(ours, tokens, labels)[1] - want) / want).item() > 1e-3

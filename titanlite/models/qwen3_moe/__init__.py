@@ -36,13 +36,17 @@ _TINY = Qwen3MoeArgs(
 )
 
 qwen3_moe_flavors = {
-    # a few experts at tiny dims; the vocabulary comes from the tokenizer (2048 built in)
+    # a few experts at tiny dims (the vocabulary comes from the tokenizer, 2048 built in), with
+    # Qwen3's objective: the layers' load-balancing loss pooled (transformers') at 0.001
     "debugmodel": _DEBUG,
-    # the same with a load-balancing coefficient 100 times transformers' default, and a z-loss
+    # each layer's load-balancing loss on its own at Switch Transformer's 0.01: trained from
+    # scratch, it keeps balanced the layer that the pooled loss lets collapse
+    "debugmodel_per_layer": replace(_DEBUG, aux_per_layer=True, aux_loss_coef=0.01),
+    # the pooled loss 100 times stronger, and a z-loss
     "debugmodel_strong": replace(_DEBUG, aux_loss_coef=0.1, z_loss_coef=0.001),
-    # the debug flavors' coefficients at the model check's size
+    # the model check's size: transformers' objective, and the per-layer one strong with a z-loss
     "tiny": _TINY,
-    "tiny_strong": replace(_TINY, aux_loss_coef=0.1, z_loss_coef=0.001),
+    "tiny_strong": replace(_TINY, aux_per_layer=True, aux_loss_coef=0.1, z_loss_coef=0.001),
     # Qwen3-30B-A3B (128 experts, 8 active: 30.5B parameters, 3.3B active)
     "30B-A3B": Qwen3MoeArgs(max_seq_len=4096),
 }

@@ -59,6 +59,8 @@ class Qwen3MoeArgs:
     """renormalise the chosen experts' probabilities to sum to 1"""
     aux_loss_coef: float = 0.001
     """load-balancing loss coefficient (HF's router_aux_loss_coef; 0: none)"""
+    aux_per_layer: bool = False
+    """the load-balancing loss of each MoE layer on its own, averaged (Switch Transformer's); False: the layers pooled (transformers')"""
     z_loss_coef: float = 0.0
     """router z-loss coefficient (0: none)"""
     experts_impl: str = "auto"
@@ -367,17 +369,28 @@ class Qwen3Moe(nn.Module):
     def balance_loss(
         self, router_logits: list[torch.Tensor], routed: torch.Tensor, step: StepContext
     ) -> torch.Tensor:
-        """Each sequence's share of coef * E * sum_e f_e P_e over the step's routing rows R (its
-        routed tokens x MoE layers): f_e the share of the step's routing slots that chose e
-        (from the statistics), P_e the mean probability of e over R. As per-token sums scaled by
-        N / R, the trainer's division by N leaves exactly the step's term (pattern 2)."""
+        """Each sequence's share of the load-balancing loss over the step's routing rows R (its
+        routed tokens T x the L MoE layers), f the shares of the step's routing slots per expert
+        (from the statistics) and P the mean router probabilities:
+        - pooled (transformers'): coef * E * sum_e f_e P_e, f and P over all of R;
+        - per layer (`aux_per_layer`): coef * E * (1/L) sum_l sum_e f_le P_le, each layer's own.
+        Either is sum over R of coef * E * f . p / R, so as per-token sums scaled by N / R the
+        trainer's division by N leaves exactly the step's term (pattern 2)."""
         stats = step.statistics
-        counts, tokens = stats[:-1].view(len(router_logits), -1).sum(0), stats[-1]
-        rows = tokens * len(router_logits)
-        f = counts.float() / rows
-        probs = sum(logits.float().softmax(-1) for logits in router_logits)  # [B x S, E]
-        per_token = (probs * f).sum(-1).view(routed.shape) * routed
-        return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * (step.tokens / rows)
+        layers, tokens = len(router_logits), stats[-1]
+        counts = stats[:-1].view(layers, -1).float()
+        f = (
+            counts / tokens
+            if self.args.aux_per_layer
+            else (counts.sum(0) / (tokens * layers))[None]
+        )
+        per_token = sum(  # [B x S]: sum over the layers of f . p
+            (logits.float().softmax(-1) * f[i % len(f)]).sum(-1)
+            for i, logits in enumerate(router_logits)
+        )
+        per_token = per_token.view(routed.shape) * routed
+        scale = step.tokens / (tokens * layers)
+        return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * scale
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per active non-embedding parameter (a token meets its k
