@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import DocumentMask, attend, document_ids, document_mask
 from titanlite.models.llama3.model import RMSNorm
+from titanlite.models.qwen3_moe.activations import saved_bytes
 from titanlite.models.step import StepContext
 from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
 
@@ -365,6 +366,11 @@ class Qwen3Moe(nn.Module):
         probs = sum(logits.float().softmax(-1) for logits in router_logits)  # [B x S, E]
         per_token = (probs * f).sum(-1).view(routed.shape) * routed
         return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * (step.tokens / rows)
+
+    def activation_bytes(self, seq_len: int, dtype: torch.dtype) -> tuple[list[int], int]:
+        """What one sequence's forward keeps for backward, per block and the rest: the memory
+        estimate's figure, as the routing cannot be traced on fake tensors (activations.py)."""
+        return saved_bytes(self.args, seq_len, dtype)
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per active non-embedding parameter (a token meets its k
