@@ -14,7 +14,12 @@ from titanlite.distributed.param_init import ParamInit
 from titanlite.errors import UserError
 from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import cross_entropy_per_sample
-from titanlite.tools.activations import ACTIVATION_FALLBACK, ROUGH_RANGE, saved_activations
+from titanlite.tools.activations import (
+    ACTIVATION_FALLBACK,
+    ROUGH_RANGE,
+    activation_bytes,
+    saved_activations,
+)
 
 ACCUM4 = ["--training.global_batch_size", "16", "--training.local_batch_size", "1"]  # 4 ranks
 P, BLOCK = 1000, 100
@@ -166,7 +171,8 @@ def test_traced_activations_are_what_a_real_forward_keeps(name, flavor, dtype, c
 
 def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so():
     """A mixture of experts dispatched on the tokens that chose them (torch.nonzero) cannot run on
-    fake tensors: the estimate takes the model's own activation_bytes and says so; without one,
+    fake tensors: the estimate takes the model's own activation_bytes (with the loss path's
+    log-probabilities, which the model's figure leaves to the loss) and says so; without one,
     the rough per-layer figure, saying how rough. A traced model's says "traced"."""
     import fork_moe
 
@@ -194,9 +200,10 @@ def test_a_forward_that_cannot_be_traced_uses_the_models_own_figure_and_says_so(
         saved_activations(meta.model, 64, torch.float32, 0, True)
     est = memory.job_estimate(meta, cfg, layout, torch.float32, 1e12)
     blocks, rest = meta.model.activation_bytes(64, torch.float32)
+    log_probs = 64 * 256 * 4 + 4  # the loss path's, whole sequence at once: what a trace would see
     assert est.activations_from == "the model's own activation_bytes()"
     assert (
-        est.activation_bytes == 2 * (sum(blocks) + rest)
+        est.activation_bytes == 2 * (sum(blocks) + rest + log_probs)
         and "(the model's own activation_bytes())" in est.summary()
     )
     own = fork_moe.SparseMoELM.activation_bytes
@@ -251,3 +258,57 @@ def test_the_rough_activation_figure_is_as_rough_as_it_says(name, flavor, dtype)
     saved = saved_activations(meta.model, 256, dtype, 0, True)
     rough = 256 * ACTIVATION_FALLBACK * meta.args.dim * dtype.itemsize * len(saved.blocks)
     assert ROUGH_RANGE[0] <= rough / sum(saved.blocks) <= ROUGH_RANGE[1]
+
+
+def _kept_by_each_block(model: torch.nn.Module, seq: int, loss_chunk: int):
+    """(per block, the rest): the bytes a real CPU training forward (its loss terms included)
+    keeps for backward, each storage charged to the block running when it was first saved."""
+    from titanlite.models.step import StepContext
+
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    owner: list[int | None] = [None]
+    kept: dict[int, tuple[int | None, int]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in weights:
+            kept.setdefault(s.data_ptr(), (owner[0], s.nbytes()))
+        return t
+
+    for i, block in enumerate(model.layers):
+        block.register_forward_pre_hook(lambda _m, _a, i=i: owner.__setitem__(0, i))
+        block.register_forward_hook(lambda _m, _a, _o: owner.__setitem__(0, None))
+    a = model.args
+    stats = torch.ones(len(a.moe_layers) * a.experts + 1, dtype=torch.long)
+    step = StepContext(None, 1, 0, 1, False, lambda: torch.tensor(seq), lambda: stats)
+    tokens = torch.randint(0, a.vocab_size, (1, seq))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels=tokens, loss_chunk=loss_chunk, step=step)
+    blocks = [sum(n for who, n in kept.values() if who == i) for i in range(len(model.layers))]
+    return blocks, sum(n for who, n in kept.values() if who is None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "change",
+    [{}, {"dense_layers": (1,), "z_loss_coef": 1e-3, "n_kv_heads": 1, "head_dim": 48, "top_k": 3}],
+)
+def test_qwen3_moe_gives_what_its_forward_keeps(dtype, change):
+    """Qwen3-MoE's routing cannot be traced on fake tensors; its own activation_bytes counts what
+    each op keeps (each token's top_k expert rows, the sort's indices, grouped-query attention,
+    the router's fp32 probabilities, the loss terms'): a real training forward's saved tensors,
+    byte for byte, per block and outside them, dense layers and z-loss included. The estimate
+    adds the loss path's fp32 log-probabilities where the whole sequence's logits are made."""
+    from dataclasses import replace
+
+    from titanlite.models.qwen3_moe import Qwen3Moe, qwen3_moe_flavors
+
+    seq, vocab = 64, 512
+    args = replace(qwen3_moe_flavors["debugmodel"], vocab_size=vocab, max_seq_len=seq, **change)
+    model = Qwen3Moe(args)
+    model.init_weights(ParamInit(model, 0))
+    model = model.to(dtype)
+    assert _kept_by_each_block(model, seq, 16) == model.activation_bytes(seq, dtype)
+    blocks, rest = _kept_by_each_block(model, seq, 0)
+    whole, _ = activation_bytes(model, seq, dtype, 0, "none", args.dim, args.n_layers, True, vocab)
+    assert whole == sum(blocks) + rest

@@ -114,11 +114,14 @@ def activation_bytes(
     dim: int,
     n_layers: int,
     labels_path: bool = False,
+    vocab: int = 0,
 ) -> tuple[float, str]:
     """One sequence's activations kept for backward under activation checkpointing `checkpoint`,
     and where the figure comes from: traced (saved_activations), or where the forward cannot run
     on fake tensors (a router's data-dependent shapes), the model's own `activation_bytes(seq_len,
-    dtype) -> (bytes per block, the rest)`, else ROUGH; logged with the trace's error."""
+    dtype) -> (bytes per block, the rest)`, else ROUGH; logged with the trace's error. Untraced,
+    the loss path's own (cross_entropy_per_sample's fp32 log-probabilities over `vocab`, where the
+    whole sequence's logits are made at once) is added to the rest, as a trace would see it."""
     try:
         saved = saved_activations(model, seq_len, dtype, loss_chunk, labels_path)
         blocks, rest, block_input, source = saved.blocks, saved.rest, saved.block_input, "traced"
@@ -130,6 +133,7 @@ def activation_bytes(
         else:
             blocks = [seq_len * ACTIVATION_FALLBACK * dim * dtype.itemsize] * n_layers
             rest, source = 0, ROUGH
+        rest += 0 if loss_chunk else seq_len * vocab * 4 + 4  # and nll_loss's total weight
         logger.info(
             f"memory estimate: activations from {source} (the forward did not trace on fake tensors: {type(e).__name__}: {e})"
         )

@@ -138,7 +138,15 @@ def estimate_memory(
     chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
     dim = getattr(args, "dim", 0)
     one, source = activation_bytes(
-        model, seq_len, param_dtype, chunk, activation_checkpoint, dim, n_layers, labels_path
+        model,
+        seq_len,
+        param_dtype,
+        chunk,
+        activation_checkpoint,
+        dim,
+        n_layers,
+        labels_path,
+        args.vocab_size,
     )
     # The loss's logits beyond what the trace saw: a chunk's, recomputed in backward (its output,
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).

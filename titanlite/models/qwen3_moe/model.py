@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import DocumentMask, attend, document_ids, document_mask
 from titanlite.models.llama3.model import RMSNorm
+from titanlite.models.qwen3_moe.activations import saved_bytes
 from titanlite.models.step import StepContext
 from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
 
@@ -391,6 +392,11 @@ class Qwen3Moe(nn.Module):
         per_token = per_token.view(routed.shape) * routed
         scale = step.tokens / (tokens * layers)
         return self.args.aux_loss_coef * self.args.experts * per_token.sum(1) * scale
+
+    def activation_bytes(self, seq_len: int, dtype: torch.dtype) -> tuple[list[int], int]:
+        """What one sequence's forward keeps for backward, per block and the rest: the memory
+        estimate's figure, as the routing cannot be traced on fake tensors (activations.py)."""
+        return saved_bytes(self.args, seq_len, dtype)
 
     def num_flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6 per active non-embedding parameter (a token meets its k
