@@ -14,7 +14,7 @@ from titanlite.components.expert_load import ExpertLoad, load_figures, load_reco
 from titanlite.components.metrics import scalar_tags
 from titanlite.components.step_window import RunRates, StepWindow
 from titanlite.components.summary import RunTally, load_text, progress_line, summary_lines
-from titanlite.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeArgs
+from titanlite.models.qwen3_moe import Qwen3Moe, Qwen3MoeArgs
 
 # a dense layer 0, then MoE layers 1 and 2 of 4 experts, 2 routed per token
 ARGS = Qwen3MoeArgs(

@@ -21,7 +21,8 @@ from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.param_init import ParamInit
 from titanlite.errors import UserError
 from titanlite.models.qwen3_moe import Qwen3Moe, qwen3_moe_flavors
-from titanlite.models.qwen3_moe.model import Block, Experts
+from titanlite.models.qwen3_moe.model import Block
+from titanlite.models.qwen3_moe.moe import Experts
 from titanlite.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX

@@ -2,8 +2,9 @@
 
 from dataclasses import replace
 
+from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.qwen3_moe.hf import QWEN3_MOE_HF
-from titanlite.models.qwen3_moe.model import Qwen3Moe, Qwen3MoeArgs
+from titanlite.models.qwen3_moe.model import Qwen3Moe
 from titanlite.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from titanlite.models.registry import ModelSpec, register_model
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from titanlite.models.qwen3_moe.model import Qwen3MoeArgs
+    from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 
 FP32, INDEX, FLAG = 4, 8, 1  # the bytes of an fp32 value, an int64 index, a bool
 

@@ -15,7 +15,7 @@ import re
 import torch
 
 from titanlite.errors import UserError
-from titanlite.models.qwen3_moe.model import Qwen3MoeArgs
+from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.registry import HFAdapter
 
 _TOP = {

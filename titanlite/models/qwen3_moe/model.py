@@ -20,66 +20,18 @@ them over the step and every rank, so they are also the expert load a log step r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.attention import DocumentMask, attend, document_ids, document_mask
 from titanlite.models.llama3.model import RMSNorm
 from titanlite.models.qwen3_moe.activations import saved_bytes
+from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
+from titanlite.models.qwen3_moe.moe import DenseMLP, MoE
 from titanlite.models.step import StepContext
 from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
-
-
-@dataclass(frozen=True)
-class Qwen3MoeArgs:
-    dim: int = 2048
-    """hidden size"""
-    n_layers: int = 48
-    """transformer blocks"""
-    n_heads: int = 32
-    """query heads"""
-    n_kv_heads: int = 4
-    """key/value heads (grouped-query attention)"""
-    head_dim: int = 128
-    """features per head (n_heads x head_dim need not be dim)"""
-    experts: int = 128
-    """experts in each MoE layer"""
-    top_k: int = 8
-    """experts each token is routed to"""
-    moe_hidden: int = 768
-    """each expert's SwiGLU width (HF's moe_intermediate_size)"""
-    dense_hidden: int = 6144
-    """the SwiGLU width of a dense layer (HF's intermediate_size)"""
-    dense_layers: tuple[int, ...] = ()
-    """layers with a dense SwiGLU MLP instead of experts (HF's mlp_only_layers, decoder_sparse_step)"""
-    norm_topk_prob: bool = True
-    """renormalise the chosen experts' probabilities to sum to 1"""
-    aux_loss_coef: float = 0.001
-    """load-balancing loss coefficient (HF's router_aux_loss_coef; 0: none)"""
-    aux_per_layer: bool = False
-    """the load-balancing loss of each MoE layer on its own, averaged (Switch Transformer's); False: the layers pooled (transformers')"""
-    z_loss_coef: float = 0.0
-    """router z-loss coefficient (0: none)"""
-    experts_impl: str = "auto"
-    """loop: one matmul pair per expert; grouped: torch's grouped_mm; auto: grouped on CUDA in bfloat16, else loop"""
-    norm_eps: float = 1e-6
-    """RMSNorm epsilon"""
-    rope_theta: float = 1_000_000.0
-    """RoPE base"""
-    vocab_size: int = -1
-    """filled in from the tokenizer or config.json"""
-    max_seq_len: int = 4096
-    """filled in from training.seq_len"""
-    tie_embeddings: bool = False
-    """output head shares the embedding's weight"""
-
-    @property
-    def moe_layers(self) -> list[int]:
-        return [i for i in range(self.n_layers) if i not in self.dense_layers]
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,92 +68,6 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class DenseMLP(nn.Module):
-    """SwiGLU, for the layers without experts."""
-
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x)), None
-
-
-def grouped_mm_available() -> bool:
-    return hasattr(F, "grouped_mm")
-
-
-class Experts(nn.Module):
-    """E SwiGLU experts, stacked as transformers 5 holds them: `gate_up` [E, 2 x hidden, dim]
-    (gate rows first) and `down` [E, dim, hidden]. FSDP shards them over the experts.
-
-    Each token's k routing slots are sorted by expert, so each expert reads one contiguous run
-    of rows. Two ways to run the runs, the same sums: `loop`, one matmul pair per expert in
-    expert order on every rank (an expert with no tokens runs on an empty run, so every
-    parameter takes part in every step, as DDP's reducer and FSDP's hooks need; its run lengths
-    are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
-    grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
-    whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
-    only in bfloat16, so `auto` takes it on CUDA at bfloat16 parameters and the loop elsewhere."""
-
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        self.n = args.experts
-        self.gate_up = nn.Parameter(torch.empty(args.experts, 2 * args.moe_hidden, args.dim))
-        self.down = nn.Parameter(torch.empty(args.experts, args.dim, args.moe_hidden))
-        self.impl = args.experts_impl
-
-    def grouped(self, x: torch.Tensor) -> bool:
-        if self.impl != "auto":
-            return self.impl == "grouped"
-        # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
-        # compiles it in (its meta function checks); float32 and DDP's autocast run the loop
-        return x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_available()
-
-    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
-        flat = chosen.flatten()
-        order = flat.argsort(stable=True)  # routing slots by expert, token order within one
-        rows = x[order // chosen.shape[1]]  # [T x k, dim]
-        counts = torch.zeros(self.n, dtype=torch.int64, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        if self.grouped(x):
-            offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offsets).chunk(2, -1)
-            out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offsets)
-        else:
-            outs = []
-            for e, run in enumerate(rows.split(counts.tolist())):
-                gate, up = (run @ self.gate_up[e].T).chunk(2, -1)
-                outs.append((F.silu(gate) * up) @ self.down[e].T)
-            out = torch.cat(outs)
-        out = out * weights.flatten()[order, None].to(out.dtype)
-        # under autocast (DDP's bf16) the loop's matmuls give bf16 while x stays fp32
-        return torch.zeros_like(x).index_add_(0, order // chosen.shape[1], out.to(x.dtype))
-
-
-class MoE(nn.Module):
-    """Top-k routing (softmax over the experts in fp32, the k largest, optionally renormalised)
-    into the experts. Returns the output and the router logits [B x S, E]."""
-
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
-        self.router = nn.Linear(args.dim, args.experts, bias=False)
-        self.experts = Experts(args)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        flat = x.flatten(0, 1)
-        logits = self.router(flat)
-        top, chosen = logits.float().softmax(-1).topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            top = top / top.sum(-1, keepdim=True)
-        out = self.experts(flat, chosen, top.to(x.dtype))
-        return out.view_as(x), logits
 
 
 class Block(nn.Module):

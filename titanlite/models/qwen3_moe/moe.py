@@ -1,0 +1,101 @@
+"""Qwen3-MoE's feed-forward layers: the top-k router and its SwiGLU experts (two ways to run
+them, the same sums), and the dense SwiGLU of the layers without experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU, for the layers without experts."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x)), None
+
+
+def grouped_mm_available() -> bool:
+    return hasattr(F, "grouped_mm")
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts, stacked as transformers 5 holds them: `gate_up` [E, 2 x hidden, dim]
+    (gate rows first) and `down` [E, dim, hidden]. FSDP shards them over the experts.
+
+    Each token's k routing slots are sorted by expert, so each expert reads one contiguous run
+    of rows. Two ways to run the runs, the same sums: `loop`, one matmul pair per expert in
+    expert order on every rank (an expert with no tokens runs on an empty run, so every
+    parameter takes part in every step, as DDP's reducer and FSDP's hooks need; its run lengths
+    are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
+    grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
+    whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
+    only in bfloat16, so `auto` takes it on CUDA at bfloat16 parameters and the loop elsewhere."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.n = args.experts
+        self.gate_up = nn.Parameter(torch.empty(args.experts, 2 * args.moe_hidden, args.dim))
+        self.down = nn.Parameter(torch.empty(args.experts, args.dim, args.moe_hidden))
+        self.impl = args.experts_impl
+
+    def grouped(self, x: torch.Tensor) -> bool:
+        if self.impl != "auto":
+            return self.impl == "grouped"
+        # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
+        # compiles it in (its meta function checks); float32 and DDP's autocast run the loop
+        return x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_available()
+
+    def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # routing slots by expert, token order within one
+        rows = x[order // chosen.shape[1]]  # [T x k, dim]
+        counts = torch.zeros(self.n, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat))
+        if self.grouped(x):
+            offsets = counts.cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offsets).chunk(2, -1)
+            out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offsets)
+        else:
+            outs = []
+            # each expert's weights taken once by unbind: indexing them one by one would give
+            # backward a gradient the size of all E experts per expert (quadratic in E)
+            runs = rows.split(counts.tolist())
+            for run, gate_up, down in zip(
+                runs, self.gate_up.unbind(), self.down.unbind(), strict=True
+            ):
+                gate, up = (run @ gate_up.T).chunk(2, -1)
+                outs.append((F.silu(gate) * up) @ down.T)
+            out = torch.cat(outs)
+        out = out * weights.flatten()[order, None].to(out.dtype)
+        # under autocast (DDP's bf16) the loop's matmuls give bf16 while x stays fp32
+        return torch.zeros_like(x).index_add_(0, order // chosen.shape[1], out.to(x.dtype))
+
+
+class MoE(nn.Module):
+    """Top-k routing (softmax over the experts in fp32, the k largest, optionally renormalised)
+    into the experts. Returns the output and the router logits [B x S, E]."""
+
+    def __init__(self, args: Qwen3MoeArgs) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = args.top_k, args.norm_topk_prob
+        self.router = nn.Linear(args.dim, args.experts, bias=False)
+        self.experts = Experts(args)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = x.flatten(0, 1)
+        logits = self.router(flat)
+        top, chosen = logits.float().softmax(-1).topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        out = self.experts(flat, chosen, top.to(x.dtype))
+        return out.view_as(x), logits
