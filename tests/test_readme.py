@@ -47,6 +47,16 @@ COMMANDS = {
         "hf download meta-llama/Llama-3.2-1B --local-dir assets/hf/Llama-3.2-1B": NET,
         "NGPU=8 ./run_train.sh --config train_configs/llama3_2_1b_sft.toml --model.hf_assets_path "
         "assets/hf/Llama-3.2-1B --data.path /data/alpaca.jsonl": GPU,
+        "./run_train.sh --config train_configs/debug_moe.toml --job.run_name moe --checkpoint.export_hf true": (
+            f"short: {TRAIN}"
+        ),
+        '.venv/bin/python -c "from transformers import AutoModelForCausalLM as M, AutoTokenizer as T; m, t = '
+        "M.from_pretrained('outputs/moe/hf'), T.from_pretrained('outputs/moe/hf'); print(t.decode(m.generate("
+        "**t('def parse(text):', return_tensors='pt'), max_new_tokens=24, do_sample=False)[0]))\"": "skip: a fresh "
+        "copy has no .venv here (TITANLITE_PYTHON runs the tests); tests/test_qwen3_moe_hf.py loads a trained "
+        "export with its tokenizer in transformers",
+        "hf download Qwen/Qwen3-30B-A3B --local-dir assets/hf/Qwen3-30B-A3B": NET,
+        "NGPU=8 ./run_train.sh --config train_configs/qwen3_moe_sft.toml --data.path /data/alpaca.jsonl": GPU,
         "./scripts/invariance.py --config train_configs/debug_sft.toml --dp 8 16 --steps 30 "
         "--training.global_batch_size 16": "short: --dry-run",
         "./run_train.sh --job.run_name same-data --faults.same_data true --training.steps 3": "run",

@@ -27,6 +27,8 @@ TRAIN_LINES, MODULE_LINES, README_LINES = 300, 400, 400
 OVER_BUDGET: dict[str, str] = {
     "titanlite/train.py": "the loop with the Trainer's set-up of its parts, read top to bottom; "
     "the step is the hooks' calls, and the set-up of each part lives with that part",
+    "README.md": "two model families' journeys, each a newcomer's first run of it; the families' "
+    "reference lives beside their code (titanlite/models/qwen3_moe/README.md)",
 }
 # A figures file (by the start of its name) -> the script and function that render it: the
 # script writes the file, a README holds its rendering between
