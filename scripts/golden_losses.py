@@ -21,9 +21,10 @@ not: the AVX2 branch it runs only on Intel CPUs, and silently picks its own else
 
 What decides the bits is read off the kernels: each file's identity holds the torch version, the
 architecture, the built-in data's fingerprint and the hashes of titanlite.analysis.numerics'
-reference ops run under the pins (the CPU's name only for the reader). Where all of them match,
-the comparison is bitwise; where torch or a kernel differs, within ROUNDING_RTOL, and the line
-says which ("another torch", "another CPU: matmul, attention"). Data that differ (another
+reference ops run under the pins and the CPU's model. Where all of them match, the comparison
+is bitwise; where torch, a kernel or the CPU model differs, within ROUNDING_RTOL, and the line
+says which ("another torch", "another CPU: matmul, attention"): the reference ops can hash alike
+on another CPU model while a whole run parts in the last bit. Data that differ (another
 Python's stdlib) cannot be compared: the check says so.
 Exit status: 0 equal, 1 a curve differs (the first step is named), 2 a run failed.
 """
@@ -129,9 +130,11 @@ def tolerance(made: dict, here: dict) -> tuple[float, str]:
             f"{within} (other kernels on the files' CPU model, {made_on}: {kinds} round differently)",
         )
     if made_on != here["cpu"]:
-        return (
-            0.0,
-            f"bitwise (another CPU, {here['cpu']}, runs the kernels of the files' {made_on})",
+        # the reference ops hash alike, yet a whole run can part in the last bit (an Intel
+        # Xeon against the files' AMD EPYC: HSDP's grad norm 1.1e-7 off at step 12)
+        return ROUNDING_RTOL, (
+            f"{within} (another CPU, {here['cpu']}: its kernels hash as the files' {made_on}'s, "
+            "but bits are held only on the CPU model the files were made on)"
         )
     return 0.0, "bitwise"
 

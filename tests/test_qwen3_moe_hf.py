@@ -191,6 +191,15 @@ def test_a_folder_that_does_not_hold_the_model_is_one_line(tmp_path):
                 {k: v for k, v in {**config, **change}.items() if v is not None}
             )
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
+    # keys every folder's config.json passes through (models/hf_files.py): sliding-window attention
+    from titanlite.models.hf_files import read_config
+
+    (tmp_path / "src" / "config.json").write_text(
+        json.dumps({**config, "use_sliding_window": True})
+    )
+    with pytest.raises(UserError, match="use_sliding_window") as e:
+        read_config(tmp_path / "src", QWEN3_MOE_HF.reads)
+    assert "\n" not in str(e.value)
 
 
 def test_the_fine_tune_config_trains_a_folder_and_hands_it_back(tmp_path, capsys):

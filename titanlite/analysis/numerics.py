@@ -141,7 +141,8 @@ def kernels() -> dict[str, str]:
 
 
 def cpu_name() -> str:
-    """This CPU's model as the kernel reports it (for a reader; the hashes decide)."""
+    """This CPU's model as the kernel reports it: with the kernels' hashes, it decides whether a
+    golden curve is held bitwise (scripts/golden_losses.py)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         for line in cpuinfo.read_text().splitlines():
