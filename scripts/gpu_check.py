@@ -34,6 +34,11 @@ titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. S
           and of 64 (its peak memory against the estimate, compute-only tokens/s per GPU, bytes
           sent), and the speed section's llama_1b job as one rank of 8 with the diagnostics
           measuring under debug.sync_debug: the no-host-sync claim with diagnostics, on CUDA
+  moe     Qwen3-MoE (train_configs/debug_moe.toml) on random tokens at Qwen3's vocabulary, the
+          debug model and the 1B-active `2B-A1B` (64 experts, 8 active), each as a trainer run
+          (tokens/s, MFU over the active parameters, peak memory against the estimate, selective
+          AC), then one MoE layer's experts both ways on the same routed rows, forward and
+          backward: grouped_mm against the per-expert loop (time, and their difference in bf16)
 --smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
 the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
 DIR/gpu_check.md (the table in scripts/README.md). Exit 1 if a check fails (sync, determinism, hf, accum, a
@@ -66,7 +71,10 @@ from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.records import metrics_rows  # noqa: E402
 
 GiB = 2**30
-SECTIONS = ("speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing", "rehearse")
+SECTIONS = (
+    "speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing", "rehearse", "moe",
+)  # fmt: skip
+MOE_CONFIG = "train_configs/debug_moe.toml"
 
 
 @dataclasses.dataclass
@@ -89,6 +97,9 @@ class Shapes:
     rehearsed: list[str]  # the rehearse section's job
     rehearsed_worlds: tuple[int, ...]  # ... as one rank of each
     rehearsed_steps: int  # rehearsal.steps of each rehearsal
+    moe_flavors: tuple[str, ...]  # the moe section's Qwen3-MoE flavors
+    moe_vocab: int  # ... and their vocabulary
+    moe_reps: int  # timed repetitions of each way to run the experts
 
 
 FULL = Shapes(
@@ -112,6 +123,9 @@ FULL = Shapes(
     + ["--training.seq_len", "8192", "--training.activation_checkpoint", "selective"],
     rehearsed_worlds=(8, 64),
     rehearsed_steps=7,
+    moe_flavors=("debugmodel", "2B-A1B"),
+    moe_vocab=151936,  # Qwen3's
+    moe_reps=5,
 )
 SMOKE = Shapes(
     config="train_configs/debug_model.toml",
@@ -130,6 +144,9 @@ SMOKE = Shapes(
     rehearsed=["--config", "train_configs/debug_model.toml", "--training.seq_len", "128"],
     rehearsed_worlds=(),  # the sync rehearsal runs the path; tests/test_rehearsal.py rehearses 2 to 1,024
     rehearsed_steps=5,
+    moe_flavors=("debugmodel",),
+    moe_vocab=2048,
+    moe_reps=2,
 )
 # The hf check. fp32: the largest logit difference over the largest logit, the two models' op
 # order apart. bf16: each model's error against transformers' fp32 logits; titanlite's may be at
@@ -207,14 +224,22 @@ def _rehearsed(r: dict) -> str:
     )
 
 
-def train(shapes: Shapes, out: Path, name: str, *overrides: str, timeout: float = 900) -> dict:
-    """One single-rank trainer run; returns its exit code, log records and the tail of stderr."""
+def train(
+    shapes: Shapes,
+    out: Path,
+    name: str,
+    *overrides: str,
+    timeout: float = 900,
+    config: str | None = None,
+) -> dict:
+    """One single-rank trainer run (of `config`, default the shapes'); returns its exit code, log
+    records and the tail of stderr."""
     argv = [
         sys.executable,
         "-m",
         "titanlite.train",
         "--config",
-        shapes.config,
+        config or shapes.config,
         "--job.dump_folder",
         str(out / "runs"),
         "--job.run_name",
@@ -267,7 +292,7 @@ def synthetic(shapes: Shapes, batch: int, steps: int, *overrides: str) -> list[s
     ]
 
 
-def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
+def estimate_gib(shapes: Shapes, overrides: list[str], config: str | None = None) -> float:
     """The trainer's memory estimate for this run, on the meta device (no GPU touched)."""
     import torch
 
@@ -276,7 +301,7 @@ def estimate_gib(shapes: Shapes, overrides: list[str]) -> float:
     from titanlite.tools.memory import job_estimate
     from titanlite.validation import validate
 
-    cfg, _ = parse_args(["--config", shapes.config, *overrides])
+    cfg, _ = parse_args(["--config", config or shapes.config, *overrides])
     layout = validate(cfg, 1)
     meta = build_meta_model(cfg, 0)
     cuda = cfg.training.device == "cuda" or (cfg.training.device == "auto" and has_gpu())
@@ -323,6 +348,19 @@ def window_figures(records: list[dict], log_every: int) -> dict:
     return out
 
 
+def measured(
+    shapes: Shapes, out: Path, name: str, overrides: list[str], config: str | None = None
+) -> dict:
+    """A trainer run's row: its exit code and memory estimate, and its window figures or error."""
+    run = train(shapes, out, name, *overrides, config=config)
+    row = {"rc": run["rc"], "est_gib": estimate_gib(shapes, overrides, config)}
+    if run["rc"] == 0 and run["records"]:
+        row.update(window_figures(run["records"], shapes.log_every))
+    else:
+        row["error"] = run["error"]
+    return row
+
+
 def check_speed(shapes: Shapes, out: Path, steps: int) -> dict:
     rows = []
     for compiled in (False, True):
@@ -336,17 +374,8 @@ def check_speed(shapes: Shapes, out: Path, steps: int) -> dict:
                 str(compiled).lower(),
             ]
             overrides = synthetic(shapes, shapes.batch, steps, *extra)
-            run = train(shapes, out, f"speed-{ac}-{'compile' if compiled else 'eager'}", *overrides)
-            row = {
-                "ac": ac,
-                "compile": compiled,
-                "rc": run["rc"],
-                "est_gib": estimate_gib(shapes, overrides),
-            }
-            if run["rc"] == 0 and run["records"]:
-                row.update(window_figures(run["records"], shapes.log_every))
-            else:
-                row["error"] = run["error"]
+            name = f"speed-{ac}-{'compile' if compiled else 'eager'}"
+            row = {"ac": ac, "compile": compiled, **measured(shapes, out, name, overrides)}
             rows.append(row)
             say(f"speed {ac:9s} compile {'on ' if compiled else 'off'}: {brief(row)}")
     return {"rows": rows, "ok": all(r["rc"] == 0 for r in rows)}
@@ -627,6 +656,88 @@ def check_hf(shapes: Shapes, out: Path) -> dict:
     return {"rows": rows, "layers": 2, "vocab": shapes.vocab, "ok": all(r["ok"] for r in rows)}
 
 
+def check_moe(shapes: Shapes, out: Path, steps: int) -> dict:
+    rows, ways = [], []
+    for flavor in shapes.moe_flavors:
+        overrides = [
+            *("--model.flavor", flavor, "--data.mode", "synthetic"),
+            *("--model.vocab_size", str(shapes.moe_vocab), "--training.seq_len", str(shapes.seq)),
+            *("--training.local_batch_size", str(shapes.batch)),
+            *("--training.global_batch_size", str(shapes.batch)),
+            *("--training.steps", str(steps), "--metrics.log_every", str(shapes.log_every)),
+            *("--training.activation_checkpoint", "selective"),
+        ]
+        row = {"flavor": flavor, **measured(shapes, out, f"moe-{flavor}", overrides, MOE_CONFIG)}
+        rows.append(row)
+        say(f"moe {flavor}: {brief(row)}")
+        ways.append(experts_both_ways(shapes, flavor))
+        w = ways[-1]
+        say(
+            f"moe {flavor} experts, {w['rows']:,} routed rows: grouped {w['grouped_ms']:.2f} ms, "
+            f"loop {w['loop_ms']:.2f} ms ({w['loop_ms'] / w['grouped_ms']:.2f}x), "
+            f"difference {w['max_rel']:.2g} (tolerance {w['tol']:.2g})"
+        )
+    # the estimate must stay above the peak the GPU allocates (on a host the peak is the
+    # process's resident set, which holds the libraries too)
+    ok = all(r["rc"] == 0 and (r["peak_gib"] <= r["est_gib"] or not has_gpu()) for r in rows)
+    ok = ok and all(w["max_rel"] <= w["tol"] for w in ways)
+    return {"rows": rows, "experts": ways, "ok": ok}
+
+
+def experts_both_ways(shapes: Shapes, flavor: str) -> dict:
+    """One MoE layer's experts of `flavor` in bf16 (FSDP's GPU compute dtype) on the device, run
+    forward and backward on the same routed rows (a batch of the speed section's tokens, routed
+    by a random router) as grouped_mm and as the per-expert loop: the median time of each, and
+    the largest relative difference of the outputs and gradients (bf16's: 8 units of rounding)."""
+    import torch
+
+    from titanlite.models.qwen3_moe import qwen3_moe_flavors
+    from titanlite.models.qwen3_moe.moe import Experts
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args = qwen3_moe_flavors[flavor]
+    tokens = shapes.batch * shapes.seq
+    g = torch.Generator(device=device).manual_seed(0)
+    probs = torch.randn(tokens, args.experts, device=device, generator=g).softmax(-1)
+    weights, chosen = probs.topk(args.top_k, dim=-1)
+    x = torch.randn(tokens, args.dim, device=device, generator=g).bfloat16()
+    ways = {
+        impl: Experts(dataclasses.replace(args, experts_impl=impl)).to(device, torch.bfloat16)
+        for impl in ("grouped", "loop")
+    }
+    with torch.no_grad():
+        for p in ways["grouped"].parameters():
+            p.normal_(0, 0.02, generator=g)
+    ways["loop"].load_state_dict(ways["grouped"].state_dict())
+    times: dict[str, list[float]] = {impl: [] for impl in ways}
+    results = {}
+    for r in range(shapes.moe_reps + 1):  # the first warms up
+        for impl, experts in ways.items():
+            h = x.clone().requires_grad_()
+            experts.zero_grad(set_to_none=True)
+            sync(device)
+            began = time.perf_counter()
+            out = experts(h, chosen, weights)
+            out.float().square().sum().backward()
+            sync(device)
+            if r:
+                times[impl].append(time.perf_counter() - began)
+            results[impl] = [out, h.grad, *(p.grad for p in experts.parameters())]
+
+    def rel(a, b) -> float:
+        return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+    diff = max(rel(a, b) for a, b in zip(results["grouped"], results["loop"], strict=True))
+    return {
+        "flavor": flavor,
+        "rows": tokens * args.top_k,
+        "grouped_ms": 1000 * statistics.median(times["grouped"]),
+        "loop_ms": 1000 * statistics.median(times["loop"]),
+        "max_rel": diff,
+        "tol": 8 * 2.0**-8,
+    }
+
+
 # ---- report ------------------------------------------------------------------------------------
 def say(line: str) -> None:
     print(f"gpu_check: {line}", flush=True)
@@ -644,6 +755,15 @@ def brief(row: dict) -> str:
     return ", ".join(parts)
 
 
+def _trained_cells(r: dict) -> str:
+    """A trainer run's five table cells: tokens/s, TFLOP/s, MFU, peak memory, estimate."""
+    if r["rc"]:
+        return f"failed: {r.get('error', '')} | | | |"
+    tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
+    mfu = f"{r['mfu_pct']:.1f}%" if "mfu_pct" in r else "-"
+    return f"{r['tokens_per_s']:,.0f} | {tf} | {mfu} | {r['peak_gib']:.2f} GiB | {r['est_gib']:.2f} GiB"
+
+
 def markdown(result: dict) -> str:
     made = f" (torch {result['torch']}, {result['date']})" if "torch" in result else ""
     lines = [f"Device: {result['device']}{made}; {result['shapes']}.", ""]
@@ -653,17 +773,7 @@ def markdown(result: dict) -> str:
             "|---|---|---|---|---|---|---|",
         ]
         for r in result["speed"]["rows"]:
-            if r["rc"]:
-                lines.append(
-                    f"| {r['ac']} | {'on' if r['compile'] else 'off'} | failed: {r.get('error', '')} | | | | |"
-                )
-                continue
-            tf = f"{r['tflops']:.1f}" if "tflops" in r else "-"
-            mfu = f"{r['mfu_pct']:.1f}%" if "mfu_pct" in r else "-"
-            lines.append(
-                f"| {r['ac']} | {'on' if r['compile'] else 'off'} | {r['tokens_per_s']:,.0f} | {tf} | {mfu} "
-                f"| {r['peak_gib']:.2f} GiB | {r['est_gib']:.2f} GiB |"
-            )
+            lines.append(f"| {r['ac']} | {'on' if r['compile'] else 'off'} | {_trained_cells(r)} |")
         lines.append("")
     if "batch" in result:
         b = result["batch"]
@@ -697,6 +807,15 @@ def markdown(result: dict) -> str:
             + (f"failed: {r.get('error', '')}" if r["rc"] else _rehearsed(r))
             + "."
         )
+    if "moe" in result:
+        lines += [
+            "| Qwen3-MoE | tokens/s | TFLOP/s (active) | MFU | peak memory | estimate | experts: grouped | loop |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r, w in zip(result["moe"]["rows"], result["moe"]["experts"], strict=True):
+            ways = f"{w['grouped_ms']:.2f} ms | {w['loop_ms']:.2f} ms ({w['loop_ms'] / w['grouped_ms']:.2f}x)"
+            lines.append(f"| {r['flavor']} | {_trained_cells(r)} | {ways} |")
+        lines.append("")
     for key, what in (
         ("sync", "No host sync between log steps"),
         ("determinism", "Deterministic mode, the same steps twice"),
@@ -779,6 +898,7 @@ def run(args) -> int:
         "hf": lambda: check_hf(shapes, out),
         "packing": lambda: check_packing(shapes, out, steps),
         "rehearse": lambda: check_rehearse(shapes, out),
+        "moe": lambda: check_moe(shapes, out, steps),
     }
     for name in SECTIONS:
         if name in sections:

@@ -101,17 +101,19 @@ def test_params_stay_gathered_where_they_cost_little_and_the_estimate_counts_the
     meta = build_meta_model(cfg, 512)
     params = sum(p.numel() for p in meta.model.parameters())
     block = sum(p.numel() for p in meta.model.layers[0].parameters())
+    root = params - len(meta.model.layers) * block  # embedding, final norm, head: kept gathered
     small, large = (
         memory.job_estimate(meta, cfg, layout, torch.bfloat16, available)
         for available in (1e6, 1e12)
     )
-    assert small.gathered_bytes == 2 * block * 2  # one block's params and gradient, bf16
+    one = 2 * (root + block) * 2  # the root's and one block's params and gradients, bf16
+    assert root < block and small.gathered_bytes == one
     cfg.parallelism.reshard_after_forward = "auto"
     small, large = (
         memory.job_estimate(meta, cfg, layout, torch.bfloat16, available)
         for available in (1e6, 1e12)
     )
-    assert small.gathered_bytes == 2 * block * 2 and large.gathered_bytes == (params + block) * 2
+    assert small.gathered_bytes == one and large.gathered_bytes == (params + root + block) * 2
 
 
 def _kept_by_a_real_forward(model: torch.nn.Module, seq: int, loss_chunk: int) -> int:

@@ -100,40 +100,50 @@ def test_an_expert_no_token_chose_gets_a_zero_gradient_both_ways():
         assert _rel(grouped, loop) <= 1e-6
 
 
-@pytest.mark.parametrize("impl, dtype", [("grouped", torch.bfloat16), ("loop", torch.float32)])
+@pytest.mark.parametrize(
+    "impl, dtype, autocast",
+    [
+        ("grouped", torch.bfloat16, False),  # FSDP's bf16 parameters (its GPU default)
+        ("grouped", torch.float32, True),  # DDP's bf16 autocast, cast by hand for grouped_mm
+        ("loop", torch.float32, False),
+    ],
+)
 @pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.long)])
-def test_a_compiled_block_gives_the_eager_blocks_numbers(backend, impl, dtype):
+def test_a_compiled_block_gives_the_eager_blocks_numbers(backend, impl, dtype, autocast):
     """A MoE block compiled whole, as parallelize_blocks compiles it: grouped experts in bf16
-    (FSDP's GPU default) and the loop with its host read of the run lengths (fullgraph takes them
-    as data-dependent sizes), output and every gradient as the eager block's. aot_eager traces
-    forward and backward as inductor does (where a graph breaks or a dtype is refused) without
-    generating code, which costs ~40 s cold: inductor itself with --long."""
+    and the loop with its host read of the run lengths (fullgraph takes them as data-dependent
+    sizes), output and every gradient as the eager block's. aot_eager traces forward and
+    backward as inductor does (where a graph breaks or a dtype is refused) without generating
+    code, which costs ~40 s cold: inductor itself with --long."""
     block = Block(0, replace(TINY, experts_impl=impl))
     block.init_weights(ParamInit(block, 5))
     block = block.to(dtype)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(2, 16, TINY.dim, generator=g).to(dtype)
     angles = torch.rand(1, 16, 1, TINY.head_dim // 2, generator=g)
+    cast = torch.autocast("cpu", torch.bfloat16) if autocast else contextlib.nullcontext()
     ours = {}
     for name, run in (
         ("eager", block),
         ("compiled", torch.compile(block, fullgraph=True, backend=backend)),
     ):
         h = x.clone().requires_grad_()
-        out, logits = run(h, angles.cos(), angles.sin(), None)
+        with cast:
+            out, logits = run(h, angles.cos(), angles.sin(), None)
         (out.float().square().sum() + logits.float().logsumexp(-1).sum()).backward()
         ours[name] = [out, h.grad, *(p.grad.clone() for p in block.parameters())]
         block.zero_grad(set_to_none=True)
-    tol = 1e-5 if dtype == torch.float32 else BF16_GRAD_TOL
+    tol = 1e-5 if dtype == torch.float32 and not autocast else BF16_GRAD_TOL
     errs = [_rel(c, e) for c, e in zip(ours["compiled"], ours["eager"], strict=True)]
     print(f"compiled ({backend}) {impl} {dtype}: largest relative difference {max(errs):.1e}")
     assert max(errs) <= tol, errs
 
 
-@pytest.mark.parametrize("mode, param", [("fsdp", torch.float32), ("ddp", torch.bfloat16)])
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+@pytest.mark.parametrize("param", [torch.float32, torch.float16])
 def test_grouped_experts_that_cannot_compile_are_refused_at_build_time(mode, param):
-    """torch traces grouped_mm in bf16 only: fp32 parameters, or DDP's autocast (whose experts
-    read fp32 inputs), are refused in one line before anything is built."""
+    """torch traces grouped_mm in bf16 only: other parameter dtypes (FSDP's policy or DDP's
+    autocast) are refused in one line before anything is built."""
     cfg = JobConfig()
     cfg.training.compile = True
     with torch.device("meta"):
@@ -142,3 +152,13 @@ def test_grouped_experts_that_cannot_compile_are_refused_at_build_time(mode, par
     with pytest.raises(UserError, match="cannot trace grouped experts") as e:
         parallelize_qwen3_moe(model, dims, cfg)
     assert "\n" not in str(e.value)
+
+
+def test_the_experts_compute_in_autocasts_dtype_where_it_is_on():
+    """What `auto` reads on a GPU to take grouped_mm: the parameters' dtype, or autocast's (DDP's
+    bf16), so DDP's bf16 experts run without the loop's host read."""
+    x = torch.zeros(2, TINY.dim)
+    assert Experts.compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", torch.bfloat16):
+        assert Experts.compute_dtype(x) == torch.bfloat16
+    assert Experts.compute_dtype(x.bfloat16()) == torch.bfloat16

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausal
 
 from titanlite.components.checkpoint.hf_load import hf_plan, load_hf_weights
 from titanlite.errors import UserError
-from titanlite.models.qwen3_moe import Qwen3Moe
+from titanlite.models.qwen3_moe import Qwen3Moe, qwen3_moe_flavors
 from titanlite.models.qwen3_moe.hf import QWEN3_MOE_HF
 from titanlite.models.step import StepContext
 from titanlite.ops.cross_entropy import IGNORE_INDEX
@@ -149,6 +150,32 @@ def test_fused_experts_read_as_one_tensor_per_expert_and_exports_load_in_transfo
     tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
     want = from_fused(tokens)
     assert ((theirs(tokens).logits - want).abs().max() / want.abs().max()).item() <= TOL
+
+
+@pytest.mark.parametrize("per_layer, z", [(False, 0.0), (True, 0.0), (False, 0.001), (True, 0.01)])
+def test_an_export_says_what_of_the_objective_its_config_cannot_carry(
+    tmp_path, caplog, per_layer, z
+):
+    """The weights go out exact; a per-layer load-balancing loss or a router z-loss has no
+    Qwen3MoeConfig key, so the export says so, once each, and says nothing for the pooled form."""
+    from titanlite.components.checkpoint.hf_export import write_hf_folder
+    from titanlite.models.registry import MetaModel, get_model_spec
+
+    args = dataclasses.replace(
+        qwen3_moe_flavors["tiny"], vocab_size=VOCAB, aux_per_layer=per_layer, z_loss_coef=z
+    )
+    model = Qwen3Moe(args)
+    params = dict(model.named_parameters())
+    meta = MetaModel(get_model_spec("qwen3_moe"), args, model, 0)
+    with caplog.at_level(logging.WARNING):
+        error, _ = write_hf_folder(
+            tmp_path / "hf", params, lambda n: params[n].detach(), meta, "float32", None, None
+        )
+    assert error is None and (tmp_path / "hf" / "config.json").is_file()
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == per_layer + bool(z), said
+    assert any("each layer's" in m for m in said) == per_layer
+    assert any("z-loss" in m for m in said) == bool(z)
 
 
 def test_a_folder_that_does_not_hold_the_model_is_one_line(tmp_path):

@@ -87,7 +87,9 @@ class Trainer:
         cuda = self.device.type == "cuda"
         self.dataloader = build_dataloader(cfg, dataset, self.layout, dims.dp_rank, cuda, seed=seed)
         sampler = self.dataloader.batch_sampler
-        self.model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed)
+        self.model = materialize(
+            meta.spec.parallelize_fn(meta.model, dims, cfg), dims, t.seed, bool(cfg.rehearsal.world)
+        )
         self.diagnostics = Diagnostics(cfg, self.model, dims, self.layout, sampler, dataset.trace)
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)

@@ -9,7 +9,8 @@ rehearsed: then rank 0 alone, on torch's fake process group, rehearses that job 
     as dp=8, 4 x cp=2 and 2 x cp=4; and Qwen3-MoE's debug model at 2.
 
 Writes {"real": StepCost of rank 0, "rehearsed": {case: rehearsal.json}, "padded": {world:
-elements of the model with FSDP's padding at that shard degree}, "params": n} (rank 0).
+elements of the model with FSDP's padding at that shard degree}, "params": n, "drawn": {case:
+initial values rank 0 drew}} (rank 0).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from titanlite.config import parse_args
+from titanlite.distributed.param_init import ParamInit
 from titanlite.models.registry import build_meta_model
 from titanlite.rehearsal.meter import StepMeter, group_labels
 from titanlite.rehearsal.run import rehearse
@@ -45,6 +47,21 @@ SPLIT = {
 # activation_bytes, which the tracker's activations at the peak (the forward's end) must confirm
 MOE = {"moe-2": ["--model.name", "qwen3_moe", "--training.seq_len", "128", "--training.local_batch_size", "4",
                  "--training.global_batch_size", "8", "--rehearsal.steps", "3", "--diagnostics.enable", "false"]}  # fmt: skip
+
+
+DRAWN: dict[str, int] = {}  # case -> initial values rank 0 drew (ParamInit's buffers)
+
+
+def count_draws(case: str) -> None:
+    """Count the elements of every buffer ParamInit draws into from now on, under `case`."""
+    DRAWN[case] = 0
+
+    def empty(self, p, inner=ParamInit._empty_full):
+        out = inner(self, p)
+        DRAWN[case] += out.numel()
+        return out
+
+    ParamInit._empty_full = empty
 
 
 def argv(runs: Path, *more: str) -> list[str]:
@@ -77,6 +94,8 @@ def real_step(runs: Path) -> dict:
 
 def main(out: str, runs: str) -> None:
     runs_dir = Path(runs)
+    inner = ParamInit._empty_full
+    count_draws("real")
     real = real_step(runs_dir)
     rank = dist.get_rank()
     dist.destroy_process_group()
@@ -101,6 +120,8 @@ def main(out: str, runs: str) -> None:
         cfg, _ = parse_args(
             argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag)
         )
+        ParamInit._empty_full = inner
+        count_draws(name)
         rehearsed[name] = rehearse(cfg)
         dist.destroy_process_group()
     model = build_meta_model(parse_args(argv(runs_dir))[0], 2048).model
@@ -108,6 +129,7 @@ def main(out: str, runs: str) -> None:
         padded[str(world)] = world * sum(shard_numel(p.shape, world) for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
     result = {"real": real, "rehearsed": rehearsed, "padded": padded, "params": params}
+    result["drawn"] = DRAWN
     Path(out).write_text(json.dumps(result))
 
 

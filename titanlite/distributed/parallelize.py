@@ -193,12 +193,15 @@ def to_empty_tied(model: nn.Module, device: torch.device) -> None:
         setattr(module, name, getattr(owner, owner_name))
 
 
-def materialize(model: nn.Module, dims: ParallelDims, seed: int) -> nn.Module:
+def materialize(
+    model: nn.Module, dims: ParallelDims, seed: int, rehearsal: bool = False
+) -> nn.Module:
     """Parallelized meta-device model -> initialized model on the device (ParamInit: the same
-    weights for every dp degree and mode); DDP wraps it only now, as it needs real tensors."""
+    weights for every dp degree and mode; a rehearsal's drawn per shard, as it never reads them);
+    DDP wraps it only now, as it needs real tensors."""
     to_empty_tied(model, dims.device)
     with torch.no_grad():
-        model.init_weights(ParamInit(model, seed))
+        model.init_weights(ParamInit(model, seed, per_shard=rehearsal))
     return wrap_ddp(model, dims) if dims.mode == "ddp" else model
 
 

@@ -4,6 +4,10 @@ Drawing a sharded parameter from one RNG stream gives each rank the stream's *fi
 the full tensor would change with the shard count. Here each parameter gets a generator seeded
 from (seed, parameter name), the full tensor is drawn (one parameter of extra memory) and each
 rank keeps its shard: the draw never depends on the layout, AC or compile wrappers.
+
+A rehearsal (rank 0 of W on a fake process group) never reads its weights for their values, and
+drawing a 30B model in full takes tens of minutes on a CPU: there each rank draws only its own
+shard (`per_shard`), in the time its share of the parameters takes.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ def canonical_name(name: str) -> str:
 class ParamInit:
     """Passed to `model.init_weights`; fills parameters of a (possibly sharded) model."""
 
-    def __init__(self, model: nn.Module, seed: int) -> None:
+    def __init__(self, model: nn.Module, seed: int, per_shard: bool = False) -> None:
         self.seed = seed
+        self.per_shard = per_shard  # draw each rank's part alone: values depend on the layout
         self._names = {id(p): canonical_name(name) for name, p in model.named_parameters()}
 
     def _generator(self, p: torch.Tensor) -> torch.Generator:
@@ -54,11 +59,17 @@ class ParamInit:
         return torch.Generator(device=p.device).manual_seed(int.from_bytes(digest[:8], "little"))
 
     def _empty_full(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.empty(p.shape, dtype=torch.float32, device=p.device)
+        shape = p.to_local().shape if self.per_shard and isinstance(p, DTensor) else p.shape
+        return torch.empty(shape, dtype=torch.float32, device=p.device)
+
+    def _fill(self, p: torch.Tensor, values: torch.Tensor) -> None:
+        if self.per_shard and isinstance(p, DTensor):
+            p.to_local().copy_(values)
+        else:
+            copy_full_(p, values)
 
     def normal_(self, p: torch.Tensor, std: float, mean: float = 0.0) -> None:
-        full = self._empty_full(p).normal_(mean, std, generator=self._generator(p))
-        copy_full_(p, full)
+        self._fill(p, self._empty_full(p).normal_(mean, std, generator=self._generator(p)))
 
     def trunc_normal_(self, p: torch.Tensor, std: float, cutoff: float = 3.0) -> None:
         """Normal(0, std) truncated to +-cutoff*std."""
@@ -66,7 +77,7 @@ class ParamInit:
         nn.init.trunc_normal_(
             full, 0.0, std, -cutoff * std, cutoff * std, generator=self._generator(p)
         )
-        copy_full_(p, full)
+        self._fill(p, full)
 
     def constant_(self, p: torch.Tensor, value: float) -> None:
-        copy_full_(p, self._empty_full(p).fill_(value))
+        self._fill(p, self._empty_full(p).fill_(value))

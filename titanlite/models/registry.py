@@ -138,6 +138,9 @@ class HFAdapter:
     # the config.json keys args_from_config reads; with titanlite's own and the harmless ones
     # (models/hf_files.py), every key of a folder's config.json must be one of them
     reads: frozenset[str] = frozenset()
+    # args -> what of the training objective config.json cannot carry, each one line said at
+    # export (the weights are exact; a trainer reading the folder would optimise another loss)
+    unsaid: Callable[[Any], list[str]] | None = None
 
     def read(self, name: str, tensor: Any, args: Any) -> tuple[str, Any, Index] | None:
         """from_hf, its answer always (titanlite name, tensor, Index) or None."""

@@ -113,26 +113,26 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """The estimate for `model` (blocks in `model.layers`; `args`: its vocab_size, dim, n_layers)
     before the measured step's terms (job_estimate adds them)."""
-    blocks = getattr(model, "layers", None)
-    block_params = sum(p.numel() for p in blocks[0].parameters()) if blocks else 0
+    blocks = list(getattr(model, "layers", None) or ())
+    # blocks differ where some layers are dense and others hold experts: the largest is gathered
+    each = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    block_params = max(each, default=0)
     n_layers = getattr(args, "n_layers", 0)
     weights = list(model.parameters())
     params = sum(p.numel() for p in weights)
-    root = params - n_layers * block_params
+    root = params - sum(each)
     param_bytes = param_dtype.itemsize
     sharded_mode = mode in ("fsdp", "hsdp")
     divisor = shard if sharded_mode else 1
     sharded = sum(shard_numel(p.shape, divisor) for p in weights)
     gathered = 0.0
     if sharded_mode:
-        # The largest unit gathered at once with its unsharded gradient: a block, or the root's
-        # own params (embedding, head) once the vocabulary is large. A head tied to the embedding
-        # has two gradients (the head's, the lookup's) and their sum alive at the root's backward.
-        # The root stays gathered through the step, so a block's gather comes on top of it.
+        # The root's own params (embedding, head) stay gathered through the step (FSDP2 keeps
+        # the root unsharded after forward), so the largest block's gather comes on top of
+        # them, each with its unsharded gradient. A head tied to the embedding has two gradients
+        # (the head's, the lookup's) and their sum alive at the root's backward.
         tied = len(list(model.named_parameters(remove_duplicate=False))) > len(weights)
-        unit, grads = block_params, block_params
-        if root > block_params:
-            unit, grads = root + block_params, root * (3 if tied else 1) + block_params
+        unit, grads = root + block_params, root * (3 if tied else 1) + block_params
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
         gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
     chunk = loss_chunk if 0 < loss_chunk < seq_len else 0

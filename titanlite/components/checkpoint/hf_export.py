@@ -160,6 +160,8 @@ def write_hf_folder(
                 for name, data in companion_files(source, tokenizer).items():
                     (tmp / name).write_bytes(data)
                 publish(tmp, folder)
+                for note in adapter.unsaid(args) if adapter.unsaid else ():
+                    logger.warning(f"exported {folder}: {note}")
             except OSError as e:
                 error = f"publishing {folder}: {e}"
     finally:  # a failure, a tensor that cannot be read, a stop: nothing half-written stays

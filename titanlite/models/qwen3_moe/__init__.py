@@ -48,6 +48,12 @@ qwen3_moe_flavors = {
     # the model check's size: transformers' objective, and the per-layer one strong with a z-loss
     "tiny": _TINY,
     "tiny_strong": replace(_TINY, aux_per_layer=True, aux_loss_coef=0.1, z_loss_coef=0.001),
+    # a 1B-active MoE for one GPU: Qwen3's fine-grained experts (64, 8 active) at 16 layers of
+    # width 2048, 2.4B parameters and 1.0B active at Qwen3's 151,936-row vocabulary
+    # (scripts/gpu_check.sh's moe section)
+    "2B-A1B": Qwen3MoeArgs(
+        n_layers=16, n_heads=16, n_kv_heads=8, experts=64, top_k=8, moe_hidden=256
+    ),
     # Qwen3-30B-A3B (128 experts, 8 active: 30.5B parameters, 3.3B active)
     "30B-A3B": Qwen3MoeArgs(max_seq_len=4096),
 }

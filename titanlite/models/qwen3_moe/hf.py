@@ -185,12 +185,29 @@ def config_from_args(args: Qwen3MoeArgs) -> dict:
     }
 
 
+def unsaid(args: Qwen3MoeArgs) -> list[str]:
+    """What of titanlite's objective Qwen3MoeConfig has no key for."""
+    notes = []
+    if args.aux_per_layer:
+        notes.append(
+            "the load-balancing loss was each layer's, averaged; transformers' Qwen3MoeForCausalLM "
+            f"trains the pooled form at router_aux_loss_coef = {args.aux_loss_coef}"
+        )
+    if args.z_loss_coef:
+        notes.append(
+            f"the router z-loss (z_loss_coef {args.z_loss_coef}) has no Qwen3MoeConfig key; "
+            "transformers trains without it"
+        )
+    return notes
+
+
 QWEN3_MOE_HF = HFAdapter(
     architectures=("Qwen3MoeForCausalLM",),
     args_from_config=args_from_config,
     config_from_args=config_from_args,
     from_hf=from_hf,
     to_hf=to_hf,
+    unsaid=unsaid,
     reads=frozenset(
         {
             "hidden_size",

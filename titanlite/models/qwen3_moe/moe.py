@@ -38,7 +38,10 @@ class Experts(nn.Module):
     are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
     grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
     whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
-    only in bfloat16, so `auto` takes it on CUDA at bfloat16 parameters and the loop elsewhere."""
+    only in bfloat16, so `auto` takes it on CUDA where the experts compute in bfloat16 (FSDP's
+    bf16 parameters, or DDP's bf16 autocast, whose casts grouped_mm, outside autocast's op list,
+    is given by hand) and the loop elsewhere: float32 on a GPU reads the run lengths once per
+    MoE layer and microbatch (grouped_mm's own float32 path reads them too)."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
@@ -47,12 +50,18 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(args.experts, args.dim, args.moe_hidden))
         self.impl = args.experts_impl
 
+    @staticmethod
+    def compute_dtype(x: torch.Tensor) -> torch.dtype:
+        """The dtype the experts' matmuls run in: autocast's where it is on (DDP's bf16)."""
+        kind = x.device.type
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
     def grouped(self, x: torch.Tensor) -> bool:
         if self.impl != "auto":
             return self.impl == "grouped"
         # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
-        # compiles it in (its meta function checks); float32 and DDP's autocast run the loop
-        return x.is_cuda and x.dtype == torch.bfloat16 and grouped_mm_available()
+        # compiles it in (its meta function checks); float32 runs the loop
+        return x.is_cuda and self.compute_dtype(x) == torch.bfloat16 and grouped_mm_available()
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""
@@ -63,8 +72,11 @@ class Experts(nn.Module):
         counts.index_add_(0, flat, torch.ones_like(flat))
         if self.grouped(x):
             offsets = counts.cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(rows, self.gate_up.transpose(1, 2), offs=offsets).chunk(2, -1)
-            out = F.grouped_mm(F.silu(gate) * up, self.down.transpose(1, 2), offs=offsets)
+            # autocast's casts, which it does not make for grouped_mm (no-ops outside autocast)
+            dt = self.compute_dtype(x)
+            gate_up, down = self.gate_up.to(dt).transpose(1, 2), self.down.to(dt).transpose(1, 2)
+            gate, up = F.grouped_mm(rows.to(dt), gate_up, offs=offsets).chunk(2, -1)
+            out = F.grouped_mm(F.silu(gate) * up, down, offs=offsets)
         else:
             outs = []
             # each expert's weights taken once by unbind: indexing them one by one would give

@@ -1,9 +1,8 @@
 """Qwen3-MoE parallelization: each block (attention, router and its experts) is one activation
 checkpointing, compile and FSDP unit, so FSDP gathers a layer's experts with the layer and
 shards them over the experts' dimension. Compiled, the experts' grouped_mm traces in bfloat16 only
-(torch's meta function for it checks the dtype): `grouped` experts under compile need FSDP's
-bfloat16 parameters (DDP's autocast leaves the experts' inputs float32); `auto` and `loop`
-compile at any dtype."""
+(torch's meta function for it checks the dtype): `grouped` experts under compile need bfloat16
+parameters (FSDP's, or DDP's autocast); `auto` and `loop` compile at any dtype."""
 
 from __future__ import annotations
 
@@ -17,12 +16,12 @@ from titanlite.errors import UserError
 
 
 def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    bf16 = dims.param_dtype == torch.bfloat16 and dims.mode != "ddp"
+    bf16 = dims.param_dtype == torch.bfloat16
     if cfg.training.compile and model.args.experts_impl == "grouped" and not bf16:
         raise UserError(
-            f"training.compile cannot trace grouped experts in {dims.mode} at "
+            f"training.compile cannot trace grouped experts at "
             f"{str(dims.param_dtype).removeprefix('torch.')} parameters (torch compiles grouped_mm "
-            "in bfloat16 only): use fsdp or hsdp with --training.mixed_precision_param bfloat16, "
+            "in bfloat16 only): use --training.mixed_precision_param bfloat16, "
             "a flavor with experts_impl 'auto' or 'loop', or --training.compile false"
         )
     return parallelize_blocks(model, model.layers, dims, cfg)
