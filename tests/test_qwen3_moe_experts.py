@@ -154,11 +154,25 @@ def test_grouped_experts_that_cannot_compile_are_refused_at_build_time(mode, par
     assert "\n" not in str(e.value)
 
 
-def test_the_experts_compute_in_autocasts_dtype_where_it_is_on():
-    """What `auto` reads on a GPU to take grouped_mm: the parameters' dtype, or autocast's (DDP's
-    bf16), so DDP's bf16 experts run without the loop's host read."""
+def test_auto_takes_grouped_where_the_experts_compute_in_bf16_at_aligned_widths():
+    """`auto` reads the parameters' dtype, or autocast's (DDP's bf16), so bf16 experts run
+    without the loop's host read on any device (a CPU rehearsal runs a GPU's path); float32,
+    and widths grouped_mm's 16-byte strides cannot read, run the loop."""
     x = torch.zeros(2, TINY.dim)
-    assert Experts.compute_dtype(x) == torch.float32
+    auto = Experts(TINY)
+    assert Experts.compute_dtype(x) == torch.float32 and not auto.grouped(x)
     with torch.autocast("cpu", torch.bfloat16):
-        assert Experts.compute_dtype(x) == torch.bfloat16
-    assert Experts.compute_dtype(x.bfloat16()) == torch.bfloat16
+        assert Experts.compute_dtype(x) == torch.bfloat16 and auto.grouped(x)
+    assert Experts.compute_dtype(x.bfloat16()) == torch.bfloat16 and auto.grouped(x.bfloat16())
+    odd = Experts(replace(TINY, moe_hidden=12))
+    assert not odd.grouped(x.bfloat16())
+
+
+@pytest.mark.parametrize("change", [{"moe_hidden": 12}, {"dim": 36, "head_dim": 9}])
+def test_grouped_experts_at_widths_grouped_mm_cannot_read_are_refused(change):
+    with torch.device("meta"):
+        model = Qwen3Moe(replace(TINY, experts_impl="grouped", **change))
+    dims = SimpleNamespace(param_dtype=torch.float32, mode="fsdp")
+    with pytest.raises(UserError, match="multiples of 8") as e:
+        parallelize_qwen3_moe(model, dims, JobConfig())
+    assert "\n" not in str(e.value)

@@ -110,6 +110,7 @@ def estimate_memory(
     loss_chunk: int = 0,
     keep_gathered: bool = False,
     labels_path: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """The estimate for `model` (blocks in `model.layers`; `args`: its vocab_size, dim, n_layers)
     before the measured step's terms (job_estimate adds them)."""
@@ -128,13 +129,19 @@ def estimate_memory(
     gathered = 0.0
     if sharded_mode:
         # The root's own params (embedding, head) stay gathered through the step (FSDP2 keeps
-        # the root unsharded after forward), so the largest block's gather comes on top of
-        # them, each with its unsharded gradient. A head tied to the embedding has two gradients
-        # (the head's, the lookup's) and their sum alive at the root's backward.
+        # the root unsharded after forward); on top of them the block computing and the next,
+        # whose all-gather FSDP issues ahead (its implicit prefetch). Gradients: the root's (a
+        # head tied to the embedding has two, and their sum alive at the root's backward) and
+        # one block's, with its copy in the reduce dtype where that differs (the
+        # reduce-scatter's input). Each term shows in Qwen3-30B-A3B rehearsed at 64 ranks, where
+        # a block (its 128 experts) is as large as the root.
         tied = len(list(model.named_parameters(remove_duplicate=False))) > len(weights)
-        unit, grads = root + block_params, root * (3 if tied else 1) + block_params
+        unit = root + min(2, len(blocks)) * block_params
+        grads = (root * (3 if tied else 1) + block_params) * param_bytes
+        if reduce_dtype is not None and reduce_dtype != param_dtype:
+            grads += block_params * reduce_dtype.itemsize
         padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
-        gathered = ((params if keep_gathered else unit) + grads) * padding * param_bytes
+        gathered = ((params if keep_gathered else unit) * param_bytes + grads) * padding
     chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
     dim = getattr(args, "dim", 0)
     one, source = activation_bytes(
@@ -198,6 +205,7 @@ def job_estimate(
         loss_chunk=meta.loss_chunk,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
         labels_path=meta.loss_path().own,
+        reduce_dtype=getattr(torch, t.mixed_precision_reduce),
     )
     measured = measured_step_bytes(cfg, layout, params, est.unit_params)
     est.held_grads_bytes, est.diagnostics_bytes = measured

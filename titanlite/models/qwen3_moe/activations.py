@@ -1,8 +1,9 @@
 """What one sequence's Qwen3-MoE forward keeps for backward, counted from the model's own ops:
 the memory estimate's figure (titanlite/tools/activations.py) where the routing cannot be traced
-on fake tensors (the experts' loop reads its run lengths on the host). Each term is what an op
-saves, per token; tests/test_memory.py holds the sum to a real forward's saved tensors, byte for
-byte, and tests/test_rehearsal.py to the tensor tracker's activations at a rehearsed step."""
+on fake tensors (the experts' loop reads its run lengths on the host; grouped_mm traces). Each
+term is what an op saves, per token; tests/test_memory.py holds the sum to a real forward's
+saved tensors, byte for byte, and tests/test_rehearsal.py to the tensor tracker's activations
+at a rehearsed step."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titanlite.models.qwen3_moe.moe import runs_grouped
+
 if TYPE_CHECKING:
     from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 
-FP32, INDEX, FLAG = 4, 8, 1  # the bytes of an fp32 value, an int64 index, a bool
+FP32, INDEX, FLAG, OFFSET = 4, 8, 1, 4  # the bytes of an fp32, an int64 index, a bool, an int32
 
 
 def _norm(n: int, b: int) -> int:
@@ -62,9 +65,11 @@ def saved_bytes(a: Qwen3MoeArgs, seq_len: int, dtype: torch.dtype) -> tuple[list
     """(bytes per block, the rest) that one sequence of seq_len tokens keeps for backward."""
     b = dtype.itemsize
     attention = attention_per_token(a, b)
+    offsets = OFFSET * a.experts * runs_grouped(a, dtype)  # grouped_mm's run ends, per layer
     blocks = [
-        seq_len
-        * (attention + (dense_mlp_per_token if i in a.dense_layers else moe_per_token)(a, b))
+        seq_len * (attention + dense_mlp_per_token(a, b))
+        if i in a.dense_layers
+        else seq_len * (attention + moe_per_token(a, b)) + offsets
         for i in range(a.n_layers)
     ]
     balance = (FP32 * a.experts + FP32) * bool(a.aux_loss_coef)  # the step's f and scale, once

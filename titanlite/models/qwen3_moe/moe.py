@@ -27,6 +27,17 @@ def grouped_mm_available() -> bool:
     return hasattr(F, "grouped_mm")
 
 
+def runs_grouped(args: Qwen3MoeArgs, dtype: torch.dtype) -> bool:
+    """Whether the experts run grouped_mm when they compute in `dtype` (see Experts)."""
+    if args.experts_impl != "auto":
+        return args.experts_impl == "grouped"
+    # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
+    # compiles it in (its meta function checks); float32 runs the loop, as do widths whose
+    # rows are not a multiple of grouped_mm's 16-byte stride
+    aligned = args.dim % 8 == 0 and args.moe_hidden % 8 == 0
+    return dtype == torch.bfloat16 and aligned and grouped_mm_available()
+
+
 class Experts(nn.Module):
     """E SwiGLU experts, stacked as transformers 5 holds them: `gate_up` [E, 2 x hidden, dim]
     (gate rows first) and `down` [E, dim, hidden]. FSDP shards them over the experts.
@@ -38,17 +49,18 @@ class Experts(nn.Module):
     are read on the host, which is free on a CPU and a sync on a GPU), and `grouped`, two
     grouped_mm calls over all experts with the offsets on the device (no host read). Both compile
     whole (torch.compile(fullgraph=True) takes the host read as data-dependent sizes); grouped_mm
-    only in bfloat16, so `auto` takes it on CUDA where the experts compute in bfloat16 (FSDP's
-    bf16 parameters, or DDP's bf16 autocast, whose casts grouped_mm, outside autocast's op list,
-    is given by hand) and the loop elsewhere: float32 on a GPU reads the run lengths once per
-    MoE layer and microbatch (grouped_mm's own float32 path reads them too)."""
+    only in bfloat16, so `auto` takes it where the experts compute in bfloat16 (FSDP's bf16
+    parameters, or DDP's bf16 autocast, whose casts grouped_mm, outside autocast's op list, is
+    given by hand) on any device, so a CPU rehearsal runs a GPU's path, and the loop elsewhere:
+    float32 on a GPU reads the run lengths once per MoE layer and microbatch (grouped_mm's own
+    float32 path reads them too)."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
         self.n = args.experts
         self.gate_up = nn.Parameter(torch.empty(args.experts, 2 * args.moe_hidden, args.dim))
         self.down = nn.Parameter(torch.empty(args.experts, args.dim, args.moe_hidden))
-        self.impl = args.experts_impl
+        self.args = args
 
     @staticmethod
     def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -57,11 +69,7 @@ class Experts(nn.Module):
         return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
     def grouped(self, x: torch.Tensor) -> bool:
-        if self.impl != "auto":
-            return self.impl == "grouped"
-        # bfloat16 only: the dtype grouped_mm's GPU kernels are built for and the only one torch
-        # compiles it in (its meta function checks); float32 runs the loop
-        return x.is_cuda and self.compute_dtype(x) == torch.bfloat16 and grouped_mm_available()
+        return runs_grouped(self.args, self.compute_dtype(x))
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, dim], chosen [T, k] expert ids, weights [T, k] -> [T, dim]."""

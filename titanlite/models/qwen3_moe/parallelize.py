@@ -13,6 +13,7 @@ from titanlite.config import JobConfig
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import parallelize_blocks
 from titanlite.errors import UserError
+from titanlite.models.qwen3_moe.moe import grouped_mm_available
 
 
 def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
@@ -23,5 +24,16 @@ def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) 
             f"{str(dims.param_dtype).removeprefix('torch.')} parameters (torch compiles grouped_mm "
             "in bfloat16 only): use --training.mixed_precision_param bfloat16, "
             "a flavor with experts_impl 'auto' or 'loop', or --training.compile false"
+        )
+    args = model.args
+    if args.experts_impl == "grouped" and (args.dim % 8 or args.moe_hidden % 8):
+        raise UserError(
+            f"experts_impl 'grouped' needs dim ({args.dim}) and moe_hidden ({args.moe_hidden}) "
+            "to be multiples of 8 (grouped_mm reads rows at 16-byte strides): use 'auto' or 'loop'"
+        )
+    if args.experts_impl == "grouped" and not grouped_mm_available():
+        raise UserError(
+            f"experts_impl 'grouped' needs torch.nn.functional.grouped_mm, which torch "
+            f"{torch.__version__} lacks: use 'auto' or 'loop'"
         )
     return parallelize_blocks(model, model.layers, dims, cfg)
