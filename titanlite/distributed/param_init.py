@@ -6,8 +6,8 @@ from (seed, parameter name), the full tensor is drawn (one parameter of extra me
 rank keeps its shard: the draw never depends on the layout, AC or compile wrappers.
 
 A rehearsal (rank 0 of W on a fake process group) never reads its weights for their values, and
-drawing a 30B model in full takes tens of minutes on a CPU: there each rank draws only its own
-shard (`per_shard`), in the time its share of the parameters takes.
+drawing a large model in full costs W times its shard: there each rank draws only its own shard
+(`per_shard`).
 """
 
 from __future__ import annotations

@@ -52,8 +52,8 @@ class Experts(nn.Module):
     only in bfloat16, so `auto` takes it where the experts compute in bfloat16 (FSDP's bf16
     parameters, or DDP's bf16 autocast, whose casts grouped_mm, outside autocast's op list, is
     given by hand) on any device, so a CPU rehearsal runs a GPU's path, and the loop elsewhere:
-    float32 on a GPU reads the run lengths once per MoE layer and microbatch (grouped_mm's own
-    float32 path reads them too)."""
+    in float32 the run lengths are read once per MoE layer and microbatch, a device sync where
+    the device is a GPU (grouped_mm's own float32 path reads them too)."""
 
     def __init__(self, args: Qwen3MoeArgs) -> None:
         super().__init__()
