@@ -247,5 +247,6 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
     return (
         f"rehearsal: rank 0 of {world} on a fake process group, {cfg.rehearsal.steps} steps; global batch "
         f"{batch} ({world} ranks x local {t.local_batch_size} x accumulation {accum}{why}); no checkpoint, "
-        "eval, export, initial load or metrics file; alerts muted; every update applied"
+        "eval, export, initial load or metrics file; initial weights drawn for this rank's shard "
+        "alone; alerts muted; every update applied"
     )
