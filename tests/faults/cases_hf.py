@@ -162,6 +162,15 @@ for _name, _change, _says in (
     _hf_refused(_name, _change, _says, cheap=True)
 
 
+# a key the folder leaves unused, asked for on the command line: refused, not dropped
+_hf_refused(
+    "--model.flavor 1B beside the folder",
+    lambda f: ("--model.flavor", "1B"),
+    "model.flavor = '1B' (command line) is not used beside model.hf_assets_path",
+    cheap=True,
+)
+
+
 def _with_inv_freq(c: Catalogue) -> tuple[str, ...]:
     """Older transformers saved each layer's rotary inv_freq buffer with the weights."""
     import torch
