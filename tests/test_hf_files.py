@@ -336,3 +336,39 @@ def test_a_real_config_of_each_family_loads(family, tmp_path):
     config = read_config(_folder(tmp_path, config=good), adapter.reads, adapter.keys)
     args = adapter.args_from_config(config)
     assert args.vocab_size == good["vocab_size"] and args.n_layers == good["num_hidden_layers"]
+
+
+def test_a_forks_adapter_reads_its_declared_keys_through_the_same_reader(tmp_path):
+    """A fork declares its config.json keys (HFAdapter.keys) and reads them in args_from_config;
+    hf_args, the one door to a folder's shapes, refuses a value outside them in one line."""
+    from dataclasses import dataclass
+
+    from titanlite.models.hf_keys import ConfigKeys, Relation
+    from titanlite.models.registry import HFAdapter, ModelSpec, hf_args
+
+    @dataclass(frozen=True)
+    class Args:
+        width: int
+        vocab_size: int
+
+    keys = ConfigKeys(
+        "fork",
+        (Key("width", "whole", at_least=8), Key("vocab_size", "whole", at_least=1)),
+        (
+            Relation(
+                ("width", "vocab_size"), lambda w, v: w <= v, "width must be at most vocab_size"
+            ),
+        ),
+    )
+    adapter = HFAdapter(
+        ("ForkForCausalLM",), lambda c: Args(**keys.read(c)), lambda a: {}, lambda *a: None, lambda *a: None, keys=keys
+    )  # fmt: skip
+    spec = ModelSpec("fork_hf", object, {}, lambda m, *a: m, hf=adapter)
+    base = {"architectures": ["ForkForCausalLM"], "vocab_size": 64}
+    assert hf_args(spec, _folder(tmp_path, config={**base, "width": 16}), 64) == Args(16, 64)
+    for width, says in ((4, "width = 4; it must be a whole number >= 8"), (16.0, "width = 16.0"), (128, "width must be at most vocab_size")):  # fmt: skip
+        with pytest.raises(UserError) as e:
+            hf_args(spec, _folder(tmp_path, config={**base, "width": width}), 64)
+        assert str(e.value).startswith(str(tmp_path / "config.json")) and says in str(e.value), str(
+            e.value
+        )
