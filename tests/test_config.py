@@ -431,3 +431,99 @@ def test_what_a_sequence_split_or_a_debug_step_cannot_do_is_refused(flags, messa
     cfg.eval.prompts = []
     cfg.debug.fingerprint_step = cfg.debug.stop_after_step = 10
     validate(cfg, 2)
+
+
+# ---- keys another key leaves unused (titanlite.config.unused) ---------------------------------
+
+# For each UNUSED rule: the settings that leave the key unused, and a value of the key's own
+ASIDE = {
+    "model.flavor": ({"model.hf_assets_path": "assets/hf/SmolLM2-135M"}, "1B"),
+    "model.vocab_size": ({"model.hf_assets_path": "assets/hf/SmolLM2-135M"}, 1024),
+    "model.builtin_vocab_size": ({"model.tokenizer_path": "tok/tokenizer.json"}, 1024),
+    "model.tokenizer_path": ({"data.mode": "synthetic", "model.vocab_size": 256}, "tok/tokenizer.json"),
+    "model.dropout_masks": ({"model.dropout": 0.0}, "sample"),
+    "checkpoint.initial_load_model_only": ({"checkpoint.initial_load_path": ""}, False),
+    "checkpoint.initial_load_drop": ({"checkpoint.initial_load_path": ""}, ["layers.0.attention.wq.weight"]),
+}  # fmt: skip
+
+
+def _flags(settings: dict) -> list[str]:
+    out = []
+    for key, value in settings.items():
+        text = ",".join(value) if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)  # fmt: skip
+        out += [f"--{key}", text]
+    return out
+
+
+def _toml(tmp_path, settings: dict) -> str:
+    from titanlite.config.manager import _toml_value
+
+    tables: dict = {}
+    for key, value in settings.items():
+        section, name = key.split(".")
+        tables.setdefault(section, []).append(f"{name} = {_toml_value(value)}")
+    path = tmp_path / "config.toml"
+    path.write_text("".join(f"[{s}]\n" + "\n".join(lines) + "\n" for s, lines in tables.items()))
+    return str(path)
+
+
+def test_every_unused_rule_has_a_case():
+    from titanlite.config.unused import UNUSED
+
+    assert {u.key for u in UNUSED} == set(ASIDE)
+
+
+@pytest.mark.parametrize("key", ASIDE)
+def test_a_key_another_leaves_unused_is_refused_where_asked_last_else_recorded_as_unused(
+    key, tmp_path
+):
+    """Set at the level of what leaves it unused or later: one line naming it. Set in the file
+    with the command line leaving it unused: one note, and the run holds its default. At its
+    default: nothing said. Either way config.toml records it as unused, never a value, and two
+    runs that differ only in it have one identity (compare_runs and a resume take them as one)."""
+    from titanlite.config.fields import identity, value_of
+
+    deciding, value = ASIDE[key]
+    mine = {key: value}
+    for file, flags in (({**deciding, **mine}, {}), ({}, {**deciding, **mine}), (deciding, mine)):
+        with pytest.raises(UserError) as e:
+            load_config(_toml(tmp_path, file) if file else None, _flags(flags), notes=[])
+        said = str(e.value)
+        assert "\n" not in said and said.startswith(f"{key} = ") and "is not used beside" in said, (
+            said
+        )
+    notes: list[str] = []
+    noted = load_config(_toml(tmp_path, mine), _flags(deciding), notes=notes)
+    assert len(notes) == 1 and notes[0].startswith(f"{key} = ") and "config.toml records it as unused" in notes[0], notes  # fmt: skip
+    quiet: list[str] = []
+    default = load_config(None, _flags(deciding), notes=quiet)
+    assert quiet == [] and value_of(noted, key) == value_of(default, key) != value
+    name = key.split(".")[1]
+    for cfg in (noted, default):
+        text = to_toml(cfg)
+        assert f"\n# {name}: not used (" in text and f"\n{name} = " not in text, text
+        (tmp_path / "back.toml").write_text(text)
+        assert load_config(str(tmp_path / "back.toml")) == cfg
+    assert identity(noted) == identity(default) and to_toml(noted) == to_toml(default)
+
+
+def test_two_runs_of_one_hugging_face_folder_compare_whatever_flavor_their_files_named(tmp_path):
+    """compare_runs takes two runs of the same folder as the same model, whatever flavor their
+    config files held (the command line named the folder)."""
+    from titanlite.analysis.compare import config_diff
+    from titanlite.analysis.runs import load_run
+
+    runs = []
+    for name, file in (("a", {"model.flavor": "1B"}), ("b", {})):
+        folder = tmp_path / name
+        folder.mkdir()
+        cfg = load_config(
+            _toml(tmp_path, file) if file else None,
+            _flags({"model.hf_assets_path": "hf/x"}),
+            notes=[],
+        )
+        (folder / "config.toml").write_text(to_toml(cfg))
+        (folder / "run.json").write_text('{"mode": "fsdp", "dp_replicate": 1, "dp_shard": 2, "local_batch_size": 2, "grad_accum": 1, "param_dtype": "float32"}')  # fmt: skip
+        (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+        runs.append(load_run(folder))
+    assert config_diff(*runs).refused == []

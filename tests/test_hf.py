@@ -106,14 +106,17 @@ def test_config_round_trips_and_unsupported_configs_are_one_line(tmp_path):
     assert LLAMA3_HF.args_from_config(LLAMA3_HF.config_from_args(args)) == args
     assert LlamaConfig(**LLAMA3_HF.config_from_args(args)).rope_parameters["rope_type"] == "llama3"
     for change, needle in (
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
-        ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            'rope_parameters.rope_type = "yarn"',
+        ),
+        ({"hidden_act": "gelu"}, 'hidden_act = "gelu"'),
         ({"head_dim": 16}, "head_dim = 16"),
     ):
         with pytest.raises(UserError, match=needle):
             LLAMA3_HF.args_from_config({**config, **change})
     del config["intermediate_size"]
-    with pytest.raises(UserError, match="config.json has no 'intermediate_size'"):
+    with pytest.raises(UserError, match="config.json: no key 'intermediate_size'"):
         LLAMA3_HF.args_from_config(config)
     with pytest.raises(UserError, match="'model.extra.weight'"):
         LLAMA3_HF.from_hf("model.extra.weight", torch.zeros(1), args)

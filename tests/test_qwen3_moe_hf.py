@@ -208,10 +208,10 @@ def test_a_folder_that_does_not_hold_the_model_is_one_line(tmp_path):
     said = plan({**files, f"{at}.9.down_proj.weight": torch.zeros(16, 8)})
     assert "has shape" in said, said
     for change, says in (
-        ({"hidden_act": "gelu"}, "hidden_act = 'gelu'"),
-        ({"attention_bias": True}, "attention_bias = True"),
-        ({"mlp_only_layers": [0, 1, 2]}, "no layer with experts"),
-        ({"num_experts_per_tok": None}, "num_experts_per_tok"),
+        ({"hidden_act": "gelu"}, 'hidden_act = "gelu"'),
+        ({"attention_bias": True}, "attention_bias = true"),
+        ({"mlp_only_layers": [0, 1, 2]}, "some layer must have experts"),
+        ({"num_experts_per_tok": None}, "no key 'num_experts_per_tok'"),
     ):
         with pytest.raises(UserError) as e:
             QWEN3_MOE_HF.args_from_config(
@@ -225,7 +225,7 @@ def test_a_folder_that_does_not_hold_the_model_is_one_line(tmp_path):
         json.dumps({**config, "use_sliding_window": True})
     )
     with pytest.raises(UserError, match="use_sliding_window") as e:
-        read_config(tmp_path / "src", QWEN3_MOE_HF.reads)
+        read_config(tmp_path / "src", QWEN3_MOE_HF.reads, QWEN3_MOE_HF.keys)
     assert "\n" not in str(e.value)
 
 

@@ -54,11 +54,6 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "metrics.enable_wandb = false"
         )
     m, d, e = cfg.model, cfg.data, cfg.eval
-    if m.vocab_size and m.hf_assets_path:
-        raise UserError(
-            f"model.vocab_size is {m.vocab_size}; it must be 0 with model.hf_assets_path "
-            "(whose config.json gives the vocabulary)"
-        )
     if d.mode == "synthetic" and (d.path or not (m.vocab_size or m.hf_assets_path)):
         raise UserError(
             "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "

@@ -128,6 +128,49 @@ for _name, _change, _says in (
     _hf_refused(_name, _change, _says)
 
 
+# config.json's values read through the family's declared keys (titanlite/models/hf_keys.py):
+# each refused by the launcher's preflight, one line, exit 2, no run folder
+_QWEN = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001, "max_position_embeddings": 256, "bos_token_id": 0, "eos_token_id": 1,
+}  # fmt: skip
+
+
+def _qwen(**change) -> Callable[[Path], tuple[str, ...]]:
+    """The tiny folder's tokenizer and files with a Qwen3-MoE config.json (`change` applied):
+    the config is refused before any weight is read."""
+
+    def edit(folder: Path) -> tuple[str, ...]:
+        (folder / "config.json").write_text(json.dumps({**_QWEN, **change}))
+        return ("--model.name", "qwen3_moe")
+
+    return edit
+
+
+for _name, _change, _says in (
+    ("config.json: num_experts_per_tok 0", _qwen(num_experts_per_tok=0), "num_experts_per_tok = 0; it must be a whole number >= 1"),
+    ("config.json: 9 of 8 experts per token", _qwen(num_experts_per_tok=9), "num_experts_per_tok must be at most num_experts"),
+    ("config.json: router_aux_loss_coef null", _qwen(router_aux_loss_coef=None), "router_aux_loss_coef = null"),
+    ("config.json: router_aux_loss_coef -0.01", _qwen(router_aux_loss_coef=-0.01), "router_aux_loss_coef = -0.01"),
+    ("config.json: num_experts 8.7", _qwen(num_experts=8.7), "num_experts = 8.7"),
+    ("config.json: num_experts 8 and num_local_experts 4", _qwen(num_local_experts=4), "num_local_experts = 4"),
+    ("config.json: 3 KV heads for 4 heads", config_edit(num_key_value_heads=3), "num_key_value_heads must divide"),
+    ("config.json: rms_norm_eps null", config_edit(rms_norm_eps=None), "rms_norm_eps = null"),
+):  # fmt: skip
+    _hf_refused(_name, _change, _says, cheap=True)
+
+
+# a key the folder leaves unused, asked for on the command line: refused, not dropped
+_hf_refused(
+    "--model.flavor 1B beside the folder",
+    lambda f: ("--model.flavor", "1B"),
+    "model.flavor = '1B' (command line) is not used beside model.hf_assets_path",
+    cheap=True,
+)
+
+
 def _with_inv_freq(c: Catalogue) -> tuple[str, ...]:
     """Older transformers saved each layer's rotary inv_freq buffer with the weights."""
     import torch

@@ -29,7 +29,7 @@ class Model:
     name: str = opt("llama3")
     """registered model name (see titanlite.models.registry)"""
     flavor: str = opt("debugmodel")
-    """size preset of the model, e.g. debugmodel, 1B, 8B"""
+    """size preset of the model, e.g. debugmodel, 1B, 8B; unused with hf_assets_path"""
     tokenizer_path: str = opt("", path="file")
     """SentencePiece .model or HF tokenizer.json; empty: hf_assets_path's, else built-in stdlib"""
     hf_assets_path: str = opt("", path="file")

@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised only on Python < 3.11
 from titanlite.config.fields import value_of
 from titanlite.config.job_config import PLUGIN_SECTIONS, JobConfig, plugin_section, sections
 from titanlite.config.layout import apply_rehearsal
+from titanlite.config.unused import settle, unused_in
 from titanlite.errors import UserError
 
 
@@ -209,6 +210,7 @@ def load_config(
     """Defaults, then the TOML file (if any), then `--section.key value` overrides. Its notes (moved
     keys, a rehearsal's changes) go into `notes`, else are printed once per launch."""
     cfg, found = JobConfig(), []
+    origin: dict[str, str] = {}  # where each key set came from (titanlite.config.unused.LEVELS)
     if path:
         p = Path(path)
         if p.is_dir():
@@ -235,6 +237,7 @@ def load_config(
                 _set(cfg, section_name + ".x", None, False)  # raises with a suggestion
             for key, value in table.items():
                 _set(cfg, f"{section_name}.{key}", value, False)
+                origin[f"{section_name}.{key}"] = "config file"
     typed: dict[str, tuple[str, Any]] = {}  # key -> (the name it was typed as, the value it got)
     for dotted, value in words(overrides or []):
         if "." not in dotted:
@@ -249,7 +252,10 @@ def load_config(
                 f"the command line sets both '{typed[key][0]}' and '{dotted}', which disagree; keep only '{key}'"
             )
         typed[key] = (dotted, got)
-    said = [n for n in (_deprecated(found), apply_rehearsal(cfg)) if n]
+        origin[key] = "command line"
+    # a key another key leaves unused: refused where the user asked for it last, else recorded
+    said = [n for n in (_deprecated(found), *settle(cfg, origin), apply_rehearsal(cfg)) if n]
+    settle(cfg)  # what the rehearsal leaves unused (its note says what it turns off)
     if notes is not None:
         notes += said
     elif not os.environ.get(NOTES_SHOWN_ENV):
@@ -271,11 +277,15 @@ def _toml_value(v: Any) -> str:
 
 
 def to_toml(cfg: JobConfig) -> str:
-    """The resolved config as TOML, one commented key per line; load_config reads it back."""
-    lines = []
+    """The resolved config as TOML, one commented key per line; load_config reads it back. A key
+    another key leaves unused (titanlite.config.unused) is a comment saying so, never a value."""
+    lines, unused = [], unused_in(cfg)
     for name, section in sections(cfg):
         lines.append(f"[{name}]")
         for f in fields(section):
+            if f"{name}.{f.name}" in unused:
+                lines.append(f"# {f.name}: not used ({unused[f'{name}.{f.name}']})")
+                continue
             lines.append(
                 f"{f.name} = {_toml_value(getattr(section, f.name))}  # {f.metadata['help']}"
             )

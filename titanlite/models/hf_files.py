@@ -1,8 +1,9 @@
 """A Hugging Face folder's configs, read whole: config.json, generation_config.json,
 tokenizer_config.json and special_tokens_map.json. Every key is one titanlite uses (the model's
-adapter declares its own: HFAdapter.reads), one known to be harmless (below, with why), or
-refused in one line; so is a key that says what another says and disagrees with it, since
-titanlite would take one and transformers the other, and train another model without a word.
+adapter declares its own: HFAdapter.keys), one known to be harmless (below, with why), or
+refused in one line; and every value titanlite reads passes its declaration (titanlite.models.
+hf_keys: a kind, bounds, what null means, relations such as two keys that say one thing and must
+agree, since titanlite would take one and transformers the other).
 
 Harmless means: it does not change what the model computes in training, or transformers'
 LlamaForCausalLM ignores it as titanlite does. The lists were checked against the configs of
@@ -12,12 +13,12 @@ SmolLM2-135M, Llama 3.2 1B and Llama 3.1 8B and against transformers' common con
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from titanlite.errors import UserError
+from titanlite.models.hf_keys import ConfigKeys, Key, Relation, same
 from titanlite.tools.records import read_json
 
 # config.json keys titanlite reads for every model (the adapter adds its own)
@@ -80,16 +81,35 @@ CONFIG_HARMLESS_AT: dict[str, tuple[Callable[[Any], bool], str]] = {
         "its weights are quantized; titanlite reads full-precision weights",
     ),
 }
-# keys that say the same thing: where a config holds both, they must agree
-SAME_MEANING = (
-    ("rope_theta", "rope_parameters.rope_theta"),
-    ("rope_scaling", "rope_parameters"),
-    ("torch_dtype", "dtype"),
-)
-# keys that must be whole numbers where set (int() would silently round 64.5 down)
-WHOLE = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-    "vocab_size", "max_position_embeddings", "head_dim",
+# The keys every model's config.json may hold that titanlite reads itself (the adapter declares
+# its own: HFAdapter.keys), and the keys that say one thing twice: where a config holds both,
+# they must agree.
+COMMON_KEYS = ConfigKeys(
+    "Hugging Face",
+    (
+        Key("max_position_embeddings", "whole", at_least=1, default=None),
+        Key("bos_token_id", "ids", at_least=0, null="no such token named here", default=None),
+        Key("eos_token_id", "ids", at_least=0, null="no such token named here", default=None),
+        Key("pad_token_id", "ids", at_least=0, null="no such token named here", default=None),
+    ),
+    (
+        same("rope_theta", "rope_parameters.rope_theta"),
+        # rope_parameters also holds rope_theta: compare what both hold
+        same(
+            "rope_scaling",
+            "rope_parameters",
+            lambda a, b: isinstance(a, dict) and isinstance(b, dict) and all(b.get(k) == v for k, v in a.items()),
+        ),
+        same("torch_dtype", "dtype"),
+        *(
+            Relation(
+                (ids, "vocab_size"),
+                lambda i, v: not isinstance(v, int) or all(x < v for x in (i if isinstance(i, list) else [i])),
+                f"{ids} must be below vocab_size (a token id is a row of the embedding)",
+            )
+            for ids in ("bos_token_id", "eos_token_id", "pad_token_id")
+        ),
+    ),
 )  # fmt: skip
 
 GENERATION_USED = frozenset({"eos_token_id"})  # what ends a completion
@@ -149,18 +169,6 @@ SPECIAL_TOKENS_HARMLESS = frozenset(
 )
 
 
-def _lookup(config: dict, dotted: str) -> tuple[bool, Any]:
-    head, _, rest = dotted.partition(".")
-    if head not in config:
-        return False, None
-    value = config[head]
-    if rest:
-        return (isinstance(value, dict) and rest in value), (
-            value.get(rest) if isinstance(value, dict) else None
-        )
-    return True, value
-
-
 def check_whole(
     path: Path,
     data: dict,
@@ -190,35 +198,19 @@ def check_whole(
     return data
 
 
-def read_config(folder: Path, reads: Iterable[str] = ()) -> dict:
-    """config.json whole: the adapter's keys (`reads`) and titanlite's, the harmless ones, or one
-    refusal; two keys of the same meaning that disagree, or a size that is not a whole number,
-    are refused too."""
+def read_config(folder: Path, reads: Iterable[str] = (), keys: ConfigKeys | None = None) -> dict:
+    """config.json whole: the adapter's keys (`reads`, and those `keys` declares) and titanlite's,
+    the harmless ones, or one refusal; every declared key (titanlite's own, COMMON_KEYS, and
+    `keys`) read through its declaration, so a value out of bounds or two keys that disagree are
+    one refusal too."""
     path = folder / "config.json"
     config = read_json(path, "a Hugging Face model folder's config.json is a JSON object")
-    check_whole(path, config, {*CONFIG_USED, *reads}, CONFIG_HARMLESS, CONFIG_HARMLESS_AT)
-    for a, b in SAME_MEANING:
-        (has_a, va), (has_b, vb) = _lookup(config, a), _lookup(config, b)
-        if has_a and has_b and va is not None and vb is not None and not _agree(a, va, vb):
-            raise UserError(
-                f"{path}: {a} = {va!r} and {b} = {vb!r} say the same thing differently (titanlite and "
-                f"transformers could each take another); keep one of them"
-            )
-    for key in WHOLE:
-        value = config.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise UserError(f"{path}: {key} is {value!r}; it must be a whole number")
+    declared = COMMON_KEYS + keys if keys is not None else COMMON_KEYS
+    check_whole(
+        path, config, {*CONFIG_USED, *reads, *declared.names}, CONFIG_HARMLESS, CONFIG_HARMLESS_AT
+    )
+    declared.read(config, path)
     return config
-
-
-def _agree(a: str, va: Any, vb: Any) -> bool:
-    if a == "rope_scaling":  # rope_parameters also holds rope_theta: compare what both hold
-        return (
-            isinstance(va, dict)
-            and isinstance(vb, dict)
-            and all(vb.get(k) == v for k, v in va.items())
-        )
-    return va == vb
 
 
 def _read_optional(folder: Path, name: str, used, harmless, harmless_at=None) -> dict:
@@ -251,20 +243,22 @@ def read_special_tokens_map(folder: Path) -> dict:
 
 
 def check_hf_folder(folder: Path, need_tokenizer: bool) -> None:
-    """A Hugging Face model folder has config.json (valid JSON), its weights and, unless another
-    tokenizer is named, tokenizer.json."""
+    """A Hugging Face model folder has config.json (a JSON object whose keys titanlite reads for
+    every model hold what COMMON_KEYS declares), its weights and, unless another tokenizer is
+    named, tokenizer.json."""
     if not folder.is_dir():
         raise UserError(
             f"model.hf_assets_path '{folder}' is not a folder; point it at a downloaded model"
         )
-    try:
-        json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(
-            f"'{folder}' has no config.json; it is not a Hugging Face model folder"
-        ) from None
-    except (OSError, ValueError) as e:
-        raise UserError(f"'{folder / 'config.json'}' is not valid JSON ({e})") from None
+    if not (folder / "config.json").is_file():
+        raise UserError(f"'{folder}' has no config.json; it is not a Hugging Face model folder")
+    # the keys titanlite reads before the model's adapter does (the tokenizer's ids, the context)
+    COMMON_KEYS.read(
+        read_json(
+            folder / "config.json", "a Hugging Face model folder's config.json is a JSON object"
+        ),
+        folder / "config.json",
+    )
     if not any(
         (folder / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")
     ):

@@ -83,9 +83,13 @@ contract for a registered model:
   (config.json <-> the args), `from_hf` and `to_hf` (one full tensor at a time, HF name <->
   titanlite name, any permutation applied both ways; a parameter a folder holds in pieces,
   one tensor per expert say, is read piece by piece, `from_hf` giving each one's Index in it,
-  and written as the list `to_hf` returns), and `reads`, every config.json key
-  `args_from_config` uses, since a folder's configs are read whole (titanlite.models.hf_files: a
-  key neither used nor known to be harmless is refused). The tied-head rule: a head tied to its
+  and written as the list `to_hf` returns), and `keys`, every config.json key
+  `args_from_config` uses, declared with its kind, bounds, what null means and its relations to
+  other keys (titanlite.models.hf_keys: `values = MY_KEYS.read(config)` in `args_from_config`
+  gives them checked), since a folder's configs are read whole and every value through its
+  declaration (titanlite.models.hf_files: a key neither used nor known to be harmless is
+  refused, and so is a value outside its bounds, in one line before any worker starts). The
+  tied-head rule: a head tied to its
   embedding is one Parameter assigned to both modules, so named_parameters lists it once, under
   the embedding's name; `to_hf` therefore sees it once and the export writes no head tensor,
   `from_hf` returns None for a folder's head copy when the args say tied, and
@@ -110,6 +114,7 @@ from titanlite.config import JobConfig
 from titanlite.config.layout import extra_axes, loss_chunks
 from titanlite.errors import UserError, foreign
 from titanlite.models.hf_files import read_config
+from titanlite.models.hf_keys import ConfigKeys
 from titanlite.models.step import LossPath
 from titanlite.tools.records import read_json
 
@@ -135,8 +140,13 @@ class HFAdapter:
     from_hf: Callable[[str, Any, Any], tuple | None]
     # (titanlite name, tensor, args) -> HF's name and tensor, or a list of them
     to_hf: Callable[[str, Any, Any], tuple[str, Any] | list[tuple[str, Any]]]
-    # the config.json keys args_from_config reads; with titanlite's own and the harmless ones
-    # (models/hf_files.py), every key of a folder's config.json must be one of them
+    # the config.json keys args_from_config reads, each declared with its kind, bounds, null and
+    # default, and the relations between them (models/hf_keys.py): a folder's config.json is
+    # checked against them before any worker starts; args_from_config reads through them too
+    keys: ConfigKeys | None = None
+    # further config.json keys args_from_config reads, undeclared (a fork's, read as it likes);
+    # with `keys`, titanlite's own and the harmless ones (models/hf_files.py), every key of a
+    # folder's config.json must be one of them
     reads: frozenset[str] = frozenset()
     # args -> what of the training objective config.json cannot carry, each one line said at
     # export (the weights are exact; a trainer reading the folder would optimise another loss)
@@ -236,7 +246,7 @@ def hf_args(spec: ModelSpec, folder: Path, tokenizer_vocab: int) -> Any:
             f"'{folder}' holds a {', '.join(archs)} but model '{spec.name}' reads {reads}; "
             "use a folder of that architecture, or a model.name whose adapter reads it"
         )
-    args = spec.hf.args_from_config(read_config(folder, spec.hf.reads))
+    args = spec.hf.args_from_config(read_config(folder, spec.hf.reads, spec.hf.keys))
     if tokenizer_vocab > args.vocab_size:
         raise UserError(
             f"the tokenizer's ids reach {tokenizer_vocab - 1} but config.json's vocab_size is "

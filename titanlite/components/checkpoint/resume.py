@@ -13,6 +13,7 @@ from titanlite.components.checkpoint.index import step_dir
 from titanlite.config import JobConfig
 from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
+from titanlite.config.unused import unused_in
 from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
 from titanlite.tools.records import read_json
@@ -53,11 +54,14 @@ def check_resumable(
         )
     _require(state, "identity", path)
     saved = state.get("data")  # what its data held, by content (none: data.path is compared)
-    theirs = state["identity"]
+    theirs, unused = (
+        state["identity"],
+        unused_in(cfg),
+    )  # a key this run leaves unused trains nothing
     diff = [
         f"{k}: checkpoint {theirs.get(k)!r}, config {v!r}"
         for k, v in identity(cfg).items()
-        if theirs.get(k) != v and not (k == "data.path" and saved)
+        if theirs.get(k) != v and not (k == "data.path" and saved) and k not in unused
     ]
     if diff:
         raise UserError(

@@ -15,6 +15,7 @@ import re
 import torch
 
 from titanlite.errors import UserError
+from titanlite.models.hf_keys import ConfigKeys, Key, Relation
 from titanlite.models.llama3.model import Llama3Args, ffn_hidden_dim
 from titanlite.models.registry import HFAdapter
 
@@ -94,50 +95,98 @@ def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch
     return theirs, (_to_halves(tensor, heads) if heads else tensor)
 
 
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# titanlite's Llama: dim = heads x head_dim, q/k/v/o without bias, SwiGLU (silu), RoPE with
+# Llama 3's scaling or none
+LLAMA3_KEYS = ConfigKeys(
+    "Llama 3",
+    (
+        Key("hidden_size", "whole", at_least=1),
+        Key("num_hidden_layers", "whole", at_least=1),
+        Key("num_attention_heads", "whole", at_least=1),
+        Key("num_key_value_heads", "whole", at_least=1, null="as many as num_attention_heads", default=None),
+        Key("head_dim", "whole", at_least=1, null="hidden_size / num_attention_heads", default=None),
+        Key("vocab_size", "whole", at_least=1),
+        Key("intermediate_size", "whole", at_least=1),
+        Key("rms_norm_eps", "float", above=0, default=1e-6),
+        Key("tie_word_embeddings", "bool", default=False),
+        Key("hidden_act", "str", choices=("silu",), why="titanlite's Llama 3 computes SwiGLU", default="silu"),
+        Key("attention_bias", "bool", choices=(False,), why="titanlite's Llama 3 has no biases", null="false", default=False),
+        Key("mlp_bias", "bool", choices=(False,), why="titanlite's Llama 3 has no biases", null="false", default=False),
+        Key("rope_theta", "float", above=0, null="rope_parameters' rope_theta, else 10000", default=None),
+        Key("rope_scaling", "object", null="no scaling", default=None),
+        Key("rope_parameters", "object", null="rope_theta's, no scaling", default=None),
+        Key("rope.rope_theta", "float", above=0, default=None),
+        Key("rope.rope_type", "str", choices=("default", "llama3"), why="titanlite's Llama 3 has no other RoPE", default=None),
+        Key("rope.type", "str", choices=("default", "llama3"), why="titanlite's Llama 3 has no other RoPE", default=None),
+        Key("rope.factor", "float", above=0, default=None),
+        Key("rope.low_freq_factor", "float", above=0, default=None),
+        Key("rope.high_freq_factor", "float", above=0, default=None),
+        Key("rope.original_max_position_embeddings", "whole", at_least=1, default=None),
+    ),
+    (
+        Relation(
+            ("num_attention_heads", "num_key_value_heads"),
+            lambda h, kv: h % kv == 0,
+            "num_key_value_heads must divide num_attention_heads (each KV head serves a whole group of heads)",
+        ),
+        Relation(
+            ("hidden_size", "num_attention_heads", "head_dim"),
+            lambda d, h, hd: hd * h == d,
+            "head_dim x num_attention_heads must be hidden_size (titanlite's Llama 3 splits the width into its heads)",
+        ),
+        Relation(
+            ("hidden_size", "num_attention_heads"),
+            lambda d, h: d % h == 0,
+            "num_attention_heads must divide hidden_size (titanlite's Llama 3 splits the width into its heads)",
+        ),
+        Relation(
+            ("hidden_size", "num_attention_heads"),
+            lambda d, h: d % h or (d // h) % 2 == 0,
+            "hidden_size / num_attention_heads, a head's width, must be even (RoPE rotates pairs of features)",
+        ),
+        Relation(
+            ("rope.low_freq_factor", "rope.high_freq_factor"),
+            lambda low, high: high > low,
+            "high_freq_factor must be above low_freq_factor (Llama 3's RoPE scaling divides by their difference)",
+        ),
+        *(
+            Relation(
+                (kind, *(f"rope.{k}" for k in _LLAMA3_ROPE)),
+                lambda kind, *given: kind != "llama3" or None not in given,
+                "Llama 3's RoPE scaling needs all four of factor, low_freq_factor, high_freq_factor and original_max_position_embeddings",
+                partial=True,
+            )
+            for kind in ("rope.rope_type", "rope.type")
+        ),
+    ),
+)  # fmt: skip
+
+
 def args_from_config(config: dict) -> Llama3Args:
     """Llama3Args from a transformers LlamaConfig (config.json), old style (rope_theta,
-    rope_scaling) or new (rope_parameters). vocab_size is config.json's; max_seq_len is left to
-    training.seq_len. Anything titanlite's Llama cannot represent is one UserError."""
-    try:
-        dim, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-        args = {
-            "dim": dim,
-            "n_layers": int(config["num_hidden_layers"]),
-            "n_heads": heads,
-            "n_kv_heads": int(config.get("num_key_value_heads") or heads),
-            "vocab_size": int(config["vocab_size"]),
-            "hidden_dim": int(config["intermediate_size"]),
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        }
-    except KeyError as e:
-        raise UserError(f"config.json has no {e}; it is not a complete Llama config") from None
-    unsupported = [
-        f"{key} = {config[key]!r}"
-        for key, ok in (
-            ("hidden_act", lambda v: v == "silu"),
-            ("attention_bias", lambda v: not v),
-            ("mlp_bias", lambda v: not v),
-            ("head_dim", lambda v: v is None or int(v) * heads == dim),
-        )
-        if key in config and not ok(config[key])
-    ]
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    args["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "llama3":
+    rope_scaling) or new (rope_parameters), every key read through LLAMA3_KEYS. vocab_size is
+    config.json's; max_seq_len is left to training.seq_len."""
+    v = LLAMA3_KEYS.read(config)
+    heads = v["num_attention_heads"]
+    args = {
+        "dim": v["hidden_size"],
+        "n_layers": v["num_hidden_layers"],
+        "n_heads": heads,
+        "n_kv_heads": v["num_key_value_heads"] or heads,
+        "vocab_size": v["vocab_size"],
+        "hidden_dim": v["intermediate_size"],
+        "norm_eps": float(v["rms_norm_eps"]),
+        "tie_embeddings": v["tie_word_embeddings"],
+    }
+    theta = v["rope.rope_theta"] if v["rope.rope_theta"] is not None else v["rope_theta"]
+    args["rope_theta"] = float(theta if theta is not None else 10000.0)
+    if (v["rope.rope_type"] or v["rope.type"] or "default") == "llama3":
         args.update(
-            rope_scaling_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_len=int(rope["original_max_position_embeddings"]),
-        )
-    elif kind != "default":
-        unsupported.append(f"rope type {kind!r}")
-    if unsupported:
-        raise UserError(
-            f"config.json asks for what titanlite's Llama 3 does not do: {', '.join(unsupported)}; "
-            "use a Llama 3.x model folder"
+            rope_scaling_factor=float(v["rope.factor"]),
+            rope_low_freq_factor=float(v["rope.low_freq_factor"]),
+            rope_high_freq_factor=float(v["rope.high_freq_factor"]),
+            rope_original_max_len=v["rope.original_max_position_embeddings"],
         )
     return Llama3Args(**args)
 
@@ -181,23 +230,5 @@ LLAMA3_HF = HFAdapter(
     config_from_args=config_from_args,
     from_hf=from_hf,
     to_hf=to_hf,
-    reads=frozenset(
-        {
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "vocab_size",
-            "intermediate_size",
-            "rms_norm_eps",
-            "tie_word_embeddings",
-            "hidden_act",
-            "attention_bias",
-            "mlp_bias",
-            "rope_theta",
-            "rope_scaling",
-            "rope_parameters",
-        }
-    ),  # fmt: skip
+    keys=LLAMA3_KEYS,
 )

@@ -15,6 +15,7 @@ import re
 import torch
 
 from titanlite.errors import UserError
+from titanlite.models.hf_keys import ConfigKeys, Key, Relation, same
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.registry import HFAdapter
 
@@ -93,66 +94,124 @@ def to_hf(
     return f"model.layers.{layer}.{_LAYER[rest]}", tensor
 
 
-def _dense_layers(config: dict, n_layers: int) -> tuple[int, ...]:
+def _dense_layers(only: list[int], step: int, n_layers: int) -> tuple[int, ...]:
     """The layers transformers gives a dense MLP: those in mlp_only_layers, and those whose
     index + 1 is no multiple of decoder_sparse_step."""
-    only = set(config.get("mlp_only_layers") or [])
-    step = int(config.get("decoder_sparse_step") or 1)
     return tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
 
 
+_EXPERTS = "num_experts or num_local_experts"
+# titanlite's Qwen3-MoE: q/k/v/o without bias, per-head q/k norms, SwiGLU (silu) experts and
+# dense layers, plain RoPE
+QWEN3_MOE_KEYS = ConfigKeys(
+    "Qwen3-MoE",
+    (
+        Key("hidden_size", "whole", at_least=1),
+        Key("num_hidden_layers", "whole", at_least=1),
+        Key("num_attention_heads", "whole", at_least=1),
+        Key("num_key_value_heads", "whole", at_least=1, null="as many as num_attention_heads", default=None),
+        Key("head_dim", "whole", at_least=1, null="hidden_size / num_attention_heads", default=None),
+        Key("num_experts", "whole", at_least=1, default=None),
+        Key("num_local_experts", "whole", at_least=1, default=None),
+        Key("num_experts_per_tok", "whole", at_least=1),
+        Key("moe_intermediate_size", "whole", at_least=1),
+        Key("intermediate_size", "whole", at_least=1, null="no dense layer's width", default=None),
+        Key("mlp_only_layers", "layers", at_least=0, null="none", default=[]),
+        Key("decoder_sparse_step", "whole", at_least=1, default=1),
+        Key("norm_topk_prob", "bool", default=False),
+        Key("router_aux_loss_coef", "float", at_least=0, default=0.001),
+        Key("vocab_size", "whole", at_least=1),
+        Key("rms_norm_eps", "float", above=0, default=1e-6),
+        Key("tie_word_embeddings", "bool", default=False),
+        Key("hidden_act", "str", choices=("silu",), why="titanlite's Qwen3-MoE computes SwiGLU", default="silu"),
+        Key("attention_bias", "bool", choices=(False,), why="titanlite's Qwen3-MoE has no biases", null="false", default=False),
+        Key("rope_theta", "float", above=0, null="rope_parameters' rope_theta, else 10000", default=None),
+        Key("rope_scaling", "object", null="no scaling", default=None),
+        Key("rope_parameters", "object", null="rope_theta's, no scaling", default=None),
+        Key("rope.rope_theta", "float", above=0, default=None),
+        Key("rope.rope_type", "str", choices=("default",), why="titanlite's Qwen3-MoE has no RoPE scaling", default=None),
+        Key("rope.type", "str", choices=("default",), why="titanlite's Qwen3-MoE has no RoPE scaling", default=None),
+        # transformers' forward switch that returns the router logits (and adds the
+        # load-balancing loss to its own loss); titanlite's training always adds it
+        Key("output_router_logits", "bool", default=False),
+    ),
+    (
+        same("num_experts", "num_local_experts"),
+        Relation(
+            ("num_experts", "num_local_experts"),
+            lambda a, b: a is not None or b is not None,
+            f"{_EXPERTS} must give the number of experts",
+            partial=True,
+        ),
+        *(
+            Relation(
+                ("num_experts_per_tok", experts),
+                lambda k, e: k <= e,
+                f"num_experts_per_tok must be at most {experts} (a token is routed to that many distinct experts)",
+            )
+            for experts in ("num_experts", "num_local_experts")
+        ),
+        Relation(
+            ("num_attention_heads", "num_key_value_heads"),
+            lambda h, kv: h % kv == 0,
+            "num_key_value_heads must divide num_attention_heads (each KV head serves a whole group of heads)",
+        ),
+        Relation(
+            ("head_dim",),
+            lambda hd: hd % 2 == 0,
+            "head_dim must be even (RoPE rotates the two halves of a head)",
+        ),
+        Relation(
+            ("hidden_size", "num_attention_heads", "head_dim"),
+            lambda d, h, hd: hd is not None or (d % h == 0 and (d // h) % 2 == 0),
+            "without head_dim, hidden_size / num_attention_heads is a head's width: a whole, even number (RoPE rotates the two halves of a head)",
+            partial=True,
+        ),
+        Relation(
+            ("mlp_only_layers", "num_hidden_layers"),
+            lambda only, n: all(i < n for i in only),
+            "mlp_only_layers must name layers below num_hidden_layers",
+        ),
+        Relation(
+            ("mlp_only_layers", "decoder_sparse_step", "num_hidden_layers"),
+            lambda only, step, n: len(_dense_layers(only, step, n)) < n,
+            "some layer must have experts (a layer is dense when mlp_only_layers names it or decoder_sparse_step does not divide its index + 1)",
+        ),
+        Relation(
+            ("mlp_only_layers", "decoder_sparse_step", "num_hidden_layers", "intermediate_size"),
+            lambda only, step, n, width: width is not None or not _dense_layers(only, step, n),
+            "dense layers need intermediate_size, their MLP's width",
+            partial=True,
+        ),
+    ),
+)  # fmt: skip
+
+
 def args_from_config(config: dict) -> Qwen3MoeArgs:
-    """Qwen3MoeArgs from a transformers Qwen3MoeConfig (config.json). vocab_size is config.json's;
-    max_seq_len is left to training.seq_len. What titanlite's Qwen3-MoE cannot represent is one
-    UserError."""
-    try:
-        heads = int(config["num_attention_heads"])
-        n_layers = int(config["num_hidden_layers"])
-        experts = config.get("num_experts", config.get("num_local_experts"))
-        if experts is None:
-            raise KeyError("num_experts")
-        args = {
-            "dim": int(config["hidden_size"]),
-            "n_layers": n_layers,
-            "n_heads": heads,
-            "n_kv_heads": int(config.get("num_key_value_heads") or heads),
-            "head_dim": int(config.get("head_dim") or int(config["hidden_size"]) // heads),
-            "experts": int(experts),
-            "top_k": int(config["num_experts_per_tok"]),
-            "moe_hidden": int(config["moe_intermediate_size"]),
-            "dense_hidden": int(config.get("intermediate_size") or 0),
-            "dense_layers": _dense_layers(config, n_layers),
-            "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-            "aux_loss_coef": float(config.get("router_aux_loss_coef", 0.001)),
-            "vocab_size": int(config["vocab_size"]),
-            "norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-            "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        }
-    except KeyError as e:
-        raise UserError(f"config.json has no {e}; it is not a complete Qwen3-MoE config") from None
-    unsupported = [
-        f"{key} = {config[key]!r}"
-        for key, ok in (
-            ("hidden_act", lambda v: v == "silu"),
-            ("attention_bias", lambda v: not v),
-        )
-        if key in config and not ok(config[key])
-    ]
-    if args["experts"] < 1 or len(args["dense_layers"]) == n_layers:
-        unsupported.append("no layer with experts")
-    if args["dense_layers"] and not args["dense_hidden"]:
-        unsupported.append("dense layers without an intermediate_size")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    args["rope_theta"] = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind != "default":
-        unsupported.append(f"rope type {kind!r}")
-    if unsupported:
-        raise UserError(
-            f"config.json asks for what titanlite's Qwen3-MoE does not do: {', '.join(unsupported)}; "
-            "use a Qwen3-MoE model folder"
-        )
-    return Qwen3MoeArgs(**args)
+    """Qwen3MoeArgs from a transformers Qwen3MoeConfig (config.json), every key read through
+    QWEN3_MOE_KEYS. vocab_size is config.json's; max_seq_len is left to training.seq_len."""
+    v = QWEN3_MOE_KEYS.read(config)
+    heads, n_layers = v["num_attention_heads"], v["num_hidden_layers"]
+    theta = v["rope.rope_theta"] if v["rope.rope_theta"] is not None else v["rope_theta"]
+    experts = v["num_experts"] if v["num_experts"] is not None else v["num_local_experts"]
+    return Qwen3MoeArgs(
+        dim=v["hidden_size"],
+        n_layers=n_layers,
+        n_heads=heads,
+        n_kv_heads=v["num_key_value_heads"] or heads,
+        head_dim=v["head_dim"] or v["hidden_size"] // heads,
+        experts=experts,
+        top_k=v["num_experts_per_tok"],
+        moe_hidden=v["moe_intermediate_size"],
+        dense_hidden=v["intermediate_size"] or 0,
+        dense_layers=_dense_layers(v["mlp_only_layers"], v["decoder_sparse_step"], n_layers),
+        norm_topk_prob=v["norm_topk_prob"],
+        aux_loss_coef=float(v["router_aux_loss_coef"]),
+        vocab_size=v["vocab_size"],
+        norm_eps=float(v["rms_norm_eps"]),
+        tie_embeddings=v["tie_word_embeddings"],
+        rope_theta=float(theta if theta is not None else 10000.0),
+    )
 
 
 def config_from_args(args: Qwen3MoeArgs) -> dict:
@@ -208,33 +267,5 @@ QWEN3_MOE_HF = HFAdapter(
     from_hf=from_hf,
     to_hf=to_hf,
     unsaid=unsaid,
-    reads=frozenset(
-        {
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "num_experts",
-            "num_local_experts",
-            "num_experts_per_tok",
-            "moe_intermediate_size",
-            "intermediate_size",
-            "mlp_only_layers",
-            "decoder_sparse_step",
-            "norm_topk_prob",
-            "router_aux_loss_coef",
-            "vocab_size",
-            "rms_norm_eps",
-            "tie_word_embeddings",
-            "hidden_act",
-            "attention_bias",
-            "rope_theta",
-            "rope_scaling",
-            "rope_parameters",
-            # transformers' forward switch that returns the router logits (and adds the
-            # load-balancing loss to its own loss); titanlite's training always adds it
-            "output_router_logits",
-        }
-    ),  # fmt: skip
+    keys=QWEN3_MOE_KEYS,
 )
