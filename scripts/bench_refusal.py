@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """How long a typo waits for its one line: each mistake below typed to ./run_train.sh as a user
 would, timed as a whole process (the shell script, the interpreter's start, the check, the
-exit), beside the interpreter importing torch, which the launcher's check comes before.
+exit), beside the bare interpreter and the interpreter importing torch, which the launcher's
+check comes before.
 
     ./scripts/bench_refusal.py [--rounds 5]
 
@@ -52,12 +53,13 @@ def slowest_imports(python: str, code: str, n: int = 6) -> list[tuple[float, str
     done = subprocess.run(
         [python, "-X", "importtime", "-c", code], cwd=REPO, capture_output=True, text=True
     )
-    rows = []
+    rows: dict[str, float] = {}
     for line in done.stderr.splitlines():
         parts = line.removeprefix("import time:").split("|")
         if len(parts) == 3 and parts[1].strip().isdigit():
-            rows.append((int(parts[1]) / 1e6, parts[2].strip()))
-    return sorted(rows, reverse=True)[:n]
+            module = parts[2].strip()
+            rows[module] = max(rows.get(module, 0.0), int(parts[1]) / 1e6)
+    return sorted(((s, m) for m, s in rows.items()), reverse=True)[:n]
 
 
 def run(args) -> int:
@@ -77,12 +79,11 @@ def run(args) -> int:
                 return 1
             times.append(seconds)
         rows[name] = times
-    rows["import torch (for scale)"] = [
-        timed([python, "-c", "import torch"])[0] for _ in range(args.rounds)
-    ]
-    print(f"{'case':<28} {'median s':>9} {'min s':>7} {'max s':>7}   ({args.rounds} runs each)")
+    for what, code in (("python -c pass", "pass"), ("python -c 'import torch'", "import torch")):
+        rows[f"{what} (for scale)"] = [timed([python, "-c", code])[0] for _ in range(args.rounds)]
+    print(f"{'case':<36} {'median s':>9} {'min s':>7} {'max s':>7}   ({args.rounds} runs each)")
     for name, times in rows.items():
-        print(f"{name:<28} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f}")
+        print(f"{name:<36} {statistics.median(times):>9.2f} {min(times):>7.2f} {max(times):>7.2f}")
     print("\nthe launcher's first look, slowest imports (cumulative s):")
     for seconds, module in slowest_imports(python, FIRST_LOOK):
         print(f"  {seconds:6.3f}  {module}")

@@ -24,9 +24,9 @@ def first_error(error: str | None, group: dist.ProcessGroup | None = None) -> st
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of `grads` taken whole (a DTensor's over its shards), each tensor's squares
-    accumulated in float64 and the tensors' sum too: a float32 norm on a CPU sums a tensor's
-    squares one after another, about 1e-5 off at a million elements and 6e-4 at 16 million, and
-    off by other amounts at another sharding. A float64 device tensor, never read on the host."""
+    accumulated in float64 and the tensors' sum too, so that two shardings of one gradient log
+    one norm (a float32 norm's rounding grows with a tensor's size and differs by sharding:
+    titanlite/components/README.md). A float64 device tensor, never read on the host."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
     norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
