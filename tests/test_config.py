@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import re
 
 import pytest
@@ -7,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from titanlite.config import load_config, parse_args
-from titanlite.config.job_config import JobConfig
+from titanlite.config.fields import value_of
+from titanlite.config.job_config import JobConfig, sections
 from titanlite.config.layout import resolve_layout
 from titanlite.config.manager import to_toml
 from titanlite.datasets.spec import check_data_files
@@ -218,7 +221,10 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
     "argv, message",
     [
         (["--data.packing", "true"], "data.packing packs SFT records but data.mode is 'pretrain'"),
-        (["--data.mode", "sft", "--data.document_mask", "true"], "for SFT set data.packing = true"),
+        (
+            ["--data.mode", "sft", "--data.document_mask", "true"],
+            "set data.document_mask = false; to pack several SFT records",
+        ),
         (["--eval.fraction", "0.7"], "eval.fraction is 0.7; hold out between 0 and 0.5"),
         (
             ["--eval.path", "/nonexistent/val.jsonl"],
@@ -527,3 +533,95 @@ def test_two_runs_of_one_hugging_face_folder_compare_whatever_flavor_their_files
         (folder / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
         runs.append(load_run(folder))
     assert config_diff(*runs).refused == []
+
+
+# A fix a refusal offers: `set KEY = VALUE` (and the pairs after it in its clause) or `--KEY VALUE`.
+_FIX_VERB = re.compile(r"\b(?:set|add|use)\b|\bor\b")
+_VALUE = r"('[^']*'|\"[^\"]*\"|true|false|-?[0-9][0-9.e+-]*)"
+_PAIR = re.compile(rf"--([a-z_]+\.[a-z_]+)[ =]{_VALUE}|\b([a-z_]+\.[a-z_]+) = {_VALUE}")
+
+
+def offered_fixes(message: str) -> list[tuple[str, str]]:
+    """Each `key = value` a refusal tells the user to set: the pairs that follow a fix's verb
+    (set, add, use, or) within one clause (clauses end at ';' and ':')."""
+    fixes = []
+    for clause in re.split(r"[;:] ", message):
+        verb = _FIX_VERB.search(clause)
+        if verb:
+            fixes += [(k or k2, v or v2) for k, v, k2, v2 in _PAIR.findall(clause[verb.end() :])]
+    return fixes
+
+
+def _switches() -> list[tuple[str, list]]:
+    """Every true/false and choice key of the config, with each value it takes."""
+    out = []
+    for name, section in sections(JobConfig()):
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            if isinstance(value, bool):
+                out.append((f"{name}.{f.name}", [False, True]))
+            elif f.metadata.get("choices"):
+                out.append((f"{name}.{f.name}", list(f.metadata["choices"])))
+    return out
+
+
+def _text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def test_offered_fixes_reads_what_a_refusal_tells_the_user_to_set():
+    assert offered_fixes(
+        "x is on: set data.packing = false (and data.document_mask = true to keep)"
+    ) == [
+        ("data.packing", "false"),
+        ("data.document_mask", "true"),
+    ]
+    assert offered_fixes("a = false needs b; set it to true") == []
+    assert offered_fixes("y; add --data.accept_change true to go on") == [
+        ("data.accept_change", "true")
+    ]
+    assert offered_fixes("z; use diagnostics.method = 'sketch' or 'auto'") == [
+        ("diagnostics.method", "'sketch'")
+    ]
+
+
+def _refusal(settings: dict[str, object]) -> str | None:
+    """The preflight's config checks (validate, the data files) on the defaults with `settings`
+    set: the refusal's line, or None."""
+    cfg = JobConfig()
+    for key, value in settings.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    try:
+        validate(cfg, 1)
+        check_data_files(cfg)
+    except UserError as e:
+        return str(e)
+    return None
+
+
+def test_no_refusal_offers_a_fix_the_config_already_holds():
+    """Every true/false and choice key at each of its values; then every pair and triple of the
+    keys those refusals name, at every combination of their values: where a refusal tells the
+    user to set `key = value`, the config does not hold that value already."""
+    switches = dict(_switches())
+    assert len(switches) > 20
+    named: set[str] = set()  # the keys the rules read, as their refusals name them
+    for key, values in switches.items():
+        for value in values:
+            if (line := _refusal({key: value})) is not None:
+                named |= set(re.findall(r"[a-z_]+\.[a-z_]+", line)) & set(switches) | {key}
+    assert {"data.packing", "data.document_mask", "data.mode"} <= named, named
+    checked = 0
+    for n in (1, 2, 3):
+        for keys in itertools.combinations(sorted(named), n):
+            for values in itertools.product(*(switches[k] for k in keys)):
+                settings = dict(zip(keys, values, strict=True))
+                line = _refusal(settings)
+                for key, fix in offered_fixes(line or ""):
+                    held = settings.get(key, value_of(JobConfig(), key))
+                    assert _text(held) != fix.strip("'\""), (
+                        f"{settings}: '{line}' offers {key} = {fix}"
+                    )
+                    checked += 1
+    assert checked > 10, checked

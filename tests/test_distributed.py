@@ -91,6 +91,18 @@ def test_initial_weights_are_bitwise_identical_across_dp_and_mode(results):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_the_logged_gradient_norm_is_the_reduced_gradients_norm_in_every_mode(results, world):
+    """clip_grad_norm_'s norm of a known gradient (tensors of a million values, where a float32
+    norm on a CPU drifts about 1e-5) equals its float64 norm taken whole, at every sharding, so
+    two layouts' logged norms differ only as their gradients do."""
+    cases = results[world]["grad_norm_cases"]
+    assert [c["mode"] for c in cases] == ["fsdp", "ddp", "hsdp"] and cases[0]["largest"] >= 2**20
+    for c in cases:
+        assert c["logged"] == pytest.approx(c["reference"], rel=1e-12, abs=0), c
+    assert cases[0]["reference"] == results[1]["grad_norm_cases"][0]["reference"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_tied_embeddings_stay_tied_with_exact_gradient_and_init_in_every_mode(results, world):
     """Llama 3.2's layout: the output head is the embedding. DDP materialises an unsharded
     model, whose to_empty() would give the head a parameter of its own, left uninitialised."""

@@ -9,6 +9,7 @@ finite and within the declared bounds."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import socket
@@ -296,3 +297,63 @@ def test_a_script_launched_as_a_user_would_refuses_in_one_line(tmp_path):
         == "compare_runs: error: --rtol is 'nan'; it must be a finite number > 0 and <= 1\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+_FIRST_LOOK = """
+import contextlib, io, json, runpy, sys
+out = []
+for words in json.loads(sys.argv[1]):
+    sys.argv = ["titanlite.launch", "--from-env", "--caller-cwd", sys.argv[2], *words]
+    err, code = io.StringIO(), None
+    with contextlib.redirect_stderr(err):
+        try:
+            runpy.run_module("titanlite.launch", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            code = e.code
+    out.append([words, code, err.getvalue(), "torch" in sys.modules])
+print(json.dumps(out))
+"""
+
+
+def _typos(tmp: Path) -> list[list[str]]:
+    """Each section's name misspelt, each key's name misspelt and each typed key given a value
+    of another type, a missing config and data file, a bad --rehearse: typed as a user would."""
+    from dataclasses import fields
+
+    from titanlite.config import JobConfig
+    from titanlite.config.job_config import sections
+
+    cases = [["--config", str(tmp / "missing.toml")], ["--data.path", str(tmp / "missing.txt")]]
+    cases += [["--rehearse", "0"], ["--eval.path", str(tmp / "missing.jsonl")], ["steps", "3"]]
+    for name, section in sections(JobConfig()):
+        cases.append([f"--{name}x.{fields(section)[0].name}", "1"])
+        for f in fields(section):
+            cases.append([f"--{name}.{f.name}x", "1"])
+            value = getattr(section, f.name)
+            if isinstance(value, (bool, int, float)) or f.metadata.get("choices"):
+                cases.append([f"--{name}.{f.name}", "no-such-value"])
+    return cases
+
+
+def test_a_typo_is_answered_before_torch_is_imported(tmp_path):
+    """The launcher as run_train.sh runs it: each mistake (_typos) is one line and exit 2 with
+    torch never imported (its answer then takes the interpreter's start, not torch's import:
+    scripts/bench_refusal.py times it). One process runs every case, the module's top anew each
+    time; NPROC is bad, so a case the first look let through would stop at the launcher's check
+    of it, not train."""
+    cases = _typos(tmp_path)
+    env = {**os.environ, "NPROC": "not-a-number"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FIRST_LOOK, json.dumps(cases), str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert len(results) == len(cases) > 100
+    for words, code, err, torch_imported in results:
+        assert code == 2 and err.count("\n") == 1 and err.startswith("titanlite: error: "), (
+            words,
+            err,
+        )
+        assert not torch_imported, (words, err)
+    assert not list(tmp_path.iterdir())

@@ -321,3 +321,25 @@ def test_the_step_contexts_all_reduce_is_a_counted_collective_on_the_normalisers
         assert not counted.counts
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sizes", [(1,), (1000, 7), (2**20, 3), (2**22, 2**20, 5)])
+@pytest.mark.parametrize("max_norm", [0.0, 1.0])
+def test_the_logged_gradient_norm_is_its_float64_norm_and_clips_to_max_norm(sizes, max_norm):
+    """clip_grad_norm_ of gradients up to four million values a tensor (where a float32 norm on
+    a CPU drifts 1e-5 to 1e-4) returns their float64 norm as a device tensor; clipped (max_norm
+    below it), the gradients' norm is max_norm. Sharded layouts: tests/test_distributed.py."""
+    from titanlite.distributed.utils import clip_grad_norm_
+
+    params = []
+    for i, n in enumerate(sizes):
+        p = torch.nn.Parameter(torch.zeros(n))
+        p.grad = torch.randn(n, generator=torch.Generator().manual_seed(i)) * 1e-3
+        params.append(p)
+    exact = torch.stack([p.grad.double().norm() for p in params]).norm()
+    logged = clip_grad_norm_(params, max_norm)
+    assert logged.dtype == torch.float64 and logged.shape == ()
+    assert logged.item() == pytest.approx(exact.item(), rel=1e-12, abs=0)
+    after = torch.stack([p.grad.double().norm() for p in params]).norm().item()
+    clipped = max_norm if 0 < max_norm < exact.item() else exact.item()
+    assert after == pytest.approx(clipped, rel=1e-6)

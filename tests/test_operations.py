@@ -404,6 +404,71 @@ def test_checkpoint_space_and_multi_node_names(tmp_path, monkeypatch):
     assert run_name(cfg, "train_configs/llama_1b.toml", nnodes=2) == "llama_1b-slurm4242"
 
 
+@pytest.mark.parametrize(
+    "data, name",
+    [
+        ("{d}/mine.jsonl", "mine"),
+        ("{d}/corpus", "corpus"),
+        ("{d}/a.txt:0.7,{d}/b.parquet:0.3", "a+b"),
+        ("{d}/my notes (v2).txt", "my-notes-v2"),
+        ("{d}/" + "x" * 90 + ".txt", "x" * 64),
+    ],
+)
+@pytest.mark.parametrize("config", [None, "train_configs/debug_model.toml", "with_data.toml"])
+@pytest.mark.parametrize("slurm", [None, "4242"])
+def test_a_run_on_data_its_config_does_not_hold_is_named_after_the_data(
+    tmp_path, monkeypatch, data, name, config, slurm
+):
+    """No run name: a run on --data.path that its config does not hold is named after the data
+    (file stem, folder name, a mixture's names), on any config, at a rehearsal and under SLURM;
+    a config's own data.path keeps the config's name."""
+    (tmp_path / "corpus").mkdir()
+    own = tmp_path / "with_data.toml"
+    own.write_text(f'[data]\npath = "{tmp_path / "own.jsonl"}"\n')
+    path = str(own) if config == "with_data.toml" else config and str(REPO / config)
+    if slurm is None:
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_JOB_ID", slurm)
+    cfg = load_config(path, ["--data.path", data.format(d=tmp_path)])
+    got = run_name(cfg, path)
+    assert got.startswith(f"{name}-") and (slurm is None or got == f"{name}-slurm{slurm}"), got
+    cfg.rehearsal.world = 8
+    assert run_name(cfg, path).startswith(f"{name}-rehearse8-")
+    stem = Path(path).stem if path else "default"
+    assert run_name(load_config(path), path).startswith(f"{stem}-")
+    if config == "with_data.toml":  # the config's own data, typed again on the command line
+        again = load_config(path, ["--data.path", str(tmp_path / "own.jsonl")])
+        assert run_name(again, path).startswith("with_data-")
+
+
+@pytest.mark.parametrize("owner_there", [True, False])
+def test_another_runs_checkpoints_are_refused_with_a_fix_that_works(tmp_path, owner_there):
+    """A checkpoint.folder outside the run folder that another run wrote: the fix names that run
+    only where it still is (a moved or removed run is not offered), and a new run from one
+    gets a checkpoint.folder of its own (in this one it would be refused again)."""
+    from titanlite.components.checkpoint.index import step_dir
+    from titanlite.components.checkpoint.resume import check_resumable
+
+    owner, folder = tmp_path / "outputs" / "old-name", tmp_path / "elsewhere" / "ck"
+    if owner_there:
+        owner.mkdir(parents=True)
+    step = step_dir(folder, 6)
+    step.mkdir(parents=True)
+    (step / "state.json").write_text(json.dumps({"run_folder": str(owner), "identity": {}}))
+    mine = tmp_path / "outputs" / "new-name"
+    mine.mkdir(parents=True)
+    cfg = load_config(None, ["--checkpoint.folder", str(folder)])
+    with pytest.raises(UserError) as e:
+        check_resumable(folder, 6, cfg, mine)
+    line = str(e.value)
+    assert (
+        f"checkpoint.initial_load_path = '{step}'" in line and "another checkpoint.folder" in line
+    )
+    assert ("resume that run" in line) == owner_there, line
+    assert owner_there or "no longer there (moved or removed)" in line
+
+
 def test_preflight_estimates_a_checkpoint_from_the_model_shapes(tmp_path, monkeypatch):
     """llama3 1B: 12 bytes per parameter (float32 weights and AdamW's two moments)."""
     from titanlite.preflight import plan_run

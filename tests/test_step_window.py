@@ -147,8 +147,60 @@ def test_a_long_log_interval_says_it_is_going_before_a_step_would_pass_the_heart
             clock[0] += step_s
             before = len(caplog.records)
             one = torch.tensor(1.0)
-            window.add(step, one, torch.tensor(4), one, torch.tensor(False), 1e-3)
+            window.add(
+                step, one, torch.tensor(4), one, torch.tensor(False), 1e-3,
+                until_log=lambda step=step: 100 - step,
+            )  # fmt: skip
             if len(caplog.records) > before:
                 said.append(clock[0])
     gaps = [b - a for a, b in zip(said, said[1:], strict=False)]
     assert gaps and max(gaps) <= HEARTBEAT_S, gaps
+
+
+@pytest.mark.parametrize("step_s", [0.3, 1.9, 7.0, 29.0])
+@pytest.mark.parametrize("log_every", [None, 1, 5, 40])
+def test_the_progress_line_comes_only_where_a_log_step_follows_and_not_in_its_second(
+    monkeypatch, caplog, one_process, step_s, log_every
+):
+    """Steps of step_s seconds, logged every log_every steps (None: never, as in a rehearsal): a
+    progress line promises a log step, so none is said at a log step, where none follows, or
+    where the log line is expected within PROGRESS_GAP_S of it."""
+    import logging
+
+    from titanlite.components import step_window
+    from titanlite.tools.process import HEARTBEAT_S
+
+    clock = [0.0]
+    monkeypatch.setattr(step_window.time, "monotonic", lambda: clock[0])
+    window = step_window.StepWindow()
+
+    last = 119  # the run's last step, a log step as every run's is
+
+    def until_log(step: int) -> int | None:
+        return None if log_every is None else min(-step % log_every, last - step)
+
+    logged = []  # the console's time of each progress line and each log line
+    one = torch.tensor(1.0)
+    with caplog.at_level(logging.INFO, logger="titanlite"):
+        for step in range(1, last + 1):
+            clock[0] += step_s
+            before = len(caplog.records)
+            window.add(
+                step, one, torch.tensor(4), one, torch.tensor(False), 1e-3,
+                until_log=lambda step=step: until_log(step),
+            )  # fmt: skip
+            if len(caplog.records) > before:
+                assert until_log(step), f"a progress line at step {step}, {until_log(step)}"
+                logged.append(("progress", step, clock[0]))
+            if until_log(step) == 0:
+                window.read(None)
+                logged.append(("log", step, clock[0]))
+    progress = [(step, t) for kind, step, t in logged if kind == "progress"]
+    if log_every is None:
+        assert not progress
+    for i, (kind, step, t) in enumerate(logged):
+        if kind == "progress":  # the log line it promises comes, and not within the gap
+            t_log = next(t_next for k, _, t_next in logged[i + 1 :] if k == "log")
+            assert t_log - t >= step_window.PROGRESS_GAP_S, (step, t, t_log)
+    if log_every is not None and log_every * step_s > 2 * HEARTBEAT_S:
+        assert progress  # a long interval still says it is going

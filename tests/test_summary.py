@@ -4,7 +4,10 @@ the step line's plain-words spread of the ranks."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import pytest
 
 from titanlite.components.checkpoint.index import MARKER as CHECKPOINT_MARKER
 from titanlite.components.summary import (
@@ -88,20 +91,31 @@ def test_summary_says_what_this_invocation_did_and_where_to_look(tmp_path):
         )
 
 
-def test_a_noise_scale_below_zero_is_not_measurable(tmp_path):
-    tally = RunTally()
-    tally.last_diag = {
+@pytest.mark.parametrize("noise", [-0.02, -0.0, 0.0, 1e-9, 0.09, 0.49, 0.5, 0.99])
+def test_a_noise_scale_below_one_token_is_not_measurable(tmp_path, noise):
+    """Below one token (a zero, a negative estimate, one that rounds to 0 or 1 token): neither
+    the summary nor the diagnostics line gives it as a figure; the summary says why."""
+    from titanlite.components.summary import diagnostics_line
+
+    diag = {
         "step": 20,
         "batch_tokens": 2048,
-        "noise_scale_tokens": -0.02,
-        "noise_to_batch": -1.1e-05,
+        "noise_scale_tokens": noise,
+        "noise_to_batch": noise / 2048,
+        "tokens_min": 1,
+        "tokens_max": 2,
     }
+    tally = RunTally()
+    tally.last_diag = diag
     lines = summary_lines(tally, 1, 20, 1.0, tmp_path, tmp_path, [], tensorboard=False)
     (line,) = [x for x in lines if x.startswith("batch ")]
     assert line.startswith(
-        "batch 2,048 tokens; gradient noise scale not measurable at step 20 (its estimate is -0.02"
+        f"batch 2,048 tokens; gradient noise scale not measurable at step 20 (its estimate is {noise:.2g} tokens"
     )
-    assert "-0 tokens" not in line and "x the batch" not in line
+    assert not re.search(r"-?\d tokens \(", line) and "x the batch" not in line
+    assert "noise scale" not in diagnostics_line(diag)
+    measured = {**diag, "noise_scale_tokens": 1.0, "noise_to_batch": 1 / 2048}
+    assert "noise scale 1 tokens" in diagnostics_line(measured)
 
 
 def test_summary_gives_the_eval_before_and_after(tmp_path):

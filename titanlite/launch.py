@@ -25,12 +25,20 @@ def _stopped_while_importing(signum: int, frame) -> None:
 for _sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(_sig, _stopped_while_importing)
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # --help before torch is imported
-    from titanlite.config.command_line import wants_help
-    from titanlite.preflight import main as preflight
+if __name__ == "__main__" and sys.argv[1:2] == ["--from-env"]:  # before torch is imported
+    from titanlite.config.command_line import first_look, wants_help
+    from titanlite.errors import UserError
 
     if wants_help(sys.argv[2:]):  # (it steps over run_train.sh's --caller-cwd DIR as a flag's)
+        from titanlite.preflight import main as preflight
+
         sys.exit(preflight(sys.argv[2:]))  # the usage and every config key
+    try:  # a typo in a flag, a key or a path: one line in a moment, not after torch's import
+        from titanlite.datasets.spec import check_data_files
+
+        check_data_files(first_look(sys.argv[2:]))
+    except UserError as e:
+        sys.exit(report(e))
 
 # the rest after the handler: importing torch takes seconds
 import contextlib

@@ -179,7 +179,17 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.hooks.after_update(s)
-        self.window.add(step, s.loss, s.tokens, s.grad_norm, s.skip, s.lr, s.guard, s.terms)
+        self.window.add(
+            step, s.loss, s.tokens, s.grad_norm, s.skip, s.lr, s.guard, s.terms,
+            until_log=lambda: self.steps_to_log(step),
+        )  # fmt: skip
+
+    def steps_to_log(self, step: int) -> int | None:
+        """The steps from `step` to the next log step (0: `step` is one); None in a rehearsal,
+        which reads its window without logging."""
+        if self.cfg.rehearsal.world:
+            return None
+        return next(s - step for s in range(step, self.last_step + 1) if self.is_log_step(s))
 
     def is_log_step(self, step: int) -> bool:
         """Also every checkpoint and eval step: a checkpoint follows a log, so no step's record is

@@ -59,15 +59,29 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
             "data.mode = 'synthetic' draws random tokens below model.vocab_size: set model.vocab_size "
             "(e.g. 128256) or model.hf_assets_path, and leave data.path empty"
         )
+    # Each fix offered below is one the config does not hold already (tests/test_config.py).
     if d.packing and d.mode != "sft":
+        why = ", whose windows are packed already" if d.mode == "pretrain" else ""
+        mask = d.mode == "pretrain" and not d.document_mask
         raise UserError(
-            f"data.packing packs SFT records but data.mode is '{d.mode}'; pretraining windows are packed "
-            "already: set data.document_mask = true to keep attention within documents"
+            f"data.packing packs SFT records but data.mode is '{d.mode}'{why}: set data.packing = false"
+            + (
+                " (and data.document_mask = true to keep attention within documents)"
+                if mask
+                else ""
+            )
         )
     if d.document_mask and d.mode != "pretrain":
+        also = ""
+        if d.mode == "sft":
+            also = (
+                " (with data.packing on, as it is, each packed record attends within itself already)"
+                if d.packing
+                else "; to pack several SFT records in a sequence, each attending within itself, also set data.packing = true"
+            )
         raise UserError(
-            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}'; for SFT set "
-            "data.packing = true (packed records always attend within themselves)"
+            f"data.document_mask is for pretraining windows but data.mode is '{d.mode}': set "
+            f"data.document_mask = false{also}"
         )
     if not 0.0 <= e.fraction <= 0.5:
         raise UserError(f"eval.fraction is {e.fraction}; hold out between 0 and 0.5 of the data")

@@ -8,7 +8,8 @@ global batch. Also records a hash of the full initial weights per mode.
 "tied_cases": the same with the output head tied to the embedding (Llama 3.2's layout), in
 every mode. "packed_cases": a global batch of packed sequences (2-3 records each, positions
 restarting per record) against the reference of every record run as a sequence of its own.
-"eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
+"grad_norm_cases": the logged gradient norm of a known gradient of a million values a
+tensor, sharded as each mode shards it, against its float64 norm. "eval_cases": the Evaluator's loss of a fixed eval set at eval batch 1 and 3 (a padded last
 round), against the single-process token mean. "generate": greedy and top-p decoding under FSDP,
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
 model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
@@ -35,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from helpers import load_script
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titanlite.analysis.model_check import check, documents, packed_batch, unequal_batch
 from titanlite.components.evaluate import Evaluator
@@ -47,6 +48,7 @@ from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
 from titanlite.distributed.parallelize import materialize, parallelize_blocks, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
+from titanlite.distributed.utils import clip_grad_norm_
 from titanlite.models.llama3 import Llama3, Llama3Args
 from titanlite.models.step import LossPath
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
@@ -259,6 +261,32 @@ def golden_elsewhere(folder: Path) -> dict | None:
     return {"identity": golden.identity(), "name": name, "curve": curve[name]} if curve else None
 
 
+# A vocabulary whose embedding and head hold about a million values each, the size at which a
+# float32 norm on a CPU drifts about 1e-5 (grad_norm_case).
+NORM_ARGS = dataclasses.replace(ARGS, vocab_size=32768)
+
+
+def grad_norm_case(world: int, mode: str) -> dict:
+    """The logged gradient norm (clip_grad_norm_) of a known gradient, placed on the model's
+    parameters as `mode` shards them at `world` ranks, against its float64 norm taken whole."""
+    layout, dims, model = build(JobConfig(), world, mode, 1, NORM_ARGS)
+    whole = []
+    for i, (_, p) in enumerate(sorted(unwrap(model).named_parameters())):
+        g = torch.randn(p.shape, generator=torch.Generator().manual_seed(i)) * 1e-3
+        whole.append(g)
+        if isinstance(p, DTensor):
+            g = distribute_tensor(g, p.device_mesh, p.placements)
+        p.grad = g
+    exact = torch.linalg.vector_norm(torch.stack([g.double().norm() for g in whole]))
+    logged = clip_grad_norm_(model.parameters(), max_norm=0.0)
+    return {
+        "mode": mode,
+        "logged": float(logged),
+        "reference": float(exact),
+        "largest": max(g.numel() for g in whole),
+    }
+
+
 def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
@@ -370,6 +398,7 @@ def main() -> None:
             run_case(world, "fsdp", 2, "global", "auto", ref, ac="selective", compiled=True, **bf16)
         )
     evals = [eval_case(world, b) for b in (1, 3)]
+    norms = [grad_norm_case(world, m) for m in ("fsdp", "ddp", "hsdp")]
     elsewhere = golden_elsewhere(Path(sys.argv[1]).parent / "golden") if world == 4 else None
     decoded = generate_case(world)
     tied_model = Llama3(TIED)
@@ -392,6 +421,7 @@ def main() -> None:
                     "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,
+                    "grad_norm_cases": norms,
                     "generate": decoded,
                     "golden_elsewhere": elsewhere,
                 },

@@ -23,6 +23,9 @@ from titanlite.tools.memory import peak_memory_gib
 from titanlite.tools.process import HEARTBEAT_S
 
 logger = logging.getLogger("titanlite")
+# The least expected time from a progress line to the log line it announces: less, and the
+# two would print in the same second.
+PROGRESS_GAP_S = 2.0
 
 
 @dataclass
@@ -145,9 +148,12 @@ class StepWindow:
         lr: float,
         guard: torch.Tensor | None = None,
         terms: dict[str, torch.Tensor] | None = None,
+        until_log: Callable[[], int | None] = lambda: None,
     ) -> None:
         """Record a step; every tensor stays on the device. `terms`: this rank's shares of the
-        model's named loss terms (the same names every step)."""
+        model's named loss terms (the same names every step). `until_log()`: the steps from this
+        one to the next log step (0: this one is; None: none follows, as in a rehearsal), asked
+        only when a progress line is due."""
         terms = terms or {}
         if self._terms is None:  # the first step tells
             self._terms = list(terms)
@@ -171,10 +177,14 @@ class StepWindow:
         now = time.monotonic()
         last, self._added = now - self._added, now
         if now - self._said + last >= HEARTBEAT_S:
-            logger.info(
-                f"at step {step}; its figures show at the next log step (metrics.log_every)"
-            )
-            self._said = now
+            ahead = until_log()
+            # The line promises a log step: none where none follows, and none where the log line
+            # would come within PROGRESS_GAP_S of it (the same second, on a console's clock).
+            if ahead is not None and ahead * last >= PROGRESS_GAP_S:
+                logger.info(
+                    f"at step {step}; its figures show at the next log step (metrics.log_every)"
+                )
+                self._said = now
 
     def read(self, group: dist.ProcessGroup | None) -> WindowRecord:
         """One all-reduce and one host read; the window is empty afterwards."""

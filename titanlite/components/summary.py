@@ -46,8 +46,21 @@ def progress_line(rec: dict[str, Any], total_steps: int, diag: str = "short") ->
     return " | ".join(parts)
 
 
+# The least gradient noise scale worth a figure: an estimate below one token says the ranks'
+# gradients agree beyond their noise (the same data on every rank, say), not a batch size.
+NOISE_SCALE_MIN_TOKENS = 1.0
+
+
+def measurable_noise(d: dict[str, Any]) -> float | None:
+    """A diagnostics record's gradient noise scale in tokens, None where there is no figure to
+    show: not measured, or below NOISE_SCALE_MIN_TOKENS (summary_lines says why)."""
+    noise = d.get("noise_scale_tokens")
+    return noise if noise is not None and noise >= NOISE_SCALE_MIN_TOKENS else None
+
+
 def diagnostics_line(d: dict[str, Any]) -> str:
-    noise = d.get("noise_scale_tokens")  # below zero: not measurable (summary_lines)
+    """A measured step's line; its noise scale only where measurable (measurable_noise)."""
+    noise = measurable_noise(d)
     parts = [
         f"diag step {d['step']}",
         f"loss std {fmt(d.get('loss_std'), '.4f')} (max r{d.get('loss_max_rank', '-')})",
@@ -55,8 +68,8 @@ def diagnostics_line(d: dict[str, Any]) -> str:
         f"grad_norm cv {fmt(d.get('grad_norm_cv'), '.3f')}",
         f"cos {fmt(d.get('cos_mean_pairwise'), '.3f')} (min to mean r{d.get('cos_to_mean_min_rank', '-')} "
         f"{fmt(d.get('cos_to_mean_min'), '.3f')})",
-        f"noise scale {fmt(noise if noise is None or noise > 0 else None, ',.0f')} tokens",
     ]
+    parts += [f"noise scale {noise:,.0f} tokens"] if noise is not None else []
     return " | ".join(parts)
 
 
@@ -193,12 +206,13 @@ def summary_lines(
     noise = diag.get("noise_scale_tokens")
     if noise is not None and diag.get("batch_tokens"):
         line = f"batch {diag['batch_tokens']:,} tokens; gradient noise scale "
-        if noise > 0:
+        if measurable_noise(diag) is not None:
             line += f"{noise:,.0f} tokens ({diag['noise_to_batch']:.2g}x the batch) at step {diag['step']}"
         else:
             line += (
-                f"not measurable at step {diag['step']} (its estimate is {noise:.2g}, below zero: "
-                "the ranks' gradients agree beyond their noise, as on the same data)"
+                f"not measurable at step {diag['step']} (its estimate is {noise:.2g} tokens, below "
+                f"{NOISE_SCALE_MIN_TOKENS:g}: the ranks' gradients agree beyond their noise, as on "
+                "the same data)"
             )
         if tally.notes["batch_size_advice"]:
             line += f"; batch_size_advice in {shown(run_dir / 'events.jsonl')}"

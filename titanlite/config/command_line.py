@@ -17,7 +17,7 @@ from typing import Any
 
 from titanlite.config.fields import whole_number
 from titanlite.config.job_config import REHEARSAL_WORLD_MAX, JobConfig, sections
-from titanlite.config.manager import HELP_FLAGS, load_config, words
+from titanlite.config.manager import HELP_FLAGS, check_values, load_config, words
 from titanlite.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout
@@ -93,6 +93,23 @@ def parse_args(argv: list[str], notes: list[str] | None = None) -> tuple[JobConf
     cfg = load_config(path, overrides, notes)
     resolve_paths(cfg)
     return cfg, path
+
+
+def first_look(argv: list[str]) -> JobConfig:
+    """The launcher's words as it checks them before importing torch, so that a typo is answered
+    in a moment: run_train.sh's `--caller-cwd DIR` (relative paths mean that folder), the config
+    file, every key's name, type, choices and bounds, `--rehearse W`. Raises UserError; its
+    notes are left for the full check (titanlite.preflight), which says them once."""
+    if argv[:1] == ["--caller-cwd"]:
+        if len(argv) < 2 or not Path(argv[1]).is_dir():
+            raise UserError(
+                f"--caller-cwd needs the folder the command was run in, got {argv[1:2]}"
+            )
+        os.environ[CALLER_ENV] = str(Path(argv[1]).absolute())  # as the launcher sets it
+        argv = argv[2:]
+    cfg, _ = parse_args(launcher_words(argv), notes=[])
+    check_values(cfg)
+    return cfg
 
 
 def resolved(value: str) -> str:

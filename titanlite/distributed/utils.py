@@ -22,14 +22,25 @@ def first_error(error: str | None, group: dist.ProcessGroup | None = None) -> st
     return next((e for e in errors if e), None)
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (over shards too), clipped to max_norm if > 0; returns the
-    pre-clip norm as a device tensor, never read on the host here."""
-    params = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in params]
-    total = torch.nn.utils.get_total_norm(grads, error_if_nonfinite=False, foreach=True)
+def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of `grads` taken whole (a DTensor's over its shards), each tensor's squares
+    accumulated in float64 and the tensors' sum too, so that two shardings of one gradient log
+    one norm (a float32 norm's rounding grows with a tensor's size and differs by sharding:
+    titanlite/components/README.md). A float64 device tensor, never read on the host."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
     if isinstance(total, DTensor):  # FSDP: each rank holds the norm of its shards (Partial)
         total = total.full_tensor()
+    return total
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (over shards too, grad_norm), clipped to max_norm if > 0;
+    returns the pre-clip norm as a float64 device tensor, never read on the host here."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm([p.grad for p in params])
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

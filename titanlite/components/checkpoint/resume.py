@@ -46,11 +46,18 @@ def check_resumable(
     state = json.loads((path / "state.json").read_text())  # find() read it
     owner, mine = state.get("run_folder"), run_dir.resolve()
     if owner and Path(owner) != mine and not folder.resolve().is_relative_to(mine):
+        # A new run from one needs a checkpoint.folder of its own too: in this one, it would
+        # resume (and be refused here) again. A run that is gone (moved, removed) is not offered.
+        start = (
+            f"start a new run from one with checkpoint.initial_load_path = '{path}' (and "
+            "checkpoint.initial_load_model_only = false to keep its optimizer) and another checkpoint.folder"
+        )
+        if Path(owner).is_dir():
+            fix = f"resume that run with its own --job.run_name, or {start}"
+        else:
+            fix = f"that run folder is no longer there (moved or removed); to go on from its checkpoints, {start}"
         raise UserError(
-            f"checkpoint.folder '{folder}' holds the checkpoints of run '{owner}'; to start a new run "
-            f"from one, set checkpoint.initial_load_path = '{path}' (add "
-            "checkpoint.initial_load_model_only = false to keep its optimizer), or resume that run "
-            "with its own --job.run_name"
+            f"checkpoint.folder '{folder}' holds the checkpoints of run '{owner}'; {fix}"
         )
     _require(state, "identity", path)
     saved = state.get("data")  # what its data held, by content (none: data.path is compared)

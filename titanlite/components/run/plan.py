@@ -1,27 +1,70 @@
 """Where a run writes and what it resumes, from the config and the disk alone (torch-free), for
-the launcher and again for the workers' rank 0. The default run name carries the start time (the
-launcher fixes it); under SLURM it is `<config stem>-slurm<job id>`, alike on every node."""
+the launcher and again for the workers' rank 0. The default run name is the config's stem, or
+the data's name when the command line chose data the config does not hold (run_stem), then the
+start time (the launcher fixes it); under SLURM `<stem>-slurm<job id>`, alike on every node."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import sys
 from datetime import datetime
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python < 3.11
+    import tomli as tomllib
 
 from titanlite.components.checkpoint.index import checkpoint_folder, find
 from titanlite.components.checkpoint.resume import check_resumable
 from titanlite.config import JobConfig
+from titanlite.config.command_line import mixture_items
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
 
 REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
+_STEM_MAX = 64  # characters of a run name's data part, its date and time after it
+
+
+def data_names(path: str) -> list[str]:
+    """data.path's datasets by name: a file's stem, a folder's name."""
+    out = []
+    for name, _ in mixture_items(path):
+        p = Path(name).expanduser()
+        out.append(p.name if p.is_dir() else p.stem)
+    return out
+
+
+def _config_data(config_path: str | None) -> str:
+    """The data.path the config file itself holds ('' for none, or no file to read)."""
+    if not config_path:
+        return ""
+    try:
+        data = tomllib.loads(Path(config_path).read_text()).get("data")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return ""  # the config's own reader has refused it already, or will
+    path = data.get("path") if isinstance(data, dict) else None
+    return path if isinstance(path, str) else ""
+
+
+def run_stem(cfg: JobConfig, config_path: str | None) -> str:
+    """What a run is named after: its data where the command line chose data the config does
+    not hold (one's own data on a shipped config), else its config file."""
+    names = data_names(cfg.data.path)
+    if names and names != data_names(_config_data(config_path)):
+        stem = "+".join(names)
+        if len(names) > 1 and len(stem) > _STEM_MAX:  # a long mixture: its first and a count
+            stem = f"{names[0]}+{len(names) - 1}-more"
+        return re.sub(r"[^A-Za-z0-9._+-]+", "-", stem)[:_STEM_MAX].strip(".-") or "data"
+    return Path(config_path).stem if config_path else "default"
 
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
     if cfg.job.run_name:
         return cfg.job.run_name
-    stem = Path(config_path).stem if config_path else "default"
+    stem = run_stem(cfg, config_path)
     if cfg.rehearsal.world:
         stem += f"-rehearse{cfg.rehearsal.world}"
     if os.environ.get("SLURM_JOB_ID"):
