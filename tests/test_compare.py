@@ -17,6 +17,7 @@ from titanlite.config import load_config
 from titanlite.config.manager import to_toml
 
 compare_runs = load_script("compare_runs")
+inspect_step = load_script("inspect_step")
 
 LOSSES = [8.0 - 0.1 * i for i in range(20)]
 
@@ -167,7 +168,7 @@ def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
     (corrupt / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     short = make_run(tmp_path, "short", LOSSES[:12])
     cases = {
-        missing: "no metrics.jsonl",
+        missing: "a training run that logged no step",
         cut: "last line (20) is cut off",
         corrupt: "line 4 is not a JSON record",
         short: "metrics stop at step 12, not 20",
@@ -272,3 +273,57 @@ def test_the_gradient_at_the_first_step_is_judged(tmp_path, capsys):
     code, out, _ = judge(capsys, make_run(tmp_path, "e"), a)
     assert code == 0 and "gradient at step 1" not in out
     assert "(gradient not judged: e recorded no fingerprints;" in out  # said, not silently dropped
+
+
+# Folders a tool may be given for a run folder, each made from a run's (make_run): the words the
+# tool says of it; None: the tool uses it.
+FOLDERS = {
+    "rehearsal": "is a rehearsal's folder",
+    "no steps": "is the folder of a training run that logged no step",
+    "no config.toml": "has no config.toml, so it is not a titanlite run folder",
+    "no run.json": "has no run.json, so it is not a titanlite run folder",
+    "run": None,
+}
+
+
+def _folder(root: Path, kind: str) -> Path:
+    d = make_run(root, kind.replace(" ", "-").replace(".", "-"))
+    info = json.loads((d / "run.json").read_text())
+    (d / "run.json").write_text(json.dumps({**info, "world_size": 8}))  # inspect_step splits by it
+    if kind == "rehearsal":  # as a rehearsal leaves it: its report, no step logged
+        (d / "rehearsal.json").write_text(json.dumps({"world": 64, "complete": True}))
+    if kind in ("rehearsal", "no steps"):
+        (d / "metrics.jsonl").write_text("")
+    if kind.startswith("no ") and kind.endswith((".toml", ".json")):
+        (d / kind.removeprefix("no ")).unlink()
+    return d
+
+
+@pytest.mark.parametrize("kind", FOLDERS)
+@pytest.mark.parametrize("tool", ("compare_runs", "inspect_step"))
+def test_a_tool_says_what_kind_of_folder_it_was_given_in_its_own_name(
+    tmp_path, capsys, monkeypatch, tool, kind
+):
+    """Each tool that reads a run folder asks the one reader (analysis/runs.folder_kind) what it
+    holds, and says it in a line that starts with its own name: compare_runs refuses what has no
+    curve (exit 2); inspect_step shows what the config assigns the step, after a note that says
+    no real step ran there. A folder that is no run's is refused by both."""
+    folder = _folder(tmp_path, kind)
+    says = FOLDERS[kind]
+    if tool == "compare_runs":
+        code = compare_runs.main([str(folder), "--out", str(tmp_path / "cmp")])
+    else:  # the step's data is not what this test is about: none is read
+        monkeypatch.setattr(inspect_step, "build_tokenizer", lambda cfg: None)
+        monkeypatch.setattr(inspect_step, "build_dataset", lambda cfg, tok: None)
+        monkeypatch.setattr(inspect_step, "trace_step", lambda *args: [])
+        code = inspect_step.main([str(folder), "--step", "3"])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    refused = says is not None and (tool == "compare_runs" or "titanlite run folder" in says)
+    assert code == (2 if refused else 0), err
+    if says is None:
+        assert err == ""
+        return
+    (line,) = lines
+    verb = "error" if refused else "note"
+    assert line.startswith(f"{tool}: {verb}: {folder} {says}"), line

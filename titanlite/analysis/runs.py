@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.fingerprints import FILE
+from titanlite.components.run.plan import REHEARSAL_FILE
 from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
 from titanlite.config.manager import to_toml, tomllib
@@ -51,24 +52,46 @@ def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
     return {r["step"]: r for r in read_records(path, cut_off=cut_off) if "step" in r}
 
 
-def load_run(path: str | Path) -> Run:
-    """A run folder read whole; anything unreadable is one UserError naming the file."""
-    path = Path(path)  # an existing folder: the scripts' arguments are checked at their door
-    if not (path / "config.toml").is_file():
+# What a folder given to a tool as a run folder holds (folder_kind), each kind in words.
+KINDS = {
+    "run": "a training run's folder",
+    "no steps": "the folder of a training run that logged no step (it stopped before its first log step)",
+    "rehearsal": f"a rehearsal's folder: one rank rehearsed on a fake process group and trained no real step (its figures: {REHEARSAL_FILE})",
+}
+
+
+def folder_kind(path: Path) -> str:
+    """What `path` (an existing folder) holds, as a key of KINDS; a folder that is no run's is one
+    UserError. The one reader of that for every tool given a run folder: each says, in its own
+    name, what kind of folder it was given where it cannot use it."""
+    if not (path / "config.toml").is_file() or not (path / "run.json").is_file():
+        missing = "config.toml" if not (path / "config.toml").is_file() else "run.json"
         raise UserError(
-            f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)"
+            f"{path} has no {missing}, so it is not a titanlite run folder; give <dump_folder>/<run_name> "
+            "(outputs/<run> by default)"
+        )
+    if (path / REHEARSAL_FILE).is_file():
+        return "rehearsal"
+    logged = any("step" in r for r in read_records(path / "metrics.jsonl"))
+    return "run" if logged else "no steps"
+
+
+def load_run(path: str | Path) -> Run:
+    """A run folder read whole; a rehearsal's, a run's that logged no step, or anything
+    unreadable is one UserError naming the folder or the file."""
+    path = Path(path)  # an existing folder: the scripts' arguments are checked at their door
+    kind = folder_kind(path)
+    if kind != "run":
+        raise UserError(
+            f"{path} is {KINDS[kind]}, so it has no training curve; give a training run's folder"
         )
     metrics_file = path / "metrics.jsonl"
-    if not metrics_file.is_file():
-        raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
     raw = read_toml(path / "config.toml", "a run writes it whole as it starts")
     # A plugin section the run did not name ran at its defaults.
     defaults = tomllib.loads(to_toml(with_plugins()))
     config = {f"{sec}.{k}": v for sec, t in {**defaults, **raw}.items() for k, v in t.items()}
     resolved = read_json(path / "run.json", "it is written as a run starts")
     metrics = _by_step(metrics_file, cut_off="refuse")
-    if not metrics:
-        raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
     prints = None
     if (path / FILE).is_file():
         prints = read_json(path / FILE, "it is written whole by the run")

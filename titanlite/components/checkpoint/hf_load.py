@@ -18,7 +18,7 @@ import torch.nn as nn
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name, copy_full_
 from titanlite.errors import UserError
-from titanlite.models.registry import HFAdapter
+from titanlite.models.registry import HFAdapter, models_reading
 from titanlite.tools.process import heartbeat
 from titanlite.tools.records import read_json
 
@@ -113,6 +113,33 @@ def _piece_shape(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...],
     return tuple(piece + rest), tuple(box + [(0, n) for n in rest])
 
 
+def check_family(folder: Path, adapter: HFAdapter | None) -> None:
+    """`folder`'s model family (config.json's architectures, else its model_type) is one this
+    model's adapter reads; else one UserError naming the family and the model.name that reads it,
+    before any weight is compared (another family's names and shapes are no fault of the folder)."""
+    if adapter is None:
+        raise UserError(
+            f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
+        )
+    config = read_json(
+        folder / "config.json", "a Hugging Face model folder's config.json is a JSON object"
+    )
+    archs = config.get("architectures") or [config.get("model_type")]
+    archs = [str(a) for a in archs if a] if isinstance(archs, list) else [str(archs)]
+    if not archs or set(archs) & set(adapter.architectures):
+        return
+    readers = models_reading(archs)
+    fix = (
+        f"--model.name {readers[0]} --model.hf_assets_path {folder}"
+        if readers
+        else "a model.name whose adapter reads it (a fork registers one with register_model)"
+    )
+    raise UserError(
+        f"'{folder}' holds another model family ({', '.join(archs)}) than this run's model, which reads "
+        f"{', '.join(adapter.architectures)}; to train that model set {fix}, or give a folder of the family this model reads"
+    )
+
+
 def hf_plan(
     params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
 ) -> list[tuple[str, str, Path, tuple | None]]:
@@ -120,10 +147,7 @@ def hf_plan(
     from the headers alone: `params` (canonical name -> shape) must be covered exactly, a
     parameter held in pieces by distinct pieces whose sizes add up to it, else one UserError.
     The preflight runs it on the meta model; the load again."""
-    if adapter is None:
-        raise UserError(
-            f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
-        )
+    check_family(folder, adapter)
     plan = []
     pieces: dict[str, dict[tuple, str]] = {}  # parameter -> its pieces' boxes -> HF name
     for hf_name, (path, shape) in weight_files(folder).items():
