@@ -27,7 +27,6 @@ use_project_venv()  # any python3 will do: without titanlite's dependencies it r
 
 import numpy as np  # noqa: E402
 
-from titanlite.analysis.runs import KINDS, folder_kind  # noqa: E402
 from titanlite.components.run.folder import layout_at  # noqa: E402
 from titanlite.config import load_config  # noqa: E402
 from titanlite.config.layout import rank_share  # noqa: E402
@@ -36,7 +35,12 @@ from titanlite.datasets.corpus import source_name  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.records import read_json, read_records  # noqa: E402
+from titanlite.tools.records import (  # noqa: E402
+    RUN_FOLDER_KINDS,
+    folder_kind,
+    read_json,
+    read_records,
+)
 
 
 def reported(run_dir: Path, step: int) -> list[list[dict]] | None:
@@ -52,7 +56,7 @@ def not_run(run_dir: Path, step: int, steps: int) -> str | None:
     one rank's share on its own sampler, and a run's steps end at its last metrics record."""
     kind = folder_kind(run_dir)
     if kind != "run":
-        return f"{run_dir} is {KINDS[kind]}: below is what step {step} of a run with its config trains on"
+        return f"{run_dir} is {RUN_FOLDER_KINDS[kind]}: below is what step {step} of a run with its config trains on"
     done = [
         r["step"] for r in read_records(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)
     ]

@@ -275,15 +275,30 @@ def test_the_gradient_at_the_first_step_is_judged(tmp_path, capsys):
     assert "(gradient not judged: e recorded no fingerprints;" in out  # said, not silently dropped
 
 
-# Folders a tool may be given for a run folder, each made from a run's (make_run): the words the
-# tool says of it; None: the tool uses it.
+# Folders a tool may be given for a run folder, each made from a run's (make_run), and what the
+# reader says of each (tools/records.folder_kind)
 FOLDERS = {
-    "rehearsal": "is a rehearsal's folder",
-    "no steps": "is the folder of a training run that logged no step",
-    "no config.toml": "has no config.toml, so it is not a titanlite run folder",
-    "no run.json": "has no run.json, so it is not a titanlite run folder",
+    "rehearsal": "{} is a rehearsal's folder",
+    "no steps": "{} is the folder of a training run that logged no step",
+    "no config.toml": "{} has no config.toml, so it is not a titanlite run folder",
+    "no run.json": "{} has no run.json, so it is not a titanlite run folder",
     "run": None,
 }
+# what each tool does with each: (exit code, its line after "<tool>: ", or None for no line)
+NO_CHECKPOINT = (2, "error: RUN_DIR '{}' holds no complete checkpoint")  # a folder of checkpoints
+TOOLS = {
+    "compare_runs": {k: (0, None) if w is None else (2, f"error: {w}") for k, w in FOLDERS.items()},
+    "inspect_step": {
+        k: (0, None) if w is None else (2 if "run folder" in w else 0, ("error: " if "run folder" in w else "note: ") + w)
+        for k, w in FOLDERS.items()
+    },
+    "generate": {
+        **{k: (2, "error: " + w.replace("{} is", "RUN_DIR '{}' is")) for k, w in FOLDERS.items() if w},
+        "run": NO_CHECKPOINT,
+        "no config.toml": NO_CHECKPOINT,  # no run folder, so perhaps a checkpoint folder
+    },
+}  # fmt: skip
+generate = load_script("generate")
 
 
 def _folder(root: Path, kind: str) -> Path:
@@ -300,30 +315,30 @@ def _folder(root: Path, kind: str) -> Path:
 
 
 @pytest.mark.parametrize("kind", FOLDERS)
-@pytest.mark.parametrize("tool", ("compare_runs", "inspect_step"))
+@pytest.mark.parametrize("tool", TOOLS)
 def test_a_tool_says_what_kind_of_folder_it_was_given_in_its_own_name(
     tmp_path, capsys, monkeypatch, tool, kind
 ):
-    """Each tool that reads a run folder asks the one reader (analysis/runs.folder_kind) what it
-    holds, and says it in a line that starts with its own name: compare_runs refuses what has no
-    curve (exit 2); inspect_step shows what the config assigns the step, after a note that says
-    no real step ran there. A folder that is no run's is refused by both."""
+    """Each tool that reads a run folder asks the one reader (tools/records.folder_kind) what it
+    holds, and says it in one line that starts with its own name: compare_runs refuses what has
+    no curve; inspect_step shows what the config assigns the step, after a note that no real step
+    ran there; generate (the checkpoint reader's, as export_hf's) refuses what holds no
+    checkpoint. A folder that is no run's is refused."""
     folder = _folder(tmp_path, kind)
-    says = FOLDERS[kind]
     if tool == "compare_runs":
         code = compare_runs.main([str(folder), "--out", str(tmp_path / "cmp")])
+    elif tool == "generate":
+        code = generate.main([str(folder), "--prompt", "def f("])
     else:  # the step's data is not what this test is about: none is read
         monkeypatch.setattr(inspect_step, "build_tokenizer", lambda cfg: None)
         monkeypatch.setattr(inspect_step, "build_dataset", lambda cfg, tok: None)
         monkeypatch.setattr(inspect_step, "trace_step", lambda *args: [])
         code = inspect_step.main([str(folder), "--step", "3"])
     err = capsys.readouterr().err
-    lines = err.splitlines()
-    refused = says is not None and (tool == "compare_runs" or "titanlite run folder" in says)
-    assert code == (2 if refused else 0), err
+    want, says = TOOLS[tool][kind]
+    assert code == want, err
     if says is None:
-        assert err == ""
+        assert err == "", err
         return
-    (line,) = lines
-    verb = "error" if refused else "note"
-    assert line.startswith(f"{tool}: {verb}: {folder} {says}"), line
+    (line,) = err.splitlines()
+    assert line.startswith(f"{tool}: " + says.format(folder)), line

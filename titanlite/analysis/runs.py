@@ -12,12 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from titanlite.components.fingerprints import FILE
-from titanlite.components.run.plan import REHEARSAL_FILE
 from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
 from titanlite.config.manager import to_toml, tomllib
 from titanlite.errors import UserError
-from titanlite.tools.records import fmt, read_json, read_records, read_toml
+from titanlite.tools.records import (
+    RUN_FOLDER_KINDS,
+    fmt,
+    folder_kind,
+    read_json,
+    read_records,
+    read_toml,
+)
 
 
 @dataclass
@@ -52,30 +58,6 @@ def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
     return {r["step"]: r for r in read_records(path, cut_off=cut_off) if "step" in r}
 
 
-# What a folder given to a tool as a run folder holds (folder_kind), each kind in words.
-KINDS = {
-    "run": "a training run's folder",
-    "no steps": "the folder of a training run that logged no step (it stopped before its first log step)",
-    "rehearsal": f"a rehearsal's folder: one rank rehearsed on a fake process group and trained no real step (its figures: {REHEARSAL_FILE})",
-}
-
-
-def folder_kind(path: Path) -> str:
-    """What `path` (an existing folder) holds, as a key of KINDS; a folder that is no run's is one
-    UserError. The one reader of that for every tool given a run folder: each says, in its own
-    name, what kind of folder it was given where it cannot use it."""
-    if not (path / "config.toml").is_file() or not (path / "run.json").is_file():
-        missing = "config.toml" if not (path / "config.toml").is_file() else "run.json"
-        raise UserError(
-            f"{path} has no {missing}, so it is not a titanlite run folder; give <dump_folder>/<run_name> "
-            "(outputs/<run> by default)"
-        )
-    if (path / REHEARSAL_FILE).is_file():
-        return "rehearsal"
-    logged = any("step" in r for r in read_records(path / "metrics.jsonl"))
-    return "run" if logged else "no steps"
-
-
 def load_run(path: str | Path) -> Run:
     """A run folder read whole; a rehearsal's, a run's that logged no step, or anything
     unreadable is one UserError naming the folder or the file."""
@@ -83,7 +65,7 @@ def load_run(path: str | Path) -> Run:
     kind = folder_kind(path)
     if kind != "run":
         raise UserError(
-            f"{path} is {KINDS[kind]}, so it has no training curve; give a training run's folder"
+            f"{path} is {RUN_FOLDER_KINDS[kind]}, so it has no training curve; give a training run's folder"
         )
     metrics_file = path / "metrics.jsonl"
     raw = read_toml(path / "config.toml", "a run writes it whole as it starts")

@@ -14,8 +14,7 @@ from titanlite.components.checkpoint.resume import check_resumable
 from titanlite.config import JobConfig
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
-
-REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
+from titanlite.tools.records import REHEARSAL_FILE
 
 
 def run_name(cfg: JobConfig, config_path: str | None, nnodes: int = 1) -> str:
