@@ -121,6 +121,8 @@ def check_family(folder: Path, adapter: HFAdapter | None) -> None:
         raise UserError(
             f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
         )
+    if not (folder / "config.json").is_file():  # names no family: its weights are compared alone
+        return
     config = read_json(
         folder / "config.json", "a Hugging Face model folder's config.json is a JSON object"
     )
