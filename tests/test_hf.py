@@ -872,3 +872,27 @@ def test_initial_weights_of_another_model_family_are_named_with_the_fix(tmp_path
             assert f"'{folder}' holds another model family ({arch})" in err, err
             fix = f"--model.name {held} --model.hf_assets_path {folder}"
             assert (fix if held in families else "a model.name whose adapter reads it") in err, err
+
+
+def test_initial_weights_of_another_size_are_named_with_the_fix(tmp_path, capsys):
+    """A folder of the run's family but another model (a tiny Llama given to the debug model's
+    run) is named as that, with the keys that differ and the flag that trains it; the same folder
+    as model.hf_assets_path trains (its config.json gives the model)."""
+    from titanlite import preflight
+
+    folder = tmp_path / "tiny"
+    hf_folder(folder, tied=False, vocab=320)
+    hf_tokenizer(folder)
+    capsys.readouterr()  # transformers' progress bar
+    start = ["--world-size", "1", "--checkpoint.initial_load_path", str(folder)]
+    assert preflight.main(start) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not match its weights" not in err, err
+    assert (
+        f"'{folder}' holds another model than this run builds (config.json vs this run: dim 32 vs 256"
+        in err
+    )
+    assert f"set --model.hf_assets_path {folder}" in err, err
+    assert preflight.main([*start, "--model.hf_assets_path", str(folder)]) == 0, (
+        capsys.readouterr().err
+    )
