@@ -8,7 +8,8 @@ By default the runs are experiments, whatever their seed, data, batch or learnin
 gives its own figures): prints their layouts, every config key that differs and how each ended
 (final, lowest and eval loss), and writes runs.txt, runs.json and runs.png (loss, eval loss,
 learning rate and gradient norm against the step) to --out (default: next to RUN,
-compare-<A>[-vs-<B>[-vs-<C>]], or compare-<A>-vs-<B>-and-<N>-more). Exit 0; 2 for a folder that is not a run.
+compare-<A>[-vs-<B>[-vs-<C>]], or compare-<A>-vs-<B>-and-<N>-more). Exit 0; 2 for a folder that is no training run's (it says
+which: a rehearsal's, a run's that logged no step, or no run folder at all).
 
 --invariance (implied by --rtol) judges instead: every run against RUN_A over their logged steps
 (log every step for a full curve: metrics.log_every = 1). Prints a per-step table (loss, absolute

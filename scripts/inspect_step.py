@@ -35,7 +35,12 @@ from titanlite.datasets.corpus import source_name  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.ops.cross_entropy import IGNORE_INDEX  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
-from titanlite.tools.records import read_json, read_records  # noqa: E402
+from titanlite.tools.records import (  # noqa: E402
+    RUN_FOLDER_KINDS,
+    folder_kind,
+    read_json,
+    read_records,
+)
 
 
 def reported(run_dir: Path, step: int) -> list[list[dict]] | None:
@@ -47,23 +52,21 @@ def reported(run_dir: Path, step: int) -> list[list[dict]] | None:
 
 
 def not_run(run_dir: Path, step: int, steps: int) -> str | None:
-    """Why `step` of this folder trained on nothing, if it did not: a rehearsal runs one rank's
-    share on its own sampler, and a run's steps end at its last metrics record."""
-    if (run_dir / "rehearsal.json").is_file():
-        return f"{run_dir} is a rehearsal and trained no real step: below is what step {step} of a run with its config trains on"
+    """Why `step` of this folder trained on nothing, if it did not (folder_kind): a rehearsal runs
+    one rank's share on its own sampler, and a run's steps end at its last metrics record."""
+    kind = folder_kind(run_dir)
+    if kind != "run":
+        return f"{run_dir} is {RUN_FOLDER_KINDS[kind]}: below is what step {step} of a run with its config trains on"
     done = [
         r["step"] for r in read_records(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)
     ]
     if step <= max(done, default=0):
         return None
-    ran = f"its metrics end at step {max(done)}" if done else "it logged no step"
-    return f"step {step} never ran in {run_dir} ({ran}, of {steps} planned): below is what its config assigns that step"
+    return f"step {step} never ran in {run_dir} (its metrics end at step {max(done, default=0)}, of {steps} planned): below is what its config assigns that step"
 
 
 def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list[dict]:
-    for name in ("config.toml", "run.json"):
-        if not (run_dir / name).is_file():
-            raise UserError(f"{run_dir} has no {name}; pass a run folder (outputs/<run>)")
+    folder_kind(run_dir)  # a folder that is no run's: one line, before any work
     cfg = load_config(str(run_dir / "config.toml"))
     dp = layout_at(read_json(run_dir / "run.json"), step).get(
         "world_size"
@@ -77,7 +80,7 @@ def inspect_step(run_dir: Path, step: int, rank: int | None, chars: int) -> list
             f"--rank is {rank} but step {step} ran on {dp} ranks; give a rank from 0 to {dp - 1}"
         )
     if why := not_run(run_dir, step, cfg.training.steps):
-        print(f"note: {why}", file=sys.stderr, flush=True)
+        print(f"{SCRIPT.prog}: note: {why}", file=sys.stderr, flush=True)
     tok = build_tokenizer(cfg)
     dataset = build_dataset(cfg, tok)
     rows = trace_step(cfg, step, dp, rank, dataset)

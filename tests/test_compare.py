@@ -17,6 +17,7 @@ from titanlite.config import load_config
 from titanlite.config.manager import to_toml
 
 compare_runs = load_script("compare_runs")
+inspect_step = load_script("inspect_step")
 
 LOSSES = [8.0 - 0.1 * i for i in range(20)]
 
@@ -167,7 +168,7 @@ def test_broken_or_short_metrics_are_clear_errors(tmp_path, capsys):
     (corrupt / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     short = make_run(tmp_path, "short", LOSSES[:12])
     cases = {
-        missing: "no metrics.jsonl",
+        missing: "a training run that logged no step",
         cut: "last line (20) is cut off",
         corrupt: "line 4 is not a JSON record",
         short: "metrics stop at step 12, not 20",
@@ -272,3 +273,72 @@ def test_the_gradient_at_the_first_step_is_judged(tmp_path, capsys):
     code, out, _ = judge(capsys, make_run(tmp_path, "e"), a)
     assert code == 0 and "gradient at step 1" not in out
     assert "(gradient not judged: e recorded no fingerprints;" in out  # said, not silently dropped
+
+
+# Folders a tool may be given for a run folder, each made from a run's (make_run), and what the
+# reader says of each (tools/records.folder_kind)
+FOLDERS = {
+    "rehearsal": "{} is a rehearsal's folder",
+    "no steps": "{} is the folder of a training run that logged no step",
+    "no config.toml": "{} has no config.toml, so it is not a titanlite run folder",
+    "no run.json": "{} has no run.json, so it is not a titanlite run folder",
+    "run": None,
+}
+# what each tool does with each: (exit code, its line after "<tool>: ", or None for no line)
+NO_CHECKPOINT = (2, "error: RUN_DIR '{}' holds no complete checkpoint")  # a folder of checkpoints
+TOOLS = {
+    "compare_runs": {k: (0, None) if w is None else (2, f"error: {w}") for k, w in FOLDERS.items()},
+    "inspect_step": {
+        k: (0, None) if w is None else (2 if "run folder" in w else 0, ("error: " if "run folder" in w else "note: ") + w)
+        for k, w in FOLDERS.items()
+    },
+    "generate": {
+        **{k: (2, "error: " + w.replace("{} is", "RUN_DIR '{}' is")) for k, w in FOLDERS.items() if w},
+        "run": NO_CHECKPOINT,
+        "no config.toml": NO_CHECKPOINT,  # no run folder, so perhaps a checkpoint folder
+    },
+}  # fmt: skip
+generate = load_script("generate")
+
+
+def _folder(root: Path, kind: str) -> Path:
+    d = make_run(root, kind.replace(" ", "-").replace(".", "-"))
+    info = json.loads((d / "run.json").read_text())
+    (d / "run.json").write_text(json.dumps({**info, "world_size": 8}))  # inspect_step splits by it
+    if kind == "rehearsal":  # as a rehearsal leaves it: its report, no step logged
+        (d / "rehearsal.json").write_text(json.dumps({"world": 64, "complete": True}))
+    if kind in ("rehearsal", "no steps"):
+        (d / "metrics.jsonl").write_text("")
+    if kind.startswith("no ") and kind.endswith((".toml", ".json")):
+        (d / kind.removeprefix("no ")).unlink()
+    return d
+
+
+@pytest.mark.parametrize("kind", FOLDERS)
+@pytest.mark.parametrize("tool", TOOLS)
+def test_a_tool_says_what_kind_of_folder_it_was_given_in_its_own_name(
+    tmp_path, capsys, monkeypatch, tool, kind
+):
+    """Each tool that reads a run folder asks the one reader (tools/records.folder_kind) what it
+    holds, and says it in one line that starts with its own name: compare_runs refuses what has
+    no curve; inspect_step shows what the config assigns the step, after a note that no real step
+    ran there; generate (the checkpoint reader's, as export_hf's) refuses what holds no
+    checkpoint. A folder that is no run's is refused."""
+    folder = _folder(tmp_path, kind)
+    if tool == "compare_runs":
+        code = compare_runs.main([str(folder), "--out", str(tmp_path / "cmp")])
+    elif tool == "generate":
+        code = generate.main([str(folder), "--prompt", "def f("])
+    else:  # the step's data is not what this test is about: none is read
+        monkeypatch.setattr(inspect_step, "build_tokenizer", lambda cfg: None)
+        monkeypatch.setattr(inspect_step, "build_dataset", lambda cfg, tok: None)
+        monkeypatch.setattr(inspect_step, "trace_step", lambda *args: [])
+        code = inspect_step.main([str(folder), "--step", "3"])
+    err = capsys.readouterr().err
+    want, says = TOOLS[tool][kind]
+    assert code == want, err
+    if says is None:
+        assert err == "", err
+        return
+    (line,) = err.splitlines()
+    assert line.startswith(f"{tool}: " + says.format(folder)), line

@@ -231,7 +231,7 @@ def test_synthetic_data_and_vocab_size_are_checked_before_any_worker(argv, messa
             "eval.path '/nonexistent/val.jsonl' does not exist",
         ),
         (["--eval.path", "a:0.5,b:0.5"], "names several datasets; give one"),
-        (["--eval.prompts", '["hi, there"]'], "there is none: set eval.fraction or eval.path"),
+        (["--eval.prompts", '["hi, there"]'], "no eval set: set eval.fraction or eval.path"),
         (
             ["--eval.fraction", "0.1", "--eval.top_p", "0"],
             "eval.top_p is 0.0; it must be > 0.0 and <= 1.0",

@@ -107,3 +107,60 @@ def test_a_checkpoint_without_contents_is_compared_by_path_as_before(tmp_path, t
     cfg = load_config(None, ["--data.path", str(moved)])
     with pytest.raises(UserError, match="data.path: checkpoint .* config"):
         check_resumable(folder, 2, cfg, run, data_identity(cfg))
+
+
+# How eval.path relates to data.path, each from nothing prepared yet (the first run): (data.path,
+# eval.path, what the note says of them or None for no note, the dataset it names), paths in
+# `overlap_assets`.
+SAME, PART, SHARES = "holds the same data as", "file(s) are all in", "shares 1 of its 2 files with"
+OVERLAPS = {
+    "the same raw file": ("a/README.md", "a/README.md", SAME, "a/README.md"),
+    "a copy of the raw file": ("a/README.md", "copy/README.md", SAME, "a/README.md"),
+    "a copy of the raw folder": ("a", "copy", SAME, "a"),
+    "a file of the raw folder": ("ab", "a/README.md", PART, "ab"),
+    "a folder holding the training file": ("a/README.md", "ab", SHARES, "a/README.md"),
+    "the raw file's preparation": ("a", "pa", SAME, "a"),
+    "a preparation and its raw file": ("pa", "a/README.md", SAME, "pa"),
+    "a copy of the preparation": ("pa", "pa-copy", SAME, "pa"),
+    "one dataset of a mixture": ("b/README.md:0.5,a/README.md:0.5", "copy", SAME, "a/README.md"),
+    "other data": ("a", "b", None, None),
+    "other data, prepared": ("pa", "b/README.md", None, None),
+}
+
+
+@pytest.fixture(scope="module")
+def overlap_assets(tmp_path_factory, tok) -> Path:
+    """a/README.md, its copy in copy/, ab/ (that file and another), b/ (the other), pa (a/
+    prepared, as scripts/prepare_data.py does) and its copy pa-copy."""
+    root = tmp_path_factory.mktemp("overlap")
+    _raw(root / "a", "datasets/README.md")
+    _raw(root / "copy", "datasets/README.md")
+    _raw(root / "b", "components/README.md")
+    (root / "ab").mkdir()
+    shutil.copy(root / "a" / "README.md", root / "ab" / "README.md")
+    shutil.copy(root / "b" / "README.md", root / "ab" / "other.md")
+    _prepared(root, root / "a", tok, "pa")
+    shutil.copytree(root / "pa", root / "pa-copy")
+    return root
+
+
+@pytest.mark.parametrize("case", OVERLAPS, ids=list(OVERLAPS))
+def test_eval_data_that_is_training_data_is_named_on_a_first_run(overlap_assets, tmp_path, case):
+    """The comparison reads the inputs themselves (a prepared folder's content key and sources,
+    raw files by path and by content), so with an empty cache, before any run has prepared
+    anything, an eval.path that holds training data is named in one note, and other data is not."""
+    from titanlite.preflight import startup_notes
+
+    root = overlap_assets
+    train, held, says, named = OVERLAPS[case]
+    data = ",".join(str(root / item) for item in train.split(","))
+    cache = tmp_path / "empty-cache"
+    argv = ["--data.path", data, "--eval.path", str(root / held), "--data.cache_dir", str(cache)]
+    notes = [n for n in startup_notes(load_config(None, argv), 1) if "eval.path" in n]
+    assert not cache.exists()  # nothing was prepared to decide it
+    if says is None:
+        assert notes == []
+        return
+    (note,) = notes
+    assert f"{says} data.path '{root / named}'" in note, note
+    assert "not a held-out loss" in note, note

@@ -10,6 +10,10 @@ import json
 import pytest
 from helpers import check, read_metrics, train
 
+from titanlite.config import load_config
+from titanlite.errors import UserError
+from titanlite.validation import EVAL_SWITCHES, validate
+
 PROMPT = "Write the body of `join`, from the Python module `posixpath`."
 
 
@@ -94,3 +98,28 @@ def test_eval_never_changes_training_and_writes_loss_and_samples(tmp_path):
     samples = _lines(tmp_path / "often/samples.jsonl")
     assert [(s["step"], s["prompt"]) for s in samples] == [(0, PROMPT), (2, PROMPT), (4, PROMPT)]
     assert all(s["text"] for s in samples) and not (tmp_path / "once/samples.jsonl").read_text()
+
+
+# a value other than its default for each key of EVAL_SWITCHES (a key added there needs one here)
+SWITCHED = {"prompts": '["Hello"]', "at_start": "true", "every": "5", "max_sequences": "8"}
+
+
+@pytest.mark.parametrize("key", sorted(EVAL_SWITCHES))
+def test_an_eval_switch_without_eval_data_is_refused_in_one_line(key):
+    """Each [eval] key that acts on an eval set, set with none (neither eval.fraction nor
+    eval.path), is refused before any worker in one line naming it and a fix that applies:
+    with synthetic data (no eval set can be had) only setting the key back."""
+    assert set(SWITCHED) == set(EVAL_SWITCHES)
+    switch = [f"--eval.{key}", SWITCHED[key]]
+    default = json.dumps(getattr(load_config(None, []).eval, key))
+    synthetic = ["--data.mode", "synthetic", "--model.vocab_size", "256"]
+    for extra, fix in (
+        ([], f"set eval.fraction or eval.path, or set eval.{key} = {default}"),
+        (synthetic, "synthetic data has no held-out text" if key == "prompts" else f"no eval set: set eval.{key} = {default}"),
+    ):  # fmt: skip
+        with pytest.raises(UserError) as e:
+            validate(load_config(None, [*switch, *extra]), 1)
+        line = str(e.value)
+        assert fix in line and "\n" not in line, line
+        assert f"eval.{key}" in line or key == "prompts", line
+    validate(load_config(None, [*switch, "--eval.fraction", "0.1"]), 1)  # with an eval set

@@ -826,3 +826,76 @@ def test_the_built_in_sentencepiece_tokenizer_exports_as_transformers_encodes_it
         f"{len(differ)} of {len(texts)} texts encode differently, e.g. {differ[0][:40]!r}"
     )
     assert theirs.eos_token_id == tok.eos_id and theirs.bos_token_id == tok.bos_id
+
+
+def _family_folder(path: Path, architecture: str, config: dict) -> Path:
+    """A Hugging Face folder as far as a family check reads it: config.json and a weights file."""
+    from safetensors.torch import save_file
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**config, "architectures": [architecture]}))
+    save_file({"x": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_initial_weights_of_another_model_family_are_named_with_the_fix(tmp_path, capsys):
+    """checkpoint.initial_load_path at a Hugging Face folder of another family (each registered
+    family's folder given to a run of each other one, and a family no model reads) is refused
+    before any worker in one line that names the folder's family and the model.name that reads
+    it, not blamed on the folder's config.json."""
+    import titanlite.models  # noqa: F401  (registers the built-in models)
+    from titanlite import preflight
+    from titanlite.models.registry import _REGISTRY
+
+    families = {
+        n: s for n, s in _REGISTRY.items() if s.hf is not None and "debugmodel" in s.flavors
+    }
+    assert len(families) >= 2
+    folders = {
+        name: _family_folder(
+            tmp_path / name,
+            spec.hf.architectures[0],
+            spec.hf.config_from_args(
+                dataclasses.replace(spec.flavors["debugmodel"], vocab_size=320)
+            ),
+        )
+        for name, spec in families.items()
+    }
+    folders["a fork's"] = _family_folder(tmp_path / "fork", "MysteryForCausalLM", {})
+    for held, folder in folders.items():
+        for name in families:
+            if name == held:
+                continue
+            argv = ["--world-size", "1", "--model.name", name, "--model.flavor", "debugmodel"]
+            capsys.readouterr()
+            assert preflight.main([*argv, "--checkpoint.initial_load_path", str(folder)]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "config.json" not in err, err
+            arch = json.loads((folder / "config.json").read_text())["architectures"][0]
+            assert f"'{folder}' holds another model family ({arch})" in err, err
+            fix = f"--model.name {held} --model.hf_assets_path {folder}"
+            assert (fix if held in families else "a model.name whose adapter reads it") in err, err
+
+
+def test_initial_weights_of_another_size_are_named_with_the_fix(tmp_path, capsys):
+    """A folder of the run's family but another model (a tiny Llama given to the debug model's
+    run) is named as that, with the keys that differ and the flag that trains it; the same folder
+    as model.hf_assets_path trains (its config.json gives the model)."""
+    from titanlite import preflight
+
+    folder = tmp_path / "tiny"
+    hf_folder(folder, tied=False, vocab=320)
+    hf_tokenizer(folder)
+    capsys.readouterr()  # transformers' progress bar
+    start = ["--world-size", "1", "--checkpoint.initial_load_path", str(folder)]
+    assert preflight.main(start) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not match its weights" not in err, err
+    assert (
+        f"'{folder}' holds another model than this run builds (config.json vs this run: dim 32 vs 256"
+        in err
+    )
+    assert f"set --model.hf_assets_path {folder}" in err, err
+    assert preflight.main([*start, "--model.hf_assets_path", str(folder)]) == 0, (
+        capsys.readouterr().err
+    )

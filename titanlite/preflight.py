@@ -30,7 +30,7 @@ from titanlite.datasets.spec import (
     check_data_files,
     check_data_tokenizer,
     data_identity,
-    eval_is_training_data,
+    eval_overlap,
     parse_data_path,
 )
 from titanlite.diagnostics.alerts import history_note
@@ -147,10 +147,8 @@ def startup_notes(cfg: JobConfig, dp: int) -> list[str]:
         measured = cfg.diagnostics.measured_steps(cfg.training.steps)
         short = dp >= 2 and history_note(cfg.alerts, measured, dp)
         notes += [f"diagnostics: {note}" for note in (silent, short) if note]
-    if cfg.eval.path and (same := eval_is_training_data(cfg)) is not None:
-        notes.append(
-            f"eval.path holds the same data as data.path '{same or '(built-in)'}': its eval loss is not a held-out loss; point eval.path at data the run does not train on, or use eval.fraction"
-        )
+    if overlap := eval_overlap(cfg):
+        notes.append(overlap)
     if cfg.model.hf_assets_path:
         config = Path(cfg.model.hf_assets_path).expanduser() / "config.json"
         trained = read_json(config).get("max_position_embeddings") or 0

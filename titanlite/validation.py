@@ -5,7 +5,9 @@ A problem is one UserError that names it and the fix."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
+from typing import Any
 
 from titanlite.components.checkpoint.index import initial_load_kind
 from titanlite.config.job_config import JobConfig
@@ -94,10 +96,8 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         raise UserError(
             "synthetic data has no held-out text or tokenizer: leave [eval] unset with data.mode = 'synthetic'"
         )
-    if e.prompts and not (e.path or e.fraction):
-        raise UserError(
-            "eval.prompts are decoded at each eval, but there is none: set eval.fraction or eval.path"
-        )
+    if not (e.path or e.fraction):
+        check_eval_switches(e, d.mode)
     if m.tokenizer_path and not Path(m.tokenizer_path).expanduser().is_file():
         raise UserError(
             f"model.tokenizer_path '{m.tokenizer_path}' is not a file; point it at a "
@@ -113,6 +113,28 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
                 "Face folder holds no optimizer state); set it to true"
             )
     return layout
+
+
+# The [eval] keys that act on an eval set, and what each does: set without one (eval.path or
+# eval.fraction), each is refused, as every switch without its input is.
+EVAL_SWITCHES = {
+    "prompts": "are decoded at each eval",
+    "at_start": "evaluates the model as loaded, before the first step",
+    "every": "evaluates every this many steps",
+    "max_sequences": "cuts the eval set to this many sequences",
+}
+
+
+def check_eval_switches(e: Any, mode: str) -> None:
+    """No key of EVAL_SWITCHES away from its default in `e` (a JobConfig's eval section) that
+    has no eval set."""
+    default = type(e)()
+    for key, what in EVAL_SWITCHES.items():
+        if getattr(e, key) == getattr(default, key):
+            continue
+        back = f"set eval.{key} = {json.dumps(getattr(default, key))}"
+        fix = back if mode == "synthetic" else f"set eval.fraction or eval.path, or {back}"
+        raise UserError(f"eval.{key} {what}, but the run has no eval set: {fix}")
 
 
 def check_run_name(name: str) -> None:

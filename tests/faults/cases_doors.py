@@ -338,6 +338,25 @@ def _names_overlap(c: Catalogue, cfg: dict, r: Result) -> None:
 
 
 _plans(R, "eval.path equal to data.path", lambda c: ("--data.path", str(prepared(c)), "--eval.path", str(prepared(c))), _names_overlap)  # fmt: skip
+_plans(R, "eval.path equal to a raw data.path, nothing prepared yet", lambda c: ("--data.path", str(data(c) / "good.jsonl"), "--eval.path", str(data(c) / "good.jsonl")), _names_overlap)  # fmt: skip
+_refused(R, "eval.at_start without eval data", ("--eval.at_start", "true"), "eval.at_start")
+
+
+def _comma_named(c: Catalogue) -> Path:
+    """good.jsonl under a name the mixture syntax would split (a comma and a colon)."""
+    path = c.work / "odd-names" / "good,v2:0.5.jsonl"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(data(c) / "good.jsonl", path)
+    return path
+
+
+def _one_dataset(c: Catalogue, cfg: dict, r: Result) -> None:
+    if cfg["data.path"] != str(_comma_named(c)):
+        raise Broke(f"data.path reached the workers as {cfg['data.path']!r}")
+
+
+_plans(R, "a data file whose name holds a comma and a colon", lambda c: ("--data.path", str(_comma_named(c))), _one_dataset)  # fmt: skip
 _refused(R, "eval.path and eval.fraction both set", ("--eval.path", "README.md", "--eval.fraction", "0.1"), "eval.fraction")  # fmt: skip
 
 

@@ -16,7 +16,14 @@ from titanlite.config.job_config import with_plugins
 from titanlite.config.layout import mesh_text
 from titanlite.config.manager import to_toml, tomllib
 from titanlite.errors import UserError
-from titanlite.tools.records import fmt, read_json, read_records, read_toml
+from titanlite.tools.records import (
+    RUN_FOLDER_KINDS,
+    fmt,
+    folder_kind,
+    read_json,
+    read_records,
+    read_toml,
+)
 
 
 @dataclass
@@ -52,23 +59,21 @@ def _by_step(path: Path, cut_off: str = "skip") -> dict[int, dict]:
 
 
 def load_run(path: str | Path) -> Run:
-    """A run folder read whole; anything unreadable is one UserError naming the file."""
+    """A run folder read whole; a rehearsal's, a run's that logged no step, or anything
+    unreadable is one UserError naming the folder or the file."""
     path = Path(path)  # an existing folder: the scripts' arguments are checked at their door
-    if not (path / "config.toml").is_file():
+    kind = folder_kind(path)
+    if kind != "run":
         raise UserError(
-            f"{path}: no config.toml, so not a titanlite run folder (<dump_folder>/<run_name>)"
+            f"{path} is {RUN_FOLDER_KINDS[kind]}, so it has no training curve; give a training run's folder"
         )
     metrics_file = path / "metrics.jsonl"
-    if not metrics_file.is_file():
-        raise UserError(f"{path}: no metrics.jsonl; the run stopped before its first log step")
     raw = read_toml(path / "config.toml", "a run writes it whole as it starts")
     # A plugin section the run did not name ran at its defaults.
     defaults = tomllib.loads(to_toml(with_plugins()))
     config = {f"{sec}.{k}": v for sec, t in {**defaults, **raw}.items() for k, v in t.items()}
     resolved = read_json(path / "run.json", "it is written as a run starts")
     metrics = _by_step(metrics_file, cut_off="refuse")
-    if not metrics:
-        raise UserError(f"{metrics_file}: empty; the run stopped before its first log step")
     prints = None
     if (path / FILE).is_file():
         prints = read_json(path / FILE, "it is written whole by the run")

@@ -123,14 +123,32 @@ def resolved(value: str) -> str:
     return str(caller / value)
 
 
+def _exists(name: str) -> bool:
+    """Whether `name`, read from the caller's folder, is a file or folder."""
+    return bool(name.strip()) and Path(resolved(name)).expanduser().exists()
+
+
 def mixture_items(path: str) -> list[tuple[str, float | None]]:
-    """data.path's datasets as typed: [(path, weight or None)], [] for an empty path."""
+    """data.path's datasets as typed: [(path, weight or None)], [] for an empty path. A path that
+    exists as given is a path, whatever commas and colons its name holds; so is each item of a
+    mixture (`a:0.7,b:0.3`): the longest run of comma-separated words that names an existing path
+    (alone, or before its weight) is one item, else one word is."""
     if not path.strip():
         return []
-    out = []
-    for item in path.split(","):
-        m = _WEIGHTED.match(item.strip())
-        out.append((m.group(1), float(m.group(2))) if m else (item.strip(), None))
+    words = path.split(",")
+    out: list[tuple[str, float | None]] = []
+    i = 0
+    while i < len(words):
+        for j in range(len(words), i, -1):
+            item = ",".join(words[i:j]).strip()
+            m = _WEIGHTED.match(item)
+            if _exists(item) or (j == i + 1 and not m):
+                out.append((item, None))
+                break
+            if m and (_exists(m.group(1)) or j == i + 1):
+                out.append((m.group(1), float(m.group(2))))
+                break
+        i = j
     return out
 
 

@@ -6,10 +6,11 @@ up to RAW_LIMIT_BYTES (larger inputs are prepared once, with every core, by the 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from titanlite.config.command_line import mixture_items
-from titanlite.datasets.corpus import discover
+from titanlite.datasets.corpus import discover, stdlib_files
 from titanlite.datasets.prepared import Prepared, is_prepared
 from titanlite.errors import UserError
 
@@ -92,12 +93,81 @@ def data_identity(cfg, path: str | None = None) -> list[dict] | None:
     return out
 
 
-def eval_is_training_data(cfg) -> str | None:
-    """The dataset of data.path whose content eval.path holds too (its eval loss is then no
-    held-out loss), else None; raw inputs not prepared yet have no key, so are not compared."""
-    held = data_identity(cfg, cfg.eval.path) if cfg.eval.path else None
-    if held:
-        for d in data_identity(cfg) or []:
-            if d["content"] == held[0]["content"]:
-                return d["path"]
+def _inputs(cfg, name: str) -> tuple[str | None, list[tuple[str, int]]]:
+    """What one dataset of a data path is made of, read from the inputs themselves: a prepared
+    folder's content key and the sources its meta.json lists, or raw inputs' files as discovered
+    (the built-in data: the stdlib files it prepares), each as (absolute path, bytes)."""
+    folder = Path(name).expanduser()
+    if name and is_prepared(folder):
+        data = Prepared(folder)
+        return data.content, [(s["path"], s["bytes"]) for s in data.meta.get("sources", [])]
+    if not name:
+        built_in = stdlib_files() if cfg.data.mode == "pretrain" else ()
+        return None, [(str(f.resolve()), f.stat().st_size) for f in built_in]
+    return None, [(str(f.resolve()), f.stat().st_size) for f in discover(folder)]
+
+
+def _digest(path: str) -> str | None:
+    """A file's content hash, None where it is gone (a prepared folder's source may be)."""
+    h = hashlib.blake2b(digest_size=16)
+    try:
+        with open(path, "rb") as fh:
+            while chunk := fh.read(1 << 22):
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def _shared(ours: list[tuple[str, int]], theirs: list[tuple[str, int]]) -> list[str]:
+    """The files of `ours` that are in `theirs`: the same file, or a copy of it (the same bytes,
+    not none; only files of equal size are read)."""
+    paths = {p for p, _ in theirs}
+    by_size: dict[int, list[str]] = {}
+    for p, size in theirs:
+        by_size.setdefault(size, []).append(p)
+    digests: dict[str, str | None] = {}
+
+    def digest(p: str) -> str | None:
+        if p not in digests:
+            digests[p] = _digest(p)
+        return digests[p]
+
+    out = []
+    for p, size in ours:
+        same = p in paths
+        if not same and size and size in by_size and digest(p) is not None:
+            same = any(digest(q) == digest(p) for q in by_size[size])
+        if same:
+            out.append(p)
+    return out
+
+
+def eval_overlap(cfg) -> str | None:
+    """The note naming the training data eval.path holds (its eval loss is then no held-out
+    loss), else None. Decided from the inputs themselves, prepared or not: a prepared folder's
+    content key and sources, raw inputs' files, compared by path and by content."""
+    if not cfg.eval.path or cfg.data.mode == "synthetic":
+        return None
+    key, held = _inputs(cfg, cfg.eval.path)
+    for name, _ in parse_data_path(cfg.data.path) or [("", 1.0)]:
+        their_key, theirs = _inputs(cfg, name)
+        where = f"data.path '{name}'" if name else "the built-in data (data.path empty)"
+        same = key is not None and key == their_key
+        shared = held if same else _shared(held, theirs)
+        if not (same or shared):
+            continue
+        if same or len(shared) == len(held) == len(theirs):
+            what = f"eval.path holds the same data as {where}"
+        elif len(shared) == len(held):
+            what = f"eval.path's {len(held)} file(s) are all in {where}"
+        else:
+            files = ", ".join(shared[:3]) + (
+                f" and {len(shared) - 3} more" if len(shared) > 3 else ""
+            )
+            what = f"eval.path shares {len(shared)} of its {len(held)} files with {where} ({files})"
+        return (
+            f"{what}: its eval loss is not a held-out loss; point eval.path at data the run does "
+            "not train on, or use eval.fraction"
+        )
     return None

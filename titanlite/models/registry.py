@@ -200,6 +200,13 @@ def get_model_spec(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
+def models_reading(architectures: list[str]) -> list[str]:
+    """The registered models whose HFAdapter reads a config.json of these architectures."""
+    return [
+        n for n, s in _REGISTRY.items() if s.hf and set(architectures) & set(s.hf.architectures)
+    ]
+
+
 def get_flavor(spec: ModelSpec, flavor: str) -> Any:
     if flavor not in spec.flavors:
         match = difflib.get_close_matches(flavor, list(spec.flavors), n=1)

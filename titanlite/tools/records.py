@@ -80,6 +80,32 @@ def read_toml(path: Path, what: str = "") -> dict[str, Any]:
         raise UserError(f"{path} is not valid TOML ({e}){hint}") from None
 
 
+REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
+# What a folder given to a tool as a run folder holds (folder_kind), each kind in words.
+RUN_FOLDER_KINDS = {
+    "run": "a training run's folder",
+    "no steps": "the folder of a training run that logged no step (it stopped before its first log step)",
+    "rehearsal": f"a rehearsal's folder: one rank rehearsed on a fake process group and trained no real step (its figures: {REHEARSAL_FILE})",
+}
+
+
+def folder_kind(path: Path) -> str:
+    """What `path` (an existing folder) holds, as a key of RUN_FOLDER_KINDS; a folder that is no
+    run's is one UserError. The one reader of that for every tool given a run folder (the
+    comparison, inspect_step, the checkpoint reader): each says what kind of folder it was given
+    where it cannot use it."""
+    for name in ("config.toml", "run.json"):
+        if not (path / name).is_file():
+            raise UserError(
+                f"{path} has no {name}, so it is not a titanlite run folder; give "
+                "<dump_folder>/<run_name> (outputs/<run> by default)"
+            )
+    if (path / REHEARSAL_FILE).is_file():
+        return "rehearsal"
+    logged = any("step" in r for r in read_records(path / "metrics.jsonl"))
+    return "run" if logged else "no steps"
+
+
 def metrics_rows(path: Path, logged: bool = False) -> list[dict]:
     """metrics.jsonl's rows, a row per step (titanlite.components.step_window); `logged`: the log
     steps' only, the rows that carry the window's figures (throughput, memory, MFU, ETA). A row

@@ -52,6 +52,7 @@ from titanlite.components.checkpoint.resume import (
     model_record,
     resume_changes,
     tied_groups,
+    written_at,
 )
 from titanlite.components.optimizer import continue_schedule, realign_schedule
 from titanlite.config import JobConfig
@@ -137,7 +138,7 @@ class Checkpointer:
                     f"checkpoint {path} failed to load ({error}); it is set aside as {path.name}.damaged, so "
                     "the same command resumes from the newest intact checkpoint"
                 )
-            written = f"written at dp={state['world_size']}"
+            written = f"written at {written_at(state)}"
             logger.info(f"checkpoint: resumed from step {resume} ({path}, {written})")
             for name, part in self.parts.items():  # the scheduler's position among them
                 part.load_state_dict(state.get(name, {}))

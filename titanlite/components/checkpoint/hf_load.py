@@ -4,6 +4,7 @@ not DCP's HuggingFaceStorageReader's slices: Llama's q/k row permutation mixes F
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -18,7 +19,7 @@ import torch.nn as nn
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name, copy_full_
 from titanlite.errors import UserError
-from titanlite.models.registry import HFAdapter
+from titanlite.models.registry import HFAdapter, models_reading
 from titanlite.tools.process import heartbeat
 from titanlite.tools.records import read_json
 
@@ -113,6 +114,64 @@ def _piece_shape(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, ...],
     return tuple(piece + rest), tuple(box + [(0, n) for n in rest])
 
 
+def check_family(folder: Path, adapter: HFAdapter | None) -> None:
+    """`folder`'s model family (config.json's architectures, else its model_type) is one this
+    model's adapter reads; else one UserError naming the family and the model.name that reads it,
+    before any weight is compared (another family's names and shapes are no fault of the folder)."""
+    if adapter is None:
+        raise UserError(
+            f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
+        )
+    if not (folder / "config.json").is_file():  # names no family: its weights are compared alone
+        return
+    config = read_json(
+        folder / "config.json", "a Hugging Face model folder's config.json is a JSON object"
+    )
+    archs = config.get("architectures") or [config.get("model_type")]
+    archs = [str(a) for a in archs if a] if isinstance(archs, list) else [str(archs)]
+    if not archs or set(archs) & set(adapter.architectures):
+        return
+    readers = models_reading(archs)
+    fix = (
+        f"--model.name {readers[0]} --model.hf_assets_path {folder}"
+        if readers
+        else "a model.name whose adapter reads it (a fork registers one with register_model)"
+    )
+    raise UserError(
+        f"'{folder}' holds another model family ({', '.join(archs)}) than this run's model, which reads "
+        f"{', '.join(adapter.architectures)}; to train that model set {fix}, or give a folder of the family this model reads"
+    )
+
+
+def another_model(folder: Path, adapter: HFAdapter, args: Any) -> str:
+    """How the model `folder`'s config.json describes differs from the one this run builds
+    (`args`; its sequence length and dropout are the run's own), as "key theirs vs ours" for up
+    to three keys; "" where they agree (then the weights are what is wrong)."""
+    if not (folder / "config.json").is_file() or not dataclasses.is_dataclass(args):
+        return ""
+    try:  # a config.json a bounded reader refuses is refused in its own words
+        theirs = adapter.args_from_config(read_json(folder / "config.json"))
+    except (KeyError, TypeError, ValueError):  # a fork's reader: the weights are compared alone
+        return ""
+    keys = [f.name for f in dataclasses.fields(args) if f.name not in ("max_seq_len", "dropout")]
+    differ = [k for k in keys if getattr(theirs, k, None) != getattr(args, k)]
+    return ", ".join(
+        f"{k} {getattr(theirs, k, None)!r} vs {getattr(args, k)!r}" for k in differ[:3]
+    )
+
+
+def _not_this_model(folder: Path, adapter: HFAdapter, args: Any, why: str) -> UserError:
+    """The error of a folder whose weights this model cannot take: another model, where its
+    config.json describes one (another_model), else `why`."""
+    other = another_model(folder, adapter, args)
+    if not other:
+        return UserError(why)
+    return UserError(
+        f"'{folder}' holds another model than this run builds (config.json vs this run: {other}); "
+        f"to train the model it holds set --model.hf_assets_path {folder}, or give a folder of this model"
+    )
+
+
 def hf_plan(
     params: dict[str, tuple[int, ...]], folder: Path, adapter: HFAdapter | None, args: Any
 ) -> list[tuple[str, str, Path, tuple | None]]:
@@ -120,10 +179,7 @@ def hf_plan(
     from the headers alone: `params` (canonical name -> shape) must be covered exactly, a
     parameter held in pieces by distinct pieces whose sizes add up to it, else one UserError.
     The preflight runs it on the meta model; the load again."""
-    if adapter is None:
-        raise UserError(
-            f"'{folder}' holds Hugging Face weights but this model has no HFAdapter to read them"
-        )
+    check_family(folder, adapter)
     plan = []
     pieces: dict[str, dict[tuple, str]] = {}  # parameter -> its pieces' boxes -> HF name
     for hf_name, (path, shape) in weight_files(folder).items():
@@ -134,7 +190,8 @@ def hf_plan(
             continue
         name, converted, index = mapped
         if name not in params:
-            raise UserError(f"'{folder}' holds '{hf_name}', which this model has no parameter for")
+            why = f"'{folder}' holds '{hf_name}', which this model has no parameter for"
+            raise _not_this_model(folder, adapter, args, why)
         want = tuple(params[name])
         fits = None if index is None else _piece_shape(index, want)
         if fits is not None:
@@ -146,10 +203,11 @@ def hf_plan(
                 )
             pieces[name][box] = hf_name
         if tuple(converted.shape) != want or (index is not None and fits is None):
-            raise UserError(
+            why = (
                 f"'{hf_name}' in '{folder}' has shape {shape}, the model's '{name}' "
                 f"{tuple(params[name])}; the folder's config.json does not match its weights"
             )
+            raise _not_this_model(folder, adapter, args, why)
         plan.append((hf_name, name, path, index))
     for name, boxes in pieces.items():
         whole = [n for hf, n, _, index in plan if n == name and index is None]
@@ -162,10 +220,11 @@ def hf_plan(
             )
     missing = sorted(set(params) - {name for _, name, _, _ in plan})
     if missing:
-        raise UserError(
+        why = (
             f"'{folder}' lacks weights for {_some(missing)}; download the folder again, or point "
             "model.hf_assets_path at the model its config.json describes"
         )
+        raise _not_this_model(folder, adapter, args, why)
     return plan
 
 

@@ -19,6 +19,7 @@ from titanlite.config.fields import whole_number
 from titanlite.errors import UserError
 from titanlite.models.hf_files import check_hf_folder
 from titanlite.tools.cache import first_cause, fsync_dir
+from titanlite.tools.records import RUN_FOLDER_KINDS, folder_kind
 
 MARKER = "complete"  # written last into a step folder: its presence means complete
 CHECKSUM_MAX_BYTES = 64 * 2**20  # files up to this size get a CRC32 at save (RNG states, .metadata)
@@ -179,6 +180,12 @@ def step_to_read(
         folder = checkpoint_folder(load_config(str(path / "config.toml")), path)
     found = find(folder, -1 if step is None else step, _passed_over, exclude, "--step")
     if found is None:
+        kind = folder_kind(path) if (path / "config.toml").is_file() else "run"
+        if kind != "run":  # a rehearsal, or a run that never logged a step: said as such
+            raise UserError(
+                f"{flag} '{path}' is {RUN_FOLDER_KINDS[kind]}, so it holds no checkpoint; give a training "
+                "run's folder or a step folder"
+            )
         raise UserError(
             f"{flag} '{path}' holds no complete checkpoint (looked in '{folder}'); give a run folder that "
             "trained with checkpoint.every > 0 or checkpoint.at_end, or a step folder"

@@ -13,6 +13,7 @@ from titanlite.components.checkpoint.index import step_dir
 from titanlite.config import JobConfig
 from titanlite.config.fields import IDENTITY_KEYS, identity
 from titanlite.config.job_config import sections
+from titanlite.config.layout import mesh_text, resolve_layout
 from titanlite.config.unused import unused_in
 from titanlite.distributed.param_init import canonical_name
 from titanlite.errors import UserError
@@ -114,6 +115,23 @@ def data_change(saved: list[dict], now: list[dict]) -> str | None:
 def flat_config(cfg: JobConfig) -> dict[str, Any]:
     """{"section.key": value} of every field: what state.json keeps of the config."""
     return {f"{name}.{f.name}": getattr(s, f.name) for name, s in sections(cfg) for f in fields(s)}
+
+
+def written_at(state: dict[str, Any]) -> str:
+    """The layout a checkpoint was written at, every axis named as the run names layouts
+    (config.layout.mesh_text: "fsdp 1x2xcp=2"), from its state.json: the config it saved,
+    resolved at the world size it ran on; its world size alone if that no longer resolves."""
+    world = state["world_size"]
+    cfg = JobConfig()
+    for dotted, value in state.get("config", {}).items():
+        section, _, key = dotted.partition(".")
+        if hasattr(getattr(cfg, section, None), key):
+            setattr(getattr(cfg, section), key, value)
+    try:
+        layout = resolve_layout(cfg, world)
+    except UserError:
+        return f"{world} rank(s)"
+    return f"{mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))}, {world} rank(s)"
 
 
 def resume_changes(

@@ -23,8 +23,8 @@ from titanlite.config import JobConfig
 from titanlite.config.command_line import mixture_items
 from titanlite.errors import UserError
 from titanlite.tools.paths import existing_parent
+from titanlite.tools.records import REHEARSAL_FILE
 
-REHEARSAL_FILE = "rehearsal.json"  # a rehearsal's report, and the mark that its folder is one
 _STEM_MAX = 64  # characters of a run name's data part, its date and time after it
 
 
