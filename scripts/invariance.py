@@ -41,6 +41,7 @@ Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input
 from __future__ import annotations
 
 import collections
+import math
 import os
 import queue
 import re
@@ -80,7 +81,7 @@ from titanlite.config.command_line import (  # noqa: E402
     absolute,
     resolve_paths,
 )
-from titanlite.config.layout import fitting_local_batch, rank_share  # noqa: E402
+from titanlite.config.layout import extra_axes, fitting_local_batch, rank_share  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import stop_child  # noqa: E402
@@ -105,6 +106,8 @@ def plan(
         "dp_shard": shard,
         "local_batch_size": local,
         "accum": rank_share(cfg, dp) // local,
+        # ranks per data-parallel rank: the extra mesh axes (parallelism.axes) split its sequences
+        "split": math.prod(d for _, d in extra_axes(cfg.parallelism.axes)),
     }
 
 
@@ -309,11 +312,15 @@ def planned(args, plans: list[dict], names: list[str], out: Path) -> list[list[s
 
 def check_settings(args, plans: list[dict], names: list[str], out: Path) -> str:
     """Every override honoured in every run (planned's), else one line naming those that are not
-    and what sets them, before any run starts; returns what the layouts' runs ran at where it
+    and what sets them, and each layout's run valid, before any run starts; returns what the layouts' runs ran at where it
     differs from the config (the verdict line's)."""
+    from titanlite.validation import validate
+
     asked = parse_args(["--config", str(args.config), *args.overrides])[0]
     runs = [parse_args(r)[0] for r in planned(args, plans, names, out)]
     (LOCALIZE if args.localize else FIXES).check(args.overrides, asked, runs)
+    for cfg, p in zip(runs, plans, strict=False):  # each layout's run, before the first starts
+        validate(cfg, p["dp_replicate"] * p["dp_shard"] * p["split"])
     return FIXES.ran_at(asked, runs[: len(plans)])
 
 
@@ -341,7 +348,7 @@ def check_reused(args, p: dict, out: Path, name: str) -> None:
 def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
     """One run of layout `p` into out/name (--dry-run: print its command)."""
     cmd = [str(REPO / "run_train.sh"), *run_args(args, p, out, name, extra)]
-    world = p["dp_replicate"] * p["dp_shard"]
+    world = p["dp_replicate"] * p["dp_shard"] * p["split"]
     if args.dry_run:
         print(f"NPROC={world} " + shlex.join(cmd), flush=True)
         return
