@@ -80,7 +80,12 @@ FIXES = Fixes(
         "eval": "no evaluation",
         **{
             s: "no training run"
-            for s in ("metrics", "diagnostics", "alerts", "faults", "rehearsal")
+            for s in ("job", "metrics", "diagnostics", "alerts", "faults", "rehearsal", "debug")
+        },
+        "comm": "the ranks' process group at its defaults",
+        **{
+            k: f"no tokenizer: {VOCAB} token ids"
+            for k in ("model.tokenizer_path", "model.builtin_vocab_size")
         },
     },
     where="in its cases",
