@@ -34,7 +34,10 @@ def override_keys(overrides: list[str]) -> list[str]:
 
 
 def _shown(v: Any) -> str:
-    return "[" + ", ".join(map(str, v)) + "]" if isinstance(v, list) else str(v)
+    """A value as a config file writes it (true, not True)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    return "[" + ", ".join(map(_shown, v)) + "]" if isinstance(v, list) else str(v)
 
 
 @dataclass(frozen=True)
