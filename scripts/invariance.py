@@ -150,7 +150,7 @@ def run_with_progress(
     """Run one layout, printing its progress (step, elapsed, the run's own ETA) as it goes, and
     while its `world` ranks start (before the first step, which takes a while on a loaded
     machine); returns the exit code and the output's last lines (for a failure's report)."""
-    start, shown, stepped = time.monotonic(), -PROGRESS_S, False
+    start, shown, said, stepped = time.monotonic(), -PROGRESS_S, 0.0, False
     tail: collections.deque[str] = collections.deque(maxlen=15)
     # a session of its own: a stop of this script reaches the run once, passed on from here
     proc = subprocess.Popen(
@@ -162,21 +162,25 @@ def run_with_progress(
         start_new_session=True,
     )
     try:
-        for line in lines_or_ticks(proc.stdout, STARTING_S):
+        # a tick at least every STARTING_S; the run's own lines (kept for a failure's report)
+        # do not count as said: the user sees only this script's lines
+        for line in lines_or_ticks(proc.stdout, STARTING_S / 4):
             now = time.monotonic() - start
+            m = STEP_LINE.search(line) if line is not None else None
+            stepped = stepped or m is not None  # the first step line is shown (below), not this
+            if not stepped and now - said >= STARTING_S:
+                print(
+                    f"  [{name}] {world} rank(s) starting (importing torch, building the model, "
+                    f"reading the data), {now:.0f}s",
+                    flush=True,
+                )
+                said = now
             if line is None:
-                if not stepped:
-                    print(
-                        f"  [{name}] {world} rank(s) starting (importing torch, building the model, "
-                        f"reading the data), {now:.0f}s",
-                        flush=True,
-                    )
                 continue
             tail.append(line.rstrip())
-            m = STEP_LINE.search(line)
             if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
                 print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
-                shown, stepped = now, True
+                shown = now
     except BaseException as e:  # the run checkpoints and stops, then this script does
         stop_child(proc, getattr(e, "signum", signal.SIGINT))
         raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import MISSING, fields
 from typing import Any
@@ -174,17 +175,36 @@ def test_invariance_honours_or_refuses_every_key(invariance, tmp_path):
         plan_of(["--training.local_batch_size", "1", "--microbatch", "whole"])
 
 
-def test_invariance_says_what_it_starts_while_its_ranks_are_silent(invariance):
-    """Before a run's first step line, a line per interval says its ranks are starting."""
-    import os
+def test_invariance_says_what_it_starts_while_its_ranks_are_silent(
+    invariance, tmp_path, monkeypatch
+):
+    """Before a run's first step line, a line says its ranks are starting (the run's own lines
+    do not count: the user sees none of them); none after it. The child prints its step line only
+    once the starting line was said, so no clock decides the outcome."""
+    said: list[str] = []
+    go = tmp_path / "go"
 
-    read, write = os.pipe()
-    with os.fdopen(read) as stream, os.fdopen(write, "w") as w:
-        ticks = invariance.lines_or_ticks(stream, 0.01)
-        assert next(ticks) is None  # nothing yet: a tick, for the starting line
-        w.write("step  1/2 | x | eta 0:00:01\n")
-        w.flush()
-        assert next(t for t in ticks if t is not None).startswith("step  1/2")
+    def fake_print(line: str, **_) -> None:
+        said.append(line)
+        if "starting" in line:
+            go.touch()
+
+    monkeypatch.setattr(invariance, "print", fake_print, raising=False)
+    monkeypatch.setattr(invariance, "STARTING_S", 0.04)
+    child = (
+        "import os, time\n"
+        "print('titanlite: a line of the run', flush=True)\n"
+        "t = time.monotonic()\n"  # a generous bound: a broken script fails, it does not hang
+        f"while not os.path.exists({str(go)!r}) and time.monotonic() - t < 600: time.sleep(0.01)\n"
+        "print('step  1/1 | loss 1 | eta 0:00:00', flush=True)\n"
+    )
+    code, tail = invariance.run_with_progress(
+        [sys.executable, "-c", child], dict(os.environ), "r", 2
+    )
+    assert code == 0 and tail[-1].startswith("step  1/1")
+    first = next(i for i, line in enumerate(said) if "step 1/1" in line)
+    assert first > 0 and all("2 rank(s) starting" in line for line in said[:first]), said
+    assert not any("starting" in line for line in said[first:]), said
 
 
 @pytest.fixture(scope="module")
