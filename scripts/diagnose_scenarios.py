@@ -682,7 +682,10 @@ def fixes(args) -> Fixes:
     for name in args.scenarios:
         for key, _ in words(scenarios(args.dp, args.onset)[name]):
             own.setdefault(moved_keys().get(key, key), []).append(name)
-    keys = {key: f"set by the scenario {', '.join(names)}" for key, names in own.items()}
+    keys = {
+        key: f"set by the scenario{'s' * (len(names) > 1)} {', '.join(names)}"
+        for key, names in own.items()
+    }
     keys |= {
         "training.global_batch_size": f"at least 2 x --dp, {2 * args.dp}",
         "training.local_batch_size": "the largest at most the one asked that carries each rank's share",
