@@ -37,7 +37,10 @@ holds the largest rise of a rank's gradient noise over its own history and the o
 noise_rise_max; scenarios.png), and each run's gradient noise scale over its batch, step by step,
 with the batch-size advice (noise_scale.png).
 Overrides apply to every scenario (e.g. --diagnostics.on_alert stop: a run ends at its first
-alert, which the table shows).
+alert, which the table shows); one of a setting the script or a scenario fixes (a scenario's own
+switches, the fitted batch, the steps, --quick's) is refused in one line naming what fixes it, and
+the table's head names the settings the runs ran at where they differ from the config's. --quick
+with --scenarios runs those beside the healthy run (said in one line when not asked for).
 
 A second table, detection: per fault, the alert that names it (and the rank(s) at fault), the
 step it started, the step that alert first fired and the steps in between; every other alert is
@@ -52,7 +55,7 @@ at its farthest from 1 when it gave none: scripts/figures/diagnose_healthy-*.jso
 README's table of false alarms over long healthy runs renders (healthy_markdown).
 
 --replay DIR: no training; the tables again (and replayed.json, replayed.png, noise_scale.png) from DIR's run
-folders, with the alerts that today's rules (and the --alerts overrides given) raise on each
+folders, with the alerts that today's rules (and the --alerts overrides given; any other is refused) raise on each
 run's recorded diagnostics.jsonl:
 how thresholds are tuned on a long run recorded once. replica_drift is kept from events.jsonl
 (the replica hashes are not recorded).
@@ -75,7 +78,9 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
+from titanlite.analysis.settings import Fixes  # noqa: E402
 from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
+from titanlite.config.manager import moved_keys, words  # noqa: E402
 from titanlite.diagnostics.scenarios import detection, expected, scenarios  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
@@ -630,7 +635,80 @@ def plot_noise_scale(out: Path, rows: dict[str, dict], path: Path) -> None:
 
 
 SCENARIOS = tuple(scenarios(2))
+DEFAULT_DP, DEFAULT_STEPS = 4, 30
 QUICK_DP, QUICK_STEPS, QUICK_ONSET = 2, 60, 40  # --quick
+QUICK_OVERRIDES = ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
+
+
+def quick_settings(args) -> None:
+    """--quick's dp, steps and onset (a different one asked beside it is refused), and its
+    scenarios: the ones asked, else every fault, with the healthy run beside them (said when it
+    was not asked for)."""
+    quick = {"--dp": QUICK_DP, "--steps": QUICK_STEPS, "--onset": QUICK_ONSET}
+    given = {"--dp": args.dp, "--steps": args.steps, "--onset": args.onset}
+    differ = [f"{flag} {v}" for flag, v in given.items() if v is not None and v != quick[flag]]
+    if differ:
+        fixed = " ".join(f"{flag} {v}" for flag, v in quick.items())
+        raise UserError(f"--quick runs at {fixed}; drop {' '.join(differ)}, or drop --quick")
+    args.dp, args.steps, args.onset = QUICK_DP, QUICK_STEPS, QUICK_ONSET
+    asked = args.scenarios or [n for n, fault in expected(QUICK_DP, QUICK_ONSET).items() if fault]
+    if "healthy" not in asked:
+        print(
+            "diagnose_scenarios: --quick adds the healthy run: the baseline each fault's bars "
+            "stand beside in scenarios.png and the tables",
+            file=sys.stderr,
+            flush=True,
+        )
+    args.scenarios = [n for n in SCENARIOS if n in asked or n == "healthy"]
+
+
+def settings(args, overrides: list[str]) -> tuple[list, str]:
+    """Every scenario's config (its run's), each of the user's overrides (args.overrides) honoured
+    in every one or refused in one line; and what they ran at where it differs from the config,
+    for the table's head. `overrides`: the user's and --quick's."""
+    from titanlite.config import parse_args
+
+    runs = [parse_args(scenario_argv(args, name, overrides))[0] for name in args.scenarios]
+    asked = parse_args(["--config", str(args.config), *args.overrides])[0]
+    fixed = fixes(args)
+    fixed.check(args.overrides, asked, runs)
+    return runs, fixed.ran_at(asked, runs)
+
+
+def fixes(args) -> Fixes:
+    """What the scenarios' runs fix: the settings of --dp, --steps, --out and --quick, the fitted
+    batch, and each scenario's own switches (titanlite.analysis.settings)."""
+    own: dict[str, list[str]] = {}
+    for name in args.scenarios:
+        for key, _ in words(scenarios(args.dp, args.onset)[name]):
+            own.setdefault(moved_keys().get(key, key), []).append(name)
+    keys = {
+        key: f"set by the scenario{'s' * (len(names) > 1)} {', '.join(names)}"
+        for key, names in own.items()
+    }
+    keys |= {
+        "training.global_batch_size": f"at least 2 x --dp, {2 * args.dp}",
+        "training.local_batch_size": "the largest at most the one asked that carries each rank's share",
+        "job.dump_folder": "set by --out",
+        "job.run_name": "each scenario's name",
+    }
+    if args.quick:
+        keys |= {key: f"{v} with --quick" for key, v in words(QUICK_OVERRIDES)}
+    return Fixes(
+        "diagnose_scenarios",
+        keys,
+        always={
+            "training.steps": "set by --steps",
+            "diagnostics.measure_first": "--steps: every step measured",
+            "metrics.log_every": "1: every step logged",
+            "rehearsal.world": "0: every scenario trains; a rehearsal measures no ranks",
+        },
+        at_most=frozenset({"training.local_batch_size"}),
+        # the table names each scenario, whose own switches are its name's
+        unnamed=frozenset({"job.dump_folder", "job.run_name", *own}),
+    )
+
+
 SCRIPT = Script(
     "diagnose_scenarios",
     __doc__,
@@ -639,13 +717,16 @@ SCRIPT = Script(
 SCRIPT.arg(
     "--dp",
     kind="int",
-    default=4,
     at_least=2,
     at_most=MAX_RANKS,
-    help="ranks (the diagnostics compare ranks)",
+    help=f"ranks (the diagnostics compare ranks; default {DEFAULT_DP})",
 )
 SCRIPT.arg(
-    "--steps", kind="int", default=30, at_least=1, at_most=10**6, help="steps of every scenario"
+    "--steps",
+    kind="int",
+    at_least=1,
+    at_most=10**6,
+    help=f"steps of every scenario (default {DEFAULT_STEPS})",
 )
 SCRIPT.arg(
     "--onset",
@@ -675,8 +756,8 @@ SCRIPT.arg(
 SCRIPT.arg(
     "--quick",
     kind="switch",
-    help="every fault at dp=2, 60 steps, faults from step 40, each run stopped at its first alert: 3.4 "
-    "minutes on 2 cores (sets --dp, --steps, --onset and --scenarios)",
+    help="every fault (or the --scenarios given) beside the healthy run at dp=2, 60 steps, faults from "
+    "step 40, each run stopped at its first alert: 3.4 minutes on 2 cores (sets --dp, --steps and --onset)",
 )
 SCRIPT.arg("--replay", kind="folder", help="tables from this folder's runs, alerts replayed")
 SCRIPT.arg(
@@ -702,23 +783,14 @@ SCRIPT.arg(
 )
 
 
-def run(args) -> int:
+def resolve(args) -> list[str]:
+    """The runs' settings from the flags (--quick's, the defaults), checked; returns the
+    overrides every scenario's run takes (the user's, then --quick's)."""
     overrides = args.overrides
-    if args.replay:
-        return replay_main(args, overrides)
     if args.quick:
-        args.dp, args.steps, args.onset = QUICK_DP, QUICK_STEPS, QUICK_ONSET
-        # every fault, and the healthy run its bars stand beside in scenarios.png
-        args.scenarios = [
-            n for n, fault in expected(QUICK_DP, QUICK_ONSET).items() if fault or n == "healthy"
-        ]
-        overrides = [
-            *overrides,
-            "--diagnostics.on_alert",
-            "stop",
-            "--metrics.enable_tensorboard",
-            "false",
-        ]
+        quick_settings(args)
+        overrides = [*overrides, *QUICK_OVERRIDES]
+    args.dp, args.steps = args.dp or DEFAULT_DP, args.steps or DEFAULT_STEPS
     if args.onset is not None and args.onset > args.steps:
         raise UserError(
             f"--onset is {args.onset} but the scenarios run {args.steps} steps; start the faults within them"
@@ -730,14 +802,22 @@ def run(args) -> int:
             f"--healthy-figures keeps the scenarios {' and '.join(HEALTHY)}; run one of them"
         )
     args.out = args.out or REPO / "outputs" / f"scenarios-{datetime.now():%Y%m%d-%H%M%S}"
+    return overrides
+
+
+def run(args) -> int:
+    overrides = args.overrides
+    if args.replay:
+        return replay_main(args, overrides)
+    overrides = resolve(args)
     if args.worker:
         worker(args, overrides)
         return 0
-    from titanlite.config import parse_args
     from titanlite.validation import validate
 
-    for name in args.scenarios:  # every scenario's config, before any worker starts
-        validate(parse_args(scenario_argv(args, name, overrides))[0], args.dp)
+    runs, ran_at = settings(args, overrides)
+    for cfg in runs:  # every scenario's config, before any worker starts
+        validate(cfg, args.dp)
     if (args.out / "status.json").exists():
         raise UserError(f"{args.out} already holds scenarios; pass another --out")
     from titanlite.analysis import harness
@@ -784,6 +864,7 @@ def run(args) -> int:
     plot(rows, args.out / "scenarios.png")
     plot_noise_scale(args.out, rows, args.out / "noise_scale.png")
     head = f"dp={args.dp}, {args.steps} steps (faults from step {args.onset}), averages over measured steps > {SKIP}"
+    head += f"; {ran_at}" if ran_at else ""
     print(f"{head}\n{table(rows)}")
     print(f"\ndetection\n{detection_table(rows)}{notes_table(rows)}")
     print(
@@ -808,8 +889,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def replay_main(args, overrides: list[str]) -> int:
     """--replay: the tables from recorded runs, alerts from today's rules."""
+    from dataclasses import fields
+
+    from titanlite.config import JobConfig
     from titanlite.diagnostics.replay import replay_run
 
+    # a replay reads what the runs recorded: only the rules' thresholds can be asked anew
+    recorded = "recorded by the runs: only --alerts.key VALUE applies to a replay"
+    replayed = {f.name: recorded for f in fields(JobConfig) if f.name != "alerts"}
+    Fixes(
+        "diagnose_scenarios --replay", {}, always=replayed, where="in the runs it replays"
+    ).check_always(overrides)
     status_file = args.replay / "status.json"
     if not status_file.is_file():
         raise UserError(f"{args.replay} holds no scenarios (no status.json)")

@@ -7,7 +7,11 @@
 
 One run per (dp degree, mode), launched one after another on this machine with
 `NPROC=dp ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
-layout equal: global batch, seed, data and model come from the config and the overrides. Each
+layout equal: global batch, seed, data and model come from the config and the overrides. An
+override of a setting the script fixes in a run (the steps, the layout, where runs go; with
+--localize, what its reruns set) is refused in one line naming what sets it, unless every run
+holds it (a local batch is a bound: each layout runs the largest up to it that carries B / dp);
+the verdict line names the settings the runs ran at where they differ from the config's. Each
 rank's share of the global batch, B / dp, is carried as local_batch_size x accumulation with the
 largest local batch <= the config's that divides it (so a config with local_batch_size 2 at
 global batch 16 runs dp=8 as 2 x 1 and dp=16 as 1 x 1): every layout then runs microbatches of
@@ -37,13 +41,16 @@ Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input
 from __future__ import annotations
 
 import collections
+import math
 import os
+import queue
 import re
 import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -56,8 +63,16 @@ from titanlite.tools.venv import use_project_venv  # noqa: E402
 use_project_venv()  # any python3 will do: without titanlite's dependencies it re-executes in .venv
 
 from titanlite.analysis.compare import compare, report  # noqa: E402
-from titanlite.analysis.localize import base_flags, first_divergence, read, step_flags  # noqa: E402
+from titanlite.analysis.localize import FIXES as localize_fixes  # noqa: E402
+from titanlite.analysis.localize import (  # noqa: E402
+    NAMED,
+    base_flags,
+    first_divergence,
+    read,
+    step_flags,
+)
 from titanlite.analysis.runs import load_run  # noqa: E402
+from titanlite.analysis.settings import Fixes  # noqa: E402
 from titanlite.analysis.tolerance import default_tolerance  # noqa: E402
 from titanlite.components.checkpoint.resume import flat_config  # noqa: E402
 from titanlite.components.run.torchrun import MAX_RANKS  # noqa: E402
@@ -65,9 +80,8 @@ from titanlite.config import load_config, parse_args  # noqa: E402
 from titanlite.config.command_line import (  # noqa: E402
     absolute,
     resolve_paths,
-    words,  # noqa: E402
 )
-from titanlite.config.layout import fitting_local_batch, rank_share  # noqa: E402
+from titanlite.config.layout import extra_axes, fitting_local_batch, rank_share  # noqa: E402
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import stop_child  # noqa: E402
@@ -92,6 +106,8 @@ def plan(
         "dp_shard": shard,
         "local_batch_size": local,
         "accum": rank_share(cfg, dp) // local,
+        # ranks per data-parallel rank: the extra mesh axes (parallelism.axes) split its sequences
+        "split": math.prod(d for _, d in extra_axes(cfg.parallelism.axes)),
     }
 
 
@@ -103,10 +119,38 @@ STEP_LINE = re.compile(r"step +(\d+)/(\d+) \|.*\| eta ([\d:]+)")
 PROGRESS_S = 10.0  # at most one progress line per this many seconds, and the last step's
 
 
-def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[int, list[str]]:
-    """Run one layout, printing its progress (step, elapsed, the run's own ETA) as it goes;
-    returns the exit code and the output's last lines (for a failure's report)."""
-    start, shown = time.monotonic(), -PROGRESS_S
+STARTING_S = 20.0  # until the first step line, a line per this many seconds saying the ranks start
+
+
+def lines_or_ticks(stream, every: float):
+    """The lines of `stream` as they come, and None after each `every` seconds without one (a
+    reader thread: the caller speaks while the run is silent)."""
+    got: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in stream:
+            got.put(line)
+        got.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = got.get(timeout=every)
+        except queue.Empty:
+            yield None
+            continue
+        if line is None:
+            return
+        yield line
+
+
+def run_with_progress(
+    cmd: list[str], env: dict[str, str], name: str, world: int = 1
+) -> tuple[int, list[str]]:
+    """Run one layout, printing its progress (step, elapsed, the run's own ETA) as it goes, and
+    while its `world` ranks start (before the first step, which takes a while on a loaded
+    machine); returns the exit code and the output's last lines (for a failure's report)."""
+    start, shown, said, stepped = time.monotonic(), -PROGRESS_S, 0.0, False
     tail: collections.deque[str] = collections.deque(maxlen=15)
     # a session of its own: a stop of this script reaches the run once, passed on from here
     proc = subprocess.Popen(
@@ -118,10 +162,22 @@ def run_with_progress(cmd: list[str], env: dict[str, str], name: str) -> tuple[i
         start_new_session=True,
     )
     try:
-        for line in proc.stdout:
-            tail.append(line.rstrip())
-            m = STEP_LINE.search(line)
+        # a tick at least every STARTING_S; the run's own lines (kept for a failure's report)
+        # do not count as said: the user sees only this script's lines
+        for line in lines_or_ticks(proc.stdout, STARTING_S / 4):
             now = time.monotonic() - start
+            m = STEP_LINE.search(line) if line is not None else None
+            stepped = stepped or m is not None  # the first step line is shown (below), not this
+            if not stepped and now - said >= STARTING_S:
+                print(
+                    f"  [{name}] {world} rank(s) starting (importing torch, building the model, "
+                    f"reading the data), {now:.0f}s",
+                    flush=True,
+                )
+                said = now
+            if line is None:
+                continue
+            tail.append(line.rstrip())
             if m and (now - shown >= PROGRESS_S or m[1] == m[2]):
                 print(f"  [{name}] step {m[1]}/{m[2]}, {now:.0f}s, eta {m[3]}", flush=True)
                 shown = now
@@ -193,26 +249,41 @@ SCRIPT.arg(
 FIRST_STEP = ["--debug.fingerprint_step", "1"]
 
 
-# The keys this script sets in every run, and what sets them instead of an override.
-OWNED = {
-    "training.steps": "--steps",
-    "metrics.log_every": "the script: every run logs every step",
-    "parallelism.mode": "--modes",
-    "parallelism.dp_replicate": "--dp and --replicas",
-    "parallelism.dp_shard": "--dp",
-    "job.dump_folder": "--out",
-    "job.run_name": "--prefix",
-    "debug.fingerprint_step": "the script: step 1 in every run, and the step --localize reruns",
-}
-
-
-def check_owned(overrides: list[str]) -> None:
-    """An override of a key the script sets would be replaced without a word: refused."""
-    for name, _ in words(overrides):
-        if name in OWNED:
-            raise UserError(
-                f"--{name} is set by {OWNED[name]} in every run; remove it from the overrides"
-            )
+# The keys this script sets in its runs, and what sets them instead of an override: an override
+# every run holds is honoured, any other refused in one line (titanlite.analysis.settings).
+FIXES = Fixes(
+    "invariance",
+    {
+        "training.steps": "set by --steps",
+        "metrics.log_every": "1: every run logs every step",
+        "parallelism.mode": "set by --modes",
+        "parallelism.dp_replicate": "set by --dp, --modes and --replicas",
+        "parallelism.dp_shard": "set by --dp, --modes and --replicas",
+        "training.local_batch_size": "each layout's: the largest at most the one asked that carries "
+        "B / dp, or all of B / dp with --microbatch whole",
+        "job.dump_folder": "set by --out",
+        "job.run_name": "set by --prefix and the layout",
+        "debug.fingerprint_step": "1 in every run, and the step --localize reruns",
+    },
+    always={"rehearsal.world": "0: every layout trains; a rehearsal logs no curve to compare"},
+    at_most=frozenset({"training.local_batch_size"}),
+    # the layout's keys are named by each run's line of the table (A = ...); the rest say where
+    # files go and what is logged
+    unnamed=frozenset(
+        {"metrics.log_every", "job.dump_folder", "job.run_name", "debug.fingerprint_step"}
+        | {"parallelism.mode", "parallelism.dp_replicate", "parallelism.dp_shard"}
+        | {"training.local_batch_size"}
+    ),
+)
+# --localize's reruns fix more (titanlite.analysis.localize); the verdict's line names those that
+# could change a step's numbers
+LOCALIZE = Fixes(
+    "invariance --localize",
+    {**FIXES.keys, **localize_fixes},
+    always=FIXES.always,
+    at_most=FIXES.at_most,
+    unnamed=(frozenset(FIXES.keys) | frozenset(localize_fixes)) - frozenset(NAMED),
+)
 
 
 def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list[str]:
@@ -227,6 +298,34 @@ def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list
         str(p["local_batch_size"]),
     ]
     return [*cmd, "--job.dump_folder", str(out), "--job.run_name", name, *(extra or FIRST_STEP)]
+
+
+def planned(args, plans: list[dict], names: list[str], out: Path) -> list[list[str]]:
+    """run_train.sh's arguments of every run this command may make: one per layout and, with
+    --localize, the reruns of a parting step (the step is known once the runs are compared: its
+    flags set the same keys at any step after the first)."""
+    runs = [run_args(args, p, out, n) for p, n in zip(plans, names, strict=True)]
+    if args.localize:
+        folder = out / "localize-step2"
+        runs.append(run_args(args, plans[0], folder, "base", base_flags(2)))
+        runs += [
+            run_args(args, p, folder, n, step_flags(2)) for p, n in zip(plans, names, strict=True)
+        ]
+    return runs
+
+
+def check_settings(args, plans: list[dict], names: list[str], out: Path) -> str:
+    """Every override honoured in every run (planned's), else one line naming those that are not
+    and what sets them, and each layout's run valid, before any run starts; returns what the layouts' runs ran at where it
+    differs from the config (the verdict line's)."""
+    from titanlite.validation import validate
+
+    asked = parse_args(["--config", str(args.config), *args.overrides])[0]
+    runs = [parse_args(r)[0] for r in planned(args, plans, names, out)]
+    (LOCALIZE if args.localize else FIXES).check(args.overrides, asked, runs)
+    for cfg, p in zip(runs, plans, strict=False):  # each layout's run, before the first starts
+        validate(cfg, p["dp_replicate"] * p["dp_shard"] * p["split"])
+    return FIXES.ran_at(asked, runs[: len(plans)])
 
 
 def check_reused(args, p: dict, out: Path, name: str) -> None:
@@ -253,13 +352,13 @@ def check_reused(args, p: dict, out: Path, name: str) -> None:
 def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
     """One run of layout `p` into out/name (--dry-run: print its command)."""
     cmd = [str(REPO / "run_train.sh"), *run_args(args, p, out, name, extra)]
-    world = p["dp_replicate"] * p["dp_shard"]
+    world = p["dp_replicate"] * p["dp_shard"] * p["split"]
     if args.dry_run:
         print(f"NPROC={world} " + shlex.join(cmd), flush=True)
         return
     layout = f"{p['mode']} {p['dp_replicate']}x{p['dp_shard']}, local batch {p['local_batch_size']} x accum {p['accum']}"
-    print(f"[{name}] {layout}", flush=True)
-    code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name)
+    print(f"[{name}] {layout}: starting {world} rank(s), run folder {out / name}", flush=True)
+    code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name, world)
     if code != 0:
         raise UserError(
             f"run {name} failed (exit {code}): {tail[-1] if tail else 'it printed nothing'}; its log: {out / name / 'logs'}"
@@ -310,17 +409,21 @@ def localize(args, plans: list[dict], names: list[str], cmp, out: Path) -> str:
         if args.dry_run:
             return f"the commands above localize step {step}; compare their fingerprints with --localize once they ran"
         found = first_divergence(*(read(folder / names[i]) for i in (0, other)), tol)
-        where = f"fingerprints: {folder}"
+        asked = parse_args(["--config", str(args.config), *args.overrides])[0]
+        reruns = [run_args(args, plans[i], folder, names[i], step_flags(step)) for i in (0, other)]
+        ran_at = LOCALIZE.ran_at(asked, [parse_args(r)[0] for r in reruns])
+        where = f"fingerprints: {folder}" + (f"; the reruns {ran_at}" if ran_at else "")
     if found is None:
         return f"no divergence at step {step} from the same state: the runs part through the state they carry"
     return found.line() + f" ({where})"
 
 
-def run(args) -> int:
-    overrides = args.overrides
-    check_owned(overrides)
+def layouts(args) -> tuple[Path, list[dict], list[str], str]:
+    """Everything decided before a run starts: the output folder, each layout's plan and run
+    name, every override honoured by every run or refused (check_settings), and what the runs
+    ran at where it differs from the config, for the verdict line."""
     cfg, _ = parse_args(
-        ["--config", str(args.config), *overrides, "--training.steps", str(args.steps)]
+        ["--config", str(args.config), *args.overrides, "--training.steps", str(args.steps)]
     )
     out = (
         args.out
@@ -336,6 +439,11 @@ def run(args) -> int:
     names = [run_name(args.prefix, p) for p in plans]
     if len(set(names)) < len(names):
         raise UserError("two of the requested layouts are the same run; list each dp and mode once")
+    return out, plans, names, check_settings(args, plans, names, out)
+
+
+def run(args) -> int:
+    out, plans, names, ran_at = layouts(args)
     done = [(out / n / "metrics.jsonl").exists() for n in names]
     reuse = args.localize and all(done)
     if not args.dry_run and any(done) and not reuse:
@@ -358,7 +466,11 @@ def run(args) -> int:
     comparisons = [compare(runs[0], other, rtol) for other in runs[1:]]
     print(report(comparisons, out / "compare"))
     passed = all(c.passed for c in comparisons)
-    print(("PASS: " if passed else "FAIL: ") + f"{len(runs)} layouts, rtol {comparisons[0].rtol}")
+    settings = f", {ran_at}" if ran_at else ""
+    print(
+        ("PASS: " if passed else "FAIL: ")
+        + f"{len(runs)} layouts, rtol {comparisons[0].rtol}{settings}"
+    )
     if passed:
         return 0
     first = next(c for c in comparisons if not c.passed)

@@ -178,9 +178,12 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
         (["--dp", "8", "16", "--training.sed", "1"], "training.sed"),
         (
             ["--dp", "8", "16", "--debug.fingerprint_step", "3"],
-            "--debug.fingerprint_step is set by the script",
+            "invariance fixes debug.fingerprint_step (1 in every run, and the step --localize reruns)",
         ),
-        (["--dp", "8", "16", "--training.steps=5"], "--training.steps is set by --steps"),
+        (
+            ["--dp", "8", "16", "--training.steps=5"],
+            "invariance fixes training.steps (set by --steps) in its runs; drop --training.steps",
+        ),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):

@@ -41,10 +41,6 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     cmd += ["--scenarios", "healthy", "same_data", "corrupt_labels", "grad_noise", "replica_flip"]
     cmd += ["stuck_loader", "slow_rank", "S1-2", "S1-3"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
-    cmd += [
-        "--faults.slow_factor",
-        "1.5",
-    ]  # slow_rank's steps take 1.5x: a third of them the others wait
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
     print(proc.stdout, proc.stderr[-3000:])

@@ -41,6 +41,21 @@ RUN_FLAGS = (
 )  # fmt: skip
 
 
+# What a localisation rerun fixes, in words (scripts/invariance.py --localize refuses an override
+# of one its reruns would not hold, titanlite.analysis.settings).
+RERUNS = "in --localize's reruns"
+FIXES = {
+    **{RUN_FLAGS[i][2:]: f"{RUN_FLAGS[i + 1]} {RERUNS}" for i in range(0, len(RUN_FLAGS), 2)},
+    "checkpoint.every": f"the step before the parting one {RERUNS}",
+    "checkpoint.load_step": f"the step before the parting one {RERUNS}",
+    "debug.stop_after_step": f"the parting step {RERUNS}",
+    "debug.fingerprint_step": f"the parting step {RERUNS}",
+}
+# Of those, the ones that could change a step's numbers: the localisation line names them where
+# the reruns ran them otherwise than the config (the others say where files go and when to stop).
+NAMED = ("training.activation_checkpoint", "training.compile")
+
+
 def base_flags(step: int) -> list[str]:
     """The reference layout's run that writes the checkpoint of `step` - 1 (none at step 1)."""
     before = str(step - 1)

@@ -7,18 +7,27 @@ counts catch a loss normalised locally; packed documents catch attention leaking
 from __future__ import annotations
 
 import hashlib
-import inspect
 import json
 import math
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from titanlite.analysis.check_cases import (
+    GLOBAL_BATCH,
+    SEQ,
+    VOCAB,
+    Case,
+    case_config,
+    cases,
+    check_config,
+    hf_config,
+)
 from titanlite.components.checkpoint.hf_export import export_hf
 from titanlite.components.checkpoint.hf_load import DERIVED_BUFFERS, load_hf_weights
 from titanlite.components.loss import (
@@ -27,7 +36,7 @@ from titanlite.components.loss import (
     sequence_losses,
     step_statistics,
 )
-from titanlite.config import JobConfig, parse_args
+from titanlite.config import JobConfig
 from titanlite.config.layout import resolve_layout
 from titanlite.datasets.batch import Microbatch
 from titanlite.datasets.sequences import restart_positions
@@ -38,45 +47,7 @@ from titanlite.errors import UserError
 from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 
-GLOBAL_BATCH, SEQ, VOCAB, SEED = 16, 16, 64, 7
 TOL = 1e-5  # fp32: one process against a sharded reduction differ by summation order only
-LOSS_CHUNK = 5  # positions per chunk: 16 a sequence makes 4 chunks, the last one short
-MODES = ("fsdp", "ddp", "hsdp")
-
-
-@dataclass(frozen=True)
-class Case:
-    mode: str
-    accum: int
-    packed: bool
-    loss_chunk: int  # 0: logits, then the loss
-    axis: str = ""  # an extra mesh axis the model declares, split 2 ways ("": none)
-
-
-def cases(cfg: JobConfig, world: int) -> list[Case]:
-    """Every mode at accumulation 1 and 2 on the unequal batch; packed (the loss in chunks) where
-    the model takes them; each extra mesh axis the model declares, split 2 ways."""
-    meta = build_meta_model(cfg, 0)
-    takes = inspect.signature(meta.model.forward).parameters
-    packs, chunks = "positions" in takes, {"labels", "loss_chunk"} <= takes.keys()
-    out = [Case(m, a, False, 0) for m in MODES for a in (1, 2) if GLOBAL_BATCH % (world * a) == 0]
-    if packs:
-        out += [Case(m, 2, True, LOSS_CHUNK if chunks else 0) for m in MODES]
-    elif chunks:
-        out += [Case(m, 2, False, LOSS_CHUNK) for m in MODES]
-    for axis in meta.spec.axes if world % 2 == 0 else ():
-        out += [Case(m, 2, False, 0, axis) for m in MODES]
-        out += [Case(m, 2, True, LOSS_CHUNK if chunks else 0, axis) for m in MODES if packs]
-    return out
-
-
-def check_config(argv: list[str]) -> JobConfig:
-    """The model's config from `--section.key VALUE` flags, at the check's tiny batch."""
-    cfg, _ = parse_args(argv)
-    cfg.model.vocab_size, cfg.training.seq_len = VOCAB, SEQ
-    cfg.training.global_batch_size = GLOBAL_BATCH
-    cfg.training.compile = False
-    return cfg
 
 
 def unequal_batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +93,7 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     """One process, unsharded (packed: each document a sequence of its own): the whole batch's
     gradient, token-mean cross entropy and terms, through the model's own loss path."""
     meta = build_meta_model(cfg, 0)
-    model = _alone(meta)
+    model = _alone(meta, cfg.training.seed)
     pairs = [(x[None], y[None]) for x, y in documents()] if packed else [unequal_batch()]
     micro = [Microbatch(x, y) for x, y in pairs]
     path = replace(meta.loss_path(), chunk=0)
@@ -140,10 +111,10 @@ def reference(cfg: JobConfig, packed: bool) -> tuple[dict[str, torch.Tensor], di
     return grads, {name: (t / total).item() for name, t in sums.items()}
 
 
-def _alone(meta) -> torch.nn.Module:
+def _alone(meta, seed: int) -> torch.nn.Module:
     """The model unsharded, in one process, at its initial weights."""
     model = meta.spec.model_cls(meta.args)
-    model.init_weights(ParamInit(model, SEED))
+    model.init_weights(ParamInit(model, seed))
     return model
 
 
@@ -158,21 +129,15 @@ def weights_hash(model: torch.nn.Module) -> str:
 
 
 def run_case(cfg: JobConfig, case: Case, world: int, ref: tuple[dict, dict]) -> dict:
-    """One case at this world size: the reduced gradient's largest relative error against the
+    """One case at this world size (`cfg`: case_config's): the reduced gradient's largest relative error against the
     reference's (`ref`: its gradient and losses), the logged loss, and the initial weights' hash."""
     grads, losses = ref
     dp = world // (2 if case.axis else 1)
-    cfg.parallelism.mode = case.mode
-    cfg.parallelism.dp_replicate = {"fsdp": 1, "ddp": dp, "hsdp": 2 if dp >= 2 else 1}[case.mode]
-    cfg.parallelism.dp_shard = -1
-    cfg.parallelism.axes = [f"{case.axis}=2"] if case.axis else []
-    cfg.training.local_batch_size = GLOBAL_BATCH // (dp * case.accum)
-    cfg.data.packing = case.packed
     layout = resolve_layout(cfg, world)
     reduce = cfg.training.mixed_precision_reduce
     dims = ParallelDims.build(layout, torch.device("cpu"), "float32", reduce)
     meta = build_meta_model(cfg, 0)
-    model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
+    model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, cfg.training.seed)
     init = weights_hash(model)
     batch = packed_batch() if case.packed else unequal_batch()
     per_rank, lb = GLOBAL_BATCH // dp, layout.local_batch
@@ -208,8 +173,10 @@ def check(argv: list[str]) -> dict:
     world = dist.get_world_size()
     cfg = check_config(argv)
     refs = {packed: reference(cfg, packed) for packed in (False, True)}
-    results = [run_case(check_config(argv), c, world, refs[c.packed]) for c in cases(cfg, world)]
-    alone = _alone(build_meta_model(cfg, 0))
+    results = [
+        run_case(case_config(argv, c, world), c, world, refs[c.packed]) for c in cases(cfg, world)
+    ]
+    alone = _alone(build_meta_model(cfg, 0), cfg.training.seed)
     return {"world": world, "cases": results, "ref_hash": weights_hash(alone)}
 
 
@@ -263,9 +230,7 @@ def hf_verdicts(argv: list[str], folder: Path) -> list[tuple[str, bool, str]]:
             "--hf compares with transformers, which is not installed: pip install transformers"
         ) from None
     hf_logging.disable_progress_bar()  # one verdict line per check, nothing between them
-    cfg = check_config(argv)
-    cfg.model.hf_assets_path, cfg.model.vocab_size = str(folder), 0
-    meta = build_meta_model(cfg, 0)
+    meta = build_meta_model(hf_config(argv, folder), 0)
     ours = meta.spec.model_cls(meta.args)
     load_hf_weights(ours, folder, meta.spec.hf, meta.args)
     theirs = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import json
 import math
 import operator
 import os
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 if sys.version_info >= (3, 11):
@@ -32,9 +35,16 @@ def _closest(name: str, options: list[str]) -> str:
     return f" (did you mean '{match[0]}'?)" if match else f" (valid: {', '.join(options)})"
 
 
-def _field_types(section: Any) -> dict[str, Any]:
-    hints = typing.get_type_hints(type(section))
-    return {f.name: (hints[f.name], f) for f in fields(section)}
+def _field_types(section: Any) -> Mapping[str, Any]:
+    return _types_of(type(section))
+
+
+@functools.cache
+def _types_of(cls: type) -> Mapping[str, Any]:
+    """A section's fields with their types, once per section (typing.get_type_hints evaluates
+    every annotation: most of a config's load time when it runs for each key)."""
+    hints = typing.get_type_hints(cls)
+    return MappingProxyType({f.name: (hints[f.name], f) for f in fields(cls)})
 
 
 def _coerce(key: str, value: Any, typ: Any, from_cli: bool, split: bool = True) -> Any:
