@@ -56,13 +56,10 @@ MOE = {"moe-2": ["--model.name", "qwen3_moe", "--training.seq_len", "128", "--tr
 PARTIAL = {
     "partial-8": ["--rehearsal.blocks", "2"],
     "always-8": ["--rehearsal.blocks", "0", "--parallelism.reshard_after_forward", "always"],
-    "partial-always-8": [
-        "--rehearsal.blocks",
-        "2",
-        "--parallelism.reshard_after_forward",
-        "always",
-    ],
-}
+    "partial-always-8": ["--rehearsal.blocks", "2", "--parallelism.reshard_after_forward", "always"],
+}  # fmt: skip
+# 4 steps each: the two watched and one timed
+PARTIAL = {name: [*more, "--rehearsal.steps", "4"] for name, more in PARTIAL.items()}
 LOGGED: dict[str, list[str]] = {}  # case -> the titanlite log's messages, in order
 
 

@@ -9,9 +9,8 @@ the estimate's and the plan's terms for the blocks not run, added to what the ru
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,13 +27,14 @@ from titanlite.tools.memory import (
     shard_numel,
 )
 
-logger = logging.getLogger("titanlite")
-GiB = 2**30
+if TYPE_CHECKING:
+    from titanlite.train import Trainer
+
 
 # A step above this many FLOPs (the model's own count per token x the tokens a rank computes) runs
 # on part of the model on a CPU, where it takes tens of seconds or more.
 CPU_STEP_FLOPS = 1e12
-CPU_FLOPS = 1e11  # a few cores' float32 matmuls, for the time a whole step would take
+CPU_FLOPS = 1e11  # a few cores' float32 matmuls (10^11 FLOP/s), for the time a whole step takes
 AUTO_BLOCKS = 2  # the blocks a partial step runs: the one computing and the next, gathered ahead
 
 
@@ -143,7 +143,7 @@ def make_plan(cfg: JobConfig) -> Plan:
         asked = AUTO_BLOCKS if slow else 0
         why = (
             f"a step of the whole model is {step_flops:.1e} FLOPs: about {step_flops / CPU_FLOPS / 60:,.0f} min "
-            f"on a CPU at {CPU_FLOPS:.0e} FLOP/s"
+            "on a CPU at 10^11 FLOP/s"
             if slow
             else "the whole model"
         )
@@ -167,7 +167,7 @@ def make_plan(cfg: JobConfig) -> Plan:
     return Plan(name, params, n_blocks, asked, estimate, traffic, part, flops, why)
 
 
-def derive(plan: Plan, trainer, measured: dict[str, Any]) -> dict[str, Any]:
+def derive(plan: Plan, trainer: Trainer, measured: dict[str, Any]) -> dict[str, Any]:
     """The whole model's figures from those measured on its first plan.blocks: memory plus the
     estimate's terms for the other blocks, traffic plus the plan's, compute times the FLOPs."""
     part = trainer.memory_estimate.total_bytes
