@@ -251,13 +251,15 @@ def test_the_figures_that_need_no_step_come_before_the_first(runs):
 
 @pytest.mark.parametrize(
     ("more", "blocks"),
-    [([], 0), (["--training.seq_len", "8192"], 2), (["--rehearsal.blocks", "0", "--training.seq_len", "8192"], 0),
+    [([], 0), (["--training.seq_len", "8192"], 0), (["--training.seq_len", "8192", "--training.local_batch_size", "8"], 2),
+     (["--rehearsal.blocks", "0", "--training.seq_len", "8192", "--training.local_batch_size", "8"], 0),
      (["--rehearsal.blocks", "3"], 3), (["--rehearsal.blocks", "6"], 0), (["--rehearsal.blocks", "2", "--parallelism.dp_replicate", "8", "--parallelism.dp_shard", "1"], 0)],
 )  # fmt: skip
 def test_a_cpu_rehearsal_runs_part_of_a_model_whose_step_is_slow_here(more, blocks):
-    """auto: the first 2 blocks on a CPU where a whole step is above 10^12 FLOPs (the debug model
-    at seq 8,192), else the whole model; a count at or above the model's, or a layout whose traffic
-    is not planned (DDP), runs the whole; config.toml then records what ran."""
+    """auto: the first 2 blocks on a CPU where a whole step is above 10^13 FLOPs (the debug model
+    at seq 8,192 with 8 sequences a microbatch: 1.2e13; with 1: 1.5e12), else the whole model; a
+    count at or above the model's, or a layout whose traffic is not planned (DDP), runs the
+    whole; config.toml then records what ran."""
     from titanlite.rehearsal.plan import make_plan
 
     cfg, _ = parse_args(["--rehearsal.world", "8", "--training.local_batch_size", "1", *more])

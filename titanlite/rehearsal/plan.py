@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 
 # A step above this many FLOPs (the model's own count per token x the tokens a rank computes) runs
-# on part of the model on a CPU, where it takes tens of seconds or more.
-CPU_STEP_FLOPS = 1e12
+# on part of the model on a CPU, where it takes a minute and a half or more.
+CPU_STEP_FLOPS = 1e13
 CPU_FLOPS = 1e11  # a few cores' float32 matmuls (10^11 FLOP/s), for the time a whole step takes
 AUTO_BLOCKS = 2  # the blocks a partial step runs: the one computing and the next, gathered ahead
 
