@@ -217,6 +217,8 @@ def test_a_rehearsal_on_part_of_the_model_derives_the_whole_models_figures(runs,
     )
     assert p["estimate_bytes"] == pytest.approx(w["estimate_bytes"], rel=1e-6)
     assert measured["compute_ratio"] > 1 and p["compute_s"] > measured["compute_s"]
+    if p["diagnostics"] is not None:  # what a measured step adds: the part's own steps compared
+        assert abs(p["diagnostics"]["step_s"]) < measured["compute_s"]
 
 
 @pytest.mark.parametrize("case", ["2", "8", "64", "1024", "accum-2", "always-8"])

@@ -52,11 +52,12 @@ MOE = {"moe-2": ["--model.name", "qwen3_moe", "--training.seq_len", "128", "--tr
 
 # world 8, the debug model's 6 blocks: its first 2 measured and the rest derived, against the whole
 # ("8", params kept gathered) and against a whole resharded after forward, also measured both ways;
-# the log's lines are kept in order (the plan's figures come before the first step)
+# (those resharded with the diagnostics measuring); the log's lines are kept in order (the
+# plan's figures come before the first step)
 PARTIAL = {
     "partial-8": ["--rehearsal.blocks", "2"],
-    "always-8": ["--rehearsal.blocks", "0", "--parallelism.reshard_after_forward", "always"],
-    "partial-always-8": ["--rehearsal.blocks", "2", "--parallelism.reshard_after_forward", "always"],
+    "always-8": ["--rehearsal.blocks", "0", "--parallelism.reshard_after_forward", "always", "--diagnostics.enable", "true", "--diagnostics.method", "exact"],
+    "partial-always-8": ["--rehearsal.blocks", "2", "--parallelism.reshard_after_forward", "always", "--diagnostics.enable", "true", "--diagnostics.method", "exact"],
 }  # fmt: skip
 # 4 steps each: the two watched and one timed
 PARTIAL = {name: [*more, "--rehearsal.steps", "4"] for name, more in PARTIAL.items()}

@@ -45,6 +45,8 @@ def summarize(trainer: Trainer, costs: list[StepCost], plan: Plan) -> dict[str, 
     compute_s = _median([c.compute_s for c in timed if not c.measured])
     compute_s = compute_s or _median([c.compute_s for c in timed])
     measured_s = _median([c.compute_s for c in timed if c.measured])
+    # what a measured step adds, from the steps that ran (a part's, before any scaling)
+    extra_s = None if None in (measured_s, compute_s) else measured_s - compute_s
     traffic = _wire(plain)
     peak, measured = plain.peak_bytes, None
     if plan.blocks:
@@ -63,7 +65,7 @@ def summarize(trainer: Trainer, costs: list[StepCost], plan: Plan) -> dict[str, 
     if diag is not None:
         extra = {g: b - traffic.get(g, 0.0) for g, b in _wire(diag).items()}
         diagnosed = {
-            "step_s": None if None in (measured_s, compute_s) else measured_s - compute_s,
+            "step_s": extra_s,
             "peak_bytes": diag.peak_bytes - plain.peak_bytes,
             "traffic_bytes": {g: b for g, b in extra.items() if b > 0},
             "host_s": _median([c.collect_s for c in collect]),
