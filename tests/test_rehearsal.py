@@ -4,6 +4,7 @@ formula; its plan over generated configs; the front door; the torch internals it
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,9 +14,10 @@ from helpers import REPO, check, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from titanlite.components.evaluate import Evaluator
 from titanlite.components.run.plan import REHEARSAL_FILE, resume_plan
 from titanlite.config import parse_args
-from titanlite.config.job_config import Diagnostics
+from titanlite.config.job_config import Diagnostics, Eval
 from titanlite.config.layout import rehearsal_batch
 from titanlite.config.manager import load_config, to_toml
 from titanlite.diagnostics.probe import prev_prime
@@ -189,6 +191,86 @@ def test_a_record_at_1024_ranks_keeps_summaries_not_pairs(runs):
     assert runs["rehearsed"]["exact-64"]["diagnostics"]["record_bytes"] > 0
 
 
+# How close the whole model's figures derived from its first blocks come to the whole model
+# measured: memory within 5% (the estimate's terms for the blocks not run), traffic within 1%
+# (FSDP's, from the parameters' shapes)
+PART_MEMORY_TOLERANCE, PART_TRAFFIC_TOLERANCE = 0.05, 0.01
+
+
+@pytest.mark.parametrize(("part", "whole"), [("partial-8", "8"), ("partial-always-8", "always-8")])
+def test_a_rehearsal_on_part_of_the_model_derives_the_whole_models_figures(runs, part, whole):
+    """The debug model (6 blocks) at world 8, its first 2 blocks run and the other 4 derived,
+    against the whole model measured: params kept gathered, and resharded after forward."""
+    p, w = runs["rehearsed"][part], runs["rehearsed"][whole]
+    assert p["blocks"] == {"run": 2, "of": 6} and w["blocks"] == {"run": 6, "of": 6}
+    assert w["measured"] is None and p["params"] == w["params"] == runs["params"]
+    measured = p["measured"]
+    # the part alone is well below the whole: the derivation adds the other blocks' share
+    assert measured["peak_bytes"] < 0.97 * w["peak_bytes"]
+    assert sum(measured["traffic_bytes"].values()) < 0.8 * _wire(w)
+    print(
+        f"{part}: peak {p['peak_bytes'] / w['peak_bytes']:.4f}, sent {_wire(p) / _wire(w):.4f} x the whole's"
+    )
+    assert p["peak_bytes"] == pytest.approx(w["peak_bytes"], rel=PART_MEMORY_TOLERANCE)
+    assert p["traffic_bytes"]["dp_shard"] == pytest.approx(
+        w["traffic_bytes"]["dp_shard"], rel=PART_TRAFFIC_TOLERANCE
+    )
+    assert p["estimate_bytes"] == pytest.approx(w["estimate_bytes"], rel=1e-6)
+    assert measured["compute_ratio"] > 1 and p["compute_s"] > measured["compute_s"]
+    if p["diagnostics"] is not None:  # what a measured step adds: the part's own steps compared
+        assert abs(p["diagnostics"]["step_s"]) < measured["compute_s"]
+
+
+@pytest.mark.parametrize("case", ["2", "8", "64", "1024", "accum-2", "always-8"])
+def test_the_plans_traffic_is_the_measured_traffic(runs, case):
+    """FSDP's bytes per step from the parameters' shapes (kept gathered or resharded, padded,
+    accumulated), before any step, against the step's own collectives."""
+    r = runs["rehearsed"][case]
+    planned = r["plan"]["traffic_bytes"]
+    assert set(planned) == {"dp_shard"}
+    assert planned["dp_shard"] == pytest.approx(r["traffic_bytes"]["dp_shard"], rel=0.01), case
+
+
+def test_the_figures_that_need_no_step_come_before_the_first(runs):
+    """The plan (params, estimate per rank, traffic, the verdict by the estimate, what the steps
+    run) is logged before the model is built and before step 1."""
+    lines = runs["logged"]["partial-8"]
+    plan = next(i for i, line in enumerate(lines) if "rehearsal plan of rank 0 of 8" in line)
+    first = next(i for i, line in enumerate(lines) if line.startswith("rehearsal: step 1/"))
+    assert plan < first
+    text = lines[plan]
+    for said in (
+        "params, 6 blocks)",
+        "est. memory per rank",
+        "on dp_shard (FSDP's",
+        "fits an 80 GB device by the estimate: yes",
+        "first 2 of the 6 blocks",
+    ):
+        assert said in text, (said, text)
+    table = next(line for line in lines if "rehearsal of rank 0 of 8" in line)
+    assert "measured on the first 2 of the model's 6 blocks" in table
+
+
+@pytest.mark.parametrize(
+    ("more", "blocks"),
+    [([], 0), (["--training.seq_len", "8192"], 0), (["--training.seq_len", "8192", "--training.local_batch_size", "8"], 2),
+     (["--rehearsal.blocks", "0", "--training.seq_len", "8192", "--training.local_batch_size", "8"], 0),
+     (["--rehearsal.blocks", "3"], 3), (["--rehearsal.blocks", "6"], 0), (["--rehearsal.blocks", "2", "--parallelism.dp_replicate", "8", "--parallelism.dp_shard", "1"], 0)],
+)  # fmt: skip
+def test_a_cpu_rehearsal_runs_part_of_a_model_whose_step_is_slow_here(more, blocks):
+    """auto: the first 2 blocks on a CPU where a whole step is above 10^13 FLOPs (the debug model
+    at seq 8,192 with 8 sequences a microbatch: 1.2e13; with 1: 1.5e12), else the whole model; a
+    count at or above the model's, or a layout whose traffic is not planned (DDP), runs the
+    whole; config.toml then records what ran."""
+    from titanlite.rehearsal.plan import make_plan
+
+    cfg, _ = parse_args(["--rehearsal.world", "8", "--training.local_batch_size", "1", *more])
+    plan = make_plan(cfg)
+    assert plan.blocks == cfg.rehearsal.blocks == blocks and plan.n_blocks == 6, plan.why
+    # a part keeps the whole model's resharding ('auto' decides by the model's size)
+    assert (cfg.parallelism.reshard_after_forward != "auto") == (blocks > 0)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     world=st.integers(1, 4096),
@@ -212,6 +294,26 @@ def test_a_rehearsal_plan_holds_for_any_batch(world, local, global_batch, steps)
     assert not cfg.checkpoint.saves and not cfg.eval.at_end and cfg.eval.every == 0
     again = load_config(None, [])
     assert again.rehearsal.world == 0  # a plain config is untouched
+
+
+EVAL_SWITCHES = [
+    f.name for f in dataclasses.fields(Eval) if f.name == "every" or f.type in (bool, "bool")
+]
+
+
+@pytest.mark.parametrize("name", EVAL_SWITCHES)
+def test_a_rehearsal_never_evaluates_as_its_note_says(name):
+    """Every eval switch (the schedule and each bool of [eval]) turned on beside an eval set: the
+    rehearsal's note says "no ... eval", and no step, nor the start, evaluates."""
+    notes: list[str] = []
+    value = "3" if name == "every" else "true"
+    cfg, _ = parse_args(
+        ["--rehearsal.world", "8", "--eval.fraction", "0.1", f"--eval.{name}", value], notes
+    )
+    assert any("no checkpoint, eval," in n for n in notes), notes
+    evaluator = Evaluator([], None, 1, None, cfg)
+    assert not cfg.eval.at_start
+    assert not any(evaluator.due(step) for step in range(1, cfg.training.steps + 1))
 
 
 def test_config_round_trip_of_a_rehearsal(tmp_path):

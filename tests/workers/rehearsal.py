@@ -6,16 +6,18 @@ real: both ranks train the debug model (FSDP, params kept gathered, diagnostics 
 rehearsed: then rank 0 alone, on torch's fake process group, rehearses that job at world 2, 8, 64
     and 1,024 (one process group each, destroyed before the next), and with the diagnostics
     measuring at 64 (`exact`, `sketch`) and at 1,024 (`auto`); tests/fork_cp.py at 8 ranks
-    as dp=8, 4 x cp=2 and 2 x cp=4; and Qwen3-MoE's debug model at 2.
+    as dp=8, 4 x cp=2 and 2 x cp=4; Qwen3-MoE's debug model at 2; and the debug model at 8
+    measured on its first 2 blocks, the rest derived (kept gathered and resharded).
 
 Writes {"real": StepCost of rank 0, "rehearsed": {case: rehearsal.json}, "padded": {world:
 elements of the model with FSDP's padding at that shard degree}, "params": n, "drawn": {case:
-initial values rank 0 drew}} (rank 0).
+initial values rank 0 drew}, "logged": {partial case: the log's messages}} (rank 0).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -48,6 +50,28 @@ SPLIT = {
 MOE = {"moe-2": ["--model.name", "qwen3_moe", "--training.seq_len", "128", "--training.local_batch_size", "4",
                  "--training.global_batch_size", "8", "--rehearsal.steps", "3", "--diagnostics.enable", "false"]}  # fmt: skip
 
+# world 8, the debug model's 6 blocks: its first 2 measured and the rest derived, against the whole
+# ("8", params kept gathered) and against a whole resharded after forward, also measured both ways;
+# (those resharded with the diagnostics measuring); the log's lines are kept in order (the
+# plan's figures come before the first step)
+PARTIAL = {
+    "partial-8": ["--rehearsal.blocks", "2"],
+    "always-8": ["--rehearsal.blocks", "0", "--parallelism.reshard_after_forward", "always", "--diagnostics.enable", "true", "--diagnostics.method", "exact"],
+    "partial-always-8": ["--rehearsal.blocks", "2", "--parallelism.reshard_after_forward", "always", "--diagnostics.enable", "true", "--diagnostics.method", "exact"],
+}  # fmt: skip
+# 4 steps each: the two watched and one timed
+PARTIAL = {name: [*more, "--rehearsal.steps", "4"] for name, more in PARTIAL.items()}
+LOGGED: dict[str, list[str]] = {}  # case -> the titanlite log's messages, in order
+
+
+class Lines(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__()
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
 
 DRAWN: dict[str, int] = {}  # case -> initial values rank 0 drew (ParamInit's buffers)
 
@@ -65,13 +89,17 @@ def count_draws(case: str) -> None:
 
 
 def argv(runs: Path, *more: str) -> list[str]:
+    keep = (
+        []
+        if "--parallelism.reshard_after_forward" in more
+        else ["--parallelism.reshard_after_forward", "never"]
+    )
     return [
         "--config",
         "train_configs/debug_model.toml",
         "--job.dump_folder",
         str(runs),
-        "--parallelism.reshard_after_forward",
-        "never",
+        *keep,
         "--training.steps",
         "2",
         *more,
@@ -107,6 +135,7 @@ def main(out: str, runs: str) -> None:
         | {ACCUMULATED: (2, None)}
         | {k: (8, "exact") for k in SPLIT}
         | {k: (2, None) for k in MOE}
+        | {k: (8, None) for k in PARTIAL}
     )
     rehearsed, padded = {}, {}
     for name, (world, method) in cases.items():
@@ -117,12 +146,19 @@ def main(out: str, runs: str) -> None:
             diag = SPLIT[name]
         if name in MOE:
             diag = MOE[name]
+        if name in PARTIAL:
+            diag += PARTIAL[name]
         cfg, _ = parse_args(
             argv(runs_dir, "--rehearsal.world", str(world), "--job.run_name", name, *diag)
         )
         ParamInit._empty_full = inner
         count_draws(name)
-        rehearsed[name] = rehearse(cfg)
+        handler = Lines(LOGGED.setdefault(name, []))
+        logging.getLogger("titanlite").addHandler(handler)
+        try:
+            rehearsed[name] = rehearse(cfg)
+        finally:
+            logging.getLogger("titanlite").removeHandler(handler)
         dist.destroy_process_group()
     model = build_meta_model(parse_args(argv(runs_dir))[0], 2048).model
     for world in WORLDS:
@@ -130,6 +166,7 @@ def main(out: str, runs: str) -> None:
     params = sum(p.numel() for p in model.parameters())
     result = {"real": real, "rehearsed": rehearsed, "padded": padded, "params": params}
     result["drawn"] = DRAWN
+    result["logged"] = {name: LOGGED[name] for name in PARTIAL}
     Path(out).write_text(json.dumps(result))
 
 

@@ -258,6 +258,8 @@ class Rehearsal:
     """each rank's network bandwidth in Gbit/s, for the communication time per step"""
     device_gb: float = opt(80.0, above=0.0)
     """the memory of the devices rehearsed for, in GB (10^9 bytes): the report's fits-or-not verdict"""
+    blocks: int = opt(-1, at_least=-1)
+    """blocks of the model the measured steps run, the rest derived from them (memory, traffic, compute: said so in the report); 0: the whole model; -1 (auto): 2 on a CPU where a step of the whole model is above 10^13 FLOPs, else the whole model"""
 
 
 @dataclass

@@ -226,6 +226,7 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
         "checkpoint.initial_load_path": "",
         "eval.every": 0,
         "eval.at_end": False,
+        "eval.at_start": False,
         "metrics.enable_tensorboard": False,
         "metrics.enable_wandb": False,
         "spike_guard.skip": "off",

@@ -293,6 +293,9 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     else:
         args = replace(get_flavor(spec, m.flavor), vocab_size=m.vocab_size or vocab_size)
     args = replace(args, max_seq_len=cfg.training.seq_len)
+    if cfg.rehearsal.world and 0 < cfg.rehearsal.blocks < getattr(args, "n_layers", 0):
+        # a rehearsal that measures its first blocks and derives the rest (titanlite/rehearsal)
+        args = replace(args, n_layers=cfg.rehearsal.blocks)
     if m.dropout:
         if not hasattr(args, "dropout"):
             raise UserError(f"model.dropout is set but model '{m.name}' has no dropout; remove it")

@@ -13,9 +13,11 @@ import torch
 
 from titanlite.components.run.plan import REHEARSAL_FILE
 from titanlite.config import JobConfig
+from titanlite.distributed.parallel_dims import resolve_device
 from titanlite.errors import Stopped
 from titanlite.rehearsal.meter import StepCost, StepMeter, group_labels
-from titanlite.rehearsal.report import summarize, table
+from titanlite.rehearsal.plan import make_plan
+from titanlite.rehearsal.report import plan_table, summarize, table
 from titanlite.tools.process import heartbeat, init_logging
 from titanlite.train import Trainer
 
@@ -27,6 +29,8 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
     """Rehearse `cfg` (rehearsal.world > 0); returns the report, also in <run>/rehearsal.json.
     Every phase says it is still going (titanlite.tools.process.heartbeat): a large model's steps
     may take minutes where the rehearsal runs."""
+    plan = make_plan(cfg)  # the figures that need no step, at once
+    logger.info("\n" + plan_table(plan, cfg, resolve_device(cfg.training.device).type))
     building = "rehearsal: still building the model and its optimizer"
     with heartbeat(lambda s: logger.info(f"{building} ({s:.0f}s)")):
         trainer = Trainer(cfg, config_path)
@@ -47,7 +51,7 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
                 why = f"stopped by {signal.Signals(signum).name} after rehearsal step {step} of {cfg.training.steps}"
                 kept = "nothing was kept (a rehearsal's report comes whole at its end; rerun it)"
                 raise Stopped(signum, f"{why}; {kept}")
-        report = summarize(trainer, costs)
+        report = summarize(trainer, costs, plan)
         (trainer.run_dir / REHEARSAL_FILE).write_text(json.dumps(report, indent=1) + "\n")
         logger.info("\n" + table(report) + f"\nreport: {trainer.run_dir / REHEARSAL_FILE}")
         return report

@@ -223,6 +223,8 @@ def check_memory(
     model = f"{cfg.model.name}/{cfg.model.flavor}"
     if cfg.model.hf_assets_path:
         model = f"{cfg.model.name} from {cfg.model.hf_assets_path}"
+    if cfg.rehearsal.world and cfg.rehearsal.blocks > 0:  # titanlite.rehearsal.plan: a part runs
+        model += f" (its first {cfg.rehearsal.blocks} blocks, which the rehearsal's steps run)"
     logger.info(
         f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
         f"{mesh_text(layout.mode, layout.dp_replicate, layout.dp_shard, dict(layout.axes))}, grad accum {layout.grad_accum}; "
