@@ -223,7 +223,10 @@ def check_memory(
     model = f"{cfg.model.name}/{cfg.model.flavor}"
     if cfg.model.hf_assets_path:
         model = f"{cfg.model.name} from {cfg.model.hf_assets_path}"
-    if cfg.rehearsal.world and cfg.rehearsal.blocks > 0:  # titanlite.rehearsal.plan: a part runs
+    # titanlite.rehearsal.plan: a part runs (the meta model was cut to it: a count at or above the
+    # model's blocks cuts nothing and runs the whole)
+    blocks = cfg.rehearsal.blocks
+    if cfg.rehearsal.world and blocks > 0 and getattr(meta.args, "n_layers", 0) == blocks:
         model += f" (its first {cfg.rehearsal.blocks} blocks, which the rehearsal's steps run)"
     logger.info(
         f"model {model}: {est.params:,} params, vocab {meta.args.vocab_size}; "
