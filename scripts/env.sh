@@ -10,13 +10,33 @@ TORCH_VERSION="2.13.0"
 PY="$VENV/bin/python"
 
 # One phase of the first set-up: says what it does and how long it took. The installers' own
-# output goes to a log shown only when the phase fails.
+# output goes to a log shown only when the phase fails. A Ctrl-C or SIGTERM (to this shell alone
+# or to its process group) stops the phase's processes, says so in one line, exits 128 + signal;
+# the same command later finds what is missing and installs it.
 titanlite_phase() {  # titanlite_phase "what" command [args...]
-    local what="$1" log t0=$SECONDS
+    local what="$1" log t0=$SECONDS pid rc=0
     shift
     log="$(mktemp)"
     printf 'titanlite: %s ...' "$what" >&2
-    if "$@" >"$log" 2>&1; then
+    _titanlite_stop=""
+    trap '_titanlite_stop=INT' INT
+    trap '_titanlite_stop=TERM' TERM
+    # a process group of its own: a signal reaches it once, from here, and stops all of it
+    set -m
+    "$@" >"$log" 2>&1 &
+    pid=$!
+    set +m
+    while :; do
+        wait "$pid" && rc=0 || rc=$?
+        [ -z "$_titanlite_stop" ] && break
+        kill -TERM -- "-$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        rm -f "$log"
+        echo " stopped by SIG$_titanlite_stop after $((SECONDS - t0))s; run the same command again to finish the set-up" >&2
+        exit $((128 + $(kill -l "$_titanlite_stop")))
+    done
+    trap - INT TERM
+    if [ "$rc" -eq 0 ]; then
         echo " done in $((SECONDS - t0))s" >&2
         rm -f "$log"
         return 0
@@ -60,10 +80,25 @@ _extra=""
 if [ -n "${TITANLITE_PYTHON:-}" ]; then
     PY="$TITANLITE_PYTHON"
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    if ! command -v "$PY" >/dev/null 2>&1 || [ -d "$PY" ]; then
+        echo "titanlite: error: TITANLITE_PYTHON=$PY is not a program that can be run; point it at a Python interpreter such as $(command -v python3 || echo /usr/bin/python3) or unset TITANLITE_PYTHON to use $VENV" >&2
+        exit 2
+    fi
+    if [ "$("$PY" -c "import sys; print(sys.version_info >= (3, 10))" 2>/dev/null)" != True ]; then
+        echo "titanlite: error: TITANLITE_PYTHON=$PY is not a Python 3.10 or newer; point it at one or unset TITANLITE_PYTHON to use $VENV" >&2
+        exit 2
+    fi
     if ! titanlite_check "$_extra"; then
         echo "titanlite: error: TITANLITE_PYTHON=$PY lacks a dependency (see pyproject.toml); install it there or unset TITANLITE_PYTHON to use $VENV" >&2
         exit 2
     fi
+elif [ -e "$VENV" ] && [ ! -d "$VENV" ]; then
+    if [ -n "${TITANLITE_VENV:-}" ]; then
+        echo "titanlite: error: TITANLITE_VENV=$VENV is a file, not a folder; point it at a folder (made if it does not exist) or unset TITANLITE_VENV to use $ROOT/.venv" >&2
+    else
+        echo "titanlite: error: $VENV, the virtual environment's folder, is a file; move it away, or set TITANLITE_VENV to a folder" >&2
+    fi
+    exit 2
 elif ! { [ -x "$PY" ] && titanlite_check "$_extra"; }; then
     titanlite_install "$_extra" || { echo "titanlite: error: could not install into $VENV; see pip's output above" >&2; exit 1; }
 fi
