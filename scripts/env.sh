@@ -31,6 +31,10 @@ titanlite_phase() {  # titanlite_phase "what" command [args...]
         [ -z "$_titanlite_stop" ] && break
         kill -TERM -- "-$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
+        # the rest of its group (pip under a shell function) ends too: 10 s, then SIGKILL
+        local n=0
+        while kill -0 -- "-$pid" 2>/dev/null && [ "$n" -lt 200 ]; do sleep 0.05; n=$((n + 1)); done
+        kill -KILL -- "-$pid" 2>/dev/null || true
         rm -f "$log"
         echo " stopped by SIG$_titanlite_stop after $((SECONDS - t0))s; run the same command again to finish the set-up" >&2
         exit $((128 + $(kill -l "$_titanlite_stop")))
@@ -64,15 +68,31 @@ titanlite_install() {
     if [ ! -x "$PY" ]; then
         titanlite_phase "creating the virtual environment" python3 -m venv "$VENV" || return 1
     fi
-    if ! "$PY" -c "import torch" 2>/dev/null; then
+    if ! titanlite_looking "$PY" -c "import torch"; then
         titanlite_phase "installing torch $TORCH_VERSION" titanlite_torch || return 1
     fi
     titanlite_phase "installing titanlite: $rest" "$PY" -m pip install -e "$ROOT$1" || return 1
     echo "titanlite: $VENV is ready ($((SECONDS - began))s)" >&2
 }
 
+# A look at what is installed (its own output hidden): a stop meanwhile is one line too, and
+# never taken for a missing package.
+titanlite_looking() {  # titanlite_looking command [args...]: the command's exit status
+    local rc=0
+    _titanlite_stop=""
+    trap '_titanlite_stop=INT' INT
+    trap '_titanlite_stop=TERM' TERM
+    "$@" 2>/dev/null || rc=$?
+    trap - INT TERM
+    if [ -n "$_titanlite_stop" ]; then
+        echo "titanlite: stopped by SIG$_titanlite_stop while checking what $PY holds; nothing was changed" >&2
+        exit $((128 + $(kill -l "$_titanlite_stop")))
+    fi
+    return $rc
+}
+
 titanlite_check() {  # the dependencies' list lives in titanlite/tools/venv.py
-    "$PY" "$ROOT/titanlite/tools/venv.py" ${1:+dev} 2>/dev/null
+    titanlite_looking "$PY" "$ROOT/titanlite/tools/venv.py" ${1:+dev}
 }
 
 _extra=""

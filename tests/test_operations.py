@@ -302,6 +302,35 @@ def test_timeout_s_int_during_a_rehearsal_is_one_line_and_leaves_nothing(tmp_pat
     assert list(tmp_path.iterdir()) == [] and alive_with(str(tmp_path)) == []
 
 
+def test_a_stopped_rehearsal_leaves_an_earlier_one_s_folder_as_it_was(tmp_path):
+    """What a rehearsal rerun under the same name does to its folder before a stop (each file
+    rewritten, added, in a new subfolder, removed), undone: the folder holds what it held."""
+    from titanlite.components.run.undo import FolderSnapshot
+
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    (run / "empty").mkdir()
+    earlier = {"rehearsal.json": '{"complete": true}', "config.toml": "a", "tb/events": "e"}
+    for name, text in earlier.items():
+        (run / name).write_text(text)
+    (run / "run.lock").write_text("held")
+    for change in ("rewrite", "add", "nest", "remove"):
+        before = FolderSnapshot(run)
+        if change == "rewrite":
+            (run / "rehearsal.json").write_text('{"complete": false}')
+        elif change == "add":
+            (run / "run.json").write_text("{}")
+        elif change == "nest":
+            (run / "logs" / "x").mkdir(parents=True)
+            (run / "logs" / "x" / "stderr.log").write_text("log")
+        else:
+            (run / "tb" / "events").unlink()
+        before.restore()
+        files = {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()}
+        assert files == {**earlier, "run.lock": "held"}, change
+        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["empty", "tb"], change
+
+
 def test_a_signal_after_the_last_step_changes_nothing():
     """Once the loop has ended, a stop signal is ignored: without that, CPython's finalization
     restores the default action and a run that printed done: is killed by it."""

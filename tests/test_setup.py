@@ -139,3 +139,25 @@ def test_a_wrong_interpreter_or_venv_variable_is_one_line_naming_it(
     assert proc.stderr.startswith(f"titanlite: error: {variable}={value} {says}; "), proc.stderr
     assert proc.stderr.count("\n") == 1 and f"unset {variable}" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plain-file"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_while_env_sh_checks_the_interpreter_is_one_line_not_an_install(tmp_path, sig):
+    """A stop that lands while env.sh looks at what an interpreter holds (its check of the
+    packages) is one line and 128 + signal, never taken for a missing package."""
+    fake = tmp_path / "python"
+    # the version check runs the real interpreter; the package check is where the stop lands
+    fake.write_text(
+        f'#!/bin/sh\ncase "$1" in -c) exec {sys.executable} "$@";; esac\n'
+        f"kill -{sig.name[3:]} $PPID\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "TITANLITE_PYTHON": str(fake)}
+    proc = subprocess.run(
+        ["bash", "-c", "source scripts/env.sh && echo sourced"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 128 + sig and proc.stdout == "", proc
+    assert proc.stderr == (
+        f"titanlite: stopped by {sig.name} while checking what {fake} holds; nothing was changed\n"
+    )

@@ -61,6 +61,7 @@ from titanlite.components.run.torchrun import (
     report_failure,
     torchrun_args,
 )
+from titanlite.components.run.undo import FolderSnapshot
 from titanlite.config import JobConfig
 from titanlite.config.command_line import CALLER_ENV, launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
@@ -238,10 +239,16 @@ def main(argv: list[str]) -> int:
             from titanlite.rehearsal.run import rehearse
 
             cfg.job.run_name = run_dir.name
+            # a folder an earlier rehearsal of this name left: as it was, if this one stops
+            before = FolderSnapshot(run_dir) if made is None else None
             try:
                 rehearse(cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
                 early = isinstance(e, Stopped)  # its report never came: the run folder goes too
+                if before is not None and isinstance(
+                    e, (Stopped, UserError)
+                ):  # lines that keep nothing
+                    before.restore()
                 ending, code = e, exit_code(e)
                 return code
             return 0
