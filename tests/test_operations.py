@@ -331,6 +331,46 @@ def test_a_stopped_rehearsal_leaves_an_earlier_one_s_folder_as_it_was(tmp_path):
         assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["empty", "tb"], change
 
 
+# a launcher-like child: its first SIGINT starts a graceful stop, during which the user presses
+# Ctrl-C again (it reaches the script); its second SIGINT ends it at once
+LAUNCHER_LIKE = """
+import os, signal, sys, time
+seen = []
+def on(s, f):
+    seen.append(s)
+    if len(seen) == 1:
+        os.kill(os.getppid(), signal.SIGINT)
+    else:
+        sys.exit(130)
+signal.signal(signal.SIGINT, on)
+print(flush=True)
+script = os.getppid()
+while len(seen) < 2 and os.getppid() == script:  # an orphan ends: the test fails, never hangs
+    time.sleep(0.01)
+"""
+SECOND_STOP = f"""
+import subprocess, sys
+from titanlite.tools.process import stop_child
+
+child = subprocess.Popen([sys.executable, "-c", {LAUNCHER_LIKE!r}], stdout=subprocess.PIPE)
+child.stdout.readline()
+try:
+    stop_child(child, 2)
+except KeyboardInterrupt:
+    print(child.returncode, file=sys.stderr)
+"""
+
+
+def test_a_second_stop_to_a_script_goes_on_to_its_child_which_it_still_waits_for():
+    """A script that stops its launcher child (tools/process.py stop_child) and gets a second
+    Ctrl-C meanwhile passes it on and returns only once the child has exited."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SECOND_STOP], cwd=REPO, capture_output=True, text=True,
+        timeout=BOUND_S,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "130\n"), proc.stderr[-3000:]
+
+
 def test_a_signal_after_the_last_step_changes_nothing():
     """Once the loop has ended, a stop signal is ignored: without that, CPython's finalization
     restores the default action and a run that printed done: is killed by it."""

@@ -202,9 +202,7 @@ def main(argv: list[str]) -> int:
     launcher_api.LocalElasticAgent = _Agent
     ours = set(children())  # the children it already has are not the launch's (main run in a test)
     lock, made, log_dir, code, early = None, None, None, 1, False
-    ending: Exception | None = (
-        None  # the launcher's own last line, said once its processes are gone
-    )
+    ending: Exception | None = None  # its own last line: said once its processes are gone
     try:
         from_env, argv = _launcher_options(argv)
         if from_env:  # run_train.sh: torchrun's arguments from the environment
@@ -245,9 +243,8 @@ def main(argv: list[str]) -> int:
                 rehearse(cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
                 early = isinstance(e, Stopped)  # its report never came: the run folder goes too
-                if before is not None and isinstance(
-                    e, (Stopped, UserError)
-                ):  # lines that keep nothing
+                keeps_nothing = isinstance(e, (Stopped, UserError))  # what its line says
+                if before is not None and keeps_nothing:
                     before.restore()
                 ending, code = e, exit_code(e)
                 return code

@@ -43,10 +43,8 @@ def _twice(dump: Path, live: Live, sig: int) -> None:
 
 def _to_loader_worker(of: Callable[[Path, Live], int]) -> Deliver:
     def deliver(dump: Path, live: Live, sig: int) -> None:
-        pids = children_of(of(dump, live))
-        if not pids:
-            raise Broke("no DataLoader worker to signal (data.num_workers = 1)")
-        os.kill(pids[0], sig)
+        live.wait_for(lambda: bool(children_of(of(dump, live))))  # data.num_workers = 1
+        os.kill(children_of(of(dump, live))[0], sig)
 
     return deliver
 
@@ -141,7 +139,9 @@ for _phase, _ready in REHEARSAL_PHASES:
                     raise Broke("the rehearsal's DataLoader workers outlived it")
 
 
-for _how in ("the launcher alone", "its process group", "the launcher, then its group"):
+for _how in (
+    "the launcher alone", "its process group", "the launcher, then its group", "its process group twice",
+):  # fmt: skip
     for _sig in (signal.SIGINT, signal.SIGTERM):
         _n = next(_N)
 
