@@ -10,13 +10,37 @@ TORCH_VERSION="2.13.0"
 PY="$VENV/bin/python"
 
 # One phase of the first set-up: says what it does and how long it took. The installers' own
-# output goes to a log shown only when the phase fails.
+# output goes to a log shown only when the phase fails. A Ctrl-C or SIGTERM (to this shell alone
+# or to its process group) stops the phase's processes, says so in one line, exits 128 + signal;
+# the same command later finds what is missing and installs it.
 titanlite_phase() {  # titanlite_phase "what" command [args...]
-    local what="$1" log t0=$SECONDS
+    local what="$1" log t0=$SECONDS pid rc=0
     shift
     log="$(mktemp)"
     printf 'titanlite: %s ...' "$what" >&2
-    if "$@" >"$log" 2>&1; then
+    _titanlite_stop=""
+    trap '_titanlite_stop=INT' INT
+    trap '_titanlite_stop=TERM' TERM
+    # a process group of its own: a signal reaches it once, from here, and stops all of it
+    set -m
+    "$@" >"$log" 2>&1 &
+    pid=$!
+    set +m
+    while :; do
+        wait "$pid" && rc=0 || rc=$?
+        [ -z "$_titanlite_stop" ] && break
+        kill -TERM -- "-$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        # the rest of its group (pip under a shell function) ends too: 10 s, then SIGKILL
+        local n=0
+        while kill -0 -- "-$pid" 2>/dev/null && [ "$n" -lt 200 ]; do sleep 0.05; n=$((n + 1)); done
+        kill -KILL -- "-$pid" 2>/dev/null || true
+        rm -f "$log"
+        echo " stopped by SIG$_titanlite_stop after $((SECONDS - t0))s; run the same command again to finish the set-up" >&2
+        exit $((128 + $(kill -l "$_titanlite_stop")))
+    done
+    trap - INT TERM
+    if [ "$rc" -eq 0 ]; then
         echo " done in $((SECONDS - t0))s" >&2
         rm -f "$log"
         return 0
@@ -44,15 +68,31 @@ titanlite_install() {
     if [ ! -x "$PY" ]; then
         titanlite_phase "creating the virtual environment" python3 -m venv "$VENV" || return 1
     fi
-    if ! "$PY" -c "import torch" 2>/dev/null; then
+    if ! titanlite_looking "$PY" -c "import torch"; then
         titanlite_phase "installing torch $TORCH_VERSION" titanlite_torch || return 1
     fi
     titanlite_phase "installing titanlite: $rest" "$PY" -m pip install -e "$ROOT$1" || return 1
     echo "titanlite: $VENV is ready ($((SECONDS - began))s)" >&2
 }
 
+# A look at what is installed (its own output hidden): a stop meanwhile is one line too, and
+# never taken for a missing package.
+titanlite_looking() {  # titanlite_looking command [args...]: the command's exit status
+    local rc=0
+    _titanlite_stop=""
+    trap '_titanlite_stop=INT' INT
+    trap '_titanlite_stop=TERM' TERM
+    "$@" 2>/dev/null || rc=$?
+    trap - INT TERM
+    if [ -n "$_titanlite_stop" ]; then
+        echo "titanlite: stopped by SIG$_titanlite_stop while checking what $PY holds; nothing was changed" >&2
+        exit $((128 + $(kill -l "$_titanlite_stop")))
+    fi
+    return $rc
+}
+
 titanlite_check() {  # the dependencies' list lives in titanlite/tools/venv.py
-    "$PY" "$ROOT/titanlite/tools/venv.py" ${1:+dev} 2>/dev/null
+    titanlite_looking "$PY" "$ROOT/titanlite/tools/venv.py" ${1:+dev}
 }
 
 _extra=""
@@ -60,10 +100,25 @@ _extra=""
 if [ -n "${TITANLITE_PYTHON:-}" ]; then
     PY="$TITANLITE_PYTHON"
     export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+    if ! command -v "$PY" >/dev/null 2>&1 || [ -d "$PY" ]; then
+        echo "titanlite: error: TITANLITE_PYTHON=$PY is not a program that can be run; point it at a Python interpreter such as $(command -v python3 || echo /usr/bin/python3) or unset TITANLITE_PYTHON to use $VENV" >&2
+        exit 2
+    fi
+    if [ "$("$PY" -c "import sys; print(sys.version_info >= (3, 10))" 2>/dev/null)" != True ]; then
+        echo "titanlite: error: TITANLITE_PYTHON=$PY is not a Python 3.10 or newer; point it at one or unset TITANLITE_PYTHON to use $VENV" >&2
+        exit 2
+    fi
     if ! titanlite_check "$_extra"; then
         echo "titanlite: error: TITANLITE_PYTHON=$PY lacks a dependency (see pyproject.toml); install it there or unset TITANLITE_PYTHON to use $VENV" >&2
         exit 2
     fi
+elif [ -e "$VENV" ] && [ ! -d "$VENV" ]; then
+    if [ -n "${TITANLITE_VENV:-}" ]; then
+        echo "titanlite: error: TITANLITE_VENV=$VENV is a file, not a folder; point it at a folder (made if it does not exist) or unset TITANLITE_VENV to use $ROOT/.venv" >&2
+    else
+        echo "titanlite: error: $VENV, the virtual environment's folder, is a file; move it away, or set TITANLITE_VENV to a folder" >&2
+    fi
+    exit 2
 elif ! { [ -x "$PY" ] && titanlite_check "$_extra"; }; then
     titanlite_install "$_extra" || { echo "titanlite: error: could not install into $VENV; see pip's output above" >&2; exit 1; }
 fi

@@ -59,12 +59,28 @@ def launch(tmp: Path, name: str, *extra: str, env: dict | None = None, **popen) 
     )  # fmt: skip
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
+# Bounds on waits for an event (a process's exit, a step logged): generous, so a machine busy with
+# other work (load 20 on 2 cores) is slow but never fails a test; no test waits on the clock.
+BOUND_S = 900
+
+
+def until(ready, what: str, proc: subprocess.Popen | None = None) -> None:
+    """Poll `ready()` until it holds (at most BOUND_S); `proc` must not end meanwhile."""
+    end = time.monotonic() + BOUND_S
+    while not ready():
+        assert proc is None or proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, f"{what}: not after {BOUND_S}s"
+        time.sleep(0.02)
+
+
+def finish(proc: subprocess.Popen, timeout: float = BOUND_S) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 
 
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+def wait_for_step(
+    run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = BOUND_S
+) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if (run_dir / "metrics.jsonl").is_file() and any(
@@ -97,11 +113,14 @@ def workers_of(tmp: Path) -> list[int]:
     return pids
 
 
-def no_workers_within(tmp: Path, seconds: float) -> list[int]:
-    end = time.monotonic() + seconds
-    while (left := workers_of(tmp)) and time.monotonic() < end:
-        time.sleep(0.1)
-    return left
+def handles(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler of its own for `sig` (its SigCgt mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(ln for ln in status.splitlines() if ln.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) >> (sig - 1) & 1)
 
 
 @pytest.mark.slow
@@ -109,13 +128,15 @@ def test_one_live_run_per_folder_and_no_orphans(tmp_path):
     ckpt = ("--training.steps", "300", "--checkpoint.every", "2", "--checkpoint.at_end", "true")
     first = launch(tmp_path, "held", *ckpt)
     wait_for_step(tmp_path / "held", 2, first)
-    code, _, err = finish(launch(tmp_path, "held", *ckpt), timeout=120)
+    code, _, err = finish(launch(tmp_path, "held", *ckpt))
     assert code == 2 and err.count("\n") == 1, err
     assert f"is in use by a live run (host {socket.gethostname()}, pid {first.pid}, started " in err
 
     os.killpg(first.pid, signal.SIGKILL)  # the launcher's whole process group, as a scheduler would
     first.wait()
-    assert no_workers_within(tmp_path, 10) == []
+    # a killed launcher waits for nothing: its workers die with it (their parent-death signal)
+    # and end as the kernel gets to them
+    until(lambda: not workers_of(tmp_path), "the killed launcher's workers gone")
     folders = (tmp_path / "held" / "checkpoints").glob("step-*")
     newest = max(
         int(p.name[5:]) for p in folders if p.name[5:].isdigit() and (p / "complete").is_file()
@@ -153,13 +174,12 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGINT)
-    began = time.monotonic()
-    code, _, err = finish(proc, timeout=60)
-    assert code == 130 and time.monotonic() - began < 15, err[-3000:]
+    code, _, err = finish(proc)
+    assert code == 130, err[-3000:]
     assert (
         err.strip().splitlines()[-1].startswith("titanlite: stopped at once by a second SIGINT")
     ), err[-3000:]
-    assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
+    assert "Traceback" not in err and workers_of(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -169,17 +189,14 @@ def test_hung_rank_is_named_and_the_others_stop(tmp_path):
     hang = ("--comm.timeout_s", "5", "--faults.hang_step", "3", "--faults.hang_rank", "0")
     proc = launch(tmp_path, "hung", "--training.steps", "50", *hang)
     wait_for_step(tmp_path / "hung", 2, proc)
-    began = time.monotonic()
-    code, _, err = finish(proc, timeout=120)
-    took = time.monotonic() - began
+    code, _, err = finish(proc)
     assert code == 4, err[-3000:]
     line = err.strip().splitlines()[-1]
     assert line.startswith(
         "[rank1]: titanlite: stopped: a collective waited over comm.timeout_s = 5s at step 3"
     )
     assert "rank(s) 0 did not arrive (last step reached: 0: 2)" in line
-    assert took < 5 + 20, took  # the timeout, the launcher's 5 s grace for the hung rank, slack
-    assert no_workers_within(tmp_path, 10) == []
+    assert workers_of(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -197,7 +214,7 @@ def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
     )
     proc = launch(tmp_path, "frozen", "--training.steps", "50", *freeze)
     wait_for_step(tmp_path / "frozen", 2, proc)
-    code, _, err = finish(proc, timeout=120)
+    code, _, err = finish(proc)
     assert code == 4, err[-3000:]
     line = err.strip().splitlines()[-1]
     assert line.startswith(
@@ -208,7 +225,7 @@ def test_a_frozen_rank_is_named_with_the_phase_it_froze_in(tmp_path):
         in line
     )
     assert "raise comm.timeout_s" not in line
-    assert no_workers_within(tmp_path, 10) == []
+    assert workers_of(tmp_path) == []
 
 
 def launcher_of(proc: subprocess.Popen) -> bool:
@@ -229,17 +246,12 @@ def test_a_signal_before_the_first_step_stops_in_one_line_and_writes_nothing(tmp
     they import torch (it waits, pending, until their stop handler is installed): either way the
     stop is the promised one, with no traceback."""
     proc = launch(tmp_path, "early", "--training.steps", "3")
-    end = time.monotonic() + 120
-    while (
-        not (workers_of(tmp_path) if when == "workers" else launcher_of(proc))
-        and time.monotonic() < end
-    ):
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.01)
-    if when == "launcher":
-        time.sleep(0.3)  # past the interpreter's own start, into the launcher's imports
+    if when == "workers":
+        until(lambda: workers_of(tmp_path), "the workers started", proc)
+    else:  # its stop handler is installed, before its imports
+        until(lambda: launcher_of(proc) and handles(proc.pid, sig), "the launcher's handler", proc)
     os.killpg(proc.pid, sig)
-    code, _, err = finish(proc, timeout=120)
+    code, _, err = finish(proc)
     name = signal.Signals(sig).name
     assert code == 128 + sig, err[-3000:]
     assert (
@@ -247,7 +259,116 @@ def test_a_signal_before_the_first_step_stops_in_one_line_and_writes_nothing(tmp
         == f"titanlite: stopped by {name} before the first step; nothing was written"
     )
     assert "Traceback" not in err and not (tmp_path / "early").exists()
-    assert no_workers_within(tmp_path, 10) == []
+    assert workers_of(tmp_path) == []
+
+
+def alive_with(text: str) -> list[int]:
+    """Live processes whose command line holds `text` (a launcher's DataLoader workers too)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            found = d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes()
+            if found and (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_timeout_s_int_during_a_rehearsal_is_one_line_and_leaves_nothing(tmp_path):
+    """As `timeout -s INT` stops a rehearsal whose loader has a worker process: SIGINT to the
+    launcher, then to its whole process group (the DataLoader worker included). One line, exit
+    130, no folder left, no process left."""
+    cmd = ["./run_train.sh", "--rehearse", "8", "--rehearsal.steps", "30", "--data.num_workers", "1",
+           "--training.seq_len", "128", "--job.dump_folder", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)  # fmt: skip
+    said = []
+    for line in proc.stdout:  # the event: a step done, the loader's worker serving
+        said.append(line)
+        if "rehearsal: step 2/30 done" in line:
+            break
+    assert len(alive_with(str(tmp_path))) == 2, "".join(said)  # the launcher and its loader worker
+    os.kill(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)
+    rest, _ = proc.communicate(timeout=BOUND_S)
+    lines = [ln for ln in "".join(said).splitlines() + rest.splitlines() if ln.strip()]
+    assert proc.returncode == 130, lines[-30:]
+    assert lines[-1].startswith("titanlite: stopped by SIGINT after rehearsal step "), lines[-30:]
+    assert "nothing was kept" in lines[-1] and not any("Traceback" in ln for ln in lines)
+    assert sum(ln.startswith("titanlite: stopped") for ln in lines) == 1, lines[-30:]
+    assert list(tmp_path.iterdir()) == [] and alive_with(str(tmp_path)) == []
+
+
+def test_a_stopped_rehearsal_leaves_an_earlier_one_s_folder_as_it_was(tmp_path):
+    """What a rehearsal rerun under the same name does to its folder before a stop (each file
+    rewritten, added, in a new subfolder, removed), undone: the folder holds what it held."""
+    from titanlite.components.run.undo import FolderSnapshot
+
+    run = tmp_path / "run"
+    (run / "tb").mkdir(parents=True)
+    (run / "empty").mkdir()
+    earlier = {"rehearsal.json": '{"complete": true}', "config.toml": "a", "tb/events": "e"}
+    for name, text in earlier.items():
+        (run / name).write_text(text)
+    (run / "run.lock").write_text("held")
+    for change in ("rewrite", "add", "nest", "remove"):
+        before = FolderSnapshot(run)
+        if change == "rewrite":
+            (run / "rehearsal.json").write_text('{"complete": false}')
+        elif change == "add":
+            (run / "run.json").write_text("{}")
+        elif change == "nest":
+            (run / "logs" / "x").mkdir(parents=True)
+            (run / "logs" / "x" / "stderr.log").write_text("log")
+        else:
+            (run / "tb" / "events").unlink()
+        before.restore()
+        files = {str(p.relative_to(run)): p.read_text() for p in run.rglob("*") if p.is_file()}
+        assert files == {**earlier, "run.lock": "held"}, change
+        assert sorted(p.name for p in run.iterdir() if p.is_dir()) == ["empty", "tb"], change
+
+
+# a launcher-like child: its first SIGINT starts a graceful stop, during which the user presses
+# Ctrl-C again (it reaches the script); its second SIGINT ends it at once
+LAUNCHER_LIKE = """
+import os, signal, sys, time
+seen = []
+def on(s, f):
+    seen.append(s)
+    if len(seen) == 1:
+        os.kill(os.getppid(), signal.SIGINT)
+    else:
+        sys.exit(130)
+signal.signal(signal.SIGINT, on)
+print(flush=True)
+script = os.getppid()
+while len(seen) < 2 and os.getppid() == script:  # an orphan ends: the test fails, never hangs
+    time.sleep(0.01)
+"""
+SECOND_STOP = f"""
+import subprocess, sys
+from titanlite.tools.process import stop_child
+
+child = subprocess.Popen([sys.executable, "-c", {LAUNCHER_LIKE!r}], stdout=subprocess.PIPE)
+child.stdout.readline()
+try:
+    stop_child(child, 2)
+except KeyboardInterrupt:
+    print(child.returncode, file=sys.stderr)
+"""
+
+
+def test_a_second_stop_to_a_script_goes_on_to_its_child_which_it_still_waits_for():
+    """A script that stops its launcher child (tools/process.py stop_child) and gets a second
+    Ctrl-C meanwhile passes it on and returns only once the child has exited."""
+    proc = subprocess.run(
+        [sys.executable, "-c", SECOND_STOP], cwd=REPO, capture_output=True, text=True,
+        timeout=BOUND_S,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "130\n"), proc.stderr[-3000:]
 
 
 def test_a_signal_after_the_last_step_changes_nothing():
@@ -265,10 +386,112 @@ def test_a_signal_after_the_last_step_changes_nothing():
         "print(signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=BOUND_S
     )
     # ignored, not handled: finalization restores the default action of handled signals only
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
+
+
+STOPS_IN_CHILDREN = """
+import os, signal, subprocess, sys, time
+from titanlite.components.run.stop import StopSignals
+from titanlite.datasets.workers import leave_stops_to_parent
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+heard = []  # every stop signal the rank's handler ran for (the first one stops; the rest repeat it)
+
+class Noted(StopSignals):
+    def _handle(self, signum, frame):
+        super()._handle(signum, frame)
+        if os.getpid() == self.pid:
+            heard.append(signum)
+
+stops = Noted()
+stops.armed = True  # in the loop: a signal is noted, the stop comes after the step
+
+def delivered(sig, to):
+    before = heard.count(sig)
+    for pid in to:  # from another process, as a user's or a scheduler's signal comes
+        kill = ["kill", f"-{sig.name[3:]}", "--", str(pid or -os.getpgid(0))]
+        subprocess.run(kill, check=True, start_new_session=True)
+    end = time.monotonic() + BOUND_S
+    while heard.count(sig) == before:
+        assert time.monotonic() < end, (sig, to)
+        time.sleep(0.01)
+
+loader = StatefulDataLoader(list(range(64)), batch_size=1, num_workers=2,
+                            worker_init_fn=leave_stops_to_parent)
+batches = iter(loader)
+got = [next(batches), next(batches)]  # one from each worker: both have run worker_init_fn
+workers = [w.pid for w in batches._workers]
+rank = os.getpid()
+forked = os.fork()  # a bare fork, as a data-preparation pool's worker is made
+if forked == 0:
+    while os.getppid() == rank:
+        time.sleep(0.1)
+    os._exit(0)
+for sig in (signal.SIGINT, signal.SIGTERM):  # to one child alone: the rank hears it from the child
+    for to in ([workers[0]], [workers[1]], [forked]):
+        delivered(sig, to)
+for sig in (signal.SIGINT, signal.SIGTERM):  # 0: the whole process group, once or twice
+    for to in ([0], [0, workers[1], 0]):
+        delivered(sig, to)
+assert stops.received == signal.SIGINT  # the first one is the stop
+got += list(batches)  # the loader kept serving: no worker died of a signal
+os.kill(forked, signal.SIGKILL)
+print(len(got), file=sys.stderr)
+""".replace("BOUND_S", str(BOUND_S))
+
+
+def test_a_stop_to_a_rank_s_children_is_the_rank_s_stop():
+    """SIGINT and SIGTERM to one DataLoader worker, to each, to a bare fork of the rank (a
+    data-preparation worker), to the whole process group, and to the group twice with a worker
+    between: each reaches the rank as one stop signal, and the workers keep serving batches
+    until the rank stops them (none dies of the signal or raises the rank's stop in itself)."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore::UserWarning", "-c", STOPS_IN_CHILDREN], cwd=REPO, capture_output=True, text=True,
+        timeout=BOUND_S, start_new_session=True,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (0, "64\n"), proc.stderr[-3000:]
+
+
+REAP = """
+import os, signal, subprocess, sys, tempfile
+from titanlite.components.run.children import adopt_orphans, children, reap
+
+adopt_orphans()
+# a child that starts a grandchild and exits, as a rank that ends before its DataLoader workers
+told = os.path.join(tempfile.mkdtemp(), "go")  # the grandchild exits once this file exists
+wait = f"import os, time\\nwhile not os.path.exists({told!r}): time.sleep(0.01)"
+middle = subprocess.run([sys.executable, "-c", "import subprocess, sys; "
+    f"print(subprocess.Popen([sys.executable, '-c', {wait!r}], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+    capture_output=True, text=True)
+orphan = int(middle.stdout)
+stubborn = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(3600)"],
+    stdout=subprocess.PIPE)
+stubborn.stdout.readline()
+assert sorted(children()) == sorted([orphan, stubborn.pid]), (children(), orphan, stubborn.pid)
+open(told, "w").close()
+# the orphan exits on its own; the stubborn one is killed once the wait is cut short
+killed = reap(hurry=lambda: orphan not in children())
+assert killed == [stubborn.pid] and children() == [] and stubborn.wait() == -signal.SIGKILL
+print("ok", file=sys.stderr)
+"""
+
+
+def test_the_launcher_waits_for_every_process_it_started_and_kills_what_stays():
+    """The launcher's children, and their orphaned children (the subreaper), are waited for; one
+    still running when the wait ends is killed and named."""
+    proc = subprocess.run(
+        [sys.executable, "-c", REAP], cwd=REPO, capture_output=True, text=True, timeout=BOUND_S
+    )
+    assert (proc.returncode, proc.stderr) == (0, "ok\n"), proc.stderr[-3000:]
+    from titanlite.components.run.children import STOP_WAIT_S, killed_line
+
+    assert killed_line([7, 9], False) == (
+        f"2 process(es) it started (pid 7, 9) were still running {STOP_WAIT_S}s after the launch ended and were killed"
+    )
 
 
 def _free_port() -> int:
@@ -321,7 +544,7 @@ def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
     }
     env["MASTER_PORT"] = str(_free_port())
     cmd = ["bash", "scripts/train.slurm", *FAST, *steps, "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=BOUND_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "debug_model-slurm4242"  # the default name under SLURM: the job id
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one-node")}
@@ -513,7 +736,7 @@ def test_a_stop_at_any_moment_ends_with_the_stop_line_never_0(tmp_path, phase, s
         else f"after step {step}; checkpoint step-{step}"
     )
     assert last.startswith("titanlite: stopped by SIGINT ") and ending in last, last
-    assert "Traceback" not in err and no_workers_within(tmp_path, 10) == []
+    assert "Traceback" not in err and workers_of(tmp_path) == []
 
 
 @pytest.mark.slow
@@ -536,7 +759,7 @@ def test_a_full_disk_under_the_run_folder_stops_it_in_one_line_with_every_record
     assert "Traceback" not in err
 
 
-def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing():
+def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing(monkeypatch):
     """Generated heartbeat records (each peer behind, at the step in this rank's phase or in
     another, or never seen): a connection lost is a peer that ended; the line says so at once
     (no wait: the launcher may stop this rank), names the peers behind or elsewhere, and never
@@ -545,6 +768,8 @@ def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing():
 
     from titanlite.distributed import liveness
 
+    slept: list[float] = []  # the waits explain() makes: none but the heartbeat's period (0 here)
+    monkeypatch.setattr(liveness.time, "sleep", slept.append)
     rng = random.Random(0)
     for case in range(300):
         beat = object.__new__(liveness.Heartbeat)
@@ -556,9 +781,8 @@ def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing():
             )
         beat._read = lambda seen=seen: dict(seen)
         liveness._current[0] = "eval"
-        began = time.monotonic()
         line = beat.explain(5, "lost")
-        assert time.monotonic() - began < 1.0, case
+        assert not any(slept), (case, slept)
         assert "a peer ended" in line and "still computing" not in line and "hung" not in line, line
         odd = [r for r in range(1, beat.world) if seen[r] != (5, 1, "eval")]
         if odd:

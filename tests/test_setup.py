@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import logging
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from helpers import REPO, load_script
@@ -116,3 +120,98 @@ def test_setup_smollm2_keeps_its_folder_and_refuses_any_other(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     assert not setup.made_already(empty) and not setup.made_already(tmp_path / "none")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize("to", ["shell", "group", "shell-then-group"])
+def test_a_stop_during_an_install_phase_is_one_line_and_stops_what_it_ran(tmp_path, sig, to):
+    """A Ctrl-C or SIGTERM while a phase runs (pip, say): to the shell alone, to its process
+    group (a terminal), or the shell first and then its group (`timeout -s INT`, CI systems).
+    One line, exit 128 + signal, and the phase's processes (a shell function's children too)
+    are gone when the shell has exited."""
+    mark = tmp_path / "pid"
+    # a phase as titanlite_torch is one: a shell function whose child does the work
+    script = (
+        'source scripts/env.sh && slow() { echo pip says a lot; sleep 600 & echo $! > "$MARK"; wait; }'
+        ' && titanlite_phase "making a thing" slow'
+    )
+    env = {**os.environ, "TITANLITE_PYTHON": sys.executable, "MARK": str(mark)}
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    while not (mark.is_file() and mark.read_text().strip()):  # the event: the phase's work runs
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    worker = int(mark.read_text())
+    if to in ("shell", "shell-then-group"):
+        os.kill(proc.pid, sig)
+    if to in ("group", "shell-then-group"):
+        os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert re.fullmatch(
+        rf"titanlite: making a thing \.\.\. stopped by {sig.name} after \d+s; run the same command again to finish the set-up\n",
+        err,
+    ), err
+    assert not _alive(worker)
+
+
+@pytest.mark.parametrize(
+    "variable, value, says",
+    [
+        ("TITANLITE_PYTHON", "{tmp}/missing/python", "is not a program that can be run"),
+        ("TITANLITE_PYTHON", "{tmp}", "is not a program that can be run"),
+        ("TITANLITE_PYTHON", "{tmp}/plain-file", "is not a program that can be run"),
+        ("TITANLITE_PYTHON", "true", "is not a Python 3.10 or newer"),
+        ("TITANLITE_PYTHON", "/bin/sh", "is not a Python 3.10 or newer"),
+        ("TITANLITE_VENV", "{tmp}/plain-file", "is a file, not a folder"),
+    ],
+)
+def test_a_wrong_interpreter_or_venv_variable_is_one_line_naming_it(
+    tmp_path, variable, value, says
+):
+    """Each way TITANLITE_PYTHON or TITANLITE_VENV can point at the wrong thing: one line naming
+    the variable, what is wrong and the fix, exit 2, nothing installed or written."""
+    (tmp_path / "plain-file").write_text("")
+    value = value.format(tmp=tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TITANLITE_")}
+    env[variable] = value
+    proc = subprocess.run(
+        ["bash", "-c", "source scripts/env.sh && echo sourced"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr.startswith(f"titanlite: error: {variable}={value} {says}; "), proc.stderr
+    assert proc.stderr.count("\n") == 1 and f"unset {variable}" in proc.stderr, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain-file"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_stop_while_env_sh_checks_the_interpreter_is_one_line_not_an_install(tmp_path, sig):
+    """A stop that lands while env.sh looks at what an interpreter holds (its check of the
+    packages) is one line and 128 + signal, never taken for a missing package."""
+    fake = tmp_path / "python"
+    # the version check runs the real interpreter; the package check is where the stop lands
+    fake.write_text(
+        f'#!/bin/sh\ncase "$1" in -c) exec {sys.executable} "$@";; esac\n'
+        f"kill -{sig.name[3:]} $PPID\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "TITANLITE_PYTHON": str(fake)}
+    proc = subprocess.run(
+        ["bash", "-c", "source scripts/env.sh && echo sourced"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 128 + sig and proc.stdout == "", proc
+    assert proc.stderr == (
+        f"titanlite: stopped by {sig.name} while checking what {fake} holds; nothing was changed\n"
+    )

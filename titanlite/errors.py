@@ -44,15 +44,24 @@ class Stopped(Exception):
 ENDINGS = (UserError, TrainingError, LostRank, Stopped)
 
 
+def exit_code(e: Exception) -> int:
+    """The exit code of one of the ENDINGS (see the module doc)."""
+    if isinstance(e, Stopped):
+        return 128 + e.signum
+    if isinstance(e, UserError):
+        return EXIT_USER
+    return EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
+
+
 def report(e: Exception) -> int:
     """Print `e`'s one line to stderr; returns its exit code (see the module doc)."""
+    code = exit_code(e)
     if isinstance(e, Stopped):
-        line, code = f"titanlite: {e}", 128 + e.signum
+        line = f"titanlite: {e}"
     elif isinstance(e, UserError):
-        line, code = f"titanlite: error: {e}", EXIT_USER
+        line = f"titanlite: error: {e}"
     else:
         line = f"titanlite: stopped: {e}"
-        code = EXIT_TRAINING if isinstance(e, TrainingError) else EXIT_LOST_RANK
     # a worker's stderr is its log in the run folder: a full disk may take the line, not the code
     with contextlib.suppress(OSError):
         print(line, file=sys.stderr, flush=True)

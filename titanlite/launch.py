@@ -4,7 +4,8 @@ arguments then from NPROC, NNODES, ... First the preflight, the run folder's nam
 restarted worker group reopens it) and node 0's run lock; then torchrun's agent, every rank's
 output kept in <run>/logs/<launch>-node<k>/attempt_<n>/<local rank>/, SIGINT / SIGTERM passed
 on to the workers (they checkpoint and exit 128 + the signal; a second one kills them), and no
-restart after an exit a restart cannot fix. Exit code: the workers', or 1 on a crash.
+restart after an exit a restart cannot fix. Exit code: the workers', or 1 on a crash. Its last
+line comes once every process it started has exited (components/run/children.py).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import config_from_args, get_args_parser
 
 from titanlite.components.checkpoint.index import quarantine_damaged, set_aside_abandoned
+from titanlite.components.run.children import adopt_orphans, children, killed_line, reap
 from titanlite.components.run.lock import HELD_ENV, RunLock
 from titanlite.components.run.plan import checkpoint_folder
 from titanlite.components.run.torchrun import (
@@ -67,10 +69,11 @@ from titanlite.components.run.torchrun import (
     report_failure,
     torchrun_args,
 )
+from titanlite.components.run.undo import FolderSnapshot
 from titanlite.config import JobConfig
 from titanlite.config.command_line import CALLER_ENV, launcher_words
 from titanlite.config.manager import NOTES_SHOWN_ENV
-from titanlite.errors import ENDINGS, EXIT_TRAINING, UserError
+from titanlite.errors import ENDINGS, EXIT_TRAINING, UserError, exit_code
 from titanlite.preflight import plan_run
 from titanlite.tools.paths import existing_parent
 from titanlite.tools.process import AGENT_PID_ENV, init_logging
@@ -83,6 +86,8 @@ class _Agent(LocalElasticAgent):
 
     current: _Agent | None = None
     stopping = 0  # the stop signal passed on to the workers; 0: none
+    starting = False  # the workers are being started: a signal waits until their pids are known
+    deferred: list[int] = []  # the signals that came meanwhile, in order
     last_failure = ""  # the line of the failure a restart follows
 
     def __init__(self, *args, **kwargs) -> None:
@@ -103,11 +108,16 @@ class _Agent(LocalElasticAgent):
     def _start_workers(self, worker_group):
         # Started with the stop signals blocked (inherited): one that comes while they import
         # torch stays pending until their handler is installed (components/run/stop.py).
+        # The mask is this thread's; the launcher's other threads still take a signal, which Python
+        # then handles here, in the middle of the start: it waits (_Agent.deferred) until the
+        # workers' pids are known, or workers started before it would live on unstopped.
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        _Agent.starting = True
         try:
             pids = super()._start_workers(worker_group)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            _Agent.starting = False
         # When a worker fails, torchrun stops the others with a 30 s grace before SIGKILL whatever
         # --shutdown-timeout says; they wait on the dead peer in a collective, which no grace ends.
         ctx, self.stopped = self._pcontext, set()
@@ -121,6 +131,8 @@ class _Agent(LocalElasticAgent):
             close(death_sig, min(timeout, FAILURE_GRACE_S))
 
         ctx.close = close_quickly
+        while _Agent.deferred:
+            _on_signal(_Agent.deferred.pop(0), None)
         return pids
 
     def _restart_workers(self, worker_group) -> None:
@@ -133,6 +145,9 @@ class _Agent(LocalElasticAgent):
 def _on_signal(signum: int, frame) -> None:
     """The first SIGINT/SIGTERM goes on to the workers, which stop after their step with a
     checkpoint; a second one (or one before the workers run) kills them and ends the launch."""
+    if _Agent.starting:
+        _Agent.deferred.append(signum)
+        return
     agent = _Agent.current
     pids = list(agent._pcontext.pids().values()) if agent and agent._pcontext else []
     first = bool(pids) and not _Agent.stopping
@@ -142,7 +157,10 @@ def _on_signal(signum: int, frame) -> None:
     forward = signum if signum in STOP_SIGNALS else signal.SIGTERM  # SIGHUP, SIGQUIT
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, forward if first else signal.SIGKILL)
+            if first:  # the rank alone: it stops its DataLoader workers itself
+                os.kill(pid, forward)
+            else:  # the rank's whole process group, its DataLoader workers included
+                os.killpg(pid, signal.SIGKILL)
     if not first:
         sig = signal.Signals(signum)
         raise SignalException(f"launcher got {sig.name}", sigval=sig)
@@ -190,7 +208,9 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _on_signal)
     mp_api._terminate_process_handler = _on_signal  # what torchrun's agent installs as it starts
     launcher_api.LocalElasticAgent = _Agent
+    ours = set(children())  # the children it already has are not the launch's (main run in a test)
     lock, made, log_dir, code, early = None, None, None, 1, False
+    ending: Exception | None = None  # its own last line: said once its processes are gone
     try:
         from_env, argv = _launcher_options(argv)
         if from_env:  # run_train.sh: torchrun's arguments from the environment
@@ -225,11 +245,17 @@ def main(argv: list[str]) -> int:
             from titanlite.rehearsal.run import rehearse
 
             cfg.job.run_name = run_dir.name
+            # a folder an earlier rehearsal of this name left: as it was, if this one stops
+            before = FolderSnapshot(run_dir) if made is None else None
             try:
                 rehearse(cfg)
             except ENDINGS as e:  # a signal (Stopped) or a stop the trainer raised: one line
                 early = isinstance(e, Stopped)  # its report never came: the run folder goes too
-                return report(e)
+                keeps_nothing = isinstance(e, (Stopped, UserError))  # what its line says
+                if before is not None and keeps_nothing:
+                    before.restore()
+                ending, code = e, exit_code(e)
+                return code
             return 0
         if not cfg.job.run_name:  # fixed now, so a restarted worker group reopens this folder
             args.training_script_args += ["--job.run_name", run_dir.name]
@@ -269,8 +295,10 @@ def main(argv: list[str]) -> int:
         line = f"stopped by {name} {BEFORE_FIRST_STEP}"
         if not early:
             line = f"stopped at once by a second {name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
-        code = report(Stopped(int(e.sigval), line))
+        ending = Stopped(int(e.sigval), line)
+        code = exit_code(ending)
     finally:
+        ending = _when_all_are_gone(ending, ours)
         if lock is not None:
             lock.release()
         # bad input found by the workers, a stop before the first step, a failure before the run
@@ -283,8 +311,29 @@ def main(argv: list[str]) -> int:
             shutil.rmtree(log_dir, ignore_errors=True)
             with contextlib.suppress(OSError):
                 log_dir.parent.rmdir()  # logs/, if this launch's were its only ones
+        if ending is not None:
+            report(ending)
     return code
 
 
+def _when_all_are_gone(ending: Exception | None, before: set[int]) -> Exception | None:
+    """Wait for every process the launch started to exit (a second stop signal, or STOP_WAIT_S,
+    kills those left); the launcher's last line (`ending`), naming any it had to kill."""
+    second: list[int] = []
+    for sig in STOP_SIGNALS:  # a signal now hurries the wait; nothing is left to stop
+        signal.signal(sig, lambda signum, frame: second.append(signum))
+    killed = reap(hurry=lambda: bool(second), old=before)
+    if not killed:
+        return ending
+    line = killed_line(killed, bool(second))
+    if ending is None:
+        print(f"titanlite: {line}", file=sys.stderr, flush=True)
+        return None
+    if isinstance(ending, Stopped):
+        return Stopped(ending.signum, f"{ending}; {line}")
+    return type(ending)(f"{ending}; {line}")
+
+
 if __name__ == "__main__":
+    adopt_orphans()  # a rank's children outlive it as the launcher's, which waits for them
     sys.exit(main(sys.argv[1:]))

@@ -13,5 +13,6 @@ from faults import (  # noqa: F401 - each module registers its cases
     cases_run_folder,
     cases_scripts,
     cases_signals,
+    cases_stops,
 )
 from faults.harness import CASES, Case, Catalogue, verdict  # noqa: F401

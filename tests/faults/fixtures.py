@@ -284,11 +284,10 @@ def workers(dump: Path) -> dict[int, int]:
 
 
 def no_orphans(dump: Path) -> None:
-    end = time.monotonic() + 15
-    while workers(dump) and time.monotonic() < end:
-        time.sleep(0.2)
-    if workers(dump):
-        raise Broke(f"orphan workers left: {sorted(workers(dump).values())}")
+    """Called once the launcher (or the script) has exited: by then every worker it started has
+    exited too (the launcher waits for them before its last line)."""
+    if left := workers(dump):
+        raise Broke(f"workers left running after the launcher exited: {sorted(left.values())}")
 
 
 def continues(c: Catalogue, dump: Path, args: tuple[str, ...] = RESUME6) -> None:

@@ -33,6 +33,9 @@ REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--training.seq_len", "128", "--metrics.log_every", "1")
 CKPT = ("--checkpoint.every", "2", "--checkpoint.at_end", "true")
 RESUME6 = ("--training.steps", "6", *CKPT)
+# the bound on a wait for an event (a moment of a run, a process's exit): generous, so a machine
+# busy with other work is slow but never fails a case
+BOUND_S = 900
 
 
 @dataclass
@@ -93,7 +96,7 @@ class Live:
     def saw(self, text: str) -> bool:
         return any(text in ln for ln in self.out + self.err)
 
-    def wait_for(self, ready: Callable[[], bool], timeout: float = 180) -> None:
+    def wait_for(self, ready: Callable[[], bool], timeout: float = BOUND_S) -> None:
         end = time.monotonic() + timeout
         while not ready():
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -103,7 +106,7 @@ class Live:
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
 
-    def finish(self, timeout: float = 300) -> Result:
+    def finish(self, timeout: float = BOUND_S) -> Result:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:

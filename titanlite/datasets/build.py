@@ -41,6 +41,7 @@ from titanlite.datasets.tokenizer import (
     load_tokenizer,
     train_builtin_tokenizer,
 )
+from titanlite.datasets.workers import leave_stops_to_parent
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.utils import first_error
 from titanlite.errors import UserError
@@ -213,6 +214,7 @@ def build_dataloader(
             num_workers=cfg.data.num_workers,
             collate_fn=collate,
             pin_memory=pin_memory,
+            worker_init_fn=leave_stops_to_parent if cfg.data.num_workers else None,
             # Its own generator: creating an iterator draws a seed, which must not move the global
             # (dropout) RNG stream, or a resumed run would not repeat the uninterrupted one.
             generator=torch.Generator().manual_seed(cfg.training.seed),

@@ -57,6 +57,17 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         return report
     finally:
         trainer.close()
+        _stop_loader(trainer)
+
+
+def _stop_loader(trainer: Trainer) -> None:
+    """The loader's worker processes exit now: the launcher runs the rehearsal in its own
+    process and waits for every child it has before its last line."""
+    shutdown = getattr(
+        trainer._batches, "_shutdown_workers", None
+    )  # torch's, on a loader with workers
+    if shutdown is not None:
+        shutdown()
 
 
 class EveryUpdate:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from titanlite.errors import UserError
+from titanlite.errors import Stopped, UserError
 
 
 @contextlib.contextmanager
@@ -119,11 +119,23 @@ def run_child(
 
 
 def stop_child(proc: subprocess.Popen, signum: int) -> None:
-    """Pass `signum` on to a live child and wait for it; kill it after CHILD_GRACE_S."""
+    """Pass `signum` on to a live child and wait for it; kill it after CHILD_GRACE_S. A second
+    stop meanwhile goes on to it too (a launcher then kills its workers at once), and the child
+    is still waited for: the script never returns before what it started."""
     if proc.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signum)
+    try:
+        _wait_or_kill(proc)
+    except (KeyboardInterrupt, Stopped) as e:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(e.signum if isinstance(e, Stopped) else signal.SIGINT)
+        _wait_or_kill(proc)
+        raise
+
+
+def _wait_or_kill(proc: subprocess.Popen) -> None:
     try:
         proc.communicate(timeout=CHILD_GRACE_S)
     except subprocess.TimeoutExpired:

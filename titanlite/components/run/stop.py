@@ -5,10 +5,14 @@ no wait) after the next, so the stop (a checkpoint, exit 128 + the signal) is at
 late; where the host waits anyway (an eval, a save, the end) a blocking one settles it at once.
 A signal pending since the launcher started the worker is handled once the handler is installed
 (before the loop it stops at once); after the loop they are ignored (CPython's finalization
-would restore the default action, which kills)."""
+would restore the default action, which kills). A process forked from a rank (a DataLoader or
+data-preparation worker) inherits the handler: there it passes the signal on to the rank and does
+nothing else, so a stop is the rank's alone, whoever received it."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import sys
 from datetime import timedelta
@@ -26,6 +30,7 @@ FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, i
 
 class StopSignals:
     def __init__(self) -> None:
+        self.pid = os.getpid()  # the rank's; a forked child passes its signals on to it
         self.received = 0  # the first stop signal's number; 0: none
         self.failure = ""  # this rank's one line of a failure every rank must stop for (fail())
         self.armed = False  # the loop runs: a signal stops after the current step
@@ -36,6 +41,10 @@ class StopSignals:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is handled now
 
     def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self.pid:  # a forked worker of the rank: the stop is the rank's
+            with contextlib.suppress(ProcessLookupError):  # a rank gone has no one to tell
+                os.kill(self.pid, signum)
+            return
         if self.received:
             return
         self.received = signum
