@@ -209,3 +209,32 @@ def _shown(value: Any) -> str:
         return json.dumps(value)
     except (TypeError, ValueError):
         return repr(value)
+
+
+# What every decoder titanlite reads from config.json shares (both built-in families; a fork's
+# adapter may start from it too: DECODER_KEYS + ConfigKeys("Mine", ...)): the widths, the heads,
+# the vocabulary, the norm and RoPE's base, and the one rule on grouped-query attention.
+DECODER_KEYS = ConfigKeys(
+    "",
+    (
+        Key("hidden_size", "whole", at_least=1),
+        Key("num_hidden_layers", "whole", at_least=1),
+        Key("num_attention_heads", "whole", at_least=1),
+        Key("num_key_value_heads", "whole", at_least=1, null="as many as num_attention_heads", default=None),
+        Key("head_dim", "whole", at_least=1, null="hidden_size / num_attention_heads", default=None),
+        Key("vocab_size", "whole", at_least=1),
+        Key("rms_norm_eps", "float", above=0, default=1e-6),
+        Key("tie_word_embeddings", "bool", default=False),
+        Key("rope_theta", "float", above=0, null="rope_parameters' rope_theta, else 10000", default=None),
+        Key("rope_scaling", "object", null="no scaling", default=None),
+        Key("rope_parameters", "object", null="rope_theta's, no scaling", default=None),
+        Key("rope.rope_theta", "float", above=0, default=None),
+    ),
+    (
+        Relation(
+            ("num_attention_heads", "num_key_value_heads"),
+            lambda h, kv: h % kv == 0,
+            "num_key_value_heads must divide num_attention_heads (each KV head serves a whole group of heads)",
+        ),
+    ),
+)  # fmt: skip

@@ -15,7 +15,7 @@ import re
 import torch
 
 from titanlite.errors import UserError
-from titanlite.models.hf_keys import ConfigKeys, Key, Relation
+from titanlite.models.hf_keys import DECODER_KEYS, ConfigKeys, Key, Relation
 from titanlite.models.llama3.model import Llama3Args, ffn_hidden_dim
 from titanlite.models.registry import HFAdapter
 
@@ -98,25 +98,13 @@ def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch
 _LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 # titanlite's Llama: dim = heads x head_dim, q/k/v/o without bias, SwiGLU (silu), RoPE with
 # Llama 3's scaling or none
-LLAMA3_KEYS = ConfigKeys(
+LLAMA3_KEYS = DECODER_KEYS + ConfigKeys(
     "Llama 3",
     (
-        Key("hidden_size", "whole", at_least=1),
-        Key("num_hidden_layers", "whole", at_least=1),
-        Key("num_attention_heads", "whole", at_least=1),
-        Key("num_key_value_heads", "whole", at_least=1, null="as many as num_attention_heads", default=None),
-        Key("head_dim", "whole", at_least=1, null="hidden_size / num_attention_heads", default=None),
-        Key("vocab_size", "whole", at_least=1),
         Key("intermediate_size", "whole", at_least=1),
-        Key("rms_norm_eps", "float", above=0, default=1e-6),
-        Key("tie_word_embeddings", "bool", default=False),
         Key("hidden_act", "str", choices=("silu",), why="titanlite's Llama 3 computes SwiGLU", default="silu"),
         Key("attention_bias", "bool", choices=(False,), why="titanlite's Llama 3 has no biases", null="false", default=False),
         Key("mlp_bias", "bool", choices=(False,), why="titanlite's Llama 3 has no biases", null="false", default=False),
-        Key("rope_theta", "float", above=0, null="rope_parameters' rope_theta, else 10000", default=None),
-        Key("rope_scaling", "object", null="no scaling", default=None),
-        Key("rope_parameters", "object", null="rope_theta's, no scaling", default=None),
-        Key("rope.rope_theta", "float", above=0, default=None),
         Key("rope.rope_type", "str", choices=("default", "llama3"), why="titanlite's Llama 3 has no other RoPE", default=None),
         Key("rope.type", "str", choices=("default", "llama3"), why="titanlite's Llama 3 has no other RoPE", default=None),
         Key("rope.factor", "float", above=0, default=None),
@@ -125,11 +113,6 @@ LLAMA3_KEYS = ConfigKeys(
         Key("rope.original_max_position_embeddings", "whole", at_least=1, default=None),
     ),
     (
-        Relation(
-            ("num_attention_heads", "num_key_value_heads"),
-            lambda h, kv: h % kv == 0,
-            "num_key_value_heads must divide num_attention_heads (each KV head serves a whole group of heads)",
-        ),
         Relation(
             ("hidden_size", "num_attention_heads", "head_dim"),
             lambda d, h, hd: hd * h == d,

@@ -15,7 +15,7 @@ import re
 import torch
 
 from titanlite.errors import UserError
-from titanlite.models.hf_keys import ConfigKeys, Key, Relation, same
+from titanlite.models.hf_keys import DECODER_KEYS, ConfigKeys, Key, Relation, same
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.registry import HFAdapter
 
@@ -103,14 +103,9 @@ def _dense_layers(only: list[int], step: int, n_layers: int) -> tuple[int, ...]:
 _EXPERTS = "num_experts or num_local_experts"
 # titanlite's Qwen3-MoE: q/k/v/o without bias, per-head q/k norms, SwiGLU (silu) experts and
 # dense layers, plain RoPE
-QWEN3_MOE_KEYS = ConfigKeys(
+QWEN3_MOE_KEYS = DECODER_KEYS + ConfigKeys(
     "Qwen3-MoE",
     (
-        Key("hidden_size", "whole", at_least=1),
-        Key("num_hidden_layers", "whole", at_least=1),
-        Key("num_attention_heads", "whole", at_least=1),
-        Key("num_key_value_heads", "whole", at_least=1, null="as many as num_attention_heads", default=None),
-        Key("head_dim", "whole", at_least=1, null="hidden_size / num_attention_heads", default=None),
         Key("num_experts", "whole", at_least=1, default=None),
         Key("num_local_experts", "whole", at_least=1, default=None),
         Key("num_experts_per_tok", "whole", at_least=1),
@@ -120,15 +115,8 @@ QWEN3_MOE_KEYS = ConfigKeys(
         Key("decoder_sparse_step", "whole", at_least=1, default=1),
         Key("norm_topk_prob", "bool", default=False),
         Key("router_aux_loss_coef", "float", at_least=0, default=0.001),
-        Key("vocab_size", "whole", at_least=1),
-        Key("rms_norm_eps", "float", above=0, default=1e-6),
-        Key("tie_word_embeddings", "bool", default=False),
         Key("hidden_act", "str", choices=("silu",), why="titanlite's Qwen3-MoE computes SwiGLU", default="silu"),
         Key("attention_bias", "bool", choices=(False,), why="titanlite's Qwen3-MoE has no biases", null="false", default=False),
-        Key("rope_theta", "float", above=0, null="rope_parameters' rope_theta, else 10000", default=None),
-        Key("rope_scaling", "object", null="no scaling", default=None),
-        Key("rope_parameters", "object", null="rope_theta's, no scaling", default=None),
-        Key("rope.rope_theta", "float", above=0, default=None),
         Key("rope.rope_type", "str", choices=("default",), why="titanlite's Qwen3-MoE has no RoPE scaling", default=None),
         Key("rope.type", "str", choices=("default",), why="titanlite's Qwen3-MoE has no RoPE scaling", default=None),
         # transformers' forward switch that returns the router logits (and adds the
@@ -150,11 +138,6 @@ QWEN3_MOE_KEYS = ConfigKeys(
                 f"num_experts_per_tok must be at most {experts} (a token is routed to that many distinct experts)",
             )
             for experts in ("num_experts", "num_local_experts")
-        ),
-        Relation(
-            ("num_attention_heads", "num_key_value_heads"),
-            lambda h, kv: h % kv == 0,
-            "num_key_value_heads must divide num_attention_heads (each KV head serves a whole group of heads)",
         ),
         Relation(
             ("head_dim",),
