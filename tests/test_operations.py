@@ -425,11 +425,16 @@ batches = iter(loader)
 got = [next(batches), next(batches)]  # one from each worker: both have run worker_init_fn
 workers = [w.pid for w in batches._workers]
 rank = os.getpid()
+ready, say_ready = os.pipe()
 forked = os.fork()  # a bare fork, as a data-preparation pool's worker is made
 if forked == 0:
+    # Python clears the signals noted while it sets the child up after the fork: a signal that
+    # lands then is lost, so the test signals the child only once it runs its own code
+    os.write(say_ready, b"1")
     while os.getppid() == rank:
         time.sleep(0.1)
     os._exit(0)
+assert os.read(ready, 1) == b"1"
 for sig in (signal.SIGINT, signal.SIGTERM):  # to one child alone: the rank hears it from the child
     for to in ([workers[0]], [workers[1]], [forked]):
         delivered(sig, to)
