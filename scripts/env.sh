@@ -29,6 +29,8 @@ titanlite_phase() {  # titanlite_phase "what" command [args...]
     while :; do
         wait "$pid" && rc=0 || rc=$?
         [ -z "$_titanlite_stop" ] && break
+        # bash says "Terminated" as it reaps the job it stops here: the one line below says it
+        exec 3>&2 2>/dev/null
         kill -TERM -- "-$pid" 2>/dev/null || true
         wait "$pid" 2>/dev/null || true
         # the rest of its group (pip under a shell function) ends too: 10 s, then SIGKILL
@@ -36,6 +38,7 @@ titanlite_phase() {  # titanlite_phase "what" command [args...]
         while kill -0 -- "-$pid" 2>/dev/null && [ "$n" -lt 200 ]; do sleep 0.05; n=$((n + 1)); done
         kill -KILL -- "-$pid" 2>/dev/null || true
         rm -f "$log"
+        exec 2>&3 3>&-
         echo " stopped by SIG$_titanlite_stop after $((SECONDS - t0))s; run the same command again to finish the set-up" >&2
         exit $((128 + $(kill -l "$_titanlite_stop")))
     done

@@ -127,7 +127,7 @@ def table(r: dict[str, Any]) -> str:
         "tokens/s per rank (compute only: an upper bound"
         + ("; this CPU's, which says nothing of a GPU's time)" if r["device"] == "cpu" else ")"),
     ]
-    part = r["measured"]
+    part = r.get("measured")  # None: the whole model ran (and in records written before parts)
     for group, b in sorted(r["traffic_bytes"].items()):
         source = ""
         if part is not None and group in r["plan"]["traffic_bytes"]:
@@ -161,7 +161,7 @@ def _on_part(r: dict[str, Any]) -> str:
 
 
 def _peak_source(r: dict[str, Any]) -> str:
-    part = r["measured"]
+    part = r.get("measured")  # None: the whole model ran (and in records written before parts)
     if part is None:
         return ""
     rest = r["estimate_bytes"] - part["estimate_bytes"]
@@ -169,7 +169,7 @@ def _peak_source(r: dict[str, Any]) -> str:
 
 
 def _compute_source(r: dict[str, Any]) -> str:
-    part = r["measured"]
+    part = r.get("measured")  # None: the whole model ran (and in records written before parts)
     if part is None or part["compute_s"] is None:
         return ""
     return (
