@@ -1,5 +1,5 @@
 """Context parallelism added from outside the package, written only from the registry's contract
-(its sequence-split rule) as a fork would: tests/fork_model.py's transformer with Ulysses-style
+(its axis rules for a sequence split) as a fork would: tests/fork_model.py's transformer with Ulysses-style
 attention (DeepSpeed-Ulysses, arXiv 2309.14509). Each rank of the `cp` axis holds one piece of
 every sequence's positions; before attention an all-to-all trades pieces of the sequence for
 groups of heads, so each rank attends over whole sequences with n_heads / cp heads, and a

@@ -74,7 +74,7 @@ def test_the_contract_fork_passes_and_a_planted_bug_is_named():
         (["--model.name", "llama3", "--worlds", "0"], "--worlds"),
         (
             [*FORK_LM, "--parallelism.axes", '["cp=2"]'],
-            "model 'fork_lm' splits no sequence over 'cp'",
+            "model 'fork_lm' does not split its sequence positions over 'cp'",
         ),
     ],
 )

@@ -128,19 +128,20 @@ def test_layout_modes_and_accumulation():
         training__local_batch_size=2,
     )
     assert (lay.mode, lay.dp_replicate, lay.dp_shard) == ("hsdp", 2, 1)
-    # extra axes split sequences: the data-parallel ranks are the world over their product
+    # the axes' ranks read the same sequences: the data-parallel ranks are the world over their
+    # product, and only the sequence split cuts positions
     lay = _layout(
         8,
-        parallelism__axes='["cp=2", "x=2"]',
+        parallelism__axes='["tp=2", "cp=2"]',
         training__global_batch_size=8,
         training__local_batch_size=1,
     )
     assert (lay.dp, lay.seq_split, lay.world, lay.grad_accum, lay.axes) == (
         2,
-        4,
+        2,
         8,
         4,
-        (("cp", 2), ("x", 2)),
+        (("cp", 2), ("tp", 2)),
     )
 
 
@@ -163,7 +164,7 @@ def test_layout_modes_and_accumulation():
         (
             4,
             dict(parallelism__axes='["cp=3"]'),
-            "split each sequence over 3 ranks, which does not divide the 4",
+            "axes cp=3 take 3 ranks per data-parallel rank, which does not divide the 4",
         ),
         (4, dict(parallelism__axes='["cp"]'), "entry 'cp' is not name=degree"),
         (4, dict(parallelism__axes='["cp=0"]'), "entry 'cp=0' is not name=degree"),
@@ -173,7 +174,7 @@ def test_layout_modes_and_accumulation():
         (
             4,
             dict(parallelism__axes='["cp=2"]', parallelism__dp_shard=4),
-            "1 x 4 != 2 ranks (after the 2 that split",
+            "1 x 4 != 2 ranks (after the 2 of cp=2 per data-parallel rank)",
         ),
         (
             4,

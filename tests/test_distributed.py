@@ -267,7 +267,7 @@ def test_qwen3_moe_is_exact_at_every_layout(results):
 
 def test_a_context_parallel_fork_is_exact_at_every_split(results):
     """tests/fork_cp.py (Ulysses attention over the cp axis, written from the contract's
-    sequence-split rule): at dp x cp = 1 x 2 and 2 x 2 in every mode, on unequal tokens and
+    axis rules for a sequence split): at dp x cp = 1 x 2 and 2 x 2 in every mode, on unequal tokens and
     packed documents (whose boundaries cross the pieces), the gradient and logged loss are one
     process's; so are its plain data-parallel cases at dp 1, 2 and 4."""
     checks = [results[w]["context_check"] for w in WORLDS]

@@ -95,7 +95,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.guard = SpikeGuard(cfg.spike_guard, self.device, dims.dp_group)
         self.balancer = LossBalancer(
-            cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum
+            cfg.loss.normalization, dims.dp_group, dims.token_ranks, layout.grad_accum
         )
 
         info = run_info(cfg, dims, self.diagnostics.method_used)
@@ -132,7 +132,7 @@ class Trainer:
         self._batches = iter(self.dataloader)
         self.rates = RunRates(
             layout.tokens_per_rank_step,
-            dims.dp_size,
+            layout.world,
             t.steps,
             meta.flops_per_token,
             self.device,
@@ -208,7 +208,7 @@ class Trainer:
         """The log step: one read of the window and one of the diagnostics; records and events."""
         w = self.window.read(self.dims.dp_group)
         spikes = self.guard.spikes(w.steps, w.guard)
-        w.check_skips({s for s, _ in spikes}, self.dims.dp_size)
+        w.check_skips({s for s, _ in spikes}, self.dims.token_ranks)
         rows = w.rows(window_s, elapsed_s, self.rates)
         diag, alerts = self.diagnostics.collect()
         if diag:

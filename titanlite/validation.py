@@ -11,7 +11,7 @@ from typing import Any
 
 from titanlite.components.checkpoint.index import initial_load_kind
 from titanlite.config.job_config import JobConfig
-from titanlite.config.layout import Layout, resolve_layout
+from titanlite.config.layout import AXIS_KINDS, Layout, resolve_layout
 from titanlite.config.manager import check_values
 from titanlite.errors import UserError
 from titanlite.models.hf_files import check_hf_folder
@@ -24,6 +24,14 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     layout = resolve_layout(cfg, world_size)
     if cfg.faults is not None:  # the fault plugin's own rules (titanlite.faults.switches)
         cfg.faults.check(cfg.diagnostics.enable, world_size)
+    split = [f"{n}={d}" for n, d in layout.axes if not AXIS_KINDS[n].distinct_tokens]
+    if split:
+        # The mesh, the normaliser's group and the gradient sum already place a tensor split;
+        # gradient clipping, the diagnostics and the memory estimate do not, and would be wrong.
+        raise UserError(
+            f"parallelism.axes {split[0]}: a split of the model's tensors is laid out but gradient clipping, "
+            "the diagnostics and the memory estimate do not handle one in this version; remove the axis"
+        )
     if layout.axes and cfg.eval.prompts:
         raise UserError(
             "eval.prompts with parallelism.axes: decoding runs whole prompts on every rank, which a model "

@@ -209,7 +209,7 @@ def run_case(
             (*b, None, sample_keys(SEED, first + m * lb, lb, torch.device("cpu")))
             for m, b in enumerate(micro)
         ]
-    balancer = LossBalancer(norm, dims.dp_group, dims.dp_size, layout.grad_accum)
+    balancer = LossBalancer(norm, dims.dp_group, dims.token_ranks, layout.grad_accum)
     torch.manual_seed(SEED)  # dropout from torch's RNG: every rank draws one stream (the seed rule)
     path = LossPath(own=True, chunk=loss_chunk)  # Llama's labels path, whole or in chunks
     share, *_ = forward_backward(

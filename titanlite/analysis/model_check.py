@@ -146,7 +146,9 @@ def run_case(cfg: JobConfig, case: Case, world: int, ref: tuple[dict, dict]) -> 
         dims.piece(Microbatch(*(t[start + m * lb : start + (m + 1) * lb] for t in batch)))
         for m in range(case.accum)
     ]
-    balancer = LossBalancer(cfg.loss.normalization, dims.dp_group, dims.dp_size, layout.grad_accum)
+    balancer = LossBalancer(
+        cfg.loss.normalization, dims.dp_group, dims.token_ranks, layout.grad_accum
+    )
     path = replace(meta.loss_path(), chunk=case.loss_chunk)
     skip = layout.skip_grad_sync
     share, _, terms = forward_backward(model, micro, balancer, dims, skip_grad_sync=skip, path=path)

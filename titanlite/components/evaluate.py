@@ -133,7 +133,8 @@ class Evaluator:
                 totals[1] += (batch.labels != IGNORE_INDEX).sum()
         finally:
             model.train(was_training)
-        if self.dims.layout.world > 1:  # every rank's tokens: pieces of split sequences too
+        # every rank that holds distinct tokens counts: pieces of split sequences too
+        if self.dims.token_ranks > 1:
             dist.all_reduce(totals, group=self.dims.dp_group)
         ((loss_sum, tokens),) = readback([totals])  # the eval's one read on the host
         loss = loss_sum / tokens if tokens else float("nan")

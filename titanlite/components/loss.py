@@ -110,13 +110,14 @@ class LossBalancer:
         self,
         normalization: str,
         dp_group: dist.ProcessGroup | None,
-        dp_size: int,
+        ranks: int,
         grad_accum: int,
     ) -> None:
+        """`dp_group`: the ranks that hold distinct tokens (ParallelDims.dp_group), `ranks` of
+        them: the naive mean's divisor."""
         self.normalization = normalization
         self.dp_group = dp_group
-        self.dp_size = dp_size
-        # every rank of the group holds distinct tokens (with sequences split: more than dp_size)
+        self.ranks = ranks
         self._ranks = dist.get_world_size(dp_group) if dp_group is not None else 1
         self.grad_accum = grad_accum
         self._global_count: torch.Tensor | None = None
@@ -174,7 +175,7 @@ class LossBalancer:
         if self.normalization == "global":
             return loss_sum / self.global_tokens().clamp(min=1)
         local = self._local_counts[micro].clamp(min=1)
-        return loss_sum / (local * (self.grad_accum * self.dp_size))
+        return loss_sum / (local * (self.grad_accum * self.ranks))
 
 
 def forward_backward(

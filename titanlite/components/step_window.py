@@ -46,13 +46,13 @@ class WindowRecord:
     # the window's expert load (expert_load.load_record; None: the model reports none)
     expert_load: dict | None = None
 
-    def check_skips(self, spike_steps: set[int], dp_size: int) -> None:
+    def check_skips(self, spike_steps: set[int], ranks: int) -> None:
         """A non-finite loss stops the run; every other skipped step (but the spike guard's,
         which are events of their own) gets a warning saying why."""
         for s, bad in zip(self.steps, self.nonfinite_ranks, strict=True):
             if bad:
                 raise TrainingError(
-                    f"non-finite loss at step {s} on {bad} of {dp_size} rank(s); its update was skipped "
+                    f"non-finite loss at step {s} on {bad} of {ranks} rank(s); its update was skipped "
                     "and the run stops. Lower optimizer.lr, raise warmup, or check the data"
                 )
         for s, tokens, skipped in zip(self.steps, self.tokens, self.skipped, strict=True):
@@ -92,7 +92,7 @@ class WindowRecord:
             loss_window_mean=sum(trained) / len(trained) if trained else None,
             loss_window_steps=len(trained),
             tokens_per_s=tps,
-            tokens_per_s_global=tps * run.dp_size,
+            tokens_per_s_global=tps * run.world,
             skipped_steps=sum(self.skipped),
             memory_gib=peak_memory_gib(run.device),
             elapsed_s=elapsed_s,
@@ -112,8 +112,8 @@ class WindowRecord:
 class RunRates:
     """What turns a window's steps into throughput, MFU and ETA."""
 
-    tokens_per_rank_step: int  # the plan's (titanlite.config.layout.Layout)
-    dp_size: int
+    tokens_per_rank_step: float  # the plan's (titanlite.config.layout.Layout)
+    world: int  # every rank of the job: the global figure is a rank's times this
     total_steps: int
     flops_per_token: int  # 0: unknown (no TFLOP/s, no MFU)
     device: torch.device

@@ -15,6 +15,29 @@ from titanlite.errors import UserError
 
 
 @dataclass(frozen=True)
+class AxisKind:
+    """What the ranks along one mesh axis split. Every component reads its groups, counts and
+    prices from these two facts through Layout and ParallelDims, never from an axis's name."""
+
+    splits: str  # what the axis divides among its ranks, as messages and reports say it
+    # its ranks hold different tokens of the same sequences: they join the normaliser's group and
+    # the data-parallel gradient sum, and one diagnostics replica spans them
+    distinct_tokens: bool
+    # each rank takes one equal piece of every sequence's positions (ParallelDims.piece)
+    splits_positions: bool
+
+
+# The axes a model may declare beyond dp_replicate x dp_shard, in mesh order (outer first).
+# Tensor parallelism is innermost so that its ranks, which exchange activations in every block,
+# are neighbours in torchrun's rank order (one node's GPUs). A pipeline axis (whole layers per
+# rank, the same tokens) and an expert axis (experts per rank) are further rows of this table.
+AXIS_KINDS: dict[str, AxisKind] = {
+    "cp": AxisKind("sequence positions", distinct_tokens=True, splits_positions=True),
+    "tp": AxisKind("tensors", distinct_tokens=False, splits_positions=False),
+}
+
+
+@dataclass(frozen=True)
 class Layout:
     dp_replicate: int  # outer mesh dim: replicas
     dp_shard: int  # inner mesh dim: FSDP shards per replica
@@ -25,9 +48,14 @@ class Layout:
     local_batch: int  # sequences per microbatch on one rank
     seq_len: int  # positions per sequence
     diagnostics_method: str  # diagnostics.method with 'auto' resolved (see resolve_layout)
-    # Extra mesh axes after the data-parallel ones, (name, degree): each splits every sequence's
-    # positions over its ranks, which read the same sequences (parallelism.axes).
+    # The mesh axes after the data-parallel ones, (name, degree) in AXIS_KINDS' order: the ranks
+    # along them read the same sequences, and each axis's kind says what they split.
     axes: tuple[tuple[str, int], ...] = ()
+
+    def _degree(self, distinct_tokens: bool) -> int:
+        return math.prod(
+            d for n, d in self.axes if AXIS_KINDS[n].distinct_tokens == distinct_tokens
+        )
 
     @property
     def dp(self) -> int:
@@ -36,18 +64,42 @@ class Layout:
 
     @property
     def seq_split(self) -> int:
-        """Ranks that split one sequence between them (the product of the extra axes)."""
+        """Ranks that split one sequence's positions between them (ParallelDims.piece)."""
+        return math.prod(d for n, d in self.axes if AXIS_KINDS[n].splits_positions)
+
+    @property
+    def model_split(self) -> int:
+        """Ranks that hold the same tokens and split the model between them (tensor parallelism)."""
+        return self._degree(distinct_tokens=False)
+
+    @property
+    def token_ranks(self) -> int:
+        """Ranks that hold distinct tokens: the normaliser's group, and the data-parallel
+        gradient sum of a parameter the model does not split."""
+        return self.dp * self._degree(distinct_tokens=True)
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks FSDP shards a parameter over (ParallelDims.shard_mesh without dp_replicate):
+        dp_shard and the axes whose ranks hold distinct tokens."""
+        return self.dp_shard * self._degree(distinct_tokens=True)
+
+    @property
+    def replica_ranks(self) -> int:
+        """Ranks that read one data-parallel rank's sequences (a diagnostics replica)."""
         return math.prod(d for _, d in self.axes)
 
     @property
     def world(self) -> int:
-        """Every rank of the job: each holds distinct tokens, so all are in the normaliser."""
-        return self.dp * self.seq_split
+        """Every rank of the job."""
+        return self.dp * self.replica_ranks
 
     @property
-    def tokens_per_rank_step(self) -> int:
-        """Positions one rank reads per optimizer step: seq_len x local batch x accumulation."""
-        return self.seq_len * self.local_batch * self.grad_accum
+    def tokens_per_rank_step(self) -> float:
+        """One rank's share of the tokens computed per optimizer step: its replica's (seq_len x
+        local batch x accumulation) over the ranks that split them (a piece of each sequence,
+        or a slice of each tensor), so that per-rank throughput and TFLOP/s are what a rank does."""
+        return self.seq_len * self.local_batch * self.grad_accum / self.replica_ranks
 
     @property
     def rank_share(self) -> int:
@@ -68,9 +120,15 @@ def mesh_text(
     return f"{mode} {dp_replicate}x{dp_shard}{extra}"
 
 
+def axes_text() -> str:
+    """The axes a config may name, as refusals list them: "cp (sequence positions), tp (tensors)"."""
+    return ", ".join(f"{name} ({kind.splits})" for name, kind in AXIS_KINDS.items())
+
+
 def extra_axes(entries: list[str]) -> tuple[tuple[str, int], ...]:
-    """parallelism.axes ("name=degree" each) as (name, degree) pairs; one UserError if malformed."""
-    out: list[tuple[str, int]] = []
+    """parallelism.axes ("name=degree" each) as (name, degree) pairs in mesh order (AXIS_KINDS');
+    one UserError if malformed or naming an axis titanlite does not know."""
+    out: dict[str, int] = {}
     for entry in entries:
         name, _, degree = str(entry).partition("=")
         name = name.strip()
@@ -78,25 +136,31 @@ def extra_axes(entries: list[str]) -> tuple[tuple[str, int], ...]:
             raise UserError(
                 f'parallelism.axes entry {entry!r} is not name=degree (e.g. "cp=2": a name and a degree >= 1)'
             )
-        if name in ("dp_replicate", "dp_shard") or name in dict(out):
+        if name in ("dp_replicate", "dp_shard") or name in out:
             raise UserError(
                 f"parallelism.axes names '{name}' twice or as a data-parallel axis; name each axis once"
             )
-        out.append((name, int(degree)))
-    return tuple(out)
+        if name not in AXIS_KINDS:
+            raise UserError(
+                f"parallelism.axes names '{name}', which is no mesh axis titanlite knows; "
+                f"use {axes_text()}"
+            )
+        out[name] = int(degree)
+    return tuple((name, out[name]) for name in AXIS_KINDS if name in out)
 
 
 def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     p, t = cfg.parallelism, cfg.training
     axes = extra_axes(p.axes)
     split = math.prod(d for _, d in axes)
+    named = " x ".join(f"{n}={d}" for n, d in axes)
     if world_size % split:
         raise UserError(
-            f"parallelism.axes split each sequence over {split} ranks, which does not divide the {world_size} "
-            "ranks; launch a multiple of it (NPROC)"
+            f"parallelism.axes {named} take {split} ranks per data-parallel rank, which does not divide "
+            f"the {world_size} ranks; launch a multiple of {split} (NPROC)"
         )
     world_size //= split  # the data-parallel ranks
-    extra = f" (after the {split} that split a sequence)" if split > 1 else ""
+    extra = f" (after the {split} of {named} per data-parallel rank)" if split > 1 else ""
     if p.dp_shard == -1:
         if world_size % p.dp_replicate:
             raise UserError(
@@ -157,12 +221,13 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
             "one replica); use diagnostics.method = 'sketch' or 'auto'"
         )
     batch = (t.global_batch_size, t.local_batch_size, t.seq_len)
-    if split > 1 and t.seq_len % split:
+    layout = Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method, axes)
+    if t.seq_len % layout.seq_split:
         raise UserError(
-            f"training.seq_len {t.seq_len} does not split into {split} equal pieces (parallelism.axes); "
-            f"pick a multiple of {split}"
+            f"training.seq_len {t.seq_len} does not split into {layout.seq_split} equal pieces "
+            f"(parallelism.axes); pick a multiple of {layout.seq_split}"
         )
-    return Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method, axes)
+    return layout
 
 
 def holds_unsharded_grads(layout: Layout) -> bool:

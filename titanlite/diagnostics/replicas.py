@@ -63,11 +63,10 @@ def gather(mine: torch.Tensor, ranks: int, group) -> tuple[torch.Tensor, dist.Wo
 
 
 def replica_groups(dims: ParallelDims) -> list[list[int]]:
-    """The ranks that hold the same parameters, one list per shard: the dp_replicate x dp_shard
-    (x the sequence-split axes, which FSDP shards over too) mesh puts rank r * shards + s at
-    replica r of shard s."""
-    shards, replicas = dims.layout.dp_shard * dims.layout.seq_split, dims.layout.dp_replicate
-    return [[r * shards + s for r in range(replicas)] for s in range(shards)]
+    """The ranks that hold the same parameters, one list per place on every other axis: the
+    mesh's ranks along dp_replicate."""
+    ranks = dims.mesh.mesh  # the mesh's ranks, one dimension per axis, dp_replicate first
+    return ranks.movedim(0, -1).reshape(-1, dims.layout.dp_replicate).tolist()
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""Device and the data-parallel DeviceMesh (dp_replicate x dp_shard); the process groups:
-titanlite.distributed.groups."""
+"""Device and the job's DeviceMesh (dp_replicate x dp_shard x the axes a model declares), with
+every group a component reduces over derived from the axes' kinds (titanlite.config.layout's
+AXIS_KINDS); the process groups themselves: titanlite.distributed.groups."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
@@ -11,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from titanlite.config.layout import Layout
+from titanlite.config.layout import AXIS_KINDS, Layout
 from titanlite.distributed.groups import init_distributed  # noqa: F401  (a fork may import it from here)
 from titanlite.errors import UserError
 
@@ -28,10 +30,16 @@ def resolve_device(choice: str) -> torch.device:
 
 @dataclass
 class ParallelDims:
-    """The job's mesh: dp_replicate x dp_shard, then the extra axes a model declares
-    (layout.axes), each splitting every sequence's positions over its ranks: those ranks share a
-    dp_rank (the data's coordinate) and `piece` gives each its positions. Gradients are summed
-    over every rank that holds distinct tokens: FSDP's `shard_mesh`, DDP's `replicate_group`."""
+    """The job's mesh: dp_replicate x dp_shard, then the axes a model declares (layout.axes). The
+    ranks along those axes read the same sequences (they share a dp_rank, the data's coordinate);
+    what else they share follows from each axis's kind:
+    - a sequence split (cp) gives each rank one piece of every sequence's positions (`piece`):
+      its ranks hold distinct tokens, so they join the normaliser's group and the gradient sum;
+    - a tensor split (tp) gives each rank the whole sequence and a slice of the model's tensors:
+      its ranks hold the same tokens, so the normaliser's group and the data-parallel gradient
+      sum leave it out; the model's plan reduces what it replicates over it.
+    Gradients of what the model does not split are summed over `token_ranks`: FSDP's
+    `shard_mesh`, DDP's `replicate_group`."""
 
     layout: Layout
     device: torch.device
@@ -50,6 +58,14 @@ class ParallelDims:
             param_dtype = "bfloat16" if device.type == "cuda" else "float32"
         return cls(layout, device, mesh, getattr(torch, param_dtype), getattr(torch, reduce_dtype))
 
+    def _axes(self, **kind: bool) -> tuple[str, ...]:
+        """The declared axes whose kind has these properties (AxisKind's fields), in mesh order."""
+        return tuple(
+            n
+            for n, _ in self.layout.axes
+            if all(getattr(AXIS_KINDS[n], k) == v for k, v in kind.items())
+        )
+
     @property
     def mode(self) -> str:
         return self.layout.mode
@@ -65,29 +81,53 @@ class ParallelDims:
         return replica * self.layout.dp_shard + self.mesh.get_local_rank("dp_shard")
 
     @property
+    def token_ranks(self) -> int:
+        """The ranks of `dp_group`: every rank that holds distinct tokens."""
+        return self.layout.token_ranks
+
+    @functools.cached_property
     def dp_group(self) -> dist.ProcessGroup:
-        """The normaliser's group: every rank (each holds distinct tokens)."""
-        return dist.group.WORLD
+        """The normaliser's group: the ranks that hold distinct tokens (data-parallel ranks and
+        the pieces of a sequence split) at this rank's place on the model-splitting axes; every
+        rank without those."""
+        if not self._axes(distinct_tokens=False):
+            return dist.group.WORLD
+        return self._flat(
+            ("dp_replicate", "dp_shard", *self._axes(distinct_tokens=True))
+        ).get_group()
 
     @property
     def seq_rank(self) -> int:
-        """This rank's place among the ranks that split its sequences (0 without extra axes)."""
-        rank = 0
-        for name, degree in self.layout.axes:
-            rank = rank * degree + self.mesh.get_local_rank(name)
+        """This rank's place among the ranks that split its sequences' positions (0: none)."""
+        rank, degrees = 0, dict(self.layout.axes)
+        for name in self._axes(splits_positions=True):
+            rank = rank * degrees[name] + self.mesh.get_local_rank(name)
         return rank
 
     def axis_group(self, name: str) -> dist.ProcessGroup:
-        """The process group of one extra axis (a fork's parallelize_fn asks for its own)."""
+        """The process group of one declared axis (a model's parallelize_fn asks for its own)."""
         return self.mesh.get_group(name)
 
+    def axis_mesh(self, name: str) -> DeviceMesh:
+        """One declared axis's mesh, for a tensor-parallel plan's DTensors."""
+        return self.mesh[name]
+
     def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
-        return self.mesh[names]._flatten("_".join(names)) if len(names) > 1 else self.mesh[names[0]]
+        if len(names) == 1:
+            return self.mesh[names[0]]
+        if names not in self._flats:  # flattened once: kept, so each name is flattened once
+            self._flats[names] = self.mesh[names]._flatten("_".join(names))
+        return self._flats[names]
+
+    @functools.cached_property
+    def _flats(self) -> dict[tuple[str, ...], DeviceMesh]:
+        return {}
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: dp_shard and the extra axes flattened (HSDP: under dp_replicate)."""
-        inner = ("dp_shard", *(n for n, _ in self.layout.axes))
+        """FSDP's mesh: dp_shard and the sequence split's axes flattened (HSDP: under
+        dp_replicate); a tensor split's axis is the model's own, not FSDP's."""
+        inner = ("dp_shard", *self._axes(distinct_tokens=True))
         if self.mode == "fsdp":
             return self._flat(inner)
         if not self.layout.axes:
@@ -96,12 +136,12 @@ class ParallelDims:
 
     @property
     def replicate_group(self) -> dist.ProcessGroup:
-        """DDP's group: dp_replicate and the extra axes."""
-        return self._flat(("dp_replicate", *(n for n, _ in self.layout.axes))).get_group()
+        """DDP's group: dp_replicate and the sequence split's axes."""
+        return self._flat(("dp_replicate", *self._axes(distinct_tokens=True))).get_group()
 
     def piece(self, batch):
         """This rank's positions of each sequence of a Microbatch: the seq_rank-th of seq_split
-        equal pieces (the sequence's keys whole). Without extra axes, the batch itself."""
+        equal pieces (the sequence's keys whole). Without a sequence split, the batch itself."""
         split = self.layout.seq_split
         if split == 1:
             return batch

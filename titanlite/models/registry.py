@@ -62,20 +62,26 @@ contract for a registered model:
 - optional KV cache for generation (titanlite.components.generate): `model.kv_cache(lengths[B])`
   returns a cache, and `model(tokens, cache=cache)` gives the logits of right-padded prompts
   first, then of one token per row at a time; without it generation runs full forwards;
-- the sequence-split rule, for a model that declares extra mesh axes (`axes=("cp",)` in its
-  ModelSpec; the config's parallelism.axes = ["cp=2"] sets their degrees): the mesh is
-  dp_replicate x dp_shard x the axes. The ranks along them read the same sequences and each
-  gets one equal piece of every sequence's positions (ParallelDims.piece: tokens, labels and
-  positions cut the same way; `positions` keeps the global within-document values), so the
-  loss, the token counts and the normaliser need nothing more: every rank sums its own
-  positions' loss and counts its own labels, and the normaliser and the gradient sum span every
-  rank (FSDP shards over dp_shard and the axes). The model makes each piece see its whole
-  sequence: attention gathers it over the axis (ParallelDims.axis_group(name) gives the group;
-  all-to-all over heads, or a ring), position embeddings and document boundaries come from
-  global positions (the piece's offset is seq_rank x its length), and a per-sequence sum it
-  needs whole (a norm over the sequence) is all-reduced over the axis. The diagnostics sum
-  each replica's pieces; the memory estimate traces one piece on the model unsplit, without
-  the exchange's own buffers;
+- the axis rules, for a model that declares mesh axes beyond data parallelism (`axes=("cp",)`
+  in its ModelSpec; the config's parallelism.axes = ["cp=2"] sets their degrees): the mesh is
+  dp_replicate x dp_shard x the axes, in the order of titanlite.config.layout's AXIS_KINDS, the
+  one table that says what each axis splits; ParallelDims derives every group from it. The
+  ranks along an axis read the same sequences (one dp_rank).
+  A sequence split (`cp`): each rank gets one equal piece of every sequence's positions
+  (ParallelDims.piece: tokens, labels and positions cut the same way; `positions` keeps the
+  global within-document values), so the loss, the token counts and the normaliser need
+  nothing more: every rank sums its own positions' loss and counts its own labels, and the
+  normaliser's group and the gradient sum include the axis (FSDP shards over dp_shard and it).
+  The model makes each piece see its whole sequence: attention gathers it over the axis
+  (ParallelDims.axis_group(name) gives the group; all-to-all over heads, or a ring), position
+  embeddings and document boundaries come from global positions (the piece's offset is
+  seq_rank x its length), and a per-sequence sum it needs whole (a norm over the sequence) is
+  all-reduced over the axis. The diagnostics sum each replica's pieces; the memory estimate
+  traces one piece on the model unsplit, without the exchange's own buffers.
+  A tensor split (`tp`): every rank of the axis gets the whole sequences and holds a slice of
+  the model's tensors (ParallelDims.axis_mesh(name) for its DTensors); the normaliser's group
+  (ParallelDims.dp_group) and FSDP's and DDP's gradient sums leave the axis out, so the model's
+  plan reduces over it what it keeps replicated;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
   checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
 - optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder:
@@ -111,7 +117,7 @@ import torch
 import torch.nn as nn
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import extra_axes, loss_chunks
+from titanlite.config.layout import AXIS_KINDS, extra_axes, loss_chunks
 from titanlite.errors import UserError, foreign
 from titanlite.models.hf_files import read_config
 from titanlite.models.hf_keys import ConfigKeys
@@ -172,8 +178,8 @@ class ModelSpec:
     flavors: dict[str, Any]
     parallelize_fn: Callable[..., Any]
     hf: HFAdapter | None = None
-    # the extra mesh axes (parallelism.axes) the model splits its sequences over (the contract's
-    # sequence-split rule); an axis a config names and the model does not is refused
+    # the mesh axes beyond data parallelism the model splits itself over (parallelism.axes; the
+    # contract's axis rules, AXIS_KINDS' names); an axis a config names and the model does not is refused
     axes: tuple[str, ...] = ()
     # the step-statistics pass: the forward, without gradient and with step.counting set, on
     # every microbatch before the step's first training forward (titanlite.models.step)
@@ -337,9 +343,9 @@ def _check_capabilities(spec: ModelSpec, cfg: JobConfig, chunked: bool) -> None:
     undeclared = [n for n, _ in extra_axes(cfg.parallelism.axes) if n not in spec.axes]
     if undeclared:
         raise UserError(
-            f"parallelism.axes: model '{spec.name}' splits no sequence over '{undeclared[0]}' "
-            f"(its ModelSpec.axes: {list(spec.axes)}); remove the axis, or declare it and split "
-            "attention over it in the model (the sequence-split rule in titanlite/models/registry.py)"
+            f"parallelism.axes: model '{spec.name}' does not split its {AXIS_KINDS[undeclared[0]].splits} "
+            f"over '{undeclared[0]}' (its ModelSpec.axes: {list(spec.axes)}); remove the axis, or declare it "
+            "and split the model over it (the axis rules in titanlite/models/registry.py)"
         )
     if spec.step_statistics and not {"step", "labels"} <= takes.keys():
         raise UserError(

@@ -200,7 +200,7 @@ def job_estimate(
         seq_len=t.seq_len // layout.seq_split,  # a rank that splits sequences holds one piece each
         param_dtype=param_dtype,
         activation_checkpoint=t.activation_checkpoint,
-        shard=layout.dp_shard * layout.seq_split,  # FSDP shards over the sequence-split axes too
+        shard=layout.shard_ranks,
         mode=layout.mode,
         loss_chunk=meta.loss_chunk,
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
