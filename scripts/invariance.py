@@ -106,7 +106,7 @@ def plan(
         "dp_shard": shard,
         "local_batch_size": local,
         "accum": rank_share(cfg, dp) // local,
-        # ranks per data-parallel rank: the extra mesh axes (parallelism.axes) split its sequences
+        # ranks per data-parallel rank: every mesh axis beyond data parallelism (parallelism.axes)
         "split": math.prod(d for _, d in extra_axes(cfg.parallelism.axes)),
     }
 

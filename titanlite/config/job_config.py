@@ -125,7 +125,7 @@ class Parallelism:
     mode: str = opt("auto", choices=("auto", "fsdp", "ddp", "hsdp"))
     """auto: hsdp if both degrees > 1, ddp if only dp_replicate > 1, else fsdp"""
     axes: list[str] = opt([])
-    """extra mesh axes that split every sequence's positions over their ranks (context parallelism), as name=degree, e.g. ["cp=2"] (CLI: a JSON list); the model must declare them (ModelSpec.axes)"""
+    """mesh axes beyond data parallelism, as name=degree, e.g. ["cp=2"] (CLI: a JSON list): cp splits every sequence's positions (context parallelism), tp the model's tensors; the model must declare them (ModelSpec.axes)"""
     skip_grad_sync: str = opt("auto", choices=("auto", "on", "off"))
     """no gradient reduction on non-final microbatches; auto: on for ddp, off for fsdp/hsdp"""
     reshard_after_forward: str = opt("auto", choices=("auto", "always", "never"))
