@@ -8,7 +8,7 @@ import json
 import subprocess
 import sys
 
-from helpers import REPO
+from helpers import HANG_S, REPO
 
 
 def test_bench_reports_ratios_and_counts(tmp_path):
@@ -28,7 +28,7 @@ def test_bench_reports_ratios_and_counts(tmp_path):
         "dropout",
     ]
     proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600
+        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())["dp"]["2"]
@@ -105,6 +105,6 @@ def test_bench_bad_override_is_one_line(tmp_path):
         "--out",
         str(tmp_path / "b.json"),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode != 0 and proc.stderr.count("\n") == 1 and "training.sed" in proc.stderr
     assert not (tmp_path / "b.json").exists()

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO
+from helpers import HANG_S, REPO
 
 SCRIPT = str(REPO / "scripts" / "check_model.py")
 FORK_LM = (
@@ -29,7 +29,7 @@ def _check(*flags: str) -> subprocess.CompletedProcess:
         cwd=REPO / "tests",
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
 
 

@@ -27,7 +27,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import STARTUP, check, read_metrics, train
+from helpers import HANG_S, STARTUP, check, read_metrics, train
 
 from titanlite.components.checkpoint.index import damage, file_record, find, quarantine_damaged
 from titanlite.errors import UserError
@@ -61,7 +61,14 @@ def run(tmp: Path, name: str, *extra: str, nproc: int = 2, ok: bool = True, rest
     where = ("--job.dump_folder", str(tmp), "--job.run_name", name)
     launch = ("--max-restarts", str(restarts))
     proc = train(
-        nproc, *BASE, *DATA, *where, *extra, timeout=600, launcher="titanlite.launch", launch=launch
+        nproc,
+        *BASE,
+        *DATA,
+        *where,
+        *extra,
+        timeout=HANG_S,
+        launcher="titanlite.launch",
+        launch=launch,
     )
     if ok:
         check(proc)

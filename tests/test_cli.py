@@ -9,7 +9,16 @@ import sys
 
 import pytest
 import torch
-from helpers import REPO, check, in_process, read_metrics, served_scalars, tensorboard_items, train
+from helpers import (
+    HANG_S,
+    REPO,
+    check,
+    in_process,
+    read_metrics,
+    served_scalars,
+    tensorboard_items,
+    train,
+)
 from torch.utils.tensorboard import SummaryWriter
 
 from titanlite.config import load_config
@@ -29,7 +38,7 @@ SMALL = [
 ]
 
 
-def single(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def single(*args: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """`python -m titanlite.train` without torchrun: a one-rank job."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run(
@@ -104,7 +113,7 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2
     assert (
@@ -121,7 +130,7 @@ def test_launcher_preflight_rejects_before_starting_workers(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert (
@@ -149,7 +158,7 @@ def test_model_too_big_for_this_machine_is_refused(tmp_path):
         env={**os.environ, "NPROC": "2"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     one_line_error(proc, "needs about")
     assert "per rank but" in proc.stderr and "ChildFailedError" not in proc.stderr
@@ -347,7 +356,7 @@ def test_help_prints_every_config_key_and_exits_0(cmd):
     from titanlite.config.job_config import sections
 
     env = {**os.environ, "NPROC": "2", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("usage: ")
     for name, section in sections(JobConfig()):
@@ -373,7 +382,7 @@ def test_run_train_environment_values_are_one_line(tmp_path, env, message):
         env={**os.environ, **env},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert (proc.returncode, proc.stderr.strip()) == (2, f"titanlite: error: {message}")
     assert not (tmp_path / "out").exists()
@@ -393,7 +402,7 @@ def test_the_model_is_checked_by_the_preflight(tmp_path):
         env={**os.environ, "NPROC": "2"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
@@ -441,7 +450,7 @@ def test_an_error_the_workers_find_is_printed_once_and_adds_no_logs(tmp_path):
         env={**os.environ, "NPROC": "2"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     one_line_error(proc, str(data))
     assert "[rank1]" not in proc.stderr, proc.stderr

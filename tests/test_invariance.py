@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import REPO, check, read_metrics, tensorboard_items, train
+from helpers import HANG_S, REPO, check, read_metrics, tensorboard_items, train
 
 from titanlite.config.layout import loss_chunk
 
@@ -41,7 +41,7 @@ def batch(local: int) -> list[str]:
 
 
 def invariance(
-    tmp_path, *args: str, timeout: int = 1500
+    tmp_path, *args: str, timeout: float = HANG_S
 ) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "inv"
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -160,7 +160,7 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
     runs = [str(fsdp), *(str(tmp_path / "inv" / name) for name in ("ddp-8x1-lb1", "hsdp-2x4-lb1"))]
     out = tmp_path / "vs-fsdp"
     cmd = [sys.executable, "scripts/compare_runs.py", *runs, "--invariance", "--out", str(out)]
-    judged = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    judged = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
     print(judged.stdout[-3000:], judged.stderr[-3000:])
     assert judged.returncode == 0, judged.stderr
     against_fsdp = json.loads((out / "compare.json").read_text())
@@ -187,14 +187,16 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
-    proc, _ = invariance(tmp_path, *args, *batch(2), timeout=120)
+    proc, _ = invariance(tmp_path, *args, *batch(2), timeout=HANG_S)
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "inv").exists()
 
 
 def test_dry_run_prints_one_command_per_layout(tmp_path):
     modes = ("--modes", "fsdp", "hsdp")
-    proc, _ = invariance(tmp_path, "--dp", "8", "16", *modes, "--dry-run", *batch(2), timeout=120)
+    proc, _ = invariance(
+        tmp_path, "--dp", "8", "16", *modes, "--dry-run", *batch(2), timeout=HANG_S
+    )
     assert proc.returncode == 0
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 4 and lines[0].startswith("NPROC=8 ") and lines[-1].startswith("NPROC=16 ")
@@ -205,7 +207,7 @@ def test_dry_run_prints_one_command_per_layout(tmp_path):
     assert not (tmp_path / "inv").exists()
     # with --localize: the step to rerun is known once the runs are compared, which it says
     proc, _ = invariance(
-        tmp_path, "--dp", "8", "16", "--dry-run", "--localize", *batch(2), timeout=120
+        tmp_path, "--dp", "8", "16", "--dry-run", "--localize", *batch(2), timeout=HANG_S
     )
     lines = proc.stdout.strip().splitlines()
     assert (
@@ -272,7 +274,7 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
         cmd += ["--training.local_batch_size", "2"]
     cmd += ["--dp", "1", "2", "--steps", str(step + 1), *QUIET, "--out", str(tmp_path / "inv")]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
-    failed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    failed = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     print(failed.stdout[-2000:], failed.stderr[-2000:])
     assert (
         failed.returncode == 1
@@ -302,7 +304,7 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
             env=env,
             capture_output=True,
             text=True,
-            timeout=900,
+            timeout=HANG_S,
         )
         lines = dry.stdout.splitlines()
         assert dry.returncode == 1 and sum(ln.startswith("NPROC=") for ln in lines) == 3, dry.stdout
@@ -311,7 +313,7 @@ def test_localize_names_the_module_of_each_planted_bug(tmp_path, model):
         ), dry.stdout
         assert not (tmp_path / "inv" / f"localize-step{step}").exists()
     found = subprocess.run(
-        [*cmd, "--localize"], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
+        [*cmd, "--localize"], cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S
     )
     print(found.stdout[-3000:], found.stderr[-3000:])
     assert found.returncode == 1 and "are compared again (--localize)" in found.stdout
@@ -348,7 +350,7 @@ def test_a_models_loss_terms_are_the_same_with_the_loss_chunked_or_whole(tmp_pat
         str(tmp_path / "inv"),
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     print(proc.stdout[-3000:], proc.stderr[-3000:])
     assert proc.returncode == 0 and "(and the loss terms aux, z) <= rtol 1e-05" in proc.stdout
     assert "PASS gradient at step 1: " in proc.stdout

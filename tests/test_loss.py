@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import REPO
+from helpers import HANG_S, REPO
 
 from titanlite.components.loss import LossBalancer, sequence_losses
 from titanlite.config import JobConfig
@@ -184,7 +184,7 @@ def test_loss_memory_benchmark_shows_the_saving(tmp_path):
         "8",
     ]
     proc = subprocess.run(
-        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300
+        [*cmd, "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     whole, chunked = json.loads(out.read_text())

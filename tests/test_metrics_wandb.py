@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 import pytest
-from helpers import REPO, tensorboard_items
+from helpers import HANG_S, REPO, tensorboard_items
 
 from titanlite.components.metrics import WANDB_ID_FILE, WANDB_STEP, MetricsWriter, tensorboard_dir
 from titanlite.config import JobConfig, parse_args
@@ -260,7 +260,7 @@ def test_trainer_refuses_missing_wandb_in_one_line(tmp_path):
         env={**os.environ, "PYTHONPATH": f"{hide}{os.pathsep}{REPO}"},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr.splitlines()[-1] == f"titanlite: error: {MISSING}", proc.stderr[-3000:]

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, read_metrics
+from helpers import HANG_S, REPO, read_metrics
 
 from titanlite.components.checkpoint.index import MARKER as CHECKPOINT_MARKER
 from titanlite.components.run.lock import STALE_S, RunLock
@@ -59,27 +59,22 @@ def launch(tmp: Path, name: str, *extra: str, env: dict | None = None, **popen) 
     )  # fmt: skip
 
 
-# Bounds on waits for an event (a process's exit, a step logged): generous, so a machine busy with
-# other work (load 20 on 2 cores) is slow but never fails a test; no test waits on the clock.
-BOUND_S = 900
-
-
 def until(ready, what: str, proc: subprocess.Popen | None = None) -> None:
-    """Poll `ready()` until it holds (at most BOUND_S); `proc` must not end meanwhile."""
-    end = time.monotonic() + BOUND_S
+    """Poll `ready()` until it holds (at most HANG_S); `proc` must not end meanwhile."""
+    end = time.monotonic() + HANG_S
     while not ready():
         assert proc is None or proc.poll() is None, proc.communicate()
-        assert time.monotonic() < end, f"{what}: not after {BOUND_S}s"
+        assert time.monotonic() < end, f"{what}: not after {HANG_S}s"
         time.sleep(0.02)
 
 
-def finish(proc: subprocess.Popen, timeout: float = BOUND_S) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen, timeout: float = HANG_S) -> tuple[int, str, str]:
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 
 
 def wait_for_step(
-    run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = BOUND_S
+    run_dir: Path, step: int, proc: subprocess.Popen, timeout: float = HANG_S
 ) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -293,7 +288,7 @@ def test_timeout_s_int_during_a_rehearsal_is_one_line_and_leaves_nothing(tmp_pat
     assert len(alive_with(str(tmp_path))) == 2, "".join(said)  # the launcher and its loader worker
     os.kill(proc.pid, signal.SIGINT)
     os.killpg(proc.pid, signal.SIGINT)
-    rest, _ = proc.communicate(timeout=BOUND_S)
+    rest, _ = proc.communicate(timeout=HANG_S)
     lines = [ln for ln in "".join(said).splitlines() + rest.splitlines() if ln.strip()]
     assert proc.returncode == 130, lines[-30:]
     assert lines[-1].startswith("titanlite: stopped by SIGINT after rehearsal step "), lines[-30:]
@@ -366,7 +361,7 @@ def test_a_second_stop_to_a_script_goes_on_to_its_child_which_it_still_waits_for
     Ctrl-C meanwhile passes it on and returns only once the child has exited."""
     proc = subprocess.run(
         [sys.executable, "-c", SECOND_STOP], cwd=REPO, capture_output=True, text=True,
-        timeout=BOUND_S,
+        timeout=HANG_S,
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (0, "130\n"), proc.stderr[-3000:]
 
@@ -386,7 +381,7 @@ def test_a_signal_after_the_last_step_changes_nothing():
         "print(signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=BOUND_S
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     # ignored, not handled: finalization restores the default action of handled signals only
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
@@ -414,7 +409,7 @@ def delivered(sig, to):
     for pid in to:  # from another process, as a user's or a scheduler's signal comes
         kill = ["kill", f"-{sig.name[3:]}", "--", str(pid or -os.getpgid(0))]
         subprocess.run(kill, check=True, start_new_session=True)
-    end = time.monotonic() + BOUND_S
+    end = time.monotonic() + HANG_S
     while heard.count(sig) == before:
         assert time.monotonic() < end, (sig, to)
         time.sleep(0.01)
@@ -445,7 +440,7 @@ assert stops.received == signal.SIGINT  # the first one is the stop
 got += list(batches)  # the loader kept serving: no worker died of a signal
 os.kill(forked, signal.SIGKILL)
 print(len(got), file=sys.stderr)
-""".replace("BOUND_S", str(BOUND_S))
+""".replace("HANG_S", str(HANG_S))
 
 
 def test_a_stop_to_a_rank_s_children_is_the_rank_s_stop():
@@ -455,7 +450,7 @@ def test_a_stop_to_a_rank_s_children_is_the_rank_s_stop():
     until the rank stops them (none dies of the signal or raises the rank's stop in itself)."""
     proc = subprocess.run(
         [sys.executable, "-W", "ignore::UserWarning", "-c", STOPS_IN_CHILDREN], cwd=REPO, capture_output=True, text=True,
-        timeout=BOUND_S, start_new_session=True,
+        timeout=HANG_S, start_new_session=True,
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (0, "64\n"), proc.stderr[-3000:]
 
@@ -489,7 +484,7 @@ def test_the_launcher_waits_for_every_process_it_started_and_kills_what_stays():
     """The launcher's children, and their orphaned children (the subreaper), are waited for; one
     still running when the wait ends is killed and named."""
     proc = subprocess.run(
-        [sys.executable, "-c", REAP], cwd=REPO, capture_output=True, text=True, timeout=BOUND_S
+        [sys.executable, "-c", REAP], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
     )
     assert (proc.returncode, proc.stderr) == (0, "ok\n"), proc.stderr[-3000:]
     from titanlite.components.run.children import STOP_WAIT_S, killed_line
@@ -549,7 +544,7 @@ def test_slurm_script_on_two_nodes_matches_one_node(tmp_path):
     }
     env["MASTER_PORT"] = str(_free_port())
     cmd = ["bash", "scripts/train.slurm", *FAST, *steps, "--job.dump_folder", str(tmp_path)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=BOUND_S)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = tmp_path / "debug_model-slurm4242"  # the default name under SLURM: the job id
     want = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "one-node")}

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from helpers import REPO, load_script, run_script
+from helpers import HANG_S, REPO, load_script, run_script
 
 from titanlite.config import parse_args
 from titanlite.config.layout import resolve_layout
@@ -284,7 +284,7 @@ def test_killed_preparation_is_refused_then_resumes_to_the_same_folder(tmp_path,
         assert "waiting for another preparation" in waiting.stderr.readline()
         assert not list(again.glob("shard-*"))
         fcntl.flock(lock, fcntl.LOCK_UN)
-    assert waiting.wait(timeout=120) == 0
+    assert waiting.wait(timeout=HANG_S) == 0
     listing = {p.name: p.stat().st_mtime_ns for p in again.iterdir()}
     assert Prepared(again).meta["shards"] == a.meta["shards"]
     prepare([raw], again, tok, shard_bytes=20_000)  # done already: nothing is written

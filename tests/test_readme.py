@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO
+from helpers import HANG_S, REPO
 
 TRAIN = "--training.steps 2"
 NET = "skip: a download (network)"
@@ -218,7 +218,7 @@ def test_readme_commands_run_from_a_fresh_copy(tmp_path):
                 env=env,
                 capture_output=True,
                 text=True,
-                timeout=300,
+                timeout=HANG_S,
             )
             assert proc.returncode == 0, (
                 f"{readme}: {command}\nexit {proc.returncode}\n{proc.stderr[-3000:]}"

@@ -10,7 +10,7 @@ import os
 import subprocess
 
 import pytest
-from helpers import REPO, check, torchrun
+from helpers import HANG_S, REPO, check, torchrun
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +34,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rehearsal")
     check(
         torchrun(
-            2, "tests/workers/rehearsal.py", str(tmp / "out.json"), str(tmp / "runs"), timeout=900
+            2,
+            "tests/workers/rehearsal.py",
+            str(tmp / "out.json"),
+            str(tmp / "runs"),
+            timeout=HANG_S,
         )
     )
     return json.loads((tmp / "out.json").read_text())
@@ -362,7 +366,7 @@ def test_run_train_rehearses_and_its_folder_cannot_be_trained(tmp_path):
         "--job.run_name",
         "plan",
     ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rehearsal of rank 0 of 16" in proc.stdout + proc.stderr
     report = json.loads((tmp_path / "plan" / REHEARSAL_FILE).read_text())
@@ -371,7 +375,7 @@ def test_run_train_rehearses_and_its_folder_cannot_be_trained(tmp_path):
     )
     assert not (tmp_path / "plan" / "checkpoints").exists()
     cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--job.run_name", "plan"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert (

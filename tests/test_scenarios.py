@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import REPO, load_script
+from helpers import HANG_S, REPO, load_script
 
 
 def _alerts(row: dict) -> list[tuple[str, list[int]]]:
@@ -42,7 +42,7 @@ def test_faults_move_their_metrics_and_raise_their_alerts(tmp_path, capsys):
     cmd += ["stuck_loader", "slow_rank", "S1-2", "S1-3"]
     cmd += ["--diagnostics.on_alert", "stop", "--metrics.enable_tensorboard", "false"]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
     print(proc.stdout, proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "scenarios.json").read_text())

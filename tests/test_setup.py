@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import REPO, load_script
+from helpers import HANG_S, REPO, load_script
 
 from titanlite.datasets.build import _built_once
 from titanlite.errors import UserError
@@ -156,7 +156,7 @@ def test_a_stop_during_an_install_phase_is_one_line_and_stops_what_it_ran(tmp_pa
         os.kill(proc.pid, sig)
     if to in ("group", "shell-then-group"):
         os.killpg(proc.pid, sig)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=HANG_S)
     assert proc.returncode == 128 + sig, (proc.returncode, err)
     assert re.fullmatch(
         rf"titanlite: making a thing \.\.\. stopped by {sig.name} after \d+s; run the same command again to finish the set-up\n",
@@ -187,7 +187,7 @@ def test_a_wrong_interpreter_or_venv_variable_is_one_line_naming_it(
     env[variable] = value
     proc = subprocess.run(
         ["bash", "-c", "source scripts/env.sh && echo sourced"], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stdout == "", proc
     assert proc.stderr.startswith(f"titanlite: error: {variable}={value} {says}; "), proc.stderr
@@ -209,7 +209,7 @@ def test_a_stop_while_env_sh_checks_the_interpreter_is_one_line_not_an_install(t
     env = {**os.environ, "TITANLITE_PYTHON": str(fake)}
     proc = subprocess.run(
         ["bash", "-c", "source scripts/env.sh && echo sourced"], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=HANG_S,
     )  # fmt: skip
     assert proc.returncode == 128 + sig and proc.stdout == "", proc
     assert proc.stderr == (

@@ -13,6 +13,7 @@ from pathlib import Path
 from faults.fixtures import base, data, prepared, shared_run
 from faults.harness import (
     CKPT,
+    HANG_S,
     REPO,
     RESUME6,
     Bent,
@@ -206,7 +207,7 @@ def _(c: Catalogue) -> None:
     folder = _fork(c, "fails_in_check", "raise ValueError('half-written fork')\n")
     env = {"PYTHONPATH": str(folder)}
     args = ("--model.name", "x", "--model.import_module", "fails_in_check")
-    r = c.script("check_model", *args, env=env, timeout=120)
+    r = c.script("check_model", *args, env=env, timeout=HANG_S)
     expect(r, 2, "fails_in_check")
 
 
@@ -215,7 +216,12 @@ def _(c: Catalogue) -> None:
     run = Path(shutil.copytree(shared_run(c), c.dump("nonutf8-config") / "run"))
     (run / "config.toml").write_bytes(b'[job]\ndescription = "caf\xe9"\n')
     r = c.script(
-        "compare_runs", str(run), str(shared_run(c)), "--out", str(run.parent / "cmp"), timeout=120
+        "compare_runs",
+        str(run),
+        str(shared_run(c)),
+        "--out",
+        str(run.parent / "cmp"),
+        timeout=HANG_S,
     )
     expect(r, 2, "config.toml")
 
@@ -295,9 +301,9 @@ def _(c: Catalogue) -> None:
         "--out",
         str(out),
     )
-    live.wait_for(lambda: (out / "healthy" / "metrics.jsonl").is_file(), timeout=240)
+    live.wait_for(lambda: (out / "healthy" / "metrics.jsonl").is_file(), timeout=HANG_S)
     live.proc.send_signal(signal.SIGTERM)  # the script alone, as a scheduler or `kill` sends it
-    r = live.finish(timeout=240)
+    r = live.finish(timeout=HANG_S)
     if r.code != 128 + signal.SIGTERM:
         raise Broke(f"exit {r.code}, promised {128 + signal.SIGTERM}: {r.last[:200]}")
     if left := _alive(str(out)):  # the script has exited: what it started has too
@@ -308,9 +314,9 @@ def _(c: Catalogue) -> None:
 def _(c: Catalogue) -> None:
     dump = c.dump("rehearsal-term")
     live = c.start(dump, ("--rehearse", "8", "--rehearsal.steps", "30"))
-    live.wait_for(lambda: live.saw("rehearsal: step 2/30 done"), timeout=240)
+    live.wait_for(lambda: live.saw("rehearsal: step 2/30 done"), timeout=HANG_S)
     live.signal(signal.SIGTERM)
-    expect(live.finish(timeout=240), 128 + signal.SIGTERM, "nothing was kept")
+    expect(live.finish(timeout=HANG_S), 128 + signal.SIGTERM, "nothing was kept")
     unchanged({}, dump)
 
 
@@ -381,9 +387,9 @@ def _(c: Catalogue) -> None:
         str(out),
     ]
     base_args += ["--training.seq_len", "128"]
-    expect(c.script("invariance", *base_args, timeout=300), 0)
+    expect(c.script("invariance", *base_args, timeout=HANG_S), 0)
     before = listing(out)
-    r = c.script("invariance", *base_args, "--localize", "--optimizer.lr", "1e-3", timeout=300)
+    r = c.script("invariance", *base_args, "--localize", "--optimizer.lr", "1e-3", timeout=HANG_S)
     expect(r, 2, "optimizer.lr")
     unchanged(before, out)
 
@@ -416,7 +422,13 @@ def _(c: Catalogue) -> None:
     (run / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     out = run.parent / "cmp"
     r = c.script(
-        "compare_runs", str(run), str(shared_run(c)), "--invariance", "--out", str(out), timeout=120
+        "compare_runs",
+        str(run),
+        str(shared_run(c)),
+        "--invariance",
+        "--out",
+        str(out),
+        timeout=HANG_S,
     )
     expect(r, 2, "step")
 

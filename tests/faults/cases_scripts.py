@@ -15,6 +15,7 @@ from faults.fixtures import (
     truncate,
 )
 from faults.harness import (
+    HANG_S,
     Broke,
     Catalogue,
     case,
@@ -211,7 +212,7 @@ def _(c: Catalogue) -> None:
         str(big),
     )
     live = c.start_script("prepare_data", *args)
-    live.wait_for(lambda: len(list((work / "p").glob("shard-*.json"))) >= 2, timeout=120)
+    live.wait_for(lambda: len(list((work / "p").glob("shard-*.json"))) >= 2, timeout=HANG_S)
     live.signal(signal.SIGTERM)
     expect(live.finish(), 143, "prepare_data")
     expect(c.script("prepare_data", *args), 0)

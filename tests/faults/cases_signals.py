@@ -22,6 +22,7 @@ from faults.fixtures import (
 )
 from faults.harness import (
     CKPT,
+    HANG_S,
     RESUME6,
     Broke,
     Catalogue,
@@ -302,7 +303,7 @@ def _(c: Catalogue) -> None:
         "--out", str(out / "o"), "--training.seq_len", "128",
     )  # fmt: skip
     live.wait_for(
-        lambda: live.saw("step 1/") or any((out / "o").glob("*/metrics.jsonl")), timeout=180
+        lambda: live.saw("step 1/") or any((out / "o").glob("*/metrics.jsonl")), timeout=HANG_S
     )
     live.signal(signal.SIGINT)
     expect(live.finish(), 130, "invariance")

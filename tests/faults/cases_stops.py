@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from faults.fixtures import metrics_step, no_orphans, own_cache, workers
-from faults.harness import Broke, Catalogue, Live, case, expect, unchanged
+from faults.harness import HANG_S, Broke, Catalogue, Live, case, expect, unchanged
 
 Deliver = Callable[[Path, Live, int], None]
 _N = itertools.count()  # each case's dump folder
@@ -124,7 +124,7 @@ for _phase, _ready, _loaders, _own in PHASES:
                 dump = c.dump(f"stop-{n}")
                 env = own_cache(c, c.work / f"cache-{dump.name}") if own else None
                 live = c.start(dump, RUN, env=env)
-                live.wait_for(lambda: ready(c, dump, live), timeout=600)
+                live.wait_for(lambda: ready(c, dump, live), timeout=HANG_S)
                 deliver(dump, live, sig)
                 _stopped(dump, live.finish(), sig)
 
@@ -147,7 +147,7 @@ for _phase, _ready in REHEARSAL_PHASES:
             def _(c: Catalogue, ready=_ready, deliver=_deliver, sig=_sig, n=_n) -> None:
                 dump = c.dump(f"stop-{n}")
                 live = c.start(dump, REHEARSAL)
-                live.wait_for(lambda: ready(c, dump, live), timeout=600)
+                live.wait_for(lambda: ready(c, dump, live), timeout=HANG_S)
                 deliver(dump, live, sig)
                 r = live.finish()
                 expect(r, 128 + sig, "stopped")
@@ -172,7 +172,7 @@ for _how in (
                 "invariance", "--config", "train_configs/debug_model.toml", "--dp", "1", "2",
                 "--steps", "30", "--out", str(out / "o"), "--training.seq_len", "128",
             )  # fmt: skip
-            live.wait_for(lambda: any((out / "o").glob("*/metrics.jsonl")), timeout=600)
+            live.wait_for(lambda: any((out / "o").glob("*/metrics.jsonl")), timeout=HANG_S)
             deliver(out, live, sig)
             expect(live.finish(), 128 + sig, "invariance")
             no_orphans(out)

@@ -28,14 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import helpers
+from helpers import HANG_S
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL = ("--training.seq_len", "128", "--metrics.log_every", "1")
 CKPT = ("--checkpoint.every", "2", "--checkpoint.at_end", "true")
 RESUME6 = ("--training.steps", "6", *CKPT)
-# the bound on a wait for an event (a moment of a run, a process's exit): generous, so a machine
-# busy with other work is slow but never fails a case
-BOUND_S = 900
 
 
 @dataclass
@@ -96,7 +94,7 @@ class Live:
     def saw(self, text: str) -> bool:
         return any(text in ln for ln in self.out + self.err)
 
-    def wait_for(self, ready: Callable[[], bool], timeout: float = BOUND_S) -> None:
+    def wait_for(self, ready: Callable[[], bool], timeout: float = HANG_S) -> None:
         end = time.monotonic() + timeout
         while not ready():
             if self.proc.poll() is not None or time.monotonic() > end:
@@ -106,7 +104,7 @@ class Live:
     def signal(self, sig: int) -> None:
         os.killpg(self.proc.pid, sig)
 
-    def finish(self, timeout: float = BOUND_S) -> Result:
+    def finish(self, timeout: float = HANG_S) -> Result:
         try:
             code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -197,7 +195,7 @@ class Catalogue:
         return r, {f"{s}.{k}": v for s, table in sections(cfg) for k, v in vars(table).items()}
 
     def script(
-        self, name: str, *args: str, env: dict | None = None, timeout: float = 300
+        self, name: str, *args: str, env: dict | None = None, timeout: float = HANG_S
     ) -> Result:
         """scripts/<name>.py with `args`, to its end, as a user runs it."""
         cmd = [sys.executable, str(REPO / "scripts" / f"{name}.py"), *args]
