@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -192,3 +193,46 @@ def test_llama_dropout_keyed_by_sample_in_training_only():
     assert not torch.equal(model(tokens), a)
     model.eval()
     assert torch.equal(model(tokens, sample_keys=keys), model(tokens))
+
+
+@pytest.mark.parametrize(
+    "layout, qk_norm, kv_heads",
+    [("pairs", False, 2), ("halves", True, 2), ("pairs", True, 4), ("halves", False, 1)],
+)
+def test_shared_blocks_run_on_a_split_of_their_heads_and_hidden_units(layout, qk_norm, kv_heads):
+    """models/common's attention and SwiGLU take their head counts and widths from their
+    projections' outputs, so a tensor-parallel split (wq, wk, wv, w1, w3 by output rows, wo, w2
+    by input columns) runs the same block code on each part, and the parts' outputs sum to the
+    whole block's, at every rope layout, with and without q/k norms, for grouped and plain heads."""
+    from titanlite.models.common.attention import Attention
+    from titanlite.models.common.feed_forward import SwiGLU
+    from titanlite.models.common.rope import rope_frequencies, rope_lookup, rope_tables
+
+    dim, heads, head_dim, hidden, parts = 32, 4, 8, 48, 2
+    eps = 1e-6 if qk_norm else None
+    attention = Attention(dim, heads, kv_heads, head_dim, layout, qk_norm_eps=eps)
+    attention.init_weights(ParamInit(attention, 0), out_std=0.02)
+    swiglu = SwiGLU(dim, hidden)
+    swiglu.init_weights(ParamInit(swiglu, 0), out_std=0.02, up_std=0.02)
+    x = torch.randn(2, 6, dim, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_lookup(*rope_tables(rope_frequencies(head_dim, 10000.0), 8), 6)
+    whole = (attention(x, cos, sin), swiglu(x))
+    assert len({n for n, _ in attention.named_parameters()}) == (6 if qk_norm else 4)
+
+    def split(module, by_rows: tuple[str, ...], by_cols: tuple[str, ...], part: int):
+        piece = copy.deepcopy(module)
+        for name in by_rows + by_cols:
+            w = getattr(piece, name).weight
+            cut = w.chunk(parts, dim=0 if name in by_rows else 1)[part]
+            setattr(piece, name, torch.nn.Linear(*reversed(cut.shape), bias=False))
+            getattr(piece, name).weight.data.copy_(cut)
+        return piece
+
+    # a kv head the split cannot share out stays whole on each part (torchtitan's rule too)
+    kv_split = ("wk", "wv") if kv_heads % parts == 0 else ()
+    summed = [0, 0]
+    for part in range(parts):
+        summed[0] = summed[0] + split(attention, ("wq", *kv_split), ("wo",), part)(x, cos, sin)
+        summed[1] = summed[1] + split(swiglu, ("w1", "w3"), ("w2",), part)(x)
+    for got, want in zip(summed, whole, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

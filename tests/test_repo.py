@@ -128,7 +128,10 @@ NOT_MEASURED = {
     ("titanlite/diagnostics/replicas.py", "128 MiB"): "_CHUNK = 2**24 int64 values",
     ("titanlite/diagnostics/registry.py", "6%"): "P(Binomial(20, 1/2) >= 14)",
     ("titanlite/launch.py", "30 s"): "torchrun's shutdown grace, its constant",
-    ("titanlite/models/attention.py", "16 MiB"): "B x S^2 bytes at B = 4, S = 2,048",
+    (
+        "titanlite/models/common/document_attention.py",
+        "16 MiB",
+    ): "B x S^2 bytes at B = 4, S = 2,048",
     ("titanlite/ops/cross_entropy.py", "1 GB"): "128,256 x 2,048 x 4 bytes",
     ("titanlite/tools/memory.py", "5%"): "KEEP_GATHERED_SHARE, defined there",
 }

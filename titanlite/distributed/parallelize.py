@@ -63,7 +63,7 @@ _KEPT_OPS = {
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_cudnn_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.higher_order.flex_attention,  # per-document attention on CUDA (models/attention.py)
+    torch.ops.higher_order.flex_attention,  # per-document attention on CUDA (models/common/document_attention.py)
 }
 
 

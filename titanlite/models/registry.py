@@ -12,13 +12,16 @@ and scripts/check_model.py adds the current directory. `build_meta_model(cfg, vo
 the one call that turns a config into the model on the meta device, for the trainer and a
 fork's own scripts alike; `./scripts/check_model.py --model.name mymodel ...` checks a model
 against this contract (gradient at every layout, initial weights, a Hugging Face folder). The
-contract for a registered model:
+built-in families (llama3/, qwen3_moe/) are thin modules over titanlite.models.common's blocks
+(attention, RoPE, RMSNorm, SwiGLU, the decoder shell that holds the head and its loss), which a
+fork's model may build on too. The contract for a registered model:
 
 - `model_cls(args)` builds it; `args` is a dataclass with the fields `vocab_size` and
   `max_seq_len`, which the trainer fills in from the tokenizer and `training.seq_len`;
 - `model(tokens[B, S]) -> logits[B, S, vocab]`; for data.packing and data.document_mask also
   `model(tokens, positions=positions[B, S])`, each token's position within its document (0
-  starts one; see titanlite.models.attention), else build_meta_model refuses those options;
+  starts one; see titanlite.models.common.document_attention), else build_meta_model refuses
+  those options;
 - the labels path, the one way a model that has it is trained and evaluated:
   `model(tokens, labels=labels[B, S], loss_chunk=n, positions=...)` -> each sequence's summed
   cross entropy [B], the output projection run n positions at a time (0: the whole sequence as

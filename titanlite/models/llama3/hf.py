@@ -10,46 +10,17 @@ tensor at a time.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from titanlite.errors import UserError
+from titanlite.models.common.hf import ATTENTION, Names, rope_theta, swiglu, tied_head_copy
 from titanlite.models.hf_keys import DECODER_KEYS, ConfigKeys, Key, Relation
 from titanlite.models.llama3.model import Llama3Args, ffn_hidden_dim
 from titanlite.models.registry import HFAdapter
 
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
-
-
-def _rename(
-    name: str, top: dict[str, str], layer: dict[str, str], src: str, dst: str
-) -> str | None:
-    """`name` in the other naming: a top-level name through `top`, a block's `<src>layers.<i>.x`
-    through `layer` as `<dst>layers.<i>.y`; None if neither knows it."""
-    if name in top:
-        return top[name]
-    match = re.fullmatch(re.escape(src) + r"layers\.(\d+)\.(.+)", name)
-    if match and match.group(2) in layer:
-        return f"{dst}layers.{match.group(1)}.{layer[match.group(2)]}"
-    return None
+_NAMES = Names(
+    {**ATTENTION, **swiglu("feed_forward"), "ffn_norm.weight": "post_attention_layernorm.weight"}
+)
 
 
 def _to_halves(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -75,9 +46,9 @@ def _heads(name: str, args: Llama3Args) -> int | None:
 def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor] | None:
     """One transformers tensor -> (titanlite name, tensor); None for a tied head's copy, which
     titanlite holds once, as the embedding."""
-    if name == "lm_head.weight" and args.tie_embeddings:
+    if tied_head_copy(name, args.tie_embeddings):
         return None
-    ours = _rename(name, _TOP_BACK, _LAYER_BACK, src="model.", dst="")
+    ours = _NAMES.from_hf(name)
     if ours is None:
         raise UserError(
             f"the Hugging Face weights hold '{name}', which a Llama 3 model has no place for"
@@ -88,7 +59,7 @@ def from_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, tor
 
 def to_hf(name: str, tensor: torch.Tensor, args: Llama3Args) -> tuple[str, torch.Tensor]:
     """One titanlite tensor -> (transformers name, tensor)."""
-    theirs = _rename(name, _TOP, _LAYER, src="", dst="model.")
+    theirs = _NAMES.to_hf(name)
     if theirs is None:
         raise ValueError(f"no Hugging Face name for titanlite's '{name}'")
     heads = _heads(name, args)
@@ -162,8 +133,7 @@ def args_from_config(config: dict) -> Llama3Args:
         "norm_eps": float(v["rms_norm_eps"]),
         "tie_embeddings": v["tie_word_embeddings"],
     }
-    theta = v["rope.rope_theta"] if v["rope.rope_theta"] is not None else v["rope_theta"]
-    args["rope_theta"] = float(theta if theta is not None else 10000.0)
+    args["rope_theta"] = rope_theta(v)
     if (v["rope.rope_type"] or v["rope.type"] or "default") == "llama3":
         args.update(
             rope_scaling_factor=float(v["rope.factor"]),

@@ -15,44 +15,38 @@ import re
 import torch
 
 from titanlite.errors import UserError
+from titanlite.models.common.hf import (
+    ATTENTION,
+    QK_NORMS,
+    Names,
+    rope_theta,
+    swiglu,
+    tied_head_copy,
+)
 from titanlite.models.hf_keys import DECODER_KEYS, ConfigKeys, Key, Relation, same
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.registry import HFAdapter
 
-_TOP = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.router.weight": "mlp.gate.weight",
-    "mlp.experts.gate_up": "mlp.experts.gate_up_proj",  # fused: read only
-    "mlp.experts.down": "mlp.experts.down_proj",  # fused: read only
-    "mlp.w1.weight": "mlp.gate_proj.weight",  # a dense layer's SwiGLU
-    "mlp.w3.weight": "mlp.up_proj.weight",
-    "mlp.w2.weight": "mlp.down_proj.weight",
-}
-_TOP_BACK = {v: k for k, v in _TOP.items()}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_NAMES = Names(
+    {
+        **ATTENTION,
+        **QK_NORMS,
+        "mlp_norm.weight": "post_attention_layernorm.weight",
+        "mlp.router.weight": "mlp.gate.weight",
+        "mlp.experts.gate_up": "mlp.experts.gate_up_proj",  # fused: read only
+        "mlp.experts.down": "mlp.experts.down_proj",  # fused: read only
+        **swiglu("mlp"),  # a dense layer's SwiGLU
+    }
+)
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_OURS = re.compile(r"layers\.(\d+)\.(.+)")
+_STACKED = re.compile(r"layers\.(\d+)\.mlp\.experts\.(gate_up|down)")
 
 
 def from_hf(name: str, tensor: torch.Tensor, args: Qwen3MoeArgs) -> tuple | None:
     """One transformers tensor -> (titanlite name, tensor), or for one expert's projection
     (name, tensor, its index in the stacked parameter); None for a tied head's copy."""
-    if name == "lm_head.weight" and args.tie_embeddings:
+    if tied_head_copy(name, args.tie_embeddings):
         return None
-    if name in _TOP_BACK:
-        return _TOP_BACK[name], tensor
     expert = _EXPERT.fullmatch(name)
     if expert:
         layer, e, kind = int(expert.group(1)), int(expert.group(2)), expert.group(3)
@@ -60,9 +54,9 @@ def from_hf(name: str, tensor: torch.Tensor, args: Qwen3MoeArgs) -> tuple | None
             return f"layers.{layer}.mlp.experts.down", tensor, (e,)
         half = slice(0, args.moe_hidden) if kind == "gate" else slice(args.moe_hidden, None)
         return f"layers.{layer}.mlp.experts.gate_up", tensor, (e, half)
-    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if match and match.group(2) in _LAYER_BACK:
-        return f"layers.{match.group(1)}.{_LAYER_BACK[match.group(2)]}", tensor
+    ours = _NAMES.from_hf(name)
+    if ours is not None:
+        return ours, tensor
     raise UserError(
         f"the Hugging Face weights hold '{name}', which a Qwen3-MoE model has no place for"
     )
@@ -73,16 +67,11 @@ def to_hf(
 ) -> tuple[str, torch.Tensor] | list[tuple[str, torch.Tensor]]:
     """One titanlite tensor -> (transformers name, tensor); the stacked experts -> one tensor
     per expert and projection (copies, so that each is saved on its own)."""
-    if name in _TOP:
-        return _TOP[name], tensor
-    match = _OURS.fullmatch(name)
-    if match is None or match.group(2) not in _LAYER:
-        raise ValueError(f"no Hugging Face name for titanlite's '{name}'")
-    layer, rest = match.group(1), match.group(2)
-    prefix = f"model.layers.{layer}.mlp.experts"
-    if rest == "mlp.experts.down":
-        return [(f"{prefix}.{e}.down_proj.weight", t.clone()) for e, t in enumerate(tensor)]
-    if rest == "mlp.experts.gate_up":
+    stacked = _STACKED.fullmatch(name)
+    if stacked:
+        prefix = f"model.layers.{stacked.group(1)}.mlp.experts"
+        if stacked.group(2) == "down":
+            return [(f"{prefix}.{e}.down_proj.weight", t.clone()) for e, t in enumerate(tensor)]
         h = args.moe_hidden
         pieces = []
         for e, t in enumerate(tensor):
@@ -91,7 +80,10 @@ def to_hf(
                 (f"{prefix}.{e}.up_proj.weight", t[h:].clone()),
             ]
         return pieces
-    return f"model.layers.{layer}.{_LAYER[rest]}", tensor
+    theirs = _NAMES.to_hf(name)
+    if theirs is None:
+        raise ValueError(f"no Hugging Face name for titanlite's '{name}'")
+    return theirs, tensor
 
 
 def _dense_layers(only: list[int], step: int, n_layers: int) -> tuple[int, ...]:
@@ -175,7 +167,6 @@ def args_from_config(config: dict) -> Qwen3MoeArgs:
     QWEN3_MOE_KEYS. vocab_size is config.json's; max_seq_len is left to training.seq_len."""
     v = QWEN3_MOE_KEYS.read(config)
     heads, n_layers = v["num_attention_heads"], v["num_hidden_layers"]
-    theta = v["rope.rope_theta"] if v["rope.rope_theta"] is not None else v["rope_theta"]
     experts = v["num_experts"] if v["num_experts"] is not None else v["num_local_experts"]
     return Qwen3MoeArgs(
         dim=v["hidden_size"],
@@ -193,7 +184,7 @@ def args_from_config(config: dict) -> Qwen3MoeArgs:
         vocab_size=v["vocab_size"],
         norm_eps=float(v["rms_norm_eps"]),
         tie_embeddings=v["tie_word_embeddings"],
-        rope_theta=float(theta if theta is not None else 10000.0),
+        rope_theta=rope_theta(v),
     )
 
 

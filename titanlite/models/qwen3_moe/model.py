@@ -1,7 +1,9 @@
-"""Qwen3-MoE: RMSNorm, grouped-query attention with an explicit head_dim and RMSNorm on each q
-and k head, RoPE on the two halves of a head (transformers' layout, so its weights need no
-permutation), and in each MLP a top-k router over SwiGLU experts (Qwen3 Technical Report,
-arXiv 2505.09388; transformers' Qwen3MoeForCausalLM is the reference the tests hold it to).
+"""Qwen3-MoE on titanlite.models.common's blocks: RMSNorm, grouped-query attention with an
+explicit head_dim and RMSNorm on each q and k head, RoPE on the two halves of a head
+(transformers' layout, so its weights need no permutation); its own are the MLPs, in each a
+top-k router over SwiGLU experts (moe.py), the routing statistics and the loss terms (Qwen3
+Technical Report, arXiv 2505.09388; transformers' Qwen3MoeForCausalLM is the reference the
+tests hold it to).
 
 The loss terms, both exact at any layout (titanlite/models/step.py):
 - `aux`: the Switch load-balancing loss (Fedus et al., arXiv 2101.03961) as transformers'
@@ -19,55 +21,20 @@ them over the step and every rank, so they are also the expert load a log step r
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 
 from titanlite.distributed.param_init import ParamInit
-from titanlite.models.attention import DocumentMask, attend, document_ids, document_mask
-from titanlite.models.llama3.model import RMSNorm
+from titanlite.models.common.attention import Attention
+from titanlite.models.common.decoder import Decoder, depth_std
+from titanlite.models.common.document_attention import DocumentMask, document_ids
+from titanlite.models.common.rmsnorm import RMSNorm
+from titanlite.models.common.rope import rope_frequencies
 from titanlite.models.qwen3_moe.activations import saved_bytes
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 from titanlite.models.qwen3_moe.moe import DenseMLP, MoE
 from titanlite.models.step import StepContext
-from titanlite.ops.cross_entropy import IGNORE_INDEX, chunked_cross_entropy_per_sample
-
-
-def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with the head's first half rotated against its second (transformers' rotate_half).
-    x: [B, S, heads, head_dim]; cos, sin: [1 or B, S, 1, head_dim / 2]."""
-    xf = x.float()
-    a, b = xf.chunk(2, dim=-1)
-    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        if args.n_heads % args.n_kv_heads:
-            raise ValueError("n_heads must divide by n_kv_heads")
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps)
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: DocumentMask
-    ) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_norm(self.wq(x).view(b, s, self.n_heads, self.head_dim))
-        k = self.k_norm(self.wk(x).view(b, s, self.n_kv_heads, self.head_dim))
-        v = self.wv(x).view(b, s, self.n_kv_heads, self.head_dim)
-        q, k = rotate_halves(q, cos, sin), rotate_halves(k, cos, sin)
-        rep = self.n_heads // self.n_kv_heads
-        if rep > 1:  # grouped-query attention: each k/v head serves `rep` query heads
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+from titanlite.ops.cross_entropy import IGNORE_INDEX
 
 
 class Block(nn.Module):
@@ -75,7 +42,14 @@ class Block(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(
+            args.dim,
+            args.n_heads,
+            args.n_kv_heads,
+            args.head_dim,
+            rope_layout="halves",
+            qk_norm_eps=args.norm_eps,
+        )
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         dense = layer_id in args.dense_layers
         self.mlp = DenseMLP(args.dim, args.dense_hidden) if dense else MoE(args)
@@ -89,21 +63,16 @@ class Block(nn.Module):
         return h + out, logits
 
     def init_weights(self, init: ParamInit) -> None:
-        out_std = 0.02 / math.sqrt(2 * (self.layer_id + 1))  # residual outputs scaled by depth
-        a = self.attention
-        for w in (a.wq.weight, a.wk.weight, a.wv.weight):
-            init.trunc_normal_(w, 0.02)
-        init.trunc_normal_(a.wo.weight, out_std)
-        for norm in (self.attention_norm, self.mlp_norm, a.q_norm, a.k_norm):
+        out_std = depth_std(self.layer_id)
+        self.attention.init_weights(init, out_std)
+        for norm in (self.attention_norm, self.mlp_norm):
             init.constant_(norm.weight, 1.0)
         if isinstance(self.mlp, MoE):
             init.trunc_normal_(self.mlp.router.weight, 0.02)
             init.trunc_normal_(self.mlp.experts.gate_up, 0.02)
             init.trunc_normal_(self.mlp.experts.down, out_std)
         else:
-            init.trunc_normal_(self.mlp.w1.weight, 0.02)
-            init.trunc_normal_(self.mlp.w3.weight, 0.02)
-            init.trunc_normal_(self.mlp.w2.weight, out_std)
+            self.mlp.init_weights(init, out_std, up_std=0.02)
 
 
 def routed_tokens(labels: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -125,40 +94,12 @@ def routed_tokens(labels: torch.Tensor, positions: torch.Tensor | None) -> torch
     return ahead - later > 0
 
 
-class Qwen3Moe(nn.Module):
+class Qwen3Moe(Decoder):
     def __init__(self, args: Qwen3MoeArgs) -> None:
-        super().__init__()
-        if args.vocab_size <= 0:
-            raise ValueError("Qwen3MoeArgs.vocab_size must be set (it comes from the tokenizer)")
-        self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(i, args) for i in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
-        self._init_rope()
+        super().__init__(args, lambda i: Block(i, args))
 
-    def _init_rope(self) -> None:
-        device = self.tok_embeddings.weight.device
-        half = torch.arange(0, self.args.head_dim, 2, device=device).float() / self.args.head_dim
-        freqs = 1.0 / self.args.rope_theta**half
-        angles = torch.outer(torch.arange(self.args.max_seq_len, device=device).float(), freqs)
-        self.rope_cos, self.rope_sin = angles.cos(), angles.sin()
-
-    def init_weights(self, init: ParamInit) -> None:
-        self._init_rope()
-        out_std = self.args.dim**-0.5
-        if self.args.tie_embeddings:
-            init.trunc_normal_(self.tok_embeddings.weight, out_std)
-        else:
-            init.normal_(self.tok_embeddings.weight, 1.0)
-            init.trunc_normal_(self.output.weight, out_std)
-        for layer in self.layers:
-            layer.init_weights(init)
-        init.constant_(self.norm.weight, 1.0)
+    def rope_frequencies(self) -> torch.Tensor:
+        return rope_frequencies(self.args.head_dim, self.args.rope_theta)
 
     def forward(
         self,
@@ -174,17 +115,7 @@ class Qwen3Moe(nn.Module):
         (`step.counting`) this microbatch's routing counts (`routing_counts`). `positions`
         [B, S]: each token's position in its document (0 starts one); None: one causal
         sequence."""
-        seqlen = tokens.shape[1]
-        if seqlen > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence of {seqlen} tokens exceeds max_seq_len {self.args.max_seq_len}"
-            )
-        if positions is None:
-            cos, sin = self.rope_cos[None, :seqlen, None], self.rope_sin[None, :seqlen, None]
-            mask = None
-        else:
-            cos, sin = self.rope_cos[positions][:, :, None], self.rope_sin[positions][:, :, None]
-            mask = document_mask(positions)
+        cos, sin, mask = self.prepare(tokens, positions)
         h = self.tok_embeddings(tokens)
         router_logits = []
         for layer in self.layers:
@@ -195,11 +126,9 @@ class Qwen3Moe(nn.Module):
             every = torch.ones_like(tokens, dtype=torch.bool)
             routed = every if labels is None else routed_tokens(labels, positions)
             return self.routing_counts(router_logits, routed)
-        h = self.norm(h)
-        if labels is None:
-            return self.output(h)
-        ce = chunked_cross_entropy_per_sample(h, self.output.weight, labels, loss_chunk)
-        if step is None or not router_logits:  # eval reads the cross entropy alone
+        ce = self.head(h, labels, loss_chunk)  # without labels, the logits
+        # without labels or a step (eval reads the cross entropy alone) no terms
+        if labels is None or step is None or not router_logits:
             return ce
         terms = {}
         if self.args.aux_loss_coef:

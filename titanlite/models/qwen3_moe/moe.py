@@ -7,20 +7,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from titanlite.models.common.feed_forward import SwiGLU
 from titanlite.models.qwen3_moe.args import Qwen3MoeArgs
 
 
-class DenseMLP(nn.Module):
-    """SwiGLU, for the layers without experts."""
+class DenseMLP(SwiGLU):
+    """The SwiGLU of the layers without experts, returning no router logits."""
 
     def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+        super().__init__(dim, hidden)
+        # listed gate, up, down, as transformers lists them: the order named_parameters gives,
+        # in which the gradient norm sums the parameters' norms
+        self.w2 = self._modules.pop("w2")
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x)), None
+        return super().forward(x), None
 
 
 def grouped_mm_available() -> bool:
