@@ -1,13 +1,17 @@
 #!/usr/bin/env python3
-"""Run one config at several data-parallel layouts with the same global batch, then compare.
+"""Run one config at several layouts with the same global batch, then compare.
 
     ./scripts/invariance.py --config C --dp 8 16 [--modes fsdp ddp hsdp] [--steps N]
         [--microbatch largest|whole] [--rtol X] [--out DIR] [--dry-run] [--localize]
         [--section.key value ...]
+    ./scripts/invariance.py --config C --layouts "dp=4" "dp=2,cp=2" [...]
 
-One run per (dp degree, mode), launched one after another on this machine with
-`NPROC=dp ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
-layout equal: global batch, seed, data and model come from the config and the overrides. An
+One run per (layout, mode), launched one after another on this machine with
+`NPROC=world ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
+layout equal. A layout is a data-parallel degree and any mesh axes beside it (--layouts, each
+"dp=N" then ",axis=degree" per axis: the kinds of titanlite.config.layout.AXIS_KINDS); its world
+is dp times every axis's degree. --dp 8 16 is the short form of --layouts dp=8 dp=16, with the
+config's parallelism.axes in every run: global batch, seed, data and model come from the config and the overrides. An
 override of a setting the script fixes in a run (the steps, the layout, where runs go; with
 --localize, what its reruns set) is refused in one line naming what sets it, unless every run
 holds it (a local batch is a bound: each layout runs the largest up to it that carries B / dp);
@@ -41,6 +45,7 @@ Exit status: 0 all layouts give the same curve, 1 some part (named), 2 bad input
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import queue
@@ -81,17 +86,53 @@ from titanlite.config.command_line import (  # noqa: E402
     absolute,
     resolve_paths,
 )
-from titanlite.config.layout import extra_axes, fitting_local_batch, rank_share  # noqa: E402
+from titanlite.config.fields import whole_number  # noqa: E402
+from titanlite.config.layout import (  # noqa: E402
+    extra_axes,
+    fitting_local_batch,
+    mesh_text,
+    rank_share,
+)
 from titanlite.errors import UserError  # noqa: E402
 from titanlite.tools.cli import Script  # noqa: E402
 from titanlite.tools.process import stop_child  # noqa: E402
 
 
+def layout_shapes(args) -> list[tuple[int, tuple[tuple[str, int], ...] | None]]:
+    """Each layout asked as (dp, its axes in mesh order); axes None: the config's (--dp)."""
+    if (args.dp is None) == (args.layouts is None):
+        raise UserError(
+            'give the layouts to compare once: --layouts "dp=4" "dp=2,cp=2" (dp and any mesh axes), '
+            "or --dp 8 16 (data parallelism alone)"
+        )
+    if args.dp is not None:
+        return [(dp, None) for dp in args.dp]
+    shapes = []
+    for text in args.layouts:
+        parts = [part.strip() for part in text.split(",")]
+        dp = [part.partition("=")[2] for part in parts if part.partition("=")[0] == "dp"]
+        if len(dp) != 1 or not whole_number(dp[0]) or not 1 <= int(dp[0]) <= MAX_RANKS:
+            raise UserError(
+                f'--layouts {text!r} needs one dp=N (N from 1 to {MAX_RANKS}), then any axes: "dp=2,cp=2"'
+            )
+        try:
+            axes = extra_axes([part for part in parts if not part.startswith("dp=")])
+        except UserError as e:
+            raise UserError(f"--layouts {text!r}: {e}") from None
+        shapes.append((int(dp[0]), axes))
+    return shapes
+
+
 def plan(
-    cfg, dp: int, mode: str, replicas: int, microbatch: str = "largest"
-) -> dict[str, int | str]:
-    """The layout flags of one run: mesh degrees and a local batch that carries B / dp (the
-    largest that fits the config's, or all of it: --microbatch)."""
+    cfg,
+    dp: int,
+    mode: str,
+    replicas: int,
+    microbatch: str = "largest",
+    axes: tuple[tuple[str, int], ...] | None = None,
+) -> dict:
+    """The layout flags of one run: mesh degrees, its axes (None: the config's) and a local
+    batch that carries B / dp (the largest that fits the config's, or all of it: --microbatch)."""
     local = fitting_local_batch(cfg, dp)
     if microbatch == "whole":
         local = rank_share(cfg, dp)
@@ -100,19 +141,24 @@ def plan(
             f"hsdp at dp={dp} needs --replicas R with R >= 2 dividing it into shards of >= 2"
         )
     rep, shard = {"fsdp": (1, dp), "ddp": (dp, 1), "hsdp": (replicas, dp // replicas)}[mode]
+    axes = extra_axes(cfg.parallelism.axes) if axes is None else axes
     return {
         "mode": mode,
         "dp_replicate": rep,
         "dp_shard": shard,
         "local_batch_size": local,
         "accum": rank_share(cfg, dp) // local,
-        # ranks per data-parallel rank: every mesh axis beyond data parallelism (parallelism.axes)
-        "split": math.prod(d for _, d in extra_axes(cfg.parallelism.axes)),
+        "axes": axes,
+        # ranks per data-parallel rank: every mesh axis beyond data parallelism
+        "split": math.prod(d for _, d in axes),
     }
 
 
 def run_name(prefix: str, p: dict) -> str:
-    return f"{prefix}{p['mode']}-{p['dp_replicate']}x{p['dp_shard']}-lb{p['local_batch_size']}"
+    axes = "".join(f"-{n}{d}" for n, d in p["axes"])
+    return (
+        f"{prefix}{p['mode']}-{p['dp_replicate']}x{p['dp_shard']}{axes}-lb{p['local_batch_size']}"
+    )
 
 
 STEP_LINE = re.compile(r"step +(\d+)/(\d+) \|.*\| eta ([\d:]+)")
@@ -198,10 +244,15 @@ SCRIPT.arg(
     "--dp",
     kind="int",
     nargs="+",
-    required=True,
     at_least=1,
     at_most=MAX_RANKS,
-    help="data-parallel degrees, e.g. 8 16",
+    help="data-parallel degrees, e.g. 8 16 (--layouts' short form: the config's axes in every run)",
+)
+SCRIPT.arg(
+    "--layouts",
+    kind="text",
+    nargs="+",
+    help='layouts, each dp=N and any mesh axes, e.g. "dp=4" "dp=2,cp=2"',
 )
 SCRIPT.arg(
     "--modes",
@@ -257,8 +308,9 @@ FIXES = Fixes(
         "training.steps": "set by --steps",
         "metrics.log_every": "1: every run logs every step",
         "parallelism.mode": "set by --modes",
-        "parallelism.dp_replicate": "set by --dp, --modes and --replicas",
-        "parallelism.dp_shard": "set by --dp, --modes and --replicas",
+        "parallelism.dp_replicate": "set by --dp or --layouts, --modes and --replicas",
+        "parallelism.dp_shard": "set by --dp or --layouts, --modes and --replicas",
+        "parallelism.axes": "set by --layouts",
         "training.local_batch_size": "each layout's: the largest at most the one asked that carries "
         "B / dp, or all of B / dp with --microbatch whole",
         "job.dump_folder": "set by --out",
@@ -272,6 +324,7 @@ FIXES = Fixes(
     unnamed=frozenset(
         {"metrics.log_every", "job.dump_folder", "job.run_name", "debug.fingerprint_step"}
         | {"parallelism.mode", "parallelism.dp_replicate", "parallelism.dp_shard"}
+        | {"parallelism.axes"}
         | {"training.local_batch_size"}
     ),
 )
@@ -294,6 +347,8 @@ def run_args(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> list
     cmd += [
         "--parallelism.dp_shard",
         str(p["dp_shard"]),
+        "--parallelism.axes",
+        json.dumps([f"{n}={d}" for n, d in p["axes"]]),
         "--training.local_batch_size",
         str(p["local_batch_size"]),
     ]
@@ -356,7 +411,8 @@ def launch(args, p: dict, out: Path, name: str, extra: list[str] = ()) -> None:
     if args.dry_run:
         print(f"NPROC={world} " + shlex.join(cmd), flush=True)
         return
-    layout = f"{p['mode']} {p['dp_replicate']}x{p['dp_shard']}, local batch {p['local_batch_size']} x accum {p['accum']}"
+    mesh = mesh_text(p["mode"], p["dp_replicate"], p["dp_shard"], dict(p["axes"]))
+    layout = f"{mesh}, local batch {p['local_batch_size']} x accum {p['accum']}"
     print(f"[{name}] {layout}: starting {world} rank(s), run folder {out / name}", flush=True)
     code, tail = run_with_progress(cmd, {**os.environ, "NPROC": str(world)}, name, world)
     if code != 0:
@@ -430,15 +486,19 @@ def layouts(args) -> tuple[Path, list[dict], list[str], str]:
         or REPO / "outputs" / f"invariance-{Path(args.config).stem}-{datetime.now():%Y%m%d-%H%M%S}"
     )
     plans = [
-        plan(cfg, dp, mode, args.replicas, args.microbatch) for dp in args.dp for mode in args.modes
+        plan(cfg, dp, mode, args.replicas, args.microbatch, axes)
+        for dp, axes in layout_shapes(args)
+        for mode in args.modes
     ]
     if len(plans) < 2:
         raise UserError(
-            "one layout has nothing to compare with; give two or more --dp degrees or --modes"
+            "one layout has nothing to compare with; give two or more --layouts, --dp degrees or --modes"
         )
     names = [run_name(args.prefix, p) for p in plans]
     if len(set(names)) < len(names):
-        raise UserError("two of the requested layouts are the same run; list each dp and mode once")
+        raise UserError(
+            "two of the requested layouts are the same run; list each layout and mode once"
+        )
     return out, plans, names, check_settings(args, plans, names, out)
 
 

@@ -174,6 +174,14 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
     [
         (["--dp", "3", "8"], "global batch 16 does not split over dp=3"),
         (["--dp", "8"], "one layout has nothing to compare with"),
+        (["--dp", "2", "4", "--layouts", "dp=2", "dp=4"], "give the layouts to compare once"),
+        (["--layouts", "dp=2", "cp=2"], "--layouts 'cp=2' needs one dp=N"),
+        (["--layouts", "dp=2", "dp=2,dp=4"], "--layouts 'dp=2,dp=4' needs one dp=N"),
+        (
+            ["--layouts", "dp=2", "dp=2,xx=2"],
+            "--layouts 'dp=2,xx=2': parallelism.axes names 'xx', which is no mesh axis",
+        ),
+        (["--layouts", "dp=4", "dp=2,tp=2"], "parallelism.axes tp=2: a split of the model's"),
         (["--dp", "8", "--modes", "hsdp", "--replicas", "8"], "hsdp at dp=8 needs --replicas"),
         (["--dp", "8", "16", "--training.sed", "1"], "training.sed"),
         (
@@ -190,6 +198,22 @@ def test_bad_input_is_one_line(tmp_path, args, message):
     proc, _ = invariance(tmp_path, *args, *batch(2), timeout=HANG_S)
     assert proc.returncode == 2 and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "inv").exists()
+
+
+def test_layouts_launch_each_world_from_all_its_axes(tmp_path):
+    """--layouts: each run's world is dp times its axes, its axes passed to it; --dp its short form."""
+    layouts = ("--layouts", "dp=4", "dp=2,cp=2", "--modes", "fsdp", "ddp")
+    proc, _ = invariance(tmp_path, *layouts, "--dry-run", *batch(2))
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 0 and len(lines) == 4, proc.stderr
+    assert all(line.startswith("NPROC=4 ") for line in lines)
+    assert [line.count("--parallelism.axes '[\"cp=2\"]'") for line in lines] == [0, 0, 1, 1]
+    assert (
+        "--job.run_name fsdp-1x2-cp2-lb2" in lines[2] and "--job.run_name ddp-2x1-cp2" in lines[3]
+    )
+    short, _ = invariance(tmp_path, "--dp", "4", "2", "--dry-run", *batch(2))
+    long, _ = invariance(tmp_path, "--layouts", "dp=4", "dp=2", "--dry-run", *batch(2))
+    assert short.returncode == 0 and short.stdout == long.stdout
 
 
 def test_dry_run_prints_one_command_per_layout(tmp_path):

@@ -277,7 +277,9 @@ def expect(r: Result, code: int, says: str = "") -> None:
     if code == 0:
         return
     if "Traceback" in r.err:
-        raise Broke(f"a traceback: {r.last[:200]}")
+        # the traceback's own last lines: what raised, for a case that breaks only now and then
+        trace = r.err[r.err.index("Traceback") :].strip().splitlines()
+        raise Broke(f"a traceback: {r.last[:200]} | {' / '.join(trace[-4:])[:600]}")
     last = _core(r.last)
     if not OURS.match(last) or last.startswith("usage: "):
         raise Bent(f"the last line is not titanlite's: {r.last[:200]}")
