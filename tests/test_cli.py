@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -486,6 +487,46 @@ def test_the_launcher_blames_the_cause_in_every_combination_of_failures():
             own = [r for r in range(3) if r not in stopped] or list(range(3))
             assert rank in own, (exits, stopped)
             assert kind(exits[rank]) == min(kind(exits[r]) for r in own), (exits, stopped)
+
+
+def test_a_rank_stopped_by_its_own_signal_is_the_cause_though_a_peer_failed_first(tmp_path, capsys):
+    """A stop that reaches one rank (a signal to it or to one of its DataLoader workers) before
+    the first step: it ends with its line while its peer, in a collective, loses it (exit 4) and
+    torchrun stops the rank before its own exit code is in. Every signal, the stopped rank alive
+    or not and on the console or not: the launch ends with the stop's code and the rank's line."""
+    import itertools
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titanlite.components.run.torchrun import report_failure
+    from titanlite.errors import BEFORE_FIRST_STEP, EXIT_LOST_RANK
+
+    for i, (sig, exit1, shown) in enumerate(
+        itertools.product(("SIGINT", "SIGTERM"), (-15, 130, 143), (None, {0}))
+    ):
+        line = f"titanlite: stopped by {sig} {BEFORE_FIRST_STEP}"
+        logs = tmp_path / str(i)
+        for rank, text in ((0, "titanlite: stopped: a collective lost its connection"), (1, line)):
+            (logs / "attempt_0" / str(rank)).mkdir(parents=True)
+            (logs / "attempt_0" / str(rank) / "stderr.log").write_text(text + "\n")
+        failures = {
+            0: ProcessFailure(local_rank=0, pid=100, exitcode=EXIT_LOST_RANK, error_file=""),
+            1: ProcessFailure(local_rank=1, pid=101, exitcode=exit1, error_file=""),
+        }
+        code = report_failure(ChildFailedError("titanlite.train", failures), logs, shown, {1})
+        assert code == 128 + getattr(signal, sig), (sig, exit1, shown, code)
+        printed = capsys.readouterr().err.splitlines()
+        assert printed == ([] if shown is None else [f"[rank1]: {line}"]), printed
+    # without such a line the lost peer is still named after a crash-free stop by torchrun
+    logs = tmp_path / "plain"
+    for rank in (0, 1):
+        (logs / "attempt_0" / str(rank)).mkdir(parents=True)
+        (logs / "attempt_0" / str(rank) / "stderr.log").write_text("[titanlite r0] step 1/9\n")
+    failures = {
+        0: ProcessFailure(local_rank=0, pid=100, exitcode=EXIT_LOST_RANK, error_file=""),
+        1: ProcessFailure(local_rank=1, pid=101, exitcode=-15, error_file=""),
+    }
+    assert report_failure(ChildFailedError("t", failures), logs, None, {1}) == EXIT_LOST_RANK
 
 
 def test_the_launcher_says_why_a_rank_stopped_when_its_log_lacks_its_line(tmp_path, capsys):

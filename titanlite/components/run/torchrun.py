@@ -155,12 +155,30 @@ def _said(log: Path) -> str | None:
     return own[-1] if own else None
 
 
-def cause(failures: dict[int, ProcessFailure], stopped: set[int]) -> tuple[int, ProcessFailure]:
-    """The failure that caused the others: a rank that stopped the run itself, else one that
-    crashed, then one that lost a peer (exit 4), last the local ranks torchrun then `stopped`."""
+def own_stops(log_dir: Path) -> dict[int, int]:
+    """The local ranks whose own last line says a stop signal stopped them, with that stop's exit
+    code: a rank still on its way out when a peer it left failed (and torchrun then stopped it)
+    has no exit code of its own in the failures, but its line is in its log."""
+    stops = {}
+    for rank, log in _logs(log_dir).items():
+        said = _said(log) or ""
+        for sig in STOP_SIGNALS:
+            if said.startswith(f"titanlite: stopped by {sig.name} "):
+                stops[rank] = 128 + sig
+    return stops
+
+
+def cause(
+    failures: dict[int, ProcessFailure], stopped: set[int], stops: dict[int, int] | None = None
+) -> tuple[int, ProcessFailure]:
+    """The failure that caused the others: a rank that stopped the run itself (its exit code or
+    its own line, `stops`), else one that crashed, then one that lost a peer (exit 4), last the
+    local ranks torchrun then `stopped`."""
+    stops = stops or {}
     return min(
         failures.items(),
         key=lambda kv: (
+            kv[1].local_rank not in stops,
             kv[1].local_rank in stopped,
             kv[1].exitcode not in NO_RESTART,
             kv[1].exitcode == EXIT_LOST_RANK,
@@ -174,8 +192,9 @@ def report_failure(
 ) -> int:
     """The exit code for a failed launch, with what the console has not shown of its cause: its
     one-line error, or a crashed rank's last lines and its log file."""
-    rank, first = cause(e.failures, stopped)
-    code = first.exitcode
+    stops = own_stops(log_dir)
+    rank, first = cause(e.failures, stopped, stops)
+    code = stops.get(first.local_rank, first.exitcode)
     logs = _logs(log_dir)
     log = logs.get(first.local_rank)
     on_console = shown is None or first.local_rank in shown
