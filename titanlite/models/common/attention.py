@@ -15,7 +15,7 @@ from titanlite.distributed.param_init import ParamInit
 from titanlite.models.common.document_attention import DocumentMask, attend
 from titanlite.models.common.kv_cache import KVCache
 from titanlite.models.common.rmsnorm import RMSNorm
-from titanlite.models.common.rope import Layout, rotate
+from titanlite.models.common.rope import RopeLayout, rotate
 
 
 class Attention(nn.Module):
@@ -25,7 +25,7 @@ class Attention(nn.Module):
         n_heads: int,
         n_kv_heads: int,
         head_dim: int,
-        rope_layout: Layout,
+        rope_layout: RopeLayout,
         qk_norm_eps: float | None = None,
     ) -> None:
         """`qk_norm_eps`: RMSNorm each q and k head with this epsilon before RoPE (None: no norm)."""

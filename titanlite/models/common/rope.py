@@ -20,7 +20,7 @@ from typing import Literal
 
 import torch
 
-Layout = Literal["pairs", "halves"]
+RopeLayout = Literal["pairs", "halves"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,9 @@ def rope_lookup(
     return cos[positions][:, :, None], sin[positions][:, :, None]
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: Layout) -> torch.Tensor:
+def rotate(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: RopeLayout
+) -> torch.Tensor:
     """x [B, S, heads, head_dim] rotated in fp32 and cast back; cos, sin from rope_lookup."""
     xf = x.float()
     if layout == "pairs":
