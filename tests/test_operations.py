@@ -387,6 +387,43 @@ def test_a_signal_after_the_last_step_changes_nothing():
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
 
 
+def test_a_stop_raised_where_python_cannot_raise_it_stops_at_the_loop_in_silence():
+    """A set-up stop lands inside a callback Python swallows (an at-fork hook as a worker process
+    starts, a __del__): nothing is printed there, the set-up goes on, and the loop's start stops
+    with the one line; another exception swallowed so is still printed."""
+    code = (
+        "import gc, os, signal\n"
+        "from titanlite.components.run.stop import StopSignals\n"
+        "from titanlite.errors import Stopped\n"
+        "stops = StopSignals()\n"
+        "def stop_now():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    sum(range(10))  # Python runs the handler here, inside the hook\n"
+        "os.register_at_fork(after_in_parent=stop_now)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "class Odd:\n"
+        "    def __del__(self):\n"
+        "        raise ValueError('printed')\n"
+        "Odd(); gc.collect()\n"
+        "print('set-up went on', flush=True)\n"
+        "try:\n"
+        "    stops.arm(None)\n"
+        "except Stopped as e:\n"
+        "    print(e)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert proc.stdout.splitlines() == [
+        "set-up went on",
+        "stopped by SIGTERM before the first step; nothing was written",
+    ], (proc.stdout, proc.stderr)
+    assert "Stopped" not in proc.stderr and "ValueError: printed" in proc.stderr, proc.stderr
+
+
 STOPS_IN_CHILDREN = """
 import os, signal, subprocess, sys, time
 from titanlite.components.run.stop import StopSignals
@@ -790,3 +827,39 @@ def test_a_lost_connection_names_a_peer_that_ended_never_one_still_computing(mon
         else:
             assert "most likely" not in line, line
     liveness._current[0] = "set-up"
+
+
+def test_a_peer_lost_in_the_set_up_is_one_line_never_gloos_traceback(monkeypatch, capsys):
+    """A rank that ends during the set-up (a stop before the first step, a failure) breaks its
+    peers' collective of the set-up (data preparation): each error text of a lost or timed-out
+    peer, at any world size, ends the rank with exit 4 and one line; another error, or a single
+    rank, is raised as it was."""
+    from types import SimpleNamespace
+
+    from titanlite import train
+    from titanlite.distributed import liveness
+    from titanlite.errors import EXIT_LOST_RANK
+
+    monkeypatch.setattr(train.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    monkeypatch.setattr(train, "StopSignals", lambda: None)
+    texts = [f"[pair.cc:553] {k.capitalize()} by peer [127.0.0.1]:5016" for k in liveness._LOST]
+    texts += ["Timed out waiting 1800000ms for recv operation to complete", "a plain bug"]
+    for world, text in ((w, t) for w in (1, 2, 16) for t in texts):
+        group = SimpleNamespace(is_initialized=lambda: True, get_world_size=lambda w=world: w)
+        monkeypatch.setattr(liveness, "dist", group)  # a world of `world` ranks, seen by liveness
+
+        def trainer(*args, text=text):
+            raise RuntimeError(text)
+
+        monkeypatch.setattr(train, "Trainer", trainer)
+        ours = world > 1 and text != "a plain bug"
+        try:
+            train.main([])
+            raise AssertionError("main returned")
+        except SystemExit as e:
+            assert ours and e.code == EXIT_LOST_RANK, (world, text, e.code)
+        except RuntimeError as e:
+            assert not ours and str(e) == text, (world, text)
+        err = capsys.readouterr().err.strip().splitlines()
+        if ours:
+            assert len(err) == 1 and "a collective of the set-up" in err[0], err

@@ -88,6 +88,7 @@ class _Agent(LocalElasticAgent):
     stopping = 0  # the stop signal passed on to the workers; 0: none
     starting = False  # the workers are being started: a signal waits until their pids are known
     deferred: list[int] = []  # the signals that came meanwhile, in order
+    ending = 0  # the signal that ends the launch (raised once); 0: none yet
     last_failure = ""  # the line of the failure a restart follows
 
     def __init__(self, *args, **kwargs) -> None:
@@ -162,6 +163,9 @@ def _on_signal(signum: int, frame) -> None:
             else:  # the rank's whole process group, its DataLoader workers included
                 os.killpg(pid, signal.SIGKILL)
     if not first:
+        if _Agent.ending:  # the launch ends already: a later signal must not raise in its clean-up
+            return
+        _Agent.ending = signum
         sig = signal.Signals(signum)
         raise SignalException(f"launcher got {sig.name}", sigval=sig)
 
@@ -208,6 +212,7 @@ def main(argv: list[str]) -> int:
         signal.signal(sig, _on_signal)
     mp_api._terminate_process_handler = _on_signal  # what torchrun's agent installs as it starts
     launcher_api.LocalElasticAgent = _Agent
+    _Agent.stopping = _Agent.ending = 0
     ours = set(children())  # the children it already has are not the launch's (main run in a test)
     lock, made, log_dir, code, early = None, None, None, 1, False
     ending: Exception | None = None  # its own last line: said once its processes are gone
@@ -336,4 +341,9 @@ def _when_all_are_gone(ending: Exception | None, before: set[int]) -> Exception 
 
 if __name__ == "__main__":
     adopt_orphans()  # a rank's children outlive it as the launcher's, which waits for them
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    # CPython's finalization restores the default action, which kills: a second Ctrl-C then would
+    # turn the exit code just promised into death by the signal
+    for _sig in STOP_SIGNALS:
+        signal.signal(_sig, signal.SIG_IGN)
+    sys.exit(code)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,13 @@ from titanlite.datasets.build import build_dataloader, build_dataset, build_toke
 from titanlite.datasets.spec import check_data_files
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.distributed.groups import init_distributed
-from titanlite.distributed.liveness import Heartbeat, flight_recorder_env, lost_peer, phase
+from titanlite.distributed.liveness import (
+    Heartbeat,
+    flight_recorder_env,
+    lost_in_set_up,
+    lost_peer,
+    phase,
+)
 from titanlite.distributed.parallel_dims import ParallelDims, resolve_device
 from titanlite.distributed.parallelize import materialize
 from titanlite.distributed.utils import clip_grad_norm_, set_deterministic
@@ -129,7 +136,7 @@ class Trainer:
         self.start_step = self.checkpointer.restore(resume, meta)
         done = (self.start_step - 1) * self.layout.grad_accum  # the data position is the step's
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": done})
-        self._batches = iter(self.dataloader)
+        self._batches: Iterator | None = None  # the loader's workers start with the first step
         self.rates = RunRates(
             layout.tokens_per_rank_step,
             layout.world,
@@ -144,6 +151,8 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, s: Step) -> list[Microbatch]:
         micro = []
+        if self._batches is None:  # so a stop during the set-up leaves no worker behind
+            self._batches = iter(self.dataloader)
         for m in range(self.layout.grad_accum):
             batch = self.hooks.microbatch(s, m, next(self._batches))
             if self.dropout_seed is not None:  # masks keyed by sample (titanlite.ops.dropout)
@@ -301,7 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     trainer = None
     try:
         stops = StopSignals()  # first: a signal during set-up stops at once, in one line
-        trainer = Trainer(*parse_args(argv), stops)
+        try:
+            trainer = Trainer(*parse_args(argv), stops)
+        except RuntimeError as e:  # a peer that stopped or failed in the set-up
+            if (line := lost_in_set_up(e)) is None:
+                raise
+            raise LostRank(line) from None
         trainer.train()
         return 0
     except ENDINGS as e:

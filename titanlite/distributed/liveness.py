@@ -71,6 +71,24 @@ def lost_peer(e: BaseException) -> str | None:
     return "lost" if any(k in text for k in _LOST) else None
 
 
+def lost_in_set_up(e: BaseException) -> str | None:
+    """The one line for a collective of the set-up (data preparation, a checkpoint's load) that
+    lost a peer or timed out, before any heartbeat step exists; None: some other error."""
+    how = lost_peer(e) if dist.is_initialized() and dist.get_world_size() > 1 else None
+    if how == "lost":
+        return (
+            "a collective of the set-up lost its connection to a peer: a rank ended before the "
+            "first step (a stop, a failure); its own line says why (the run folder's logs/ keep it)"
+        )
+    if how == "timeout":
+        return (
+            "a collective of the set-up waited over comm.timeout_s: a rank is slow or stuck before "
+            "the first step (data preparation, a checkpoint's load); its log in the run folder's "
+            "logs/ says where"
+        )
+    return None
+
+
 def flight_recorder_env(trace_dir: Path, entries: int) -> None:
     """Switch on NCCL's flight recorder before the process group starts: the last `entries`
     collectives of each rank, dumped into `trace_dir`/rank_<r> when a collective times out

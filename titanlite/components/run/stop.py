@@ -28,6 +28,10 @@ from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
 FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, it wins the MAX
 
 
+def _before_first_step(signum: int) -> Stopped:
+    return Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
+
+
 class StopSignals:
     def __init__(self) -> None:
         self.pid = os.getpid()  # the rank's; a forked child passes its signals on to it
@@ -38,6 +42,8 @@ class StopSignals:
         self._pending: tuple[dist.Work, torch.Tensor, bytearray] | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._swallowed
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is handled now
 
     def _handle(self, signum: int, frame) -> None:
@@ -49,11 +55,20 @@ class StopSignals:
             return
         self.received = signum
         if not self.armed:
-            raise Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
+            raise _before_first_step(signum)
 
-    def arm(self, timeout_s: int) -> None:
-        """Every rank, once, as the loop starts."""
-        if dist.get_world_size() > 1:
+    def _swallowed(self, unraisable) -> None:
+        """Python's hook for an exception it cannot raise: a stop raised inside an at-fork hook
+        (a worker process starting) or a __del__ is not printed; arm() raises it again."""
+        if not isinstance(unraisable.exc_value, Stopped):
+            self._unraisable(unraisable)
+
+    def arm(self, timeout_s: int | None) -> None:
+        """Every rank, once, as the loop starts; `timeout_s` None: no agreement between ranks
+        (a rehearsal's world is fake). A stop of the set-up that was swallowed stops here."""
+        if self.received:
+            raise _before_first_step(self.received)
+        if timeout_s is not None and dist.get_world_size() > 1:
             self.group = host_group(timedelta(seconds=timeout_s))
         self.armed = True
 
