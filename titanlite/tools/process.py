@@ -124,9 +124,9 @@ def stop_child(proc: subprocess.Popen, signum: int) -> None:
     is still waited for: the script never returns before what it started."""
     if proc.poll() is not None:
         return
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signum)
-    try:
+    try:  # from the signal on: the child may answer it before the wait begins
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signum)
         _wait_or_kill(proc)
     except (KeyboardInterrupt, Stopped) as e:
         with contextlib.suppress(ProcessLookupError):
