@@ -136,7 +136,7 @@ class Trainer:
         self.start_step = self.checkpointer.restore(resume, meta)
         done = (self.start_step - 1) * self.layout.grad_accum  # the data position is the step's
         self.dataloader.batch_sampler.load_state_dict({"microbatches_yielded": done})
-        self._batches: Iterator | None = None  # the loader's workers start with the first step
+        self._batches: Iterator | None = None  # begin() starts the loader's workers
         self.rates = RunRates(
             layout.tokens_per_rank_step,
             layout.world,
@@ -151,7 +151,7 @@ class Trainer:
     # ---- the step -------------------------------------------------------------------------------
     def next_microbatches(self, s: Step) -> list[Microbatch]:
         micro = []
-        if self._batches is None:  # so a stop during the set-up leaves no worker behind
+        if self._batches is None:  # a caller that runs train_step itself, without begin()
             self._batches = iter(self.dataloader)
         for m in range(self.layout.grad_accum):
             batch = self.hooks.microbatch(s, m, next(self._batches))
@@ -242,11 +242,17 @@ class Trainer:
             self.metrics.write_eval(rec, samples)
 
     # ---- the loop -------------------------------------------------------------------------------
+    def begin(self, timeout_s: int | None) -> None:
+        """As the loop starts: a stop signal from now on ends it between steps (stops.arm), and
+        the loader's workers start, so a stop during the set-up leaves none behind."""
+        self.stops.arm(timeout_s)
+        self._batches = iter(self.dataloader)
+
     def train(self) -> None:
         steps = self.last_step
         sync_debug = self.cfg.debug.sync_debug and self.device.type == "cuda"
         start = window_start = time.perf_counter()
-        self.stops.arm(self.cfg.comm.timeout_s)
+        self.begin(self.cfg.comm.timeout_s)
         step, stop = self.start_step, 0
         if self.evaluator is not None and self.cfg.eval.at_start and self.start_step == 1:
             self.evaluate(0)  # the model as loaded; a resumed run has it in eval.jsonl already

@@ -86,6 +86,15 @@ def host_syncs(out_dir: str, name: str, *overrides: str, **config: str) -> dict:
             return log(*a, **k)
 
     t._log = counted_log
+    begin = t.begin
+
+    def counted_begin(
+        *a, **k
+    ):  # once a run, before the first step: the set-up's (a seed's .item())
+        with HOST.phase("begin"):
+            return begin(*a, **k)
+
+    t.begin = counted_begin
     with HOST.phase("non_log"):
         t.train()
     t.close()

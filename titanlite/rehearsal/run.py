@@ -39,7 +39,7 @@ def rehearse(cfg: JobConfig, config_path: str | None = None) -> dict:
         labels = group_labels(trainer.dims, trainer.diagnostics)
         meter = StepMeter(trainer.device, trainer.model, trainer.optimizer, labels)
         costs = []
-        trainer.stops.arm(None)  # a signal now ends the rehearsal between steps, not inside one
+        trainer.begin(None)  # a signal now ends the rehearsal between steps, not inside one
         for step in range(1, cfg.training.steps + 1):
             began = time.perf_counter()
             say = f"rehearsal: step {step}/{cfg.training.steps}"
