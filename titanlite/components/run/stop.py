@@ -32,6 +32,16 @@ def _before_first_step(signum: int) -> Stopped:
     return Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
 
 
+_PYTHONS_HOOK = sys.unraisablehook
+
+
+def _swallowed(unraisable) -> None:
+    """Python's hook for an exception it cannot raise: a stop raised inside an at-fork hook (a
+    worker process starting) or a __del__ is not printed; StopSignals.arm() raises it again."""
+    if not isinstance(unraisable.exc_value, Stopped):
+        _PYTHONS_HOOK(unraisable)
+
+
 class StopSignals:
     def __init__(self) -> None:
         self.pid = os.getpid()  # the rank's; a forked child passes its signals on to it
@@ -42,8 +52,7 @@ class StopSignals:
         self._pending: tuple[dist.Work, torch.Tensor, bytearray] | None = None
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
-        self._unraisable = sys.unraisablehook
-        sys.unraisablehook = self._swallowed
+        sys.unraisablehook = _swallowed
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending one is handled now
 
     def _handle(self, signum: int, frame) -> None:
@@ -56,12 +65,6 @@ class StopSignals:
         self.received = signum
         if not self.armed:
             raise _before_first_step(signum)
-
-    def _swallowed(self, unraisable) -> None:
-        """Python's hook for an exception it cannot raise: a stop raised inside an at-fork hook
-        (a worker process starting) or a __del__ is not printed; arm() raises it again."""
-        if not isinstance(unraisable.exc_value, Stopped):
-            self._unraisable(unraisable)
 
     def arm(self, timeout_s: int | None) -> None:
         """Every rank, once, as the loop starts; `timeout_s` None: no agreement between ranks
