@@ -8,10 +8,11 @@
 
 One run per (layout, mode), launched one after another on this machine with
 `NPROC=world ./run_train.sh` (CPU ranks, or GPUs when there are that many), everything but the
-layout equal. A layout is a data-parallel degree and any mesh axes beside it (--layouts, each
-"dp=N" then ",axis=degree" per axis: the kinds of titanlite.config.layout.AXIS_KINDS); its world
-is dp times every axis's degree. --dp 8 16 is the short form of --layouts dp=8 dp=16, with the
-config's parallelism.axes in every run: global batch, seed, data and model come from the config and the overrides. An
+layout equal: global batch, seed, data and model come from the config and the overrides. A
+layout is a data-parallel degree and any mesh axes beside it (--layouts, each "dp=N" then
+",axis=degree" per axis: the kinds of titanlite.config.layout.AXIS_KINDS); its world is dp times
+every axis's degree. --dp 8 16 is the short form of --layouts dp=8 dp=16, with the config's
+parallelism.axes in every run. An
 override of a setting the script fixes in a run (the steps, the layout, where runs go; with
 --localize, what its reruns set) is refused in one line naming what sets it, unless every run
 holds it (a local batch is a bound: each layout runs the largest up to it that carries B / dp);
@@ -109,14 +110,14 @@ def layout_shapes(args) -> list[tuple[int, tuple[tuple[str, int], ...] | None]]:
         return [(dp, None) for dp in args.dp]
     shapes = []
     for text in args.layouts:
-        parts = [part.strip() for part in text.split(",")]
-        dp = [part.partition("=")[2] for part in parts if part.partition("=")[0] == "dp"]
+        parts = [part.strip().partition("=") for part in text.split(",")]
+        dp = [degree for name, _, degree in parts if name.strip() == "dp"]
         if len(dp) != 1 or not whole_number(dp[0]) or not 1 <= int(dp[0]) <= MAX_RANKS:
             raise UserError(
                 f'--layouts {text!r} needs one dp=N (N from 1 to {MAX_RANKS}), then any axes: "dp=2,cp=2"'
             )
         try:
-            axes = extra_axes([part for part in parts if not part.startswith("dp=")])
+            axes = extra_axes(["".join(part) for part in parts if part[0].strip() != "dp"])
         except UserError as e:
             raise UserError(f"--layouts {text!r}: {e}") from None
         shapes.append((int(dp[0]), axes))

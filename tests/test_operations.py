@@ -328,6 +328,13 @@ def test_a_stopped_rehearsal_leaves_an_earlier_one_s_folder_as_it_was(tmp_path):
 
 # a launcher-like child: its first SIGINT starts a graceful stop, during which the user presses
 # Ctrl-C again (it reaches the script); its second SIGINT ends it at once
+def python(code: str) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter at the repository's root, its output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
+    )
+
+
 LAUNCHER_LIKE = """
 import os, signal, sys, time
 seen = []
@@ -359,10 +366,7 @@ except KeyboardInterrupt:
 def test_a_second_stop_to_a_script_goes_on_to_its_child_which_it_still_waits_for():
     """A script that stops its launcher child (tools/process.py stop_child) and gets a second
     Ctrl-C meanwhile passes it on and returns only once the child has exited."""
-    proc = subprocess.run(
-        [sys.executable, "-c", SECOND_STOP], cwd=REPO, capture_output=True, text=True,
-        timeout=HANG_S,
-    )  # fmt: skip
+    proc = python(SECOND_STOP)
     assert (proc.returncode, proc.stderr) == (0, "130\n"), proc.stderr[-3000:]
 
 
@@ -380,46 +384,60 @@ def test_a_signal_after_the_last_step_changes_nothing():
         "time.sleep(0.2)\n"
         "print(signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM) == signal.SIG_IGN)\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
-    )
+    proc = python(code)
     # ignored, not handled: finalization restores the default action of handled signals only
     assert (proc.returncode, proc.stdout.strip()) == (0, "True"), proc.stderr
 
 
 def test_a_stop_raised_where_python_cannot_raise_it_stops_at_the_loop_in_silence():
-    """A set-up stop lands inside a callback Python swallows (an at-fork hook as a worker process
-    starts, a __del__): nothing is printed there, the set-up goes on, and the loop's start stops
-    with the one line; another exception swallowed so is still printed."""
+    """A set-up stop that lands inside a callback Python swallows: an at-fork hook (a worker
+    process starting), a __del__, a weakref finalizer; SIGINT and SIGTERM. Nothing is printed
+    there, the set-up goes on, and the loop's start stops with the one line. Another exception
+    swallowed so is still printed."""
     code = (
-        "import gc, os, signal\n"
+        "import gc, os, signal, weakref\n"
         "from titanlite.components.run.stop import StopSignals\n"
         "from titanlite.errors import Stopped\n"
-        "stops = StopSignals()\n"
-        "def stop_now():\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    sum(range(10))  # Python runs the handler here, inside the hook\n"
-        "os.register_at_fork(after_in_parent=stop_now)\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    os._exit(0)\n"
-        "os.waitpid(pid, 0)\n"
         "class Odd:\n"
+        "    def __init__(self, act):\n"
+        "        self.act = act\n"
         "    def __del__(self):\n"
-        "        raise ValueError('printed')\n"
-        "Odd(); gc.collect()\n"
-        "print('set-up went on', flush=True)\n"
-        "try:\n"
-        "    stops.arm(None)\n"
-        "except Stopped as e:\n"
-        "    print(e)\n"
+        "        self.act()\n"
+        "def forked(act):\n"
+        "    os.register_at_fork(after_in_parent=act)\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n"
+        "def finalized(act):\n"
+        "    o = Odd(lambda: None)\n"
+        "    weakref.finalize(o, act)\n"
+        "    del o; gc.collect()\n"
+        "WHERE = {'fork': forked, 'del': lambda act: (Odd(act), gc.collect()), 'finalize': finalized}\n"
+        "for where, run in WHERE.items():\n"
+        "    for sig in (signal.SIGINT, signal.SIGTERM):\n"
+        "        stops = StopSignals()\n"
+        "        fired = []\n"
+        "        def act(sig=sig, fired=fired):\n"
+        "            if not fired:  # an at-fork hook stays registered: once\n"
+        "                fired.append(1)\n"
+        "                os.kill(os.getpid(), sig)\n"
+        "                sum(range(10))  # Python runs the handler here, inside the callback\n"
+        "        run(act)\n"
+        "        try:\n"
+        "            stops.arm(None)\n"
+        "            print(where, sig.name, 'not stopped')\n"
+        "        except Stopped as e:\n"
+        "            print(where, e)\n"
+        "def bug():\n"
+        "    raise ValueError('printed')\n"
+        "Odd(bug); gc.collect()\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
-    )
+    proc = python(code)
     assert proc.stdout.splitlines() == [
-        "set-up went on",
-        "stopped by SIGTERM before the first step; nothing was written",
+        f"{where} stopped by {sig} before the first step; nothing was written"
+        for where in ("fork", "del", "finalize")
+        for sig in ("SIGINT", "SIGTERM")
     ], (proc.stdout, proc.stderr)
     assert "Stopped" not in proc.stderr and "ValueError: printed" in proc.stderr, proc.stderr
 
@@ -520,9 +538,7 @@ print("ok", file=sys.stderr)
 def test_the_launcher_waits_for_every_process_it_started_and_kills_what_stays():
     """The launcher's children, and their orphaned children (the subreaper), are waited for; one
     still running when the wait ends is killed and named."""
-    proc = subprocess.run(
-        [sys.executable, "-c", REAP], cwd=REPO, capture_output=True, text=True, timeout=HANG_S
-    )
+    proc = python(REAP)
     assert (proc.returncode, proc.stderr) == (0, "ok\n"), proc.stderr[-3000:]
     from titanlite.components.run.children import STOP_WAIT_S, killed_line
 

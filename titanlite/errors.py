@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Iterator
@@ -39,6 +40,11 @@ class Stopped(Exception):
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
         self.signum = signum
+
+
+def stopped_before_first_step(signum: int) -> Stopped:
+    """The stop by signal `signum` before the loop: its line says nothing was written."""
+    return Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
 
 
 ENDINGS = (UserError, TrainingError, LostRank, Stopped)

@@ -14,13 +14,12 @@ import os
 import signal
 import sys
 
-from titanlite.errors import BEFORE_FIRST_STEP, Stopped, report
+from titanlite.errors import BEFORE_FIRST_STEP, Stopped, report, stopped_before_first_step
 
 
 def _stopped_while_importing(signum: int, frame) -> None:
     """A stop while this module imports torch (seconds): nothing exists yet to clean up."""
-    name = signal.Signals(signum).name
-    os._exit(report(Stopped(signum, f"stopped by {name} {BEFORE_FIRST_STEP}")))
+    os._exit(report(stopped_before_first_step(signum)))
 
 
 for _sig in (signal.SIGINT, signal.SIGTERM):
@@ -295,12 +294,11 @@ def main(argv: list[str]) -> int:
     except UserError as e:
         code = report(e)
     except SignalException as e:
-        name = e.sigval.name
         early = not _Agent.stopping  # the workers never ran
-        line = f"stopped by {name} {BEFORE_FIRST_STEP}"
+        ending = stopped_before_first_step(int(e.sigval))
         if not early:
-            line = f"stopped at once by a second {name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
-        ending = Stopped(int(e.sigval), line)
+            line = f"stopped at once by a second {e.sigval.name}: the workers were killed mid-step; rerun the same command to resume from the last complete checkpoint"
+            ending = Stopped(int(e.sigval), line)
         code = exit_code(ending)
     finally:
         ending = _when_all_are_gone(ending, ours)

@@ -23,13 +23,9 @@ import torch.distributed as dist
 from titanlite.components.run.torchrun import STOP_SIGNALS
 from titanlite.distributed.groups import host_group
 from titanlite.distributed.utils import first_error
-from titanlite.errors import BEFORE_FIRST_STEP, Stopped, TrainingError
+from titanlite.errors import Stopped, TrainingError, stopped_before_first_step
 
 FAILED = 1 << 16  # the flag of a rank's failure (fail()): above every signal, it wins the MAX
-
-
-def _before_first_step(signum: int) -> Stopped:
-    return Stopped(signum, f"stopped by {signal.Signals(signum).name} {BEFORE_FIRST_STEP}")
 
 
 _PYTHONS_HOOK = sys.unraisablehook
@@ -64,13 +60,13 @@ class StopSignals:
             return
         self.received = signum
         if not self.armed:
-            raise _before_first_step(signum)
+            raise stopped_before_first_step(signum)
 
     def arm(self, timeout_s: int | None) -> None:
         """Every rank, once, as the loop starts; `timeout_s` None: no agreement between ranks
         (a rehearsal's world is fake). A stop of the set-up that was swallowed stops here."""
         if self.received:
-            raise _before_first_step(self.received)
+            raise stopped_before_first_step(self.received)
         if timeout_s is not None and dist.get_world_size() > 1:
             self.group = host_group(timedelta(seconds=timeout_s))
         self.armed = True
