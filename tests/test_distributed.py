@@ -12,8 +12,10 @@ ranks whose valid-token counts differ by 10x or more.
 from __future__ import annotations
 
 import pytest
+from fork_tp_controls import TP_CONTROLS
 from helpers import BF16_GRAD_TOL, BF16_U
 
+from titanlite.analysis.check_cases import MODES
 from titanlite.analysis.model_check import verdicts
 
 WORLDS = (1, 2, 4)
@@ -263,6 +265,44 @@ def test_qwen3_moe_is_exact_at_every_layout(results):
         terms = {what.split()[1] for what, _, _ in lines if what.startswith("term ")}
         per_case = 1 + len(want)  # the gradient's line and a line per term
         assert not failed and terms == want and len(lines) == per_case * 27 + 1, failed
+
+
+def test_llama3_is_exact_with_a_tensor_split_in_every_mode(results):
+    """titanlite's Llama 3 (the model check's size, head untied and tied) through
+    scripts/check_model.py's cases: at dp x tp = 1 x 2 and 2 x 2 in fsdp, ddp and hsdp, on
+    unequal tokens and on packed documents with the vocab-parallel loss in chunks, the gradient,
+    its norm (the one clipping reads, over parameters on two meshes), the logged loss and the
+    initial weights are one process's; so are its plain data-parallel cases at dp 1, 2 and 4."""
+    for flavor in ("tiny", "tiny_tied"):
+        checks = [results[w]["tensor_checks"][f"llama3/{flavor}"] for w in WORLDS]
+        split = {
+            (r["world"], c["mode"], c["packed"])
+            for r in checks
+            for c in r["cases"]
+            if c["axis"] == "tp"
+        }
+        assert split == {(w, m, p) for w in (2, 4) for m in MODES for p in (False, True)}
+        failed = [(what, detail) for what, ok, detail in verdicts(checks) if not ok]
+        assert not failed, failed
+
+
+@pytest.mark.parametrize("control", TP_CONTROLS)
+def test_each_planted_tensor_parallel_defect_fails_on_the_gradient_with_the_loss_exact(
+    results, control
+):
+    """tests/fork_tp_controls.py: the backward's sum over tp left out, a vocab-parallel loss
+    differentiated on each rank's slice alone, a norm's replicated weight whose gradient is never
+    summed over tp. Each fails the model check's gradient at every tensor-split case, in every
+    mode, while its logged loss is one process's; its plain data-parallel cases pass."""
+    checks = [results[w]["tensor_checks"][f"{control}/tiny"] for w in WORLDS]
+    cases = [c for r in checks for c in r["cases"]]
+    split = [c for c in cases if c["axis"] == "tp"]
+    assert len(split) == 12 and all(c["max_rel_err"] > 1e3 * TOL for c in split), split
+    assert all(abs(c["logged"]["loss"] / c["ref"]["loss"] - 1) <= TOL for c in split), split
+    assert all(c["max_rel_err"] <= TOL for c in cases if not c["axis"])
+    lines = verdicts(checks)
+    failed = {what for what, ok, _ in lines if not ok}
+    assert failed == {w for w, _, _ in lines if w.startswith("gradient") and "x tp=2" in w}
 
 
 def test_a_context_parallel_fork_is_exact_at_every_split(results):

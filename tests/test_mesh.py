@@ -14,7 +14,6 @@ from titanlite.diagnostics.replicas import replica_groups
 from titanlite.distributed.groups import fake_store, init_distributed
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.errors import UserError
-from titanlite.validation import validate
 
 
 def _layout(world: int, axes: list[str], replicate: int = 1, mode: str = "auto") -> Layout:
@@ -150,13 +149,3 @@ def test_the_trainers_one_rank_world_keeps_the_world_group():
         assert dims.dp_group is dist.group.WORLD and dims.token_ranks == 1
     finally:
         dist.destroy_process_group()
-
-
-def test_a_run_with_a_tensor_split_is_refused_in_one_line_until_every_part_handles_it():
-    cfg = JobConfig()
-    cfg.parallelism.axes = ["tp=2"]
-    with pytest.raises(
-        UserError, match="parallelism.axes tp=2: a split of the model's tensors"
-    ) as e:
-        validate(cfg, 2)
-    assert "\n" not in str(e.value)

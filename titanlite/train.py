@@ -129,7 +129,7 @@ class Trainer:
         )
         # The step's side concerns, in the order the trainer calls them (titanlite.tools.hooks).
         fingerprints = FingerprintStep.at(
-            cfg.debug.fingerprint_step, self.model, sampler, self.run_dir
+            cfg.debug.fingerprint_step, self.model, sampler, self.run_dir, dims
         )
         guard = self.guard if self.guard.enabled else None
         self.hooks = Hooks([self.faults, self.heartbeat, self.diagnostics, fingerprints, guard])

@@ -26,12 +26,7 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
         cfg.faults.check(cfg.diagnostics.enable, world_size)
     split = [f"{n}={d}" for n, d in layout.axes if not AXIS_KINDS[n].distinct_tokens]
     if split:
-        # The mesh, the normaliser's group and the gradient sum already place a tensor split;
-        # gradient clipping, the diagnostics and the memory estimate do not, and would be wrong.
-        raise UserError(
-            f"parallelism.axes {split[0]}: a split of the model's tensors is laid out but gradient clipping, "
-            "the diagnostics and the memory estimate do not handle one in this version; remove the axis"
-        )
+        check_tensor_split_run(cfg, split[0])
     if layout.axes and cfg.eval.prompts:
         raise UserError(
             "eval.prompts with parallelism.axes: decoding runs whole prompts on every rank, which a model "
@@ -143,6 +138,30 @@ def check_eval_switches(e: Any, mode: str) -> None:
         back = f"set eval.{key} = {json.dumps(getattr(default, key))}"
         fix = back if mode == "synthetic" else f"set eval.fraction or eval.path, or {back}"
         raise UserError(f"eval.{key} {what}, but the run has no eval set: {fix}")
+
+
+def check_tensor_split_run(cfg: JobConfig, axis: str) -> None:
+    """What a run with a split of the model's tensors (`axis`, "tp=2") cannot do in this version."""
+    refusals = {
+        "diagnostics.enable": (
+            cfg.diagnostics.enable,
+            "the diagnostics do not yet measure a replica whose gradient is split over tensors; "
+            "set --diagnostics.enable false",
+        ),
+        "model.dropout": (
+            bool(cfg.model.dropout),
+            "dropout on the residual stream's pieces would draw other masks than the unsplit "
+            "model's; set --model.dropout 0",
+        ),
+        "training.compile": (
+            cfg.training.compile,
+            "compiling blocks whose tensors are DTensors is not checked in this version; set "
+            "--training.compile false",
+        ),
+    }
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise UserError(f"{key} with parallelism.axes {axis}: {why}")
 
 
 def check_run_name(name: str) -> None:

@@ -14,7 +14,8 @@ round), against the single-process token mean. "generate": greedy and top-p deco
 every rank's tokens gathered, against the unsharded model's greedy decoding. "fork_check": the
 model of tests/fork_model.py, written only from the fork contract, through scripts/check_model.py's
 cases (titanlite.analysis.model_check); "moe_checks": tests/fork_moe.py's loss terms the same way,
-and titanlite's Qwen3-MoE's.
+and titanlite's Qwen3-MoE's; "tensor_checks": titanlite's Llama 3 with its tensor split, and the
+planted tensor-parallel defects of tests/fork_tp_controls.py.
 "golden_elsewhere" (world 4): scripts/golden_losses.py's first case run here, without its numerics
 pins, as another CPU runs it (tests/test_golden.py).
 "dropout_cases": dropout 0.3 with masks keyed by sample in every mode (against one process's
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from fork_tp_controls import TP_CONTROLS
 from helpers import load_script
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -358,6 +360,25 @@ def main() -> None:
         f"qwen3_moe/{flavor}": check(["--model.name", "qwen3_moe", "--model.flavor", flavor])
         for flavor in ("tiny", "tiny_strong")
     }
+    # ... and titanlite's Llama 3 at the model check's size, whose tensor split (tp=2 at an even
+    # world) runs in every mode, and the field's tensor-parallel defects planted in it
+    tensor = {
+        f"llama3/{flavor}": check(["--model.name", "llama3", "--model.flavor", flavor])
+        for flavor in ("tiny", "tiny_tied")
+    }
+    tensor |= {
+        f"{name}/tiny": check(
+            [
+                "--model.name",
+                name,
+                "--model.import_module",
+                "fork_tp_controls",
+                "--model.flavor",
+                "tiny",
+            ]
+        )
+        for name in TP_CONTROLS
+    }
     # Dropout: masks keyed by sample equal one process's in every mode, accumulation and
     # checkpointing; masks from torch's RNG do not once the batch is cut (the control).
     drop = dataclasses.replace(ARGS, dropout=0.3)
@@ -418,6 +439,7 @@ def main() -> None:
                     "fork_check": forked,
                     "context_check": context,
                     "moe_checks": moe,
+                    "tensor_checks": tensor,
                     "dropout_cases": dropout,
                     "bf16_cases": low,
                     "eval_cases": evals,

@@ -1,13 +1,16 @@
 """Per-module fingerprints of one training step (debug.fingerprint_step), which
 titanlite.analysis.localize compares between two layouts to name where they part: (sum, sum of
 squares, sum of |x|) per sequence of each module's output and of its gradient. Sums add over any
-split of a sequence (context parallelism), and a sequence is named by its place in the data
-stream, which no layout changes."""
+split of a sequence (context parallelism) or of a tensor (a tensor split's heads, hidden units
+and residual-stream pieces), and a sequence is named by its place in the data stream, which no
+layout changes. What ranks hold alike (a DTensor's replicated placements; the per-sequence
+losses every rank of a tensor split returns) counts once."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import unwrap
 from titanlite.distributed.param_init import canonical_name
 
@@ -40,9 +44,13 @@ class Recorder:
     """Hooks on every module of `model` for one step. Wrap the step's loss function with
     `losses`, call `parameters` after backward (before clipping), then `gather`."""
 
-    def __init__(self, model: torch.nn.Module, rows: Callable[[int, int], list[int]]) -> None:
-        """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`."""
+    def __init__(
+        self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], same_on: int = 1
+    ) -> None:
+        """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`;
+        `same_on`: the ranks that return the model's losses alike (a tensor split's degree)."""
         self.rows_of = rows
+        self.same_on = same_on
         self.records: dict[str, dict[int, list[float]]] = {}
         self.order: list[str] = []
         self._rows: list[int] = []
@@ -75,8 +83,13 @@ class Recorder:
             self.records[key] = {}
             if self._micro == 1:
                 self.order.append(key)
+        copies = self.same_on if key.startswith("(model)") else 1
+        if isinstance(t, DTensor):  # this rank's part, once per set of ranks holding it alike
+            mesh = t.device_mesh
+            copies = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+            t = t.to_local()
         for row, vec in zip(rows, summary(t, len(rows)), strict=True):
-            _accumulate(self.records[key], row, vec)
+            _accumulate(self.records[key], row, [v / copies for v in vec])
 
     def _hook(self, label: str):
         def hook(_module, _args, out) -> None:
@@ -133,20 +146,27 @@ class FingerprintStep:
     """The trainer's hook (titanlite.tools.hooks) that records debug.fingerprint_step: a row is
     named by its position in the data stream (datasets/sampler.py), the same at any layout."""
 
-    def __init__(self, step: int, model: torch.nn.Module, sampler, folder: Path) -> None:
+    def __init__(
+        self, step: int, model: torch.nn.Module, sampler, folder: Path, dims: ParallelDims
+    ) -> None:
         self.step, self.model, self.sampler, self.folder = step, model, sampler, folder
+        self.dims = dims
         self.recorder: Recorder | None = None
 
     @classmethod
-    def at(cls, step: int, model: torch.nn.Module, sampler, folder: Path) -> FingerprintStep | None:
+    def at(
+        cls, step: int, model: torch.nn.Module, sampler, folder: Path, dims: ParallelDims
+    ) -> FingerprintStep | None:
         """The hook for debug.fingerprint_step `step`; None when it is off (-1)."""
-        return cls(step, model, sampler, folder) if step > 0 else None
+        return cls(step, model, sampler, folder, dims) if step > 0 else None
 
     def ready(self, s) -> None:
         if s.step == self.step:
             at = self.sampler.stream_position
             self.recorder = Recorder(
-                self.model, lambda m, n: [at(s.step - 1, m) + i for i in range(n)]
+                self.model,
+                lambda m, n: [at(s.step - 1, m) + i for i in range(n)],
+                self.dims.layout.model_split,
             )
             s.losses = self.recorder.losses(s.losses)
 
@@ -157,7 +177,7 @@ class FingerprintStep:
             return
         self.recorder.parameters(self.model)
         loss = s.loss.detach().clone()
-        dist.all_reduce(loss)  # the logged loss: every rank's share
+        dist.all_reduce(loss, group=self.dims.dp_group)  # the logged loss: the shares of the step
         record = self.recorder.gather(loss)
         self.recorder = None
         if record is not None:

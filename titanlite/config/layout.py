@@ -222,6 +222,12 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
         )
     batch = (t.global_batch_size, t.local_batch_size, t.seq_len)
     layout = Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method, axes)
+    if t.seq_len % layout.model_split:
+        raise UserError(
+            f"training.seq_len {t.seq_len} does not split into {layout.model_split} equal pieces, "
+            f"which a tensor split's sequence parallelism gives its ranks between blocks "
+            f"(parallelism.axes); pick a multiple of {layout.model_split}"
+        )
     if t.seq_len % layout.seq_split:
         raise UserError(
             f"training.seq_len {t.seq_len} does not split into {layout.seq_split} equal pieces "

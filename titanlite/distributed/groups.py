@@ -7,6 +7,7 @@ upgrade moves it (tests/test_rehearsal.py holds that).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from datetime import timedelta
@@ -17,6 +18,11 @@ import torch.distributed as dist
 # torch's fake process group: collectives return at once, on tensors of their true shapes.
 FAKE = "fake"
 FAKE_MODULE = "torch.testing._internal.distributed.fake_pg"
+
+# A tensor split's parameters are DTensors on (data-parallel, tensor) meshes, whose whole value
+# (a gradient norm, a checkpoint's or an export's tensor) DTensor gathers one mesh dim at a time,
+# warning each time that it cannot merge the two collectives: a note for kernels, not for a run.
+logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def fake_store() -> dist.Store:

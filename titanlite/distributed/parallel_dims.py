@@ -112,6 +112,13 @@ class ParallelDims:
         """One declared axis's mesh, for a tensor-parallel plan's DTensors."""
         return self.mesh[name]
 
+    @property
+    def tensor_mesh(self) -> DeviceMesh | None:
+        """The mesh of the axis that splits the model's tensors (its ranks hold the same tokens),
+        for a tensor-parallel plan's DTensors; None without one."""
+        split = self._axes(distinct_tokens=False)
+        return self.mesh[split[0]] if split else None
+
     def _flat(self, names: tuple[str, ...]) -> DeviceMesh:
         if len(names) == 1:
             return self.mesh[names[0]]
@@ -135,9 +142,14 @@ class ParallelDims:
         return self.mesh["dp_replicate", self._flat(inner).mesh_dim_names[0]]
 
     @property
+    def replicate_mesh(self) -> DeviceMesh:
+        """DDP's mesh: dp_replicate and the sequence split's axes flattened."""
+        return self._flat(("dp_replicate", *self._axes(distinct_tokens=True)))
+
+    @property
     def replicate_group(self) -> dist.ProcessGroup:
-        """DDP's group: dp_replicate and the sequence split's axes."""
-        return self._flat(("dp_replicate", *self._axes(distinct_tokens=True))).get_group()
+        """DDP's group: the ranks of replicate_mesh."""
+        return self.replicate_mesh.get_group()
 
     def piece(self, batch):
         """This rank's positions of each sequence of a Microbatch: the seq_rank-th of seq_split

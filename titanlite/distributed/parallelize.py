@@ -12,6 +12,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -32,20 +33,26 @@ def parallelize_blocks(
         if cfg.training.compile:
             block = torch.compile(block, fullgraph=True)
         blocks[i] = block
-    if dims.mode == "ddp":
+    if dims.mode == "ddp" and dims.tensor_mesh is None:
         return model  # DDP wraps the materialized model: see wrap_ddp
-    mesh = dims.shard_mesh
     mp = MixedPrecisionPolicy(param_dtype=dims.param_dtype, reduce_dtype=dims.reduce_dtype)
-    params = sum(p.numel() for p in model.parameters())
-    keep = keeps_gathered_params(
-        cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0]
-    )
-    for i, block in enumerate(blocks):
-        # The last block's params are needed again at once by backward: keep them unsharded.
-        fully_shard(
-            block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and i < len(blocks) - 1
+    if dims.mode == "ddp":
+        # A tensor split's parameters are DTensors, which torch's DDP does not take: the same
+        # all-reduce on FSDP's machinery (torch's replicate), block by block as FSDP's units.
+        for block in blocks:
+            replicate(block, mesh=dims.replicate_mesh, mp_policy=mp)
+        replicate(model, mesh=dims.replicate_mesh, mp_policy=mp)
+    else:
+        mesh = dims.shard_mesh
+        params = sum(p.numel() for p in model.parameters())
+        keep = keeps_gathered_params(
+            cfg, params, dims.param_dtype.itemsize, available_bytes(dims.device)[0]
         )
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        for i, block in enumerate(blocks):
+            # The last block's params are needed again at once by backward: keep them unsharded.
+            last = i == len(blocks) - 1
+            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=not keep and not last)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
     disable_fsdp_grad_division(model)
     use_fast_reduce_scatter(model)
     return model
@@ -202,7 +209,7 @@ def materialize(
     to_empty_tied(model, dims.device)
     with torch.no_grad():
         model.init_weights(ParamInit(model, seed, per_shard=rehearsal))
-    return wrap_ddp(model, dims) if dims.mode == "ddp" else model
+    return wrap_ddp(model, dims) if dims.mode == "ddp" and dims.tensor_mesh is None else model
 
 
 def unwrap(model: nn.Module) -> nn.Module:

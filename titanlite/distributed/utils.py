@@ -26,14 +26,22 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of `grads` taken whole (a DTensor's over its shards), each tensor's squares
     accumulated in float64 and the tensors' sum too, so that two shardings of one gradient log
     one norm (a float32 norm's rounding grows with a tensor's size and differs by sharding:
-    titanlite/components/README.md). A float64 device tensor, never read on the host."""
+    titanlite/components/README.md). Gradients on different meshes (FSDP's alone, FSDP's x a
+    tensor split's) are summed per mesh, where DTensor counts a replicated one once, then
+    together. A float64 device tensor, never read on the host."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    if isinstance(total, DTensor):  # FSDP: each rank holds the norm of its shards (Partial)
-        total = total.full_tensor()
-    return total
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    totals = []
+    for group in by_mesh.values():
+        norms = torch._foreach_norm(group, 2, dtype=torch.float64)
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        if isinstance(total, DTensor):  # each rank holds the norm of its shards (Partial)
+            total = total.full_tensor()
+        totals.append(total)
+    return totals[0] if len(totals) == 1 else torch.linalg.vector_norm(torch.stack(totals))
 
 
 def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -82,9 +82,13 @@ fork's model may build on too. The contract for a registered model:
   all-reduced over the axis. The diagnostics sum each replica's pieces; the memory estimate
   traces one piece on the model unsplit, without the exchange's own buffers.
   A tensor split (`tp`): every rank of the axis gets the whole sequences and holds a slice of
-  the model's tensors (ParallelDims.axis_mesh(name) for its DTensors); the normaliser's group
-  (ParallelDims.dp_group) and FSDP's and DDP's gradient sums leave the axis out, so the model's
-  plan reduces over it what it keeps replicated;
+  the model's tensors, every parameter a DTensor on ParallelDims.tensor_mesh (the shared
+  blocks' plans: titanlite.models.common.tensor_parallel); the normaliser's group
+  (ParallelDims.dp_group) and FSDP's and DDP's gradient sums leave the axis out, so the plan
+  reduces over it what it keeps replicated (DTensor does, for a replicated placement), and every
+  rank of the axis returns the same per-sequence losses, counted once. The plan runs before the
+  data-parallel wrapping (parallelize_blocks): FSDP then shards each slice, and DDP, which takes
+  no DTensor, becomes torch's FSDP-based replicate;
 - `parallelize_fn(model, parallel_dims, job_config) -> nn.Module` applies activation
   checkpointing, compile and FSDP/DDP/HSDP (usually via titanlite.distributed.parallelize);
 - optional `hf`: an HFAdapter, how the model reads and writes a Hugging Face folder:
@@ -111,6 +115,7 @@ import contextlib
 import difflib
 import importlib
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -122,6 +127,7 @@ import torch.nn as nn
 from titanlite.config import JobConfig
 from titanlite.config.layout import AXIS_KINDS, extra_axes, loss_chunks
 from titanlite.errors import UserError, foreign
+from titanlite.models.common.tensor_parallel import check_tensor_split
 from titanlite.models.hf_files import read_config
 from titanlite.models.hf_keys import ConfigKeys
 from titanlite.models.step import LossPath
@@ -315,6 +321,11 @@ def build_meta_model(cfg: JobConfig, vocab_size: int) -> MetaModel:
     fork = foreign(f"model '{m.name}' ({where})", "fix the model's code")
     with torch.device("meta"), contextlib.nullcontext() if where.startswith("titanlite.") else fork:
         model = spec.model_cls(args)
+    split = math.prod(
+        d for n, d in extra_axes(cfg.parallelism.axes) if not AXIS_KINDS[n].distinct_tokens
+    )
+    if split > 1:
+        check_tensor_split(model, split)
     flops = (
         model.num_flops_per_token(cfg.training.seq_len)
         if hasattr(model, "num_flops_per_token")

@@ -111,9 +111,14 @@ def estimate_memory(
     keep_gathered: bool = False,
     labels_path: bool = False,
     reduce_dtype: torch.dtype | None = None,
+    tensor_split: int = 1,
 ) -> MemoryEstimate:
     """The estimate for `model` (blocks in `model.layers`; `args`: its vocab_size, dim, n_layers)
-    before the measured step's terms (job_estimate adds them)."""
+    before the measured step's terms (job_estimate adds them). `tensor_split`: the ranks a tensor
+    split (titanlite.models.common.tensor_parallel) divides each matrix among, the whole sequence
+    on each: a rank holds 1/tp of every matrix (the norms' vectors whole), of the activations
+    (the residual stream in pieces between blocks, heads and hidden units split inside them) and
+    of the logits (its vocabulary rows)."""
     blocks = list(getattr(model, "layers", None) or ())
     # blocks differ where some layers are dense and others hold experts: the largest is gathered
     each = [sum(p.numel() for p in block.parameters()) for block in blocks]
@@ -125,7 +130,8 @@ def estimate_memory(
     param_bytes = param_dtype.itemsize
     sharded_mode = mode in ("fsdp", "hsdp")
     divisor = shard if sharded_mode else 1
-    sharded = sum(shard_numel(p.shape, divisor) for p in weights)
+    tp = tensor_split
+    sharded = sum(shard_numel(p.shape, divisor) / (tp if p.ndim > 1 else 1) for p in weights)
     gathered = 0.0
     if sharded_mode:
         # The root's own params (embedding, head) stay gathered through the step (FSDP2 keeps
@@ -140,8 +146,9 @@ def estimate_memory(
         grads = (root * (3 if tied else 1) + block_params) * param_bytes
         if reduce_dtype is not None and reduce_dtype != param_dtype:
             grads += block_params * reduce_dtype.itemsize
-        padding = sharded * divisor / max(params, 1)  # what the shards' padding adds to a gather
-        gathered = ((params if keep_gathered else unit) * param_bytes + grads) * padding
+        # what the shards' padding adds to a gather
+        padding = sum(shard_numel(p.shape, divisor) for p in weights) * divisor / max(params, 1)
+        gathered = ((params if keep_gathered else unit) * param_bytes + grads) * padding / tp
     chunk = loss_chunk if 0 < loss_chunk < seq_len else 0
     dim = getattr(args, "dim", 0)
     one, source = activation_bytes(
@@ -159,12 +166,17 @@ def estimate_memory(
     # fp32 copy and gradient), or the whole sequence's gradients (forward's own are traced).
     positions = chunk or seq_len
     logits = local_batch * positions * args.vocab_size * (param_bytes + (8 if chunk else 4))
+    activations = local_batch * one / tp
+    if tp > 1 and activation_checkpoint == "none":
+        # attention's and the SwiGLU's inputs, gathered whole for their column-parallel
+        # matmuls, are kept whole on every rank for those matmuls' backward
+        activations += 2 * n_layers * local_batch * seq_len * dim * param_bytes * (1 - 1 / tp)
     return MemoryEstimate(
         params,
         16 * sharded,
         gathered,
-        local_batch * one,
-        logits,
+        activations,
+        logits / tp,
         unit_params=max(block_params, root) if sharded_mode else block_params,
         activations_from=source,
     )
@@ -206,6 +218,7 @@ def job_estimate(
         keep_gathered=keeps_gathered_params(cfg, params, param_dtype.itemsize, available),
         labels_path=meta.loss_path().own,
         reduce_dtype=getattr(torch, t.mixed_precision_reduce),
+        tensor_split=layout.model_split,
     )
     measured = measured_step_bytes(cfg, layout, params, est.unit_params)
     est.held_grads_bytes, est.diagnostics_bytes = measured

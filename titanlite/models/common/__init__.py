@@ -9,5 +9,7 @@ subclasses the Decoder shell and writes only what is its own.
 - kv_cache.py: the keys and values of a generation;
 - feed_forward.py: the SwiGLU feed-forward;
 - decoder.py: the shell (embedding, blocks, final norm, head and its loss, RoPE tables, init);
+- tensor_parallel.py: each block's tensor-parallel plan, the vocab-parallel head, and the
+  counts a degree must divide;
 - hf.py: the Hugging Face names and config values the families share.
 """

@@ -16,12 +16,14 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from titanlite.distributed.param_init import ParamInit
 from titanlite.models.common.document_attention import DocumentMask, document_mask
 from titanlite.models.common.kv_cache import KVCache
 from titanlite.models.common.rmsnorm import RMSNorm
 from titanlite.models.common.rope import rope_lookup, rope_tables
+from titanlite.models.common.tensor_parallel import vocab_parallel_head
 from titanlite.ops.cross_entropy import chunked_cross_entropy_per_sample
 
 
@@ -56,6 +58,8 @@ class Decoder(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # the tensor-splitting axis's mesh once tensor_parallel.decoder_plan splits the vocabulary
+        self.vocab_mesh: DeviceMesh | None = None
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
         self._init_rope()
@@ -116,6 +120,8 @@ class Decoder(nn.Module):
         at a time inside the loss (0: all at once;
         titanlite.ops.cross_entropy.chunked_cross_entropy_per_sample)."""
         h = self.norm(h)
+        if self.vocab_mesh is not None:
+            return vocab_parallel_head(h, self.output.weight, labels, loss_chunk)
         if labels is None:
             return self.output(h)
         return chunked_cross_entropy_per_sample(h, self.output.weight, labels, loss_chunk)
