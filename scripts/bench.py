@@ -24,6 +24,8 @@ For each dp degree, one torchrun builds one trainer per configuration in the sam
     packed          10th-90th percentile): one SFT record per sequence, and records packed into
                     each sequence with per-document attention (data.packing); packing's gain is
                     in what a step holds: padding and target tokens
+    tp2             the same global batch at dp/2 x tp=2: each pair of ranks splits the model's
+                    tensors (parallelism.axes = ["tp=2"]) instead of reading its own sequences
     dropout-stream, dropout 0.1 with masks from torch's RNG (the default) and keyed by sample
     dropout-sample  (model.dropout_masks = sample: dp-invariant dropout, titanlite.ops.dropout)
     moe-local,      tests/fork_moe.py, a mixture of experts: its load-balancing loss by each
@@ -35,7 +37,8 @@ last microbatch), sync (skip-sync vs titanlite, which syncs every microbatch), m
 fsdp), reduce-scatter (titanlite vs native-rs), fsdp-units (reshard and one-unit vs titanlite),
 packing (packed vs unpacked), dropout (dropout-sample vs dropout-stream) and statistics
 (moe-step, tests/fork_moe.py's load-balancing loss over the whole step from the step-statistics
-pass, vs moe-local, its formula per microbatch: what the pass costs).
+pass, vs moe-local, its formula per microbatch: what the pass costs) and tensor (tp2 vs
+titanlite: a tensor split's exchanges in every block against plain data parallelism).
 Each round runs one step of every configuration, in an order that rotates from round to round,
 so machine noise (which drifts over seconds on a shared machine) hits neighbours alike. A ratio
 is the median over rounds of the configuration's step time over its reference's in the same
@@ -110,6 +113,9 @@ CONFIGS = {
         "tiny",
         *OFF,
     ],
+    # the same global batch with half the data-parallel ranks, each pair splitting the model's
+    # tensors (titanlite.models.common.tensor_parallel): what tp's exchanges cost where dp would do
+    "tp2": ["--parallelism.axes", '["tp=2"]', *OFF],
     "moe-step": [
         "--model.import_module",
         "fork_moe",
@@ -135,6 +141,7 @@ GROUPS = {
     "packing": ("unpacked", ["packed"]),
     "dropout": ("dropout-stream", ["dropout-sample"]),
     "statistics": ("moe-local", ["moe-step"]),
+    "tensor": ("titanlite", ["tp2"]),
 }
 INTERVAL = 500  # diag-default's interval, for the amortized figure
 DATA_STEPS = 64  # global batches whose padding and target tokens are counted, at least
@@ -574,6 +581,7 @@ README_ROWS = {
     ("modes", "ddp"): "DDP / FSDP",
     ("modes", "hsdp"): "HSDP 2 x dp/2 / FSDP",
     ("reduce-scatter", "titanlite"): "all-to-all reduce-scatter on gloo / gloo's own",
+    ("tensor", "tp2"): "dp/2 x tp=2 / dp (the same global batch)",
 }
 
 

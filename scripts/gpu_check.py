@@ -39,6 +39,12 @@ titanlite.train`, FSDP at dp=1), so every figure is what a user's run reports. S
           (tokens/s, MFU over the active parameters, peak memory against the estimate, selective
           AC), then one MoE layer's experts both ways on the same routed rows, forward and
           backward: grouped_mm against the per-expert loop (time, and their difference in bf16)
+  tp      the tensor-parallel plan (titanlite.models.common.tensor_parallel) on this GPU at
+          degree 1 (parallelism.axes = ["tp=1"]: every exchange a one-rank collective): the speed
+          section's job with the plan's DTensors and vocab-parallel loss, under debug.sync_debug,
+          against the same job without the axis: the loss curves within compare_runs' default
+          tolerance, tokens/s and peak memory of each. One GPU cannot split a model between
+          ranks; scripts/README.md's multi-GPU checklist runs tp=2 and tp=8
 --smoke: every section on the CPU with the debug model's shapes and few steps (CI runs it, so
 the script cannot rot; its figures are not GPU figures). Results: DIR/gpu_check.json and
 DIR/gpu_check.md (the table in scripts/README.md). Exit 1 if a check fails (sync, determinism, hf, accum, a
@@ -73,6 +79,7 @@ from titanlite.tools.records import metrics_rows  # noqa: E402
 GiB = 2**30
 SECTIONS = (
     "speed", "batch", "sync", "determinism", "accum", "probe", "hf", "packing", "rehearse", "moe",
+    "tp",
 )  # fmt: skip
 MOE_CONFIG = "train_configs/debug_moe.toml"
 
@@ -684,6 +691,31 @@ def check_moe(shapes: Shapes, out: Path, steps: int) -> dict:
     return {"rows": rows, "experts": ways, "ok": ok}
 
 
+def check_tp(shapes: Shapes, out: Path, steps: int) -> dict:
+    """The tensor-parallel plan at degree 1 against the plain model on the same steps."""
+    from titanlite.analysis.compare import compare
+    from titanlite.analysis.runs import load_run
+    from titanlite.analysis.tolerance import default_tolerance
+
+    common = synthetic(shapes, shapes.batch, steps, "--metrics.log_every", "1")
+    common += ["--diagnostics.enable", "false"]  # one rank: nothing to compare across
+    sync_debug = ["--debug.sync_debug", "true"] if has_gpu() else []
+    rows, runs = [], {}
+    for name, extra in (("tp-none", []), ("tp-1", ["--parallelism.axes", '["tp=1"]', *sync_debug])):
+        row = {"name": name, **measured(shapes, out, name, [*common, *extra])}
+        rows.append(row)
+        say(f"tp {name}: {brief(row)}")
+        if row["rc"] != 0:
+            return {"rows": rows, "ok": False, "error": row.get("error")}
+        runs[name] = load_run(out / "runs" / name)
+    cmp = compare(runs["tp-none"], runs["tp-1"], default_tolerance(list(runs.values())))
+    rels = [r.rel for r in cmp.rows if r.rel is not None]
+    worst = max(rels) if rels else math.nan
+    say(f"tp: the plan at degree 1 vs none, {len(rels)} steps: largest relative loss difference "
+        f"{worst:.3g} ({cmp.rtol}): {'pass' if cmp.passed else 'FAIL'}")  # fmt: skip
+    return {"rows": rows, "max_rel": worst, "rtol": str(cmp.rtol), "ok": cmp.passed}
+
+
 def experts_both_ways(shapes: Shapes, flavor: str) -> dict:
     """One MoE layer's experts of `flavor` in bf16 (FSDP's GPU compute dtype) on the device, run
     forward and backward on the same routed rows (a batch of the speed section's tokens, routed
@@ -816,6 +848,11 @@ def markdown(result: dict) -> str:
             ways = f"{w['grouped_ms']:.2f} ms | {w['loop_ms']:.2f} ms ({w['loop_ms'] / w['grouped_ms']:.2f}x)"
             lines.append(f"| {r['flavor']} | {_trained_cells(r)} | {ways} |")
         lines.append("")
+    if "tp" in result and "max_rel" in result["tp"]:
+        r = result["tp"]
+        cells = ", ".join(f"{x['name']} {brief(x)}" for x in r["rows"])
+        lines += [f"Tensor-parallel plan at tp=1 vs none: largest relative loss difference "
+                  f"{r['max_rel']:.3g} (rtol {r['rtol']}); {cells}.", ""]  # fmt: skip
     for key, what in (
         ("sync", "No host sync between log steps"),
         ("determinism", "Deterministic mode, the same steps twice"),
@@ -899,6 +936,7 @@ def run(args) -> int:
         "packing": lambda: check_packing(shapes, out, steps),
         "rehearse": lambda: check_rehearse(shapes, out),
         "moe": lambda: check_moe(shapes, out, steps),
+        "tp": lambda: check_tp(shapes, out, steps),
     }
     for name in SECTIONS:
         if name in sections:

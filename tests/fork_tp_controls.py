@@ -12,11 +12,15 @@ scripts/check_model.py's cases).
 - tp_control_unreduced_norm: the blocks' norms left as plain parameters on the residual
   stream's pieces (sequence parallelism), so their gradients cover one rank's positions and are
   never summed over the axis.
+- tp_control_router_counts: titanlite's Qwen3-MoE whose routing counts are all-reduced in place
+  over the axis, whose ranks already count the same whole sequences: the load-balancing term's
+  expert shares, and its gradient, double (its cross entropy is untouched).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -30,11 +34,14 @@ from titanlite.models.common.tensor_parallel import (
 )
 from titanlite.models.llama3 import Llama3, llama3_flavors
 from titanlite.models.llama3.parallelize import parallelize_llama
+from titanlite.models.qwen3_moe import Qwen3Moe, qwen3_moe_flavors
+from titanlite.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from titanlite.models.registry import ModelSpec, register_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX
 from titanlite.ops.vocab_parallel import vocab_parallel_cross_entropy, vocab_slice
 
 FLAVORS = {"tiny": llama3_flavors["tiny"]}
+MOE_FLAVORS = {"tiny": qwen3_moe_flavors["tiny_strong"]}
 
 
 def _whole(h: torch.Tensor, mesh) -> torch.Tensor:
@@ -72,6 +79,14 @@ class LocalVocab(Llama3):
         return exact.detach() + own - own.detach()
 
 
+class RouterCountsOverTP(Qwen3Moe):
+    def routing_counts(self, router_logits, routed):
+        counts = super().routing_counts(router_logits, routed)
+        if self.vocab_mesh is not None:
+            dist.all_reduce(counts[:-1], group=self.vocab_mesh.get_group())
+        return counts
+
+
 def parallelize_unreduced_norm(model: nn.Module, dims, cfg) -> nn.Module:
     mesh = dims.tensor_mesh
     if mesh is not None:
@@ -87,6 +102,16 @@ _CONTROLS = {
     "tp_control_local_vocab": (LocalVocab, parallelize_llama),
     "tp_control_unreduced_norm": (Llama3, parallelize_unreduced_norm),
 }
-TP_CONTROLS = tuple(_CONTROLS)
 for name, (cls, fn) in _CONTROLS.items():
     register_model(ModelSpec(name, cls, FLAVORS, fn, axes=("tp",)))
+register_model(
+    ModelSpec(
+        "tp_control_router_counts",
+        RouterCountsOverTP,
+        MOE_FLAVORS,
+        parallelize_qwen3_moe,
+        axes=("tp",),
+        step_statistics=True,
+    )
+)
+TP_CONTROLS = (*_CONTROLS, "tp_control_router_counts")

@@ -10,7 +10,8 @@ model's reshard: tests/test_invariance.py, with --long).
   continues at dp=4 with one dropout stream on every rank (the seed rule);
 - a Ctrl-C (SIGINT to the launcher) finishes the step, writes a checkpoint and exits 130 with one
   line; the same command continues bitwise and says that its changed optimizer.lr is not applied;
-- a checkpoint written at dp=2 FSDP continues at dp=4 FSDP and at dp=2 DDP within 1e-5;
+- a checkpoint written at dp=2 FSDP continues at dp=4 FSDP, at dp=2 DDP and at dp=1 x tp=2
+  within 1e-5;
 - a run killed inside the save of step 6 leaves that checkpoint unpublished: the restart loads
   step 3 and finishes, equal to the uninterrupted run;
 - async_mode: a run killed inside the background write resumes from the previous async
@@ -186,15 +187,17 @@ def test_ctrl_c_checkpoints_and_the_same_command_continues_bitwise(ref):
 
 
 @pytest.mark.slow
-def test_reshard_dp2_to_dp4_and_fsdp_to_ddp(ref):
-    """The step-3 checkpoint copied into a new run folder continues at another layout."""
-    for name, nproc, extra in (("dp4", 4, ()), ("to-ddp", 2, DDP)):
+def test_reshard_dp2_to_dp4_to_ddp_and_to_a_tensor_split(ref):
+    """The step-3 checkpoint copied into a new run folder continues at another layout: dp=4, DDP,
+    and dp=1 x tp=2 (every parameter then a slice of what the checkpoint holds whole)."""
+    split = ("--parallelism.axes", '["tp=2"]', "--diagnostics.enable", "false")
+    for name, nproc, extra in (("dp4", 4, ()), ("to-ddp", 2, DDP), ("to-tp", 2, split)):
         shutil.copytree(
             ref / "fsdp/checkpoints/step-00000003", ref / name / "checkpoints/step-00000003"
         )
         run(ref, name, *extra, nproc=nproc)
     want = losses(ref, "fsdp")
-    for name in ("dp4", "to-ddp"):
+    for name in ("dp4", "to-ddp", "to-tp"):
         got = losses(ref, name)
         assert sorted(got) == [4, 5, 6]  # a new run folder: it starts after the checkpoint
         assert max(abs(got[s] - want[s]) / want[s] for s in got) <= 1e-5, (name, got, want)

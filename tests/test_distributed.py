@@ -254,7 +254,8 @@ def test_every_loss_term_a_model_adds_is_exact_and_the_per_microbatch_formula_is
 def test_qwen3_moe_is_exact_at_every_layout(results):
     """titanlite's Qwen3-MoE (flavors tiny and tiny_strong: two MoE layers around a dense one)
     through scripts/check_model.py's cases at dp 1, 2 and 4: fsdp, ddp and hsdp at accumulation
-    1 and 2 on unequal tokens and on packed documents with the loss in chunks. The gradient, the
+    1 and 2 on unequal tokens and on packed documents with the loss in chunks, and the same
+    with tp=2 at world 2 and 4 (attention and the dense layer split, the experts whole). The gradient, the
     logged loss, the load-balancing term over the step (tiny: the layers pooled at 0.001, as
     transformers'; tiny_strong: each layer's own at 0.1) and the z-loss (with 0.1) equal one
     process's; so do the initial weights."""
@@ -264,7 +265,8 @@ def test_qwen3_moe_is_exact_at_every_layout(results):
         failed = [(what, detail) for what, ok, detail in lines if not ok]
         terms = {what.split()[1] for what, _, _ in lines if what.startswith("term ")}
         per_case = 1 + len(want)  # the gradient's line and a line per term
-        assert not failed and terms == want and len(lines) == per_case * 27 + 1, failed
+        # 27 data-parallel cases at dp 1, 2, 4; 12 with tp=2 (3 modes x unequal, packed at world 2, 4)
+        assert not failed and terms == want and len(lines) == per_case * (27 + 12) + 1, failed
 
 
 def test_llama3_is_exact_with_a_tensor_split_in_every_mode(results):
@@ -292,8 +294,10 @@ def test_each_planted_tensor_parallel_defect_fails_on_the_gradient_with_the_loss
 ):
     """tests/fork_tp_controls.py: the backward's sum over tp left out, a vocab-parallel loss
     differentiated on each rank's slice alone, a norm's replicated weight whose gradient is never
-    summed over tp. Each fails the model check's gradient at every tensor-split case, in every
-    mode, while its logged loss is one process's; its plain data-parallel cases pass."""
+    summed over tp, a router's counts all-reduced in place over tp. Each fails the model check's
+    gradient at every tensor-split case, in every mode, while its logged cross entropy is one
+    process's; its plain data-parallel cases pass (the router's load-balancing term, which the
+    doubled counts scale, fails with its gradient)."""
     checks = [results[w]["tensor_checks"][f"{control}/tiny"] for w in WORLDS]
     cases = [c for r in checks for c in r["cases"]]
     split = [c for c in cases if c["axis"] == "tp"]
@@ -302,7 +306,8 @@ def test_each_planted_tensor_parallel_defect_fails_on_the_gradient_with_the_loss
     assert all(c["max_rel_err"] <= TOL for c in cases if not c["axis"])
     lines = verdicts(checks)
     failed = {what for what, ok, _ in lines if not ok}
-    assert failed == {w for w, _, _ in lines if w.startswith("gradient") and "x tp=2" in w}
+    assert {w for w, _, _ in lines if w.startswith("gradient") and "x tp=2" in w} <= failed
+    assert all("x tp=2" in w and w.startswith(("gradient", "term aux")) for w in failed), failed
 
 
 def test_a_context_parallel_fork_is_exact_at_every_split(results):

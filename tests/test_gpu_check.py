@@ -76,12 +76,17 @@ def test_smoke_runs_every_section_and_its_checks_hold(tmp_path):
     assert all(r["rc"] == 0 and r["tokens_per_s"] > 0 and r["est_gib"] > 0 for r in moe)
     # the two ways on this CPU: the same bf16 sums, both timed
     assert all(w["max_rel"] <= w["tol"] and w["grouped_ms"] > 0 < w["loop_ms"] for w in experts)
+    tp = result["tp"]
+    assert [r["name"] for r in tp["rows"]] == ["tp-none", "tp-1"] and tp["ok"]
+    assert all(r["rc"] == 0 and r["tokens_per_s"] > 0 for r in tp["rows"])
+    assert tp["max_rel"] <= float(tp["rtol"]) == 1e-5  # fp32 here: one summation order apart
     table = (out / "gpu_check.md").read_text()
     assert "| selective | off |" in table and "Largest local batch at seq 128" in table
     assert "SFT on the built-in set at seq 512: one record per sequence " in table
     assert "Deterministic mode, the same steps twice: 6 steps, pass." in table
     assert "Rehearsal rehearse-sync: one rank of 8: peak " in table
     assert "| debugmodel | " in table and "| experts: grouped | loop |" in table
+    assert "Tensor-parallel plan at tp=1 vs none: largest relative loss difference" in table
 
 
 def test_full_check_refuses_a_machine_without_gpu_in_one_line(tmp_path):

@@ -235,6 +235,24 @@ def test_the_plans_traffic_is_the_measured_traffic(runs, case):
     assert planned["dp_shard"] == pytest.approx(r["traffic_bytes"]["dp_shard"], rel=0.01), case
 
 
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_a_tensor_split_is_priced_by_what_its_rank_holds_and_sends(runs, ac):
+    """dp=2 x tp=2 (world 4): the estimate, which prices a rank's slices of the matrices, its share
+    of the activations and its vocabulary rows, within 15% above the tracker's peak; the plan's
+    bytes on dp_shard (FSDP's gathers of the slices) and on tp (the residual stream around each
+    split block, again under checkpointing, and the loss's all-reduces) those the step sent."""
+    r = runs["rehearsed"][f"tp2-{ac}-4"]
+    assert r["layout"]["axes"] == {"tp": 2}, r["layout"]
+    assert r["peak_bytes"] < r["estimate_bytes"] <= 1.15 * r["peak_bytes"], r
+    planned = r["plan"]["traffic_bytes"]
+    assert set(planned) == {"dp_shard", "tp"}
+    for group, sent in planned.items():
+        assert sent == pytest.approx(r["traffic_bytes"][group], rel=0.01), (ac, group)
+    # the tp group carries more under checkpointing (the blocks' forward exchanges again)
+    if ac == "selective":
+        assert planned["tp"] > runs["rehearsed"]["tp2-none-4"]["plan"]["traffic_bytes"]["tp"]
+
+
 def test_the_figures_that_need_no_step_come_before_the_first(runs):
     """The plan (params, estimate per rank, traffic, the verdict by the estimate, what the steps
     run) is logged before the model is built and before step 1."""

@@ -6,7 +6,8 @@ real: both ranks train the debug model (FSDP, params kept gathered, diagnostics 
 rehearsed: then rank 0 alone, on torch's fake process group, rehearses that job at world 2, 8, 64
     and 1,024 (one process group each, destroyed before the next), and with the diagnostics
     measuring at 64 (`exact`, `sketch`) and at 1,024 (`auto`); tests/fork_cp.py at 8 ranks
-    as dp=8, 4 x cp=2 and 2 x cp=4; Qwen3-MoE's debug model at 2; and the debug model at 8
+    as dp=8, 4 x cp=2 and 2 x cp=4; Qwen3-MoE's debug model at 2; the debug model at 4 as
+    dp=2 x tp=2 (checkpointing none and selective); and the debug model at 8
     measured on its first 2 blocks, the rest derived (kept gathered and resharded).
 
 Writes {"real": StepCost of rank 0, "rehearsed": {case: rehearsal.json}, "padded": {world:
@@ -50,6 +51,13 @@ SPLIT = {
 MOE = {"moe-2": ["--model.name", "qwen3_moe", "--training.seq_len", "128", "--training.local_batch_size", "4",
                  "--training.global_batch_size", "8", "--rehearsal.steps", "3", "--diagnostics.enable", "false"]}  # fmt: skip
 
+# world 4 as dp=2 x tp=2: the debug model split by titanlite's tensor-parallel plans, without and
+# with selective checkpointing (which runs the blocks' exchanges again in the backward)
+TENSOR = {
+    f"tp2-{ac}-4": ["--parallelism.axes", '["tp=2"]', "--diagnostics.enable", "false",
+                    "--training.activation_checkpoint", ac, "--rehearsal.steps", "3"]
+    for ac in ("none", "selective")
+}  # fmt: skip
 # world 8, the debug model's 6 blocks: its first 2 measured and the rest derived, against the whole
 # ("8", params kept gathered) and against a whole resharded after forward, also measured both ways;
 # (those resharded with the diagnostics measuring); the log's lines are kept in order (the
@@ -135,6 +143,7 @@ def main(out: str, runs: str) -> None:
         | {ACCUMULATED: (2, None)}
         | {k: (8, "exact") for k in SPLIT}
         | {k: (2, None) for k in MOE}
+        | {k: (4, None) for k in TENSOR}
         | {k: (8, None) for k in PARTIAL}
     )
     rehearsed, padded = {}, {}
@@ -146,6 +155,8 @@ def main(out: str, runs: str) -> None:
             diag = SPLIT[name]
         if name in MOE:
             diag = MOE[name]
+        if name in TENSOR:
+            diag = TENSOR[name]
         if name in PARTIAL:
             diag += PARTIAL[name]
         cfg, _ = parse_args(

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titanlite.config import JobConfig
-from titanlite.config.layout import Layout, resolve_layout
+from titanlite.config.layout import AXIS_KINDS, Layout, loss_chunk, resolve_layout
 from titanlite.datasets.build import build_tokenizer
 from titanlite.distributed.parallel_dims import resolve_device
+from titanlite.models.common.tensor_parallel import exchanges
 from titanlite.models.registry import MetaModel, build_meta_model
 from titanlite.tools.memory import (
     MemoryEstimate,
@@ -56,20 +57,20 @@ def fsdp_traffic(
     """Bytes one rank sends per step on each group for FSDP's all-gathers and reductions, from
     the parameters' shapes (titanlite.distributed.parallelize: a unit per block, then the root;
     every block but the last resharded after forward unless params are kept gathered), or {} for
-    a layout this does not model (DDP, extra axes). Each all-gather gathers a unit's params padded
+    a layout this does not model (DDP, a sequence split). Each all-gather gathers a unit's params padded
     to a multiple of the shard degree per microbatch (twice for a resharded block: forward and
     backward); each synced microbatch reduce-scatters its gradients, and HSDP all-reduces the
     shards over the replicas. The step's few-byte all-reduces (the token count) are not in it.
     `keep`: params kept gathered from forward to backward; `blocks`: the model's first this many
     blocks alone (0: all)."""
-    if layout.mode not in ("fsdp", "hsdp") or layout.axes:
+    if layout.mode not in ("fsdp", "hsdp") or layout.seq_split > 1:
         return {}
-    shard, replicas = layout.dp_shard, layout.dp_replicate
+    shard, replicas, tp = layout.dp_shard, layout.dp_replicate, layout.model_split
     itemsize = param_dtype(cfg, resolve_device(cfg.training.device)).itemsize
     reduce_size = getattr(torch, cfg.training.mixed_precision_reduce).itemsize
 
-    def padded(params) -> int:
-        return sum(shard_numel(p.shape, shard) * shard for p in params)
+    def padded(params) -> float:  # a tensor split's rank holds 1/tp of each matrix
+        return sum(shard_numel(p.shape, shard) * shard / (tp if p.ndim > 1 else 1) for p in params)
 
     every = blocks_of(model)
     in_blocks = {id(p) for b in every for p in b.parameters()}
@@ -84,6 +85,29 @@ def fsdp_traffic(
     if layout.mode == "hsdp":
         out["dp_replicate"] = syncs * total / shard * reduce_size * 2 * (replicas - 1) / replicas
     return out
+
+
+def tensor_traffic(
+    model: torch.nn.Module, layout: Layout, cfg: JobConfig, blocks: int = 0
+) -> dict[str, float]:
+    """Bytes one rank sends per step over a tensor split's group, for titanlite's shared blocks'
+    plans (titanlite.models.common.tensor_parallel.exchanges: the residual stream gathered or
+    reduce-scattered around each split block, (tp-1)/tp of it sent each time) and the
+    vocab-parallel loss's three all-reduces of [B, S] floats (again in the backward where the
+    loss runs in chunks); {} without a tensor split. `blocks`: the first this many blocks alone."""
+    split = [(n, d) for n, d in layout.axes if not AXIS_KINDS[n].distinct_tokens]
+    if not split:
+        return {}
+    (name, tp), t, args = split[0], cfg.training, model.args
+    if blocks:
+        model = copy.copy(model)  # the same modules, its layers cut to the first `blocks`
+        model.layers = model.layers[:blocks]
+    itemsize = param_dtype(cfg, resolve_device(t.device)).itemsize
+    tokens, share = t.local_batch_size * t.seq_len, (tp - 1) / tp
+    stream = exchanges(model, t.activation_checkpoint != "none") * tokens * args.dim * itemsize
+    chunk = loss_chunk(cfg.loss.chunk_logits_mib, t.local_batch_size, t.seq_len, args.vocab_size)
+    loss = 3 * tokens * 4 * 2 * (2 if chunk else 1)  # an all-reduce sends its payload twice
+    return {name: layout.grad_accum * (stream + loss) * share}
 
 
 @dataclass
@@ -136,7 +160,7 @@ def make_plan(cfg: JobConfig) -> Plan:
     keep = keeps_gathered_params(cfg, params, dtype.itemsize, available)
     n_blocks = len(blocks_of(meta.model))
     step_flops = meta.flops_per_token * layout.tokens_per_rank_step
-    traffic = fsdp_traffic(meta.model, layout, cfg, keep)
+    traffic = fsdp_traffic(meta.model, layout, cfg, keep) | tensor_traffic(meta.model, layout, cfg)
     asked = cfg.rehearsal.blocks
     if asked == -1:
         slow = device.type == "cpu" and step_flops > CPU_STEP_FLOPS
@@ -161,7 +185,9 @@ def make_plan(cfg: JobConfig) -> Plan:
     if asked and cfg.parallelism.reshard_after_forward == "auto":
         cfg.parallelism.reshard_after_forward = "never" if keep else "always"
     estimate = job_estimate(meta, cfg, layout, dtype, available)
-    part = fsdp_traffic(meta.model, layout, cfg, keep, asked)
+    part = fsdp_traffic(meta.model, layout, cfg, keep, asked) | tensor_traffic(
+        meta.model, layout, cfg, asked
+    )
     name = f"{cfg.model.name}/{cfg.model.flavor}"
     flops = meta.flops_per_token
     return Plan(name, params, n_blocks, asked, estimate, traffic, part, flops, why)

@@ -189,9 +189,12 @@ def plan_table(plan: Plan, cfg, device: str) -> str:
         f"  est. memory per rank {est.summary()}",
     ]
     for group, b in sorted(plan.traffic.items()):
-        lines.append(
-            f"  sent per step        {_mib(b)} on {group} (FSDP's gathers and reductions, from the shapes)"
+        what = (
+            "FSDP's gathers and reductions"
+            if group.startswith("dp_")
+            else "the tensor split's exchanges"
         )
+        lines.append(f"  sent per step        {_mib(b)} on {group} ({what}, from the shapes)")
     if not plan.traffic:
         lines.append(
             "  sent per step        measured by the steps (this layout's traffic is not planned)"

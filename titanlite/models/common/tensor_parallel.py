@@ -78,6 +78,31 @@ def swiglu_plan(mlp: SwiGLU, mesh: DeviceMesh) -> None:
     _gathers_sequence(mlp, mesh)
 
 
+def _whole_input(module: nn.Module, args: tuple) -> tuple:
+    """Forward pre-hook of a block run whole: the sequence gathered, as a plain tensor every
+    rank holds alike (its gradient too: the backward keeps this rank's piece of it)."""
+    whole = _whole_sequence(module, args)
+    return (whole[0].to_local(), *whole[1:])
+
+
+def _own_piece(module: nn.Module, args: tuple, out):
+    """Forward hook of a block run whole: its first output cut back to this rank's piece; the
+    backward gathers the pieces' gradients, so every rank's gradient of the block is whole."""
+    first = out[0] if isinstance(out, tuple) else out
+    piece = DTensor.from_local(first, module.tp_mesh, [Replicate()], run_check=False)
+    piece = piece.redistribute(module.tp_mesh, [Shard(1)]).to_local()
+    return (piece, *out[1:]) if isinstance(out, tuple) else piece
+
+
+def whole_plan(block: nn.Module, mesh: DeviceMesh) -> None:
+    """A block every rank of the axis runs whole on the whole sequence (a mixture's experts, until
+    an expert axis splits them): its parameters plain and alike on every rank, its gradients
+    complete on each (nothing to sum over the axis), its statistics those of the unsplit model."""
+    block.tp_mesh = mesh
+    block.register_forward_pre_hook(_whole_input)
+    block.register_forward_hook(_own_piece)
+
+
 def norm_plan(norm: nn.Module, mesh: DeviceMesh) -> None:
     """An RMSNorm on the residual stream's pieces (sequence parallelism), its weight whole."""
     parallelize_module(norm, mesh, SequenceParallel())
@@ -119,6 +144,20 @@ def vocab_parallel_head(
         return logits.redistribute(mesh, [Replicate()]).to_local()
     lo, _ = vocab_slice(weight.shape[0], mesh.size(), mesh.get_local_rank())
     return chunked_vocab_parallel_cross_entropy(h, local, labels, loss_chunk, lo, mesh.get_group())
+
+
+def exchanges(model: nn.Module, recompute: bool) -> int:
+    """How many times one microbatch's residual stream ([B, S, dim], whole) crosses the axis in a
+    forward and backward under these plans, each an all-gather or a reduce-scatter: attention and
+    a split SwiGLU gather their input and reduce-scatter their output, and the backward does the
+    reverse (4 each); a block run whole (whole_plan: a mixture's layer) gathers its input and the
+    backward gathers its output's gradient (2); the embedding's reduce-scatter and the head's
+    gather, with their backward (4). `recompute`: activation checkpointing runs each block's
+    forward exchanges again in the backward."""
+    split = [m for m in model.modules() if isinstance(m, (Attention, SwiGLU))]
+    blocks = list(getattr(model, "layers", None) or ())
+    whole = sum(1 for b in blocks if not any(isinstance(m, SwiGLU) for m in b.modules()))
+    return (4 + (2 if recompute else 0)) * len(split) + (2 + (1 if recompute else 0)) * whole + 4
 
 
 def check_tensor_split(model: nn.Module, degree: int) -> None:

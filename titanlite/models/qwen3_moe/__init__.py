@@ -65,6 +65,7 @@ register_model(
         qwen3_moe_flavors,
         parallelize_qwen3_moe,
         hf=QWEN3_MOE_HF,
+        axes=("tp",),
         step_statistics=True,
     )
 )
