@@ -471,10 +471,11 @@ def test_exported_folder_loads_in_transformers_with_titanlite_logits(loaded, ass
     assert tok(text).input_ids == src(text).input_ids and tok.chat_template == CHAT_TEMPLATE
     assert not any(out.parent.glob("hf.tmp"))
     # the same steps resumed under HSDP 2x1 and exported from there: the same tensors
-    hsdp = load_file(loaded[2]["runs"] / "ft-hsdp" / "hf" / "model.safetensors")
     fsdp = load_file(out / "model.safetensors")
-    assert hsdp.keys() == fsdp.keys()
-    assert max(((hsdp[k] - fsdp[k]).norm() / fsdp[k].norm()).item() for k in fsdp) <= TOL
+    for layout in ("ft-hsdp", "ft-tp"):  # HSDP 2x1, and a tensor split dp=1 x tp=2
+        other = load_file(loaded[2]["runs"] / layout / "hf" / "model.safetensors")
+        assert other.keys() == fsdp.keys()
+        assert max(((other[k] - fsdp[k]).norm() / fsdp[k].norm()).item() for k in fsdp) <= TOL
 
 
 def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_path, capsys):
@@ -517,6 +518,14 @@ def test_export_script_writes_sharded_folders_and_refuses_bad_input(loaded, tmp_
         err = capsys.readouterr().err
         assert needle in err and err.count("\n") == 1, err
     assert not (tmp_path / "x").exists()
+    # a tensor-split run's export is its checkpoint's, as one process exports it, bitwise
+    split = loaded[2]["runs"] / "ft-tp"
+    assert script.main([str(split / "checkpoints" / "step-00000005"), str(tmp_path / "tp")]) == 0
+    alone, in_run = (
+        load_file(tmp_path / "tp" / "model.safetensors"),
+        load_file(split / "hf" / "model.safetensors"),
+    )
+    assert alone.keys() == in_run.keys() and all(torch.equal(alone[k], in_run[k]) for k in alone)
     # a checkpoint (or run) folder: its newest intact step, as every reader of checkpoints reads it
     assert script.main([str(ckpts), str(tmp_path / "newest")]) == 0
     assert f"from {step5} " in capsys.readouterr().out

@@ -217,6 +217,10 @@ def finetune(assets: str, runs: str) -> dict:
         "true",
     )
     run_to_end(resumed("ft-hsdp", *hsdp))
+    # ... and at dp=1 x tp=2, exported from there and from its own checkpoint by one process
+    split = ("--parallelism.axes", '["tp=2"]', "--diagnostics.enable", "false")
+    export = ("--checkpoint.export_hf", "true", "--checkpoint.at_end", "true")
+    run_to_end(resumed("ft-tp", *split, *export))
 
     initial = (
         "--checkpoint.initial_load_path",

@@ -148,16 +148,18 @@ def vocab_parallel_head(
 
 def exchanges(model: nn.Module, recompute: bool) -> int:
     """How many times one microbatch's residual stream ([B, S, dim], whole) crosses the axis in a
-    forward and backward under these plans, each an all-gather or a reduce-scatter: attention and
-    a split SwiGLU gather their input and reduce-scatter their output, and the backward does the
-    reverse (4 each); a block run whole (whole_plan: a mixture's layer) gathers its input and the
-    backward gathers its output's gradient (2); the embedding's reduce-scatter and the head's
-    gather, with their backward (4). `recompute`: activation checkpointing runs each block's
-    forward exchanges again in the backward."""
-    split = [m for m in model.modules() if isinstance(m, (Attention, SwiGLU))]
-    blocks = list(getattr(model, "layers", None) or ())
-    whole = sum(1 for b in blocks if not any(isinstance(m, SwiGLU) for m in b.modules()))
-    return (4 + (2 if recompute else 0)) * len(split) + (2 + (1 if recompute else 0)) * whole + 4
+    forward and backward under these plans, each an all-gather or a reduce-scatter. In a block's
+    forward, attention gathers its input and reduce-scatters its output (2), a split SwiGLU
+    likewise (2), a block run whole (whole_plan) gathers its input (1); the backward mirrors each
+    one; activation checkpointing (`recompute`) runs the forward's again in the backward, but for
+    a split SwiGLU's closing reduce-scatter, whose output no backward reads. The embedding's
+    reduce-scatter and the head's gather, with their backward: 4."""
+    total = 4
+    for block in getattr(model, "layers", None) or ():
+        split = any(isinstance(m, SwiGLU) for m in block.modules())
+        forward = 2 * sum(isinstance(m, Attention) for m in block.modules()) + (2 if split else 1)
+        total += 2 * forward + (forward - split if recompute else 0)
+    return total
 
 
 def check_tensor_split(model: nn.Module, degree: int) -> None:
