@@ -236,6 +236,16 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     return layout
 
 
+def unprobed_reduction(layout: Layout) -> str | None:
+    """The layout, in words, when its gradient reduction passes no point where the diagnostics'
+    probe reads a rank's local gradient (FSDP's reduce-scatter, or the comm hook of torch's DDP):
+    DDP with a tensor split, which runs on torch's FSDP-based replicate; None otherwise."""
+    if layout.mode == "ddp" and layout.model_split > 1:
+        split = " x ".join(f"{n}={d}" for n, d in layout.axes)
+        return f"parallelism.mode ddp and a tensor split ({split})"
+    return None
+
+
 def holds_unsharded_grads(layout: Layout) -> bool:
     """Whether FSDP/HSDP keeps unsharded gradients across microbatches (DDP holds them anyway)."""
     return layout.mode != "ddp" and layout.grad_accum > 1 and layout.skip_grad_sync
