@@ -89,10 +89,14 @@ def test_the_probe_works_on_compiled_blocks(results):
     )
 
 
-def _layout(results: dict, world: int, method: str, perturb: int | None = None) -> dict:
+def _layout(
+    results: dict, world: int, method: str, mode: str = "fsdp", perturb: int | None = None
+) -> dict:
     """diagnostics_ref.layout_case's case at `world` (dp=2, with tp = world / 2)."""
     (case,) = [
-        c for c in results[world]["layouts"] if c["method"] == method and c["perturb"] == perturb
+        c
+        for c in results[world]["layouts"]
+        if (c["method"], c["mode"], c["perturb"]) == (method, mode, perturb)
     ]
     return case
 
@@ -125,10 +129,29 @@ def test_a_tensor_split_replica_measures_as_the_replica_alone(results):
         assert c["alerts"] == []
 
 
+@pytest.mark.parametrize("world, mode", [(4, "ddp"), (2, "hsdp")])
+def test_the_sketch_reads_gradients_that_fsdp_reduces_alone(results, world, mode):
+    """Under ddp with a tensor split (torch's replicate) and under hsdp with 1-rank shards, FSDP
+    all-reduces each gradient itself, calling no reduce-scatter: the probe reads it as FSDP
+    allocates the reduction's output. ddp holds whole steps, so its norms are exact (1e-5);
+    hsdp reduces each microbatch, so its norms come from the sketch; cosines within the sketch's
+    bound of dp=2's exact record."""
+    want, got = _layout(results, 2, "exact")["record"], _layout(results, world, "sketch", mode)
+    rec, bound = got["record"], 4 * math.sqrt(2 / 1021)
+    assert rec["rank_tokens"] == want["rank_tokens"] and got["alerts"] == []
+    if mode == "ddp":
+        assert rec["norms"] == "exact"
+        assert _vec_close(rec["rank_grad_norm"], want["rank_grad_norm"], rel=1e-5)
+    for g, w in zip(rec["rank_grad_norm"], want["rank_grad_norm"], strict=True):
+        assert abs((g / w) ** 2 - 1) <= bound, (g, w)
+    assert abs(rec["cos_matrix"][0][1] - want["cos_matrix"][0][1]) <= bound
+    assert rec["noise_scale_tokens"] is not None and rec["noise_scale_tokens"] > 0
+
+
 def test_a_rank_whose_gradient_norm_differs_is_named(results):
     """At dp=2 x tp=2, rank 3 (replica 1's second tp rank) reports its gradient norm 10 times
     the others': shared_scalar_mismatch names it, by its rank and its replica."""
-    case = _layout(results, 4, "exact", perturb=3)
+    case = _layout(results, 4, "exact", "fsdp", 3)
     ((name, replicas, values, message),) = case["alerts"]
     assert (name, replicas, values) == ("shared_scalar_mismatch", [1], {"ranks": [3]})
     assert "gradient norm" in message and "rank(s) [3]" in message
@@ -463,7 +486,11 @@ def test_the_pieces_of_a_replica_fold_into_its_row(split, copies, ranks):
     n, size = 3, split * copies
     replicas = ranks // size
     grads = torch.randn(ranks, 40, generator=g, dtype=torch.float64)
-    gram = (grads @ grads.T).tolist()
+    own = torch.arange(40) % copies  # the coordinates each place on the tensor split holds
+    grads *= own[None, :] == (torch.arange(ranks) % copies)[:, None]
+    noise = torch.randn(ranks, ranks, generator=g, dtype=torch.float64)  # a sketch's, off-slice
+    apart = (torch.arange(ranks)[:, None] % copies) != (torch.arange(ranks)[None, :] % copies)
+    gram = (grads @ grads.T + apart * (noise + noise.T)).tolist()
     rows, pieces, times = [], [], []
     for r in range(ranks):
         a = r // size

@@ -52,28 +52,27 @@ def test_what_a_tensor_split_cannot_do_is_refused_in_one_line(key, value, words,
 
 @pytest.mark.parametrize("method", ["auto", "exact", "sketch"])
 @pytest.mark.parametrize("degree", [2, 4])
-def test_the_diagnostics_run_with_a_tensor_split_except_under_ddp(degree, method):
-    """Under fsdp and hsdp the probe reads each rank's gradient at FSDP's reduce-scatter; under
-    ddp with a tensor split torch's replicate all-reduces it where nothing can: one line, before
-    any worker starts, naming the layout and the modes that work. `exact` stays refused under
-    hsdp by its own rule."""
+def test_the_diagnostics_run_with_a_tensor_split_in_every_mode(degree, method):
+    """The sketch runs in every mode; exact replaces the gradient's reduction, which it cannot
+    under hsdp nor under ddp with a tensor split (torch's replicate all-reduces inside FSDP): one
+    line before any worker starts, and `auto` picks the sketch there."""
     for mode, replicate in (("fsdp", 1), ("hsdp", 2), ("ddp", 2)):
         cfg = _config(degree, **{"diagnostics.enable": True, "diagnostics.method": method})
         cfg.parallelism.mode, cfg.parallelism.dp_replicate = mode, replicate
         world = 2 * replicate * degree if mode == "hsdp" else 2 * degree
-        if mode == "ddp":
+        if mode != "fsdp" and method == "exact":
             with pytest.raises(UserError) as e:
                 validate(cfg, world)
             line = str(e.value)
             assert line.startswith(
-                f"diagnostics.enable with parallelism.mode ddp and a tensor split (tp={degree})"
+                "diagnostics.method 'exact' needs fsdp or ddp without a tensor split (under "
+                f"{mode} "
             )
-            assert "use mode fsdp or hsdp" in line and "\n" not in line
-        elif mode == "hsdp" and method == "exact":
-            with pytest.raises(UserError, match="diagnostics.method 'exact' needs fsdp or ddp"):
-                validate(cfg, world)
+            assert line.endswith("use diagnostics.method = 'sketch' or 'auto'") and "\n" not in line
         else:
-            assert validate(cfg, world).diagnostics_method in ("exact", "sketch")
+            want = "sketch" if mode != "fsdp" and method == "auto" else None
+            got = validate(cfg, world).diagnostics_method
+            assert got == (want or got) and got in ("exact", "sketch")
         cfg.diagnostics.enable = False
         validate(cfg, world)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from titanlite.components.checkpoint.index import initial_load_kind
 from titanlite.config.job_config import JobConfig
-from titanlite.config.layout import AXIS_KINDS, Layout, resolve_layout, unprobed_reduction
+from titanlite.config.layout import AXIS_KINDS, Layout, resolve_layout
 from titanlite.config.manager import check_values
 from titanlite.errors import UserError
 from titanlite.models.hf_files import check_hf_folder
@@ -24,12 +24,6 @@ def validate(cfg: JobConfig, world_size: int) -> Layout:
     layout = resolve_layout(cfg, world_size)
     if cfg.faults is not None:  # the fault plugin's own rules (titanlite.faults.switches)
         cfg.faults.check(cfg.diagnostics.enable, world_size)
-    if cfg.diagnostics.enable and layout.dp > 1 and (unseen := unprobed_reduction(layout)):
-        raise UserError(
-            f"diagnostics.enable with {unseen}: each gradient is all-reduced whole inside FSDP's "
-            "machinery, where the diagnostics cannot read a rank's own gradient; use mode fsdp or "
-            "hsdp, or set --diagnostics.enable false"
-        )
     split = [f"{n}={d}" for n, d in layout.axes if not AXIS_KINDS[n].distinct_tokens]
     if split:
         check_tensor_split_run(cfg, split[0])

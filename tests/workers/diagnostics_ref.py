@@ -195,14 +195,15 @@ class _Sampler:
         return 12345
 
 
-def layout_case(world: int, method: str, perturb: int | None = None) -> dict:
-    """One measured step of the model check's Llama 3 under FSDP at dp=2 (with a tensor split of
-    the rest of `world`), 2 microbatches per rank, through the trainer's hook calls (begin, ready,
+def layout_case(world: int, method: str, mode: str = "fsdp", perturb: int | None = None) -> dict:
+    """One measured step of the model check's Llama 3 in `mode` at dp=2 (hsdp: 2 replicas of one
+    rank; with a tensor split of the rest of `world`), 2 microbatches per rank, through the trainer's hook calls (begin, ready,
     before_update, after_update) and collect(). `perturb`: the rank whose gradient norm, as the
     diagnostics read it, is 10 times the others'."""
     dp, accum = 2, 2
     cfg = check_config(["--model.name", "llama3", "--model.flavor", "tiny"])
-    cfg.parallelism.mode, cfg.parallelism.dp_shard = "fsdp", -1
+    cfg.parallelism.mode, cfg.parallelism.dp_shard = mode, -1
+    cfg.parallelism.dp_replicate = 1 if mode == "fsdp" else dp
     cfg.parallelism.axes = [f"tp={world // dp}"] if world > dp else []
     cfg.training.local_batch_size = GLOBAL_BATCH // (dp * accum)
     cfg.diagnostics.method = method
@@ -239,6 +240,7 @@ def layout_case(world: int, method: str, perturb: int | None = None) -> dict:
     return {
         "world": world,
         "method": method,
+        "mode": mode,
         "perturb": perturb,
         "record": rec,
         "alerts": [(a.name, a.ranks, a.values, a.message) for a in alerts],
@@ -260,6 +262,8 @@ def main() -> None:
     cases += [run_case(world, "fsdp", "sketch", k, 0, skip_sync="on") for k in (256, 4096)]
     replicas = [replica_case(world, mode, world - 2) for mode in ("fsdp", "ddp", "hsdp")]
     layouts = [layout_case(world, m) for m in ("exact", "sketch")]
+    # where FSDP reduces alone: torch's replicate under ddp with a tensor split; hsdp of 1-rank shards
+    layouts.append(layout_case(world, "sketch", "ddp" if world == 4 else "hsdp"))
     if world == 4:
         layouts.append(layout_case(world, "exact", perturb=3))
     if dist.get_rank() == 0:

@@ -11,8 +11,9 @@ pairs carry independent signs and the estimate keeps the CountSketch variance; k
 Under a tensor split each rank of a replica holds its slices of the split matrices (disjoint: their
 inner products add over the split) and the whole gradient of what the plan replicates over it
 (norm weights: the same on each of its ranks). So every rank sketches at coordinates of its own
-(its place on the split, `tp_rank`), and the replicated parameters count on the split's first
-rank only (`TensorSplit.mask`): a replica's row is then the sum of its ranks' rows."""
+(its place on the split, TensorSplit.offset), and the replicated parameters count on the split's
+first rank only (TensorSplit.mask): a replica's row is then the sum of its ranks' rows. Where FSDP
+reduces a unit alone (`reduces_alone`) the probe reads the gradient from the reduction's buffers."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import logging
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo
 from torch.distributed.tensor import Replicate
 from torch.nn.parallel import DistributedDataParallel
 
@@ -215,8 +217,21 @@ def _global_ranks(group: dist.ProcessGroup, device: torch.device) -> torch.Tenso
     return torch.tensor(dist.get_process_group_ranks(group), device=device)
 
 
+def reduces_alone(unit: FSDPModule) -> bool:
+    """Whether the unit's reduce-scatter spans this rank alone, so that FSDP calls no
+    reduce-scatter and all-reduces the gradient itself: HSDP with shards of one rank, and
+    torch's FSDP-based replicate (DDP with a tensor split)."""
+    mesh_info = unit._get_fsdp_state()._fsdp_param_groups[0].mesh_info
+    return not isinstance(mesh_info, FSDPMeshInfo) or mesh_info.shard_mesh_size == 1
+
+
 class ProbingReduceScatter(ReduceScatterComm):
-    """FSDP2 custom reduce-scatter (see FSDPModule.set_custom_reduce_scatter)."""
+    """FSDP2 custom reduce-scatter (see FSDPModule.set_custom_reduce_scatter). Where the unit
+    reduces alone (reduces_alone) FSDP never calls it, but it still allocates the reduction's
+    buffers through it: the input, into which FSDP then copies the local gradient, and then the
+    output, which FSDP all-reduces. So the second allocation of each reduction reads the first
+    (`sketch` only: the Gram would need the reduction itself; tests/test_diagnostics.py holds
+    FSDP to this order)."""
 
     def __init__(self, probe: GradProbe, unit: int, module: FSDPModule | None = None) -> None:
         self.probe = probe
@@ -224,6 +239,20 @@ class ProbingReduceScatter(ReduceScatterComm):
         self.module = module  # the unit, for TensorSplit.mask
         self._mask: torch.Tensor | None = None
         self._mask_for: int | None = None  # the input size the mask was built for
+        self.alone = module is not None and reduces_alone(module)
+        self._filled: torch.Tensor | None = None  # alone: this reduction's input, once allocated
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        buf = super().allocate(size, dtype=dtype, device=device)
+        if self.alone:
+            if self._filled is None:
+                self._filled = buf  # the input: FSDP copies the local gradient in next
+            else:
+                local, self._filled = self._filled, None
+                self.probe.perturb(local)
+                if self.probe.measuring:
+                    self.probe.observe(local, self.offset, self.mask(local, 1))
+        return buf
 
     def mask(self, input_tensor: torch.Tensor, ranks: int) -> torch.Tensor | None:
         """TensorSplit.mask for this input, built once. The input holds each parameter with a

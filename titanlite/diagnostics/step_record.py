@@ -113,6 +113,11 @@ def _known(part: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in part if not math.isnan(r[key])]
 
 
+def _aligned(i: int, j: int, copies: int) -> bool:
+    """Whether ranks i and j hold the same slices of a tensor split of `copies` ranks (innermost)."""
+    return i % copies == j % copies
+
+
 def fold_replicas(
     rows: list[dict[str, Any]],
     gram: list[list[float]],
@@ -126,8 +131,10 @@ def fold_replicas(
     tensors (a tensor split, innermost). Its tokens and losses are those of one copy of each
     piece, summed (the content fingerprints are linear in the tokens); its gradient is every
     rank's part (each rank's own slices; the probe counts what the split replicates on one copy),
-    so its Gram is the block sums (`exact_norms`: the diagonal from each rank's exact norm). A
-    replica loads as slowly as its slowest rank and waits as briefly as its latest."""
+    so its Gram is the block sums (`exact_norms`: the diagonal from each rank's exact norm), over
+    the pairs of ranks at the same place on the tensor split: the others hold disjoint slices,
+    whose inner products are 0 (a sketch's estimates of them are noise only). A replica loads as
+    slowly as its slowest rank and waits as briefly as its latest."""
     size = split * copies
     if size == 1:
         return rows, gram
@@ -136,7 +143,7 @@ def fold_replicas(
     for block in blocks:
         part = [rows[i] for i in block]
         pieces = part[::copies]  # the first copy of each piece
-        cross = sum(gram[i][j] for i in block for j in block if i != j)
+        cross = sum(gram[i][j] for i in block for j in block if i != j and _aligned(i, j, copies))
         own = sum(r["norm_sq"] for r in part) if exact_norms else sum(gram[i][i] for i in block)
         summed = ("sequence_loss_sums", "sequence_tokens", "sequence_content")
         folded.append(
@@ -153,5 +160,8 @@ def fold_replicas(
                 **{f: [sum(v) for v in zip(*(r[f] for r in pieces), strict=True)] for f in summed},
             }
         )
-    replica_gram = [[sum(gram[i][j] for i in a for j in b) for b in blocks] for a in blocks]
+    replica_gram = [
+        [sum(gram[i][j] for i in a for j in b if _aligned(i, j, copies)) for b in blocks]
+        for a in blocks
+    ]
     return folded, replica_gram
