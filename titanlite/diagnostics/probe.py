@@ -89,9 +89,8 @@ class CountSketch:
 
 
 _UNIT_STRIDE = 1 << 40  # coordinate offset between FSDP units / DDP buckets, for the sketch hash
-_SPLIT_STRIDE = (
-    1 << 33
-)  # ... between the ranks of a tensor split within a unit (128 ranks of 8G values)
+# ... and between the ranks of a tensor split within a unit (up to 128 ranks of 8G values each)
+_SPLIT_STRIDE = 1 << 33
 
 
 class TensorSplit:
@@ -105,8 +104,8 @@ class TensorSplit:
         """The sketch coordinate of the first value of `unit`'s buffer on this rank."""
         return unit * _UNIT_STRIDE + self.rank * _SPLIT_STRIDE
 
-    def mask(self, unit: FSDPModule, ranks: int) -> torch.Tensor | None:
-        """[row] 0 where a row of the unit's reduce-scatter input (one of `ranks` equal rows, FSDP's
+    def mask(self, unit: FSDPModule) -> torch.Tensor | None:
+        """[row] 0 where a row of the unit's reduce-scatter input (one per rank of its group, FSDP's
         copy-in: each parameter's padded shard in turn) holds a parameter replicated over the split,
         1 elsewhere; None where this rank counts every value (no split, or its first rank)."""
         if self.degree == 1 or self.rank == 0:
@@ -179,7 +178,7 @@ class GradProbe:
         if mask is not None:
             flat = (flat.view(-1, mask.numel()) * mask).reshape(-1)
         if not self.per_microbatch:
-            self.norm_sq += torch.dot(flat, flat).double()
+            self.norm_sq += sum_of_squares(flat)
         if self.method == "sketch":
             self.countsketch.add_(self.sketch, flat, offset)
 
@@ -209,6 +208,19 @@ class GradProbe:
         else:
             self.gram.index_put_((ranks[:, None], ranks[None, :]), partial, accumulate=True)
         return rows.sum(0)
+
+
+_ROW = 4096  # values per float32 partial sum of sum_of_squares
+
+
+def sum_of_squares(flat: torch.Tensor) -> torch.Tensor:
+    """float64 |flat|^2 of a float32 vector: float32 sums of rows of _ROW values, added in float64.
+    One float32 dot over millions of values is off by about 5e-6 relative, which the noise scale,
+    a difference of such norms, would multiply; this is within 2e-9, at about a dot's cost."""
+    n = flat.numel() // _ROW * _ROW
+    rows = flat[:n].view(-1, _ROW)
+    tail = flat[n:]
+    return torch.linalg.vecdot(rows, rows).double().sum() + torch.dot(tail, tail).double()
 
 
 @functools.cache
@@ -255,13 +267,13 @@ class ProbingReduceScatter(ReduceScatterComm):
         return buf
 
     def mask(self, input_tensor: torch.Tensor, ranks: int) -> torch.Tensor | None:
-        """TensorSplit.mask for this input, built once. The input holds each parameter with a
-        gradient: one without (frozen, or unused this step) changes the layout, and the mask is
-        rebuilt only when every parameter's fits again; otherwise every value counts, with a note."""
+        """TensorSplit.mask for this input (`ranks` rows), built once per input size. The input
+        holds the parameters that have a gradient: if one has none (frozen, or unused this
+        step) the mask does not fit, and every value counts, with a warning."""
         if self.module is None or self.probe.split.degree == 1 or self.probe.split.rank == 0:
             return None
         if self._mask_for != input_tensor.numel():
-            mask = self.probe.split.mask(self.module, ranks)
+            mask = self.probe.split.mask(self.module)
             if mask is not None and mask.numel() * ranks != input_tensor.numel():
                 logger.warning(
                     "diagnostics: a unit's gradient buffer does not hold every parameter (one has no "
