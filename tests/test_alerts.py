@@ -6,6 +6,7 @@ they raised. An alert registered from outside the package: tests/test_checkpoint
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import sysconfig
 from pathlib import Path
@@ -17,13 +18,15 @@ from titanlite.diagnostics.alerts import Alert, AlertMonitor
 from titanlite.diagnostics.catalogue import BUILT_IN
 from titanlite.diagnostics.registry import REGISTRY, AlertSpec, Check, Finding, cause, register
 from titanlite.diagnostics.replay import compared, load_recording, replay
+from titanlite.diagnostics.rules import shared_mismatch
 from titanlite.diagnostics.scenarios import detection, expected, scenarios
-from titanlite.diagnostics.step_record import RECORD_VERSION
+from titanlite.diagnostics.step_record import RECORD_VERSION, SHARED
 from titanlite.errors import UserError
 
 RECORDINGS = sorted((Path(__file__).parent / "recordings").glob("*.json.xz"))
 
 WORLD, STEPS = 4, 60
+TP = 2  # ranks per replica in rank_shared (a tensor split)
 
 
 def record(step, losses, cos=0.2, agree=None, tokens=None, norms=None):
@@ -67,6 +70,15 @@ def healthy(seed=0, fault=None):
             for r in range(WORLD)
         ]
         rec["data_order"] = [1000 + t] * WORLD
+        # Every rank's values of what all must share: a tensor split of 2 ranks per replica, the
+        # gradient norm a few ulps apart as a backend reducing in another order would leave it
+        norm = 1.0 + rng.random()
+        rec["replica_ranks"] = TP
+        rec["rank_shared"] = {
+            "tokens": [float(sum(rec["rank_tokens"]))] * (WORLD * TP),
+            "grad_norm": [norm * (1 + 2e-7 * rng.random()) for _ in range(WORLD * TP)],
+            "skip": [0.0] * (WORLD * TP),
+        }
         yield fault(t, rec) if fault else rec
 
 
@@ -180,6 +192,33 @@ def test_data_checks_fire_at_once_and_name_the_ranks(fault, name, ranks, step):
         a.line() for a in alerts
     ]
     assert all(a.name == name for a in alerts) and alerts[0].cause == cause(name)
+
+
+@pytest.mark.parametrize("name", SHARED)
+@pytest.mark.parametrize("rank", range(WORLD * TP))
+def test_a_rank_that_disagrees_on_a_shared_value_is_named(name, rank):
+    """One rank's global token count, gradient norm or skip flag off at one step (a tensor-parallel
+    rank's among them): shared_scalar_mismatch at that step, naming its replica, and the rank
+    in its values and message; nothing at the other steps."""
+
+    def off(t, rec):
+        if t == 3:
+            values = rec["rank_shared"][name]
+            values[rank] = values[rank] * 1.01 if name == "grad_norm" else values[rank] + 1
+        return rec
+
+    alerts = run(itertools.islice(healthy(3, off), 5))  # the check needs no burn-in
+    assert [(a.name, a.step, a.ranks, a.values) for a in alerts] == [
+        ("shared_scalar_mismatch", 3, [rank // TP], {"ranks": [rank]})
+    ], [a.line() for a in alerts]
+    assert f"rank(s) [{rank}]" in alerts[0].message
+
+
+def test_ranks_that_share_no_majority_are_all_named():
+    """Half the ranks hold one gradient norm and half another: no majority, every rank named."""
+    found = shared_mismatch({"grad_norm": [1.0, 1.0, 2.0, 2.0]}, 2)
+    assert found is not None and found.values == {"ranks": [0, 1, 2, 3]} and found.ranks == [0, 1]
+    assert shared_mismatch({"grad_norm": [float("nan")] * 4}, 2) is None  # not known: no finding
 
 
 def test_the_exact_identical_data_check_speaks_for_the_statistical_one():

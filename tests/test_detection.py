@@ -21,6 +21,7 @@ from titanlite.diagnostics.rank_sum import (
     threshold,
     window_score,
 )
+from titanlite.diagnostics.step_record import PER_SEQUENCE, fold_replicas
 
 ONSET, STEPS = 40, 80
 
@@ -276,6 +277,44 @@ def test_a_straggler_is_named_with_how_late_it_is(world):
     # late by less than slow_margin (10%) of a step, as rank 0 is when it logs every step of a
     # fast one: not a straggler worth an alert
     assert named(run(stream(world, 2, fault=_late(0, 0.03)), world), "slow_rank") == []
+
+
+def _tensor_split(copies: int, late: tuple[int, int] | None = None):
+    """A stream's per-replica times as `copies` ranks per replica measure them (a tensor split),
+    folded back by the diagnostics' own fold. `late`: (replica, copy), the one rank that reaches
+    the start barrier half a step late from ONSET (its data loading); the barrier spans every
+    rank, so all the others, its partners too, wait for it."""
+
+    def fault(t, rec):
+        rows = []
+        for r, (w, load) in enumerate(zip(rec["rank_wait_s"], rec["rank_load_s"], strict=True)):
+            for c in range(copies):
+                if late is not None and t >= ONSET:
+                    w_c, load_c = (0.001, load + 0.5) if (r, c) == late else (w + 0.5, load)
+                else:
+                    w_c, load_c = w * (1 + c), load  # a tensor split's ranks arrive a little apart
+                rows.append({"loss_sum": 0.0, "tokens": 0.0, "norm_sq": 0.0, "order": 0.0,
+                             "load_s": load_c, "wait_s": w_c, "step_s": rec["step_s"], "terms": [],
+                             **{f: [] for f in PER_SEQUENCE}})  # fmt: skip
+        folded, _ = fold_replicas(rows, [[0.0] * len(rows) for _ in rows], 1, True, copies)
+        rec["rank_wait_s"] = [f["wait_s"] for f in folded]
+        rec["rank_load_s"] = [f["load_s"] for f in folded]
+        return rec
+
+    return fault
+
+
+@pytest.mark.parametrize("world, copies", [(2, 2), (4, 2), (4, 4)])
+def test_a_straggler_in_a_tensor_split_names_its_replica(world, copies):
+    """The start barrier spans every rank and times the stretch before the step's forward (the
+    tensor split's own all-reduces run inside it, untimed). A replica is its split's ranks: a late
+    rank is named by its replica's index, whichever of its ranks it is; a healthy split raises
+    nothing."""
+    assert named(run(stream(world, 2, fault=_tensor_split(copies)), world), "slow_rank") == []
+    for copy in (0, copies - 1):
+        alerts = run(stream(world, 2, fault=_tensor_split(copies, (world - 1, copy))), world)
+        hits = named(alerts, "slow_rank")
+        assert hits and hits[0][1] == [world - 1] and ONSET <= hits[0][0] < ONSET + 10, alerts
 
 
 def _noise_scale(ratio):

@@ -89,6 +89,74 @@ def test_the_probe_works_on_compiled_blocks(results):
     )
 
 
+def _layout(
+    results: dict, world: int, method: str, mode: str = "fsdp", perturb: int | None = None
+) -> dict:
+    """diagnostics_ref.layout_case's case at `world` (dp=2, with tp = world / 2)."""
+    (case,) = [
+        c
+        for c in results[world]["layouts"]
+        if (c["method"], c["mode"], c["perturb"]) == (method, mode, perturb)
+    ]
+    return case
+
+
+def test_a_tensor_split_replica_measures_as_the_replica_alone(results):
+    """dp=2 x tp=2 against dp=2, the same step of the same batch: every tp rank holds its slices
+    of the split matrices and the whole gradient of the replicated norm weights, and a replica is
+    its two ranks. exact: per-replica loss, tokens, gradient norms, cosines and the noise scale
+    within 1e-5; sketch (other coordinates for each tp rank's slices): within its error bound of
+    the exact record. Every rank reports the same shared values; no alert."""
+    alone, split = _layout(results, 2, "exact"), _layout(results, 4, "exact")
+    a, b = alone["record"], split["record"]
+    assert b["rank_tokens"] == a["rank_tokens"] and len(b["rank_loss"]) == 2
+    for key in ("rank_loss", "rank_grad_norm", "rank_cos_to_mean"):
+        assert _vec_close(b[key], a[key], rel=1e-5, abs_=1e-5), key
+    for got, want in zip(b["cos_matrix"], a["cos_matrix"], strict=True):
+        assert _vec_close(got, want, rel=1e-5, abs_=1e-5)
+    for key in ("loss_std", "grad_norm_std", "noise_scale_tokens"):
+        assert _close(b[key], a[key], rel=1e-5), key
+    assert a["noise_scale_tokens"] > 0
+    sketch = _layout(results, 4, "sketch")["record"]
+    bound = 4 * math.sqrt(2 / 1021)
+    assert sketch["norms"] == "sketch"  # FSDP reduced each microbatch
+    for got, want in zip(sketch["rank_grad_norm"], a["rank_grad_norm"], strict=True):
+        assert abs((got / want) ** 2 - 1) <= bound, (got, want)
+    assert abs(sketch["cos_matrix"][0][1] - a["cos_matrix"][0][1]) <= bound
+    for c in (alone, split, _layout(results, 4, "sketch")):
+        shared = c["record"]["rank_shared"]
+        assert all(len(v) == c["world"] and len(set(v)) == 1 for v in shared.values()), shared
+        assert c["alerts"] == []
+
+
+@pytest.mark.parametrize("world, mode", [(4, "ddp"), (2, "hsdp")])
+def test_the_sketch_reads_gradients_that_fsdp_reduces_alone(results, world, mode):
+    """Under ddp with a tensor split (torch's replicate) and under hsdp with 1-rank shards, FSDP
+    all-reduces each gradient itself, calling no reduce-scatter: the probe reads it as FSDP
+    allocates the reduction's output. ddp holds whole steps, so its norms are exact (1e-5);
+    hsdp reduces each microbatch, so its norms come from the sketch; cosines within the sketch's
+    bound of dp=2's exact record."""
+    want, got = _layout(results, 2, "exact")["record"], _layout(results, world, "sketch", mode)
+    rec, bound = got["record"], 4 * math.sqrt(2 / 1021)
+    assert rec["rank_tokens"] == want["rank_tokens"] and got["alerts"] == []
+    if mode == "ddp":
+        assert rec["norms"] == "exact"
+        assert _vec_close(rec["rank_grad_norm"], want["rank_grad_norm"], rel=1e-5)
+    for g, w in zip(rec["rank_grad_norm"], want["rank_grad_norm"], strict=True):
+        assert abs((g / w) ** 2 - 1) <= bound, (g, w)
+    assert abs(rec["cos_matrix"][0][1] - want["cos_matrix"][0][1]) <= bound
+    assert rec["noise_scale_tokens"] is not None and rec["noise_scale_tokens"] > 0
+
+
+def test_a_rank_whose_gradient_norm_differs_is_named(results):
+    """At dp=2 x tp=2, rank 3 (replica 1's second tp rank) reports its gradient norm 10 times
+    the others': shared_scalar_mismatch names it, by its rank and its replica."""
+    case = _layout(results, 4, "exact", "fsdp", 3)
+    ((name, replicas, values, message),) = case["alerts"]
+    assert (name, replicas, values) == ("shared_scalar_mismatch", [1], {"ranks": [3]})
+    assert "gradient norm" in message and "rank(s) [3]" in message
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_sketch_error_is_bounded_and_shrinks_with_k(results, world):
     """Every cosine within 4 sqrt(2/k) of the exact one; over 6 sketch seeds, the RMS error at
@@ -402,38 +470,53 @@ def test_step_metrics_pairs_equal_their_definitions_at_any_world(world, dim, see
         )
 
 
-@pytest.mark.parametrize("split, ranks", [(2, 4), (3, 6), (4, 4), (2, 10), (1, 3)])
-def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
-    """parallelism.axes: each replica's sequences split over `split` ranks. Each rank measures
-    its piece (losses, tokens, its gradient); folded, every replica's row and Gram are those of
-    its sequences whole: sums, the summed gradient's norm and inner products, its batch."""
-    g = torch.Generator().manual_seed(split * 100 + ranks)
-    n, replicas = 3, ranks // split
+FOLDS = [(2, 1, 4), (3, 1, 6), (4, 1, 4), (2, 1, 10), (1, 1, 3)]
+FOLDS += [(1, 2, 4), (1, 4, 8), (2, 2, 8), (3, 2, 12), (1, 3, 3)]  # with a tensor split
+
+
+@pytest.mark.parametrize("split, copies, ranks", FOLDS)
+def test_the_pieces_of_a_replica_fold_into_its_row(split, copies, ranks):
+    """parallelism.axes: each replica's sequences split over `split` ranks, each piece held by
+    `copies` ranks that split the model's tensors (innermost). Each rank measures its part of
+    the gradient (its slices: the probe counts what the split replicates on one copy) and its
+    piece's losses and tokens, the same on every copy; folded, every replica's row and Gram are
+    those of its sequences whole: one copy's sums, the summed gradient's norm and inner products,
+    its batch; a replica loads as slowly as its slowest rank, waits as briefly as its latest."""
+    g = torch.Generator().manual_seed(split * 100 + copies * 10 + ranks)
+    n, size = 3, split * copies
+    replicas = ranks // size
     grads = torch.randn(ranks, 40, generator=g, dtype=torch.float64)
-    gram = (grads @ grads.T).tolist()
-    rows, pieces = [], []
+    own = torch.arange(40) % copies  # the coordinates each place on the tensor split holds
+    grads *= own[None, :] == (torch.arange(ranks) % copies)[:, None]
+    noise = torch.randn(ranks, ranks, generator=g, dtype=torch.float64)  # a sketch's, off-slice
+    apart = (torch.arange(ranks)[:, None] % copies) != (torch.arange(ranks)[None, :] % copies)
+    gram = (grads @ grads.T + apart * (noise + noise.T)).tolist()
+    rows, pieces, times = [], [], []
     for r in range(ranks):
-        a = r // split
-        piece = {
-            "loss": torch.rand(n, generator=g, dtype=torch.float64),
-            "tokens": torch.randint(0, 5, (n,), generator=g).double(),
-            "content": torch.rand(n, generator=g, dtype=torch.float64),
-            "times": torch.tensor(
-                [float(r), float("nan") if r == 0 else -r, 2.0 * r], dtype=torch.float64
-            ),
-        }
-        pieces.append(piece)
+        a = r // size
+        times.append(
+            torch.tensor([float(r), float("nan") if r == 0 else -r, 2.0 * r], dtype=torch.float64)
+        )
+        if r % copies:  # a copy of the piece before it: the same tokens and losses
+            piece = pieces[-1]
+        else:
+            piece = {
+                "loss": torch.rand(n, generator=g, dtype=torch.float64),
+                "tokens": torch.randint(0, 5, (n,), generator=g).double(),
+                "content": torch.rand(n, generator=g, dtype=torch.float64),
+            }
+            pieces.append(piece)
         rows.append(
             RankStep(
                 loss_sum=piece["loss"].sum(), tokens=piece["tokens"].sum(), norm_sq=grads[r].norm() ** 2,
-                order=torch.tensor([1000.0 + a]), times=piece["times"], sequence_loss_sums=piece["loss"],
+                order=torch.tensor([1000.0 + a]), times=times[r], sequence_loss_sums=piece["loss"],
                 sequence_tokens=piece["tokens"], sequence_index=torch.arange(n) + 10 * a,
                 sequence_content=piece["content"],
             ).pack().tolist()
         )  # fmt: skip
     for exact_norms in (True, False):
-        folded, fgram = fold_replicas([unpack(r) for r in rows], gram, split, exact_norms)
-        whole = grads.view(replicas, split, -1).sum(1)
+        folded, fgram = fold_replicas([unpack(r) for r in rows], gram, split, exact_norms, copies)
+        whole = grads.view(replicas, size, -1).sum(1)
         assert len(folded) == replicas and torch.allclose(
             torch.tensor(fgram, dtype=torch.float64), whole @ whole.T, rtol=1e-12
         )
@@ -443,10 +526,10 @@ def test_the_pieces_of_a_replica_fold_into_its_row(split, ranks):
             assert math.isclose(got.loss_sum, float(loss.sum()), rel_tol=1e-12)
             assert got.tokens == float(tokens.sum()) and got.order == 1000 + a
             assert math.isclose(got.norm_sq, float(whole[a].norm() ** 2), rel_tol=1e-12)
-            times = torch.stack([p["times"] for p in mine])
-            assert got.load_s == times[:, 0].max() and got.step_s == times[:, 2].max()
-            assert got.wait_s == times[:, 1].nan_to_num(nan=math.inf).min() or (
-                split == 1 and a == 0
+            mine_t = torch.stack(times[a * size : (a + 1) * size])
+            assert got.load_s == mine_t[:, 0].max() and got.step_s == mine_t[:, 2].max()
+            assert got.wait_s == mine_t[:, 1].nan_to_num(nan=math.inf).min() or (
+                size == 1 and a == 0
             )
             assert [s["index"] for s in got.sequences] == [10 * a + i for i in range(n)]
             assert [s["tokens"] for s in got.sequences] == [int(t) for t in tokens]

@@ -21,6 +21,7 @@ from titanlite.config.job_config import Diagnostics, Eval
 from titanlite.config.layout import rehearsal_batch
 from titanlite.config.manager import load_config, to_toml
 from titanlite.diagnostics.probe import prev_prime
+from titanlite.diagnostics.step_record import SCALARS
 from titanlite.distributed import groups
 from titanlite.errors import UserError
 from titanlite.rehearsal import meter
@@ -128,8 +129,8 @@ def test_a_rehearsed_step_matches_a_real_two_rank_step(runs):
 
 
 def test_the_diagnostics_bytes_follow_their_formula(runs):
-    """A measured step at W ranks of n sequences each: one all-gather of every rank's record (7 +
-    4 n float64) and the start barrier's one-float all-reduce; exact adds the all-reduce of the
+    """A measured step at W ranks of n sequences each: one all-gather of every rank's record
+    (step_record.SCALARS + 4 n float64) and the start barrier's one-float all-reduce; exact adds the all-reduce of the
     W x W float64 Gram, sketch the all-gather of every rank's k float32 sketch."""
     n, k = 4, prev_prime(Diagnostics().sketch_dim)  # sequences a rank; the sketch's dimensions
     for case, w, method in (
@@ -138,7 +139,7 @@ def test_the_diagnostics_bytes_follow_their_formula(runs):
         ("auto-1024", 1024, "sketch"),
     ):
         share = (w - 1) / w
-        common = share * w * (7 + 4 * n) * 8 + 2 * share * 4
+        common = share * w * (len(SCALARS) + 4 * n) * 8 + 2 * share * 4
         formula = {"exact": common + 2 * share * w * w * 8, "sketch": common + share * w * k * 4}[
             method
         ]

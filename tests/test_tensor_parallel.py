@@ -24,7 +24,6 @@ from titanlite.validation import validate
 
 # (key, value, words of its refusal): what a run with a tensor split cannot do in this version
 REFUSED = [
-    ("diagnostics.enable", True, "the diagnostics do not yet measure"),
     ("model.dropout", 0.1, "dropout on the residual stream's pieces"),
     ("training.compile", True, "compiling blocks whose tensors are DTensors"),
 ]
@@ -49,6 +48,33 @@ def test_what_a_tensor_split_cannot_do_is_refused_in_one_line(key, value, words,
         validate(_config(degree, **{key: value}), 2 * degree)
     line = str(e.value)
     assert line.startswith(f"{key} with parallelism.axes tp={degree}: {words}") and "\n" not in line
+
+
+@pytest.mark.parametrize("method", ["auto", "exact", "sketch"])
+@pytest.mark.parametrize("degree", [2, 4])
+def test_the_diagnostics_run_with_a_tensor_split_in_every_mode(degree, method):
+    """The sketch runs in every mode; exact replaces the gradient's reduction, which it cannot
+    under hsdp nor under ddp with a tensor split (torch's replicate all-reduces inside FSDP): one
+    line before any worker starts, and `auto` picks the sketch there."""
+    for mode, replicate in (("fsdp", 1), ("hsdp", 2), ("ddp", 2)):
+        cfg = _config(degree, **{"diagnostics.enable": True, "diagnostics.method": method})
+        cfg.parallelism.mode, cfg.parallelism.dp_replicate = mode, replicate
+        world = 2 * replicate * degree if mode == "hsdp" else 2 * degree
+        if mode != "fsdp" and method == "exact":
+            with pytest.raises(UserError) as e:
+                validate(cfg, world)
+            line = str(e.value)
+            assert line.startswith(
+                "diagnostics.method 'exact' needs fsdp or ddp without a tensor split (under "
+                f"{mode} "
+            )
+            assert line.endswith("use diagnostics.method = 'sketch' or 'auto'") and "\n" not in line
+        else:
+            want = "sketch" if mode != "fsdp" and method == "auto" else None
+            got = validate(cfg, world).diagnostics_method
+            assert got == (want or got) and got in ("exact", "sketch")
+        cfg.diagnostics.enable = False
+        validate(cfg, world)
 
 
 @pytest.mark.parametrize("seq_len, degree", [(6, 4), (9, 2), (10, 4), (8, 3)])

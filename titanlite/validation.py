@@ -143,11 +143,6 @@ def check_eval_switches(e: Any, mode: str) -> None:
 def check_tensor_split_run(cfg: JobConfig, axis: str) -> None:
     """What a run with a split of the model's tensors (`axis`, "tp=2") cannot do in this version."""
     refusals = {
-        "diagnostics.enable": (
-            cfg.diagnostics.enable,
-            "the diagnostics do not yet measure a replica whose gradient is split over tensors; "
-            "set --diagnostics.enable false",
-        ),
         "model.dropout": (
             bool(cfg.model.dropout),
             "dropout on the residual stream's pieces would draw other masks than the unsplit "

@@ -4,7 +4,10 @@ For FSDP and DDP, `exact` and `sketch`, one training step of the tiny Llama on t
 global batch of exactness.py goes through the real probe, gathers and collect(). Every rank
 also computes the reference itself: each rank's local token-mean gradient separately, on an
 unsharded copy, and the metrics from those vectors directly. Then the replica check under FSDP,
-DDP and HSDP, with one bit flipped on one rank. Writes JSON (rank 0) to argv[1].
+DDP and HSDP, with one bit flipped on one rank. "layouts": the model check's Llama 3 through the
+trainer's hooks at dp=2, as a tensor split of 2 at world 4 (dp=2 x tp=2) and alone at world 2,
+whose records must agree; at world 4 once more with one rank's gradient norm perturbed. Writes
+JSON (rank 0) to argv[1].
 """
 
 from __future__ import annotations
@@ -12,21 +15,26 @@ from __future__ import annotations
 import json
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from exactness import ARGS, GLOBAL_BATCH, SEED, build, global_batch, rank_microbatches
 
+from titanlite.analysis.check_cases import check_config
 from titanlite.components.loss import LossBalancer, forward_backward
 from titanlite.config import JobConfig
+from titanlite.config.layout import resolve_layout
+from titanlite.datasets.batch import Microbatch
 from titanlite.diagnostics.component import Diagnostics
 from titanlite.diagnostics.step_record import content_fingerprint
-from titanlite.distributed.parallel_dims import init_distributed
-from titanlite.distributed.parallelize import unwrap
+from titanlite.distributed.parallel_dims import ParallelDims, init_distributed
+from titanlite.distributed.parallelize import materialize, unwrap
 from titanlite.distributed.param_init import ParamInit, canonical_name
 from titanlite.distributed.utils import clip_grad_norm_
 from titanlite.faults.inject import Faults
 from titanlite.faults.switches import FaultSwitches
 from titanlite.models.llama3 import Llama3
+from titanlite.models.registry import build_meta_model
 from titanlite.ops.cross_entropy import IGNORE_INDEX, cross_entropy_sum
 from titanlite.tools.hooks import Step
 
@@ -174,6 +182,71 @@ def replica_case(world: int, mode: str, flip_rank: int) -> dict:
     return {"world": world, "mode": mode, "flip_rank": flip_rank, "alerts": alerts, "first": first}
 
 
+class _Sampler:
+    """The sampler's two calls the diagnostics make, for a rank's contiguous share."""
+
+    def __init__(self, dp_rank: int, per_rank: int) -> None:
+        self.indices = np.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+    def rank_share(self, step: int) -> np.ndarray:
+        return self.indices
+
+    def order_hash(self, step: int) -> int:
+        return 12345
+
+
+def layout_case(world: int, method: str, mode: str = "fsdp", perturb: int | None = None) -> dict:
+    """One measured step of the model check's Llama 3 in `mode` at dp=2 (hsdp: 2 replicas of one
+    rank; with a tensor split of the rest of `world`), 2 microbatches per rank, through the trainer's hook calls (begin, ready,
+    before_update, after_update) and collect(). `perturb`: the rank whose gradient norm, as the
+    diagnostics read it, is 10 times the others'."""
+    dp, accum = 2, 2
+    cfg = check_config(["--model.name", "llama3", "--model.flavor", "tiny"])
+    cfg.parallelism.mode, cfg.parallelism.dp_shard = mode, -1
+    cfg.parallelism.dp_replicate = 1 if mode == "fsdp" else dp
+    cfg.parallelism.axes = [f"tp={world // dp}"] if world > dp else []
+    cfg.training.local_batch_size = GLOBAL_BATCH // (dp * accum)
+    cfg.diagnostics.method = method
+    layout = resolve_layout(cfg, world)
+    dims = ParallelDims.build(layout, torch.device("cpu"), "float32", "float32")
+    meta = build_meta_model(cfg, 0)
+    model = materialize(meta.spec.parallelize_fn(meta.model, dims, cfg), dims, SEED)
+    per_rank, lb = GLOBAL_BATCH // dp, layout.local_batch
+    diag = Diagnostics(cfg, model, dims, layout, sampler=_Sampler(dims.dp_rank, per_rank))
+    tokens, labels = global_batch()
+    start = dims.dp_rank * per_rank
+    micro = [
+        Microbatch(
+            tokens[start + m * lb : start + (m + 1) * lb],
+            labels[start + m * lb : start + (m + 1) * lb],
+        )
+        for m in range(accum)
+    ]
+    balancer = LossBalancer("global", dims.dp_group, dims.token_ranks, layout.grad_accum)
+    s = Step(1, layout.skip_grad_sync, None, micro=micro)
+    diag.begin(s)
+    diag.ready(s)
+    _, s.sample_sums, s.terms = forward_backward(
+        model, micro, balancer, dims, skip_grad_sync=s.skip_grad_sync, path=meta.loss_path()
+    )
+    s.grad_norm = clip_grad_norm_(model.parameters(), 0.0)
+    if perturb == dist.get_rank():
+        s.grad_norm = s.grad_norm * 10
+    s.tokens = balancer.global_tokens()
+    s.skip = (s.tokens == 0) | ~torch.isfinite(s.grad_norm)
+    diag.before_update(s)
+    diag.after_update(s)
+    (rec,), alerts = diag.collect()
+    return {
+        "world": world,
+        "method": method,
+        "mode": mode,
+        "perturb": perturb,
+        "record": rec,
+        "alerts": [(a.name, a.ranks, a.values, a.message) for a in alerts],
+    }
+
+
 def main() -> None:
     init_distributed(torch.device("cpu"))
     world = dist.get_world_size()
@@ -188,6 +261,11 @@ def main() -> None:
     ]
     cases += [run_case(world, "fsdp", "sketch", k, 0, skip_sync="on") for k in (256, 4096)]
     replicas = [replica_case(world, mode, world - 2) for mode in ("fsdp", "ddp", "hsdp")]
+    layouts = [layout_case(world, m) for m in ("exact", "sketch")]
+    # where FSDP reduces alone: torch's replicate under ddp with a tensor split; hsdp of 1-rank shards
+    layouts.append(layout_case(world, "sketch", "ddp" if world == 4 else "hsdp"))
+    if world == 4:
+        layouts.append(layout_case(world, "exact", perturb=3))
     if dist.get_rank() == 0:
         with open(sys.argv[1], "w") as f:
             out = {
@@ -195,6 +273,7 @@ def main() -> None:
                 "reference": reference(world),
                 "cases": cases,
                 "replicas": replicas,
+                "layouts": layouts,
             }
             json.dump(out, f)
     dist.destroy_process_group()

@@ -209,16 +209,22 @@ def resolve_layout(cfg: JobConfig, world_size: int) -> Layout:
     accum = t.global_batch_size // per_micro
     skip = {"on": True, "off": False}.get(p.skip_grad_sync, mode == "ddp")
     method = cfg.diagnostics.method
+    # exact replaces the gradient's reduction; it cannot under hsdp (the reduce-scatter spans one
+    # replica) nor under ddp with a tensor split (torch's replicate all-reduces inside FSDP)
+    tensor_split = math.prod(d for n, d in axes if not AXIS_KINDS[n].distinct_tokens) > 1
+    no_exact = {"hsdp": "under hsdp the reduce-scatter spans one replica"}
+    if tensor_split:
+        no_exact["ddp"] = "under ddp a tensor split's replicate all-reduces inside FSDP"
     if method == "auto":
         # exact needs each rank's whole-step local gradient at once (free under ddp, one
-        # microbatch, or skip_grad_sync); not under hsdp, nor past dp = sketch_dim / 4, where the
-        # dp x dp Gram outweighs gathering sketches
-        small = mode != "hsdp" and 4 * dp <= cfg.diagnostics.sketch_dim
+        # microbatch, or skip_grad_sync); not past dp = sketch_dim / 4, where the dp x dp Gram
+        # outweighs gathering sketches
+        small = mode not in no_exact and 4 * dp <= cfg.diagnostics.sketch_dim
         method = "exact" if small and (accum == 1 or skip) else "sketch"
-    if cfg.diagnostics.enable and method == "exact" and mode == "hsdp":
+    if cfg.diagnostics.enable and method == "exact" and mode in no_exact:
         raise UserError(
-            "diagnostics.method 'exact' needs fsdp or ddp (under hsdp the reduce-scatter spans "
-            "one replica); use diagnostics.method = 'sketch' or 'auto'"
+            f"diagnostics.method 'exact' needs fsdp or ddp{' without a tensor split' * tensor_split} "
+            f"({no_exact[mode]}); use diagnostics.method = 'sketch' or 'auto'"
         )
     batch = (t.global_batch_size, t.local_batch_size, t.seq_len)
     layout = Layout(p.dp_replicate, shard, mode, accum, skip, *batch, method, axes)
@@ -301,8 +307,11 @@ def apply_rehearsal(cfg: JobConfig) -> str | None:
         "metrics.enable_tensorboard": False,
         "metrics.enable_wandb": False,
         "spike_guard.skip": "off",
-        "diagnostics.measure_first": 0,
-        "diagnostics.every": 2,  # from the second step every other one: the report has both kinds
+        # the first step measured too, so that a measured step's first gradient accumulation
+        # (exact skips a microbatch's sync) runs before the watched steps: DTensor's sharding
+        # propagation of it fails inside the memory tracker unless cached outside
+        "diagnostics.measure_first": 1,
+        "diagnostics.every": 2,  # then every other step from the second: the report has both kinds
         "diagnostics.on_alert": "warn",
     }
     changes = {k: v for k, v in changes.items() if value_of(cfg, k) != v}

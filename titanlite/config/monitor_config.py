@@ -26,7 +26,7 @@ class Diagnostics:
     """measure every step for this many first steps"""
     every: int = schedule(500, "after measure_first, measure")
     method: str = opt("auto", choices=("auto", "exact", "sketch"))
-    """gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold unsharded grads across microbatches (fsdp with accumulation), under hsdp, or past dp = sketch_dim / 4"""
+    """gradient directions: exact (Gram), sketch (CountSketch); auto: exact unless it would hold unsharded grads across microbatches (fsdp with accumulation), under hsdp or ddp with a tensor split, or past dp = sketch_dim / 4"""
     sketch_dim: int = opt(1024, at_least=16, at_most=1 << 20)
     """k, dimensions of each local gradient's sketch (rounded down to a prime)"""
     noise_scale_ema: float = opt(0.9, at_least=0.0, below=1.0)

@@ -70,6 +70,11 @@ def _rank_test(ctx: Context) -> Finding | None:
     return rank_outlier(scores, [*ctx.history, ctx.point], ctx.cfg, ctx.explained, named)
 
 
+def _replica_ranks(ctx: Context) -> int:
+    """The ranks of one replica, as the step's record says (1 in a record without it)."""
+    return int(ctx.record.get("replica_ranks", 1))
+
+
 def _slow(ctx: Context) -> Finding | None:
     """slow_rank over its window of measured steps, from the first (timing needs no burn-in)."""
     recent = ctx.state["recent"]
@@ -129,6 +134,20 @@ BUILT_IN = (
         "some sequences are read twice and others never: give every rank's sampler the same seed",
         (_data_check(lambda ctx, now: rules.order_mismatch(ctx.record["data_order"])),),
         explains=True,
+    ),
+    AlertSpec(
+        "shared_scalar_mismatch",
+        "the ranks step with different values of what they must share (the global token count, the "
+        "gradient norm and so the clip factor, the skip flag): a reduction over the wrong group or "
+        "left out (a tensor-parallel plan's, a norm summed per mesh): run scripts/check_model.py on "
+        "the model and layout",
+        (
+            Check(
+                lambda ctx: rules.shared_mismatch(
+                    ctx.record.get("rank_shared"), _replica_ranks(ctx)
+                )
+            ),
+        ),
     ),
     AlertSpec(
         "single_rank_outlier",

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from titanlite.config.job_config import JobConfig
 from titanlite.config.layout import Layout
 from titanlite.diagnostics.alerts import Alert, AlertMonitor
-from titanlite.diagnostics.probe import GradProbe, install
+from titanlite.diagnostics.probe import GradProbe, TensorSplit, install
 from titanlite.diagnostics.replicas import ReplicaCheck, gather
 from titanlite.diagnostics.stats import NoiseScale, step_metrics, term_metrics
 from titanlite.diagnostics.step_record import (
     RECORD_VERSION,
+    SHARED,
     RankRow,
     RankStep,
     content_fingerprint,
@@ -75,11 +76,13 @@ class Diagnostics:
     ) -> None:
         cfg = job.diagnostics
         self.cfg = cfg
-        # The replicas compared: data-parallel ranks. With parallelism.axes each is `split`
-        # consecutive ranks that split its sequences; every rank measures its piece, and the
-        # pieces are summed into their replica as the step is read (step_record.fold_replicas).
-        self.world, self.split = dims.dp_size, layout.seq_split
-        self.ranks = layout.world  # every rank of the group: world x split
+        # The replicas compared: data-parallel ranks. With parallelism.axes each is
+        # `layout.replica_ranks` consecutive ranks: `split` pieces of its sequences (a sequence
+        # split), each held by `copies` ranks that read the same tokens and split the model's
+        # tensors. Every rank measures its part, and the parts are folded into their replica as
+        # the step is read (step_record.fold_replicas).
+        self.world, self.split, self.copies = dims.dp_size, layout.seq_split, layout.model_split
+        self.ranks = layout.world  # every rank of the group: world x replica_ranks
         self.trace = trace  # a sequence index -> its sources (file, row, token range)
         self.enabled = cfg.enable and self.world > 1
         self.measuring = False
@@ -90,6 +93,7 @@ class Diagnostics:
         self.replicas: ReplicaCheck | None = None
         self.arrival: Arrival | None = None
         self._times = [float("nan")] * 3  # this measured step's Arrival times
+        self._ready: dict | None = None  # before_update's end_step inputs, for after_update
         self._terms: list[str] = []  # the model's loss terms, in the measured rows' order
         self.sampler = sampler
         if cfg.enable and self.world == 1:
@@ -107,14 +111,16 @@ class Diagnostics:
             timeout = timedelta(seconds=job.comm.timeout_s)
             self.group = dist.new_group(ranks=list(range(self.ranks)), timeout=timeout)
             dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        hosts = hosts[:: self.split]  # a replica's: its first rank's
+        hosts = hosts[:: layout.replica_ranks]  # a replica's: its first rank's
         # every alert goes through it: also the spike guard's, which works at dp = 1
         self.monitor = AlertMonitor(job.alerts, hosts, layout.batch_unit, layout.rank_share)
         if self.enabled:
             self.arrival = Arrival(self.group, dims.device)
             self.replicas = ReplicaCheck(model, dims, cfg.replica_check_every, self.group)
+            mesh = dims.tensor_mesh
+            split = TensorSplit(self.copies, mesh.get_local_rank() if mesh is not None else 0)
             self.probe = GradProbe(
-                self.method, self.ranks, cfg.sketch_dim, job.training.seed, dims.device
+                self.method, self.ranks, cfg.sketch_dim, job.training.seed, dims.device, split
             )
             install(model, self.probe)
 
@@ -158,7 +164,8 @@ class Diagnostics:
     def before_update(self, s: Step) -> None:
         """end_step's inputs from the trainer's step: its microbatches (datasets/batch.py
         Microbatch), per-sequence loss sums and the pre-clip gradient norm; the sequences' indices
-        from the sampler. Host values go to the device without a wait."""
+        from the sampler. Host values go to the device without a wait. The gathers start after
+        the update (after_update), once every hook has had its say on the skip flag."""
         if not self.measuring:
             return
         tokens = torch.cat([(batch.labels != IGNORE_INDEX).sum(-1) for batch in s.micro])
@@ -168,9 +175,7 @@ class Diagnostics:
         host = np.concatenate([index, [self.sampler.order_hash(s.step - 1)], self._times])
         host = torch.from_numpy(host.astype(np.float64)).to(content.device, non_blocking=True)
         sequence_index, order, times = host.split([len(index), 1, len(self._times)])
-        self.end_step(
-            s.step,
-            s.grad_norm,
+        self._ready = dict(
             sequence_loss_sums=s.sample_sums,
             sequence_tokens=tokens,
             sequence_index=sequence_index,
@@ -192,10 +197,12 @@ class Diagnostics:
         order: torch.Tensor,
         times: torch.Tensor | None = None,
         terms: dict[str, torch.Tensor] | None = None,
+        shared: torch.Tensor | None = None,
     ) -> None:
         """Start the async gathers of this measured step (step_record.RankStep's fields, per
         sequence in microbatch order; `times`: NaN, none, unless given; `terms`: this rank's
-        shares of the model's loss terms, which ride the same gather). Reads nothing on the host."""
+        shares of the model's loss terms, and `shared`: its values of step_record.SHARED, which
+        ride the same gather). Reads nothing on the host."""
         if not self.measuring:
             return
         self.probe.measuring = self.measuring = False
@@ -209,6 +216,7 @@ class Diagnostics:
             norm_sq=self.probe.local_norm_sq(),
             order=order,
             times=times,
+            shared=shared,
             terms=torch.stack([t.double() for t in terms.values()]) if terms else None,
             sequence_loss_sums=sums,
             sequence_tokens=tokens,
@@ -227,7 +235,13 @@ class Diagnostics:
         )
 
     def after_update(self, s: Step) -> None:
-        """After the optimizer step: start the replica check if one is due. Reads nothing."""
+        """After the optimizer step: start a measured step's gathers, with the step's values every
+        rank must share as this rank holds them (step_record.SHARED), the skip flag final; and the
+        replica check if one is due. Reads nothing."""
+        if self.measuring and self._ready is not None:
+            shared = torch.cat([t.double().reshape(-1) for t in (s.tokens, s.grad_norm, s.skip)])
+            self.end_step(s.step, s.grad_norm, shared=shared, **self._ready)
+        self._ready = None
         if self.replicas is not None and self.replicas.due(s.step):
             self.replicas.start(s.step)
 
@@ -287,7 +301,11 @@ class Diagnostics:
     def _record(self, step: int, got: dict) -> dict:
         """A measured step's diagnostics.jsonl record from what its gathers read back."""
         rows = [unpack(row, len(self._terms)) for row in got["per_rank"]]
-        rows, gram = fold_replicas(rows, got["gram"], self.split, not self.per_microbatch)
+        # every rank's own, before the ranks of a replica fold into one (rules.shared_mismatch)
+        shared = {name: [row[f"shared_{name}"] for row in rows] for name in SHARED}
+        rows, gram = fold_replicas(
+            rows, got["gram"], self.split, not self.per_microbatch, self.copies
+        )
         ranks = [RankRow.of(row) for row in rows]
         tokens, norms_sq = [r.tokens for r in ranks], [r.norm_sq for r in ranks]
         rec = {
@@ -314,5 +332,7 @@ class Diagnostics:
             step_s=statistics.median(known) if known else None,
             rank_samples=[r.sequences for r in ranks],
             data_order=[r.order for r in ranks],
+            replica_ranks=self.split * self.copies,
+            rank_shared=shared,
         )
         return rec

@@ -92,7 +92,7 @@ class ReplicaCheck:
         self.enabled = every > 0 and dims.layout.dp_replicate > 1
         self.every = every  # diagnostics.replica_check_every
         self.group = group
-        self.world, self.split = dims.layout.world, dims.layout.seq_split
+        self.world, self.split = dims.layout.world, dims.layout.replica_ranks
         named = list(unwrap(model).named_parameters())
         self.names = [canonical_name(n) for n, _ in named]
         self.params = [p for _, p in named]
@@ -135,5 +135,5 @@ class ReplicaCheck:
                 first = min(first, next(differs))
         if not odd:
             return None
-        # the diagnostics name data-parallel replicas: a rank's is rank // split
+        # the diagnostics name data-parallel replicas: a rank's is rank // its replica's ranks
         return Drift(step, sorted({r // self.split for r in odd}), self.names[first])

@@ -87,6 +87,66 @@ def order_mismatch(orders: list[int]) -> Finding | None:
     return Finding("data_order_mismatch", odd, msg)
 
 
+# How far a rank's gradient norm may sit from the ranks' median and still count as the same
+# value: each rank holds the result of the same all-reduces, so they agree to the bit unless a
+# reduction differs; a few float32 ulps leave room for a backend that reduces in another order.
+SHARED_NORM_RTOL = 1e-6
+_SHARED_LABELS = {
+    "tokens": "global token count",
+    "grad_norm": "gradient norm (so its clip factor)",
+    "skip": "skip flag",
+}
+
+
+def _odd_ranks(values: list[float], rtol: float) -> list[int]:
+    """The ranks whose value is not the others' median within `rtol` (NaN matches only NaN);
+    every rank when half or more differ (no majority)."""
+    known = [v for v in values if not math.isnan(v)]
+    if not known:
+        return []
+    ref = statistics.median_low(known)
+    nan_wins = 2 * (len(values) - len(known)) > len(values)
+    odd = [
+        r
+        for r, v in enumerate(values)
+        if (not math.isnan(v) if nan_wins else math.isnan(v) or abs(v - ref) > rtol * abs(ref))
+    ]
+    return list(range(len(values))) if odd and 2 * len(odd) >= len(values) else odd
+
+
+def shared_mismatch(shared: dict[str, list[float]] | None, replica_ranks: int) -> Finding | None:
+    """shared_scalar_mismatch: ranks (of the whole job, tensor-parallel ranks included) whose value
+    of the step's global token count, gradient norm or skip flag (`shared`: each name's value per
+    rank, step_record.SHARED) differs from the others'. Names the replicas that hold them; the
+    message names the ranks."""
+    if not shared:
+        return None
+    odd: set[int] = set()
+    parts = []
+    for name, values in shared.items():
+        ranks = _odd_ranks(values, SHARED_NORM_RTOL if name == "grad_norm" else 0.0)
+        if not ranks:
+            continue
+        odd.update(ranks)
+        rest = [v for r, v in enumerate(values) if r not in ranks]
+        theirs = ", ".join(f"{values[r]:.6g}" for r in ranks[:8]) + (
+            " ..." if len(ranks) > 8 else ""
+        )
+        others = (
+            f"the other {len(rest)} rank(s) {statistics.median_low(rest):.6g}"
+            if rest
+            else "no two alike"
+        )
+        parts.append(f"{_SHARED_LABELS.get(name, name)}: rank(s) {ranks} hold {theirs}, {others}")
+    if not odd:
+        return None
+    ranks = sorted(odd)
+    replicas = sorted({r // replica_ranks for r in ranks})
+    where = f" (of replica(s) {replicas})" if replica_ranks > 1 else ""
+    msg = f"ranks disagree on what every rank must share{where}: " + "; ".join(parts)
+    return Finding("shared_scalar_mismatch", replicas, msg, {"ranks": ranks})
+
+
 def dispersion_spike(w: Window) -> Finding | None:
     """The loss dispersion jumps while the global loss stays smooth."""
     p, c = w.p, w.cfg

@@ -16,7 +16,12 @@ import torch
 # missing summaries registry.point derives. 2: each rank's median cosine to the others and its
 # gradient noise (rank_cos_median, rank_noise); cos_matrix only up to stats.PAIRS_KEPT ranks.
 RECORD_VERSION = 2
-SCALARS = ("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s")
+# What every rank of the job must hold alike at a step (RankStep.shared), as records name them.
+SHARED = ("tokens", "grad_norm", "skip")
+SCALARS = (
+    *("loss_sum", "tokens", "norm_sq", "order", "load_s", "wait_s", "step_s"),
+    *(f"shared_{name}" for name in SHARED),
+)
 PER_SEQUENCE = ("sequence_loss_sums", "sequence_tokens", "sequence_index", "sequence_content")
 
 
@@ -41,6 +46,10 @@ class RankStep:
     norm_sq: torch.Tensor  # [] squared norm of what it contributes to the gradient reduction
     order: torch.Tensor  # [1] its sampler's hash of the global batch
     times: torch.Tensor  # [3] data loading, wait at the start barrier, step time (s; NaN: unknown)
+    # [3] what it holds of the step's values that every rank must share (SHARED: the global token
+    # count, the gradient norm before clipping, the skip flag; NaN: not known), compared across all
+    # ranks as the step is read (rules.shared_mismatch)
+    shared: torch.Tensor | None = None
     # [k] its shares of the k loss terms the model adds (each divided by the step's N; None: none)
     terms: torch.Tensor | None = None
     sequence_loss_sums: torch.Tensor  # [n] per sequence
@@ -51,6 +60,10 @@ class RankStep:
     def pack(self) -> torch.Tensor:
         """The row (module doc), float64, on the tensors' device; reads nothing on the host."""
         parts = [getattr(self, f.name) for f in fields(self)]
+        if self.shared is None:
+            parts[[f.name for f in fields(self)].index("shared")] = torch.full_like(
+                self.times, math.nan, dtype=torch.float64
+            )
         return torch.cat([t.double().reshape(-1) for t in parts if t is not None])
 
 
@@ -100,35 +113,55 @@ def _known(part: list[dict[str, Any]], key: str) -> list[float]:
     return [r[key] for r in part if not math.isnan(r[key])]
 
 
+def _aligned(i: int, j: int, copies: int) -> bool:
+    """Whether ranks i and j hold the same slices of a tensor split of `copies` ranks (innermost)."""
+    return i % copies == j % copies
+
+
 def fold_replicas(
-    rows: list[dict[str, Any]], gram: list[list[float]], split: int, exact_norms: bool
+    rows: list[dict[str, Any]],
+    gram: list[list[float]],
+    split: int,
+    exact_norms: bool,
+    copies: int = 1,
 ) -> tuple[list[dict[str, Any]], list[list[float]]]:
-    """Rows (`unpack`'s) and Gram of ranks that split each sequence in `split` pieces as one row
-    per replica, which the diagnostics compare. Sums add (the content fingerprints are linear in
-    the tokens); a replica loads as slowly as its slowest piece and waits as briefly as its
-    latest; its Gram is the block sums (`exact_norms`: the diagonal from each rank's exact norm)."""
-    if split == 1:
+    """Rows (`unpack`'s) and Gram of the ranks as one row per replica, which the diagnostics
+    compare. A replica is split x copies consecutive ranks: `split` pieces of each sequence (a
+    sequence split), each piece on `copies` ranks that read its tokens and split the model's
+    tensors (a tensor split, innermost). Its tokens and losses are those of one copy of each
+    piece, summed (the content fingerprints are linear in the tokens); its gradient is every
+    rank's part (each rank's own slices; the probe counts what the split replicates on one copy),
+    so its Gram is the block sums (`exact_norms`: the diagonal from each rank's exact norm), over
+    the pairs of ranks at the same place on the tensor split: the others hold disjoint slices,
+    whose inner products are 0 (a sketch's estimates of them are noise only). A replica loads as
+    slowly as its slowest rank and waits as briefly as its latest."""
+    size = split * copies
+    if size == 1:
         return rows, gram
-    blocks = [range(a, a + split) for a in range(0, len(rows), split)]
+    blocks = [range(a, a + size) for a in range(0, len(rows), size)]
     folded = []
     for block in blocks:
         part = [rows[i] for i in block]
-        cross = sum(gram[i][j] for i in block for j in block if i != j)
+        pieces = part[::copies]  # the first copy of each piece
+        cross = sum(gram[i][j] for i in block for j in block if i != j and _aligned(i, j, copies))
         own = sum(r["norm_sq"] for r in part) if exact_norms else sum(gram[i][i] for i in block)
         summed = ("sequence_loss_sums", "sequence_tokens", "sequence_content")
         folded.append(
             {
-                "loss_sum": sum(r["loss_sum"] for r in part),
-                "tokens": sum(r["tokens"] for r in part),
+                "loss_sum": sum(r["loss_sum"] for r in pieces),
+                "tokens": sum(r["tokens"] for r in pieces),
                 "norm_sq": own + cross,
                 "order": part[0]["order"],
                 "load_s": max(_known(part, "load_s"), default=math.nan),
                 "wait_s": min(_known(part, "wait_s"), default=math.nan),
                 "step_s": max(_known(part, "step_s"), default=math.nan),
                 "sequence_index": part[0]["sequence_index"],
-                "terms": [sum(v) for v in zip(*(r.get("terms", []) for r in part), strict=True)],
-                **{f: [sum(v) for v in zip(*(r[f] for r in part), strict=True)] for f in summed},
+                "terms": [sum(v) for v in zip(*(r.get("terms", []) for r in pieces), strict=True)],
+                **{f: [sum(v) for v in zip(*(r[f] for r in pieces), strict=True)] for f in summed},
             }
         )
-    replica_gram = [[sum(gram[i][j] for i in a for j in b) for b in blocks] for a in blocks]
+    replica_gram = [
+        [sum(gram[i][j] for i in a for j in b if _aligned(i, j, copies)) for b in blocks]
+        for a in blocks
+    ]
     return folded, replica_gram
