@@ -126,6 +126,22 @@ def decoder_plan(model: nn.Module, mesh: DeviceMesh) -> None:
     model.vocab_mesh = mesh
 
 
+def decoder_split(model: nn.Module, mesh: DeviceMesh, norms: tuple[str, ...], mlp: str) -> None:
+    """The whole plan of a Decoder (titanlite.models.common.decoder) over `mesh`: in each block
+    its attention, the norms named `norms` and the feed-forward named `mlp`, split when it is a
+    SwiGLU and otherwise (a mixture's experts) run whole; then the shell's own parameters."""
+    for block in model.layers:
+        attention_plan(block.attention, mesh)
+        for name in norms:
+            norm_plan(getattr(block, name), mesh)
+        feed_forward = getattr(block, mlp)
+        if isinstance(feed_forward, SwiGLU):
+            swiglu_plan(feed_forward, mesh)
+        else:
+            whole_plan(feed_forward, mesh)
+    decoder_plan(model, mesh)
+
+
 def vocab_parallel_head(
     h: torch.Tensor, weight: DTensor, labels: torch.Tensor | None, loss_chunk: int
 ) -> torch.Tensor:

@@ -9,21 +9,10 @@ import torch.nn as nn
 from titanlite.config import JobConfig
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import parallelize_blocks
-from titanlite.models.common.tensor_parallel import (
-    attention_plan,
-    decoder_plan,
-    norm_plan,
-    swiglu_plan,
-)
+from titanlite.models.common.tensor_parallel import decoder_split
 
 
 def parallelize_llama(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
-    mesh = dims.tensor_mesh
-    if mesh is not None:
-        for block in model.layers:
-            attention_plan(block.attention, mesh)
-            swiglu_plan(block.feed_forward, mesh)
-            norm_plan(block.attention_norm, mesh)
-            norm_plan(block.ffn_norm, mesh)
-        decoder_plan(model, mesh)
+    if dims.tensor_mesh is not None:
+        decoder_split(model, dims.tensor_mesh, ("attention_norm", "ffn_norm"), "feed_forward")
     return parallelize_blocks(model, model.layers, dims, cfg)

@@ -13,14 +13,8 @@ from titanlite.config import JobConfig
 from titanlite.distributed.parallel_dims import ParallelDims
 from titanlite.distributed.parallelize import parallelize_blocks
 from titanlite.errors import UserError
-from titanlite.models.common.tensor_parallel import (
-    attention_plan,
-    decoder_plan,
-    norm_plan,
-    swiglu_plan,
-    whole_plan,
-)
-from titanlite.models.qwen3_moe.moe import MoE, grouped_mm_available
+from titanlite.models.common.tensor_parallel import decoder_split
+from titanlite.models.qwen3_moe.moe import grouped_mm_available
 
 
 def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) -> nn.Module:
@@ -43,15 +37,6 @@ def parallelize_qwen3_moe(model: nn.Module, dims: ParallelDims, cfg: JobConfig) 
             f"experts_impl 'grouped' needs torch.nn.functional.grouped_mm, which torch "
             f"{torch.__version__} lacks: use 'auto' or 'loop'"
         )
-    mesh = dims.tensor_mesh
-    if mesh is not None:
-        for block in model.layers:
-            attention_plan(block.attention, mesh)
-            norm_plan(block.attention_norm, mesh)
-            norm_plan(block.mlp_norm, mesh)
-            if isinstance(block.mlp, MoE):
-                whole_plan(block.mlp, mesh)  # the experts stay whole on each tensor-parallel rank
-            else:
-                swiglu_plan(block.mlp, mesh)
-        decoder_plan(model, mesh)
+    if dims.tensor_mesh is not None:  # the experts stay whole on each tensor-parallel rank
+        decoder_split(model, dims.tensor_mesh, ("attention_norm", "mlp_norm"), "mlp")
     return parallelize_blocks(model, model.layers, dims, cfg)
