@@ -31,11 +31,8 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     together. A float64 device tensor, never read on the host."""
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
     totals = []
-    for group in by_mesh.values():
+    for group in _by_mesh(grads).values():
         norms = torch._foreach_norm(group, 2, dtype=torch.float64)
         total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
         if isinstance(total, DTensor):  # each rank holds the norm of its shards (Partial)
@@ -50,8 +47,18 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Te
     params = [p for p in params if p.grad is not None]
     total = grad_norm([p.grad for p in params])
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
+        for group in _by_mesh(params).values():  # a foreach op takes one mesh's DTensors
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
+    """`tensors` grouped by the mesh their gradients live on (None: plain tensors), in order."""
+    out: dict[object, list[torch.Tensor]] = {}
+    for t in tensors:
+        g = t.grad if t.grad is not None else t
+        out.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(t)
+    return out
 
 
 # Dense bf16 peak FLOP/s (no sparsity), for MFU.
