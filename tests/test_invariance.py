@@ -516,3 +516,25 @@ def test_a_context_parallel_fork_trains_on_the_data_parallel_curve_and_diagnoses
 def test_dp4_and_dp2_by_cp2_give_the_same_curve(tmp_path):
     """dp=4 against dp=2 x cp=2, 20 steps, fp32."""
     _context_runs(tmp_path, 8, 20, {"dp4": (4, ()), "dp2xcp2": (4, SPLIT)})
+
+
+@pytest.mark.long  # each control's gradient at tp=2 in every mode: tests/test_distributed.py
+def test_a_tensor_split_defect_fails_on_the_gradient_and_localize_names_it_across_kinds(tmp_path):
+    """tests/fork_tp_controls.py's norms left unreduced over tp, at dp=2 against dp=1 x tp=2: the
+    curves agree, the step-1 gradient does not, and --localize (fingerprints summed over the
+    tensor split's pieces and slices) names the first norm weight's reduced gradient."""
+    cmd = [
+        *TOOL[:2],
+        "--config",
+        "train_configs/debug_model.toml",
+        *("--model.import_module", "fork_tp_controls", "--model.name", "tp_control_unreduced_norm"),
+        *("--model.flavor", "tiny", "--layouts", "dp=2", "dp=1,tp=2", "--steps", "2"),
+        *("--localize", *QUIET, "--out", str(tmp_path / "inv")),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=HANG_S)
+    print(proc.stdout[-3000:], proc.stderr[-3000:])
+    assert proc.returncode == 1
+    assert "PASS fsdp-1x1-tp2-lb4 vs fsdp-1x2-lb4: 2 steps" in proc.stdout
+    assert "FAIL gradient at step 1: largest relative difference" in proc.stdout
+    assert "first divergence: layers.0.attention_norm.weight reduced grad at step 1" in proc.stdout
