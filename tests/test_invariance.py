@@ -181,7 +181,10 @@ def test_fsdp_ddp_hsdp_agree_at_dp8(tmp_path, dp8_dp16, prepared_sft):
             ["--layouts", "dp=2", "dp=2,xx=2"],
             "--layouts 'dp=2,xx=2': parallelism.axes names 'xx', which is no mesh axis",
         ),
-        (["--layouts", "dp=4", "dp=2,tp=2"], "diagnostics.enable with parallelism.axes tp=2"),
+        (
+            ["--layouts", "dp=4", "dp=2,tp=3"],
+            "training.seq_len 256 does not split into 3 equal pieces",
+        ),
         (["--dp", "8", "--modes", "hsdp", "--replicas", "8"], "hsdp at dp=8 needs --replicas"),
         (["--dp", "8", "16", "--training.sed", "1"], "training.sed"),
         (
