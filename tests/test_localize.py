@@ -15,7 +15,7 @@ from fork_moe import MoEArgs, MoELM
 from fork_planted import AuxLocalLM, BatchStatsLM
 
 from titanlite.analysis.localize import first_divergence, walk
-from titanlite.components.fingerprints import Recorder, summary
+from titanlite.components.fingerprints import Recorder, merge, summary
 from titanlite.components.loss import sequence_losses
 from titanlite.datasets.batch import Microbatch
 from titanlite.distributed.param_init import ParamInit
@@ -129,3 +129,30 @@ def test_a_split_sequence_sums_to_the_whole():
         summary(x[:, 7:]), dtype=torch.float64
     )
     assert torch.allclose(pieces, torch.tensor(summary(x), dtype=torch.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("dp", [1, 2, 3])
+def test_a_tensor_splits_ranks_count_what_they_compute_alike_once(dp, tp):
+    """Generated over dp x tp worlds (tp innermost): a value every rank of a tensor split holds
+    alike (a block run whole, the losses) counts once per split, pieces and slices add; so the
+    merged record is the unsplit layout's whatever the degree."""
+    g = torch.Generator().manual_seed(dp * 10 + tp)
+    whole = {d: torch.randn(4, 8, generator=g) for d in range(dp)}  # each dp rank's own rows
+    everyone = []
+    for d in range(dp):
+        pieces = whole[d].chunk(tp, dim=1)
+        for t in range(tp):
+            row = 10 * d  # each dp rank's sequence
+            everyone.append(
+                {
+                    "replicated forward": {row: summary(whole[d].reshape(1, -1))[0]},
+                    "split forward": {row: summary(pieces[t].reshape(1, -1))[0]},
+                }
+            )
+    merged: dict = {}
+    merge(everyone, tp, merged)
+    for d in range(dp):
+        want = summary(whole[d].reshape(1, -1))[0]
+        for key in ("replicated forward", "split forward"):
+            assert merged[key][10 * d] == pytest.approx(want, rel=1e-12), (key, d)

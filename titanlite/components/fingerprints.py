@@ -3,14 +3,12 @@ titanlite.analysis.localize compares between two layouts to name where they part
 squares, sum of |x|) per sequence of each module's output and of its gradient. Sums add over any
 split of a sequence (context parallelism) or of a tensor (a tensor split's heads, hidden units
 and residual-stream pieces), and a sequence is named by its place in the data stream, which no
-layout changes. What ranks hold alike (a DTensor's replicated placements; the per-sequence
-losses every rank of a tensor split returns) counts once."""
+layout changes. What a tensor split's ranks compute alike counts once (Recorder.gather)."""
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +38,21 @@ def _accumulate(table: dict[int, list[float]], row: int, vec: list[float]) -> No
     table[row] = [a + b for a, b in zip(table[row], vec, strict=True)] if row in table else vec
 
 
+def merge(everyone: list[dict], same_on: int, into: dict) -> None:
+    """Every rank's records (`everyone`, in rank order) summed per sequence into `into`. A tensor
+    split's `same_on` ranks are consecutive (its axis is the mesh's innermost): what they compute
+    alike (a replicated value, a block run whole, the per-sequence losses) records bitwise alike
+    and counts once; their pieces and slices differ, and add."""
+    for first in range(0, len(everyone), same_on):
+        split = everyone[first : first + same_on]
+        for key in {k for theirs in split for k in theirs}:
+            for row in {r for theirs in split for r in theirs.get(key, {})}:
+                vecs = [theirs[key][row] for theirs in split if row in theirs.get(key, {})]
+                alike = len(vecs) == len(split) and all(v == vecs[0] for v in vecs)
+                for vec in vecs[:1] if alike else vecs:
+                    _accumulate(into.setdefault(key, {}), row, vec)
+
+
 class Recorder:
     """Hooks on every module of `model` for one step. Wrap the step's loss function with
     `losses`, call `parameters` after backward (before clipping), then `gather`."""
@@ -48,7 +61,7 @@ class Recorder:
         self, model: torch.nn.Module, rows: Callable[[int, int], list[int]], same_on: int = 1
     ) -> None:
         """`rows(micro, n)`: the global sequence ids of the `n` rows of microbatch `micro`;
-        `same_on`: the ranks that return the model's losses alike (a tensor split's degree)."""
+        `same_on`: a tensor split's degree, whose ranks are consecutive."""
         self.rows_of = rows
         self.same_on = same_on
         self.records: dict[str, dict[int, list[float]]] = {}
@@ -83,13 +96,10 @@ class Recorder:
             self.records[key] = {}
             if self._micro == 1:
                 self.order.append(key)
-        copies = self.same_on if key.startswith("(model)") else 1
-        if isinstance(t, DTensor):  # this rank's part, once per set of ranks holding it alike
-            mesh = t.device_mesh
-            copies = math.prod(mesh.size(i) for i, p in enumerate(t.placements) if p.is_replicate())
+        if isinstance(t, DTensor):  # this rank's part (gather counts copies once)
             t = t.to_local()
         for row, vec in zip(rows, summary(t, len(rows)), strict=True):
-            _accumulate(self.records[key], row, [v / copies for v in vec])
+            _accumulate(self.records[key], row, vec)
 
     def _hook(self, label: str):
         def hook(_module, _args, out) -> None:
@@ -135,10 +145,7 @@ class Recorder:
         if dist.get_rank() != 0:
             return None
         merged = {k: dict(v) for k, v in self.records.items() if k.endswith("reduced grad")}
-        for theirs in everyone:
-            for key, table in theirs.items():
-                for row, vec in table.items():
-                    _accumulate(merged.setdefault(key, {}), row, vec)
+        merge(everyone, self.same_on, merged)
         return {"order": self.order, "records": merged, "loss": float(loss)}
 
 
